@@ -69,13 +69,27 @@ class StagingPool:
             self._in_use += nbytes
             self._high_water = max(self._high_water, self._in_use)
         try:
-            pin = str(device) == "cpu" and False
-            tensor = torch.empty(nbytes, dtype=torch.uint8, device=device, pin_memory=pin)
+            tensor = torch.empty(nbytes, dtype=torch.uint8, device=device)
         except BaseException:
             with self._lock:
                 self._in_use -= nbytes
             raise
         return Lease(tensor=tensor, nbytes=nbytes, tag=tag)
+
+    def reserve(self, nbytes: int, *, tag: str = "") -> Lease:
+        """Account for ``nbytes`` that a conversion call allocates itself (its results,
+        the unfused resolve intermediate): counted against the budget like a buffer."""
+        with self._lock:
+            if self._in_use + nbytes > self.budget_bytes:
+                raise RunError(
+                    f"rank {self.rank}: staging would exceed its budget "
+                    f"({self._in_use} + {nbytes} > {self.budget_bytes} bytes) for {tag}",
+                    rank=self.rank,
+                    tensor=tag,
+                )
+            self._in_use += nbytes
+            self._high_water = max(self._high_water, self._in_use)
+        return Lease(tensor=torch.empty(0, dtype=torch.uint8), nbytes=nbytes, tag=tag)
 
     def release(self, lease: Lease | None) -> None:
         if lease is None or lease.released:

@@ -1,0 +1,623 @@
+"""The rank loader: one device's share of a load or reload. A plain class.
+
+It runs in any process: inside a Ray actor (``workers.actor``), in a test, or inside an
+inference engine's own worker that hands it the parameters its graphs captured
+(``buffers=``, SPEC §4 "adopts buffers its host already owns").
+
+For every unit of its ``RankPlan`` (one merged linear, one expert half, one plain
+tensor) it reads the unit's byte ranges through the storage seam into staging, converts
+them on its backend (resolve -> MX quantize, or repack, or copy), and copies the finished
+unit into its persistent buffer. Buffers are allocated once, before the first unit, with
+their final shapes, and are only ever written with in-place ``copy_`` (SPEC §4
+"Persistent buffers"); every load and reload ends by checking that no ``data_ptr`` moved.
+
+Schedule and staging follow ``orchestrator.memory.schedule`` exactly: the staging pool
+enforces the planned budget and records the high-water mark reported beside the
+prediction. Reads of the next unit are issued before the current unit converts when the
+schedule allows it (reads overlap conversion, SPEC §4 "Streaming").
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import resource
+import time
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from orchestrator.errors import (
+    AddressMoved,
+    AdoptionError,
+    MxloadError,
+    RunError,
+    StorageError,
+)
+from orchestrator.formats import MX_GROUP
+from orchestrator.memory import (
+    ConvertOptions,
+    StepPlan,
+    read_fn_from_reads,
+    schedule,
+    sub_reads,
+    sub_unit,
+)
+from orchestrator.plantypes import BufferSpec, PartRead, RankPlan, Unit, UnitReads
+from orchestrator.ranges import ByteRange
+from workers.staging import Lease, StagingPool
+
+TORCH_DTYPES: dict[str, torch.dtype] = {
+    "float8_e4m3fn": torch.float8_e4m3fn,
+    "uint8": torch.uint8,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float32": torch.float32,
+}
+SAFETENSORS_TORCH: dict[str, torch.dtype] = {
+    "F8_E4M3": torch.float8_e4m3fn,
+    "U8": torch.uint8,
+    "I8": torch.int8,
+    "BF16": torch.bfloat16,
+    "F16": torch.float16,
+    "F32": torch.float32,
+    "F64": torch.float64,
+    "I32": torch.int32,
+    "I64": torch.int64,
+}
+MODEL_TORCH_DTYPE = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+CHECKSUM_NAME = "blake2b-128"
+"""Checksum of a buffer: BLAKE2b with a 16-byte digest over its bytes in row-major order
+(device buffers are copied to the host first), as lowercase hex. Same on every rank."""
+
+
+def checksum(t: torch.Tensor) -> str:
+    """The documented buffer checksum (see CHECKSUM_NAME)."""
+    flat = t.detach().contiguous().reshape(-1).view(torch.uint8)
+    if flat.device.type != "cpu":
+        flat = flat.cpu()
+    h = hashlib.blake2b(digest_size=16)
+    if flat.numel():
+        h.update(memoryview(flat.numpy()))
+    return h.hexdigest()
+
+
+@dataclass(frozen=True)
+class SourceInfo:
+    """The checkpoint a load or reload reads (SPEC §4: each version plans from its own headers)."""
+
+    root: str
+    storage_options: Mapping[str, Any] | None = None
+    quant: str = "block_fp8"
+    """How this checkpoint stores quantized linears: block_fp8 | mxfp8 | none."""
+    block_n: int = 128
+    block_k: int = 128
+    allow_nonfinite: bool = False
+
+
+@dataclass
+class RunStats:
+    """What one load or reload measured on this rank."""
+
+    bytes_read: int = 0
+    bytes_needed: int = 0
+    units: int = 0
+    seconds: float = 0.0
+    measured_peak_staging_bytes: int = 0
+    predicted_peak_staging_bytes: int = 0
+    device_peak_bytes: int | None = None
+    rss_growth_bytes: int = 0
+    read_seconds: float = 0.0
+    convert_seconds: float = 0.0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def _typed(flat: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    """View raw little-endian bytes as ``dtype`` of ``shape``; copies only when the
+    offset is not aligned for the dtype (tiny scale tensors, rare)."""
+    try:
+        return flat.view(dtype).view(shape)
+    except RuntimeError:
+        return flat.clone().view(dtype).view(shape)
+
+
+def _maxrss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+class RankLoader:
+    """Holds one rank's persistent buffers and fills them from a checkpoint."""
+
+    def __init__(
+        self,
+        plan: RankPlan,
+        *,
+        model_dtype: str,
+        backend: Any = None,
+        device: str = "cpu",
+        buffers: Mapping[str, torch.Tensor] | None = None,
+        storage_factory: Callable[..., Any] | None = None,
+    ) -> None:
+        if backend is None:
+            from workers.numerics.backend import select_backend
+
+            backend = select_backend(device)
+        self.plan = plan
+        self.rank = plan.rank
+        self.backend = backend
+        self.model_dtype = model_dtype
+        self._storage_factory = storage_factory
+        self._specs = {b.name: b for b in plan.buffers}
+        self.adopted = buffers is not None
+        self.buffers: dict[str, torch.Tensor] = (
+            self._adopt(buffers) if buffers is not None else self._allocate()
+        )
+        self.addresses = {n: t.data_ptr() for n, t in self.buffers.items()}
+        self.unit_versions = [0] * len(plan.units)
+        self.target_version = 0
+        self.last_stats = RunStats()
+        self._storages: dict[tuple[str, str], Any] = {}
+
+    # --- buffers -------------------------------------------------------------------------
+
+    def _allocate(self) -> dict[str, torch.Tensor]:
+        out = {}
+        for spec in self.plan.buffers:
+            out[spec.name] = (
+                torch.zeros(spec.shape, dtype=TORCH_DTYPES[spec.dtype], device=self.backend.device)
+                if spec.dtype != "float8_e4m3fn"
+                else torch.zeros(spec.shape, dtype=torch.uint8, device=self.backend.device).view(
+                    torch.float8_e4m3fn
+                )
+            )
+        return out
+
+    def _adopt(self, given: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        problems = []
+        want_device = torch.device(self.backend.device)
+        for spec in self.plan.buffers:
+            t = given.get(spec.name)
+            if t is None:
+                problems.append(f"{spec.name}: missing")
+                continue
+            if tuple(t.shape) != spec.shape:
+                problems.append(f"{spec.name}: shape {tuple(t.shape)} != planned {spec.shape}")
+            if t.dtype != TORCH_DTYPES[spec.dtype]:
+                problems.append(f"{spec.name}: dtype {t.dtype} != planned {spec.dtype}")
+            if t.device.type != want_device.type:
+                problems.append(f"{spec.name}: device {t.device} != compute device {want_device}")
+            if not t.is_contiguous():
+                problems.append(f"{spec.name}: not contiguous")
+        extra = sorted(set(given) - set(self._specs))
+        for name in extra:
+            problems.append(f"{name}: not a buffer of rank {self.rank}'s plan")
+        if problems:
+            raise AdoptionError(
+                f"rank {self.rank}: cannot adopt the host's buffers: " + "; ".join(problems),
+                rank=self.rank,
+            )
+        return {spec.name: given[spec.name] for spec in self.plan.buffers}
+
+    def _unit_buffers(self, unit: Unit) -> tuple[torch.Tensor, torch.Tensor | None]:
+        w = self.buffers[unit.buffer]
+        s = self.buffers.get(unit.buffer + "_scale")
+        if unit.expert >= 0:
+            w = w[unit.expert]
+            s = s[unit.expert] if s is not None else None
+        if w.dim() == 1:
+            w = w.view(1, -1)
+        return w, s
+
+    # --- storage ---------------------------------------------------------------------------
+
+    def _storage(self, source: SourceInfo) -> Any:
+        import json
+
+        key = (source.root, json.dumps(source.storage_options or {}, sort_keys=True))
+        st = self._storages.get(key)
+        if st is None:
+            if self._storage_factory is not None:
+                st = self._storage_factory(source.root, source.storage_options)
+            else:
+                from workers.storage import Storage
+
+                st = Storage(source.root, source.storage_options)
+            self._storages[key] = st
+        return st
+
+    def _read(
+        self, unit: Unit, reads: UnitReads, source: SourceInfo, pool: StagingPool
+    ) -> tuple[list[Lease], list[tuple[torch.Tensor, torch.Tensor | None]], int]:
+        """Read every part's weight (and scale) bytes into pool leases, one lease per file.
+        Returns the leases, per-part (weight bytes, scale bytes) views, and bytes fetched."""
+        storage = self._storage(source)
+        by_file: dict[str, list[tuple[int, str, ByteRange]]] = {}
+        for i, pr in enumerate(reads.parts):
+            by_file.setdefault(pr.file, []).append((i, "w", pr.weight))
+            if pr.scale is not None:
+                by_file.setdefault(pr.scale_file or pr.file, []).append((i, "s", pr.scale))
+        leases: list[Lease] = []
+        views: dict[tuple[int, str], torch.Tensor] = {}
+        fetched = 0
+        try:
+            for file, items in by_file.items():
+                total = sum(r.nbytes for _, _, r in items)
+                lease = pool.take(total, tag=f"read {unit.buffer} {file}")
+                leases.append(lease)
+                if total:
+                    try:
+                        fetched += storage.read_ranges_into(
+                            file, [r for _, _, r in items], memoryview(lease.tensor.numpy())
+                        )
+                    except StorageError as err:
+                        first = items[0][2]
+                        raise StorageError(
+                            f"rank {self.rank}: reading {unit.buffer} from {file} "
+                            f"({first.describe()}...): {err}",
+                            rank=self.rank,
+                            tensor=unit.buffer,
+                            file=file,
+                            byte_range=first.describe(),
+                        ) from err
+                off = 0
+                for i, kind, r in items:
+                    views[(i, kind)] = lease.tensor[off : off + r.nbytes]
+                    off += r.nbytes
+        except BaseException:
+            for lease in leases:
+                pool.release(lease)
+            raise
+        parts = [(views[(i, "w")], views.get((i, "s"))) for i in range(len(reads.parts))]
+        return leases, parts, fetched
+
+    # --- conversion --------------------------------------------------------------------------
+
+    def _convert(
+        self,
+        unit: Unit,
+        reads: UnitReads,
+        raw: list[tuple[torch.Tensor, torch.Tensor | None]],
+        source: SourceInfo,
+        pool: StagingPool,
+        opts: ConvertOptions,
+        row_base: int,
+    ) -> tuple[list[Lease], list[Callable[[], None]]]:
+        """Convert one unit (or row chunk) into staged results.
+
+        Returns the pool reservations that account for the results and the writes that
+        copy them into the unit's buffer. The writes run only once every part is
+        converted, so a buffer never holds a half-converted unit (SPEC §4 "Reload")."""
+        from orchestrator.memory import unit_cost
+        from workers.numerics.reference import check_block_scales, resolve_mx
+        from workers.numerics.repack import write_rows
+
+        cost = unit_cost(unit, unit.rows, reads.nbytes, opts)
+        reservations: list[Lease] = []
+        if cost.out:
+            reservations.append(pool.reserve(cost.out, tag=f"out {unit.buffer}"))
+        if cost.scratch:
+            reservations.append(pool.reserve(cost.scratch, tag=f"resolve {unit.buffer}"))
+        w_buf, s_buf = self._unit_buffers(unit)
+        dtype = MODEL_TORCH_DTYPE[self.model_dtype]
+        be = self.backend
+        writes: list[Callable[[], None]] = []
+        mx = unit.layout in ("mx_linear", "mx_moe")
+        for part, pr, (wb, sb) in zip(unit.parts, reads.parts, raw, strict=True):
+            nr, nc = part.nrows, part.ncols
+            row = row_base + part.dst_row
+            w = _typed(wb, SAFETENSORS_TORCH[pr.weight_dtype], (nr, nc))
+            scale_src: torch.Tensor | None = None
+            if unit.quantized and sb is not None:
+                if source.quant == "block_fp8":
+                    tr = pr.tile_rows[1] - pr.tile_rows[0]
+                    tc = pr.tile_cols[1] - pr.tile_cols[0]
+                    scale_src = _typed(sb, torch.float32, (tr, tc))
+                    check_block_scales(
+                        scale_src,
+                        tensor=f"{part.module}.weight_scale_inv",
+                        file=pr.scale_file or pr.file,
+                        tile_row0=pr.tile_rows[0],
+                        tile_col0=pr.tile_cols[0],
+                        allow_nonfinite=source.allow_nonfinite,
+                    )
+                else:
+                    scale_src = _typed(sb, torch.uint8, (nr, nc // MX_GROUP))
+            if mx:
+                if unit.quantized and source.quant == "block_fp8":
+                    payload, scale = be.convert_block_to_mx(
+                        be.to_device(w),
+                        be.to_device(scale_src),
+                        row0=part.rows[0],
+                        col0=part.cols[0],
+                        block_n=source.block_n,
+                        block_k=source.block_k,
+                        dtype=dtype,
+                    )
+                elif unit.quantized:  # already MXFP8: repack only (SPEC §1.2)
+                    assert scale_src is not None
+                    payload, scale = be.to_device(w), be.to_device(scale_src)
+                else:  # a BF16 (RL trainer) checkpoint into MX buffers: quantize directly
+                    payload, scale = be.mx_quantize(be.to_device(w))
+                assert s_buf is not None
+                writes.append(lambda p=payload, s=scale, r=row: write_rows(w_buf, s_buf, p, s, r))
+            else:
+                if unit.quantized and source.quant == "block_fp8":
+                    x = be.resolve_block(
+                        be.to_device(w),
+                        be.to_device(scale_src),
+                        row0=part.rows[0],
+                        col0=part.cols[0],
+                        block_n=source.block_n,
+                        block_k=source.block_k,
+                        dtype=dtype,
+                    )
+                elif unit.quantized:
+                    x = resolve_mx(be.to_device(w), be.to_device(scale_src), dtype)
+                else:
+                    x = be.to_device(w)
+                writes.append(lambda x=x, r=row, n=nr: w_buf[r : r + n].copy_(x))
+        return reservations, writes
+
+    # --- the run -------------------------------------------------------------------------------
+
+    def load(
+        self,
+        reads: Sequence[UnitReads],
+        source: SourceInfo,
+        *,
+        version: int,
+        staging_budget: int,
+        whole_units: bool = False,
+        progress: Callable[[int, int, int], None] | None = None,
+        fault_hook: Callable[[int], None] | None = None,
+    ) -> RunStats:
+        """Fill every buffer from ``source``; ``whole_units`` for a reload.
+
+        Units already at ``version`` (an interrupted reload run again) are skipped."""
+        units = self.plan.units
+        if len(reads) != len(units):
+            raise RunError(
+                f"rank {self.rank}: {len(reads)} read plans for {len(units)} units", rank=self.rank
+            )
+        opts = ConvertOptions(
+            model_dtype=self.model_dtype,
+            source_quant=source.quant,
+            fused=bool(getattr(self.backend, "fused", False)),
+            device=torch.device(self.backend.device).type,
+            block_n=source.block_n,
+        )
+        read_fn = read_fn_from_reads(
+            units, reads, block_n=source.block_n, source_quant=source.quant
+        )
+        steps, estimate = schedule(units, read_fn, opts, staging_budget, whole_units=whole_units)
+        pool = StagingPool(staging_budget, rank=self.rank)
+        self.target_version = version
+        stats = RunStats(predicted_peak_staging_bytes=estimate.staging_bytes)
+        stats.bytes_needed = self.plan.bytes_needed
+        rss0 = _rss_bytes()
+        maxrss0 = _maxrss_bytes()
+        self.backend.reset_peak_memory()
+        dev_base = self.backend.memory_allocated()
+        t0 = time.perf_counter()
+        executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"mxload-read-{self.rank}")
+        pending: Future[Any] | None = None
+        rss_samples: list[int] = []
+        todo = [self.unit_versions[i] != version for i in range(len(units))]
+        try:
+            for i, (unit, step) in enumerate(zip(units, steps, strict=True)):
+                if not todo[i]:
+                    continue
+                if fault_hook is not None:
+                    fault_hook(i)
+                if len(step.chunks) == 1:
+                    t_r = time.perf_counter()
+                    fut = pending or executor.submit(self._read, unit, reads[i], source, pool)
+                    pending = None
+                    leases, raw, fetched = fut.result()
+                    stats.read_seconds += time.perf_counter() - t_r
+                    stats.bytes_read += fetched
+                    if step.prefetch_next and i + 1 < len(units) and todo[i + 1]:
+                        pending = executor.submit(
+                            self._read, units[i + 1], reads[i + 1], source, pool
+                        )
+                    self._convert_and_write(
+                        unit, reads[i], raw, leases, source, pool, opts, 0, stats
+                    )
+                else:
+                    for chunk in step.chunks:
+                        su = sub_unit(unit, chunk.start, chunk.end)
+                        sr = sub_reads(
+                            unit,
+                            reads[i],
+                            chunk.start,
+                            chunk.end,
+                            block_n=source.block_n,
+                            source_quant=source.quant,
+                        )
+                        t_r = time.perf_counter()
+                        leases, raw, fetched = self._read(su, sr, source, pool)
+                        stats.read_seconds += time.perf_counter() - t_r
+                        stats.bytes_read += fetched
+                        self._convert_and_write(
+                            su, sr, raw, leases, source, pool, opts, chunk.start, stats
+                        )
+                self.unit_versions[i] = version
+                stats.units += 1
+                rss_samples.append(_rss_bytes())
+                if progress is not None:
+                    progress(i + 1, len(units), stats.bytes_read)
+            self.backend.synchronize()
+        finally:
+            if pending is not None:
+                try:
+                    leases, _, _ = pending.result()
+                    for lease in leases:
+                        pool.release(lease)
+                except BaseException:  # the run already failed; keep its error
+                    pass
+            executor.shutdown(wait=True)
+        stats.seconds = time.perf_counter() - t0
+        stats.measured_peak_staging_bytes = pool.high_water
+        # RSS cross-check (SPEC §6): the lifetime peak if it rose during this run (then the
+        # new peak happened now), else the highest RSS sampled between units.
+        maxrss1 = _maxrss_bytes()
+        top = maxrss1 if maxrss1 > maxrss0 else max(rss_samples, default=rss0)
+        stats.rss_growth_bytes = max(0, top - rss0)
+        peak = self.backend.max_memory_allocated()
+        if peak is not None and dev_base is not None:
+            stats.device_peak_bytes = peak - dev_base
+        stats.extra["staging_estimate"] = estimate
+        self.last_stats = stats
+        self._checksums: dict[str, str] | None = None
+        self.verify_addresses()
+        return stats
+
+    def _convert_and_write(
+        self,
+        unit: Unit,
+        reads: UnitReads,
+        raw: list[tuple[torch.Tensor, torch.Tensor | None]],
+        leases: list[Lease],
+        source: SourceInfo,
+        pool: StagingPool,
+        opts: ConvertOptions,
+        row_base: int,
+        stats: RunStats,
+    ) -> None:
+        reservations: list[Lease] = []
+        try:
+            t_c = time.perf_counter()
+            try:
+                reservations, writes = self._convert(unit, reads, raw, source, pool, opts, row_base)
+            except MxloadError:
+                raise
+            except Exception as err:  # a numerics failure names rank and tensor
+                raise RunError(
+                    f"rank {self.rank}: converting {unit.buffer}: {type(err).__name__}: {err}",
+                    rank=self.rank,
+                    tensor=unit.buffer,
+                ) from err
+            for write in writes:
+                write()
+            stats.convert_seconds += time.perf_counter() - t_c
+        finally:
+            for lease in leases + reservations:
+                pool.release(lease)
+
+    def reload(
+        self,
+        reads: Sequence[UnitReads],
+        source: SourceInfo,
+        *,
+        version: int,
+        staging_budget: int,
+        progress: Callable[[int, int, int], None] | None = None,
+        fault_hook: Callable[[int], None] | None = None,
+    ) -> RunStats:
+        """In-place reload: whole units only, addresses verified at the end."""
+        return self.load(
+            reads,
+            source,
+            version=version,
+            staging_budget=staging_budget,
+            whole_units=True,
+            progress=progress,
+            fault_hook=fault_hook,
+        )
+
+    # --- reporting -------------------------------------------------------------------------------
+
+    def verify_addresses(self) -> None:
+        moved = [n for n, t in self.buffers.items() if t.data_ptr() != self.addresses[n]]
+        if moved:
+            raise AddressMoved(
+                f"rank {self.rank}: buffers moved: {', '.join(moved)}", rank=self.rank
+            )
+
+    @property
+    def version(self) -> int:
+        return min(self.unit_versions) if self.unit_versions else self.target_version
+
+    @property
+    def consistent(self) -> bool:
+        return len(set(self.unit_versions)) <= 1
+
+    def buffer_versions(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for unit, v in zip(self.plan.units, self.unit_versions, strict=True):
+            out[unit.buffer] = min(out.get(unit.buffer, v), v)
+            if unit.buffer + "_scale" in self.buffers:
+                out[unit.buffer + "_scale"] = out[unit.buffer]
+        for name in self.buffers:
+            out.setdefault(name, self.version)
+        return out
+
+    def checksums(self) -> dict[str, str]:
+        cached = getattr(self, "_checksums", None)
+        if cached is None:
+            cached = {n: checksum(t) for n, t in self.buffers.items()}
+            self._checksums = cached
+        return cached
+
+    def tensor_report(self, *, with_checksums: bool = True) -> dict[str, dict[str, Any]]:
+        versions = self.buffer_versions()
+        sums = self.checksums() if with_checksums else {}
+        out = {}
+        for spec in self.plan.buffers:
+            t = self.buffers[spec.name]
+            out[spec.name] = {
+                "shape": list(spec.shape),
+                "dtype": spec.dtype,
+                "layout": spec.layout,
+                "data_ptr": t.data_ptr(),
+                "nbytes": spec.nbytes,
+                "checksum": sums.get(spec.name, ""),
+                "version": versions[spec.name],
+            }
+        return out
+
+    def unit_status(self) -> dict[str, Any]:
+        """Which units hold which version (SPEC §4: an incomplete reload says so)."""
+        by_version: dict[int, int] = {}
+        for v in self.unit_versions:
+            by_version[v] = by_version.get(v, 0) + 1
+        stale = [
+            u.buffer + (f"[{u.expert}]" if u.expert >= 0 else "")
+            for u, v in zip(self.plan.units, self.unit_versions, strict=True)
+            if v != max(self.unit_versions, default=0)
+        ]
+        return {
+            "version": self.version,
+            "consistent": self.consistent,
+            "units_by_version": {str(k): n for k, n in sorted(by_version.items())},
+            "stale_units": stale[:50],
+        }
+
+    def host_tensors(self) -> dict[str, torch.Tensor]:
+        """CPU copies of every buffer (for --dump)."""
+        return {n: t.detach().cpu() for n, t in self.buffers.items()}
+
+
+def _rss_bytes() -> int:
+    try:
+        import psutil
+
+        return int(psutil.Process(os.getpid()).memory_info().rss)
+    except Exception:
+        return _maxrss_bytes()
+
+
+__all__ = [
+    "CHECKSUM_NAME",
+    "BufferSpec",
+    "PartRead",
+    "RankLoader",
+    "RunStats",
+    "SourceInfo",
+    "StepPlan",
+    "checksum",
+]
