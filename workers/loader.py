@@ -372,13 +372,22 @@ class RankLoader:
         version: int,
         staging_budget: int,
         whole_units: bool = False,
+        units: Sequence[Unit] | None = None,
         progress: Callable[[int, int, int], None] | None = None,
         fault_hook: Callable[[int], None] | None = None,
     ) -> RunStats:
         """Fill every buffer from ``source``; ``whole_units`` for a reload.
 
-        Units already at ``version`` (an interrupted reload run again) are skipped."""
-        units = self.plan.units
+        Units already at ``version`` (an interrupted reload run again) are skipped.
+        ``units`` (reload) are the plan's units with the new source's quantized flags;
+        they must have the plan's geometry."""
+        if units is None:
+            units = self.plan.units
+        elif len(units) != len(self.plan.units) or any(
+            (u.buffer, u.expert, u.rows, u.cols) != (p.buffer, p.expert, p.rows, p.cols)
+            for u, p in zip(units, self.plan.units, strict=True)
+        ):
+            raise RunError(f"rank {self.rank}: reload units differ from the plan", rank=self.rank)
         if len(reads) != len(units):
             raise RunError(
                 f"rank {self.rank}: {len(reads)} read plans for {len(units)} units", rank=self.rank

@@ -1,0 +1,453 @@
+"""The coordinator's run side: place one worker per rank, drive load and reload, collect
+reports (SPEC §4). Planning is pure and lives elsewhere; this module is where Ray is.
+
+Flow of a load: read config + headers (``catalog``) -> plan (``planner``) -> refuse a
+plan that does not fit or a staging budget below the minimum, before starting anything
+-> start or join Ray -> one placement group, one bundle per rank, each asking one unit of
+the accelerator resource and no CPU -> ranks mapped to bundles so a TP group shares a
+node -> one ``RankWorker`` actor per rank -> every rank loads its shard concurrently ->
+a rank whose process dies is restarted and redone up to ``max_restarts`` times ->
+reports become the manifest of SPEC §5.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from orchestrator.errors import (
+    InputError,
+    MxloadError,
+    PlanDoesNotFit,
+    RunError,
+    StagingBudgetError,
+    WorkerLost,
+)
+from orchestrator.formats import DUMP_FORMAT
+from orchestrator.plantypes import ParallelLayout, Plan, RankPlan
+
+PLACEMENTS = {
+    "pack": "PACK",
+    "spread": "SPREAD",
+    "strict_pack": "STRICT_PACK",
+    "strict_spread": "STRICT_SPREAD",
+}
+
+
+@dataclass
+class LoadRequest:
+    """Everything ``mxload load`` takes (SPEC §5)."""
+
+    src: str
+    layout: ParallelLayout
+    storage_options: Mapping[str, Any] | None = None
+    device: str = "auto"
+    resource: str | None = None
+    """Accelerator resource each rank asks for; default NPU (GPU with --device cuda)."""
+    placement: str = "pack"
+    address: str | None = None
+    staging_budget: int | None = None
+    device_memory: int | None = None
+    dtype: str | None = None
+    allow_nonfinite: bool = False
+    max_restarts: int = 1
+    placement_timeout_s: float = 120.0
+    num_cpus: int | None = None
+    """CPUs the embedded head declares (default: this machine's, capped at 2 in tests)."""
+    threads_per_worker: int | None = None
+    fault_at: dict[int, int] = field(default_factory=dict)
+    """Test hook: rank -> unit index at which that rank's process exits hard (first try only)."""
+
+    @property
+    def accelerator(self) -> str:
+        if self.resource:
+            return self.resource
+        return "GPU" if self.device == "cuda" else "NPU"
+
+
+def plan_load(req: LoadRequest) -> tuple[Any, Plan]:
+    """Read config and headers, build and check the plan. Pure apart from the reads."""
+    from orchestrator.catalog import open_checkpoint
+    from orchestrator.planner import build_plan
+
+    meta = open_checkpoint(req.src, storage_options=req.storage_options, dtype=req.dtype)
+    from orchestrator.config import LOADABLE_ARCHITECTURES
+
+    if meta.config.architecture not in LOADABLE_ARCHITECTURES:
+        raise InputError(
+            f"{meta.config.source}: {meta.config.architecture} is planning-only; loadable "
+            f"architectures: {', '.join(LOADABLE_ARCHITECTURES)}",
+            key="architectures",
+        )
+    plan = build_plan(
+        meta.config,
+        req.layout,
+        checkpoint=meta,
+        staging_budget=req.staging_budget,
+        device_memory=req.device_memory,
+        device="cpu" if req.device in ("cpu", "auto") else req.device,
+        remote=not _is_local(req.src),
+    )
+    if req.staging_budget is not None and req.staging_budget < plan.min_staging_load:
+        raise StagingBudgetError(
+            f"--staging-budget {req.staging_budget} bytes is below the minimum a load can "
+            f"run under ({plan.min_staging_load} bytes); raise --staging-budget",
+            key="--staging-budget",
+        )
+    if not plan.fits:
+        worst = max(plan.ranks, key=lambda r: r.peak_bytes)
+        raise PlanDoesNotFit(
+            f"rank {worst.rank} needs {worst.peak_bytes} bytes at its peak, more than "
+            f"--device-memory {plan.device_memory_bytes}; nothing was started",
+            rank=worst.rank,
+        )
+    return meta, plan
+
+
+def _is_local(src: str) -> bool:
+    return "://" not in src or src.startswith("file://")
+
+
+def staging_budget_of(plan: Plan, rank: RankPlan) -> int:
+    """The budget a rank runs under: what the plan's estimate was computed for."""
+    if rank.staging is not None:
+        return rank.staging.budget_bytes
+    return plan.min_staging_reload
+
+
+class RayRun:
+    """A started (or joined) Ray, the placement group and the rank actors."""
+
+    def __init__(self, req: LoadRequest, plan: Plan, *, detached_name: str | None = None) -> None:
+        self.req = req
+        self.plan = plan
+        self.temp_dir: str | None = None
+        self.started_ray = False
+        self.pg: Any = None
+        self.actors: list[Any] = []
+        self.bundle_of_rank: list[int] = []
+        self.detached_name = detached_name
+
+    # --- cluster ------------------------------------------------------------------------
+
+    def start(self) -> None:
+        import ray
+
+        from cluster.local import connect, start_embedded
+
+        if ray.is_initialized():
+            return
+        if self.req.address:
+            connect(self.req.address)
+        else:
+            self.temp_dir = start_embedded(
+                self.plan.layout.world,
+                resource=self.req.accelerator,
+                num_cpus=self.req.num_cpus,
+            )
+            self.started_ray = True
+
+    def place(self) -> None:
+        import ray
+        from ray.util.placement_group import placement_group, placement_group_table
+
+        world = self.plan.layout.world
+        res = self.req.accelerator
+        have = ray.cluster_resources().get(res, 0)
+        if have < world:
+            raise InputError(
+                f"the Ray cluster has {int(have)} {res} resources, the layout needs {world} "
+                f"(one per rank); change the layout or --resource, or add nodes",
+                key="--resource",
+            )
+        strategy = PLACEMENTS.get(self.req.placement)
+        if strategy is None:
+            raise InputError(
+                f"--placement: {self.req.placement!r} is not one of {', '.join(PLACEMENTS)}",
+                key="--placement",
+            )
+        bundles = [{res: 1.0} for _ in range(world)]
+        kwargs: dict[str, Any] = {"strategy": strategy}
+        if self.detached_name:
+            kwargs["name"] = f"{self.detached_name}/pg"
+            kwargs["lifetime"] = "detached"
+        self.pg = placement_group(bundles, **kwargs)
+        ready, _ = ray.wait([self.pg.ready()], timeout=self.req.placement_timeout_s)
+        if not ready:
+            raise RunError(
+                f"placement group of {world} x {{{res}: 1}} ({strategy}) was not ready after "
+                f"{self.req.placement_timeout_s:.0f}s; the cluster cannot place it",
+            )
+        table = placement_group_table(self.pg)
+        self.bundle_of_rank = assign_ranks(table["bundles_to_node_id"], world)
+
+    def spawn(self) -> None:
+        import ray
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        from workers.actor import remote_class
+
+        cls = remote_class()
+        world = self.plan.layout.world
+        per_node: dict[str, int] = {}
+        table = ray.util.placement_group_table(self.pg)["bundles_to_node_id"]
+        for b in self.bundle_of_rank:
+            per_node[table[b]] = per_node.get(table[b], 0) + 1
+        cpus = {n["NodeID"]: int(n["Resources"].get("CPU", 1)) for n in ray.nodes() if n["Alive"]}
+        model_dtype = self.plan.model["dtype"]
+        self.actors = []
+        for rank in range(world):
+            bundle = self.bundle_of_rank[rank]
+            node = table[bundle]
+            threads = self.req.threads_per_worker or max(
+                1, cpus.get(node, 1) // max(1, per_node[node])
+            )
+            opts: dict[str, Any] = {
+                "num_cpus": 0,
+                "resources": {self.req.accelerator: 1},
+                "max_restarts": self.req.max_restarts,
+                "scheduling_strategy": PlacementGroupSchedulingStrategy(
+                    self.pg, placement_group_bundle_index=bundle
+                ),
+            }
+            if self.detached_name:
+                opts["name"] = f"{self.detached_name}/rank-{rank:05d}"
+                opts["lifetime"] = "detached"
+            actor = cls.options(**opts).remote(
+                self.plan.ranks[rank],
+                model_dtype=model_dtype,
+                device=self.req.device,
+                resource=self.req.accelerator,
+                threads=threads,
+            )
+            self.actors.append(actor)
+
+    def shutdown(self) -> None:
+        import ray
+
+        for a in self.actors:
+            try:
+                ray.kill(a)
+            except Exception:
+                pass
+        if self.pg is not None:
+            try:
+                ray.util.remove_placement_group(self.pg)
+            except Exception:
+                pass
+        if self.started_ray:
+            ray.shutdown()
+            if self.temp_dir:
+                shutil.rmtree(self.temp_dir, ignore_errors=True)
+
+    # --- running ---------------------------------------------------------------------------
+
+    def run_all(
+        self,
+        reads_of: Callable[[int], Any],
+        source: Any,
+        *,
+        version: int,
+        whole_units: bool,
+        on_progress: Callable[[list[tuple[int, int, int]]], None] | None = None,
+    ) -> list[dict[str, Any]]:
+        """Every rank loads (or reloads) concurrently; a dead rank is redone."""
+        import ray
+        from ray.exceptions import RayActorError
+
+        world = len(self.actors)
+        attempts = [0] * world
+        budgets = [staging_budget_of(self.plan, r) for r in self.plan.ranks]
+        for rank, unit in self.req.fault_at.items():
+            ray.get(self.actors[rank].set_fault.remote(unit))
+
+        def submit(rank: int) -> Any:
+            got = reads_of(rank)
+            reads, units = got if isinstance(got, tuple) else (got, None)
+            return self.actors[rank].load.remote(
+                reads, source, version, budgets[rank], whole_units, units
+            )
+
+        refs = {submit(r): r for r in range(world)}
+        reports: list[dict[str, Any] | None] = [None] * world
+        while refs:
+            done, _ = ray.wait(list(refs), num_returns=1, timeout=0.5)
+            if on_progress is not None:
+                on_progress(self._poll_progress())
+            for ref in done:
+                rank = refs.pop(ref)
+                try:
+                    reports[rank] = ray.get(ref)
+                except RayActorError as err:
+                    attempts[rank] += 1
+                    if attempts[rank] > self.req.max_restarts:
+                        raise WorkerLost(
+                            f"rank {rank}: worker process lost {attempts[rank]} times "
+                            f"(--max-restarts {self.req.max_restarts}): {err}",
+                            rank=rank,
+                        ) from None
+                    refs[submit(rank)] = rank
+                except ray.exceptions.RayTaskError as err:
+                    cause = err.cause if isinstance(err.cause, BaseException) else err
+                    if isinstance(cause, MxloadError):
+                        raise cause from None
+                    raise RunError(f"rank {rank}: {cause}", rank=rank) from None
+        out: list[dict[str, Any]] = []
+        for rank, rep in enumerate(reports):
+            assert rep is not None
+            rep["restarts"] = attempts[rank]
+            rep["addresses_changed"] = attempts[rank] > 0
+            out.append(rep)
+        return out
+
+    def _poll_progress(self) -> list[tuple[int, int, int]]:
+        import ray
+
+        refs = [a.progress.remote() for a in self.actors]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0.2)
+        got = {r: ray.get(r) for r in ready}
+        return [got.get(r, (0, 0, 0)) for r in refs]
+
+
+def assign_ranks(bundles_to_node: Mapping[int, str], world: int) -> list[int]:
+    """Rank -> bundle index so consecutive ranks (a TP group) share a node where the
+    placement allows: bundles grouped by node, nodes in order of their first bundle."""
+    order: list[str] = []
+    by_node: dict[str, list[int]] = {}
+    for b in sorted(bundles_to_node):
+        node = bundles_to_node[b]
+        if node not in by_node:
+            order.append(node)
+            by_node[node] = []
+        by_node[node].append(b)
+    flat = [b for node in order for b in by_node[node]]
+    if len(flat) != world:
+        raise RunError(f"placement group has {len(flat)} bundles for {world} ranks")
+    return flat
+
+
+def source_info(meta: Any, req_allow_nonfinite: bool, src: str, storage_options: Any) -> Any:
+    from workers.loader import SourceInfo
+
+    q = meta.config.quant
+    return SourceInfo(
+        root=src,
+        storage_options=dict(storage_options) if storage_options else None,
+        quant=q.kind,
+        block_n=q.block_n,
+        block_k=q.block_k,
+        allow_nonfinite=req_allow_nonfinite,
+    )
+
+
+def build_manifest(
+    plan: Plan, reports: list[dict[str, Any]], *, with_tensors: bool = True
+) -> dict[str, Any]:
+    """SPEC §5's mxload-dump/1 manifest from the ranks' reports."""
+    ranks = []
+    for rp, rep in zip(plan.ranks, reports, strict=True):
+        entry: dict[str, Any] = {
+            "rank": rp.rank,
+            "tp_rank": rp.tp_rank,
+            "dp_rank": rp.dp_rank,
+            "pp_rank": rp.pp_rank,
+            "ep_rank": rp.ep_rank,
+            "node_id": rep.get("node_id", ""),
+            "device": rep.get("device", ""),
+            "backend": rep.get("backend", ""),
+            "visible_devices": rep.get("visible_devices", ""),
+            "experts": list(rp.experts),
+            "layers": list(rp.layers),
+            "tensors": rep.get("tensors", {}),
+            "version": rep.get("version"),
+            "consistent": rep.get("consistent"),
+            "bytes_read": rep.get("bytes_read"),
+            "bytes_needed": rep.get("bytes_needed"),
+            "read_amplification": _ratio(rep.get("bytes_read"), rep.get("bytes_needed")),
+            "persistent_bytes": rp.persistent_bytes,
+            "predicted_peak_staging_bytes": rep.get("predicted_peak_staging_bytes"),
+            "measured_peak_staging_bytes": rep.get("measured_peak_staging_bytes"),
+            "device_peak_staging_bytes": rep.get("device_peak_staging_bytes"),
+            "rss_growth_bytes": rep.get("rss_growth_bytes"),
+            "seconds": rep.get("seconds"),
+            "restarts": rep.get("restarts", 0),
+            "addresses_changed": rep.get("addresses_changed", False),
+        }
+        ranks.append(entry)
+    from workers.loader import CHECKSUM_NAME
+
+    return {
+        "format": DUMP_FORMAT,
+        "model": plan.model,
+        "parallel": plan.layout.to_json(),
+        "checksum": CHECKSUM_NAME,
+        "ranks": ranks,
+    }
+
+
+def _ratio(a: Any, b: Any) -> float | None:
+    if not a or not b:
+        return None
+    return round(a / b, 4)
+
+
+def write_dump(run: RayRun, manifest: dict[str, Any], out_dir: str) -> None:
+    """``--dump DIR``: each rank's buffers as rank-NNNNN.safetensors + manifest.json."""
+    import json
+
+    import ray
+
+    from workers.safetensors_io import write_safetensors
+
+    os.makedirs(out_dir, exist_ok=True)
+    for rank, actor in enumerate(run.actors):
+        tensors = ray.get(actor.host_tensors.remote())
+        write_safetensors(os.path.join(out_dir, f"rank-{rank:05d}.safetensors"), tensors)
+    with open(os.path.join(out_dir, "manifest.json"), "w") as f:
+        json.dump(manifest, f, indent=1)
+
+
+def load(
+    req: LoadRequest,
+    *,
+    dump: str | None = None,
+    on_progress: Callable[[list[tuple[int, int, int]]], None] | None = None,
+    keep: bool = False,
+) -> tuple[dict[str, Any], RayRun | None]:
+    """The whole distributed load. Returns the manifest (with tensors' metadata) and,
+    with ``keep``, the live run (the caller shuts it down)."""
+    meta, plan = plan_load(req)
+    source = source_info(meta, req.allow_nonfinite, req.src, req.storage_options)
+    run = RayRun(req, plan)
+    t0 = time.perf_counter()
+    try:
+        run.start()
+        run.place()
+        run.spawn()
+        reports = run.run_all(
+            lambda r: list(plan.ranks[r].reads or ()),
+            source,
+            version=1,
+            whole_units=False,
+            on_progress=on_progress,
+        )
+        manifest = build_manifest(plan, reports)
+        manifest["seconds"] = round(time.perf_counter() - t0, 3)
+        if dump:
+            write_dump(run, manifest, dump)
+    except BaseException:
+        run.shutdown()
+        raise
+    if keep:
+        return manifest, run
+    run.shutdown()
+    return manifest, None
+
+
+def stderr_is_tty() -> bool:
+    return sys.stderr.isatty()

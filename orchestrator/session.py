@@ -1,0 +1,217 @@
+"""Sessions: a loaded model that stays resident and is reloaded in place (SPEC §4).
+
+:class:`Session` is the Python API an RL trainer uses in-process::
+
+    from orchestrator.session import Session
+    from orchestrator.plantypes import ParallelLayout
+
+    s = Session.load("s3://bucket/step-0", ParallelLayout(tp=2, dp=2, enable_expert_parallel=True),
+                     storage_options={"endpoint_url": "http://127.0.0.1:9000"})
+    for step in range(1, 100):
+        ...train, write s3://bucket/step-{step}...
+        s.reload(f"s3://bucket/step-{step}")   # every buffer rewritten in place
+    s.release()
+
+``--detach`` on the command line keeps the same actors alive as named, detached Ray
+actors; ``mxload reload/status/release`` then reach them from other processes through
+``orchestrator.detached``.
+
+Reload = preflight (the new checkpoint must give every rank exactly the buffers it holds:
+names, shapes, dtypes, layouts; otherwise refuse, listing every mismatch, before touching
+anything) -> byte ranges planned from the new checkpoint's own headers -> every rank
+converts whole units into staging and copies each into its buffer -> every data_ptr
+checked against the first load's.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import replace
+from typing import Any
+
+from orchestrator.driver import (
+    LoadRequest,
+    RayRun,
+    build_manifest,
+    source_info,
+)
+from orchestrator.driver import (
+    load as driver_load,
+)
+from orchestrator.errors import AddressMoved, ReloadMismatch
+from orchestrator.plantypes import ParallelLayout, Plan
+
+
+def _unit_key(u: Any) -> tuple[Any, ...]:
+    parts = tuple((p.tensor_name, p.rows, p.cols, p.dst_row) for p in u.parts)
+    return (u.buffer, u.kind, u.expert, u.global_expert, u.rows, u.cols, parts)
+
+
+def preflight(held: Plan, new: Plan) -> list[str]:
+    """Every difference between the buffers the held plan has and those the new
+    checkpoint would give each rank (empty = reloadable).
+
+    Buffers must agree in name, shape, dtype and layout. One difference is not a
+    mismatch: a linear the new checkpoint stores unquantized (a BF16 checkpoint from an
+    RL trainer) where the session holds MX buffers: its units are quantized straight
+    into the same buffers, so for those only the unit geometry must agree."""
+    problems: list[str] = []
+    if held.layout != new.layout:
+        return [f"layout {new.layout} != held {held.layout}"]
+    for ro, rn in zip(held.ranks, new.ranks, strict=True):
+        a = {b.name: b for b in ro.buffers}
+        b = {x.name: x for x in rn.buffers}
+        relaid = {u.buffer for u in rn.units if not u.quantized and u.layout == "dense"}
+        for name in sorted(set(a) - set(b)):
+            if name.endswith("_scale") and name[: -len("_scale")] in relaid:
+                continue
+            problems.append(f"rank {ro.rank}: {name}: held but not in the new checkpoint")
+        for name in sorted(set(b) - set(a)):
+            problems.append(f"rank {ro.rank}: {name}: in the new checkpoint but not held")
+        for name in sorted(set(a) & set(b)):
+            x, y = a[name], b[name]
+            if name in relaid and x.layout != y.layout:
+                continue
+            for attr in ("shape", "dtype", "layout"):
+                if getattr(x, attr) != getattr(y, attr):
+                    problems.append(
+                        f"rank {ro.rank}: {name}: {attr} {getattr(y, attr)} in the new "
+                        f"checkpoint, {getattr(x, attr)} held"
+                    )
+        if ro.experts != rn.experts:
+            problems.append(f"rank {ro.rank}: experts {rn.experts} != held {ro.experts}")
+        if len(ro.units) != len(rn.units):
+            problems.append(f"rank {ro.rank}: {len(rn.units)} units != held {len(ro.units)}")
+        else:
+            for uo, un in zip(ro.units, rn.units, strict=True):
+                if _unit_key(uo) != _unit_key(un):
+                    problems.append(f"rank {ro.rank}: unit {uo.buffer}[{uo.expert}] differs")
+    return problems
+
+
+def reload_units(held: Plan, new: Plan, rank: int) -> list[Any]:
+    """The held units with the new checkpoint's quantized flags (how to convert)."""
+    return [
+        replace(uo, quantized=un.quantized)
+        for uo, un in zip(held.ranks[rank].units, new.ranks[rank].units, strict=True)
+    ]
+
+
+def plan_reload(held: Plan, req: LoadRequest) -> tuple[Any, Plan]:
+    """Plan a reload from ``req.src`` against the held plan; refuse on any mismatch."""
+    from orchestrator.catalog import open_checkpoint
+    from orchestrator.planner import build_plan
+
+    meta = open_checkpoint(req.src, storage_options=req.storage_options, dtype=held.model["dtype"])
+    problems: list[str] = []
+    block_old = held.model.get("weight_block_size")
+    if meta.config.quant.kind == "block_fp8" and block_old is not None:
+        if [meta.config.quant.block_n, meta.config.quant.block_k] != list(block_old):
+            problems.append(
+                f"weight_block_size {[meta.config.quant.block_n, meta.config.quant.block_k]} "
+                f"!= held {block_old}"
+            )
+    new = build_plan(
+        meta.config,
+        held.layout,
+        checkpoint=meta,
+        staging_budget=None,
+        device="cpu",
+        remote="://" in req.src and not req.src.startswith("file://"),
+    )
+    problems += preflight(held, new)
+    if problems:
+        shown = problems[:200]
+        more = f"\n  ... and {len(problems) - 200} more" if len(problems) > 200 else ""
+        raise ReloadMismatch(
+            f"reload from {req.src} refused, nothing was touched; {len(problems)} mismatch(es):\n  "
+            + "\n  ".join(shown)
+            + more,
+            file=req.src,
+        )
+    return meta, new
+
+
+class Session:
+    """A loaded model held by live workers, reloadable in place."""
+
+    def __init__(self, req: LoadRequest, plan: Plan, run: RayRun, manifest: dict[str, Any]) -> None:
+        self.req = req
+        self.plan = plan
+        self.run = run
+        self.manifest = manifest
+        self.version = 1
+        self.addresses = {
+            r["rank"]: {n: t["data_ptr"] for n, t in r["tensors"].items()}
+            for r in manifest["ranks"]
+        }
+
+    @classmethod
+    def load(
+        cls,
+        src: str,
+        layout: ParallelLayout,
+        *,
+        storage_options: Mapping[str, Any] | None = None,
+        on_progress: Callable[[list[tuple[int, int, int]]], None] | None = None,
+        **kwargs: Any,
+    ) -> Session:
+        req = LoadRequest(src=src, layout=layout, storage_options=storage_options, **kwargs)
+        manifest, run = driver_load(req, keep=True, on_progress=on_progress)
+        assert run is not None
+        return cls(req, run.plan, run, manifest)
+
+    def reload(
+        self,
+        src: str,
+        *,
+        storage_options: Mapping[str, Any] | None = None,
+        on_progress: Callable[[list[tuple[int, int, int]]], None] | None = None,
+    ) -> dict[str, Any]:
+        """Rewrite every rank's buffers in place from ``src``; returns the manifest.
+        Running it again after a failure completes the interrupted reload."""
+        req = replace(
+            self.req, src=src, storage_options=storage_options or self.req.storage_options
+        )
+        meta, new_plan = plan_reload(self.plan, req)
+        source = source_info(meta, req.allow_nonfinite, req.src, req.storage_options)
+        target = self.version + 1
+        t0 = time.perf_counter()
+        reports = self.run.run_all(
+            lambda r: (list(new_plan.ranks[r].reads or ()), reload_units(self.plan, new_plan, r)),
+            source,
+            version=target,
+            whole_units=True,
+            on_progress=on_progress,
+        )
+        manifest = build_manifest(self.plan, reports)
+        manifest["seconds"] = round(time.perf_counter() - t0, 3)
+        moved = []
+        for r in manifest["ranks"]:
+            if r.get("addresses_changed"):
+                continue  # a restarted process: reported as such, graph must be recaptured
+            for name, t in r["tensors"].items():
+                if self.addresses[r["rank"]].get(name) != t["data_ptr"]:
+                    moved.append(f"rank {r['rank']}: {name}")
+        manifest["addresses_moved"] = moved
+        if moved:
+            raise AddressMoved("buffers moved during reload: " + ", ".join(moved[:20]))
+        self.version = target
+        self.manifest = manifest
+        return manifest
+
+    def status(self) -> dict[str, Any]:
+        import ray
+
+        reports = ray.get([a.report.remote() for a in self.run.actors])
+        return build_manifest(self.plan, reports)
+
+    def release(self) -> None:
+        self.run.shutdown()
+
+    def __enter__(self) -> Session:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()

@@ -1,0 +1,153 @@
+"""The Ray actor around :class:`workers.loader.RankLoader`: a thin wrapper.
+
+One actor per rank, pinned by its placement bundle to one accelerator (Ray sets
+``ASCEND_RT_VISIBLE_DEVICES`` / ``CUDA_VISIBLE_DEVICES``). The actor reserves no CPU
+(SPEC §4) and sets its torch threads to its share of the node's cores. It is threaded
+(``max_concurrency=2``) so the driver can poll progress while a load runs.
+
+Everything here is the loader's behaviour plus what only a process can say: its node,
+its visible devices, its pid (tests kill it to inject faults).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+from typing import Any
+
+import torch
+
+from orchestrator.plantypes import RankPlan, Unit, UnitReads
+from workers.loader import RankLoader, RunStats, SourceInfo
+
+VISIBLE_DEVICE_VARS = {
+    "NPU": "ASCEND_RT_VISIBLE_DEVICES",
+    "GPU": "CUDA_VISIBLE_DEVICES",
+}
+
+
+class RankWorker:
+    """Actor body: a plain class (tests can use it without Ray)."""
+
+    def __init__(
+        self,
+        plan: RankPlan,
+        *,
+        model_dtype: str,
+        device: str,
+        resource: str,
+        threads: int,
+        incarnation_note: str = "",
+    ) -> None:
+        torch.set_num_threads(max(1, threads))
+        self.resource = resource
+        var = VISIBLE_DEVICE_VARS.get(resource, "")
+        self.visible_devices = os.environ.get(var, "") if var else ""
+        from workers.numerics.backend import select_backend
+
+        self.backend = select_backend(device, visible_devices=self.visible_devices or None)
+        self.loader = RankLoader(plan, model_dtype=model_dtype, backend=self.backend)
+        self._progress = (0, len(plan.units), 0)
+        self._lock = threading.Lock()
+        self.fault_at_unit: int | None = None
+
+    # --- identity ---------------------------------------------------------------------
+
+    def info(self) -> dict[str, Any]:
+        node_id = ""
+        try:
+            import ray
+
+            node_id = ray.get_runtime_context().get_node_id()
+        except Exception:
+            node_id = socket.gethostname()
+        return {
+            "rank": self.loader.rank,
+            "node_id": node_id,
+            "hostname": socket.gethostname(),
+            "pid": os.getpid(),
+            "visible_devices": self.visible_devices,
+            "device": str(self.backend.device),
+            "backend": self.backend.name,
+            "backend_note": getattr(self.backend, "note", ""),
+            "threads": torch.get_num_threads(),
+            "addresses": dict(self.loader.addresses),
+        }
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    # --- work -------------------------------------------------------------------------
+
+    def _set_progress(self, done: int, total: int, nbytes: int) -> None:
+        with self._lock:
+            self._progress = (done, total, nbytes)
+
+    def progress(self) -> tuple[int, int, int]:
+        with self._lock:
+            return self._progress
+
+    def set_fault(self, unit_index: int | None) -> None:
+        """Test hook: the process exits hard when it reaches this unit (a real death)."""
+        self.fault_at_unit = unit_index
+
+    def _fault_hook(self, i: int) -> None:
+        if self.fault_at_unit is not None and i == self.fault_at_unit:
+            os._exit(17)
+
+    def load(
+        self,
+        reads: list[UnitReads],
+        source: SourceInfo,
+        version: int,
+        staging_budget: int,
+        whole_units: bool,
+        units: list[Unit] | None = None,
+    ) -> dict[str, Any]:
+        stats = self.loader.load(
+            reads,
+            source,
+            units=units,
+            version=version,
+            staging_budget=staging_budget,
+            whole_units=whole_units,
+            progress=self._set_progress,
+            fault_hook=self._fault_hook,
+        )
+        return self.report(stats)
+
+    def report(self, stats: RunStats | None = None) -> dict[str, Any]:
+        stats = stats or self.loader.last_stats
+        out = self.info()
+        out.update(
+            {
+                "version": self.loader.version,
+                "consistent": self.loader.consistent,
+                "units": self.loader.unit_status(),
+                "tensors": self.loader.tensor_report(),
+                "bytes_read": stats.bytes_read,
+                "bytes_needed": stats.bytes_needed,
+                "predicted_peak_staging_bytes": stats.predicted_peak_staging_bytes,
+                "measured_peak_staging_bytes": stats.measured_peak_staging_bytes,
+                "device_peak_staging_bytes": stats.device_peak_bytes,
+                "rss_growth_bytes": stats.rss_growth_bytes,
+                "seconds": round(stats.seconds, 4),
+                "read_seconds": round(stats.read_seconds, 4),
+                "convert_seconds": round(stats.convert_seconds, 4),
+            }
+        )
+        return out
+
+    def host_tensors(self) -> dict[str, torch.Tensor]:
+        return self.loader.host_tensors()
+
+    def checksums(self) -> dict[str, str]:
+        return self.loader.checksums()
+
+
+def remote_class() -> Any:
+    """The Ray actor class (built lazily so importing this module needs no Ray)."""
+    import ray
+
+    return ray.remote(num_cpus=0, max_concurrency=2)(RankWorker)
