@@ -195,3 +195,9 @@ class AddressMoved(RunError):
 
 class ConversionError(RunError):
     """A unit could not be converted (names rank and tensor)."""
+
+
+class NumericsError(ConversionError, ValueError):
+    """A numerics function got an input it cannot take (shape, dtype, a K not a multiple
+    of 32). A caller bug rather than bad user input, so it is a ConversionError; it is
+    also a ValueError so code written against plain ``ValueError`` still catches it."""

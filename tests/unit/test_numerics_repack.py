@@ -1,0 +1,131 @@
+"""Tests of workers/numerics/repack.py: the kernel layouts of SPEC §2.3."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from orchestrator.errors import NumericsError
+from workers.numerics import repack
+
+
+def _payload(n: int, k: int, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (n, k), generator=g, dtype=torch.uint8).view(torch.float8_e4m3fn)
+
+
+def _scale(n: int, groups: int, seed: int = 1) -> torch.Tensor:
+    # Bytes 1..255 so that a pad byte 0 can never be mistaken for data.
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(1, 256, (n, groups), generator=g, dtype=torch.uint8)
+
+
+def _u8(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8)
+
+
+def test_pack_scale_spelled_out() -> None:
+    # N = 2 rows, g = 3 groups: pairs (g0, g1) and (g2, pad 0).
+    scale = torch.tensor([[1, 2, 3], [4, 5, 6]], dtype=torch.uint8)
+    packed = repack.pack_scale(scale)
+    assert packed.tolist() == [[[1, 2], [4, 5]], [[3, 0], [6, 0]]]
+    assert packed.is_contiguous() and packed.dtype == torch.uint8
+
+
+@pytest.mark.parametrize("groups", [1, 2, 3, 4, 7, 8])
+def test_pack_scale_element_mapping_and_round_trip(groups: int) -> None:
+    n = 5
+    scale = _scale(n, groups)
+    packed = repack.pack_scale(scale)
+    pairs = -(-groups // 2)
+    assert tuple(packed.shape) == (pairs, n, 2) and packed.is_contiguous()
+    for j in range(pairs):
+        for row in range(n):
+            for p in range(2):
+                k = 2 * j + p
+                want = int(scale[row, k]) if k < groups else 0  # odd g: pad byte 0
+                assert int(packed[j, row, p]) == want
+    assert torch.equal(repack.unpack_scale(packed, groups), scale)
+
+
+@pytest.mark.parametrize(("n", "k"), [(3, 32), (4, 64), (5, 96), (1, 224), (8, 1024)])
+def test_pack_linear_round_trip(n: int, k: int) -> None:
+    payload, scale = _payload(n, k), _scale(n, k // 32)
+    weight, scale_packed = repack.pack_linear(payload, scale)
+    assert tuple(weight.shape) == (k, n) and weight.is_contiguous()
+    assert weight.dtype == torch.float8_e4m3fn
+    assert torch.equal(_u8(weight), _u8(payload).t())
+    p2, s2 = repack.unpack_linear(weight, scale_packed)
+    assert torch.equal(_u8(p2), _u8(payload)) and torch.equal(s2, scale)
+
+
+def test_pack_moe_is_per_expert_pack_linear() -> None:
+    e, n, k = 3, 6, 96  # g = 3, odd
+    payloads = [_payload(n, k, seed=i) for i in range(e)]
+    scales = [_scale(n, k // 32, seed=10 + i) for i in range(e)]
+    weight, scale_packed = repack.pack_moe(payloads, scales)
+    assert tuple(weight.shape) == (e, k, n) and weight.is_contiguous()
+    assert tuple(scale_packed.shape) == (e, 2, n, 2) and scale_packed.is_contiguous()
+    for i in range(e):
+        w_i, s_i = repack.pack_linear(payloads[i], scales[i])
+        assert torch.equal(_u8(weight[i]), _u8(w_i))
+        assert torch.equal(scale_packed[i], s_i)
+    # Stacked tensors work the same as lists, and unpack inverts.
+    w2, s2 = repack.pack_moe(torch.stack(payloads), torch.stack(scales))
+    assert torch.equal(_u8(w2), _u8(weight)) and torch.equal(s2, scale_packed)
+    up, us = repack.unpack_moe(weight, scale_packed)
+    assert torch.equal(_u8(up), _u8(torch.stack(payloads)))
+    assert torch.equal(us, torch.stack(scales))
+
+
+@pytest.mark.parametrize("groups", [2, 3])
+def test_write_rows_touches_only_its_rows(groups: int) -> None:
+    n_total, k = 11, 32 * groups
+    payload, scale = _payload(n_total, k), _scale(n_total, groups)
+    want_w, want_s = repack.pack_linear(payload, scale)
+    pairs = -(-groups // 2)
+    weight_buf = torch.full((k, n_total), 0x55, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    scale_buf = torch.full((pairs, n_total, 2), 0xAA, dtype=torch.uint8)
+    w_ptr, s_ptr = weight_buf.data_ptr(), scale_buf.data_ptr()
+    # Write rows [3, 7) only; everything else must keep its sentinel.
+    repack.write_rows(weight_buf, scale_buf, payload[3:7], scale[3:7], row0=3)
+    wb, sb = _u8(weight_buf), scale_buf
+    assert torch.equal(wb[:, 3:7], _u8(want_w)[:, 3:7])
+    assert torch.equal(sb[:, 3:7], want_s[:, 3:7])  # includes the 0 pad byte when g is odd
+    assert bool((wb[:, :3] == 0x55).all()) and bool((wb[:, 7:] == 0x55).all())
+    assert bool((sb[:, :3] == 0xAA).all()) and bool((sb[:, 7:] == 0xAA).all())
+    # Chunked writes of the rest complete the buffers; nothing moved.
+    for r0, r1 in [(0, 3), (7, 10), (10, 11)]:
+        repack.write_rows(weight_buf, scale_buf, payload[r0:r1], scale[r0:r1], row0=r0)
+    assert torch.equal(wb, _u8(want_w)) and torch.equal(sb, want_s)
+    assert weight_buf.data_ptr() == w_ptr and scale_buf.data_ptr() == s_ptr
+
+
+def test_write_rows_into_a_moe_expert_view() -> None:
+    e, n, k = 3, 4, 96
+    weight_buf = torch.zeros((e, k, n), dtype=torch.uint8).view(torch.float8_e4m3fn)
+    scale_buf = torch.zeros((e, 2, n, 2), dtype=torch.uint8)
+    payload, scale = _payload(n, k), _scale(n, 3)
+    repack.write_rows(weight_buf[1], scale_buf[1], payload, scale, row0=0)
+    want_w, want_s = repack.pack_linear(payload, scale)
+    assert torch.equal(_u8(weight_buf[1]), _u8(want_w)) and torch.equal(scale_buf[1], want_s)
+    assert bool((_u8(weight_buf[0]) == 0).all()) and bool((_u8(weight_buf[2]) == 0).all())
+    assert bool((scale_buf[0] == 0).all()) and bool((scale_buf[2] == 0).all())
+
+
+def test_write_rows_refuses_out_of_range_and_mismatch() -> None:
+    weight_buf = torch.zeros((64, 4), dtype=torch.uint8).view(torch.float8_e4m3fn)
+    scale_buf = torch.zeros((1, 4, 2), dtype=torch.uint8)
+    with pytest.raises(NumericsError):
+        repack.write_rows(weight_buf, scale_buf, _payload(2, 64), _scale(2, 2), row0=3)
+    with pytest.raises(NumericsError):
+        repack.write_rows(weight_buf, scale_buf, _payload(2, 32), _scale(2, 1), row0=0)
+
+
+def test_pack_refuses_mismatched_groups() -> None:
+    with pytest.raises(NumericsError):
+        repack.pack_linear(_payload(2, 64), _scale(2, 3))
+    with pytest.raises(NumericsError):
+        repack.pack_linear(_payload(2, 48), _scale(2, 1))
+    with pytest.raises(NumericsError):
+        repack.unpack_scale(torch.zeros((2, 3, 2), dtype=torch.uint8), 5)

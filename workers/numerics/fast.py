@@ -1,0 +1,975 @@
+"""Fast CPU conversion path: block-FP8 -> resolve -> MXFP8, fused, in numba.
+
+Purpose
+    The same functions as :mod:`workers.numerics.reference`, with the same signatures and
+    byte-identical results (SPEC §2; NaN payload bytes 0x7F and 0xFF count as equal), but
+    fast enough that CPU conversion is not the bottleneck of a load: the reference runs
+    ~0.09 GB/s of FP8 source per core, this path ~1 GB/s per core and uses every thread
+    the worker is given. :func:`convert_block_to_mx_packed` also writes the kernel layout
+    of SPEC §2.3 directly, so no transpose pass is needed afterwards.
+
+Why numba, and why tables (the evidence is in ``bench/results/convert.md``)
+    * Rearranged torch ops still make one full pass over memory per elementwise op
+      (decode, multiply, round, exponent, max, scale, clamp, cast: ~10 passes over
+      2-4 byte temporaries), so they stay memory-bound at a few x the naive path.
+      A compiled loop touches each source byte once and keeps everything in registers.
+    * The source is FP8: one byte, 256 possible values, and inside one 128x128 tile the
+      scale is constant. So the resolved value ``R = to_dtype(f32(w) * s)`` is a
+      256-entry table per tile, built once with exact integer arithmetic (a few
+      hundred operations for 16k elements). MX quantization is monotone: |R| grows with
+      ``w & 0x7F`` (rounding is monotone, e4m3fn bytes 0x00..0x7F are ordered by
+      magnitude, 0x7F is NaN and NaN maps to exponent field 255), so a group's Emax is
+      the table's exponent at the group's largest ``w & 0x7F`` -- one byte max over 32
+      bytes. The payload then depends only on ``(w & 0x7F, S)``: a 128-entry table per
+      (tile, S), built lazily (a tile sees a handful of S values), and the sign is
+      ``(w & 0x80) ^ sign(s)``, exact because IEEE products and RNE are sign-symmetric.
+      The hot loop is therefore: byte max over 32 bytes, one table lookup per byte.
+    * Every rounding is done with integer arithmetic on the bits (``_round_pack``), never
+      with float casts, so the result does not depend on the FPU's flush-to-zero /
+      denormals-are-zero mode: 2**(127 - 254) is an f32 subnormal, and tiny scales such
+      as 2**-120 give f32-subnormal products; the only float operation is none at all.
+    * ``mx_quantize`` of a bf16/fp32 tensor (a BF16 reload, SPEC §4) has 65536 or 2**32
+      possible inputs, so it cannot use tables; it uses a branch-free formula for groups
+      whose every element lands in the e4m3 normal range (almost all groups of real
+      weights) and the exact integer routine for the other groups. fp16 input is widened
+      to fp32 first (exact), which is also how SPEC §2.2 defines its Emax.
+
+Threads
+    Kernels run with ``min(torch.get_num_threads(), NUMBA_NUM_THREADS)`` threads, so a
+    Ray worker that was given a share of the cores uses exactly that share. Launches are
+    serialized by a lock: numba's ``workqueue`` threading layer (used where neither TBB
+    nor OpenMP is available) aborts the process on concurrent launches, and a kernel
+    already uses all of the worker's threads.
+
+Compilation
+    ``cache=True``: the first process compiles (reported by ``bench/bench_convert.py``,
+    tens of seconds for all kernels on a small machine) and writes numba's cache next
+    to this file (or ``NUMBA_CACHE_DIR``); later processes, e.g. each Ray worker, load
+    it in well under a second. Compilation happens in :func:`fast_available`, which
+    also runs each kernel on a tiny input with known bytes and returns False (never
+    raises) if numba is missing or anything fails; callers then use the reference.
+
+Limits
+    CPU tensors only. Non-contiguous inputs are copied to contiguous first. Scales are
+    read as bits (any f32, including NaN/Inf/negative/subnormal, follows the IEEE
+    semantics the reference's float32 multiply has). ``mx_quantize`` needs ``K % 32 == 0``
+    (SPEC §2.2: a K that is not a multiple of 32 is never MX-quantized).
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from orchestrator.errors import NumericsError
+from orchestrator.formats import MX_GROUP, MX_PAIR, ceil_div
+
+try:  # numba is a dependency, but the reference must keep working without it.
+    import numba
+    from numba import njit, prange
+
+    _NUMBA_IMPORT_ERROR: str | None = None
+except Exception as exc:  # pragma: no cover - exercised by monkeypatching in tests
+    numba = None
+    _NUMBA_IMPORT_ERROR = f"{type(exc).__name__}: {exc}"
+
+    def njit(*args: Any, **kwargs: Any) -> Any:  # type: ignore[no-redef]
+        """Stand-in decorator so this module imports without numba; never called."""
+        if len(args) == 1 and callable(args[0]) and not kwargs:
+            return args[0]
+        return lambda f: f
+
+    prange = range  # type: ignore[assignment]
+
+
+__all__ = [
+    "convert_block_to_mx",
+    "convert_block_to_mx_packed",
+    "fast_available",
+    "mx_quantize",
+    "resolve_block",
+]
+
+# Output-dtype modes shared by the kernels (ints, because numba kernels take no torch dtypes).
+_MODE_BF16 = 0
+_MODE_FP16 = 1
+_MODE_FP32 = 2
+_MODES: dict[torch.dtype, int] = {
+    torch.bfloat16: _MODE_BF16,
+    torch.float16: _MODE_FP16,
+    torch.float32: _MODE_FP32,
+}
+
+_JIT = {"cache": True, "nogil": True}
+_PJIT = {"cache": True, "nogil": True, "parallel": True}
+
+# =========================================================================================
+# Scalar integer routines (exact, FTZ/DAZ-proof). All values are int64.
+# =========================================================================================
+
+
+@njit(**_JIT)
+def _bitlen(v: int) -> int:
+    """Number of significant bits of an int in [0, 2**63) (0 for 0); a binary search,
+    since the table builders call it per entry."""
+    n = 0
+    if v >= np.int64(1) << 32:
+        v >>= 32
+        n += 32
+    if v >= 1 << 16:
+        v >>= 16
+        n += 16
+    if v >= 1 << 8:
+        v >>= 8
+        n += 8
+    if v >= 1 << 4:
+        v >>= 4
+        n += 4
+    if v >= 1 << 2:
+        v >>= 2
+        n += 2
+    if v >= 1 << 1:
+        v >>= 1
+        n += 1
+    return n + v
+
+
+@njit(**_JIT)
+def _round_pack(sig: int, e2: int, p: int, bias: int, inf_field: int) -> int:
+    """Round the non-negative value ``sig * 2**e2`` to nearest-even in a binary format
+    with ``p`` significand bits (hidden bit included) and exponent ``bias``, subnormals
+    included; return its magnitude bits (exponent field << (p-1) | mantissa). A result
+    whose exponent field reaches ``inf_field`` becomes Inf (that field, mantissa 0); pass
+    a large ``inf_field`` for a saturating format and clamp afterwards."""
+    if sig == 0:
+        return 0
+    lead = e2 + _bitlen(sig) - 1  # unbiased exponent of the leading bit
+    emin = 1 - bias
+    lc = lead if lead > emin else emin
+    qe = lc - (p - 1)  # exponent of one unit in the last place
+    shift = qe - e2
+    if shift > 0:
+        if shift > 62:
+            q = 0  # sig < 2**62 <= half an ulp: rounds to zero
+        else:
+            q = sig >> shift
+            rem = sig - (q << shift)
+            half = np.int64(1) << (shift - 1)
+            if rem > half or (rem == half and (q & 1) == 1):
+                q += 1
+    else:
+        q = sig << (-shift)
+    # Subnormal: field 0 and q is the mantissa; a carry to 2**(p-1) is exactly the
+    # smallest normal. Normal: q = 2**(p-1) + mantissa, and a carry to 2**p bumps the
+    # exponent. Both are this one sum.
+    bits = ((lc + bias - 1) << (p - 1)) + q
+    if (bits >> (p - 1)) >= inf_field:
+        bits = inf_field << (p - 1)
+    return bits
+
+
+@njit(**_JIT)
+def _f32_split(b: int) -> tuple[int, int]:
+    """Finite f32 magnitude bits -> (sig, e2) with value sig * 2**e2, exactly."""
+    e = (b >> 23) & 0xFF
+    m = b & 0x7FFFFF
+    if e == 0:
+        return m, -149
+    return m | 0x800000, e - 150
+
+
+@njit(**_JIT)
+def _f32_to_bf16(b: int) -> int:
+    """f32 bits -> bf16 bits, round-to-nearest-even (overflow to Inf), NaN stays NaN."""
+    if (b & 0x7FFFFFFF) > 0x7F800000:
+        return ((b >> 16) & 0x8000) | 0x7FC0
+    return (b + 0x7FFF + ((b >> 16) & 1)) >> 16
+
+
+@njit(**_JIT)
+def _f32_to_f16(b: int) -> int:
+    """f32 bits -> f16 bits, round-to-nearest-even, overflow to Inf, NaN stays NaN."""
+    sign = (b >> 16) & 0x8000
+    mag = b & 0x7FFFFFFF
+    if mag > 0x7F800000:
+        return sign | 0x7E00
+    e = mag >> 23
+    if 113 <= e <= 142:
+        # f16-normal exponent: rebias 127 -> 15 and drop 13 bits with RNE; a carry out
+        # of 65504 lands exactly on Inf (0x7C00), which is RNE's overflow.
+        return sign | ((mag - (112 << 23) + 0xFFF + ((mag >> 13) & 1)) >> 13)
+    if mag == 0x7F800000:
+        return sign | 0x7C00
+    sig, e2 = _f32_split(mag)
+    return sign | _round_pack(sig, e2, 11, 15, 31)
+
+
+@njit(**_JIT)
+def _f16_to_f32(h: int) -> int:
+    """f16 bits -> the f32 bits of the same value (exact)."""
+    sign = (h & 0x8000) << 16
+    e = (h >> 10) & 0x1F
+    m = h & 0x3FF
+    if e == 31:
+        return sign | 0x7F800000 | (m << 13)
+    if e == 0:
+        if m == 0:
+            return sign
+        return sign | _round_pack(m, -24, 24, 127, 255)  # exact: 11 bits fit in 24
+    return sign | ((e + 112) << 23) | (m << 13)
+
+
+@njit(**_JIT)
+def _product_f32(wb: int, sb: int) -> int:
+    """f32 bits of ``f32(w) * s`` as IEEE float32 computes it (RNE, gradual underflow),
+    in integer arithmetic. ``wb``: e4m3fn byte; ``sb``: f32 bits of the scale."""
+    sign = ((wb >> 7) ^ (sb >> 31)) & 1
+    se = (sb >> 23) & 0xFF
+    w_zero = (wb & 0x7F) == 0
+    if (wb & 0x7F) == 0x7F or (se == 255 and ((sb & 0x7FFFFF) != 0 or w_zero)):
+        return 0x7FC00000  # NaN operand, or 0 * Inf
+    if se == 255:
+        return (sign << 31) | 0x7F800000
+    we = (wb >> 3) & 0xF
+    if we == 0:
+        wsig = wb & 0x7
+        we2 = -9
+    else:
+        wsig = (wb & 0x7) | 8
+        we2 = we - 10
+    ssig, se2 = _f32_split(sb & 0x7FFFFFFF)
+    return (sign << 31) | _round_pack(wsig * ssig, we2 + se2, 24, 127, 255)
+
+
+@njit(**_JIT)
+def _to_mode(r32: int, mode: int) -> int:
+    """f32 bits -> model-dtype bits (one RNE rounding, SPEC §2.1)."""
+    if mode == 0:
+        return _f32_to_bf16(r32)
+    if mode == 1:
+        return _f32_to_f16(r32)
+    return r32
+
+
+@njit(**_JIT)
+def _as_f32_bits(r: int, mode: int) -> int:
+    """Model-dtype bits -> f32 bits of the same value (exact)."""
+    if mode == 0:
+        return r << 16
+    if mode == 1:
+        return _f16_to_f32(r)
+    return r
+
+
+@njit(**_JIT)
+def _resolve_table(
+    sb: int, s_abs: np.float32, mode: int, w_f32: np.ndarray, prod: np.ndarray, out: np.ndarray
+) -> None:
+    """``out[b]`` = model-dtype bits of ``to_dtype(f32(w) * |s|)`` for the 128 E4M3
+    magnitudes ``b`` (SPEC §2.1; the sign is ``(b & 0x80) ^ sign(s)``, see the module
+    docstring). For a normal scale the hardware float32 multiply is used wherever its
+    result is a normal float (exact IEEE RNE under any FTZ/DAZ setting); a zero,
+    subnormal or non-finite result, or a non-normal scale, goes to the integer routine.
+    ``prod`` is float32 scratch of 128 entries; ``w_f32`` the 128 E4M3 values."""
+    se = (sb >> 23) & 0xFF
+    mag_sb = sb & 0x7FFFFFFF
+    pbits = prod.view(np.uint32)
+    if 1 <= se <= 254:
+        for b in range(128):
+            prod[b] = w_f32[b] * s_abs
+    for b in range(128):
+        x = np.int64(pbits[b]) if 1 <= se <= 254 else 0
+        e = (x >> 23) & 0xFF
+        if e == 0 or e == 255:
+            x = _product_f32(b, mag_sb)
+        out[b] = _to_mode(x, mode)
+
+
+@njit(**_JIT)
+def _scale_byte(emax: int) -> int:
+    """SPEC §2.2 step 2."""
+    if emax == 255:
+        return 255
+    return (emax if emax > 8 else 8) - 8
+
+
+@njit(**_JIT)
+def _quant_e4m3(xb: int, s: int) -> int:
+    """SPEC §2.2 step 3 for one element: f32 bits ``xb`` and scale byte ``s`` -> e4m3fn
+    byte of ``xb * 2**(127 - s)``, RNE, subnormals included, saturating at +-448."""
+    if s == 255:
+        return 0x7F
+    sign = (xb >> 24) & 0x80
+    if s == 0:
+        return sign
+    mag = xb & 0x7FFFFFFF
+    if mag >= 0x7F800000:  # cannot happen when s < 255 (Emax would be 255); be total
+        return 0x7F
+    sig, e2 = _f32_split(mag)
+    y = _round_pack(sig, e2 + 127 - s, 4, 7, 1 << 30)
+    if y > 0x7E:
+        y = 0x7E  # clamp to 448 (0x7F is NaN in e4m3fn)
+    return sign | y
+
+
+@njit(**_JIT)
+def _payload_table(r32: np.ndarray, s: int, out: np.ndarray) -> None:
+    """``out[b]`` = e4m3 byte of magnitude ``r32[b]`` (f32 bits) under scale byte ``s``.
+
+    Entries whose exponent lands in the e4m3 normal range take the short formula (RNE
+    drop of 20 mantissa bits, whose carry bumps the exponent, then a rebias from
+    ``127 - s`` to e4m3's 7, then the 448 clamp); the rest take :func:`_quant_e4m3`."""
+    if s == 0 or s == 255:
+        v = 0 if s == 0 else 0x7F
+        for b in range(128):
+            out[b] = v
+        return
+    lim = s - 6 if s > 7 else 1
+    reb = (s - 7) << 3
+    for b in range(128):
+        x = r32[b]
+        if (x >> 23) >= lim and x < 0x7F800000:
+            v = ((x + 0x7FFFF + ((x >> 20) & 1)) >> 20) - reb
+            out[b] = v if v < 0x7E else 0x7E
+        else:
+            out[b] = _quant_e4m3(x, s)
+
+
+_SWAR_HI = np.uint64(0x8080808080808080)
+_SWAR_7F = np.uint64(0x7F7F7F7F7F7F7F7F)
+
+
+@njit(inline="always", **_JIT)
+def _swar_max7(a: np.uint64, b: np.uint64) -> np.uint64:
+    """Byte-wise max of two words whose bytes are all < 0x80 (a guard bit per byte keeps
+    the subtraction from borrowing across bytes)."""
+    ge = ((a | _SWAR_HI) - b) & _SWAR_HI  # 0x80 in every byte where a >= b
+    m = (ge >> np.uint64(7)) * np.uint64(0xFF)
+    return (a & m) | (b & ~m)
+
+
+@njit(inline="always", **_JIT)
+def _group_absmax(w64: np.ndarray, i: int) -> int:
+    """max(byte & 0x7F) over the 32 bytes of words ``w64[i : i + 4]``."""
+    x = _swar_max7(
+        _swar_max7(w64[i] & _SWAR_7F, w64[i + 1] & _SWAR_7F),
+        _swar_max7(w64[i + 2] & _SWAR_7F, w64[i + 3] & _SWAR_7F),
+    )
+    x = _swar_max7(x, x >> np.uint64(32))
+    x = _swar_max7(x, x >> np.uint64(16))
+    x = _swar_max7(x, x >> np.uint64(8))
+    return np.int64(x & np.uint64(0xFF))
+
+
+@njit(**_JIT)
+def _tile_range(t: int, base: int, block: int, n: int) -> tuple[int, int]:
+    """Local ``[lo, hi)`` of the elements of global tile ``t`` in a slice starting at
+    global index ``base`` with ``n`` elements."""
+    lo = t * block - base
+    hi = lo + block
+    if lo < 0:
+        lo = 0
+    if hi > n:
+        hi = n
+    return lo, hi
+
+
+@njit(**_JIT)
+def _e4m3_values() -> np.ndarray:
+    """float32 values of the E4M3 magnitudes 0..127 (0x7F is NaN)."""
+    v = np.empty(128, dtype=np.float32)
+    for b in range(128):
+        e = b >> 3
+        m = b & 7
+        if b == 0x7F:
+            v[b] = np.float32(np.nan)
+        elif e == 0:
+            v[b] = np.float32(m * 2.0**-9)
+        else:
+            v[b] = np.float32((8 + m) * 2.0 ** (e - 10))
+    return v
+
+
+@njit(**_PJIT)
+def _tile_tables(
+    sbits: np.ndarray, sf: np.ndarray, mode: int, r_bits: np.ndarray, emx: np.ndarray
+) -> None:
+    """Per tile ``t = ti * TJ + tj``: ``r_bits[t, b]`` = model-dtype bits of the resolved
+    magnitude ``b`` (0..127) and, when ``emx`` has rows, ``r_bits`` is turned into the f32
+    bits of that value and ``emx[t, b]`` is the running max of their exponent fields
+    (a group's Emax is ``emx`` at its largest magnitude byte, module docstring)."""
+    n_tc = sbits.shape[1]
+    w_f32 = _e4m3_values()
+    with_emax = emx.shape[0] > 0
+    for t in prange(sbits.shape[0] * n_tc):
+        ti = t // n_tc
+        tj = t % n_tc
+        prod = np.empty(128, dtype=np.float32)
+        row = r_bits[t]
+        _resolve_table(np.int64(sbits[ti, tj]), abs(sf[ti, tj]), mode, w_f32, prod, row)
+        if with_emax:
+            run = 0
+            for b in range(128):
+                x = _as_f32_bits(row[b], mode)
+                row[b] = x
+                run = max(run, (x >> 23) & 0xFF)
+                emx[t, b] = run
+
+
+@njit(**_JIT)
+def _row_chunks(n: int, row0: int, bn: int, rows_per_item: int) -> np.ndarray:
+    """Split local rows [0, n) into chunks of at most ``rows_per_item`` rows that never
+    cross a tile-row boundary; returns [n_items, 2] of (lo, hi)."""
+    t_r0 = row0 // bn
+    n_tr = (row0 + n - 1) // bn - t_r0 + 1
+    count = 0
+    for i in range(n_tr):
+        lo, hi = _tile_range(t_r0 + i, row0, bn, n)
+        count += (hi - lo + rows_per_item - 1) // rows_per_item
+    out = np.empty((count, 2), dtype=np.int64)
+    j = 0
+    for i in range(n_tr):
+        lo, hi = _tile_range(t_r0 + i, row0, bn, n)
+        while lo < hi:
+            out[j, 0] = lo
+            out[j, 1] = min(hi, lo + rows_per_item)
+            lo = out[j, 1]
+            j += 1
+    return out
+
+
+@njit(**_PJIT)
+def _resolve_kernel(
+    w: np.ndarray,  # uint8 [n * k], row-major
+    n: int,
+    k: int,
+    sbits: np.ndarray,  # uint32 [TI, TJ], f32 bits of the covering tiles
+    sf: np.ndarray,  # float32 view of the same
+    row0: int,
+    col0: int,
+    bn: int,
+    bk: int,
+    mode: int,
+    out: np.ndarray,  # uint16 or uint32 [n * k]
+    rows_per_item: int,
+) -> None:
+    n_tc = sbits.shape[1]
+    half = np.empty((sbits.shape[0] * n_tc, 128), dtype=np.int64)
+    _tile_tables(sbits, sf, mode, half, np.empty((0, 128), dtype=np.int64))
+    # Full 256-entry tables: the sign of an IEEE product is sign(w) ^ sign(s), and RNE is
+    # symmetric, so entry b | 0x80 is entry b with the sign bit flipped.
+    neg = 0x80000000 if mode == 2 else 0x8000
+    tables = np.empty((half.shape[0], 256), dtype=out.dtype)
+    for t in range(half.shape[0]):
+        sflip = neg if sbits[t // n_tc, t % n_tc] >> 31 else 0
+        for b in range(128):
+            tables[t, b] = half[t, b] | sflip
+            tables[t, b | 128] = half[t, b] | (sflip ^ neg)
+    t_r0 = row0 // bn
+    t_c0 = col0 // bk
+    chunks = _row_chunks(n, row0, bn, rows_per_item)
+    for it in prange(chunks.shape[0]):
+        ti = (row0 + chunks[it, 0]) // bn - t_r0
+        for r in range(chunks[it, 0], chunks[it, 1]):
+            base = r * k
+            for tj in range(n_tc):
+                c_lo, c_hi = _tile_range(t_c0 + tj, col0, bk, k)
+                tab = tables[ti * n_tc + tj]
+                for c in range(base + c_lo, base + c_hi):
+                    out[c] = tab[w[c]]
+
+
+@njit(**_PJIT)
+def _convert_kernel(
+    w: np.ndarray,  # uint8 [n * k], row-major, k % 32 == 0
+    w64: np.ndarray,  # uint64 view of w
+    n: int,
+    k: int,
+    sbits: np.ndarray,  # uint32 [TI, TJ], f32 bits of the covering tiles
+    sf: np.ndarray,  # float32 view of the same
+    row0: int,
+    col0: int,
+    bn: int,
+    bk: int,
+    mode: int,
+    packed: bool,
+    q_out: np.ndarray,  # uint8 flat: [n, k] row-major, or (packed) [k, n_total]
+    n_total: int,
+    out_row0: int,
+    s_out: np.ndarray,  # uint8 flat: [n, g] row-major, or (packed) [ceil(g/2), n_total, 2]
+    rows_per_item: int,
+) -> None:
+    ng = k // 32
+    t_r0 = row0 // bn
+    t_c0 = col0 // bk
+    n_tc = sbits.shape[1]
+    n_tiles = sbits.shape[0] * n_tc
+    r32 = np.empty((n_tiles, 128), dtype=np.int64)
+    emx = np.empty((n_tiles, 128), dtype=np.int64)
+    _tile_tables(sbits, sf, mode, r32, emx)
+    # Column tile of each group (by its first column) and whether it straddles two tiles
+    # (a slice that starts mid-tile, SPEC §2.1): those take the exact per-element path.
+    g_tile = np.empty(ng, dtype=np.int64)
+    g_split = np.empty(ng, dtype=np.bool_)
+    for g in range(ng):
+        c = col0 + 32 * g
+        g_tile[g] = c // bk - t_c0
+        g_split[g] = (c + 31) // bk != c // bk
+    chunks = _row_chunks(n, row0, bn, rows_per_item)
+    for it in prange(chunks.shape[0]):
+        r_lo = chunks[it, 0]
+        r_hi = chunks[it, 1]
+        ti = (row0 + r_lo) // bn - t_r0
+        # Payload tables of (tile, S), built when first needed: slot[tj, S] -> pool row.
+        slot = np.full((n_tc, 256), -1, dtype=np.int32)
+        pool = np.empty((2 * n_tc + 8, 128), dtype=np.uint8)
+        used = 0
+        loc = np.empty((r_hi - r_lo) * k if packed else 0, dtype=np.uint8)
+        for r in range(r_lo, r_hi):
+            base = r * k
+            if packed:
+                dst = loc[(r - r_lo) * k : (r - r_lo + 1) * k]
+            else:
+                dst = q_out[base : base + k]
+            for g in range(ng):
+                c0 = g * 32
+                t = ti * n_tc + g_tile[g]
+                if g_split[g]:
+                    xs = np.empty(32, dtype=np.int64)
+                    emax = 0
+                    for i in range(32):
+                        tj = (col0 + c0 + i) // bk - t_c0
+                        p = _product_f32(np.int64(w[base + c0 + i]), np.int64(sbits[ti, tj]))
+                        x = _as_f32_bits(_to_mode(p, mode), mode)
+                        xs[i] = x
+                        emax = max(emax, (x >> 23) & 0xFF)
+                    s = _scale_byte(emax)
+                    for i in range(32):
+                        dst[c0 + i] = _quant_e4m3(xs[i], s)
+                else:
+                    s = _scale_byte(emx[t, _group_absmax(w64, (base + c0) >> 3)])
+                    tj = g_tile[g]
+                    j = slot[tj, s]
+                    if j < 0:
+                        if used == pool.shape[0]:
+                            bigger = np.empty((2 * used, 128), dtype=np.uint8)
+                            bigger[:used] = pool
+                            pool = bigger
+                        _payload_table(r32[t], s, pool[used])
+                        slot[tj, s] = used
+                        j = used
+                        used += 1
+                    pt = pool[j]
+                    sflip = (np.int64(sbits[ti, tj]) >> 24) & 0x80
+                    for i in range(32):
+                        v = w[base + c0 + i]
+                        dst[c0 + i] = pt[v & 0x7F] | ((v & 0x80) ^ sflip)
+                if packed:
+                    s_out[((g >> 1) * n_total + out_row0 + r) * 2 + (g & 1)] = s
+                else:
+                    s_out[r * ng + g] = s
+        if packed:
+            # Transpose the chunk into the kernel layout: contiguous runs along N.
+            nr = r_hi - r_lo
+            for c in range(k):
+                orow = q_out[c * n_total + out_row0 + r_lo : c * n_total + out_row0 + r_hi]
+                for i in range(nr):
+                    orow[i] = loc[i * k + c]
+
+
+@njit(**_PJIT)
+def _mx_kernel(
+    x: np.ndarray,  # uint16 (bf16 bits) or uint32 (fp32 bits), flat, len % 32 == 0
+    is_bf16: bool,
+    q_out: np.ndarray,  # uint8, flat, same length
+    s_out: np.ndarray,  # uint8, one per group
+) -> None:
+    ng = x.shape[0] // 32
+    chunk = 256
+    n_chunks = (ng + chunk - 1) // chunk
+    # bf16 keeps 7 mantissa bits, fp32 23: e4m3 keeps 3, so drop 4 or 20 (RNE).
+    drop = 4 if is_bf16 else 20
+    ebits = 7 if is_bf16 else 23
+    mag_mask = (np.int64(1) << (ebits + 8)) - 1
+    half = (np.int64(1) << (drop - 1)) - 1
+    for ch in prange(n_chunks):
+        g_end = min(ng, (ch + 1) * chunk)
+        for g in range(ch * chunk, g_end):
+            base = g * 32
+            # Exponent fields grow with the magnitude bits, so Emax is the exponent of the
+            # largest magnitude; the smallest exponent among non-zero elements decides
+            # whether the short formula is exact for the whole group.
+            mmax = 0
+            emin = 255
+            for i in range(32):
+                mag = np.int64(x[base + i]) & mag_mask
+                mmax = max(mmax, mag)
+                emin = min(emin, (mag >> ebits) if mag != 0 else 255)
+            s = _scale_byte(mmax >> ebits)
+            s_out[g] = s
+            if s == 255:
+                for i in range(32):
+                    q_out[base + i] = 0x7F
+            elif s == 0:
+                for i in range(32):
+                    q_out[base + i] = (np.int64(x[base + i]) >> (ebits + 1)) & 0x80
+            elif emin >= 1 and emin >= s - 6:
+                # Every element is zero or lands in the e4m3 normal range: drop the low
+                # mantissa bits with RNE (a carry bumps the exponent, as it should), then
+                # rebias the exponent from 127 - s to e4m3's 7, then clamp to 448.
+                reb = (s - 7) << 3
+                for i in range(32):
+                    h = np.int64(x[base + i])
+                    mag = h & mag_mask
+                    v = min(((mag + half + ((mag >> drop) & 1)) >> drop) - reb, 0x7E)
+                    v = v if mag != 0 else 0
+                    q_out[base + i] = ((h >> (ebits + 1)) & 0x80) | v
+            else:
+                for i in range(32):
+                    h = np.int64(x[base + i])
+                    q_out[base + i] = _quant_e4m3(h << 16 if is_bf16 else h, s)
+
+
+# =========================================================================================
+# Availability, threads, argument handling
+# =========================================================================================
+
+_LOCK = threading.Lock()
+_ROWS_PER_ITEM = 64
+"""Rows per parallel work item: the kernels walk rows of the source in memory order
+(walking a tile column instead, 128 rows apart, was 2-3x slower), and 64 output bytes
+make whole cache lines of the transposed kernel layout."""
+_AVAILABLE: bool | None = None
+_UNAVAILABLE_REASON: str | None = _NUMBA_IMPORT_ERROR
+
+
+def _set_threads() -> None:
+    """Use the worker's share of cores (torch's setting), capped by numba's pool size."""
+    want = max(1, min(torch.get_num_threads(), int(numba.config.NUMBA_NUM_THREADS)))
+    if numba.get_num_threads() != want:
+        numba.set_num_threads(want)
+
+
+@dataclass(frozen=True)
+class _Block:
+    """A validated resolve/convert block, as the kernels take it."""
+
+    w: np.ndarray  # uint8 [n * k], row-major
+    w64: np.ndarray  # uint64 view of w (the group max reads 8 bytes at a time)
+    n: int
+    k: int
+    sbits: np.ndarray  # uint32 [TI, TJ]: bits of the covering tiles
+    sf: np.ndarray  # float32 view of sbits
+
+
+def _block(
+    w_fp8: torch.Tensor,
+    scale_inv_f32: torch.Tensor,
+    row0: int,
+    col0: int,
+    block_n: int,
+    block_k: int,
+    what: str,
+) -> _Block:
+    """Validate a block exactly as ``reference.resolve_block`` does: ``scale_inv_f32``
+    holds the tiles covering the slice, its ``[0, 0]`` being tile
+    ``(row0 // block_n, col0 // block_k)`` (SPEC §2.1: floor of the first index)."""
+    if w_fp8.dtype != torch.float8_e4m3fn or w_fp8.dim() != 2:
+        raise NumericsError(
+            f"{what}: w_fp8 must be a 2-D float8_e4m3fn tensor, got {w_fp8.dtype} "
+            f"{tuple(w_fp8.shape)}"
+        )
+    if scale_inv_f32.dtype != torch.float32 or scale_inv_f32.dim() != 2:
+        raise NumericsError(
+            f"{what}: scale_inv_f32 must be a 2-D float32 tensor, got "
+            f"{scale_inv_f32.dtype} {tuple(scale_inv_f32.shape)}"
+        )
+    if w_fp8.device.type != "cpu" or scale_inv_f32.device.type != "cpu":
+        raise NumericsError(f"{what}: the fast CPU path takes CPU tensors only")
+    if block_n <= 0 or block_k <= 0 or row0 < 0 or col0 < 0:
+        raise NumericsError(
+            f"{what}: bad geometry row0={row0} col0={col0} block=({block_n}, {block_k})"
+        )
+    n, k = w_fp8.shape
+    tile_r0, tile_c0 = row0 // block_n, col0 // block_k
+    want_tr = (row0 + n - 1) // block_n - tile_r0 + 1 if n else 0
+    want_tc = (col0 + k - 1) // block_k - tile_c0 + 1 if k else 0
+    if tuple(scale_inv_f32.shape) != (want_tr, want_tc):
+        raise NumericsError(
+            f"{what}: weight slice rows [{row0}, {row0 + n}) cols [{col0}, {col0 + k}) with "
+            f"block ({block_n}, {block_k}) is covered by {want_tr}x{want_tc} tiles starting at "
+            f"tile ({tile_r0}, {tile_c0}); got a scale of shape {tuple(scale_inv_f32.shape)}"
+        )
+    w = w_fp8.contiguous().view(torch.uint8).reshape(-1).numpy()
+    if k % 8 == 0 and w.ctypes.data % 8 == 0:
+        w64 = w.view(np.uint64)
+    else:
+        # Only the MX kernel reads words, and it needs k % 32 == 0; keep types uniform.
+        w64 = np.zeros(0, dtype=np.uint64)
+        if k % 8 == 0:
+            w = w.copy()  # numpy allocations are aligned
+            w64 = w.view(np.uint64)
+    sbits = scale_inv_f32.contiguous().view(torch.int32).numpy().view(np.uint32)
+    return _Block(w, w64, n, k, sbits, sbits.view(np.float32))
+
+
+def _mode(dtype: torch.dtype, what: str) -> int:
+    if dtype not in _MODES:
+        raise NumericsError(f"{what}: dtype must be bfloat16, float16 or float32, got {dtype}")
+    return _MODES[dtype]
+
+
+def _require() -> None:
+    if not fast_available():
+        raise NumericsError(
+            f"the fast CPU numerics path is unavailable ({_UNAVAILABLE_REASON}); "
+            "use workers.numerics.reference"
+        )
+
+
+def _run_resolve(b: _Block, row0: int, col0: int, bn: int, bk: int, mode: int) -> torch.Tensor:
+    out = torch.empty((b.n, b.k), dtype=torch.int32 if mode == _MODE_FP32 else torch.int16)
+    if b.n and b.k:
+        out_np = out.view(-1).numpy().view(np.uint32 if mode == _MODE_FP32 else np.uint16)
+        with _LOCK:
+            _set_threads()
+            _resolve_kernel(
+                b.w, b.n, b.k, b.sbits, b.sf, row0, col0, bn, bk, mode, out_np, _ROWS_PER_ITEM
+            )
+    return out
+
+
+def _run_convert(
+    b: _Block,
+    row0: int,
+    col0: int,
+    bn: int,
+    bk: int,
+    mode: int,
+    packed: bool,
+    q_np: np.ndarray,
+    s_np: np.ndarray,
+    n_total: int,
+    out_row0: int,
+) -> None:
+    if b.n == 0 or b.k == 0:
+        return
+    with _LOCK:
+        _set_threads()
+        _convert_kernel(
+            b.w, b.w64, b.n, b.k, b.sbits, b.sf, row0, col0, bn, bk, mode,
+            packed, q_np, n_total, out_row0, s_np, _ROWS_PER_ITEM,
+        )  # fmt: skip
+
+
+def _run_mx(bits: np.ndarray, is_bf16: bool, q_np: np.ndarray, s_np: np.ndarray) -> None:
+    if bits.size == 0:
+        return
+    with _LOCK:
+        _set_threads()
+        _mx_kernel(bits, is_bf16, q_np, s_np)
+
+
+def _self_test() -> None:
+    """Compile every kernel on tiny inputs and check bytes derived by hand (SPEC §2)."""
+    # w = [1.0 (0x38), -2.0 (0xC0), 448 (0x7E), 2**-9 (0x01)] * 8, one tile, scale 2**-120:
+    # products 2**-120, -2**-119, 1.75 * 2**-112 and 2**-129 (an f32 subnormal).
+    w = torch.tensor([0x38, 0xC0, 0x7E, 0x01] * 8, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    w = w.reshape(1, 32)
+    scale = torch.tensor([[2.0**-120]], dtype=torch.float32)
+    b = _block(w, scale, 0, 0, 128, 128, "self-test")
+    r = _run_resolve(b, 0, 0, 128, 128, _MODE_BF16)
+    # bf16: 2**-120 -> field 7 -> 0x0380; -2**-119 -> 0x8400; 1.75 * 2**-112 -> 0x07E0;
+    # 2**-129 is a bf16 subnormal, 2**4 units of 2**-133 -> 0x0010.
+    got = [int(v) & 0xFFFF for v in r.view(-1)[:4]]
+    if got != [0x0380, 0x8400, 0x07E0, 0x0010]:
+        raise RuntimeError(f"resolve self-test gave {[hex(v) for v in got]}")
+    # Emax = 15 (1.75 * 2**-112) -> S = 7; scaled by 2**120: 1, -2, 448 and 2**-9, the
+    # e4m3 subnormal 0x01: the input bytes come back.
+    want = [0x38, 0xC0, 0x7E, 0x01] * 8
+    q = np.empty(32, dtype=np.uint8)
+    s = np.empty(1, dtype=np.uint8)
+    for packed in (False, True):
+        _run_convert(b, 0, 0, 128, 128, _MODE_BF16, packed, q, s, 1, 0)
+        if int(s[0]) != 7 or q.tolist() != want:
+            raise RuntimeError(f"convert self-test gave S={int(s[0])}, {q.tolist()}")
+    bits16 = r.view(-1).numpy().view(np.uint16).copy()
+    for bits, is_bf16 in ((bits16, True), (bits16.astype(np.uint32) << 16, False)):
+        _run_mx(bits, is_bf16, q, s)
+        if int(s[0]) != 7 or q.tolist() != want:
+            raise RuntimeError(f"mx self-test gave S={int(s[0])}, {q.tolist()}")
+    for mode in (_MODE_FP16, _MODE_FP32):
+        _run_resolve(b, 0, 0, 128, 128, mode)
+        _run_convert(b, 0, 0, 128, 128, mode, False, q, s, 1, 0)
+        _run_convert(b, 0, 0, 128, 128, mode, True, q, s, 1, 0)
+
+
+def fast_available() -> bool:
+    """True when numba imports and every kernel compiles and passes a tiny self-test.
+
+    The first call compiles (or loads numba's cache); the answer is remembered for the
+    process. Never raises: on any failure the reason is kept for
+    :func:`unavailable_reason` and callers fall back to the reference path.
+    """
+    global _AVAILABLE, _UNAVAILABLE_REASON
+    if _AVAILABLE is not None:
+        return _AVAILABLE
+    try:
+        with _LOCK:
+            pass
+        if numba is None:
+            _AVAILABLE = False
+            return False
+        _self_test()
+        _AVAILABLE = True
+        _UNAVAILABLE_REASON = None
+    except Exception as exc:
+        _AVAILABLE = False
+        _UNAVAILABLE_REASON = f"{type(exc).__name__}: {exc}"
+    return _AVAILABLE
+
+
+def unavailable_reason() -> str | None:
+    """Why :func:`fast_available` said False (None when it said True or was not asked)."""
+    return _UNAVAILABLE_REASON
+
+
+# =========================================================================================
+# Public API (same signatures and semantics as workers.numerics.reference)
+# =========================================================================================
+
+
+def resolve_block(
+    w_fp8: torch.Tensor,
+    scale_inv_f32: torch.Tensor,
+    *,
+    row0: int,
+    col0: int,
+    block_n: int,
+    block_k: int,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """SPEC §2.1, as ``reference.resolve_block``: ``w_fp8`` ``[n, k]`` holds rows
+    ``[row0, row0 + n)`` and cols ``[col0, col0 + k)`` of the source weight and
+    ``scale_inv_f32`` exactly the tiles covering them; returns ``[n, k]`` in ``dtype``."""
+    _require()
+    mode = _mode(dtype, "resolve_block")
+    b = _block(w_fp8, scale_inv_f32, row0, col0, block_n, block_k, "resolve_block")
+    return _run_resolve(b, row0, col0, block_n, block_k, mode).view(dtype)
+
+
+def mx_quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """SPEC §2.2, as ``reference.mx_quantize``: ``[..., K]`` bf16/fp16/fp32 ->
+    (float8_e4m3fn ``[..., K]``, uint8 ``[..., K // 32]``); K must be a multiple of 32."""
+    _require()
+    if x.dtype not in _MODES:
+        raise NumericsError(f"mx_quantize: x has dtype {x.dtype}; expected bf16, fp16 or fp32")
+    if x.dim() == 0 or x.shape[-1] % MX_GROUP != 0:
+        raise NumericsError(
+            f"mx_quantize: last dimension must be a multiple of {MX_GROUP}, got shape "
+            f"{tuple(x.shape)} (SPEC §2.2: such a linear stays resolved in the model dtype)"
+        )
+    if x.device.type != "cpu":
+        raise NumericsError("mx_quantize: the fast CPU path takes CPU tensors only")
+    shape = tuple(x.shape)
+    q = torch.empty(shape, dtype=torch.uint8)
+    s = torch.empty((*shape[:-1], shape[-1] // MX_GROUP), dtype=torch.uint8)
+    if x.dtype == torch.bfloat16:
+        bits = x.contiguous().view(torch.int16).reshape(-1).numpy().view(np.uint16)
+        is_bf16 = True
+    else:
+        # fp16 widens exactly to fp32, and SPEC §2.2 takes fp16's Emax from that f32.
+        bits = x.contiguous().float().view(torch.int32).reshape(-1).numpy().view(np.uint32)
+        is_bf16 = False
+    _run_mx(bits, is_bf16, q.view(-1).numpy(), s.view(-1).numpy())
+    return q.view(torch.float8_e4m3fn), s
+
+
+def convert_block_to_mx(
+    w_fp8: torch.Tensor,
+    scale_inv_f32: torch.Tensor,
+    *,
+    row0: int,
+    col0: int,
+    block_n: int,
+    block_k: int,
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``mx_quantize(resolve_block(...))`` fused in one pass over the source:
+    (float8_e4m3fn ``[n, k]``, uint8 ``[n, k // 32]``); k must be a multiple of 32."""
+    _require()
+    mode = _mode(dtype, "convert_block_to_mx")
+    b = _block(w_fp8, scale_inv_f32, row0, col0, block_n, block_k, "convert_block_to_mx")
+    if b.k % MX_GROUP != 0:
+        raise NumericsError(
+            f"convert_block_to_mx: K = {b.k} is not a multiple of {MX_GROUP} (SPEC §2.2: "
+            "such a linear stays resolved in the model dtype)"
+        )
+    q = torch.empty((b.n, b.k), dtype=torch.uint8)
+    s = torch.empty((b.n, b.k // MX_GROUP), dtype=torch.uint8)
+    _run_convert(
+        b, row0, col0, block_n, block_k, mode, False, q.view(-1).numpy(), s.view(-1).numpy(), 0, 0
+    )
+    return q.view(torch.float8_e4m3fn), s
+
+
+def convert_block_to_mx_packed(
+    w_fp8: torch.Tensor,
+    scale_inv_f32: torch.Tensor,
+    *,
+    row0: int,
+    col0: int,
+    block_n: int,
+    block_k: int,
+    dtype: torch.dtype,
+    out_weight: torch.Tensor,
+    out_scale: torch.Tensor,
+    out_row0: int,
+) -> None:
+    """The fused conversion written in place into the kernel layout (SPEC §2.3).
+
+    Row ``i`` of the block becomes column ``out_row0 + i`` of ``out_weight`` ``[K, N_total]``
+    (float8_e4m3fn, or its uint8 view) and of ``out_scale`` ``[ceil(g/2), N_total, 2]``
+    uint8; with an odd ``g`` the last pair's second byte of those columns is written 0.
+    Nothing else is touched, so the buffers can be persistent (views of a MoE stack
+    included, as long as they are contiguous). Equals ``repack.write_rows`` of
+    :func:`convert_block_to_mx`'s result, byte for byte.
+    """
+    _require()
+    what = "convert_block_to_mx_packed"
+    mode = _mode(dtype, what)
+    b = _block(w_fp8, scale_inv_f32, row0, col0, block_n, block_k, what)
+    if b.k % MX_GROUP != 0:
+        raise NumericsError(f"{what}: K = {b.k} is not a multiple of {MX_GROUP} (SPEC §2.2)")
+    g = b.k // MX_GROUP
+    if out_weight.dtype not in (torch.float8_e4m3fn, torch.uint8) or out_weight.dim() != 2:
+        raise NumericsError(
+            f"{what}: out_weight must be a 2-D float8_e4m3fn or uint8 tensor, got "
+            f"{out_weight.dtype} {tuple(out_weight.shape)}"
+        )
+    n_total = out_weight.shape[1]
+    if out_weight.shape[0] != b.k or out_row0 < 0 or out_row0 + b.n > n_total:
+        raise NumericsError(
+            f"{what}: a [{b.n}, {b.k}] block at column {out_row0} does not fit out_weight "
+            f"{tuple(out_weight.shape)} ([K, N_total])"
+        )
+    want_scale = (ceil_div(g, MX_PAIR), n_total, MX_PAIR)
+    if out_scale.dtype != torch.uint8 or tuple(out_scale.shape) != want_scale:
+        raise NumericsError(
+            f"{what}: out_scale must be uint8 {want_scale}, got {out_scale.dtype} "
+            f"{tuple(out_scale.shape)}"
+        )
+    for name, t in (("out_weight", out_weight), ("out_scale", out_scale)):
+        if t.device.type != "cpu" or not t.is_contiguous():
+            raise NumericsError(f"{what}: {name} must be a contiguous CPU tensor")
+    _run_convert(
+        b, row0, col0, block_n, block_k, mode, True,
+        out_weight.view(torch.uint8).view(-1).numpy(), out_scale.view(-1).numpy(),
+        n_total, out_row0,
+    )  # fmt: skip
+    if g % MX_PAIR and b.n:
+        out_scale[-1, out_row0 : out_row0 + b.n, 1] = 0  # SPEC §2.3: odd g pads with 0

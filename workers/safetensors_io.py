@@ -1,0 +1,347 @@
+"""Writing safetensors files as a stream, and viewing raw bytes as tensors.
+
+Why a writer of our own: mxload writes checkpoints (``make-checkpoint``, ``convert``) and
+per-rank dumps (``--dump``) whose tensors are produced one at a time; the ``safetensors``
+library wants every tensor in memory at once. :class:`SafetensorsWriter` knows every name,
+dtype and shape up front, so it writes the header first and then each tensor's bytes as
+they come: memory stays bounded by one tensor.
+
+Layout written (the safetensors format, as the official library writes it): 8-byte
+little-endian header length, the JSON header (``__metadata__`` when given, then each
+tensor's ``dtype``, ``shape`` and ``data_offsets`` relative to the data section) padded
+with spaces to a multiple of 8, then the data with no gaps. The data is ordered by item
+size, largest first, then by the order of ``specs`` (:attr:`SafetensorsWriter.order`): with
+the data section 8-byte aligned, every tensor then starts aligned to its item size.
+
+Destinations: a local path is written to ``<path>.partial`` with positioned writes, so
+tensors may arrive in any order, and renamed into place on :meth:`close` (a crash leaves
+no file that looks complete). Any other fsspec URL (``memory://``, ``s3://``...) is written
+sequentially: a tensor that arrives before its turn is held in memory until the tensors
+before it are written, so the memory bound holds when tensors are written in ``order``.
+
+:func:`tensor_from_bytes` turns a buffer of little-endian bytes into a torch tensor of a
+safetensors dtype without copying when the buffer is writable and aligned.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections.abc import Mapping, Sequence
+from types import TracebackType
+from typing import Any
+
+import fsspec
+import torch
+
+from orchestrator.formats import SAFETENSORS_ITEMSIZE
+
+if sys.byteorder != "little":  # pragma: no cover - safetensors is little-endian only
+    raise ImportError("mxload's safetensors I/O assumes a little-endian host")
+
+SAFETENSORS_TO_TORCH: dict[str, torch.dtype] = {
+    "BOOL": torch.bool,
+    "U8": torch.uint8,
+    "I8": torch.int8,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+    "I16": torch.int16,
+    "U16": torch.uint16,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I32": torch.int32,
+    "U32": torch.uint32,
+    "F32": torch.float32,
+    "I64": torch.int64,
+    "U64": torch.uint64,
+    "F64": torch.float64,
+}
+"""safetensors dtype string -> torch dtype (those this torch build has)."""
+if hasattr(torch, "float8_e8m0fnu"):
+    SAFETENSORS_TO_TORCH["F8_E8M0"] = torch.float8_e8m0fnu
+
+TORCH_TO_SAFETENSORS: dict[torch.dtype, str] = {v: k for k, v in SAFETENSORS_TO_TORCH.items()}
+
+_ALIGN = 8
+
+
+def _numel(shape: Sequence[int]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _is_url(path: str) -> bool:
+    return "://" in path and not path.startswith("file://")
+
+
+class SafetensorsWriter:
+    """Streams one safetensors file: header first, then tensors in any order.
+
+    ``specs`` is ``[(name, dtype, shape), ...]`` with safetensors dtype strings (``F8_E4M3``,
+    ``F32``, ``BF16``, ``U8``...). Every tensor must be written exactly once before
+    :meth:`close`; a context manager closes on success and discards the file on error.
+    """
+
+    def __init__(
+        self,
+        path: str,
+        specs: Sequence[tuple[str, str, tuple[int, ...]]],
+        metadata: Mapping[str, str] | None = None,
+        *,
+        storage_options: Mapping[str, Any] | None = None,
+    ) -> None:
+        self.path = path
+        self._entries: dict[str, tuple[str, tuple[int, ...], int, int]] = {}
+        checked: list[tuple[str, str, tuple[int, ...]]] = []
+        for spec in specs:
+            if not (isinstance(spec, tuple | list) and len(spec) == 3):
+                raise ValueError(
+                    f"{path}: a tensor spec must be (name, dtype, shape), got {spec!r}"
+                )
+            name, dtype, shape = spec
+            if not isinstance(name, str) or not name or name == "__metadata__":
+                raise ValueError(f"{path}: invalid tensor name {name!r}")
+            if name in self._entries:
+                raise ValueError(f"{path}: tensor {name!r} is listed twice")
+            if dtype not in SAFETENSORS_ITEMSIZE:
+                raise ValueError(f"{path}: tensor {name!r} has unknown dtype {dtype!r}")
+            if not isinstance(shape, tuple | list) or any(
+                isinstance(d, bool) or not isinstance(d, int) or d < 0 for d in shape
+            ):
+                raise ValueError(f"{path}: tensor {name!r} has invalid shape {shape!r}")
+            self._entries[name] = (dtype, (), 0, 0)  # placeholder: duplicate detection
+            checked.append((name, dtype, tuple(int(d) for d in shape)))
+        # Largest item size first keeps every tensor aligned (see module doc); sorted() is
+        # stable, so spec order is kept within one item size.
+        checked = sorted(checked, key=lambda s: -SAFETENSORS_ITEMSIZE[s[1]])
+        self.order: list[str] = [name for name, _, _ in checked]
+        """Tensor names in data order: writing in this order never buffers a tensor."""
+        self._order = self.order
+        offset = 0
+        for name, dtype, shape_t in checked:
+            nbytes = _numel(shape_t) * SAFETENSORS_ITEMSIZE[dtype]
+            self._entries[name] = (dtype, shape_t, offset, offset + nbytes)
+            offset += nbytes
+        self.data_bytes = offset
+        """Size of the data section."""
+        header: dict[str, Any] = {}
+        if metadata:
+            if not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
+                raise ValueError(f"{path}: safetensors metadata must map str to str")
+            header["__metadata__"] = dict(metadata)
+        for name in self._order:
+            dtype, shape_t, start, end = self._entries[name]
+            header[name] = {"dtype": dtype, "shape": list(shape_t), "data_offsets": [start, end]}
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-(8 + len(raw)) % _ALIGN)
+        self._prefix = len(raw).to_bytes(8, "little") + raw
+        self.data_start = len(self._prefix)
+        """File offset of the data section."""
+
+        self._written: set[str] = set()
+        self._pending: dict[str, bytes] = {}
+        self._next = 0  # sequential mode: index into _order of the next tensor to write
+        self._closed = False
+        self._local = not _is_url(path)
+        if self._local:
+            local = path[len("file://") :] if path.startswith("file://") else path
+            self._final = local
+            self._partial = local + ".partial"
+            self._fh: Any = open(self._partial, "wb")  # closed in close() / abort()
+        else:
+            self._final = self._partial = path
+            self._fh = fsspec.open(path, "wb", **dict(storage_options or {})).open()
+        self._fh.write(self._prefix)
+        self._skip_empty()
+
+    # -- writing ------------------------------------------------------------------------------
+
+    def write(self, name: str, data: Any) -> None:
+        """Write tensor ``name``: a contiguous torch tensor of its dtype and shape, or bytes."""
+        if self._closed:
+            raise ValueError(f"{self.path}: write({name!r}) after close")
+        entry = self._entries.get(name)
+        if entry is None:
+            raise KeyError(f"{self.path}: tensor {name!r} is not in the header")
+        if name in self._written:
+            raise ValueError(f"{self.path}: tensor {name!r} written twice")
+        dtype, shape, start, end = entry
+        view = self._bytes_of(name, data, dtype, shape)
+        if view.nbytes != end - start:
+            raise ValueError(
+                f"{self.path}: tensor {name!r} needs {end - start} bytes "
+                f"({dtype} {list(shape)}), got {view.nbytes}"
+            )
+        if self._local:
+            self._fh.seek(self.data_start + start)
+            self._fh.write(view)
+            self._written.add(name)
+            return
+        self._written.add(name)
+        if view.nbytes == 0:
+            return  # occupies no bytes; _skip_empty steps over it
+        if self._order[self._next] != name:
+            self._pending[name] = bytes(view)  # early: held until its turn (see module doc)
+            return
+        self._fh.write(view)
+        self._next += 1
+        self._drain()
+
+    def _bytes_of(self, name: str, data: Any, dtype: str, shape: tuple[int, ...]) -> memoryview:
+        if isinstance(data, torch.Tensor):
+            expected = SAFETENSORS_TO_TORCH.get(dtype)
+            if data.dtype != expected:
+                raise ValueError(
+                    f"{self.path}: tensor {name!r} is declared {dtype}, got torch {data.dtype}"
+                )
+            if tuple(data.shape) != shape:
+                raise ValueError(
+                    f"{self.path}: tensor {name!r} is declared {list(shape)}, got {list(data.shape)}"
+                )
+            if not data.is_contiguous():
+                raise ValueError(f"{self.path}: tensor {name!r} is not contiguous")
+            t = data.detach()
+            if t.device.type != "cpu":
+                t = t.cpu()
+            if t.numel() == 0:
+                return memoryview(b"")
+            flat: Any = t.reshape(-1).view(torch.uint8).numpy()
+            return memoryview(flat).cast("B")
+        mv = memoryview(data)
+        if not mv.c_contiguous:
+            raise ValueError(f"{self.path}: tensor {name!r}: bytes must be contiguous")
+        return mv.cast("B") if (mv.format != "B" or mv.ndim != 1) else mv
+
+    def _skip_empty(self) -> None:
+        # Zero-byte tensors occupy no bytes: they never block the sequential stream.
+        while self._next < len(self._order):
+            name = self._order[self._next]
+            _, _, start, end = self._entries[name]
+            if start != end:
+                break
+            self._next += 1
+
+    def _drain(self) -> None:
+        self._skip_empty()
+        while self._next < len(self._order) and self._order[self._next] in self._pending:
+            self._fh.write(self._pending.pop(self._order[self._next]))
+            self._next += 1
+            self._skip_empty()
+
+    # -- closing -------------------------------------------------------------------------------
+
+    def missing(self) -> list[str]:
+        """Tensors not written yet, in header order."""
+        done = self._written
+        return [
+            n for n in self._order if n not in done and self._entries[n][2] != self._entries[n][3]
+        ]
+
+    def close(self) -> None:
+        """Finish the file; refuses (and discards it) if a tensor was never written."""
+        if self._closed:
+            return
+        missing = self.missing()
+        if missing:
+            self.abort()
+            shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
+            raise ValueError(
+                f"{self.path}: {len(missing)} tensor(s) never written: {shown}; file discarded"
+            )
+        if self._local:
+            # A tensor with no bytes at the end still needs the file to reach its length.
+            self._fh.truncate(self.data_start + self.data_bytes)
+        self._fh.close()
+        self._closed = True
+        if self._local:
+            os.replace(self._partial, self._final)
+
+    def abort(self) -> None:
+        """Discard the file being written."""
+        if self._closed:
+            return
+        self._closed = True
+        self._pending.clear()
+        if self._local:
+            self._fh.close()
+            try:
+                os.remove(self._partial)
+            except FileNotFoundError:
+                pass
+        else:
+            discard = getattr(self._fh, "discard", None)
+            if callable(discard):
+                discard()  # fsspec buffered files: drop without committing
+            else:
+                self._fh.close()
+
+    def __enter__(self) -> SafetensorsWriter:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()
+
+
+def write_safetensors(
+    path: str,
+    tensors: Mapping[str, torch.Tensor],
+    metadata: Mapping[str, str] | None = None,
+    *,
+    storage_options: Mapping[str, Any] | None = None,
+) -> None:
+    """Write ``tensors`` (name -> contiguous tensor) to ``path`` in one go."""
+    specs: list[tuple[str, str, tuple[int, ...]]] = []
+    for name, t in tensors.items():
+        dtype = TORCH_TO_SAFETENSORS.get(t.dtype)
+        if dtype is None:
+            raise ValueError(
+                f"{path}: tensor {name!r} has dtype {t.dtype} with no safetensors name"
+            )
+        specs.append((name, dtype, tuple(t.shape)))
+    with SafetensorsWriter(path, specs, metadata, storage_options=storage_options) as w:
+        for name, t in tensors.items():
+            w.write(name, t.contiguous())
+
+
+def tensor_from_bytes(buf: Any, dtype: str, shape: Sequence[int]) -> torch.Tensor:
+    """View little-endian ``buf`` as a tensor of safetensors ``dtype`` and ``shape``.
+
+    No copy when ``buf`` is writable and aligned to the item size; a read-only buffer
+    (``bytes``) or a misaligned one is copied first (torch must not alias memory it may
+    not write, and misaligned wide loads are slow or faulting on some hosts).
+    """
+    tdtype = SAFETENSORS_TO_TORCH.get(dtype)
+    if tdtype is None:
+        raise ValueError(f"unknown safetensors dtype {dtype!r}")
+    shape_t = tuple(int(d) for d in shape)
+    if any(d < 0 for d in shape_t):
+        raise ValueError(f"invalid shape {list(shape_t)}")
+    itemsize = SAFETENSORS_ITEMSIZE[dtype]
+    mv = memoryview(buf)
+    if not mv.c_contiguous:
+        raise ValueError("tensor_from_bytes: buffer must be contiguous")
+    mv = mv.cast("B") if (mv.format != "B" or mv.ndim != 1) else mv
+    want = _numel(shape_t) * itemsize
+    if mv.nbytes != want:
+        raise ValueError(
+            f"tensor_from_bytes: {dtype} {list(shape_t)} needs {want} bytes, got {mv.nbytes}"
+        )
+    if want == 0:
+        return torch.empty(shape_t, dtype=tdtype)
+    if mv.readonly:
+        mv = memoryview(bytearray(mv))
+    raw = torch.frombuffer(mv, dtype=torch.uint8)
+    if raw.data_ptr() % itemsize:
+        raw = raw.clone()
+    return raw.view(tdtype).reshape(shape_t)
