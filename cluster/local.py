@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import secrets
 import shutil
 import socket
 import subprocess
@@ -43,9 +44,17 @@ RAY_ENV = {
 
 
 def prepare_environment() -> None:
-    """Process-wide settings every Ray start here needs (idempotent)."""
+    """Process-wide settings every Ray start here needs (idempotent).
+
+    Ray reads RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER once, when ``ray._private.ray_constants``
+    is first imported; with it on, Ray rewrites 127.0.0.1 in ``ray.init(address=...)`` to
+    the interface address and the driver then dials that. If Ray was imported before
+    these variables were set, the constant is corrected in place."""
     for key, value in RAY_ENV.items():
         os.environ.setdefault(key, value)
+    constants = sys.modules.get("ray._private.ray_constants")
+    if constants is not None and os.environ.get("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER") == "0":
+        constants.ENABLE_RAY_CLUSTER = False  # type: ignore[attr-defined]
     quiet_ray_logging()
 
 
@@ -55,6 +64,11 @@ def quiet_ray_logging() -> None:
     for name in ("ray._private.accelerators", "ray._private.accelerators.npu"):
         logging.getLogger(name).setLevel(logging.CRITICAL)
     logging.getLogger("ray").setLevel(logging.ERROR)
+
+
+# Set before anything imports Ray (see prepare_environment).
+for _key, _value in RAY_ENV.items():
+    os.environ.setdefault(_key, _value)
 
 
 def mxload_home() -> Path:
@@ -102,11 +116,20 @@ def start_embedded(
     return temp_dir
 
 
-def connect(address: str) -> None:
-    """Join an existing Ray cluster (``--address``) in mxload's namespace."""
+def connect(address: str, *, token: str | None = None) -> None:
+    """Join an existing Ray cluster (``--address``) in mxload's namespace.
+
+    ``token``: the head's authentication token (Ray >= 2.5x enables token auth on new
+    clusters); a head started by ``start_detached_head`` records its own. For a cluster
+    of your own, Ray's usual ``RAY_AUTH_TOKEN``/``~/.ray/auth_token`` apply."""
     import ray
 
     prepare_environment()
+    if token:
+        os.environ["RAY_AUTH_MODE"] = "token"
+        os.environ["RAY_AUTH_TOKEN"] = token
+        os.environ.pop("RAY_AUTH_TOKEN_PATH", None)
+        _refresh_ray_auth()
     ray.init(
         address=address,
         namespace=NAMESPACE,
@@ -114,6 +137,18 @@ def connect(address: str) -> None:
         log_to_driver=False,
     )
     quiet_ray_logging()
+
+
+def _refresh_ray_auth() -> None:
+    """Ray caches its auth mode and token when it is imported; re-read them after the
+    environment changed (Ray's own test utilities do the same)."""
+    try:
+        from ray._raylet import AuthenticationTokenLoader, Config
+
+        Config.initialize("")
+        AuthenticationTokenLoader.instance().reset_cache()
+    except (ImportError, AttributeError):  # an older Ray without token auth
+        pass
 
 
 @dataclass(frozen=True)
@@ -125,6 +160,8 @@ class HeadRecord:
     resource: str
     num_devices: int
     started_at: float
+    token: str = ""
+    """The head's Ray auth token (the record file is private to its owner)."""
 
 
 def _record_path(home: Path) -> Path:
@@ -159,7 +196,8 @@ def start_detached_head(
         "--include-dashboard=false",
         "--disable-usage-stats",
     ]
-    env = dict(os.environ, **RAY_ENV)
+    token = secrets.token_hex(32)
+    env = dict(os.environ, **RAY_ENV, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=token)
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
     if proc.returncode != 0:
         raise SessionError(
@@ -171,8 +209,12 @@ def start_detached_head(
         resource=resource,
         num_devices=num_devices,
         started_at=time.time(),
+        token=token,
     )
-    _record_path(home).write_text(json.dumps(asdict(record), indent=2))
+    path = _record_path(home)
+    path.touch(mode=0o600, exist_ok=True)
+    path.chmod(0o600)
+    path.write_text(json.dumps(asdict(record), indent=2))
     return record
 
 

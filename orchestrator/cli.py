@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import sys
 import warnings
 from collections.abc import Sequence
@@ -443,7 +442,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not debug:
         warnings.filterwarnings("ignore")
         logging.getLogger("ray").setLevel(logging.ERROR)
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    # Before anything imports Ray: loopback only, no usage stats (cluster/local.py).
+    import cluster.local  # noqa: F401
     try:
         args = build_parser().parse_args(argv)
         if not args.command:

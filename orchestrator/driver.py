@@ -92,6 +92,7 @@ def plan_load(req: LoadRequest) -> tuple[Any, Plan]:
         device_memory=req.device_memory,
         device="cpu" if req.device in ("cpu", "auto") else req.device,
         remote=not _is_local(req.src),
+        fused=workers_fused(req.device),
     )
     if req.staging_budget is not None and req.staging_budget < plan.min_staging_load:
         raise StagingBudgetError(
@@ -107,6 +108,19 @@ def plan_load(req: LoadRequest) -> tuple[Any, Plan]:
             rank=worst.rank,
         )
     return meta, plan
+
+
+def workers_fused(device: str) -> bool:
+    """Whether workers will convert with the fused CPU kernel (plans no resolve
+    scratch). Device paths (npu, cuda) resolve with eager torch ops: unfused."""
+    if device not in ("cpu", "auto"):
+        return False
+    try:
+        from workers.numerics.fast import fast_available
+
+        return bool(fast_available())
+    except ImportError:
+        return False
 
 
 def _is_local(src: str) -> bool:
@@ -402,12 +416,17 @@ def write_dump(run: RayRun, manifest: dict[str, Any], out_dir: str) -> None:
 
     import ray
 
-    from workers.safetensors_io import write_safetensors
+    from orchestrator.formats import BUFFER_TO_SAFETENSORS
+    from workers.safetensors_io import SafetensorsWriter
 
     os.makedirs(out_dir, exist_ok=True)
     for rank, actor in enumerate(run.actors):
-        tensors = ray.get(actor.host_tensors.remote())
-        write_safetensors(os.path.join(out_dir, f"rank-{rank:05d}.safetensors"), tensors)
+        raw = ray.get(actor.host_tensors.remote())
+        specs = [(n, BUFFER_TO_SAFETENSORS[d], tuple(shape)) for n, (d, shape, _) in raw.items()]
+        path = os.path.join(out_dir, f"rank-{rank:05d}.safetensors")
+        with SafetensorsWriter(path, specs, metadata={"format": "pt"}) as w:
+            for name in w.order:
+                w.write(name, raw[name][2].tobytes())
     with open(os.path.join(out_dir, "manifest.json"), "w") as f:
         json.dump(manifest, f, indent=1)
 

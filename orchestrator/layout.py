@@ -148,51 +148,68 @@ def _rule_present(arch: Architecture, rule: TensorRule, config: ModelConfig) -> 
     return any(kind(config, i) for i in range(config.num_hidden_layers))
 
 
-def _split_problem(
-    arch: Architecture, config: ModelConfig, dim_name: str, ways: int, what: str, flag: str
-) -> str | None:
-    dim = arch.dims[dim_name]
-    count = dim.count(config)
-    if count % ways != 0:
-        return f"{dim.key} ({count}) is not divisible by {flag} ({ways}): {what}"
-    return None
+class _Problems:
+    """Reasons a layout is refused, each with the flag to change and the tensors it hits."""
+
+    def __init__(self) -> None:
+        self.reasons: dict[str, tuple[str, list[str]]] = {}
+
+    def add(self, reason: str, flag: str, tensor: str = "") -> None:
+        _, tensors = self.reasons.setdefault(reason, (flag, []))
+        if tensor and tensor not in tensors:
+            tensors.append(tensor)
+
+    def split(
+        self,
+        arch: Architecture,
+        config: ModelConfig,
+        dim_name: str,
+        ways: int,
+        flag: str,
+        tensor: str,
+    ) -> None:
+        dim = arch.dims[dim_name]
+        count = dim.count(config)
+        if count % ways != 0:
+            self.add(f"{dim.key} ({count}) is not divisible by {flag} ({ways})", flag, tensor)
 
 
 def _source_problems(
+    problems: _Problems,
     arch: Architecture,
     config: ModelConfig,
     layout: ParallelLayout,
     rule: TensorRule,
     src: SourceSpec,
-) -> list[str]:
+) -> None:
     tp = layout.tp
-    where = f"{rule.name} splits {src.module}"
-    if rule.style == "column":
-        if src.split == "kv_heads":
-            kv = arch.dims[src.dims[0]].count(config)
-            if kv % tp != 0 and tp % kv != 0:
-                return [
-                    f"{arch.dims[src.dims[0]].key} ({kv}) and --tp ({tp}) do not divide one "
-                    f"another: {where} by kv heads (kv % tp == 0, or tp % kv == 0 to replicate)"
-                ]
-            return []
-        p = _split_problem(arch, config, src.dims[0], tp, f"{where} rows over tp", "--tp")
-        return [p] if p else []
-    if rule.style == "row":
-        p = _split_problem(arch, config, src.dims[1], tp, f"{where} columns over tp", "--tp")
-        return [p] if p else []
-    return []
+    if rule.style == "column" and src.split == "kv_heads":
+        dim = arch.dims[src.dims[0]]
+        kv = dim.count(config)
+        if kv % tp != 0 and tp % kv != 0:
+            problems.add(
+                f"{dim.key} ({kv}) and --tp ({tp}) do not divide one another (kv heads are "
+                "split when kv % tp == 0 and replicated when tp % kv == 0)",
+                "--tp",
+                rule.name,
+            )
+    elif rule.style == "column":
+        problems.split(arch, config, src.dims[0], tp, "--tp", rule.name)
+    elif rule.style == "row":
+        problems.split(arch, config, src.dims[1], tp, "--tp", rule.name)
 
 
 def validate_layout(config: ModelConfig, layout: ParallelLayout) -> None:
-    """Refuse a layout the model cannot take (LayoutError listing every reason, SPEC §5)."""
+    """Refuse a layout the model cannot take: one LayoutError listing every reason, each
+    with the tensors it concerns (SPEC §5); ``key`` names the flag of the first reason."""
     _check_degrees(layout)
     arch = architecture_for(config)
-    problems: list[str] = []
+    problems = _Problems()
     if layout.pp > config.num_hidden_layers:
-        problems.append(
+        problems.add(
             f"--pp ({layout.pp}) is more pipeline stages than num_hidden_layers "
-            f"({config.num_hidden_layers})"
+            f"({config.num_hidden_layers})",
+            "--pp",
         )
     moe_group = ep_size(layout)
     for rule in arch.rules:
@@ -201,42 +218,40 @@ def validate_layout(config: ModelConfig, layout: ParallelLayout) -> None:
         if rule.style == "vocab":
             vp = padded_vocab(config.vocab_size)
             if vp % layout.tp != 0:
-                problems.append(
+                problems.add(
                     f"vocab_size ({config.vocab_size}, padded to {vp}) is not divisible by "
-                    f"--tp ({layout.tp}): {rule.name} is vocab-parallel"
+                    f"--tp ({layout.tp})",
+                    "--tp",
+                    rule.name,
                 )
-            continue
-        if rule.style == "moe":
-            if uses_expert_parallel(config, layout):
-                if config.num_experts < moe_group:
-                    problems.append(
-                        f"{arch.dims['E'].key} ({config.num_experts}) is fewer than the "
-                        f"expert-parallel group dp*tp ({moe_group}): some ranks would hold "
-                        "no expert; lower --dp/--tp or drop --enable-expert-parallel"
-                    )
-            else:
-                for k, src in enumerate(rule.sources):
-                    # gate and up (w13) split their rows, down (w2) its columns.
-                    dim = src.dims[0] if k < 2 else src.dims[1]
-                    p = _split_problem(
-                        arch,
-                        config,
-                        dim,
-                        moe_group,
-                        "experts are TP-sharded over dp*tp without --enable-expert-parallel",
-                        "dp*tp",
-                    )
-                    if p:
-                        problems.append(p)
-            continue
-        for src in rule.sources:
-            problems.extend(_source_problems(arch, config, layout, rule, src))
-    if problems:
-        unique = list(dict.fromkeys(problems))
+        elif rule.style == "moe" and uses_expert_parallel(config, layout):
+            if config.num_experts < moe_group:
+                problems.add(
+                    f"{arch.dims['E'].key} ({config.num_experts}) is fewer than the "
+                    f"expert-parallel group dp*tp ({moe_group}): some ranks would hold "
+                    "no expert; lower --dp/--tp or drop --enable-expert-parallel",
+                    "--enable-expert-parallel",
+                    rule.name,
+                )
+        elif rule.style == "moe":
+            # Without EP each expert is TP-sharded over dp*tp: gate and up (w13) split
+            # their rows, down (w2) its columns.
+            for k, src in enumerate(rule.sources):
+                dim = src.dims[0] if k < 2 else src.dims[1]
+                problems.split(arch, config, dim, moe_group, "dp*tp", rule.name)
+        else:
+            for src in rule.sources:
+                _source_problems(problems, arch, config, layout, rule, src)
+    if problems.reasons:
+        listed = [
+            reason + (f" [{', '.join(tensors)}]" if tensors else "")
+            for reason, (_, tensors) in problems.reasons.items()
+        ]
+        first_flag = next(iter(problems.reasons.values()))[0]
         raise LayoutError(
             f"{config.source}: layout tp={layout.tp} dp={layout.dp} pp={layout.pp}"
             f"{' with expert parallel' if layout.enable_expert_parallel else ''} does not fit "
-            f"{config.architecture}: " + "; ".join(unique),
+            f"{config.architecture}: " + "; ".join(listed),
             file=config.source,
-            key="--tp" if "--tp" in unique[0] else ("--pp" if "--pp" in unique[0] else "--dp"),
+            key="--dp" if first_flag == "dp*tp" else first_flag,
         )

@@ -28,7 +28,9 @@ Speed: ranks that share a shard share the objects that describe it. A block (one
 row in one layer for one shard) is built once and cached by ``(row, layer, shard key)``,
 where the shard key is what the row depends on: the tp rank for column/row/vocab styles,
 the MoE rank for experts, nothing for replicated rows. A 256-rank DeepSeek-V3 plan builds
-a few thousand blocks, not 256 copies of every layer.
+a few thousand blocks, not 256 copies of every layer. The memory model is run once per
+distinct unit geometry (and once per distinct sequence of them, for a rank's staging),
+and the cyclic garbage collector is paused while the (acyclic) plan objects are built.
 
 Limits: a plan without expert parallel on a very large MoE world still builds every
 rank's unit list (one unit per expert half per layer per rank; tens of millions for
@@ -38,7 +40,9 @@ DeepSeek-V3 on 256 ranks without EP), which is slow; layouts that real deploymen
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import gc
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -549,6 +553,17 @@ def _geometry(unit: Unit, reads: UnitReads | int, align: int) -> tuple[Any, ...]
     return (unit.kind, unit.layout, unit.quantized, unit.rows, unit.cols, parts, read_shape)
 
 
+@contextmanager
+def _gc_paused() -> Iterator[None]:
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
 def _few(names: Sequence[str], limit: int = 3) -> str:
     shown = ", ".join(names[:limit])
     return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
@@ -591,14 +606,43 @@ def build_plan(
     device_memory: int | None = None,
     device: str = "cpu",
     remote: bool = False,
+    fused: bool = True,
 ) -> Plan:
     """Every rank's plan, with reads (when there is a checkpoint) and staging (SPEC §6).
 
     ``staging_budget`` None means the default of SPEC §6: the reload minimum of the whole
     plan (the largest unit of any rank), the same budget on every rank; a budget below
-    the load minimum is refused (StagingBudgetError stating the minimum). ``remote``
-    picks the coalescing policy the predicted ``bytes_to_read`` assumes. A config-only
-    plan has no byte ranges: it predicts ``bytes_to_read`` = ``bytes_needed``."""
+    the load minimum is refused (StagingBudgetError stating the minimum). ``fused``: the
+    workers convert with the fused CPU kernel (no resolve scratch). ``remote``
+    picks the coalescing policy the predicted ``bytes_to_read`` assumes; it sums each
+    unit's coalesced requests, as the loader issues them unit by unit. A config-only plan
+    has no byte ranges: it predicts ``bytes_to_read`` = ``bytes_needed``."""
+    # A large plan creates hundreds of thousands of small acyclic objects; the cyclic
+    # collector would rescan the growing heap over and over while they are built.
+    with _gc_paused():
+        return _build_plan(
+            config,
+            layout,
+            checkpoint=checkpoint,
+            staging_budget=staging_budget,
+            device_memory=device_memory,
+            device=device,
+            remote=remote,
+            fused=fused,
+        )
+
+
+def _build_plan(
+    config: ModelConfig,
+    layout: ParallelLayout,
+    *,
+    checkpoint: CheckpointMeta | None,
+    staging_budget: int | None,
+    device_memory: int | None,
+    device: str,
+    remote: bool,
+    fused: bool = True,
+) -> Plan:
     from orchestrator.memory import (
         ConvertOptions,
         min_budgets,
@@ -612,16 +656,25 @@ def build_plan(
     quant = config.quant.kind
     block_n = config.quant.block_n if quant == "block_fp8" else (1 if quant == "mxfp8" else 128)
     opts = ConvertOptions(
-        model_dtype=config.model_dtype, source_quant=quant, device=device, block_n=block_n
+        model_dtype=config.model_dtype,
+        source_quant=quant,
+        device=device,
+        block_n=block_n,
+        fused=fused,
     )
     reads_of: dict[int, UnitReads] = {}
+    # The loader requests each unit's ranges on their own (per file, coalesced under the
+    # policy), so a rank fetches the sum of its units' requests: a tensor two units share
+    # (a tied embedding on a one-stage rank) is fetched twice, and no gap between two
+    # units' ranges is ever bridged.
+    fetch_of: dict[int, int] = {}
     # Sizing is the slow part (min_budgets walks every 16-row chunk of a unit), and it
     # depends only on a unit's geometry and read sizes, never on its name or layer: units
     # of equal geometry are sized once, and ranks whose units have equal geometries, in
     # the same order, share one staging estimate.
     geometry_ids: dict[tuple[Any, ...], int] = {}
     mins_of_geometry: list[tuple[int, int]] = []
-    geometry_of_unit: dict[int, int] = {}
+    gids_of_block: dict[int, tuple[int, ...]] = {}
 
     staged: list[_Staged] = []
     load_min = reload_min = 0
@@ -632,32 +685,47 @@ def build_plan(
         reads: tuple[UnitReads, ...] | None = None
         if checkpoint is not None:
             rank_reads: list[UnitReads] = []
+            to_read = 0
             for u in units:
                 r = reads_of.get(id(u))
                 if r is None:
                     r = reads_of[id(u)] = unit_reads(u, checkpoint)
+                    fetch_of[id(u)] = predicted_read_bytes((r,), policy)
                 rank_reads.append(r)
+                to_read += fetch_of[id(u)]
             reads = tuple(rank_reads)
             needed = sum(r.nbytes for r in reads)
-            to_read = predicted_read_bytes(reads, policy)
             read_fn = read_fn_from_reads(units, reads, block_n=block_n, source_quant=quant)
         else:
             unit_needed = [n for b in blocks for n in b.needed]
             needed = to_read = sum(unit_needed)
             read_fn = proportional_read_fn(units, unit_needed)
         signature: list[int] = []
-        for i, u in enumerate(units):
-            gid = geometry_of_unit.get(id(u))
-            if gid is None:
-                key = _geometry(u, reads[i] if reads is not None else unit_needed[i], block_n)
-                gid = geometry_ids.get(key)
-                if gid is None:
-                    gid = geometry_ids[key] = len(mins_of_geometry)
-                    mins_of_geometry.append(min_budgets((u,), read_fn, opts))
-                geometry_of_unit[id(u)] = gid
-            signature.append(gid)
-            lo, hi = mins_of_geometry[gid]
-            load_min, reload_min = max(load_min, lo), max(reload_min, hi)
+        pos = 0
+        for block in blocks:
+            gids = gids_of_block.get(id(block))
+            if gids is None:
+                # Every expert of a MoE block has the same geometry: size its first pair.
+                moe = bool(block.units) and block.units[0].kind == "moe_w13"
+                sample = block.units[:2] if moe else block.units
+                ids = []
+                for i, u in enumerate(sample, start=pos):
+                    if reads is not None:
+                        key = _geometry(u, reads[i], block_n)
+                    else:  # a proportional read size does not depend on tile alignment
+                        key = _geometry(u, unit_needed[i], 1)
+                    gid = geometry_ids.get(key)
+                    if gid is None:
+                        gid = geometry_ids[key] = len(mins_of_geometry)
+                        mins_of_geometry.append(min_budgets((u,), read_fn, opts))
+                        load_min = max(load_min, mins_of_geometry[gid][0])
+                        reload_min = max(reload_min, mins_of_geometry[gid][1])
+                    ids.append(gid)
+                gids = gids_of_block[id(block)] = (
+                    tuple(ids) * (len(block.units) // len(sample)) if sample else ()
+                )
+            signature.extend(gids)
+            pos += len(block.units)
         staged.append(_Staged(c, buffers, units, read_fn, needed, to_read, reads, tuple(signature)))
 
     budget = staging_budget if staging_budget is not None else reload_min
@@ -681,6 +749,7 @@ def build_plan(
                 device,
                 source_quant=quant,
                 block_n=block_n,
+                fused=fused,
             )
         ranks.append(
             RankPlan(

@@ -16,7 +16,8 @@ from ``Unit.quantized``, so the reads of a new checkpoint version (a BF16 RL che
 SPEC §4) can be planned against the units of the session that loaded the first one.
 
 ``bytes_needed`` (SPEC §6) is the sum of these ranges; the bytes actually requested are
-the ranges coalesced per file under a :class:`CoalescePolicy`. :func:`requested_bytes_fast`
+the ranges coalesced per file under a :class:`CoalescePolicy` (the planner coalesces each
+unit's reads on their own, as the loader requests them unit by unit). :func:`requested_bytes_fast`
 computes exactly what ``orchestrator.ranges.requested_bytes`` computes, but walks a
 strided range by whole runs of merged segments instead of row by row, so a 256-rank plan
 of DeepSeek-V3 (hundreds of thousands of row segments per rank) stays fast.
@@ -67,15 +68,18 @@ def rect_range(
     return ByteRange(first, width, row_bytes, nrows)
 
 
-def _matrix_shape(shape: tuple[int, ...]) -> tuple[int, int]:
-    if len(shape) == 2:
-        return shape[0], shape[1]
-    if len(shape) == 1:
-        return 1, shape[0]
-    n = 1
-    for d in shape[:-1]:
-        n *= d
-    return n, shape[-1] if shape else 1
+def _matrix_shape(info: TensorInfo) -> tuple[int, int]:
+    """``[N, K]`` of a tensor as parts address it (1-D tensors are ``[1, n]``)."""
+    if len(info.shape) == 2:
+        return info.shape[0], info.shape[1]
+    if len(info.shape) == 1:
+        return 1, info.shape[0]
+    raise CheckpointError(
+        f"{info.file}: tensor {info.name!r} has shape {list(info.shape)}; mxload reads 1-D "
+        "and 2-D tensors only",
+        file=info.file,
+        tensor=info.name,
+    )
 
 
 def _tensor(checkpoint: CheckpointMeta, name: str, unit: Unit) -> TensorInfo:
@@ -93,7 +97,7 @@ def part_read(part: Part, checkpoint: CheckpointMeta, unit: Unit) -> PartRead:
     """The reads of one part: its weight rectangle and, for a quantized weight, the scale
     tiles covering it."""
     info = _tensor(checkpoint, part.tensor_name, unit)
-    n, k = _matrix_shape(info.shape)
+    n, k = _matrix_shape(info)
     if not (0 <= part.rows[0] <= part.rows[1] <= n and 0 <= part.cols[0] <= part.cols[1] <= k):
         raise CheckpointError(
             f"{info.file}: tensor {info.name!r} has shape {list(info.shape)}, too small for "
@@ -127,7 +131,7 @@ def part_read(part: Part, checkpoint: CheckpointMeta, unit: Unit) -> PartRead:
     else:  # MXFP8: one U8 per 32 columns, i.e. tiles of 1 x 32
         block_n, block_k = 1, MX_GROUP
         want_dtype = MX_SCALE_DTYPE
-    tn, tk = _matrix_shape(scale.shape)
+    tn, tk = _matrix_shape(scale)
     t_rows = tile_span(part.rows[0], part.rows[1], block_n)
     t_cols = tile_span(part.cols[0], part.cols[1], block_k)
     if scale.dtype != want_dtype or t_rows[1] > tn or t_cols[1] > tk:

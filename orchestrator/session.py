@@ -35,6 +35,7 @@ from orchestrator.driver import (
     RayRun,
     build_manifest,
     source_info,
+    workers_fused,
 )
 from orchestrator.driver import (
     load as driver_load,
@@ -119,6 +120,7 @@ def plan_reload(held: Plan, req: LoadRequest) -> tuple[Any, Plan]:
         staging_budget=None,
         device="cpu",
         remote="://" in req.src and not req.src.startswith("file://"),
+        fused=workers_fused(req.device),
     )
     problems += preflight(held, new)
     if problems:

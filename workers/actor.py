@@ -139,8 +139,16 @@ class RankWorker:
         )
         return out
 
-    def host_tensors(self) -> dict[str, torch.Tensor]:
-        return self.loader.host_tensors()
+    def host_tensors(self) -> dict[str, tuple[str, list[int], Any]]:
+        """name -> (torch dtype name, shape, raw bytes as a numpy uint8 array).
+
+        Raw bytes, not tensors: Ray would pickle tensors through torch.load, which mxload
+        never uses (and which fails for float8 storages)."""
+        out = {}
+        for name, t in self.loader.host_tensors().items():
+            raw = t.contiguous().reshape(-1).view(torch.uint8).numpy()
+            out[name] = (str(t.dtype).removeprefix("torch."), list(t.shape), raw)
+        return out
 
     def checksums(self) -> dict[str, str]:
         return self.loader.checksums()

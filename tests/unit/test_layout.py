@@ -102,7 +102,12 @@ def test_pipeline_split_94_layers_over_4_stages() -> None:
 
 @pytest.mark.parametrize(
     "layers,pp,sizes",
-    [(5, 3, [2, 2, 1]), (7, 4, [2, 2, 2, 1]), (61, 8, [7, 7, 8, 8, 8, 8, 8, 7]), (4, 4, [1, 1, 1, 1])],
+    [
+        (5, 3, [2, 2, 1]),
+        (7, 4, [2, 2, 2, 1]),
+        (61, 8, [7, 7, 8, 8, 8, 8, 8, 7]),
+        (4, 4, [1, 1, 1, 1]),
+    ],
 )
 def test_pipeline_split_hand_cases(layers: int, pp: int, sizes: list[int]) -> None:
     assert [len(pipeline_layers(layers, pp, s)) for s in range(pp)] == sizes
@@ -284,5 +289,25 @@ def test_expert_parallel_on_a_dense_model_is_a_no_op() -> None:
 def test_every_reason_is_listed() -> None:
     cfg = qwen3(intermediate_size=520, vocab_size=1000)
     msg = refused(cfg, ParallelLayout(tp=3, pp=5))
-    for fragment in ("num_attention_heads (8)", "intermediate_size (520)", "--pp (5)", "vocab_size"):
+    for fragment in (
+        "num_attention_heads (8)",
+        "intermediate_size (520)",
+        "--pp (5)",
+        "vocab_size",
+    ):
         assert fragment in msg, fragment
+
+
+def test_error_names_the_flag_and_the_tensors() -> None:
+    with pytest.raises(LayoutError) as info:
+        validate_layout(real("qwen3-30b-a3b-fp8"), ParallelLayout(pp=49))
+    assert info.value.key == "--pp"
+    with pytest.raises(LayoutError) as info:
+        validate_layout(
+            real("qwen3-30b-a3b-fp8"), ParallelLayout(tp=8, dp=32, enable_expert_parallel=True)
+        )
+    assert info.value.key == "--enable-expert-parallel" and "[mlp.experts]" in str(info.value)
+    with pytest.raises(LayoutError) as info:
+        validate_layout(real("qwen3-32b-fp8"), ParallelLayout(tp=3))
+    assert info.value.key == "--tp"
+    assert "[self_attn.qkv_proj, self_attn.o_proj]" in str(info.value)

@@ -147,6 +147,12 @@ class Backend:
 
     # --- device plumbing ----------------------------------------------------------------
 
+    @property
+    def fused(self) -> bool:
+        """Whether resolve and quantize run as one kernel with no model-dtype
+        intermediate (the memory model then plans no resolve scratch)."""
+        return self._convert_fn is not None
+
     def to_device(self, t: torch.Tensor) -> torch.Tensor:
         """``t`` on this backend's device (no copy when it is already there)."""
         return t.to(self.device)

@@ -1,59 +1,74 @@
-"""Fast CPU conversion path: block-FP8 -> resolve -> MXFP8, fused, in numba.
+"""Fast CPU conversion path: block-FP8 -> resolve -> MXFP8 in one pass, in numba.
 
 Purpose
-    The same functions as :mod:`workers.numerics.reference`, with the same signatures and
-    byte-identical results (SPEC §2; NaN payload bytes 0x7F and 0xFF count as equal), but
-    fast enough that CPU conversion is not the bottleneck of a load: the reference runs
-    ~0.09 GB/s of FP8 source per core, this path ~1 GB/s per core and uses every thread
-    the worker is given. :func:`convert_block_to_mx_packed` also writes the kernel layout
-    of SPEC §2.3 directly, so no transpose pass is needed afterwards.
+    The functions of :mod:`workers.numerics.reference` with the same signatures and
+    byte-identical results (SPEC §2; NaN payload bytes 0x7F and 0xFF count as equal), fast
+    enough that CPU conversion stops being the bottleneck of a load, plus
+    :func:`convert_block_to_mx_packed`, which writes the kernel layout of SPEC §2.3 in
+    place (what ``repack.write_rows`` does after the reference, without the transpose
+    pass). ``tests/unit/test_numerics_fast.py`` holds it to the reference and to the
+    named case table; ``bench/bench_convert.py`` measures it (``bench/results/``).
 
-Why numba, and why tables (the evidence is in ``bench/results/convert.md``)
-    * Rearranged torch ops still make one full pass over memory per elementwise op
-      (decode, multiply, round, exponent, max, scale, clamp, cast: ~10 passes over
-      2-4 byte temporaries), so they stay memory-bound at a few x the naive path.
-      A compiled loop touches each source byte once and keeps everything in registers.
-    * The source is FP8: one byte, 256 possible values, and inside one 128x128 tile the
-      scale is constant. So the resolved value ``R = to_dtype(f32(w) * s)`` is a
-      256-entry table per tile, built once with exact integer arithmetic (a few
-      hundred operations for 16k elements). MX quantization is monotone: |R| grows with
-      ``w & 0x7F`` (rounding is monotone, e4m3fn bytes 0x00..0x7F are ordered by
-      magnitude, 0x7F is NaN and NaN maps to exponent field 255), so a group's Emax is
-      the table's exponent at the group's largest ``w & 0x7F`` -- one byte max over 32
-      bytes. The payload then depends only on ``(w & 0x7F, S)``: a 128-entry table per
-      (tile, S), built lazily (a tile sees a handful of S values), and the sign is
-      ``(w & 0x80) ^ sign(s)``, exact because IEEE products and RNE are sign-symmetric.
-      The hot loop is therefore: byte max over 32 bytes, one table lookup per byte.
-    * Every rounding is done with integer arithmetic on the bits (``_round_pack``), never
-      with float casts, so the result does not depend on the FPU's flush-to-zero /
-      denormals-are-zero mode: 2**(127 - 254) is an f32 subnormal, and tiny scales such
-      as 2**-120 give f32-subnormal products; the only float operation is none at all.
-    * ``mx_quantize`` of a bf16/fp32 tensor (a BF16 reload, SPEC §4) has 65536 or 2**32
-      possible inputs, so it cannot use tables; it uses a branch-free formula for groups
-      whose every element lands in the e4m3 normal range (almost all groups of real
-      weights) and the exact integer routine for the other groups. fp16 input is widened
-      to fp32 first (exact), which is also how SPEC §2.2 defines its Emax.
+Why numba, and why tables (evidence: ``bench/results/convert.md``)
+    * Rearranged torch ops stay memory-bound: each elementwise op is a pass over 2-4 byte
+      temporaries, and the best torch arrangement measured (one 256-entry table lookup
+      per tile, then the MX steps) was only a few times the naive path. A compiled loop
+      reads each source byte once and keeps the rest in registers. numba is already a
+      dependency; ``@njit(parallel=True, cache=True, nogil=True)`` gives threads, an
+      on-disk compile cache and GIL-free calls (reads overlap conversion).
+    * The source is FP8: a byte, and one scale per tile. So ``R = to_dtype(f32(w) * s)``
+      is a 128-entry table per tile (the sign is ``(w & 0x80) ^ sign(s)``: IEEE products
+      and RNE are sign-symmetric), built once per tile -- a few hundred operations for
+      16k elements. MX quantization is monotone: |R| never decreases as ``w & 0x7F``
+      grows (rounding is monotone, e4m3fn bytes 0x00..0x7E are ordered by magnitude,
+      0x7F is NaN, NaN and Inf have exponent field 255), so a group's Emax is the table's
+      running-max exponent at the group's largest ``w & 0x7F``: a byte max over 32 bytes,
+      done 8 bytes per word (SWAR). The payload then depends only on ``(w, S)``: a
+      256-entry table per (tile, S), built when a group first needs it (a tile sees a
+      handful of S values). The hot loop is one word-wise max and 32 table lookups per
+      group; the rest is amortized.
+    * Exactness does not depend on the FPU mode. Table entries come from the hardware
+      float32 multiply only where its result is a normal float (then it is the IEEE RNE
+      product whatever flush-to-zero / denormals-are-zero say); zero, subnormal and
+      non-finite products, and non-normal scales, take an integer routine
+      (``_round_pack``), as does every other rounding (bf16/fp16 RNE, e4m3 RNE with
+      subnormals and the 448 clamp). No value is ever scaled by 2**(127 - S) in floating
+      point, so 2**(127 - 254) being an f32 subnormal cannot matter.
+    * ``mx_quantize`` of a bf16/fp32 tensor (a BF16 reload, SPEC §4) has too many
+      possible inputs for tables: groups whose non-zero elements all land in the e4m3
+      normal range (nearly all groups of real weights) take a branch-free formula (RNE
+      drop of the low mantissa bits, whose carry bumps the exponent; rebias; clamp),
+      other groups the exact integer routine. fp16 is widened to fp32 first (exact; SPEC
+      §2.2 defines fp16's Emax on that fp32 value).
+    * Loop shapes that mattered, measured: work items walk whole source rows in memory
+      order (tile-column order, rows 4 KiB apart, was 2-3x slower); hot loops index with
+      unsigned integers (numba then drops its negative-index fix-up: 2x on the resolve
+      loop) and create no array views per group; the packed path converts rows into a
+      buffer whose row stride is padded off 4 KiB, then transposes 8x8 bytes at a time
+      in registers.
 
 Threads
     Kernels run with ``min(torch.get_num_threads(), NUMBA_NUM_THREADS)`` threads, so a
-    Ray worker that was given a share of the cores uses exactly that share. Launches are
-    serialized by a lock: numba's ``workqueue`` threading layer (used where neither TBB
-    nor OpenMP is available) aborts the process on concurrent launches, and a kernel
-    already uses all of the worker's threads.
+    Ray worker given a share of the cores uses that share. Launches are serialized by a
+    lock: numba's ``workqueue`` threading layer (used where neither TBB nor OpenMP is
+    available) aborts the process on concurrent launches, and a launch already uses all
+    of the worker's threads. (With the OpenMP layer, do not ``fork`` a process after its
+    first launch; Ray starts workers fresh, so the loader never does.)
 
 Compilation
-    ``cache=True``: the first process compiles (reported by ``bench/bench_convert.py``,
-    tens of seconds for all kernels on a small machine) and writes numba's cache next
-    to this file (or ``NUMBA_CACHE_DIR``); later processes, e.g. each Ray worker, load
-    it in well under a second. Compilation happens in :func:`fast_available`, which
-    also runs each kernel on a tiny input with known bytes and returns False (never
-    raises) if numba is missing or anything fails; callers then use the reference.
+    ``cache=True``: the first process compiles (``bench/bench_convert.py`` reports how
+    long: tens of seconds on a small machine) and writes numba's cache next to this file
+    (or under ``NUMBA_CACHE_DIR``); later processes, such as each Ray worker, load it in
+    well under a second. Compilation happens in :func:`fast_available`, which also runs
+    every kernel on a tiny input with bytes derived by hand, and returns False (never
+    raises) when numba is missing or anything fails; callers then use the reference
+    (``backend.select_backend`` does).
 
 Limits
-    CPU tensors only. Non-contiguous inputs are copied to contiguous first. Scales are
-    read as bits (any f32, including NaN/Inf/negative/subnormal, follows the IEEE
-    semantics the reference's float32 multiply has). ``mx_quantize`` needs ``K % 32 == 0``
-    (SPEC §2.2: a K that is not a multiple of 32 is never MX-quantized).
+    CPU tensors only; non-contiguous inputs are copied first. ``mx_quantize`` and the
+    convert functions need ``K % 32 == 0`` (SPEC §2.2: such a linear is never
+    MX-quantized). A group that straddles two scale tiles (a slice starting mid-tile)
+    takes a slow per-element path; tile-aligned slices never have one.
 """
 
 from __future__ import annotations
@@ -317,16 +332,20 @@ def _quant_e4m3(xb: int, s: int) -> int:
 
 
 @njit(**_JIT)
-def _payload_table(r32: np.ndarray, s: int, out: np.ndarray) -> None:
-    """``out[b]`` = e4m3 byte of magnitude ``r32[b]`` (f32 bits) under scale byte ``s``.
+def _payload_table(r32: np.ndarray, s: int, sflip: int, out: np.ndarray) -> None:
+    """``out[b]`` = e4m3 byte for source byte ``b`` (0..255) of a tile whose resolved
+    magnitudes are ``r32`` (f32 bits) and whose scale has sign bit ``sflip`` (0 or 0x80),
+    under group scale byte ``s``.
 
     Entries whose exponent lands in the e4m3 normal range take the short formula (RNE
     drop of 20 mantissa bits, whose carry bumps the exponent, then a rebias from
-    ``127 - s`` to e4m3's 7, then the 448 clamp); the rest take :func:`_quant_e4m3`."""
+    ``127 - s`` to e4m3's 7, then the 448 clamp); the rest take :func:`_quant_e4m3`.
+    The sign is ``(b & 0x80) ^ sflip``: IEEE products and RNE are sign-symmetric."""
     if s == 0 or s == 255:
         v = 0 if s == 0 else 0x7F
         for b in range(128):
-            out[b] = v
+            out[b] = v | sflip
+            out[b | 128] = v | (sflip ^ 0x80)
         return
     lim = s - 6 if s > 7 else 1
     reb = (s - 7) << 3
@@ -334,9 +353,11 @@ def _payload_table(r32: np.ndarray, s: int, out: np.ndarray) -> None:
         x = r32[b]
         if (x >> 23) >= lim and x < 0x7F800000:
             v = ((x + 0x7FFFF + ((x >> 20) & 1)) >> 20) - reb
-            out[b] = v if v < 0x7E else 0x7E
+            v = v if v < 0x7E else 0x7E
         else:
-            out[b] = _quant_e4m3(x, s)
+            v = _quant_e4m3(x, s)
+        out[b] = v | sflip
+        out[b | 128] = v | (sflip ^ 0x80)
 
 
 _SWAR_HI = np.uint64(0x8080808080808080)
@@ -355,9 +376,10 @@ def _swar_max7(a: np.uint64, b: np.uint64) -> np.uint64:
 @njit(inline="always", **_JIT)
 def _group_absmax(w64: np.ndarray, i: int) -> int:
     """max(byte & 0x7F) over the 32 bytes of words ``w64[i : i + 4]``."""
+    u = np.uint64(i)
     x = _swar_max7(
-        _swar_max7(w64[i] & _SWAR_7F, w64[i + 1] & _SWAR_7F),
-        _swar_max7(w64[i + 2] & _SWAR_7F, w64[i + 3] & _SWAR_7F),
+        _swar_max7(w64[u] & _SWAR_7F, w64[u + np.uint64(1)] & _SWAR_7F),
+        _swar_max7(w64[u + np.uint64(2)] & _SWAR_7F, w64[u + np.uint64(3)] & _SWAR_7F),
     )
     x = _swar_max7(x, x >> np.uint64(32))
     x = _swar_max7(x, x >> np.uint64(16))
@@ -480,7 +502,199 @@ def _resolve_kernel(
                 c_lo, c_hi = _tile_range(t_c0 + tj, col0, bk, k)
                 tab = tables[ti * n_tc + tj]
                 for c in range(base + c_lo, base + c_hi):
-                    out[c] = tab[w[c]]
+                    uc = np.uint64(c)  # unsigned: no negative-index fix-up
+                    out[uc] = tab[w[uc]]
+
+
+@njit(**_JIT)
+def _convert_rows(
+    w: np.ndarray,
+    w64: np.ndarray,
+    k: int,
+    r_lo: int,
+    r_hi: int,
+    ti: int,
+    sbits: np.ndarray,
+    col0: int,
+    bk: int,
+    mode: int,
+    r32: np.ndarray,
+    emx: np.ndarray,
+    g_tile: np.ndarray,
+    g_split: np.ndarray,
+    dst: np.ndarray,
+    d_stride: int,
+    s_dst: np.ndarray,
+) -> None:
+    """Convert local rows ``[r_lo, r_hi)`` (all in tile row ``ti``): payload of (row r,
+    column c) to ``dst[(r - r_lo) * d_stride + c]``, scale byte of (r, g) to
+    ``s_dst[r - r_lo, g]``.
+
+    A plain (not parallel) function, so its loops compile like hand-written C; the hot
+    loop indexes flat arrays and creates no array views (each view costs reference
+    counting, which at one per group was a third of the run time)."""
+    ng = k // 32
+    n_tc = sbits.shape[1]
+    t_c0 = col0 // bk
+    # Payload tables of (tile column, S), 256 bytes each, built the first time a group
+    # needs one: slot[tj, S] is its offset in ``pool`` (-1: not built yet).
+    slot = np.full((n_tc, 256), -1, dtype=np.int64)
+    pool = np.empty(256 * (2 * n_tc + 8), dtype=np.uint8)
+    used = 0
+    for r in range(r_lo, r_hi):
+        base = r * k
+        d_row = (r - r_lo) * d_stride
+        for g in range(ng):
+            c0 = g * 32
+            tj = g_tile[g]
+            if g_split[g]:
+                # The group straddles two scale tiles (a slice that starts mid-tile,
+                # SPEC §2.1): the exact per-element path, rare.
+                xs = np.empty(32, dtype=np.int64)
+                emax = 0
+                for i in range(32):
+                    tjj = (col0 + c0 + i) // bk - t_c0
+                    p = _product_f32(np.int64(w[base + c0 + i]), np.int64(sbits[ti, tjj]))
+                    x = _as_f32_bits(_to_mode(p, mode), mode)
+                    xs[i] = x
+                    emax = max(emax, (x >> 23) & 0xFF)
+                s = _scale_byte(emax)
+                for i in range(32):
+                    dst[d_row + c0 + i] = _quant_e4m3(xs[i], s)
+            else:
+                t = ti * n_tc + tj
+                s = _scale_byte(emx[t, _group_absmax(w64, (base + c0) >> 3)])
+                off = slot[tj, s]
+                if off < 0:
+                    if used == pool.shape[0]:
+                        bigger = np.empty(2 * used, dtype=np.uint8)
+                        bigger[:used] = pool
+                        pool = bigger
+                    sflip = (np.int64(sbits[ti, tj]) >> 24) & 0x80
+                    _payload_table(r32[t], s, sflip, pool[used : used + 256])
+                    slot[tj, s] = used
+                    off = used
+                    used += 256
+                # Unsigned indices: numba then skips its negative-index fix-up.
+                src = np.uint64(base + c0)
+                d = np.uint64(d_row + c0)
+                uoff = np.uint64(off)
+                for i in range(32):
+                    ui = np.uint64(i)
+                    dst[d + ui] = pool[uoff + np.uint64(w[src + ui])]
+            s_dst[r - r_lo, g] = s
+
+
+_M8 = np.uint64(0x00FF00FF00FF00FF)
+_M16 = np.uint64(0x0000FFFF0000FFFF)
+_M32 = np.uint64(0x00000000FFFFFFFF)
+
+
+@njit(inline="always", **_JIT)
+def _swap(a: np.uint64, b: np.uint64, sh: np.uint64, m: np.uint64) -> tuple[np.uint64, np.uint64]:
+    """Exchange the ``m``-masked fields of ``b`` with the fields ``sh`` bits up in ``a``."""
+    t = ((a >> sh) ^ b) & m
+    return a ^ (t << sh), b ^ t
+
+
+@njit(**_JIT)
+def _transpose_words(
+    loc64: np.ndarray, s8: int, nr: int, k: int, q64: np.ndarray, n8: int, col8: int
+) -> None:
+    """Transpose ``nr`` rows of ``k`` bytes (word stride ``s8``) into columns ``8*col8``
+    onward of rows of ``n8`` words, 8x8 bytes at a time in registers (three rounds of
+    field swaps). Needs nr, k, the column and the row length multiples of 8."""
+    sh8 = np.uint64(8)
+    sh16 = np.uint64(16)
+    sh32 = np.uint64(32)
+    for c8 in range(k // 8):
+        for i8 in range(nr // 8):
+            b = i8 * 8 * s8 + c8
+            x0 = loc64[b]
+            x1 = loc64[b + s8]
+            x2 = loc64[b + 2 * s8]
+            x3 = loc64[b + 3 * s8]
+            x4 = loc64[b + 4 * s8]
+            x5 = loc64[b + 5 * s8]
+            x6 = loc64[b + 6 * s8]
+            x7 = loc64[b + 7 * s8]
+            x0, x1 = _swap(x0, x1, sh8, _M8)
+            x2, x3 = _swap(x2, x3, sh8, _M8)
+            x4, x5 = _swap(x4, x5, sh8, _M8)
+            x6, x7 = _swap(x6, x7, sh8, _M8)
+            x0, x2 = _swap(x0, x2, sh16, _M16)
+            x1, x3 = _swap(x1, x3, sh16, _M16)
+            x4, x6 = _swap(x4, x6, sh16, _M16)
+            x5, x7 = _swap(x5, x7, sh16, _M16)
+            x0, x4 = _swap(x0, x4, sh32, _M32)
+            x1, x5 = _swap(x1, x5, sh32, _M32)
+            x2, x6 = _swap(x2, x6, sh32, _M32)
+            x3, x7 = _swap(x3, x7, sh32, _M32)
+            o = c8 * 8 * n8 + col8 + i8
+            q64[o] = x0
+            q64[o + n8] = x1
+            q64[o + 2 * n8] = x2
+            q64[o + 3 * n8] = x3
+            q64[o + 4 * n8] = x4
+            q64[o + 5 * n8] = x5
+            q64[o + 6 * n8] = x6
+            q64[o + 7 * n8] = x7
+
+
+@njit(**_JIT)
+def _convert_item(
+    w: np.ndarray,
+    w64: np.ndarray,
+    k: int,
+    r_lo: int,
+    r_hi: int,
+    ti: int,
+    sbits: np.ndarray,
+    col0: int,
+    bk: int,
+    mode: int,
+    r32: np.ndarray,
+    emx: np.ndarray,
+    g_tile: np.ndarray,
+    g_split: np.ndarray,
+    packed: bool,
+    q_out: np.ndarray,
+    q64: np.ndarray,
+    n_total: int,
+    out_row0: int,
+    s_out: np.ndarray,
+) -> None:
+    """One parallel work item: local rows ``[r_lo, r_hi)`` of one tile row, all of K."""
+    ng = k // 32
+    nr = r_hi - r_lo
+    if not packed:
+        _convert_rows(
+            w, w64, k, r_lo, r_hi, ti, sbits, col0, bk, mode, r32, emx, g_tile, g_split,
+            q_out[r_lo * k : r_hi * k], k, s_out.reshape(-1, ng)[r_lo:r_hi],
+        )  # fmt: skip
+        return
+    # Packed (SPEC §2.3): convert the rows row-major into ``loc``, then write them as
+    # columns [col, col + nr) of the kernel layout. The row stride is padded by 64 bytes:
+    # rows 4 KiB apart would all map to the same cache sets when read column-wise.
+    stride = k + 64
+    loc = np.empty(nr * stride, dtype=np.uint8)
+    s_loc = np.empty((nr, ng), dtype=np.uint8)
+    _convert_rows(
+        w, w64, k, r_lo, r_hi, ti, sbits, col0, bk, mode, r32, emx, g_tile, g_split,
+        loc, stride, s_loc,
+    )  # fmt: skip
+    col = out_row0 + r_lo
+    if q64.shape[0] > 0 and col % 8 == 0 and nr % 8 == 0:
+        _transpose_words(loc.view(np.uint64), stride // 8, nr, k, q64, n_total // 8, col // 8)
+    else:
+        for c in range(k):
+            o = c * n_total + col
+            for i in range(nr):
+                q_out[o + i] = loc[i * stride + c]
+    for g in range(ng):
+        base = ((g >> 1) * n_total + col) * 2 + (g & 1)
+        for i in range(nr):
+            s_out[base + 2 * i] = s_loc[i, g]
 
 
 @njit(**_PJIT)
@@ -498,6 +712,7 @@ def _convert_kernel(
     mode: int,
     packed: bool,
     q_out: np.ndarray,  # uint8 flat: [n, k] row-major, or (packed) [k, n_total]
+    q64: np.ndarray,  # (packed) uint64 view of q_out when 8-byte aligned with n_total % 8 == 0
     n_total: int,
     out_row0: int,
     s_out: np.ndarray,  # uint8 flat: [n, g] row-major, or (packed) [ceil(g/2), n_total, 2]
@@ -506,13 +721,11 @@ def _convert_kernel(
     ng = k // 32
     t_r0 = row0 // bn
     t_c0 = col0 // bk
-    n_tc = sbits.shape[1]
-    n_tiles = sbits.shape[0] * n_tc
+    n_tiles = sbits.shape[0] * sbits.shape[1]
     r32 = np.empty((n_tiles, 128), dtype=np.int64)
     emx = np.empty((n_tiles, 128), dtype=np.int64)
     _tile_tables(sbits, sf, mode, r32, emx)
-    # Column tile of each group (by its first column) and whether it straddles two tiles
-    # (a slice that starts mid-tile, SPEC §2.1): those take the exact per-element path.
+    # Column tile of each group (by its first column) and whether it straddles two tiles.
     g_tile = np.empty(ng, dtype=np.int64)
     g_split = np.empty(ng, dtype=np.bool_)
     for g in range(ng):
@@ -522,63 +735,71 @@ def _convert_kernel(
     chunks = _row_chunks(n, row0, bn, rows_per_item)
     for it in prange(chunks.shape[0]):
         r_lo = chunks[it, 0]
-        r_hi = chunks[it, 1]
-        ti = (row0 + r_lo) // bn - t_r0
-        # Payload tables of (tile, S), built when first needed: slot[tj, S] -> pool row.
-        slot = np.full((n_tc, 256), -1, dtype=np.int32)
-        pool = np.empty((2 * n_tc + 8, 128), dtype=np.uint8)
-        used = 0
-        loc = np.empty((r_hi - r_lo) * k if packed else 0, dtype=np.uint8)
-        for r in range(r_lo, r_hi):
-            base = r * k
-            if packed:
-                dst = loc[(r - r_lo) * k : (r - r_lo + 1) * k]
-            else:
-                dst = q_out[base : base + k]
-            for g in range(ng):
-                c0 = g * 32
-                t = ti * n_tc + g_tile[g]
-                if g_split[g]:
-                    xs = np.empty(32, dtype=np.int64)
-                    emax = 0
-                    for i in range(32):
-                        tj = (col0 + c0 + i) // bk - t_c0
-                        p = _product_f32(np.int64(w[base + c0 + i]), np.int64(sbits[ti, tj]))
-                        x = _as_f32_bits(_to_mode(p, mode), mode)
-                        xs[i] = x
-                        emax = max(emax, (x >> 23) & 0xFF)
-                    s = _scale_byte(emax)
-                    for i in range(32):
-                        dst[c0 + i] = _quant_e4m3(xs[i], s)
-                else:
-                    s = _scale_byte(emx[t, _group_absmax(w64, (base + c0) >> 3)])
-                    tj = g_tile[g]
-                    j = slot[tj, s]
-                    if j < 0:
-                        if used == pool.shape[0]:
-                            bigger = np.empty((2 * used, 128), dtype=np.uint8)
-                            bigger[:used] = pool
-                            pool = bigger
-                        _payload_table(r32[t], s, pool[used])
-                        slot[tj, s] = used
-                        j = used
-                        used += 1
-                    pt = pool[j]
-                    sflip = (np.int64(sbits[ti, tj]) >> 24) & 0x80
-                    for i in range(32):
-                        v = w[base + c0 + i]
-                        dst[c0 + i] = pt[v & 0x7F] | ((v & 0x80) ^ sflip)
-                if packed:
-                    s_out[((g >> 1) * n_total + out_row0 + r) * 2 + (g & 1)] = s
-                else:
-                    s_out[r * ng + g] = s
-        if packed:
-            # Transpose the chunk into the kernel layout: contiguous runs along N.
-            nr = r_hi - r_lo
-            for c in range(k):
-                orow = q_out[c * n_total + out_row0 + r_lo : c * n_total + out_row0 + r_hi]
-                for i in range(nr):
-                    orow[i] = loc[i * k + c]
+        _convert_item(
+            w, w64, k, r_lo, chunks[it, 1], (row0 + r_lo) // bn - t_r0, sbits, col0, bk, mode,
+            r32, emx, g_tile, g_split, packed, q_out, q64, n_total, out_row0, s_out,
+        )  # fmt: skip
+
+
+@njit(inline="always", **_JIT)
+def _mx_groups(
+    x: np.ndarray, g_lo: int, g_hi: int, ebits: int, q_out: np.ndarray, s_out: np.ndarray
+) -> None:
+    """MX-quantize groups ``[g_lo, g_hi)`` of ``x`` (bf16 bits: ``ebits`` 7; f32 bits:
+    23). Inlined into callers that pass ``ebits`` as a constant, so the shifts fold."""
+    drop = ebits - 3  # e4m3 keeps 3 mantissa bits; drop the rest with RNE
+    mag_mask = (np.int64(1) << (ebits + 8)) - 1
+    half = (np.int64(1) << (drop - 1)) - 1
+    for g in range(g_lo, g_hi):
+        base = np.uint64(g * 32)  # unsigned indices: no negative-index fix-up
+        # Exponent fields grow with the magnitude bits, so Emax is the exponent of the
+        # largest magnitude; the smallest exponent among non-zero elements decides
+        # whether the short formula is exact for the whole group.
+        mmax = 0
+        emin = 255
+        for i in range(32):
+            mag = np.int64(x[base + np.uint64(i)]) & mag_mask
+            mmax = max(mmax, mag)
+            emin = min(emin, (mag >> ebits) if mag != 0 else 255)
+        s = _scale_byte(mmax >> ebits)
+        s_out[g] = s
+        if s == 255:
+            for i in range(32):
+                q_out[base + np.uint64(i)] = 0x7F
+        elif s == 0:
+            for i in range(32):
+                q_out[base + np.uint64(i)] = (
+                    np.int64(x[base + np.uint64(i)]) >> (ebits + 1)
+                ) & 0x80
+        elif emin >= 1 and emin >= s - 6:
+            # Every element is zero or lands in the e4m3 normal range: drop the low
+            # mantissa bits with RNE (a carry bumps the exponent, as it should), rebias
+            # the exponent from 127 - s to e4m3's 7, clamp to 448.
+            reb = (s - 7) << 3
+            for i in range(32):
+                h = np.int64(x[base + np.uint64(i)])
+                mag = h & mag_mask
+                v = min(((mag + half + ((mag >> drop) & 1)) >> drop) - reb, 0x7E)
+                v = v if mag != 0 else 0
+                q_out[base + np.uint64(i)] = ((h >> (ebits + 1)) & 0x80) | v
+        else:
+            for i in range(32):
+                h = np.int64(x[base + np.uint64(i)])
+                q_out[base + np.uint64(i)] = _quant_e4m3(h << (23 - ebits), s)
+
+
+@njit(**_JIT)
+def _mx_groups_bf16(
+    x: np.ndarray, g_lo: int, g_hi: int, q_out: np.ndarray, s_out: np.ndarray
+) -> None:
+    _mx_groups(x, g_lo, g_hi, 7, q_out, s_out)
+
+
+@njit(**_JIT)
+def _mx_groups_f32(
+    x: np.ndarray, g_lo: int, g_hi: int, q_out: np.ndarray, s_out: np.ndarray
+) -> None:
+    _mx_groups(x, g_lo, g_hi, 23, q_out, s_out)
 
 
 @njit(**_PJIT)
@@ -589,49 +810,13 @@ def _mx_kernel(
     s_out: np.ndarray,  # uint8, one per group
 ) -> None:
     ng = x.shape[0] // 32
-    chunk = 256
-    n_chunks = (ng + chunk - 1) // chunk
-    # bf16 keeps 7 mantissa bits, fp32 23: e4m3 keeps 3, so drop 4 or 20 (RNE).
-    drop = 4 if is_bf16 else 20
-    ebits = 7 if is_bf16 else 23
-    mag_mask = (np.int64(1) << (ebits + 8)) - 1
-    half = (np.int64(1) << (drop - 1)) - 1
-    for ch in prange(n_chunks):
-        g_end = min(ng, (ch + 1) * chunk)
-        for g in range(ch * chunk, g_end):
-            base = g * 32
-            # Exponent fields grow with the magnitude bits, so Emax is the exponent of the
-            # largest magnitude; the smallest exponent among non-zero elements decides
-            # whether the short formula is exact for the whole group.
-            mmax = 0
-            emin = 255
-            for i in range(32):
-                mag = np.int64(x[base + i]) & mag_mask
-                mmax = max(mmax, mag)
-                emin = min(emin, (mag >> ebits) if mag != 0 else 255)
-            s = _scale_byte(mmax >> ebits)
-            s_out[g] = s
-            if s == 255:
-                for i in range(32):
-                    q_out[base + i] = 0x7F
-            elif s == 0:
-                for i in range(32):
-                    q_out[base + i] = (np.int64(x[base + i]) >> (ebits + 1)) & 0x80
-            elif emin >= 1 and emin >= s - 6:
-                # Every element is zero or lands in the e4m3 normal range: drop the low
-                # mantissa bits with RNE (a carry bumps the exponent, as it should), then
-                # rebias the exponent from 127 - s to e4m3's 7, then clamp to 448.
-                reb = (s - 7) << 3
-                for i in range(32):
-                    h = np.int64(x[base + i])
-                    mag = h & mag_mask
-                    v = min(((mag + half + ((mag >> drop) & 1)) >> drop) - reb, 0x7E)
-                    v = v if mag != 0 else 0
-                    q_out[base + i] = ((h >> (ebits + 1)) & 0x80) | v
-            else:
-                for i in range(32):
-                    h = np.int64(x[base + i])
-                    q_out[base + i] = _quant_e4m3(h << 16 if is_bf16 else h, s)
+    chunk = 1024
+    for ch in prange((ng + chunk - 1) // chunk):
+        g_hi = min(ng, (ch + 1) * chunk)
+        if is_bf16:
+            _mx_groups_bf16(x, ch * chunk, g_hi, q_out, s_out)
+        else:
+            _mx_groups_f32(x, ch * chunk, g_hi, q_out, s_out)
 
 
 # =========================================================================================
@@ -639,12 +824,20 @@ def _mx_kernel(
 # =========================================================================================
 
 _LOCK = threading.Lock()
-_ROWS_PER_ITEM = 64
-"""Rows per parallel work item: the kernels walk rows of the source in memory order
-(walking a tile column instead, 128 rows apart, was 2-3x slower), and 64 output bytes
-make whole cache lines of the transposed kernel layout."""
+"""Serializes kernel launches (module docstring, Threads)."""
+_INIT_LOCK = threading.Lock()
 _AVAILABLE: bool | None = None
 _UNAVAILABLE_REASON: str | None = _NUMBA_IMPORT_ERROR
+_MAX_ROWS_PER_ITEM = 64
+"""Rows per parallel work item, at most: items walk whole rows of the source in memory
+order (walking a 128-row tile column instead, rows k bytes apart, was 2-3x slower)."""
+
+
+def _rows_per_item(n: int) -> int:
+    """Rows per work item: about four items per thread, 8 to 64 rows, a multiple of 8 (so
+    the packed path's transposed writes stay word-aligned)."""
+    want = ceil_div(n, 4 * max(1, numba.get_num_threads()))
+    return min(_MAX_ROWS_PER_ITEM, max(8, ceil_div(want, 8) * 8))
 
 
 def _set_threads() -> None:
@@ -738,9 +931,18 @@ def _run_resolve(b: _Block, row0: int, col0: int, bn: int, bk: int, mode: int) -
         with _LOCK:
             _set_threads()
             _resolve_kernel(
-                b.w, b.n, b.k, b.sbits, b.sf, row0, col0, bn, bk, mode, out_np, _ROWS_PER_ITEM
-            )
+                b.w, b.n, b.k, b.sbits, b.sf, row0, col0, bn, bk, mode, out_np,
+                _rows_per_item(b.n),
+            )  # fmt: skip
     return out
+
+
+def _words(q_np: np.ndarray, n_total: int) -> np.ndarray:
+    """uint64 view of a packed payload buffer, or an empty array where rows of the
+    kernel layout are not all 8-byte aligned (then the kernel copies bytes)."""
+    if n_total % 8 == 0 and q_np.ctypes.data % 8 == 0 and q_np.size % 8 == 0:
+        return q_np.view(np.uint64)
+    return np.zeros(0, dtype=np.uint64)
 
 
 def _run_convert(
@@ -762,7 +964,7 @@ def _run_convert(
         _set_threads()
         _convert_kernel(
             b.w, b.w64, b.n, b.k, b.sbits, b.sf, row0, col0, bn, bk, mode,
-            packed, q_np, n_total, out_row0, s_np, _ROWS_PER_ITEM,
+            packed, q_np, _words(q_np, n_total), n_total, out_row0, s_np, _rows_per_item(b.n),
         )  # fmt: skip
 
 
@@ -818,18 +1020,18 @@ def fast_available() -> bool:
     global _AVAILABLE, _UNAVAILABLE_REASON
     if _AVAILABLE is not None:
         return _AVAILABLE
-    try:
-        with _LOCK:
-            pass
-        if numba is None:
-            _AVAILABLE = False
-            return False
-        _self_test()
-        _AVAILABLE = True
-        _UNAVAILABLE_REASON = None
-    except Exception as exc:
-        _AVAILABLE = False
-        _UNAVAILABLE_REASON = f"{type(exc).__name__}: {exc}"
+    with _INIT_LOCK:  # one thread compiles; the others wait for its answer
+        if _AVAILABLE is None:
+            if numba is None:
+                _AVAILABLE = False
+            else:
+                try:
+                    _self_test()
+                    _AVAILABLE = True
+                    _UNAVAILABLE_REASON = None
+                except Exception as exc:  # a broken optional kernel must not stop a load
+                    _AVAILABLE = False
+                    _UNAVAILABLE_REASON = f"{type(exc).__name__}: {exc}"
     return _AVAILABLE
 
 

@@ -1,0 +1,78 @@
+"""The pure core imports no torch, no Ray, no numpy, no fsspec (STYLE.md practice 1).
+
+Each module is imported in a FRESH interpreter (this test process has torch loaded
+already), and the interpreter then reports which heavy packages ended up in
+``sys.modules``. A planning run from a config is made too, so lazy imports inside the
+planner (the memory model) are covered as well.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+PURE_MODULES = (
+    "orchestrator.errors",
+    "orchestrator.formats",
+    "orchestrator.sizes",
+    "orchestrator.config",
+    "orchestrator.ranges",
+    "orchestrator.plantypes",
+    "orchestrator.arch",
+    "orchestrator.layout",
+    "orchestrator.planner",
+    "orchestrator.readplan",
+    "orchestrator.memory",
+    "orchestrator.safetensors_header",
+    "orchestrator.checkpoint",
+)
+HEAVY = ("torch", "ray", "numpy", "fsspec")
+ROOT = Path(__file__).resolve().parents[2]
+
+PROBE = """
+import json, sys
+mods = {mods!r}
+for m in mods:
+    __import__(m)
+if {plan!r}:
+    from orchestrator.config import parse_config
+    from orchestrator.plantypes import ParallelLayout
+    from orchestrator.planner import build_plan, plan_to_json
+    cfg = parse_config(json.load(open({config!r})), "config.json")
+    plan_to_json(build_plan(cfg, ParallelLayout(tp=2, dp=2, enable_expert_parallel=True)))
+heavy = sorted(h for h in {heavy!r} if h in sys.modules or any(k.startswith(h + ".") for k in sys.modules))
+print(json.dumps(heavy))
+"""
+
+
+def probe(modules: tuple[str, ...], plan: bool = False) -> list[str]:
+    code = PROBE.format(
+        mods=list(modules),
+        plan=plan,
+        config="/work/shared/configs/qwen3-30b-a3b-fp8.json",
+        heavy=list(HEAVY),
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    result: list[str] = json.loads(done.stdout.strip().splitlines()[-1])
+    return result
+
+
+@pytest.mark.parametrize("module", PURE_MODULES)
+def test_module_imports_nothing_heavy(module: str) -> None:
+    assert probe((module,)) == []
+
+
+def test_planning_from_a_config_stays_pure() -> None:
+    assert probe(PURE_MODULES, plan=True) == []
+
+
+def test_the_probe_can_see_a_heavy_import() -> None:
+    # The check is only worth something if it notices a heavy import when there is one.
+    assert probe(("orchestrator.config", "numpy")) == ["numpy"]
