@@ -444,6 +444,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         logging.getLogger("ray").setLevel(logging.ERROR)
     # Before anything imports Ray: loopback only, no usage stats (cluster/local.py).
     import cluster.local  # noqa: F401
+
     try:
         args = build_parser().parse_args(argv)
         if not args.command:

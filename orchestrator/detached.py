@@ -308,25 +308,34 @@ def detached_reload(
     """In-place reload of a detached session from ``src`` (SPEC §4 "Reload")."""
     import ray
 
-    from orchestrator.session import plan_reload, reload_units
+    from orchestrator.driver import workers_fused
+    from orchestrator.session import plan_reload, reload_budgets, reload_units
 
     try:
         keeper, state, run = _attach(session, address)
         held: Plan = state["plan"]
-        req = replace(state["request"], src=src, storage_options=storage_options)
+        req = replace(
+            state["request"],
+            src=src,
+            storage_options=storage_options,
+            staging_budget=staging_budget,
+        )
         meta, new_plan = plan_reload(held, req)  # refuses, touching nothing, on mismatch
+        budgets = reload_budgets(
+            held, new_plan, meta.config, staging_budget, workers_fused(req.device)
+        )
         _repair(keeper, state, run)
         source = source_info(meta, req.allow_nonfinite, src, storage_options)
         target = state["version"] + 1
         # An interrupted reload run again: ranks already at the target skip finished units.
         t0 = time.perf_counter()
-        run.req = replace(run.req, staging_budget=staging_budget)
         reports = run.run_all(
             lambda r: (list(new_plan.ranks[r].reads or ()), reload_units(held, new_plan, r)),
             source,
             version=target,
             whole_units=True,
             on_progress=on_progress,
+            budgets=budgets,
         )
         restarted = [r["rank"] for r in reports if r.get("restarts")]
         if restarted:

@@ -269,14 +269,19 @@ class RayRun:
         version: int,
         whole_units: bool,
         on_progress: Callable[[list[tuple[int, int, int]]], None] | None = None,
+        budgets: list[int] | None = None,
     ) -> list[dict[str, Any]]:
-        """Every rank loads (or reloads) concurrently; a dead rank is redone."""
+        """Every rank loads (or reloads) concurrently; a dead rank is redone.
+
+        ``budgets``: staging budget per rank (default: the plan's); a reload passes its
+        own (a BF16 checkpoint stages more bytes per unit than the FP8 one loaded first)."""
         import ray
         from ray.exceptions import RayActorError
 
         world = len(self.actors)
         attempts = [0] * world
-        budgets = [staging_budget_of(self.plan, r) for r in self.plan.ranks]
+        if budgets is None:
+            budgets = [staging_budget_of(self.plan, r) for r in self.plan.ranks]
         for rank, unit in self.req.fault_at.items():
             ray.get(self.actors[rank].set_fault.remote(unit))
 
@@ -287,8 +292,13 @@ class RayRun:
                 reads, source, version, budgets[rank], whole_units, units
             )
 
+        pids = self.pids()
         refs = {submit(r): r for r in range(world)}
         reports: list[dict[str, Any] | None] = [None] * world
+        failures: dict[int, MxloadError] = {}
+        unavailable_since: dict[int, float] = {}
+        # Wait for every rank even after one failed: a rank still writing must not be
+        # handed the next load, and the error names every rank that failed.
         while refs:
             done, _ = ray.wait(list(refs), num_returns=1, timeout=0.5)
             if on_progress is not None:
@@ -297,26 +307,64 @@ class RayRun:
                 rank = refs.pop(ref)
                 try:
                     reports[rank] = ray.get(ref)
+                    unavailable_since.pop(rank, None)
+                except ray.exceptions.ActorUnavailableError:
+                    # The process is being restarted (already counted): try again shortly.
+                    if time.monotonic() - unavailable_since.setdefault(rank, time.monotonic()) > (
+                        self.req.placement_timeout_s
+                    ):
+                        failures[rank] = WorkerLost(
+                            f"rank {rank}: worker did not come back after a restart", rank=rank
+                        )
+                        continue
+                    time.sleep(0.5)
+                    refs[submit(rank)] = rank
                 except RayActorError as err:
+                    unavailable_since.pop(rank, None)
                     attempts[rank] += 1
                     if attempts[rank] > self.req.max_restarts:
-                        raise WorkerLost(
-                            f"rank {rank}: worker process lost {attempts[rank]} times "
+                        failures[rank] = WorkerLost(
+                            f"rank {rank}: worker process lost {attempts[rank]} time(s) "
                             f"(--max-restarts {self.req.max_restarts}): {err}",
                             rank=rank,
-                        ) from None
+                        )
+                        continue
                     refs[submit(rank)] = rank
                 except ray.exceptions.RayTaskError as err:
                     cause = err.cause if isinstance(err.cause, BaseException) else err
-                    if isinstance(cause, MxloadError):
-                        raise cause from None
-                    raise RunError(f"rank {rank}: {cause}", rank=rank) from None
+                    failures[rank] = (
+                        cause
+                        if isinstance(cause, MxloadError)
+                        else RunError(f"rank {rank}: {cause}", rank=rank)
+                    )
+        if failures:
+            first = min(failures)
+            err = failures[first]
+            if len(failures) > 1:
+                others = ", ".join(str(r) for r in sorted(failures) if r != first)
+                err.message = f"{err.message} (ranks {others} failed too)"
+                err.args = (err.message,)
+            raise err
         out: list[dict[str, Any]] = []
         for rank, rep in enumerate(reports):
             assert rep is not None
-            rep["restarts"] = attempts[rank]
-            rep["addresses_changed"] = attempts[rank] > 0
+            # A new process means new buffers: the rank's addresses changed (SPEC §4).
+            restarted = rep["pid"] != pids[rank]
+            rep["restarts"] = max(attempts[rank], int(restarted))
+            rep["addresses_changed"] = restarted
             out.append(rep)
+        return out
+
+    def pids(self) -> list[int | None]:
+        """Each rank's worker pid now (None for one that does not answer)."""
+        import ray
+
+        out: list[int | None] = []
+        for a in self.actors:
+            try:
+                out.append(ray.get(a.pid.remote(), timeout=self.req.placement_timeout_s))
+            except ray.exceptions.RayActorError:
+                out.append(None)
         return out
 
     def _poll_progress(self) -> list[tuple[int, int, int]]:
@@ -372,6 +420,7 @@ def build_manifest(
             "pp_rank": rp.pp_rank,
             "ep_rank": rp.ep_rank,
             "node_id": rep.get("node_id", ""),
+            "pid": rep.get("pid"),
             "device": rep.get("device", ""),
             "backend": rep.get("backend", ""),
             "visible_devices": rep.get("visible_devices", ""),

@@ -99,6 +99,34 @@ def reload_units(held: Plan, new: Plan, rank: int) -> list[Any]:
     ]
 
 
+def reload_budgets(
+    held: Plan, new: Plan, config: Any, staging_budget: int | None, fused: bool
+) -> list[int]:
+    """Staging budget of every rank for a reload: the given one, else the largest whole
+    unit of any rank as the reload will convert it (held layouts, new source)."""
+    from orchestrator.errors import StagingBudgetError
+    from orchestrator.memory import ConvertOptions, min_budgets, read_fn_from_reads
+
+    quant = config.quant.kind
+    block_n = config.quant.block_n if quant == "block_fp8" else 1
+    opts = ConvertOptions(
+        model_dtype=held.model["dtype"], source_quant=quant, fused=fused, block_n=block_n
+    )
+    need = 0
+    for rank in range(held.layout.world):
+        units = reload_units(held, new, rank)
+        reads = list(new.ranks[rank].reads or ())
+        read_fn = read_fn_from_reads(units, reads, block_n=block_n, source_quant=quant)
+        need = max(need, min_budgets(units, read_fn, opts)[1])
+    if staging_budget is not None and staging_budget < need:
+        raise StagingBudgetError(
+            f"--staging-budget {staging_budget} bytes is below what this reload needs "
+            f"({need} bytes: its largest unit, kept whole)",
+            key="--staging-budget",
+        )
+    return [staging_budget if staging_budget is not None else need] * held.layout.world
+
+
 def plan_reload(held: Plan, req: LoadRequest) -> tuple[Any, Plan]:
     """Plan a reload from ``req.src`` against the held plan; refuse on any mismatch."""
     from orchestrator.catalog import open_checkpoint
@@ -123,9 +151,10 @@ def plan_reload(held: Plan, req: LoadRequest) -> tuple[Any, Plan]:
         fused=workers_fused(req.device),
     )
     problems += preflight(held, new)
+
     if problems:
-        shown = problems[:200]
-        more = f"\n  ... and {len(problems) - 200} more" if len(problems) > 200 else ""
+        shown = problems[:60]
+        more = f"\n  ... and {len(problems) - 60} more" if len(problems) > 60 else ""
         raise ReloadMismatch(
             f"reload from {req.src} refused, nothing was touched; {len(problems)} mismatch(es):\n  "
             + "\n  ".join(shown)
@@ -148,6 +177,7 @@ class Session:
             r["rank"]: {n: t["data_ptr"] for n, t in r["tensors"].items()}
             for r in manifest["ranks"]
         }
+        self.pids = {r["rank"]: r["pid"] for r in manifest["ranks"]}
 
     @classmethod
     def load(
@@ -177,6 +207,9 @@ class Session:
             self.req, src=src, storage_options=storage_options or self.req.storage_options
         )
         meta, new_plan = plan_reload(self.plan, req)
+        budgets = reload_budgets(
+            self.plan, new_plan, meta.config, req.staging_budget, workers_fused(req.device)
+        )
         source = source_info(meta, req.allow_nonfinite, req.src, req.storage_options)
         target = self.version + 1
         t0 = time.perf_counter()
@@ -186,7 +219,14 @@ class Session:
             version=target,
             whole_units=True,
             on_progress=on_progress,
+            budgets=budgets,
         )
+        for rep in reports:
+            # A worker process that died and was restarted (before or during this
+            # reload) holds new buffers: its addresses changed, and it says so.
+            if rep["pid"] != self.pids[rep["rank"]]:
+                rep["restarts"] = max(rep.get("restarts", 0), 1)
+                rep["addresses_changed"] = True
         manifest = build_manifest(self.plan, reports)
         manifest["seconds"] = round(time.perf_counter() - t0, 3)
         moved = []
@@ -199,6 +239,10 @@ class Session:
         manifest["addresses_moved"] = moved
         if moved:
             raise AddressMoved("buffers moved during reload: " + ", ".join(moved[:20]))
+        for r in manifest["ranks"]:
+            if r.get("addresses_changed"):
+                self.addresses[r["rank"]] = {n: t["data_ptr"] for n, t in r["tensors"].items()}
+        self.pids = {rep["rank"]: rep["pid"] for rep in reports}
         self.version = target
         self.manifest = manifest
         return manifest

@@ -18,7 +18,7 @@ def ckpt_factory(tmp_path_factory: pytest.TempPathFactory):
     cache: dict[tuple, str] = {}
 
     def make(preset: str = "qwen3-moe-tiny", seed: int = 1, **kw) -> str:
-        key = (preset, seed, tuple(sorted(kw.items())))
+        key = (preset, seed, repr(sorted(kw.items())))
         if key not in cache:
             path = tmp_path_factory.mktemp(f"{preset}-{seed}")
             make_checkpoint(str(path), preset, seed=seed, **kw)

@@ -146,9 +146,15 @@ def _dense_rows(ck: RefCheckpoint, parts: list[tuple[str, slice, slice]]) -> np.
     return np.concatenate(out, axis=0)
 
 
-def _linear(ck: RefCheckpoint, name: str, parts: list[tuple[str, slice, slice]], out: dict) -> None:
+def _linear(
+    ck: RefCheckpoint,
+    name: str,
+    parts: list[tuple[str, slice, slice]],
+    out: dict,
+    like: RefCheckpoint,
+) -> None:
     k = parts[0][2].stop - parts[0][2].start
-    quant = ck.quantized(parts[0][0])
+    quant = like.quantized(parts[0][0])
     if quant and k % 32 == 0:
         payload, scale = _mx_rows(ck, parts)
         out[f"{name}.weight"] = np.ascontiguousarray(payload.T)
@@ -157,8 +163,14 @@ def _linear(ck: RefCheckpoint, name: str, parts: list[tuple[str, slice, slice]],
         out[f"{name}.weight"] = _dense_rows(ck, parts)
 
 
-def expected_rank(ck: RefCheckpoint, layout: Layout, rank: int) -> dict[str, np.ndarray]:
-    """name -> raw bytes (as a uint8 array of the tensor's layout) that ``rank`` holds."""
+def expected_rank(
+    ck: RefCheckpoint, layout: Layout, rank: int, like: RefCheckpoint | None = None
+) -> dict[str, np.ndarray]:
+    """name -> raw bytes (as a uint8 array of the tensor's layout) that ``rank`` holds.
+
+    ``like``: the checkpoint first loaded, whose quantization decides the layouts (a
+    reload from a BF16 checkpoint quantizes into the MX buffers the FP8 load made)."""
+    like = like or ck
     cfg = ck.config
     dp_rank, pp_rank, tp_rank = coords(layout, rank)
     tp = layout.tp
@@ -186,6 +198,7 @@ def expected_rank(ck: RefCheckpoint, layout: Layout, rank: int) -> dict[str, np.
                 (f"{p}.self_attn.v_proj", kv, slice(0, hidden)),
             ],
             out,
+            like,
         )
         kq = nh * hd // tp
         _linear(
@@ -193,6 +206,7 @@ def expected_rank(ck: RefCheckpoint, layout: Layout, rank: int) -> dict[str, np.
             f"{p}.self_attn.o_proj",
             [(f"{p}.self_attn.o_proj", full, slice(tp_rank * kq, (tp_rank + 1) * kq))],
             out,
+            like,
         )
         for norm in (
             "input_layernorm",
@@ -225,7 +239,9 @@ def expected_rank(ck: RefCheckpoint, layout: Layout, rank: int) -> dict[str, np.
                 il = inter // t
                 experts = list(range(n_exp))
                 rows = cols = slice(mr * il, (mr + 1) * il)
-            mx = ck.quantized(f"{p}.mlp.experts.0.gate_proj") and hidden % 32 == 0 and il % 32 == 0
+            mx = (
+                like.quantized(f"{p}.mlp.experts.0.gate_proj") and hidden % 32 == 0 and il % 32 == 0
+            )
             w13, s13, w2, s2 = [], [], [], []
             for e in experts:
                 pe = f"{p}.mlp.experts.{e}"
@@ -261,12 +277,14 @@ def expected_rank(ck: RefCheckpoint, layout: Layout, rank: int) -> dict[str, np.
                     (f"{p}.mlp.up_proj", rows, slice(0, hidden)),
                 ],
                 out,
+                like,
             )
             _linear(
                 ck,
                 f"{p}.mlp.down_proj",
                 [(f"{p}.mlp.down_proj", full, slice(tp_rank * il, (tp_rank + 1) * il))],
                 out,
+                like,
             )
 
     vocab = cfg["vocab_size"]

@@ -59,6 +59,10 @@ class Faults:
     (statuses from ``fail_statuses``): deterministic however requests interleave."""
     not_found: frozenset[str] = frozenset()
     """Paths (relative to the served root, no leading slash) that always get 404."""
+    data_gone: frozenset[str] = frozenset()
+    """Paths whose data section is gone for good (403), while the safetensors header
+    (``Range`` starting at byte 0 or 8) and HEAD still answer: storage failing after a
+    run was planned."""
     broken: bool = False
     """Every request gets ``broken_status``: storage that is gone for good."""
     broken_status: int = 503
@@ -137,6 +141,11 @@ class _Handler(BaseHTTPRequestHandler):
         if rel in faults.not_found:
             self._record(rel, rng, "404")
             return self._empty(404)
+        if rel in faults.data_gone and self.command == "GET" and rng is not None:
+            first = rng.removeprefix("bytes=").split("-", 1)[0]
+            if first not in ("0", "8"):
+                self._record(rel, rng, "403")
+                return self._empty(403)
         if fail:
             with state.lock:
                 status = faults.fail_statuses[state.injected_failures % len(faults.fail_statuses)]

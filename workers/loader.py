@@ -22,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import os
 import resource
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -160,6 +161,7 @@ class RankLoader:
         self.unit_versions = [0] * len(plan.units)
         self.target_version = 0
         self.last_stats = RunStats()
+        self._busy = threading.Lock()
         self._storages: dict[tuple[str, str], Any] = {}
 
     # --- buffers -------------------------------------------------------------------------
@@ -360,6 +362,15 @@ class RankLoader:
                 else:
                     x = be.to_device(w)
                 writes.append(lambda x=x, r=row, n=nr: w_buf[r : r + n].copy_(x))
+        if not mx:
+            # Rows no part covers (vocab padding past V) are zeros (SPEC §3), also in a
+            # buffer the host handed in with other contents.
+            covered = sorted((p.dst_row, p.dst_row + p.nrows) for p in unit.parts)
+            start = 0
+            for lo, hi in [*covered, (unit.rows, unit.rows)]:
+                if lo > start:
+                    writes.append(lambda a=row_base + start, b=row_base + lo: w_buf[a:b].zero_())
+                start = max(start, hi)
         return reservations, writes
 
     # --- the run -------------------------------------------------------------------------------
@@ -381,6 +392,28 @@ class RankLoader:
         Units already at ``version`` (an interrupted reload run again) are skipped.
         ``units`` (reload) are the plan's units with the new source's quantized flags;
         they must have the plan's geometry."""
+        if not self._busy.acquire(blocking=False):
+            raise RunError(
+                f"rank {self.rank}: a load is already running on this rank", rank=self.rank
+            )
+        try:
+            return self._load(
+                reads, source, version, staging_budget, whole_units, units, progress, fault_hook
+            )
+        finally:
+            self._busy.release()
+
+    def _load(
+        self,
+        reads: Sequence[UnitReads],
+        source: SourceInfo,
+        version: int,
+        staging_budget: int,
+        whole_units: bool,
+        units: Sequence[Unit] | None,
+        progress: Callable[[int, int, int], None] | None,
+        fault_hook: Callable[[int], None] | None,
+    ) -> RunStats:
         if units is None:
             units = self.plan.units
         elif len(units) != len(self.plan.units) or any(

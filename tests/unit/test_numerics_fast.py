@@ -147,46 +147,6 @@ def test_resolve_table(case: nc.ResolveCase) -> None:
     assert nc.run_resolve_cases(fast.resolve_block, [case]) == []
 
 
-def test_tables_with_flush_denormal() -> None:
-    # The tiny-scale cases have f32-subnormal scales and products: a kernel relying on
-    # the FPU keeping subnormals would give 0 with flush-to-zero / denormals-are-zero.
-    # Inputs are built before the mode is set (building them under it would flush them).
-    r_inputs = [
-        (c, nc.e4m3_tensor(c.w_codes), torch.tensor([list(r) for r in c.scale]))
-        for c in nc.RESOLVE_CASES
-    ]
-    m_inputs = [(c, nc.values_tensor(c.values, c.dtype)) for c in nc.MX_CASES]
-    torch.set_num_threads(1)
-    if not torch.set_flush_denormal(True):
-        pytest.skip("this CPU cannot flush denormals")
-    try:
-        r_out = [
-            fast.resolve_block(
-                w,
-                s,
-                row0=c.row0,
-                col0=c.col0,
-                block_n=c.block_n,
-                block_k=c.block_k,
-                dtype=nc.TORCH_DTYPES[c.dtype],
-            )  # fmt: skip
-            for c, w, s in r_inputs
-        ]
-        m_out = [fast.mx_quantize(x) for _, x in m_inputs]
-    finally:
-        torch.set_flush_denormal(False)
-    for (c, _, _), out in zip(r_inputs, r_out, strict=True):
-        got = nc.float_bits(out, c.dtype)
-        for r, (grow, wrow) in enumerate(zip(got, c.expected_bits, strict=True)):
-            for j, (g, want) in enumerate(zip(grow, wrow, strict=True)):
-                if want == nc.ANY_NAN:
-                    assert torch.isnan(out[r, j].float()), f"{c.name} [{r}, {j}]"
-                else:
-                    assert g == want, f"{c.name} [{r}, {j}] = {g:#x}, expected {want:#x}"
-    for (c, _), (payload, scale) in zip(m_inputs, m_out, strict=True):
-        assert nc.compare_mx(c.name, payload, scale, c.payload, c.scale) == []
-
-
 # --- fused cases derived by hand ----------------------------------------------------------
 
 
@@ -238,6 +198,53 @@ def _ref_convert(
     w: torch.Tensor, s: torch.Tensor, **kw: object
 ) -> tuple[torch.Tensor, torch.Tensor]:
     return ref.mx_quantize(ref.resolve_block(w, s, **kw))  # type: ignore[arg-type]
+
+
+def test_tables_with_flush_denormal() -> None:
+    # The tiny-scale cases have f32-subnormal scales and products: a kernel relying on
+    # the FPU keeping subnormals would give 0 with flush-to-zero / denormals-are-zero.
+    # Inputs are built before the mode is set (building them under it would flush them).
+    r_inputs = [
+        (c, nc.e4m3_tensor(c.w_codes), torch.tensor([list(r) for r in c.scale]))
+        for c in nc.RESOLVE_CASES
+    ]
+    m_inputs = [(c, nc.values_tensor(c.values, c.dtype)) for c in nc.MX_CASES]
+    # Normal scales with f32-subnormal products (2**-9 * 2**-120 = 2**-129).
+    f_inputs = [(c, torch.tensor([[c[2]]], dtype=torch.float32)) for c in FUSED_CASES]
+    if not torch.set_flush_denormal(True):
+        pytest.skip("this CPU cannot flush denormals")
+    try:
+        r_out = [
+            fast.resolve_block(
+                w,
+                s,
+                row0=c.row0,
+                col0=c.col0,
+                block_n=c.block_n,
+                block_k=c.block_k,
+                dtype=nc.TORCH_DTYPES[c.dtype],
+            )
+            for c, w, s in r_inputs
+        ]
+        m_out = [fast.mx_quantize(x) for _, x in m_inputs]
+        f_out = [
+            fast.convert_block_to_mx(c[1], s, row0=0, col0=0, block_n=1, block_k=32, dtype=c[3])
+            for c, s in f_inputs
+        ]
+    finally:
+        torch.set_flush_denormal(False)
+    for (c, _, _), out in zip(r_inputs, r_out, strict=True):
+        got = nc.float_bits(out, c.dtype)
+        for r, (grow, wrow) in enumerate(zip(got, c.expected_bits, strict=True)):
+            for j, (g, want) in enumerate(zip(grow, wrow, strict=True)):
+                if want == nc.ANY_NAN:
+                    assert torch.isnan(out[r, j].float()), f"{c.name} [{r}, {j}]"
+                else:
+                    assert g == want, f"{c.name} [{r}, {j}] = {g:#x}, expected {want:#x}"
+    for (c, _), (payload, scale) in zip(m_inputs, m_out, strict=True):
+        assert nc.compare_mx(c.name, payload, scale, c.payload, c.scale) == []
+    for (c, _), (payload, scale) in zip(f_inputs, f_out, strict=True):
+        assert nc.compare_mx(c[0], payload, scale, c[5], c[4]) == []
 
 
 # --- exhaustive: every E4M3 code under many scales -------------------------------------------
@@ -502,6 +509,7 @@ def test_without_numba_reports_unavailable(monkeypatch: pytest.MonkeyPatch) -> N
     spec = importlib.util.spec_from_file_location("_fast_without_numba", fast.__file__)
     assert spec is not None and spec.loader is not None
     mod = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, mod)  # dataclasses look the module up
     spec.loader.exec_module(mod)
     assert mod.fast_available() is False
     assert "numba" in (mod.unavailable_reason() or "")

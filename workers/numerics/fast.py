@@ -517,7 +517,6 @@ def _convert_rows(
     sbits: np.ndarray,
     col0: int,
     bk: int,
-    mode: int,
     r32: np.ndarray,
     emx: np.ndarray,
     g_tile: np.ndarray,
@@ -554,9 +553,10 @@ def _convert_rows(
                 emax = 0
                 for i in range(32):
                     tjj = (col0 + c0 + i) // bk - t_c0
-                    p = _product_f32(np.int64(w[base + c0 + i]), np.int64(sbits[ti, tjj]))
-                    x = _as_f32_bits(_to_mode(p, mode), mode)
-                    xs[i] = x
+                    b = np.int64(w[base + c0 + i])
+                    x = r32[ti * n_tc + tjj, b & 0x7F]
+                    # The sign of R is sign(w) ^ sign(s) (module docstring).
+                    xs[i] = x | ((((b >> 7) ^ (np.int64(sbits[ti, tjj]) >> 31)) & 1) << 31)
                     emax = max(emax, (x >> 23) & 0xFF)
                 s = _scale_byte(emax)
                 for i in range(32):
@@ -652,7 +652,6 @@ def _convert_item(
     sbits: np.ndarray,
     col0: int,
     bk: int,
-    mode: int,
     r32: np.ndarray,
     emx: np.ndarray,
     g_tile: np.ndarray,
@@ -669,7 +668,7 @@ def _convert_item(
     nr = r_hi - r_lo
     if not packed:
         _convert_rows(
-            w, w64, k, r_lo, r_hi, ti, sbits, col0, bk, mode, r32, emx, g_tile, g_split,
+            w, w64, k, r_lo, r_hi, ti, sbits, col0, bk, r32, emx, g_tile, g_split,
             q_out[r_lo * k : r_hi * k], k, s_out.reshape(-1, ng)[r_lo:r_hi],
         )  # fmt: skip
         return
@@ -680,7 +679,7 @@ def _convert_item(
     loc = np.empty(nr * stride, dtype=np.uint8)
     s_loc = np.empty((nr, ng), dtype=np.uint8)
     _convert_rows(
-        w, w64, k, r_lo, r_hi, ti, sbits, col0, bk, mode, r32, emx, g_tile, g_split,
+        w, w64, k, r_lo, r_hi, ti, sbits, col0, bk, r32, emx, g_tile, g_split,
         loc, stride, s_loc,
     )  # fmt: skip
     col = out_row0 + r_lo
@@ -736,7 +735,7 @@ def _convert_kernel(
     for it in prange(chunks.shape[0]):
         r_lo = chunks[it, 0]
         _convert_item(
-            w, w64, k, r_lo, chunks[it, 1], (row0 + r_lo) // bn - t_r0, sbits, col0, bk, mode,
+            w, w64, k, r_lo, chunks[it, 1], (row0 + r_lo) // bn - t_r0, sbits, col0, bk,
             r32, emx, g_tile, g_split, packed, q_out, q64, n_total, out_row0, s_out,
         )  # fmt: skip
 

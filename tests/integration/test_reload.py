@@ -1,0 +1,210 @@
+"""Hot reload in place and faults, on a real local Ray (SPEC §4 Reload, Faults).
+
+One session per test, all sharing the module's Ray. Every check reads the devices'
+bytes back and compares them with the independent reference of the version that should
+be there; addresses are compared with the first load's.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import ray
+import torch
+
+from orchestrator.driver import LoadRequest, load
+from orchestrator.errors import ReloadMismatch, StorageError, WorkerLost
+from orchestrator.plantypes import ParallelLayout
+from orchestrator.session import Session
+from tests.reference_model import Layout, RefCheckpoint, compare_rank, expected_rank
+from tests.servers import Faults, RangeHTTPServer
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+
+LAYOUT = ParallelLayout(tp=2, dp=2, enable_expert_parallel=True)
+LAY = Layout(2, 2, 1, True, "linear")
+
+
+def _raw_to_tensors(raw: dict) -> dict[str, torch.Tensor]:
+    out = {}
+    for name, (dtype, shape, data) in raw.items():
+        t = torch.from_numpy(data.copy()).view(getattr(torch, dtype)).reshape(shape)
+        out[name] = t
+    return out
+
+
+def held(session: Session, rank: int) -> dict[str, torch.Tensor]:
+    return _raw_to_tensors(ray.get(session.run.actors[rank].host_tensors.remote()))
+
+
+def assert_holds(session: Session, src: str, like: str | None = None) -> None:
+    ref = RefCheckpoint(src)
+    like_ref = RefCheckpoint(like) if like else None
+    for rank in range(LAYOUT.world):
+        problems = compare_rank(expected_rank(ref, LAY, rank, like=like_ref), held(session, rank))
+        assert problems == [], f"rank {rank}: {problems[:8]}"
+
+
+def addresses(manifest: dict) -> dict:
+    return {
+        (r["rank"], n): t["data_ptr"] for r in manifest["ranks"] for n, t in r["tensors"].items()
+    }
+
+
+def test_reload_three_times_keeps_addresses(local_ray, ckpt_factory) -> None:
+    versions = [ckpt_factory("qwen3-moe-tiny", seed) for seed in (1, 2, 3, 4)]
+    with Session.load(versions[0], LAYOUT, device="cpu") as s:
+        assert_holds(s, versions[0])
+        first = addresses(s.manifest)
+        sums = {
+            (r["rank"], n): t["checksum"]
+            for r in s.manifest["ranks"]
+            for n, t in r["tensors"].items()
+        }
+        for i, src in enumerate(versions[1:], start=2):
+            m = s.reload(src)
+            assert addresses(m) == first, "a buffer moved"
+            assert m["addresses_moved"] == []
+            assert all(r["version"] == i and r["consistent"] for r in m["ranks"])
+            assert_holds(s, src)
+        changed = sum(
+            1
+            for r in m["ranks"]
+            for n, t in r["tensors"].items()
+            if t["checksum"] != sums[(r["rank"], n)]
+        )
+        assert changed > 0.9 * len(sums), "values must change between versions"
+
+
+def test_mismatched_reload_refused_and_nothing_touched(local_ray, ckpt_factory) -> None:
+    v1 = ckpt_factory("qwen3-moe-tiny", 1)
+    other = ckpt_factory(
+        "qwen3-moe-tiny", 7, overrides={"moe_intermediate_size": 96}
+    )  # every expert another shape
+    with Session.load(v1, LAYOUT, device="cpu") as s:
+        before = s.status()
+        with pytest.raises(ReloadMismatch) as err:
+            s.reload(other)
+        assert "w13_weight" in str(err.value) and "shape" in str(err.value)
+        after = s.status()
+        for a, b in zip(before["ranks"], after["ranks"], strict=True):
+            assert {n: t["checksum"] for n, t in a["tensors"].items()} == {
+                n: t["checksum"] for n, t in b["tensors"].items()
+            }
+            assert b["version"] == 1
+        assert_holds(s, v1)
+
+
+def test_reload_from_bf16_trainer_checkpoint(local_ray, ckpt_factory) -> None:
+    """What an RL trainer writes: BF16 linears, MX-quantized straight into the buffers."""
+    v1 = ckpt_factory("qwen3-moe-tiny", 1)
+    bf16 = ckpt_factory("qwen3-moe-tiny", 2, bf16=True)
+    with Session.load(v1, LAYOUT, device="cpu") as s:
+        first = addresses(s.manifest)
+        m = s.reload(bf16)
+        assert addresses(m) == first
+        assert_holds(s, bf16, like=v1)
+
+
+def test_load_over_flaky_http(local_ray, ckpt_factory, tmp_path) -> None:
+    src = ckpt_factory("qwen3-moe-tiny", 1)
+    with RangeHTTPServer(src, Faults(fail_fraction=0.05, cut_fraction=0.03)) as server:
+        dump = str(tmp_path / "dump")
+        load(LoadRequest(src=server.url, layout=LAYOUT, device="cpu"), dump=dump)
+        assert server.injected_failures > 0 and server.injected_cuts > 0
+    from safetensors.torch import load_file
+
+    ref = RefCheckpoint(src)
+    for rank in range(LAYOUT.world):
+        got = load_file(os.path.join(dump, f"rank-{rank:05d}.safetensors"))
+        assert compare_rank(expected_rank(ref, LAY, rank), got) == []
+
+
+def test_storage_error_that_never_clears(local_ray, ckpt_factory) -> None:
+    src = ckpt_factory("qwen3-moe-tiny", 1)
+    with RangeHTTPServer(src) as server:
+        # Headers are read by the coordinator first; then storage goes away for good.
+        from orchestrator.driver import RayRun, plan_load, source_info
+
+        req = LoadRequest(src=server.url, layout=LAYOUT, device="cpu")
+        meta, plan = plan_load(req)
+        server.faults = Faults(broken=True)
+        run = RayRun(req, plan)
+        run.start()
+        try:
+            run.place()
+            run.spawn()
+            with pytest.raises(StorageError) as err:
+                run.run_all(
+                    lambda r: list(plan.ranks[r].reads or ()),
+                    source_info(meta, False, req.src, None),
+                    version=1,
+                    whole_units=False,
+                )
+        finally:
+            run.shutdown()
+    msg = str(err.value)
+    assert "rank " in msg and ".safetensors" in msg and "bytes" in msg
+    assert err.value.exit_code == 1
+
+
+def test_worker_killed_mid_load_is_restarted_and_redone(local_ray, ckpt_factory, tmp_path) -> None:
+    src = ckpt_factory("qwen3-moe-tiny", 1)
+    dump = str(tmp_path / "dump")
+    manifest, _ = load(
+        LoadRequest(src=src, layout=LAYOUT, device="cpu", max_restarts=1, fault_at={1: 5}),
+        dump=dump,
+    )
+    r1 = manifest["ranks"][1]
+    assert r1["restarts"] == 1 and r1["addresses_changed"] is True
+    from safetensors.torch import load_file
+
+    ref = RefCheckpoint(src)
+    for rank in range(LAYOUT.world):
+        got = load_file(os.path.join(dump, f"rank-{rank:05d}.safetensors"))
+        assert compare_rank(expected_rank(ref, LAY, rank), got) == []
+
+
+def test_worker_lost_beyond_restarts(local_ray, ckpt_factory) -> None:
+    src = ckpt_factory("qwen3-moe-tiny", 1)
+    with pytest.raises(WorkerLost) as err:
+        load(LoadRequest(src=src, layout=LAYOUT, device="cpu", max_restarts=0, fault_at={2: 3}))
+    assert "rank 2" in str(err.value)
+
+
+def test_interrupted_reload_runs_again_to_completion(local_ray, ckpt_factory) -> None:
+    v1 = ckpt_factory("qwen3-moe-tiny", 1)
+    v2 = ckpt_factory("qwen3-moe-tiny", 2)
+    with RangeHTTPServer(v2) as server:
+        with Session.load(v1, LAYOUT, device="cpu") as s:
+            first = addresses(s.manifest)
+            # the second shard's data becomes unreadable after planning: every rank stops
+            # at its first unit that needs it, with earlier units already at version 2
+            server.faults = Faults(data_gone=frozenset({"model-00002-of-00002.safetensors"}))
+            with pytest.raises(StorageError):
+                s.reload(server.url)
+            st = s.status()
+            assert any(not r["consistent"] for r in st["ranks"]), "part-way: mixed versions"
+            assert all(r["version"] == 1 for r in st["ranks"])
+            server.faults = Faults()
+            m = s.reload(server.url)
+            assert all(r["version"] == 2 and r["consistent"] for r in m["ranks"])
+            assert addresses(m) == first
+            assert_holds(s, v2)
+
+
+def test_killed_worker_of_a_session_reports_changed_addresses(local_ray, ckpt_factory) -> None:
+    v1 = ckpt_factory("qwen3-moe-tiny", 1)
+    v2 = ckpt_factory("qwen3-moe-tiny", 2)
+    with Session.load(v1, LAYOUT, device="cpu", max_restarts=2) as s:
+        pid = ray.get(s.run.actors[3].pid.remote())
+        os.kill(pid, signal.SIGKILL)
+        time.sleep(1.0)
+        m = s.reload(v2)
+        r3 = m["ranks"][3]
+        assert r3["addresses_changed"] is True and r3["restarts"] >= 1
+        assert all(r["version"] == 2 for r in m["ranks"] if r["rank"] != 3)
+        assert_holds(s, v2)
