@@ -15,8 +15,9 @@ Paths (throughput is GB/s of FP8 source bytes, n * k per call):
 - ``torch-lut``: the best torch rearrangement tried -- resolve by one 256-entry table per
   tile and a gather, then the reference MX steps -- kept here as the evidence that
   rearranged torch ops stay memory-bound;
-- ``fast``: ``fast.convert_block_to_mx`` (new tensors), and ``fast-packed``:
-  ``fast.convert_block_to_mx_packed`` into the persistent buffers (the loader's path);
+- ``fast``: ``fast.convert_block_to_mx`` (new tensors); ``fast+write_rows``: that plus
+  ``repack.write_rows``; ``fast-packed``: ``fast.convert_block_to_mx_packed`` straight
+  into the persistent buffers (the loader's path);
 - ``naive-mxq`` / ``fast-mxq``: ``mx_quantize`` of the bf16 resolved tensor (a reload
   from a BF16 checkpoint); GB/s there is of bf16 input bytes (2 per element).
 
@@ -204,6 +205,10 @@ def _bench_workload(
         "naive+pack": (naive_pack, nbytes),
         "torch-lut": (lambda: _torch_lut_convert(w, scale, dtype), nbytes),
         "fast": (lambda: fast.convert_block_to_mx(w, scale, **kw), nbytes),
+        "fast+write_rows": (
+            lambda: repack.write_rows(buf_w, buf_s, *fast.convert_block_to_mx(w, scale, **kw), 0),
+            nbytes,
+        ),
         "fast-packed": (
             lambda: fast.convert_block_to_mx_packed(
                 w, scale, **kw, out_weight=buf_w, out_scale=buf_s, out_row0=0
@@ -229,11 +234,13 @@ def _bench_workload(
 
 def _print_rows(name: str, threads: int, rows: dict[str, dict[str, float]]) -> None:
     print(f"\n{name}, {threads} thread(s)")
-    print(f"  {'path':<12} {'GB/s':>7} {'min-max':>15} {'x naive':>8} {'x memcpy':>9}")
+    head = f"  {'path':<15} {'GB/s':>7} {'min-max':>15} {'x naive':>8} {'x memcpy':>9}"
+    print(head + f" {'GB/cpu-s':>9}")
     for path, r in rows.items():
         spread = f"{r['gbps_min']:.3f}-{r['gbps_max']:.3f}"
         print(
-            f"  {path:<12} {r['gbps']:7.3f} {spread:>15} {r['x_naive']:8.2f} {r['x_memcpy']:9.3f}"
+            f"  {path:<15} {r['gbps']:7.3f} {spread:>15} {r['x_naive']:8.2f} "
+            f"{r['x_memcpy']:9.3f} {r['gbps_per_cpu_s']:9.3f}"
         )
 
 

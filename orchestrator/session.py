@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from orchestrator.driver import (
@@ -261,3 +261,40 @@ class Session:
 
     def __exit__(self, *exc: object) -> None:
         self.release()
+
+
+@dataclass(frozen=True)
+class ReloadInputs:
+    """Everything a rank loader needs to reload from a new checkpoint, for every rank:
+    what an inference engine hosting ``RankLoader`` itself calls (docs/adoption.md)."""
+
+    source: Any
+    """workers.loader.SourceInfo of the new checkpoint."""
+    reads: tuple[tuple[Any, ...], ...]
+    """Per rank: the new checkpoint's byte ranges for each held unit."""
+    units: tuple[tuple[Any, ...], ...]
+    """Per rank: the held units with the new source's quantized flags."""
+    budgets: tuple[int, ...]
+    """Per rank: the staging budget the reload runs under."""
+
+
+def reload_inputs(
+    held: Plan,
+    src: str,
+    *,
+    storage_options: Mapping[str, Any] | None = None,
+    staging_budget: int | None = None,
+    fused: bool = True,
+    allow_nonfinite: bool = False,
+) -> ReloadInputs:
+    """Preflight ``src`` against ``held`` (raises ReloadMismatch, touching nothing) and
+    plan its reads for every rank."""
+    req = LoadRequest(src=src, layout=held.layout, storage_options=storage_options)
+    meta, new = plan_reload(held, req)
+    budgets = reload_budgets(held, new, meta.config, staging_budget, fused)
+    return ReloadInputs(
+        source=source_info(meta, allow_nonfinite, src, storage_options),
+        reads=tuple(tuple(new.ranks[r].reads or ()) for r in range(held.layout.world)),
+        units=tuple(tuple(reload_units(held, new, r)) for r in range(held.layout.world)),
+        budgets=tuple(budgets),
+    )

@@ -557,16 +557,21 @@ class RankLoader:
         *,
         version: int,
         staging_budget: int,
+        units: Sequence[Unit] | None = None,
         progress: Callable[[int, int, int], None] | None = None,
         fault_hook: Callable[[int], None] | None = None,
     ) -> RunStats:
-        """In-place reload: whole units only, addresses verified at the end."""
+        """In-place reload: whole units only, addresses verified at the end.
+
+        ``units``: the held units with the new source's quantized flags
+        (``orchestrator.session.reload_inputs``); default: the plan's."""
         return self.load(
             reads,
             source,
             version=version,
             staging_budget=staging_budget,
             whole_units=True,
+            units=units,
             progress=progress,
             fault_hook=fault_hook,
         )

@@ -418,15 +418,16 @@ def _e4m3_values() -> np.ndarray:
 
 @njit(**_PJIT)
 def _tile_tables(
-    sbits: np.ndarray, sf: np.ndarray, mode: int, r_bits: np.ndarray, emx: np.ndarray
+    sbits: np.ndarray, sf: np.ndarray, mode: int, r_bits: np.ndarray, s_tab: np.ndarray
 ) -> None:
     """Per tile ``t = ti * TJ + tj``: ``r_bits[t, b]`` = model-dtype bits of the resolved
-    magnitude ``b`` (0..127) and, when ``emx`` has rows, ``r_bits`` is turned into the f32
-    bits of that value and ``emx[t, b]`` is the running max of their exponent fields
-    (a group's Emax is ``emx`` at its largest magnitude byte, module docstring)."""
+    magnitude ``b`` (0..127) and, when ``s_tab`` has rows, ``r_bits`` is turned into the
+    f32 bits of that value and ``s_tab[t, b]`` is the scale byte (SPEC §2.2 step 2) of
+    the running max of their exponent fields: a group's Emax is that running max at the
+    group's largest magnitude byte (module docstring)."""
     n_tc = sbits.shape[1]
     w_f32 = _e4m3_values()
-    with_emax = emx.shape[0] > 0
+    with_emax = s_tab.shape[0] > 0
     for t in prange(sbits.shape[0] * n_tc):
         ti = t // n_tc
         tj = t % n_tc
@@ -439,7 +440,7 @@ def _tile_tables(
                 x = _as_f32_bits(row[b], mode)
                 row[b] = x
                 run = max(run, (x >> 23) & 0xFF)
-                emx[t, b] = run
+                s_tab[t, b] = _scale_byte(run)
 
 
 @njit(**_JIT)
@@ -481,7 +482,7 @@ def _resolve_kernel(
 ) -> None:
     n_tc = sbits.shape[1]
     half = np.empty((sbits.shape[0] * n_tc, 128), dtype=np.int64)
-    _tile_tables(sbits, sf, mode, half, np.empty((0, 128), dtype=np.int64))
+    _tile_tables(sbits, sf, mode, half, np.empty((0, 128), dtype=np.uint8))
     # Full 256-entry tables: the sign of an IEEE product is sign(w) ^ sign(s), and RNE is
     # symmetric, so entry b | 0x80 is entry b with the sign bit flipped.
     neg = 0x80000000 if mode == 2 else 0x8000
@@ -518,7 +519,7 @@ def _convert_rows(
     col0: int,
     bk: int,
     r32: np.ndarray,
-    emx: np.ndarray,
+    s_tab: np.ndarray,
     g_tile: np.ndarray,
     g_split: np.ndarray,
     dst: np.ndarray,
@@ -537,7 +538,7 @@ def _convert_rows(
     t_c0 = col0 // bk
     # Payload tables of (tile column, S), 256 bytes each, built the first time a group
     # needs one: slot[tj, S] is its offset in ``pool`` (-1: not built yet).
-    slot = np.full((n_tc, 256), -1, dtype=np.int64)
+    slot = np.full((n_tc, 256), -1, dtype=np.int32)
     pool = np.empty(256 * (2 * n_tc + 8), dtype=np.uint8)
     used = 0
     for r in range(r_lo, r_hi):
@@ -563,7 +564,7 @@ def _convert_rows(
                     dst[d_row + c0 + i] = _quant_e4m3(xs[i], s)
             else:
                 t = ti * n_tc + tj
-                s = _scale_byte(emx[t, _group_absmax(w64, (base + c0) >> 3)])
+                s = np.int64(s_tab[t, _group_absmax(w64, (base + c0) >> 3)])
                 off = slot[tj, s]
                 if off < 0:
                     if used == pool.shape[0]:
@@ -653,7 +654,7 @@ def _convert_item(
     col0: int,
     bk: int,
     r32: np.ndarray,
-    emx: np.ndarray,
+    s_tab: np.ndarray,
     g_tile: np.ndarray,
     g_split: np.ndarray,
     packed: bool,
@@ -668,7 +669,7 @@ def _convert_item(
     nr = r_hi - r_lo
     if not packed:
         _convert_rows(
-            w, w64, k, r_lo, r_hi, ti, sbits, col0, bk, r32, emx, g_tile, g_split,
+            w, w64, k, r_lo, r_hi, ti, sbits, col0, bk, r32, s_tab, g_tile, g_split,
             q_out[r_lo * k : r_hi * k], k, s_out.reshape(-1, ng)[r_lo:r_hi],
         )  # fmt: skip
         return
@@ -679,7 +680,7 @@ def _convert_item(
     loc = np.empty(nr * stride, dtype=np.uint8)
     s_loc = np.empty((nr, ng), dtype=np.uint8)
     _convert_rows(
-        w, w64, k, r_lo, r_hi, ti, sbits, col0, bk, r32, emx, g_tile, g_split,
+        w, w64, k, r_lo, r_hi, ti, sbits, col0, bk, r32, s_tab, g_tile, g_split,
         loc, stride, s_loc,
     )  # fmt: skip
     col = out_row0 + r_lo
@@ -722,8 +723,8 @@ def _convert_kernel(
     t_c0 = col0 // bk
     n_tiles = sbits.shape[0] * sbits.shape[1]
     r32 = np.empty((n_tiles, 128), dtype=np.int64)
-    emx = np.empty((n_tiles, 128), dtype=np.int64)
-    _tile_tables(sbits, sf, mode, r32, emx)
+    s_tab = np.empty((n_tiles, 128), dtype=np.uint8)
+    _tile_tables(sbits, sf, mode, r32, s_tab)
     # Column tile of each group (by its first column) and whether it straddles two tiles.
     g_tile = np.empty(ng, dtype=np.int64)
     g_split = np.empty(ng, dtype=np.bool_)
@@ -736,7 +737,7 @@ def _convert_kernel(
         r_lo = chunks[it, 0]
         _convert_item(
             w, w64, k, r_lo, chunks[it, 1], (row0 + r_lo) // bn - t_r0, sbits, col0, bk,
-            r32, emx, g_tile, g_split, packed, q_out, q64, n_total, out_row0, s_out,
+            r32, s_tab, g_tile, g_split, packed, q_out, q64, n_total, out_row0, s_out,
         )  # fmt: skip
 
 

@@ -1,0 +1,343 @@
+"""The memory model (SPEC §6): schedules, row chunks and the reads of row chunks. No Ray.
+
+Invariants in the spirit of Run:ai's partition tests, checked on the units of real plans
+(synthetic checkpoints with partial tiles, merged parts and experts):
+
+* ``chunk_rows`` covers a unit's rows exactly once, in order, and every chunk's staging
+  fits the budget;
+* ``sub_reads`` of all chunks of a unit cover the unit's weight bytes exactly once, and
+  each chunk's scale tiles are the floor of its first and last source row (SPEC §2.1),
+  never ``ceil`` of an offset;
+* ``sub_unit`` clips parts without losing or repeating a source row;
+* ``min_budgets`` is a real minimum: the schedule runs at it and is refused one byte
+  below it, with a StagingBudgetError naming ``--staging-budget``.
+
+Expected values are computed here from the unit's geometry, not taken from the module.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+from orchestrator.catalog import open_checkpoint
+from orchestrator.errors import StagingBudgetError
+from orchestrator.memory import (
+    MIN_CHUNK_ROWS,
+    ConvertOptions,
+    chunk_rows,
+    min_budgets,
+    read_fn_from_reads,
+    schedule,
+    slice_rows,
+    sub_reads,
+    sub_unit,
+    unit_cost,
+)
+from orchestrator.planner import build_plan
+from orchestrator.plantypes import ParallelLayout, RankPlan
+from orchestrator.ranges import ByteRange
+
+CASES = {
+    # partial tiles (hidden 160, q rows 96 per rank at tp=2 start mid-tile), odd groups
+    "awkward-tp2": ("qwen3-moe-awkward", ParallelLayout(tp=2)),
+    "awkward-tp2-dp2-ep": ("qwen3-moe-awkward", ParallelLayout(tp=2, dp=2, enable_expert_parallel=True)),  # fmt: skip
+    "moe-tp2-dp2-ep": ("qwen3-moe-tiny", ParallelLayout(tp=2, dp=2, enable_expert_parallel=True)),
+    "moe-tp4": ("qwen3-moe-tiny", ParallelLayout(tp=4)),
+    "dense-tp2-pp2": ("qwen3-dense-tiny", ParallelLayout(tp=2, pp=2)),
+}
+
+
+@pytest.fixture(scope="module")
+def plans(ckpt_factory):
+    cache = {}
+
+    def get(case: str):
+        if case not in cache:
+            preset, layout = CASES[case]
+            meta = open_checkpoint(ckpt_factory(preset, 3))
+            cache[case] = (meta, build_plan(meta.config, layout, checkpoint=meta))
+        return cache[case]
+
+    return get
+
+
+def _opts(meta, fused: bool = True) -> ConvertOptions:
+    q = meta.config.quant
+    return ConvertOptions(
+        model_dtype=meta.config.model_dtype, source_quant=q.kind, fused=fused, block_n=q.block_n
+    )
+
+
+def _read_fn(meta, rp: RankPlan):
+    return read_fn_from_reads(
+        rp.units, rp.reads, block_n=meta.config.quant.block_n, source_quant=meta.config.quant.kind
+    )
+
+
+def _byte_set(r: ByteRange) -> Counter:
+    """Every byte offset a range covers, with multiplicity."""
+    c: Counter = Counter()
+    for s, n in r.segments():
+        c.update(range(s, s + n))
+    return c
+
+
+def _budgets_between(lo: int, hi: int) -> list[int]:
+    return sorted({lo, lo + (hi - lo) // 7, lo + (hi - lo) // 3, (lo + hi) // 2, hi - 1, hi})
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("fused", [True, False])
+def test_chunks_cover_rows_once_and_fit(plans, case: str, fused: bool) -> None:
+    meta, plan = plans(case)
+    opts = _opts(meta, fused)
+    for rp in plan.ranks[:2]:
+        read_fn = _read_fn(meta, rp)
+        load_min, reload_min = min_budgets(rp.units, read_fn, opts)
+        for unit in rp.units:
+            whole = unit_cost(unit, unit.rows, read_fn(unit, 0, unit.rows), opts).pool
+            for budget in _budgets_between(load_min, max(reload_min, load_min + 1)):
+                chunks = chunk_rows(unit, budget, read_fn, opts)
+                assert chunks is not None, (unit.buffer, budget)
+                starts = [c.start for c in chunks]
+                ends = [c.end for c in chunks]
+                assert starts[0] == 0 and ends[-1] == unit.rows, (unit.buffer, chunks)
+                assert starts[1:] == ends[:-1], f"{unit.buffer}: gap or overlap {chunks}"
+                assert all(c.end > c.start for c in chunks) or unit.rows == 0
+                for c in chunks:
+                    cost = unit_cost(unit, c.end - c.start, read_fn(unit, c.start, c.end), opts)
+                    assert cost.pool <= budget, (unit.buffer, c, cost, budget)
+                if whole <= budget:
+                    assert len(chunks) == 1, f"{unit.buffer} fits whole but was chunked"
+                else:
+                    assert len(chunks) > 1
+                    assert min(c.end - c.start for c in chunks[:-1]) >= MIN_CHUNK_ROWS
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_sub_reads_cover_weight_bytes_exactly_once(plans, case: str) -> None:
+    meta, plan = plans(case)
+    q = meta.config.quant
+    opts = _opts(meta)
+    for rp in plan.ranks:
+        read_fn = _read_fn(meta, rp)
+        load_min, _ = min_budgets(rp.units, read_fn, opts)
+        for unit, reads in zip(rp.units, rp.reads, strict=True):
+            chunks = chunk_rows(unit, load_min, read_fn, opts)
+            assert chunks is not None
+            # Also uneven hand-made chunks, crossing tile and part boundaries.
+            odd = [(0, min(37, unit.rows)), (min(37, unit.rows), unit.rows)]
+            for cuts in ([(c.start, c.end) for c in chunks], odd):
+                got: dict[tuple[str, str], Counter] = {}
+                for start, end in cuts:
+                    if start >= end:
+                        continue
+                    su = sub_unit(unit, start, end)
+                    sr = sub_reads(
+                        unit, reads, start, end, block_n=q.block_n, source_quant=q.kind
+                    )
+                    assert len(su.parts) == len(sr.parts)
+                    assert su.rows == end - start
+                    for p, pr in zip(su.parts, sr.parts, strict=True):
+                        row_bytes = pr.weight.nbytes // max(p.nrows, 1)
+                        assert pr.weight.nbytes == p.nrows * row_bytes
+                        got.setdefault((pr.file, p.tensor_name), Counter()).update(
+                            _byte_set(pr.weight)
+                        )
+                want = {
+                    (pr.file, p.tensor_name): _byte_set(pr.weight)
+                    for p, pr in zip(unit.parts, reads.parts, strict=True)
+                }
+                for key, counter in want.items():
+                    assert got.get(key, Counter()) == counter, f"{unit.buffer} {key} {cuts}"
+                for key, counter in got.items():
+                    assert max(counter.values(), default=1) == 1, f"{key} read twice"
+
+
+@pytest.mark.parametrize("case", ["awkward-tp2", "moe-tp4", "dense-tp2-pp2"])
+def test_sub_reads_scale_tiles_are_floor_of_rows(plans, case: str) -> None:
+    meta, plan = plans(case)
+    q = meta.config.quant
+    bn = q.block_n
+    checked = 0
+    for rp in plan.ranks:
+        for unit, reads in zip(rp.units, rp.reads, strict=True):
+            if not unit.quantized:
+                continue
+            for start in range(0, unit.rows, 16):
+                for end in (start + 1, start + 16, min(start + 100, unit.rows)):
+                    end = min(end, unit.rows)
+                    if end <= start:
+                        continue
+                    sr = sub_reads(unit, reads, start, end, block_n=bn, source_quant=q.kind)
+                    su = sub_unit(unit, start, end)
+                    for p, pr, whole in zip(
+                        su.parts,
+                        sr.parts,
+                        [wp for wp in reads.parts],
+                        strict=False,
+                    ):
+                        first, last = p.rows[0], p.rows[1] - 1
+                        assert pr.tile_rows == (first // bn, last // bn + 1), (unit.buffer, p)
+                        ntile_rows = pr.tile_rows[1] - pr.tile_rows[0]
+                        ntile_cols = pr.tile_cols[1] - pr.tile_cols[0]
+                        assert pr.scale is not None
+                        assert pr.scale.nbytes == ntile_rows * ntile_cols * 4
+                        del whole
+                        checked += 1
+    assert checked > 50
+
+
+def test_sub_reads_scale_bytes_are_the_whole_units_tile_rows(plans) -> None:
+    """A chunk's scale bytes are exactly the rows of the unit's scale range it needs."""
+    meta, plan = plans("awkward-tp2")
+    q = meta.config.quant
+    rp = plan.ranks[1]
+    n = 0
+    for unit, reads in zip(rp.units, rp.reads, strict=True):
+        if not unit.quantized:
+            continue
+        for start, end in ((0, 16), (16, 48), (unit.rows - 5, unit.rows)):
+            sr = sub_reads(unit, reads, max(start, 0), end, block_n=q.block_n, source_quant=q.kind)
+            su = sub_unit(unit, max(start, 0), end)
+            whole_by_tensor = {p.tensor_name: pr for p, pr in zip(unit.parts, reads.parts, strict=True)}
+            for p, pr in zip(su.parts, sr.parts, strict=True):
+                wp = whole_by_tensor[p.tensor_name]
+                segs_whole = list(wp.scale.segments()) if wp.scale.count > 1 else None
+                tiles = _byte_set(pr.scale)
+                allb = _byte_set(wp.scale)
+                assert set(tiles) <= set(allb)
+                i0 = pr.tile_rows[0] - wp.tile_rows[0]
+                i1 = pr.tile_rows[1] - wp.tile_rows[0]
+                if segs_whole is not None:
+                    expect = Counter()
+                    for s, ln in segs_whole[i0:i1]:
+                        expect.update(range(s, s + ln))
+                else:
+                    row = wp.scale.length // (wp.tile_rows[1] - wp.tile_rows[0])
+                    s0 = wp.scale.start + i0 * row
+                    expect = Counter(range(s0, s0 + (i1 - i0) * row))
+                assert tiles == expect, (unit.buffer, p.tensor_name, start, end)
+                n += 1
+    assert n > 10
+
+
+def test_sub_unit_parts_keep_every_source_row_once(plans) -> None:
+    meta, plan = plans("moe-tp2-dp2-ep")
+    for unit in plan.ranks[0].units:
+        for h in (1, 7, 16, 50):
+            rows: Counter = Counter()
+            dst: list[int] = []
+            for start in range(0, unit.rows, h):
+                su = sub_unit(unit, start, min(start + h, unit.rows))
+                for p in su.parts:
+                    rows.update((p.tensor_name, r) for r in range(*p.rows))
+                    assert 0 <= p.dst_row and p.dst_row + p.nrows <= su.rows
+                    dst.extend(range(start + p.dst_row, start + p.dst_row + p.nrows))
+            want = Counter((p.tensor_name, r) for p in unit.parts for r in range(*p.rows))
+            assert rows == want, unit.buffer
+            assert sorted(dst) == sorted(
+                d for p in unit.parts for d in range(p.dst_row, p.dst_row + p.nrows)
+            )
+
+
+# --- slice_rows --------------------------------------------------------------------------
+
+
+def test_slice_rows_strided_and_contiguous() -> None:
+    strided = ByteRange(start=1000, length=24, stride=100, count=10)
+    assert slice_rows(strided, 10, 3, 7) == ByteRange(1300, 24, 100, 4)
+    assert slice_rows(strided, 10, 0, 10).nbytes == strided.nbytes
+    run = ByteRange(start=64, length=10 * 32, stride=10 * 32, count=1)
+    r = slice_rows(run, 10, 2, 5)
+    assert (r.start, r.nbytes) == (64 + 2 * 32, 3 * 32) and r.count == 1
+    assert slice_rows(run, 10, 4, 4).nbytes == 0
+    one = ByteRange(start=8, length=40, stride=40, count=1)
+    assert slice_rows(one, 1, 0, 1) == one
+
+
+@pytest.mark.parametrize(
+    "rng,nrows",
+    [
+        (ByteRange(0, 33, 33, 1), 2),  # 33 bytes cannot be 2 equal rows
+        (ByteRange(0, 8, 16, 3), 5),  # 3 segments are not 5 rows
+    ],
+)
+def test_slice_rows_refuses_ranges_that_are_not_rows(rng: ByteRange, nrows: int) -> None:
+    with pytest.raises(ValueError):
+        slice_rows(rng, nrows, 0, 1)
+
+
+# --- schedule and minimum budgets ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_min_budgets_are_minimums(plans, case: str) -> None:
+    meta, plan = plans(case)
+    opts = _opts(meta)
+    for rp in plan.ranks:
+        read_fn = _read_fn(meta, rp)
+        load_min, reload_min = min_budgets(rp.units, read_fn, opts)
+        assert 0 < load_min <= reload_min
+        # The reload minimum is the largest whole unit, counted here from unit_cost.
+        largest = max(unit_cost(u, u.rows, read_fn(u, 0, u.rows), opts).pool for u in rp.units)
+        assert reload_min == largest
+        steps, est = schedule(rp.units, read_fn, opts, reload_min, whole_units=True)
+        assert all(len(s.chunks) == 1 for s in steps)
+        assert est.staging_bytes <= reload_min
+        steps, est = schedule(rp.units, read_fn, opts, load_min, whole_units=False)
+        assert est.staging_bytes <= load_min
+        with pytest.raises(StagingBudgetError, match="--staging-budget") as err:
+            schedule(rp.units, read_fn, opts, reload_min - 1, whole_units=True)
+        assert err.value.key == "--staging-budget"
+        assert err.value.tensor in {u.buffer for u in rp.units}
+        assert err.value.tensor in str(err.value)
+        with pytest.raises(StagingBudgetError, match="--staging-budget") as err:
+            schedule(rp.units, read_fn, opts, load_min - 1, whole_units=False)
+        assert err.value.key == "--staging-budget"
+        assert err.value.exit_code == 2
+
+
+@pytest.mark.parametrize("case", ["awkward-tp2", "moe-tp2-dp2-ep"])
+def test_schedule_peak_is_the_max_over_steps(plans, case: str) -> None:
+    """The estimate recomputed by hand from the steps: each chunk's pool cost plus the
+    next unit's reads when the step prefetches; never above the budget."""
+    meta, plan = plans(case)
+    opts = _opts(meta)
+    rp = plan.ranks[0]
+    read_fn = _read_fn(meta, rp)
+    load_min, reload_min = min_budgets(rp.units, read_fn, opts)
+    for budget in _budgets_between(load_min, 2 * reload_min):
+        steps, est = schedule(rp.units, read_fn, opts, budget, whole_units=False)
+        assert len(steps) == len(rp.units)
+        peak = 0
+        for i, (unit, step) in enumerate(zip(rp.units, steps, strict=True)):
+            ahead = 0
+            if step.prefetch_next:
+                assert len(step.chunks) == 1 and i + 1 < len(rp.units)
+                nxt = rp.units[i + 1]
+                ahead = read_fn(nxt, 0, nxt.rows)
+            for c in step.chunks:
+                cost = unit_cost(unit, c.end - c.start, read_fn(unit, c.start, c.end), opts)
+                peak = max(peak, cost.pool + ahead)
+        assert est.staging_bytes == peak
+        assert peak <= budget
+        assert est.budget_bytes == budget
+
+
+def test_too_small_budget_names_the_flag_and_chunk_rows_says_none(plans) -> None:
+    meta, plan = plans("moe-tp4")
+    opts = _opts(meta)
+    rp = plan.ranks[0]
+    read_fn = _read_fn(meta, rp)
+    unit = max(rp.units, key=lambda u: u.rows * u.cols)
+    sixteen = max(
+        unit_cost(u, min(MIN_CHUNK_ROWS, u.rows), read_fn(u, 0, min(MIN_CHUNK_ROWS, u.rows)), opts).pool
+        for u in [unit]
+    )
+    assert chunk_rows(unit, sixteen // 2, read_fn, opts) is None
+    with pytest.raises(StagingBudgetError) as err:
+        schedule(rp.units, read_fn, opts, 1, whole_units=False)
+    assert "--staging-budget" in str(err.value)
