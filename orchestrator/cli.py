@@ -73,6 +73,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device-memory", default=None)
     p.add_argument("--staging-budget", default=None)
     p.add_argument("--device", default="cpu", choices=["auto", "npu", "cuda", "cpu"])
+    p.add_argument(
+        "--devices-per-node",
+        type=int,
+        default=16,
+        help="devices per node for the per-node headroom summary (ranks packed in order)",
+    )
     _add_common(p)
 
     p = sub.add_parser("load", help="distributed load on Ray")
@@ -260,11 +266,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
             key="--staging-budget",
         )
     obj = plan_to_json(plan)
-    _emit(args, obj, render_plan_table(obj))
+    _emit(args, obj, render_plan_table(obj, devices_per_node=max(1, args.devices_per_node)))
     return 0 if obj["fits"] else 3
 
 
-def render_plan_table(obj: dict[str, Any]) -> str:
+def render_plan_table(obj: dict[str, Any], devices_per_node: int = 16) -> str:
     par = obj["parallel"]
     lines = [
         f"{obj['model'].get('architecture')}  tp={par['tp']} dp={par['dp']} pp={par['pp']} "
@@ -294,6 +300,17 @@ def render_plan_table(obj: dict[str, Any]) -> str:
         lines.append(
             f"device memory {format_size(dev)}: {'fits' if obj['fits'] else 'DOES NOT FIT'}"
         )
+        ranks = obj["ranks"]
+        nodes = [ranks[i : i + devices_per_node] for i in range(0, len(ranks), devices_per_node)]
+        lines.append(f"per node ({devices_per_node} devices each, ranks packed in order):")
+        for n, group in enumerate(nodes[:16]):
+            worst = max(group, key=lambda r: r["peak_bytes"])
+            lines.append(
+                f"  node {n}: ranks {group[0]['rank']}-{group[-1]['rank']}, tightest rank "
+                f"{worst['rank']} headroom {format_size(dev - worst['peak_bytes'])}"
+            )
+        if len(nodes) > 16:
+            lines.append(f"  ... {len(nodes) - 16} more nodes")
     return "\n".join(lines)
 
 
@@ -312,6 +329,8 @@ def render_load_table(manifest: dict[str, Any]) -> str:
             f"{format_size(r['measured_peak_staging_bytes'] or 0):>11} {r['seconds'] or 0:>8.2f} "
             f"{r['version']!s:>7}"
         )
+    for note in sorted({r.get("backend_note", "") for r in manifest["ranks"]} - {""}):
+        lines.append(f"compute: {note}")
     return "\n".join(lines)
 
 

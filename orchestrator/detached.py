@@ -41,6 +41,8 @@ from orchestrator.errors import AddressMoved, SessionError, WorkerLost
 from orchestrator.plantypes import Plan
 
 NAMESPACE = "mxload"
+VIRTUAL_DEVICES_PER_HEAD = 16
+"""Virtual accelerators a background head declares: one Ascend node's worth."""
 
 
 class SessionKeeper:
@@ -115,7 +117,11 @@ def detached_load(
     meta, plan = plan_load(req)  # refuse bad input before starting anything
     started_head = False
     if req.address is None and not ray.is_initialized():
-        record = start_detached_head(plan.layout.world, resource=req.accelerator)
+        # One node's worth of virtual devices (at least the layout's), so a second
+        # session (a reference model beside the policy) fits on the same head.
+        record = start_detached_head(
+            max(plan.layout.world, VIRTUAL_DEVICES_PER_HEAD), resource=req.accelerator
+        )
         req = replace(req, address=record.address)
         started_head = True
         from cluster.local import connect

@@ -423,6 +423,7 @@ def build_manifest(
             "pid": rep.get("pid"),
             "device": rep.get("device", ""),
             "backend": rep.get("backend", ""),
+            "backend_note": rep.get("backend_note", ""),
             "visible_devices": rep.get("visible_devices", ""),
             "experts": list(rp.experts),
             "layers": list(rp.layers),

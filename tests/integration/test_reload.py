@@ -208,3 +208,25 @@ def test_killed_worker_of_a_session_reports_changed_addresses(local_ray, ckpt_fa
         assert r3["addresses_changed"] is True and r3["restarts"] >= 1
         assert all(r["version"] == 2 for r in m["ranks"] if r["rank"] != 3)
         assert_holds(s, v2)
+
+
+def test_two_sessions_side_by_side(local_ray, ckpt_factory) -> None:
+    """A policy and a reference model held at once; reloading one leaves the other alone."""
+    v1 = ckpt_factory("qwen3-moe-tiny", 1)
+    v2 = ckpt_factory("qwen3-moe-tiny", 2)
+    with (
+        Session.load(v1, LAYOUT, device="cpu") as policy,
+        Session.load(v1, ParallelLayout(tp=2), device="cpu") as reference,
+    ):
+        ref_before = reference.status()
+        policy.reload(v2)
+        assert_holds(policy, v2)
+        ref_after = reference.status()
+        for a, b in zip(ref_before["ranks"], ref_after["ranks"], strict=True):
+            assert {n: t["checksum"] for n, t in a["tensors"].items()} == {
+                n: t["checksum"] for n, t in b["tensors"].items()
+            }
+        devices = {r["visible_devices"] for r in policy.manifest["ranks"]} | {
+            r["visible_devices"] for r in reference.manifest["ranks"]
+        }
+        assert len(devices) == 6, "each rank of each session has its own device"
