@@ -100,6 +100,12 @@ def start_embedded(
 
     prepare_environment()
     temp_dir = temp_dir or short_temp_dir()
+    # A private token for this head: otherwise Ray >= 2.5x writes one to ~/.ray/auth_token.
+    if not os.environ.get("RAY_AUTH_TOKEN"):
+        os.environ["RAY_AUTH_MODE"] = "token"
+        os.environ["RAY_AUTH_TOKEN"] = secrets.token_hex(32)
+        os.environ.pop("RAY_AUTH_TOKEN_PATH", None)
+        _refresh_ray_auth()
     ray.init(
         address="local",
         num_cpus=num_cpus if num_cpus is not None else min(os.cpu_count() or 1, 2),
@@ -130,13 +136,35 @@ def connect(address: str, *, token: str | None = None) -> None:
         os.environ["RAY_AUTH_TOKEN"] = token
         os.environ.pop("RAY_AUTH_TOKEN_PATH", None)
         _refresh_ray_auth()
-    ray.init(
-        address=address,
-        namespace=NAMESPACE,
-        logging_level=logging.ERROR,
-        log_to_driver=False,
-    )
+    elif "RAY_AUTH_MODE" not in os.environ and _token_available():
+        # With an explicit address Ray does not turn token mode on by itself (it does
+        # for address="auto"); a token on this machine means the cluster wants it.
+        os.environ["RAY_AUTH_MODE"] = "token"
+        _refresh_ray_auth()
+    try:
+        ray.init(
+            address=address,
+            namespace=NAMESPACE,
+            logging_level=logging.ERROR,
+            log_to_driver=False,
+        )
+    except ConnectionError as err:
+        raise SessionError(
+            f"cannot join the Ray cluster at {address}: {err}. Check --address, and that "
+            "this machine has the cluster's token (RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH or "
+            "~/.ray/auth_token) with RAY_AUTH_MODE=token",
+            key="--address",
+        ) from None
     quiet_ray_logging()
+
+
+def _token_available() -> bool:
+    if os.environ.get("RAY_AUTH_TOKEN"):
+        return True
+    path = os.environ.get("RAY_AUTH_TOKEN_PATH")
+    if path:
+        return os.path.exists(path)
+    return (Path.home() / ".ray" / "auth_token").exists()
 
 
 def _refresh_ray_auth() -> None:
@@ -193,6 +221,9 @@ def start_detached_head(
         f"--num-cpus={num_cpus if num_cpus is not None else min(os.cpu_count() or 1, 2)}",
         f"--resources={json.dumps({resource: num_devices})}",
         f"--temp-dir={temp_dir}",
+        # free ports, not Ray's defaults (10001, 52365), which another head may hold
+        f"--ray-client-server-port={free_port()}",
+        f"--dashboard-agent-listen-port={free_port()}",
         "--include-dashboard=false",
         "--disable-usage-stats",
     ]
@@ -246,14 +277,7 @@ def stop_detached_head(record: HeadRecord | None = None) -> bool:
         return False
     import psutil
 
-    victims = []
-    for proc in psutil.process_iter(["pid", "cmdline"]):
-        try:
-            cmdline = " ".join(proc.info["cmdline"] or [])
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            continue
-        if record.temp_dir in cmdline and proc.pid != os.getpid():
-            victims.append(proc)
+    victims = head_processes(record.temp_dir, record.address)
     for proc in victims:
         try:
             proc.terminate()
@@ -265,6 +289,48 @@ def stop_detached_head(record: HeadRecord | None = None) -> bool:
             proc.kill()
         except psutil.NoSuchProcess:
             pass
-    _record_path(mxload_home()).unlink(missing_ok=True)
+    if read_head_record() == record:
+        _record_path(mxload_home()).unlink(missing_ok=True)
     shutil.rmtree(record.temp_dir, ignore_errors=True)
     return bool(victims)
+
+
+def processes_under(root: str) -> list[Any]:
+    """Processes whose command line names the directory ``root`` (Ray's daemons name
+    their temp dir), plus their descendants (workers and agents rename themselves
+    ``ray::...``); never this process. Returns ``psutil.Process`` objects."""
+    import psutil
+
+    found: dict[int, Any] = {}
+    me = os.getpid()
+    for proc in psutil.process_iter(["pid", "cmdline"]):
+        try:
+            cmdline = " ".join(proc.info["cmdline"] or [])
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+        if root + os.sep in cmdline or cmdline.endswith(root):
+            found[proc.pid] = proc
+            try:
+                for child in proc.children(recursive=True):
+                    found[child.pid] = child
+            except psutil.NoSuchProcess:
+                pass
+    found.pop(me, None)
+    return list(found.values())
+
+
+def head_processes(temp_dir: str, address: str) -> list[Any]:
+    """Every process of a head started with ``temp_dir``: those under it, and its Ray
+    client server, whose command line names only the GCS address."""
+    import psutil
+
+    found = {p.pid: p for p in processes_under(temp_dir)}
+    for proc in psutil.process_iter(["pid", "cmdline"]):
+        try:
+            cmdline = proc.info["cmdline"] or []
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+        if "ray.util.client.server" in cmdline and f"--address={address}" in cmdline:
+            found[proc.pid] = proc
+    found.pop(os.getpid(), None)
+    return list(found.values())

@@ -145,6 +145,7 @@ class RayRun:
         self.pg: Any = None
         self.actors: list[Any] = []
         self.bundle_of_rank: list[int] = []
+        self.split_tp_groups: list[int] = []
         self.detached_name = detached_name
 
     # --- cluster ------------------------------------------------------------------------
@@ -199,6 +200,15 @@ class RayRun:
             )
         table = placement_group_table(self.pg)
         self.bundle_of_rank = assign_ranks(table["bundles_to_node_id"], world)
+        # PACK is best effort: say which TP groups ended up across nodes (a slow TP
+        # all-reduce), rather than hide it.
+        tp = self.plan.layout.tp
+        nodes = table["bundles_to_node_id"]
+        self.split_tp_groups = [
+            g
+            for g in range(world // tp)
+            if len({nodes[self.bundle_of_rank[r]] for r in range(g * tp, (g + 1) * tp)}) > 1
+        ]
 
     def spawn(self) -> None:
         import ray
@@ -507,6 +517,10 @@ def load(
         )
         manifest = build_manifest(plan, reports)
         manifest["seconds"] = round(time.perf_counter() - t0, 3)
+        manifest["placement"] = {
+            "strategy": req.placement,
+            "tp_groups_across_nodes": run.split_tp_groups,
+        }
         if dump:
             write_dump(run, manifest, dump)
     except BaseException:
