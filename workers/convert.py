@@ -22,6 +22,7 @@ a time, which is how a checkpoint larger than RAM converts.
 from __future__ import annotations
 
 import json
+import math
 import sys
 import time
 from collections.abc import Mapping
@@ -38,6 +39,7 @@ from orchestrator.formats import (
     MODEL_DTYPES,
     MX_GROUP,
     MX_SCALE_SUFFIX,
+    SAFETENSORS_ITEMSIZE,
     SINGLE_FILE,
 )
 from orchestrator.ranges import contiguous
@@ -196,7 +198,13 @@ def convert_checkpoint(
     with fs.open(_join(root, CONFIG_FILE), "w") as f:
         json.dump(raw_config, f, indent=2)
     if len(files) > 1 or files != [SINGLE_FILE]:
-        total = sum(meta.tensors[n].nbytes for n in meta.tensors)
+        # total_size of what this checkpoint holds (HF's meaning), not of the source:
+        # scales changed dtype and shape, and excluded modules grew to the model dtype.
+        total = sum(
+            math.prod(shape) * SAFETENSORS_ITEMSIZE[st_dtype]
+            for specs in plan.values()
+            for _, st_dtype, shape in specs
+        )
         with fs.open(_join(root, INDEX_FILE), "w") as f:
             json.dump(
                 {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))},

@@ -397,10 +397,14 @@ class RankLoader:
                 f"rank {self.rank}: a load is already running on this rank", rank=self.rank
             )
         try:
+            # The bytes are about to change: a run that fails part-way must not leave the
+            # checksums of the previous bytes cached for status to report (SPEC §4).
+            self._checksums = None
             return self._load(
                 reads, source, version, staging_budget, whole_units, units, progress, fault_hook
             )
         finally:
+            self._checksums = None
             self._busy.release()
 
     def _load(

@@ -381,21 +381,23 @@ def test_mx_quantize_noncontiguous_input() -> None:
 
 
 @pytest.mark.parametrize(
-    ("n", "k", "n_total", "out_row0"),
+    ("n", "k", "n_total", "out_row0", "col0"),
     [
-        (128, 256, 128, 0),  # whole linear, even g, word-aligned (8x8 transposes)
-        (64, 96, 200, 64),  # odd g = 3, a row chunk in the middle
-        (50, 160, 123, 70),  # odd g, N_total not a multiple of 8 (byte path)
-        (130, 64, 136, 3),  # chunk at an unaligned column
-        (8, 32, 8, 0),  # g = 1
+        (128, 256, 128, 0, 0),  # whole linear, even g, word-aligned (8x8 transposes)
+        (64, 96, 200, 64, 0),  # odd g = 3, a row chunk in the middle
+        (50, 160, 123, 70, 0),  # odd g, N_total not a multiple of 8 (byte path)
+        (130, 64, 136, 3, 0),  # chunk at an unaligned column
+        (8, 32, 8, 0, 0),  # g = 1
+        (72, 320, 80, 8, 48),  # a K slice starting mid-tile: groups straddle two tiles
     ],
 )
-def test_packed_matches_write_rows(n: int, k: int, n_total: int, out_row0: int) -> None:
+def test_packed_matches_write_rows(n: int, k: int, n_total: int, out_row0: int, col0: int) -> None:
     gen = torch.Generator().manual_seed(n * 1000 + k)
     w = _random_weight(gen, n, k, "weights")
     row0 = 40  # a row slice starting mid-tile
-    scale = _random_scales(gen, (row0 + n - 1) // 128 + 1, (k - 1) // 128 + 1, special=True)
-    kw = dict(row0=row0, col0=0, block_n=128, block_k=128, dtype=torch.bfloat16)
+    tc = (col0 + k - 1) // 128 - col0 // 128 + 1
+    scale = _random_scales(gen, (row0 + n - 1) // 128 + 1, tc, special=True)
+    kw = dict(row0=row0, col0=col0, block_n=128, block_k=128, dtype=torch.bfloat16)
     pairs = (k // 32 + 1) // 2
     # Sentinel bytes everywhere: columns outside the chunk must come back untouched.
     want_w = torch.full((k, n_total), 0xA5, dtype=torch.uint8).view(torch.float8_e4m3fn)

@@ -1,0 +1,355 @@
+"""``mxload convert`` (SPEC §1.2): offline block-FP8 -> ModelOpt-style MXFP8, unsharded.
+
+Every output tensor is compared byte for byte with a conversion made here from the
+source files read by the official ``safetensors`` library and the independent numpy
+reference (``tests/independent_ref.py``: ``resolve_ref_bits`` on the whole tensor, then
+``mx_quantize_ref``). The config's ``quantization_config`` must be exactly the four keys
+of SPEC §1.2, the index must agree with the files, and the output must load with
+mxload's own catalog (and loader) as an MXFP8 checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+from orchestrator.catalog import open_checkpoint
+from orchestrator.errors import UnsupportedError
+from tests.independent_ref import mx_quantize_ref, resolve_ref_bits, same_e4m3_bytes
+from workers.convert import convert_checkpoint
+
+BITS = {"bf16": (np.uint16, torch.bfloat16), "fp16": (np.uint16, torch.float16)}
+
+CASES = {
+    "moe-tiny": ("qwen3-moe-tiny", None),
+    "dense-tiny": ("qwen3-dense-tiny", None),
+    "awkward": ("qwen3-moe-awkward", None),
+    # K not a multiple of 32: expert down_proj K = 80 and dense down_proj K = 208 are
+    # written resolved and listed in exclude_modules; 80 and 208 are also partial tiles.
+    "awkward-k": ("qwen3-moe-awkward", {"moe_intermediate_size": 80, "intermediate_size": 208}),
+    # A module the source already keeps unquantized (modules_to_not_convert).
+    "dense-not-converted": (
+        "qwen3-dense-tiny",
+        {
+            "quantization_config": {
+                "quant_method": "fp8",
+                "fmt": "e4m3",
+                "activation_scheme": "dynamic",
+                "weight_block_size": [128, 128],
+                "modules_to_not_convert": ["model.layers.1.mlp.down_proj"],
+            }
+        },
+    ),
+}
+
+
+def read_all(path: str) -> tuple[dict, dict[str, torch.Tensor], dict[str, str]]:
+    """(config, name -> tensor, name -> file) with the official library."""
+    with open(os.path.join(path, "config.json")) as f:
+        config = json.load(f)
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+    else:
+        files = ["model.safetensors"]
+    tensors: dict[str, torch.Tensor] = {}
+    where: dict[str, str] = {}
+    for file in files:
+        for name, t in load_file(os.path.join(path, file)).items():
+            assert name not in tensors, f"{name} in two files"
+            tensors[name] = t
+            where[name] = file
+    return config, tensors, where
+
+
+def raw(t: torch.Tensor) -> np.ndarray:
+    return t.contiguous().view(torch.uint8).numpy().reshape(-1)
+
+
+def model_dtype(config: dict) -> str:
+    return {"float16": "fp16", "float32": "fp32"}.get(config.get("torch_dtype"), "bf16")
+
+
+@pytest.fixture(scope="module")
+def converted(ckpt_factory, tmp_path_factory):
+    cache: dict[str, tuple[str, str, dict]] = {}
+
+    def get(case: str) -> tuple[str, str, dict]:
+        if case not in cache:
+            preset, overrides = CASES[case]
+            kw = {"overrides": overrides} if overrides else {}
+            src = ckpt_factory(preset, 5, **kw)
+            dst = str(tmp_path_factory.mktemp(f"mx-{case}") / "out")
+            summary = convert_checkpoint(src, dst)
+            cache[case] = (src, dst, summary)
+        return cache[case]
+
+    return get
+
+
+def expected_output(src: str) -> tuple[dict[str, tuple[str, np.ndarray]], list[str], dict]:
+    """name -> (safetensors dtype, bytes) of the MXFP8 checkpoint, made independently;
+    the modules that must be excluded; the source config."""
+    config, tensors, _ = read_all(src)
+    qc = config["quantization_config"]
+    bn, bk = qc["weight_block_size"]
+    dtype = model_dtype(config)
+    np_bits, torch_dt = BITS[dtype]
+    out: dict[str, tuple[str, np.ndarray]] = {}
+    excluded = list(qc.get("modules_to_not_convert") or qc.get("ignored_layers") or [])
+    for name, t in tensors.items():
+        if name.endswith(".weight_scale_inv"):
+            continue
+        module = name[: -len(".weight")]
+        scale_name = f"{module}.weight_scale_inv"
+        if t.dtype == torch.float8_e4m3fn and scale_name in tensors:
+            w = t.view(torch.uint8).numpy()
+            s = tensors[scale_name].numpy()
+            bits = resolve_ref_bits(w, s, row0=0, col0=0, block_n=bn, block_k=bk, dtype=dtype)
+            n, k = w.shape
+            if k % 32 == 0:
+                values = (
+                    torch.from_numpy(bits.astype(np_bits)).view(torch_dt).to(torch.float64).numpy()
+                )
+                payload, scale = mx_quantize_ref(values)
+                out[name] = ("F8_E4M3", payload.reshape(-1))
+                out[f"{module}.weight_scale"] = ("U8", scale.reshape(-1))
+                assert scale.shape == (n, k // 32)
+            else:
+                out[name] = (
+                    {"bf16": "BF16", "fp16": "F16"}[dtype],
+                    bits.view(np.uint8).reshape(-1),
+                )
+                excluded.append(module)
+        else:
+            out[name] = (ST_DTYPE[t.dtype], raw(t))
+    return out, sorted(set(excluded)), config
+
+
+ST_DTYPE = {
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.uint8: "U8",
+    torch.bfloat16: "BF16",
+    torch.float16: "F16",
+    torch.float32: "F32",
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_every_output_tensor_matches_the_independent_reference(converted, case) -> None:
+    src, dst, summary = converted(case)
+    want, excluded, src_config = expected_output(src)
+    config, got, _ = read_all(dst)
+    assert set(got) == set(want), (
+        f"missing {sorted(set(want) - set(got))[:5]}, extra {sorted(set(got) - set(want))[:5]}"
+    )
+    for file in set(read_all(dst)[2].values()):
+        with safe_open(os.path.join(dst, file), "pt") as f:
+            assert f.metadata() == {"format": "pt"}, file  # transformers requires it
+    bad = []
+    for name, (dtype, data) in want.items():
+        t = got[name]
+        if ST_DTYPE[t.dtype] != dtype:
+            bad.append(f"{name}: dtype {t.dtype}, expected {dtype}")
+            continue
+        b = raw(t)
+        if b.shape != data.shape:
+            bad.append(f"{name}: {b.size} bytes, expected {data.size}")
+            continue
+        same = same_e4m3_bytes(b, data) if dtype == "F8_E4M3" else (b == data)
+        if not same.all():
+            bad.append(f"{name}: {int((~same).sum())} bytes differ")
+    assert bad == [], bad[:10]
+    # Shapes: MX payload [N, K] (not transposed), scale [N, K/32].
+    for name, t in got.items():
+        if name.endswith(".weight_scale"):
+            w = got[name[: -len("_scale")]]
+            assert t.shape == (w.shape[0], w.shape[1] // 32)
+    # quantization_config exactly as SPEC §1.2; everything else in config.json unchanged.
+    assert config["quantization_config"] == {
+        "quant_method": "modelopt",
+        "quant_algo": "MXFP8",
+        "exclude_modules": excluded,
+        "kv_cache_quant_algo": None,
+    }
+    rest = {k: v for k, v in config.items() if k != "quantization_config"}
+    assert rest == {k: v for k, v in src_config.items() if k != "quantization_config"}
+    assert summary["excluded_modules"] == excluded
+    assert summary["tensors"] == len(want)
+
+
+def test_fallback_case_really_has_excluded_modules(converted) -> None:
+    _, dst, _ = converted("awkward-k")
+    config, got, _ = read_all(dst)
+    excl = config["quantization_config"]["exclude_modules"]
+    assert "model.layers.1.mlp.experts.0.down_proj" in excl
+    assert "model.layers.0.mlp.down_proj" in excl
+    assert "model.layers.1.mlp.experts.0.gate_proj" not in excl
+    assert got["model.layers.1.mlp.experts.0.down_proj.weight"].dtype == torch.bfloat16
+    assert "model.layers.1.mlp.experts.0.down_proj.weight_scale" not in got
+    _, dst2, _ = converted("dense-not-converted")
+    config2, got2, _ = read_all(dst2)
+    assert "model.layers.1.mlp.down_proj" in config2["quantization_config"]["exclude_modules"]
+    assert got2["model.layers.1.mlp.down_proj.weight"].dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_index_is_consistent_with_the_files(converted, case) -> None:
+    src, dst, _ = converted(case)
+    _, tensors, where = read_all(dst)
+    index_path = os.path.join(dst, "model.safetensors.index.json")
+    src_index = os.path.join(src, "model.safetensors.index.json")
+    assert os.path.exists(index_path) == os.path.exists(src_index)
+    assert "model.safetensors.index.json" in os.listdir(dst) or os.path.exists(
+        os.path.join(dst, "model.safetensors")
+    )
+    if not os.path.exists(index_path):
+        return
+    with open(index_path) as f:
+        index = json.load(f)
+    assert index["weight_map"] == where, "weight_map must name each tensor's file, no more"
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    assert index["metadata"]["total_size"] == total
+    # Name-preserving: each tensor stays in its source shard; new scales sit with weights.
+    with open(src_index) as f:
+        src_map = json.load(f)["weight_map"]
+    for name, file in where.items():
+        origin = src_map.get(name) or src_map[name[: -len("_scale")]]
+        assert file == origin, name
+
+
+def test_single_file_checkpoint(ckpt_factory, tmp_path) -> None:
+    src = ckpt_factory("qwen3-dense-tiny", 6, shards=1)
+    dst = str(tmp_path / "out")
+    convert_checkpoint(src, dst)
+    assert sorted(os.listdir(dst)) == ["config.json", "model.safetensors"]
+    want, _, _ = expected_output(src)
+    _, got, _ = read_all(dst)
+    assert set(got) == set(want)
+    for name, (_, data) in want.items():
+        assert (raw(got[name]) == data).all() or same_e4m3_bytes(raw(got[name]), data).all()
+
+
+@pytest.mark.parametrize("case", ["moe-tiny", "awkward-k"])
+def test_output_opens_as_mxfp8_with_mxloads_catalog(converted, case) -> None:
+    _, dst, _ = converted(case)
+    meta = open_checkpoint(dst)
+    assert meta.config.quant.kind == "mxfp8"
+    _, got, _ = read_all(dst)
+    assert set(meta.tensors) == set(got)
+    for name, info in meta.tensors.items():
+        assert tuple(info.shape) == tuple(got[name].shape)
+
+
+def test_converted_checkpoint_loads_to_the_same_bytes(converted) -> None:
+    """The short route (MXFP8, repack only) gives every rank the bytes the long route
+    (block-FP8 -> resolve -> quantize) must give, per the independent reference."""
+    from orchestrator.planner import build_plan
+    from orchestrator.plantypes import ParallelLayout
+    from tests.reference_model import Layout, RefCheckpoint, compare_rank, expected_rank
+    from workers.loader import RankLoader, SourceInfo
+    from workers.numerics.backend import select_backend
+
+    src, dst, _ = converted("moe-tiny")
+    layout = ParallelLayout(tp=2, dp=2, enable_expert_parallel=True)
+    meta = open_checkpoint(dst)
+    plan = build_plan(meta.config, layout, checkpoint=meta, fused=False)
+    ref = RefCheckpoint(src)
+    assert plan.min_staging_load < plan.min_staging_reload
+    # The default budget, and one below a unit (MX scale rows split with their rows).
+    for rp, budget in zip(
+        plan.ranks[:2], (plan.ranks[0].staging.budget_bytes, plan.min_staging_load), strict=True
+    ):
+        loader = RankLoader(
+            rp, model_dtype="bf16", backend=select_backend("cpu", prefer_fast=False)
+        )
+        stats = loader.load(
+            list(rp.reads),
+            SourceInfo(root=dst, quant="mxfp8", block_n=1, block_k=32),
+            version=1,
+            staging_budget=budget,
+        )
+        assert stats.measured_peak_staging_bytes <= budget
+        problems = compare_rank(
+            expected_rank(ref, Layout(2, 2, 1, True), rp.rank), loader.host_tensors()
+        )
+        assert problems == [], problems[:8]
+
+
+@pytest.mark.parametrize("case", ["moe-tiny", "awkward-k"])
+def test_converting_mxfp8_again_copies_it_through(converted, tmp_path, case) -> None:
+    _, dst, _ = converted(case)
+    again = str(tmp_path / "again")
+    convert_checkpoint(dst, again)
+    c1, t1, w1 = read_all(dst)
+    c2, t2, w2 = read_all(again)
+    assert c1 == c2
+    assert w1 == w2
+    assert set(t1) == set(t2)
+    for name in t1:
+        assert t1[name].dtype == t2[name].dtype and t1[name].shape == t2[name].shape, name
+        assert (raw(t1[name]) == raw(t2[name])).all(), name
+    for file in set(w1.values()):
+        with open(os.path.join(dst, file), "rb") as a, open(os.path.join(again, file), "rb") as b:
+            assert a.read() == b.read(), f"{file}: not copied through byte for byte"
+
+
+def test_bf16_checkpoint_is_refused(ckpt_factory, tmp_path) -> None:
+    src = ckpt_factory("qwen3-dense-tiny", 5, bf16=True)
+    dst = str(tmp_path / "out")
+    with pytest.raises(UnsupportedError) as err:
+        convert_checkpoint(src, dst)
+    assert err.value.exit_code == 2
+    assert err.value.key == "quantization_config"
+    assert "quantization_config" in str(err.value) and "config.json" in err.value.file
+    assert not os.path.exists(dst), "nothing may be written for a refused convert"
+
+
+def test_nonfinite_scale_refused_unless_allowed(ckpt_factory, tmp_path) -> None:
+    """SPEC §1.1: a NaN block scale is refused naming tensor and tile; with
+    allow_nonfinite it passes and every MX group it touches is NaN (SPEC §2.2)."""
+    import shutil
+    import struct
+
+    from orchestrator.errors import NonFiniteScale
+
+    src = str(tmp_path / "src")
+    shutil.copytree(ckpt_factory("qwen3-dense-tiny", 5), src)
+    name = "model.layers.0.mlp.up_proj.weight_scale_inv"
+    with open(os.path.join(src, "model.safetensors.index.json")) as f:
+        file = os.path.join(src, json.load(f)["weight_map"][name])
+    with safe_open(file, "pt") as f:  # the official reader locates the bytes to patch
+        cols = f.get_slice(name).get_shape()[1]
+    header_len = int.from_bytes(open(file, "rb").read(8), "little")
+    header = json.loads(open(file, "rb").read(8 + header_len)[8:])
+    start = 8 + header_len + header[name]["data_offsets"][0]
+    with open(file, "r+b") as f:
+        f.seek(start + (2 * cols + 1) * 4)  # tile (2, 1)
+        f.write(struct.pack("<f", float("nan")))
+    assert np.isnan(load_file(file)[name][2, 1].item())
+
+    with pytest.raises(NonFiniteScale) as err:
+        convert_checkpoint(src, str(tmp_path / "refused"))
+    assert name in str(err.value) and "(2, 1)" in str(err.value)
+    assert err.value.exit_code == 2
+
+    dst = str(tmp_path / "allowed")
+    convert_checkpoint(src, dst, allow_nonfinite=True)
+    want, _, _ = expected_output(src)
+    _, got, _ = read_all(dst)
+    module = name[: -len(".weight_scale_inv")]
+    scale = got[f"{module}.weight_scale"]
+    # rows 256..383 (tile row 2), K groups 4..7 (tile column 1): all NaN groups
+    assert bool((scale[256:384, 4:8] == 0xFF).all())
+    for key in (f"{module}.weight", f"{module}.weight_scale"):
+        dtype, data = want[key]
+        b = raw(got[key])
+        same = same_e4m3_bytes(b, data) if dtype == "F8_E4M3" else (b == data)
+        assert same.all(), key
