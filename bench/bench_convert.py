@@ -45,6 +45,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -108,9 +109,13 @@ def _same_payload(a: torch.Tensor, b: torch.Tensor) -> bool:
     return bool(torch.equal(x, y))
 
 
+Row = dict[str, Any]
+"""One path's measurements: seconds, GB/s, ratios, and ``wall_s``, the per-repeat times."""
+
+
 def _time_interleaved(
     paths: dict[str, tuple[Callable[[], object], int]], repeats: int
-) -> dict[str, dict[str, float]]:
+) -> dict[str, Row]:
     """Wall and CPU seconds per call of every path. Paths take turns within each repeat,
     so background load on a shared machine hits all of them alike."""
     for fn, _ in paths.values():
@@ -123,7 +128,7 @@ def _time_interleaved(
             fn()
             wall[path].append(time.perf_counter() - t0)
             cpu[path].append(time.process_time() - c0)
-    out: dict[str, dict[str, float]] = {}
+    out: dict[str, Row] = {}
     for path, (_, size) in paths.items():
         med = statistics.median(wall[path])
         out[path] = {
@@ -136,8 +141,19 @@ def _time_interleaved(
             "gbps_max": size / min(wall[path]) / 1e9,
             # GB per CPU-second: throughput per busy core, insensitive to waiting.
             "gbps_per_cpu_s": size / max(statistics.median(cpu[path]), 1e-9) / 1e9,
+            "wall_s": wall[path],
         }
     return out
+
+
+def _paired(rows: dict[str, Row], path: str, base: str) -> tuple[float, float, float]:
+    """Speed of ``path`` over ``base`` per repeat (their calls ran back to back), as
+    (median, min, max): the spread of the ratio itself, steadier than either side's
+    seconds on a shared machine. Sizes differ only between the mxq rows and the rest,
+    which are never paired across."""
+    pairs = zip(rows[path]["wall_s"], rows[base]["wall_s"], strict=True)
+    ratios = [b / p for p, b in pairs]
+    return statistics.median(ratios), min(ratios), max(ratios)
 
 
 def _compile_times() -> dict[str, float | str]:
@@ -218,28 +234,31 @@ def _bench_workload(
         "naive-mxq": (lambda: ref.mx_quantize(resolved), 2 * nbytes),
         "fast-mxq": (lambda: fast.mx_quantize(resolved), 2 * nbytes),
     }
-    per_threads: dict[str, dict[str, dict[str, float]]] = {}
+    per_threads: dict[str, dict[str, Row]] = {}
     for t in threads:
         torch.set_num_threads(t)
         rows = _time_interleaved(paths, repeats)
         for path, r in rows.items():
             base = "naive-mxq" if path.endswith("mxq") else "naive"
-            r["x_naive"] = r["gbps"] / rows[base]["gbps"]
-            r["x_memcpy"] = r["gbps"] / rows["memcpy"]["gbps"]
+            r["x_naive"], r["x_naive_min"], r["x_naive_max"] = _paired(rows, path, base)
+            # memcpy moves n*k bytes; the mxq rows read 2*n*k, so scale their ratio.
+            per = 2.0 if path.endswith("mxq") else 1.0
+            r["x_memcpy"] = _paired(rows, path, "memcpy")[0] * per
         per_threads[str(t)] = rows
         _print_rows(name, t, rows)
     return {"name": name, "shape": [n, k], "fp8_bytes": nbytes, "checks": checks,
             "threads": per_threads}  # fmt: skip
 
 
-def _print_rows(name: str, threads: int, rows: dict[str, dict[str, float]]) -> None:
+def _print_rows(name: str, threads: int, rows: dict[str, Row]) -> None:
     print(f"\n{name}, {threads} thread(s)")
-    head = f"  {'path':<15} {'GB/s':>7} {'min-max':>15} {'x naive':>8} {'x memcpy':>9}"
-    print(head + f" {'GB/cpu-s':>9}")
+    head = f"  {'path':<15} {'GB/s':>7} {'min-max':>13} {'x naive':>7} {'min-max':>11}"
+    print(head + f" {'x memcpy':>9} {'GB/cpu-s':>9}")
     for path, r in rows.items():
         spread = f"{r['gbps_min']:.3f}-{r['gbps_max']:.3f}"
+        xspread = f"{r['x_naive_min']:.1f}-{r['x_naive_max']:.1f}"
         print(
-            f"  {path:<15} {r['gbps']:7.3f} {spread:>15} {r['x_naive']:8.2f} "
+            f"  {path:<15} {r['gbps']:7.3f} {spread:>13} {r['x_naive']:7.2f} {xspread:>11} "
             f"{r['x_memcpy']:9.3f} {r['gbps_per_cpu_s']:9.3f}"
         )
 
@@ -257,12 +276,23 @@ def _markdown(report: dict[str, object]) -> str:
         "",
         "GB/s of FP8 source bytes per call (the `*-mxq` rows: of bf16 input bytes), median "
         f"of {report['repeats']} runs after a warm-up; min-max is the spread over those "
-        "runs. `x naive` compares with `naive` (`naive-mxq` for the mxq rows), `x memcpy` "
-        "with a torch copy of the same bytes; `GB per CPU-s` divides by the CPU time of "
-        "all threads (throughput per busy core). Paths take turns within each repeat. "
+        "runs. Paths take turns within each repeat; `x naive` is the median over repeats "
+        "of (naive seconds / path seconds) for calls that ran back to back (`naive-mxq` "
+        "for the mxq rows), with its min-max; `x memcpy` likewise against a torch copy of "
+        "the FP8 bytes; `GB per CPU-s` divides by the CPU time of all threads "
+        "(throughput per busy core, insensitive to waiting on a loaded machine). "
         "Every fast result was checked byte for byte against the reference before timing.",
         "",
     ]
+    busiest = max(max(m["load_before"]), max(m["load_after"]))
+    if busiest > m["cores"]:
+        lines += [
+            f"Note: the load average reached {busiest} on {m['cores']} cores during this run "
+            "(other work on a shared machine), so the multi-thread rows measure contention "
+            "as much as the code (torch's OpenMP threads suffer most); the 1-thread rows and "
+            "the GB-per-CPU-s column are the steadier evidence.",
+            "",
+        ]
     comp = report.get("compile")
     if isinstance(comp, dict):
         lines += [
@@ -278,12 +308,13 @@ def _markdown(report: dict[str, object]) -> str:
         for t, rows in wl["threads"].items():
             lines.append(f"{t} thread(s):")
             lines.append("")
-            lines.append("| path | GB/s | min-max | x naive | x memcpy | GB per CPU-s |")
-            lines.append("| --- | ---: | ---: | ---: | ---: | ---: |")
+            lines.append("| path | GB/s | min-max | x naive | min-max | x memcpy | GB per CPU-s |")
+            lines.append("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
             for path, r in rows.items():
                 lines.append(
                     f"| {path} | {r['gbps']:.3f} | {r['gbps_min']:.3f}-{r['gbps_max']:.3f} | "
-                    f"{r['x_naive']:.2f} | {r['x_memcpy']:.3f} | {r['gbps_per_cpu_s']:.3f} |"
+                    f"{r['x_naive']:.2f} | {r['x_naive_min']:.1f}-{r['x_naive_max']:.1f} | "
+                    f"{r['x_memcpy']:.3f} | {r['gbps_per_cpu_s']:.3f} |"
                 )
             lines.append("")
     return "\n".join(lines) + "\n"

@@ -85,7 +85,8 @@ def unit_cost(unit: Unit, rows: int, read_bytes: int, opts: ConvertOptions) -> U
         if unit.quantized and opts.source_quant == "mxfp8":
             out = 0  # already MX: the read buffer is repacked straight into the buffer
         else:
-            out = rows * k + rows * ceil_div(k, MX_GROUP)
+            # payload [K, rows] + paired scales [ceil(g/2), rows, 2] (SPEC §2.3 layout)
+            out = rows * k + rows * 2 * ceil_div(ceil_div(k, MX_GROUP), 2)
             if unit.quantized and not opts.fused:
                 scratch = rows * k * msize
                 if opts.device != "cpu":

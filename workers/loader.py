@@ -299,7 +299,10 @@ class RankLoader:
 
         cost = unit_cost(unit, unit.rows, reads.nbytes, opts)
         reservations: list[Lease] = []
-        if cost.out:
+        packed: tuple[Lease, torch.Tensor, torch.Tensor] | None = None
+        staged_packed = unit.layout in ("mx_linear", "mx_moe") and unit.quantized
+        staged_packed = staged_packed and source.quant == "block_fp8"
+        if cost.out and not staged_packed:
             reservations.append(pool.reserve(cost.out, tag=f"out {unit.buffer}"))
         if cost.scratch:
             reservations.append(pool.reserve(cost.scratch, tag=f"resolve {unit.buffer}"))
@@ -328,6 +331,23 @@ class RankLoader:
                     )
                 else:
                     scale_src = _typed(sb, torch.uint8, (nr, nc // MX_GROUP))
+            if mx and unit.quantized and source.quant == "block_fp8":
+                if packed is None:
+                    packed = self._packed_stage(unit, pool)
+                    reservations.append(packed[0])
+                be.convert_block_to_mx_packed(
+                    be.to_device(w),
+                    be.to_device(scale_src),
+                    row0=part.rows[0],
+                    col0=part.cols[0],
+                    block_n=source.block_n,
+                    block_k=source.block_k,
+                    dtype=dtype,
+                    out_weight=packed[1],
+                    out_scale=packed[2],
+                    out_row0=part.dst_row,
+                )
+                continue
             if mx:
                 if unit.quantized and source.quant == "block_fp8":
                     payload, scale = be.convert_block_to_mx(
@@ -362,6 +382,17 @@ class RankLoader:
                 else:
                     x = be.to_device(w)
                 writes.append(lambda x=x, r=row, n=nr: w_buf[r : r + n].copy_(x))
+        if packed is not None:
+            # The unit, converted straight into its kernel layout in staging, is copied
+            # into its buffer's columns in one go (contiguous when the unit is whole).
+            _, stage_w, stage_s = packed
+            n = unit.rows
+            writes.append(
+                lambda a=row_base, b=row_base + n: (
+                    w_buf.view(torch.uint8)[:, a:b].copy_(stage_w.view(torch.uint8)),
+                    s_buf[:, a:b, :].copy_(stage_s),  # type: ignore[index]
+                )
+            )
         if not mx:
             # Rows no part covers (vocab padding past V) are zeros (SPEC §3), also in a
             # buffer the host handed in with other contents.
@@ -372,6 +403,20 @@ class RankLoader:
                     writes.append(lambda a=row_base + start, b=row_base + lo: w_buf[a:b].zero_())
                 start = max(start, hi)
         return reservations, writes
+
+    def _packed_stage(
+        self, unit: Unit, pool: StagingPool
+    ) -> tuple[Lease, torch.Tensor, torch.Tensor]:
+        """Staging for one MX unit in its kernel layout: payload ``[K, rows]`` and paired
+        scales ``[ceil(g/2), rows, 2]``, carved from one pool lease."""
+        k, n = unit.cols, unit.rows
+        g2 = -(-(k // MX_GROUP) // 2)
+        lease = pool.take(k * n + g2 * n * 2, device=self.backend.device, tag=f"out {unit.buffer}")
+        stage_w = lease.tensor[: k * n].view(torch.float8_e4m3fn).view(k, n)
+        stage_s = lease.tensor[k * n :].view(g2, n, 2)
+        if (k // MX_GROUP) % 2:
+            stage_s[-1, :, 1].zero_()
+        return lease, stage_w, stage_s
 
     # --- the run -------------------------------------------------------------------------------
 

@@ -71,6 +71,7 @@ class Backend:
         resolve_fn: ResolveFn | None = None,
         quantize_fn: QuantizeFn | None = None,
         convert_fn: ConvertFn | None = None,
+        packed_fn: Callable[..., None] | None = None,
     ) -> None:
         self.name = name
         self.device = device
@@ -78,6 +79,7 @@ class Backend:
         self._resolve_fn: ResolveFn = resolve_fn or reference.resolve_block
         self._quantize_fn: QuantizeFn = quantize_fn or reference.mx_quantize
         self._convert_fn: ConvertFn | None = convert_fn
+        self._packed_fn = packed_fn
 
     def __repr__(self) -> str:
         return (
@@ -144,6 +146,40 @@ class Backend:
             dtype=dtype,
         )
         return self.mx_quantize(resolved)
+
+    def convert_block_to_mx_packed(
+        self,
+        w_fp8: torch.Tensor,
+        scale_inv_f32: torch.Tensor,
+        *,
+        row0: int,
+        col0: int,
+        block_n: int,
+        block_k: int,
+        dtype: torch.dtype,
+        out_weight: torch.Tensor,
+        out_scale: torch.Tensor,
+        out_row0: int,
+    ) -> None:
+        """Resolve, quantize and write the kernel layout (SPEC §2.3) in one step: rows of
+        the slice become columns ``out_row0 + i`` of ``out_weight [K, N]`` and
+        ``out_scale [ceil(g/2), N, 2]``. Fused on ``cpu-fast``; elsewhere convert then
+        ``repack.write_rows``. Byte-identical either way."""
+        kwargs = dict(row0=row0, col0=col0, block_n=block_n, block_k=block_k, dtype=dtype)
+        if self._packed_fn is not None:
+            self._packed_fn(
+                self.to_device(w_fp8),
+                self.to_device(scale_inv_f32),
+                out_weight=out_weight,
+                out_scale=out_scale,
+                out_row0=out_row0,
+                **kwargs,
+            )
+            return
+        from workers.numerics.repack import write_rows
+
+        payload, scale = self.convert_block_to_mx(w_fp8, scale_inv_f32, **kwargs)  # type: ignore[arg-type]
+        write_rows(out_weight, out_scale, payload, scale, out_row0)
 
     # --- device plumbing ----------------------------------------------------------------
 
@@ -226,6 +262,7 @@ def _cpu_backend(prefer_fast: bool, why: str) -> Backend:
                 resolve_fn=fast.resolve_block,
                 quantize_fn=fast.mx_quantize,
                 convert_fn=fast.convert_block_to_mx,
+                packed_fn=getattr(fast, "convert_block_to_mx_packed", None),
             )
     return Backend("cpu-reference", cpu, f"cpu: {why}; reference path, {fast_why}")
 

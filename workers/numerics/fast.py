@@ -10,10 +10,12 @@ Purpose
     named case table; ``bench/bench_convert.py`` measures it (``bench/results/``).
 
 Why numba, and why tables (evidence: ``bench/results/convert.md``)
-    * Rearranged torch ops stay memory-bound: each elementwise op is a pass over 2-4 byte
-      temporaries, and the best torch arrangement measured (one 256-entry table lookup
-      per tile, then the MX steps) was only a few times the naive path. A compiled loop
-      reads each source byte once and keeps the rest in registers. numba is already a
+    * Rearranged torch ops stay memory-bound: every elementwise op is a pass over 2-4
+      byte temporaries. The best torch arrangement tried (one 256-entry resolved table per
+      tile and a gather, then the reference MX steps: ``torch-lut`` in the bench) ran at
+      about half the naive path's speed, because the gather needs an int index tensor
+      per element. A compiled loop reads each source byte once and keeps the rest in
+      registers: this path runs 7-14x the naive one per core. numba is already a
       dependency; ``@njit(parallel=True, cache=True, nogil=True)`` gives threads, an
       on-disk compile cache and GIL-free calls (reads overlap conversion).
     * The source is FP8: a byte, and one scale per tile. So ``R = to_dtype(f32(w) * s)``
@@ -24,16 +26,16 @@ Why numba, and why tables (evidence: ``bench/results/convert.md``)
       0x7F is NaN, NaN and Inf have exponent field 255), so a group's Emax is the table's
       running-max exponent at the group's largest ``w & 0x7F``: a byte max over 32 bytes,
       done 8 bytes per word (SWAR). The payload then depends only on ``(w, S)``: a
-      256-entry table per (tile, S), built when a group first needs it (a tile sees a
-      handful of S values). The hot loop is one word-wise max and 32 table lookups per
-      group; the rest is amortized.
+      256-entry table per (tile, S) that occurs (a tile sees a handful of S values). The
+      hot loop is a word-wise max per group and one table lookup per byte.
     * Exactness does not depend on the FPU mode. Table entries come from the hardware
       float32 multiply only where its result is a normal float (then it is the IEEE RNE
       product whatever flush-to-zero / denormals-are-zero say); zero, subnormal and
       non-finite products, and non-normal scales, take an integer routine
       (``_round_pack``), as does every other rounding (bf16/fp16 RNE, e4m3 RNE with
       subnormals and the 448 clamp). No value is ever scaled by 2**(127 - S) in floating
-      point, so 2**(127 - 254) being an f32 subnormal cannot matter.
+      point, so 2**(127 - 254) being an f32 subnormal cannot matter. A test runs the
+      named table with torch's flush-denormal mode on.
     * ``mx_quantize`` of a bf16/fp32 tensor (a BF16 reload, SPEC §4) has too many
       possible inputs for tables: groups whose non-zero elements all land in the e4m3
       normal range (nearly all groups of real weights) take a branch-free formula (RNE
@@ -43,9 +45,10 @@ Why numba, and why tables (evidence: ``bench/results/convert.md``)
     * Loop shapes that mattered, measured: work items walk whole source rows in memory
       order (tile-column order, rows 4 KiB apart, was 2-3x slower); hot loops index with
       unsigned integers (numba then drops its negative-index fix-up: 2x on the resolve
-      loop) and create no array views per group; the packed path converts rows into a
-      buffer whose row stride is padded off 4 KiB, then transposes 8x8 bytes at a time
-      in registers.
+      loop); all payload tables of a work item are built before its lookups, so the hot
+      loop has no branch, allocation or reference counting (a table pool grown inside it
+      cost a third of the time); the packed path converts rows into a buffer whose row
+      stride is padded off 4 KiB, then transposes 8x8 bytes at a time in registers.
 
 Threads
     Kernels run with ``min(torch.get_num_threads(), NUMBA_NUM_THREADS)`` threads, so a
@@ -93,7 +96,8 @@ except Exception as exc:  # pragma: no cover - exercised by monkeypatching in te
     _NUMBA_IMPORT_ERROR = f"{type(exc).__name__}: {exc}"
 
     def njit(*args: Any, **kwargs: Any) -> Any:  # type: ignore[no-redef]
-        """Stand-in decorator so this module imports without numba; never called."""
+        """Stand-in decorator so this module imports without numba (the kernels it leaves
+        undecorated are never called: :func:`fast_available` says False)."""
         if len(args) == 1 and callable(args[0]) and not kwargs:
             return args[0]
         return lambda f: f
@@ -508,6 +512,34 @@ def _resolve_kernel(
 
 
 @njit(**_JIT)
+def _split_group(
+    w: np.ndarray,
+    base: int,
+    c0: int,
+    ti: int,
+    sbits: np.ndarray,
+    col0: int,
+    bk: int,
+    r32: np.ndarray,
+    xs: np.ndarray,
+) -> int:
+    """A group that straddles two scale tiles (a slice that starts mid-tile, SPEC §2.1):
+    the resolved f32 bits of its 32 elements into ``xs``, each from its own tile's
+    table; returns the group's scale byte. Rare, so element by element."""
+    n_tc = sbits.shape[1]
+    t_c0 = col0 // bk
+    emax = 0
+    for i in range(32):
+        tj = (col0 + c0 + i) // bk - t_c0
+        b = np.int64(w[base + c0 + i])
+        x = r32[ti * n_tc + tj, b & 0x7F]
+        # The sign of R is sign(w) ^ sign(s) (module docstring).
+        xs[i] = x | ((((b >> 7) ^ (np.int64(sbits[ti, tj]) >> 31)) & 1) << 31)
+        emax = max(emax, (x >> 23) & 0xFF)
+    return _scale_byte(emax)
+
+
+@njit(**_JIT)
 def _convert_rows(
     w: np.ndarray,
     w64: np.ndarray,
@@ -530,60 +562,59 @@ def _convert_rows(
     column c) to ``dst[(r - r_lo) * d_stride + c]``, scale byte of (r, g) to
     ``s_dst[r - r_lo, g]``.
 
-    A plain (not parallel) function, so its loops compile like hand-written C; the hot
-    loop indexes flat arrays and creates no array views (each view costs reference
-    counting, which at one per group was a third of the run time)."""
+    Three steps: every group's scale byte (one word-wise max and a table read each);
+    the payload tables of the (tile column, S) pairs that occur; then the payload, one
+    lookup per byte. Knowing all tables before the lookups keeps the hot loop free of
+    branches, allocation and reference counting (a pool grown inside it cost a third of
+    the run time). A plain (not parallel) function, so its loops compile like C."""
     ng = k // 32
     n_tc = sbits.shape[1]
-    t_c0 = col0 // bk
-    # Payload tables of (tile column, S), 256 bytes each, built the first time a group
-    # needs one: slot[tj, S] is its offset in ``pool`` (-1: not built yet).
+    xs = np.empty(32, dtype=np.int64)
+    # 1. Scale bytes; mark the (tile column, S) pairs that need a payload table.
     slot = np.full((n_tc, 256), -1, dtype=np.int32)
-    pool = np.empty(256 * (2 * n_tc + 8), dtype=np.uint8)
-    used = 0
+    for r in range(r_lo, r_hi):
+        base = r * k
+        srow = s_dst[r - r_lo]
+        for g in range(ng):
+            if g_split[g]:
+                srow[g] = _split_group(w, base, g * 32, ti, sbits, col0, bk, r32, xs)
+            else:
+                t = ti * n_tc + g_tile[g]
+                s = s_tab[t, _group_absmax(w64, (base + g * 32) >> 3)]
+                srow[g] = s
+                slot[g_tile[g], s] = 0
+    # 2. Those tables, 256 bytes each (sign included); slot[tj, S] becomes their offset.
+    count = 0
+    for tj in range(n_tc):
+        for s in range(256):
+            if slot[tj, s] == 0:
+                slot[tj, s] = 256 * count + 1
+                count += 1
+    pool = np.empty(256 * count, dtype=np.uint8)
+    for tj in range(n_tc):
+        sflip = (np.int64(sbits[ti, tj]) >> 24) & 0x80
+        for s in range(256):
+            off = slot[tj, s] - 1
+            if off >= 0:
+                _payload_table(r32[ti * n_tc + tj], s, sflip, pool[off : off + 256])
+    # 3. Payload: unsigned indices, so numba skips its negative-index fix-up.
     for r in range(r_lo, r_hi):
         base = r * k
         d_row = (r - r_lo) * d_stride
+        srow = s_dst[r - r_lo]
         for g in range(ng):
             c0 = g * 32
-            tj = g_tile[g]
             if g_split[g]:
-                # The group straddles two scale tiles (a slice that starts mid-tile,
-                # SPEC §2.1): the exact per-element path, rare.
-                xs = np.empty(32, dtype=np.int64)
-                emax = 0
-                for i in range(32):
-                    tjj = (col0 + c0 + i) // bk - t_c0
-                    b = np.int64(w[base + c0 + i])
-                    x = r32[ti * n_tc + tjj, b & 0x7F]
-                    # The sign of R is sign(w) ^ sign(s) (module docstring).
-                    xs[i] = x | ((((b >> 7) ^ (np.int64(sbits[ti, tjj]) >> 31)) & 1) << 31)
-                    emax = max(emax, (x >> 23) & 0xFF)
-                s = _scale_byte(emax)
+                s = _split_group(w, base, c0, ti, sbits, col0, bk, r32, xs)
                 for i in range(32):
                     dst[d_row + c0 + i] = _quant_e4m3(xs[i], s)
             else:
-                t = ti * n_tc + tj
-                s = np.int64(s_tab[t, _group_absmax(w64, (base + c0) >> 3)])
-                off = slot[tj, s]
-                if off < 0:
-                    if used == pool.shape[0]:
-                        bigger = np.empty(2 * used, dtype=np.uint8)
-                        bigger[:used] = pool
-                        pool = bigger
-                    sflip = (np.int64(sbits[ti, tj]) >> 24) & 0x80
-                    _payload_table(r32[t], s, sflip, pool[used : used + 256])
-                    slot[tj, s] = used
-                    off = used
-                    used += 256
-                # Unsigned indices: numba then skips its negative-index fix-up.
                 src = np.uint64(base + c0)
                 d = np.uint64(d_row + c0)
-                uoff = np.uint64(off)
+                off = np.uint64(slot[g_tile[g], srow[g]] - 1)
                 for i in range(32):
                     ui = np.uint64(i)
-                    dst[d + ui] = pool[uoff + np.uint64(w[src + ui])]
-            s_dst[r - r_lo, g] = s
+                    dst[d + ui] = pool[off + np.uint64(w[src + ui])]
 
 
 _M8 = np.uint64(0x00FF00FF00FF00FF)
