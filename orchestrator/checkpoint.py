@@ -31,7 +31,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, NoReturn
+from typing import Any
 
 from orchestrator.config import ModelConfig, QuantKind
 from orchestrator.errors import (
@@ -53,7 +53,13 @@ from orchestrator.formats import (
     SINGLE_FILE,
     ceil_div,
 )
-from orchestrator.safetensors_header import FileHeader, TensorInfo
+from orchestrator.safetensors_header import (
+    FileHeader,
+    JsonObject,
+    TensorInfo,
+    json_object_pairs,
+    reject_json_constant,
+)
 
 WEIGHT_SUFFIX = "weight"
 SHARD_SUFFIX = ".safetensors"
@@ -131,31 +137,13 @@ class CheckpointMeta:
 # --- the index ---------------------------------------------------------------------------
 
 
-class _Obj(dict[str, Any]):
-    """A decoded JSON object that remembers the keys it saw more than once."""
-
-    dups: list[str]
-
-
-def _pairs(pairs: list[tuple[str, Any]]) -> _Obj:
-    out = _Obj()
-    out.dups = []
-    for key, value in pairs:
-        if key in out:
-            out.dups.append(key)
-        out[key] = value
-    return out
-
-
-def _reject_constant(token: str) -> NoReturn:
-    raise ValueError(f"non-JSON constant {token}")
-
-
 def parse_index(data: bytes, *, file: str) -> dict[str, str]:
     """``model.safetensors.index.json`` bytes -> its ``weight_map`` (tensor -> shard file)."""
     try:
         obj = json.loads(
-            bytes(data).decode("utf-8"), object_pairs_hook=_pairs, parse_constant=_reject_constant
+            bytes(data).decode("utf-8"),
+            object_pairs_hook=json_object_pairs,
+            parse_constant=reject_json_constant,
         )
     except UnicodeDecodeError as exc:
         raise IndexError_(f"{file}: not valid UTF-8 ({exc.reason})", file=file) from None
@@ -167,7 +155,7 @@ def parse_index(data: bytes, *, file: str) -> dict[str, str]:
             f"{file}: must be a JSON object with a 'weight_map', got {type(obj).__name__}",
             file=file,
         )
-    if isinstance(obj, _Obj) and obj.dups:
+    if isinstance(obj, JsonObject) and obj.dups:
         raise IndexError_(f"{file}: key {obj.dups[0]!r} appears twice", file=file, key=obj.dups[0])
     if "metadata" in obj and obj["metadata"] is not None and not isinstance(obj["metadata"], dict):
         raise IndexError_(f"{file}: key 'metadata' must be an object", file=file, key="metadata")
@@ -179,7 +167,7 @@ def parse_index(data: bytes, *, file: str) -> dict[str, str]:
             file=file,
             key="weight_map",
         )
-    if isinstance(weight_map, _Obj) and weight_map.dups:
+    if isinstance(weight_map, JsonObject) and weight_map.dups:
         dup = weight_map.dups[0]
         raise DuplicateTensor(
             f"{file}: tensor {dup!r} is listed twice in 'weight_map'",

@@ -33,6 +33,7 @@ from orchestrator.driver import (
     LoadRequest,
     RayRun,
     build_manifest,
+    first_load,
     plan_load,
     source_info,
     write_dump,
@@ -139,26 +140,15 @@ def detached_load(
     except ValueError:
         pass
     run = RayRun(req, plan, detached_name=session)
-    t0 = time.perf_counter()
-    source = source_info(meta, req.allow_nonfinite, req.src, req.storage_options)
     try:
-        run.place()
-        run.spawn()
-        reports = run.run_all(
-            lambda r: list(plan.ranks[r].reads or ()),
-            source,
-            version=1,
-            whole_units=False,
-            on_progress=on_progress,
-        )
+        manifest = first_load(run, meta, on_progress=on_progress)
     except BaseException:
         for a in run.actors:
             ray.kill(a)
         if run.pg is not None:
             ray.util.remove_placement_group(run.pg)
         raise
-    manifest = build_manifest(plan, reports)
-    manifest["seconds"] = round(time.perf_counter() - t0, 3)
+    reports = manifest["ranks"]
     manifest["session"] = session
     state = {
         "session": session,

@@ -501,26 +501,10 @@ def load(
     """The whole distributed load. Returns the manifest (with tensors' metadata) and,
     with ``keep``, the live run (the caller shuts it down)."""
     meta, plan = plan_load(req)
-    source = source_info(meta, req.allow_nonfinite, req.src, req.storage_options)
     run = RayRun(req, plan)
-    t0 = time.perf_counter()
     try:
         run.start()
-        run.place()
-        run.spawn()
-        reports = run.run_all(
-            lambda r: list(plan.ranks[r].reads or ()),
-            source,
-            version=1,
-            whole_units=False,
-            on_progress=on_progress,
-        )
-        manifest = build_manifest(plan, reports)
-        manifest["seconds"] = round(time.perf_counter() - t0, 3)
-        manifest["placement"] = {
-            "strategy": req.placement,
-            "tp_groups_across_nodes": run.split_tp_groups,
-        }
+        manifest = first_load(run, meta, on_progress=on_progress)
         if dump:
             write_dump(run, manifest, dump)
     except BaseException:
@@ -530,6 +514,34 @@ def load(
         return manifest, run
     run.shutdown()
     return manifest, None
+
+
+def first_load(
+    run: RayRun,
+    meta: Any,
+    *,
+    on_progress: Callable[[list[tuple[int, int, int]]], None] | None = None,
+) -> dict[str, Any]:
+    """Place and spawn the workers of a started run and load version 1; the manifest."""
+    req, plan = run.req, run.plan
+    source = source_info(meta, req.allow_nonfinite, req.src, req.storage_options)
+    t0 = time.perf_counter()
+    run.place()
+    run.spawn()
+    reports = run.run_all(
+        lambda r: list(plan.ranks[r].reads or ()),
+        source,
+        version=1,
+        whole_units=False,
+        on_progress=on_progress,
+    )
+    manifest = build_manifest(plan, reports)
+    manifest["seconds"] = round(time.perf_counter() - t0, 3)
+    manifest["placement"] = {
+        "strategy": req.placement,
+        "tp_groups_across_nodes": run.split_tp_groups,
+    }
+    return manifest
 
 
 def stderr_is_tty() -> bool:

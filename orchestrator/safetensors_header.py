@@ -170,22 +170,22 @@ def parse_header(header: bytes, *, file: str, file_size: int) -> FileHeader:
 # --- pieces -------------------------------------------------------------------------------
 
 
-def _reject_constant(token: str) -> NoReturn:
+def reject_json_constant(token: str) -> NoReturn:
     # json accepts NaN/Infinity by default; they are not JSON and never valid here.
     raise ValueError(f"non-JSON constant {token}")
 
 
-class _Obj(dict[str, Any]):
+class JsonObject(dict[str, Any]):
     """A decoded JSON object that remembers the keys it saw more than once."""
 
     dups: list[str]
 
 
-def _pairs(pairs: list[tuple[str, Any]]) -> _Obj:
+def json_object_pairs(pairs: list[tuple[str, Any]]) -> JsonObject:
     # A duplicate key would silently keep the last entry; a hostile file could use that
     # to make two readers disagree on where a tensor is. Recorded here, refused by the
     # caller, which knows which object (header, metadata, tensor entry) it is looking at.
-    out = _Obj()
+    out = JsonObject()
     out.dups = []
     for key, value in pairs:
         if key in out:
@@ -195,7 +195,7 @@ def _pairs(pairs: list[tuple[str, Any]]) -> _Obj:
 
 
 def _dups(obj: Any) -> list[str]:
-    return obj.dups if isinstance(obj, _Obj) else []
+    return obj.dups if isinstance(obj, JsonObject) else []
 
 
 def _decode_json(header: bytes, file: str) -> dict[str, Any]:
@@ -206,7 +206,9 @@ def _decode_json(header: bytes, file: str) -> dict[str, Any]:
             f"{file}: header is not valid UTF-8 (byte {exc.start}: {exc.reason})", file=file
         ) from None
     try:
-        obj = json.loads(text, object_pairs_hook=_pairs, parse_constant=_reject_constant)
+        obj = json.loads(
+            text, object_pairs_hook=json_object_pairs, parse_constant=reject_json_constant
+        )
     except (ValueError, RecursionError) as exc:
         # ValueError covers JSONDecodeError and Python's cap on huge integer literals;
         # RecursionError a deeply nested hostile header.
