@@ -222,7 +222,7 @@ def start_detached_head(
         f"--resources={json.dumps({resource: num_devices})}",
         f"--temp-dir={temp_dir}",
         # free ports, not Ray's defaults (10001, 52365), which another head may hold
-        f"--ray-client-server-port={free_port()}",
+        *client_server_port_flags(),
         f"--dashboard-agent-listen-port={free_port()}",
         "--include-dashboard=false",
         "--disable-usage-stats",
@@ -247,6 +247,19 @@ def start_detached_head(
     path.chmod(0o600)
     path.write_text(json.dumps(asdict(record), indent=2))
     return record
+
+
+def client_server_port_flags() -> list[str]:
+    """``--ray-client-server-port=<free port>`` where Ray's client extras are installed
+    (only then does a head run a client server; minimal Ray refuses the flag)."""
+    try:
+        from ray._private.utils import get_ray_client_dependency_error
+
+        if get_ray_client_dependency_error() is not None:
+            return []
+    except ImportError:
+        return []
+    return [f"--ray-client-server-port={free_port()}"]
 
 
 def read_head_record() -> HeadRecord | None:

@@ -61,6 +61,7 @@ from typing import Any
 from cluster.local import (
     LOOPBACK,
     RAY_ENV,
+    client_server_port_flags,
     free_port,
     head_processes,
     mxload_home,
@@ -265,7 +266,7 @@ def start(
                 "start",
                 "--head",
                 f"--port={port}",
-                f"--ray-client-server-port={free_port()}",
+                *client_server_port_flags(),
                 "--include-dashboard=false",
                 *_common_flags(head, resource, object_store_memory),
             ],
