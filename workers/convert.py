@@ -140,7 +140,7 @@ def convert_checkpoint(
                     info = meta.tensor(what)
                     buf = _read(storage, info.file, info.start, info.nbytes)
                     source_bytes += info.nbytes
-                    writer.write(name, bytes(buf))
+                    writer.write(name, buf)
                 elif kind == "mx_scale":
                     writer.write(name, cached_scale.pop(what))
                 else:
