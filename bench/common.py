@@ -51,14 +51,14 @@ if str(ROOT) not in sys.path:
 
 
 @dataclass(frozen=True)
-class Timing:
-    """Wall-clock seconds of the timed repeats of one candidate (warm-ups excluded)."""
+class _Samples:
+    """Samples of one measured quantity, over repeats (warm-ups excluded)."""
 
     samples: tuple[float, ...]
 
     def __post_init__(self) -> None:
         if not self.samples:
-            raise ValueError("Timing needs at least one sample")
+            raise ValueError(f"{type(self).__name__} needs at least one sample")
 
     @property
     def n(self) -> int:
@@ -75,6 +75,11 @@ class Timing:
     @property
     def max(self) -> float:
         return max(self.samples)
+
+
+@dataclass(frozen=True)
+class Timing(_Samples):
+    """Wall-clock seconds of the timed repeats of one candidate (warm-ups excluded)."""
 
     def quartiles(self) -> tuple[float, float]:
         """(q1, q3); with fewer than 4 samples, (min, max)."""
@@ -107,30 +112,8 @@ class Timing:
 
 
 @dataclass(frozen=True)
-class Rate:
+class Rate(_Samples):
     """A per-repeat quantity (a throughput or a ratio): median and min-max over repeats."""
-
-    samples: tuple[float, ...]
-
-    def __post_init__(self) -> None:
-        if not self.samples:
-            raise ValueError("Rate needs at least one sample")
-
-    @property
-    def n(self) -> int:
-        return len(self.samples)
-
-    @property
-    def median(self) -> float:
-        return statistics.median(self.samples)
-
-    @property
-    def min(self) -> float:
-        return min(self.samples)
-
-    @property
-    def max(self) -> float:
-        return max(self.samples)
 
     def text(self, digits: int = 2, unit: str = "") -> str:
         """``3.10x (2.80-3.40, n=5)`` with ``unit="x"``."""

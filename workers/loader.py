@@ -49,6 +49,7 @@ from orchestrator.memory import (
 )
 from orchestrator.plantypes import BufferSpec, PartRead, RankPlan, Unit, UnitReads
 from orchestrator.ranges import ByteRange
+from workers.safetensors_io import SAFETENSORS_TO_TORCH
 from workers.staging import Lease, StagingPool
 
 TORCH_DTYPES: dict[str, torch.dtype] = {
@@ -57,17 +58,6 @@ TORCH_DTYPES: dict[str, torch.dtype] = {
     "bfloat16": torch.bfloat16,
     "float16": torch.float16,
     "float32": torch.float32,
-}
-SAFETENSORS_TORCH: dict[str, torch.dtype] = {
-    "F8_E4M3": torch.float8_e4m3fn,
-    "U8": torch.uint8,
-    "I8": torch.int8,
-    "BF16": torch.bfloat16,
-    "F16": torch.float16,
-    "F32": torch.float32,
-    "F64": torch.float64,
-    "I32": torch.int32,
-    "I64": torch.int64,
 }
 MODEL_TORCH_DTYPE = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -314,7 +304,7 @@ class RankLoader:
         for part, pr, (wb, sb) in zip(unit.parts, reads.parts, raw, strict=True):
             nr, nc = part.nrows, part.ncols
             row = row_base + part.dst_row
-            w = _typed(wb, SAFETENSORS_TORCH[pr.weight_dtype], (nr, nc))
+            w = _typed(wb, SAFETENSORS_TO_TORCH[pr.weight_dtype], (nr, nc))
             scale_src: torch.Tensor | None = None
             if unit.quantized and sb is not None:
                 if source.quant == "block_fp8":

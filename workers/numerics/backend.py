@@ -37,23 +37,6 @@ DEVICE_CHOICES: tuple[str, ...] = ("auto", "npu", "cuda", "cpu")
 """Values of ``--device`` (SPEC §5)."""
 
 
-def _reference_convert(
-    w_fp8: torch.Tensor,
-    scale_inv_f32: torch.Tensor,
-    *,
-    row0: int,
-    col0: int,
-    block_n: int,
-    block_k: int,
-    dtype: torch.dtype,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Resolve (SPEC §2.1) then MX-quantize the model-dtype result (SPEC §2.2)."""
-    resolved = reference.resolve_block(
-        w_fp8, scale_inv_f32, row0=row0, col0=col0, block_n=block_n, block_k=block_k, dtype=dtype
-    )
-    return reference.mx_quantize(resolved)
-
-
 class Backend:
     """A place to compute, with the numerics of SPEC §2 bound to it.
 
