@@ -12,9 +12,9 @@ files are ~2 GB (``--quick``: ~200 MB). What each benchmark measures and against
    (attention + experts: 128 in the full run, 8 with --quick), reference vs fast vs a
    torch memcpy of the same bytes; plus ``bench/bench_convert.py`` (another engineer's
    per-shape benchmark, delegated to, results under ``OUT/suite-convert/``).
-2. ``convert``: ``mxload convert`` as whole processes on the same checkpoint: the
-   reference backend vs the fast backend (``convert_checkpoint(backend=...)``) vs the
-   real command, against ``cat`` of the files (warm and cold page cache).
+2. ``convert``: the ``mxload convert`` command as whole processes on the same
+   checkpoint, ``--numerics reference`` (the naive path) vs ``--numerics fast``, against
+   ``cat`` of the files (warm and cold page cache) and writing as many bytes (``dd``).
 3. ``load``: RankLoader (no Ray), tp=1, against reading the same planned byte ranges
    through the storage seam, against the loader fed from RAM (convert only), and the
    ratios load / max(read, convert) (perfect overlap) and load / (read + convert) (none);
@@ -71,6 +71,7 @@ from bench.common import (
     memcpy_fn,
     paired_ratio,
     run_timed,
+    write_zeros,
 )
 
 BLOCK = 128
@@ -235,19 +236,6 @@ def _section(
         "key_ratios": key_ratios or [],
         "data": data or {},
     }
-
-
-CONVERT_HARNESS = """
-import json, sys
-from workers.convert import convert_checkpoint
-from workers.numerics.backend import select_backend
-src, dst, path = sys.argv[1:4]
-backend = select_backend("cpu", prefer_fast=(path == "fast"))
-want = "cpu-fast" if path == "fast" else "cpu-reference"
-if backend.name != want:
-    raise SystemExit(f"asked for {want}, got {backend.name}: {backend.note}")
-print(json.dumps(convert_checkpoint(src, dst, backend=backend)))
-"""
 
 
 @dataclass
@@ -548,20 +536,17 @@ class Suite:
     def convert(self) -> dict[str, Any]:
         ck = self.ckpts["big_v1"]
         py = sys.executable
-        dsts = {k: self.workdir / f"converted-{k}" for k in ("reference", "fast", "cli")}
+        dsts = {k: self.workdir / f"converted-{k}" for k in ("reference", "fast")}
         summaries: dict[str, list[dict[str, Any]]] = {k: [] for k in dsts}
 
-        def harness(kind: str) -> Callable[[], None]:
+        def command(numerics: str) -> Callable[[], None]:
             def go() -> None:
-                _, out = run_timed([py, "-c", CONVERT_HARNESS, ck.path, str(dsts[kind]), kind])
-                summaries[kind].append(json.loads(out.strip().splitlines()[-1]))
+                dst = str(dsts[numerics])
+                cmd = [py, "-m", "orchestrator.cli", "convert", ck.path, dst, "--json"]
+                _, out = run_timed([*cmd, "--numerics", numerics])
+                summaries[numerics].append(json.loads(out))
 
             return go
-
-        def cli() -> None:
-            cmd = [py, "-m", "orchestrator.cli", "convert", ck.path, str(dsts["cli"]), "--json"]
-            _, out = run_timed(cmd)
-            summaries["cli"].append(json.loads(out))
 
         def before(name: str) -> None:
             if name in dsts:
@@ -572,9 +557,9 @@ class Suite:
         candidates: dict[str, Callable[[], object]] = {
             "cat (cold cache)": lambda: cat_files(ck.files),
             "cat (warm cache)": lambda: cat_files(ck.files),
-            "reference": harness("reference"),
-            "fast": harness("fast"),
-            "cli": cli,
+            "write (dd)": lambda: write_zeros(self.workdir / "dd-out", ck.nbytes),
+            "reference": command("reference"),
+            "fast": command("fast"),
         }
         log(f"convert: {len(candidates)} candidates on {fmt_bytes(ck.nbytes)}")
         # No warm-up run: run.py's start-up check already (re)built the numba cache that
@@ -586,28 +571,31 @@ class Suite:
             budget_s=30 if self.quick else 150,
             before_each=before,
         )
-        same = _same_files(dsts["reference"], dsts["fast"]) and _same_files(
-            dsts["fast"], dsts["cli"]
-        )
+        (self.workdir / "dd-out").unlink(missing_ok=True)
+        same = _same_files(dsts["reference"], dsts["fast"])
         labels = {
             "cat (cold cache)": "`cat` the shards, cold page cache (posix_fadvise DONTNEED)",
             "cat (warm cache)": "`cat` the shards, warm page cache",
-            "reference": "convert process, reference backend",
-            "fast": "convert process, fast backend",
-            "cli": "`mxload convert SRC DST --json` (the command)",
+            "write (dd)": "write as many bytes to a new file (the output's floor)",
+            "reference": "`mxload convert SRC DST --numerics reference` (the naive path)",
+            "fast": "`mxload convert SRC DST --numerics fast` (the default where numba works)",
         }
         rows = []
         for k, label in labels.items():
-            inproc = ""
+            inproc = stages = "-"
             if summaries.get(k):
-                secs = Rate(tuple(s["seconds"] for s in summaries[k]))
-                inproc = secs.text(2, " s")
+                inproc = Rate(tuple(x["seconds"] for x in summaries[k])).text(2, " s")
+                stages = " / ".join(
+                    Rate(tuple(x["stage_seconds"][st] for x in summaries[k])).text(2)
+                    for st in ("read", "convert", "write")
+                )
             rows.append(
                 [
                     label,
                     t[k].text(2),
                     _gbps(ck.nbytes, t[k]).text(3),
-                    inproc or "-",
+                    inproc,
+                    stages,
                     paired_ratio(t["reference"], t[k]).text(2, "x")
                     if k != "reference"
                     else "1.00x",
@@ -615,24 +603,28 @@ class Suite:
                 ]
             )
         fast_x_ref = paired_ratio(t["reference"], t["fast"])
-        cli_x_ref = paired_ratio(t["reference"], t["cli"])
         # The same runs' own convert_checkpoint seconds: the speed-up without the fixed
         # cost of a process (interpreter, imports, numba cache load).
         inproc_x = paired_ratio(
             Rate(tuple(x["seconds"] for x in summaries["reference"])),
             Rate(tuple(x["seconds"] for x in summaries["fast"])),
         )
+        per_core = Rate(
+            tuple(ck.nbytes / x["seconds"] / 1e9 / x["threads"] for x in summaries["fast"])
+        )
         return _section(
             "convert",
-            "2. `mxload convert`, whole process: reference vs fast backend",
+            "2. `mxload convert`, whole process: reference vs fast numerics",
             (
                 f"Offline convert of {ck.label}, {fmt_bytes(ck.nbytes)} of tensors in "
-                f"{len(ck.files)} shards, to ModelOpt MXFP8 (SPEC §1.2), each run a fresh "
-                "process (interpreter, imports, numba cache load, convert, write). The "
-                "reference and fast rows run `convert_checkpoint(src, dst, backend=...)` in a "
-                "`python -c` harness; the command row is the CLI (fast backend). All take turns "
-                "within each repeat; `x reference` is speed-up per repeat (reference wall / row "
-                "wall), `x cat` is row wall / warm `cat` wall."
+                f"{len(ck.files)} shards, to ModelOpt MXFP8 (SPEC §1.2): the command itself, "
+                "each run a fresh process (interpreter, imports, numba cache load, read, "
+                "convert, write), `--numerics reference` (the naive eager-torch path) vs "
+                "`--numerics fast`, the same pipeline otherwise (reader, converter and writer "
+                "threads overlapping). All rows take turns within each repeat; `x reference` is "
+                "speed-up per repeat (reference wall / row wall), `x cat` is row wall / warm "
+                "`cat` wall. Stage seconds are busy time per stage inside the process; they "
+                "overlap, so they add up to more than the in-process seconds."
             ),
             [
                 {
@@ -640,7 +632,8 @@ class Suite:
                         "what",
                         "wall",
                         "GB/s of source",
-                        "convert_checkpoint seconds (in-process)",
+                        "in-process seconds",
+                        "read / convert / write stage s",
                         "x reference (speed-up)",
                         "x cat warm (slower by)",
                     ],
@@ -648,19 +641,25 @@ class Suite:
                 }
             ],
             notes=[
-                "Outputs of reference, fast and the command are byte-identical: "
+                "Outputs of the reference and fast runs are byte-identical: "
                 + ("yes" if same else "NO (see results.json)"),
                 "GB/s are of source tensor bytes; the written MXFP8 files are about as large.",
+                "Fast path per core, in-process: "
+                + per_core.text(3, " GB/s")
+                + " (source bytes / in-process seconds / kernel threads).",
             ],
             key_ratios=[
                 _ratio_row("mxload convert process: fast / reference speed-up", fast_x_ref),
                 _ratio_row(
-                    "convert_checkpoint in-process seconds: fast / reference speed-up", inproc_x
+                    "mxload convert in-process seconds: fast / reference speed-up", inproc_x
                 ),
-                _ratio_row("mxload convert command: speed-up over reference harness", cli_x_ref),
                 _ratio_row(
-                    "mxload convert command: wall / cat (warm)",
-                    paired_ratio(t["cli"], t["cat (warm cache)"]),
+                    "mxload convert (fast) wall / write the same bytes (dd)",
+                    paired_ratio(t["fast"], t["write (dd)"]),
+                ),
+                _ratio_row(
+                    "mxload convert (fast) wall / cat (warm)",
+                    paired_ratio(t["fast"], t["cat (warm cache)"]),
                 ),
             ],
             data={

@@ -214,6 +214,18 @@ def cat_files(paths: Sequence[str | Path]) -> None:
     subprocess.run(["cat", *map(str, paths)], stdout=subprocess.DEVNULL, check=True)
 
 
+def write_zeros(path: str | Path, nbytes: int, block: int = 16 << 20) -> None:
+    """Write ``nbytes`` to a new file at ``path`` in ``block``-byte writes (the floor under
+    any command that writes as many bytes: page-cache copies, block allocation)."""
+    buf = bytes(min(block, max(1, nbytes)))
+    with open(path, "wb") as f:
+        left = nbytes
+        while left > 0:
+            n = min(left, len(buf))
+            f.write(buf if n == len(buf) else buf[:n])
+            left -= n
+
+
 def evict_page_cache(paths: Iterable[str | Path]) -> None:
     """Ask the kernel to drop these files' clean pages (POSIX_FADV_DONTNEED), so the next
     read comes from the disk. Needs no privileges; a no-op where unsupported."""

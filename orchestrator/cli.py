@@ -118,6 +118,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("convert", help="offline block-FP8 -> ModelOpt-style MXFP8 checkpoint")
     p.add_argument("src")
     p.add_argument("dst")
+    p.add_argument(
+        "--numerics",
+        choices=("auto", "fast", "reference"),
+        default="auto",
+        help="conversion path: fast (numba kernels), reference (eager torch, the naive "
+        "path), auto = fast where numba works (default)",
+    )
     _add_common(p)
     return parser
 
@@ -431,6 +438,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
         dtype=args.dtype,
         allow_nonfinite=args.allow_nonfinite,
         progress=sys.stderr.isatty() and not args.json,
+        numerics=args.numerics,
     )
     _emit(args, summary, f"converted {args.src} -> {args.dst}: {json.dumps(summary)}")
     return 0

@@ -74,6 +74,7 @@ from orchestrator.formats import (
     MX_PAIR,
     PLAN_FORMAT,
     QUANT_WEIGHT_DTYPE,
+    SAFETENSORS_ITEMSIZE,
     SAFETENSORS_TO_BUFFER,
     ceil_div,
 )
@@ -105,6 +106,9 @@ from orchestrator.readplan import needed_bytes, predicted_read_bytes, unit_reads
 
 FP8_BUFFER = SAFETENSORS_TO_BUFFER[QUANT_WEIGHT_DTYPE]
 SCALE_BUFFER = "uint8"
+
+COPY_UNIT_FALLBACK_BYTES = 64 << 20
+"""Row-block size of vocab-parallel buffers in a model with no linear units at all."""
 
 
 @dataclass(frozen=True)
@@ -180,6 +184,7 @@ class _Planner:
         self._facts: dict[tuple[int, int], _Facts] = {}
         self._blocks: dict[tuple[int, int, int], _Block] = {}
         self._moe_buffers: dict[tuple[int, int, int], tuple[BufferSpec, ...]] = {}
+        self._copy_cap: int | None = None
 
     # --- coordinates ---------------------------------------------------------------------
 
@@ -385,9 +390,39 @@ class _Planner:
         )
         return _Block(buffers, (unit,), self._needed((unit,), facts))
 
+    def copy_unit_bytes(self) -> int:
+        """Largest row block of a vocab-parallel buffer (embedding, lm_head): the FP8
+        payload bytes (rows x K) of the largest linear or expert-half unit any rank holds.
+
+        Why: a unit is written atomically from staging (SPEC §4, §6), and the default
+        staging budget is the largest unit. Whole, a vocab shard (622 MB of Qwen3-30B-A3B
+        at tp=1) would set that budget, 30-100x an expert's. Cut into blocks no larger
+        than the largest converted unit's source, it never does; each block is a unit
+        with its own version, so a reload stays atomic per block. The size depends on
+        geometry only (not on the source dtype), so a BF16 or MXFP8 checkpoint of the same
+        model gets the same units and passes reload preflight."""
+        if self._copy_cap is None:
+            cap = 0
+            seen_stages: set[int] = set()
+            for rank in range(self.layout.world):
+                c = self.coords(rank)
+                if c.pp_rank in seen_stages:
+                    continue
+                seen_stages.add(c.pp_rank)
+                for layer in c.layers:
+                    for i in self.layer_rules[layer]:
+                        for u in self._block(i, layer, c).units:
+                            if u.kind != "copy":
+                                cap = max(cap, u.rows * u.cols)
+                if len(seen_stages) == self.layout.pp:
+                    break
+            self._copy_cap = cap or COPY_UNIT_FALLBACK_BYTES
+        return self._copy_cap
+
     def _vocab_block(self, idx: int, tp_rank: int) -> _Block:
         """Vocab-parallel rows (SPEC §3): the rank's slice of V padded to 64; rows past V
-        are covered by no part and stay zero."""
+        are covered by no part and stay zero. The slice is written as row blocks of at most
+        :meth:`copy_unit_bytes`, each a unit of its own (see there)."""
         rule = self.arch.rules[idx]
         facts = self.facts(idx, -1)
         src = rule.sources[0]
@@ -398,23 +433,30 @@ class _Planner:
         module = rule.tied_source if tied else src.module
         # A tied lm_head names the embedding tensor it is built from (SPEC §3).
         tensor = f"{module}.{src.tensor}" if tied else ""
-        parts: tuple[Part, ...] = ()
-        if lo < vocab:
-            parts = (
-                Part(module, (lo, min(lo + per, vocab)), (0, hidden), 0, tensor, (vocab, hidden)),
-            )
         name = f"{rule.name}.{src.tensor}"
         buffer = BufferSpec(name, (per, hidden), SAFETENSORS_TO_BUFFER[facts.dtype], LAYOUT_DENSE)
-        unit = Unit(
-            buffer=name,
-            kind="copy",
-            layout=LAYOUT_DENSE,
-            rows=per,
-            cols=hidden,
-            parts=parts,
-            quantized=False,
-        )
-        return _Block((buffer,), (unit,), self._needed((unit,), facts))
+        itemsize = SAFETENSORS_ITEMSIZE[facts.dtype]
+        step = max(1, self.copy_unit_bytes() // max(1, hidden * itemsize))
+        units = []
+        for b0 in range(0, per, step):
+            b1 = min(b0 + step, per)
+            s0, s1 = lo + b0, min(lo + b1, vocab)  # source rows; none past V (padding)
+            parts: tuple[Part, ...] = ()
+            if s0 < s1:
+                parts = (Part(module, (s0, s1), (0, hidden), 0, tensor, (vocab, hidden)),)
+            units.append(
+                Unit(
+                    buffer=name,
+                    kind="copy",
+                    layout=LAYOUT_DENSE,
+                    rows=b1 - b0,
+                    cols=hidden,
+                    parts=parts,
+                    quantized=False,
+                    row0=b0,
+                )
+            )
+        return _Block((buffer,), tuple(units), self._needed(tuple(units), facts))
 
     def _moe_block(self, idx: int, layer: int, c: RankCoords) -> _Block:
         """Routed experts of one layer on one MoE rank: four (MX) or two (dense) fused

@@ -106,6 +106,9 @@ class Unit:
     """Local expert index for moe_w13/moe_w2 (position in the rank's expert list)."""
     global_expert: int = -1
     """Global expert id for moe units."""
+    row0: int = 0
+    """First row of the buffer this unit writes (source orientation). Non-zero only for
+    the row blocks a vocab-parallel buffer is cut into (``_Planner.copy_unit_bytes``)."""
 
     @property
     def numel(self) -> int:

@@ -46,7 +46,7 @@ from orchestrator.plantypes import ParallelLayout, Plan
 
 def _unit_key(u: Any) -> tuple[Any, ...]:
     parts = tuple((p.tensor_name, p.rows, p.cols, p.dst_row) for p in u.parts)
-    return (u.buffer, u.kind, u.expert, u.global_expert, u.rows, u.cols, parts)
+    return (u.buffer, u.kind, u.expert, u.global_expert, u.row0, u.rows, u.cols, parts)
 
 
 def preflight(held: Plan, new: Plan) -> list[str]:
@@ -87,7 +87,12 @@ def preflight(held: Plan, new: Plan) -> list[str]:
         else:
             for uo, un in zip(ro.units, rn.units, strict=True):
                 if _unit_key(uo) != _unit_key(un):
-                    problems.append(f"rank {ro.rank}: unit {uo.buffer}[{uo.expert}] differs")
+                    where = (
+                        f"[{uo.expert}]"
+                        if uo.expert >= 0
+                        else f"[rows {uo.row0}:{uo.row0 + uo.rows}]"
+                    )
+                    problems.append(f"rank {ro.rank}: unit {uo.buffer}{where} differs")
     return problems
 
 

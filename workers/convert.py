@@ -14,24 +14,40 @@ Everything else is copied byte for byte. An already-MXFP8 checkpoint is accepted
 copied through (its headers and pairing validated on the way), so ``convert`` can also
 re-shard-check or move one between stores.
 
-Memory stays bounded by one tensor (plus its result): the output's headers are known
-before any data is read, so each shard is streamed (``SafetensorsWriter``), one tensor at
-a time, which is how a checkpoint larger than RAM converts.
+How it runs (why it is fast)
+    Three stages overlap, each on its own thread, so a conversion takes about the
+    longest stage, not their sum: a reader fills numpy buffers through the storage seam
+    (:class:`workers.storage.Storage`, the only place with retries) in output order, the
+    calling thread converts one tensor at a time, a writer streams results into each
+    shard's :class:`SafetensorsWriter` (headers are known before any data is read). The
+    fast numerics are :mod:`workers.numerics.kernels` on numpy arrays: with them the
+    process never imports torch (about 1.4 s of start-up on the benchmark machine); the
+    reference path (``numerics="reference"``, or where numba is unavailable) imports it.
+    ``bench/run.py --only convert`` measures the whole process against the reference.
+
+Memory
+    Bytes in flight (read buffers plus results not yet written) stay under
+    ``window_bytes`` (default :data:`DEFAULT_WINDOW`), except that one tensor larger
+    than the window is always let through alone: a checkpoint larger than RAM converts.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import queue
 import sys
+import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
-import torch
+import numpy as np
 
 from orchestrator.catalog import open_checkpoint
-from orchestrator.errors import UnsupportedError
+from orchestrator.checkpoint import CheckpointMeta, TensorInfo
+from orchestrator.errors import UnsupportedError, UsageError
 from orchestrator.formats import (
     BLOCK_SCALE_SUFFIX,
     CONFIG_FILE,
@@ -43,13 +59,38 @@ from orchestrator.formats import (
     SINGLE_FILE,
 )
 from orchestrator.ranges import contiguous
-from workers.loader import MODEL_TORCH_DTYPE
-from workers.safetensors_io import SafetensorsWriter, tensor_from_bytes
+from workers.numerics import kernels
+from workers.numerics.scales import check_block_scales
+from workers.safetensors_io import SafetensorsWriter, data_order
 from workers.storage import Storage
 
+DEFAULT_WINDOW = 512 << 20
+"""Bytes in flight between the reader and the writer, by default (see module doc)."""
 
-def _join(root: str, name: str) -> str:
-    return root.rstrip("/") + "/" + name
+NUMERICS = ("auto", "fast", "reference")
+"""``numerics=`` choices: ``auto`` is ``fast`` where numba works, else ``reference``."""
+
+Converter = Callable[[np.ndarray, np.ndarray], tuple[np.ndarray, ...]]
+"""(uint8 payload ``[n, k]``, float32 tile scales) -> output arrays of one job."""
+
+
+@dataclass
+class _Job:
+    """One source tensor (or linear) -> one or two output tensors of one shard."""
+
+    file: str
+    kind: str  # "copy", "mx" (payload + scale) or "resolved"
+    outputs: tuple[str, ...]
+    sources: tuple[TensorInfo, ...]  # copy: the tensor; mx/resolved: weight, block scale
+    out_bytes: int
+
+    @property
+    def in_bytes(self) -> int:
+        return sum(t.nbytes for t in self.sources)
+
+    @property
+    def cost(self) -> int:
+        return self.in_bytes + (self.out_bytes if self.kind != "copy" else 0)
 
 
 def convert_checkpoint(
@@ -61,17 +102,18 @@ def convert_checkpoint(
     dtype: str | None = None,
     allow_nonfinite: bool = False,
     progress: bool = False,
-    backend: Any = None,
+    numerics: str = "auto",
+    threads: int | None = None,
+    window_bytes: int = DEFAULT_WINDOW,
 ) -> dict[str, Any]:
-    """Convert ``src`` into ``dst``; returns a summary (tensors, bytes, seconds, GB/s)."""
+    """Convert ``src`` into ``dst``; returns a summary (tensors, bytes, seconds, GB/s).
+
+    ``numerics`` picks the conversion path (:data:`NUMERICS`); ``threads`` the fast
+    kernels' threads (default: the cores this process may use)."""
     import fsspec
 
-    from workers.numerics.reference import check_block_scales
-
-    if backend is None:
-        from workers.numerics.backend import select_backend
-
-        backend = select_backend("cpu")
+    if numerics not in NUMERICS:
+        raise UsageError(f"numerics must be one of {', '.join(NUMERICS)}, got {numerics!r}")
     t0 = time.perf_counter()
     meta = open_checkpoint(src, storage_options=storage_options, dtype=dtype)
     cfg = meta.config
@@ -84,106 +126,55 @@ def convert_checkpoint(
             key="quantization_config",
         )
     storage = Storage(src, storage_options)
-    model_dtype = MODEL_TORCH_DTYPE[cfg.model_dtype]
-    model_st = MODEL_DTYPES[cfg.model_dtype]
-
-    # Output specs per file, and what each output tensor is made from.
-    plan: dict[str, list[tuple[str, str, tuple[int, ...]]]] = {}
-    recipe: dict[str, tuple[str, str]] = {}  # out name -> (kind, module-or-tensor)
-    excluded: list[str] = list(cfg.quant.not_converted)
-    weight_map: dict[str, str] = {}
-    for name in sorted(meta.tensors):
-        info = meta.tensors[name]
-        specs = plan.setdefault(info.file, [])
-        if quant == "block_fp8" and name.endswith("." + BLOCK_SCALE_SUFFIX):
-            continue
-        module = name[: -len(".weight")] if name.endswith(".weight") else ""
-        if (
-            quant == "block_fp8"
-            and module
-            and info.dtype == "F8_E4M3"
-            and meta.has(f"{module}.{BLOCK_SCALE_SUFFIX}")
-        ):
-            n, k = info.shape
-            if k % MX_GROUP == 0:
-                specs.append((name, "F8_E4M3", (n, k)))
-                specs.append((f"{module}.{MX_SCALE_SUFFIX}", "U8", (n, k // MX_GROUP)))
-                recipe[name] = ("mx", module)
-                recipe[f"{module}.{MX_SCALE_SUFFIX}"] = ("mx_scale", module)
-                weight_map[f"{module}.{MX_SCALE_SUFFIX}"] = info.file
-            else:
-                specs.append((name, model_st, (n, k)))
-                recipe[name] = ("resolved", module)
-                excluded.append(module)
-        else:
-            specs.append((name, info.dtype, tuple(info.shape)))
-            recipe[name] = ("copy", name)
-        weight_map[name] = info.file
+    specs, jobs, excluded, weight_map = _plan(meta)
+    n_threads = threads or kernels.cpu_share()
+    use_fast = numerics == "fast" or (numerics == "auto" and kernels.available())
+    if numerics == "fast":
+        kernels.require()
+    mx, resolved = (
+        _fast_converters(cfg.model_dtype, cfg.quant.block_n, cfg.quant.block_k, n_threads)
+        if use_fast
+        else _reference_converters(cfg.model_dtype, cfg.quant.block_n, cfg.quant.block_k)
+    )
 
     fs, root = fsspec.core.url_to_fs(dst, **(dict(dst_storage_options or {})))
     fs.makedirs(root, exist_ok=True)
-    cached_scale: dict[str, torch.Tensor] = {}
-    source_bytes = 0
-    written = 0
-    files = sorted(plan)
-    for fi, file in enumerate(files):
-        writer = SafetensorsWriter(
-            _join(dst, file),
-            plan[file],
-            metadata={"format": "pt"},
-            storage_options=dst_storage_options,
+    pipe = _Pipeline(
+        storage,
+        {f: _join(dst, f) for f in specs},
+        specs,
+        dst_storage_options,
+        window_bytes=max(1, window_bytes),
+    )
+
+    def convert(job: _Job, arrays: tuple[np.ndarray, ...]) -> tuple[np.ndarray, ...]:
+        if job.kind == "copy":
+            return arrays
+        w_info, s_info = job.sources
+        n, k = w_info.shape
+        s = arrays[1].view(np.float32).reshape(tuple(s_info.shape))
+        check_block_scales(
+            s,
+            tensor=s_info.name,
+            file=s_info.file,
+            tile_row0=0,
+            tile_col0=0,
+            allow_nonfinite=allow_nonfinite,
         )
-        with writer:
-            for name in writer.order:
-                kind, what = recipe[name]
-                if kind == "copy":
-                    info = meta.tensor(what)
-                    buf = _read(storage, info.file, info.start, info.nbytes)
-                    source_bytes += info.nbytes
-                    writer.write(name, buf)
-                elif kind == "mx_scale":
-                    writer.write(name, cached_scale.pop(what))
-                else:
-                    w_info = meta.tensor(f"{what}.weight")
-                    s_info = meta.tensor(f"{what}.{BLOCK_SCALE_SUFFIX}")
-                    n, k = w_info.shape
-                    w = tensor_from_bytes(
-                        _read(storage, w_info.file, w_info.start, w_info.nbytes), "F8_E4M3", (n, k)
-                    )
-                    s = tensor_from_bytes(
-                        _read(storage, s_info.file, s_info.start, s_info.nbytes),
-                        "F32",
-                        tuple(s_info.shape),
-                    )
-                    source_bytes += w_info.nbytes + s_info.nbytes
-                    check_block_scales(
-                        s,
-                        tensor=s_info.name,
-                        file=s_info.file,
-                        tile_row0=0,
-                        tile_col0=0,
-                        allow_nonfinite=allow_nonfinite,
-                    )
-                    args = dict(
-                        row0=0,
-                        col0=0,
-                        block_n=cfg.quant.block_n,
-                        block_k=cfg.quant.block_k,
-                        dtype=model_dtype,
-                    )
-                    if kind == "mx":
-                        payload, scale = backend.convert_block_to_mx(w, s, **args)
-                        cached_scale[what] = scale.cpu().contiguous()
-                        writer.write(name, payload.cpu().contiguous())
-                    else:
-                        writer.write(name, backend.resolve_block(w, s, **args).cpu().contiguous())
-                written += 1
-                if progress:
-                    sys.stderr.write(
-                        f"\r  file {fi + 1}/{len(files)}  tensors {written}/{len(recipe)}  "
-                        f"{source_bytes / 1e6:.1f} MB read   "
-                    )
-                    sys.stderr.flush()
+        return (mx if job.kind == "mx" else resolved)(arrays[0].reshape(n, k), s)
+
+    def report(job: _Job) -> None:
+        counts[0] += 1
+        counts[1] += job.in_bytes
+        if progress:
+            sys.stderr.write(
+                f"\r  tensors {counts[0]}/{len(jobs)}  {counts[1] / 1e6:.1f} MB read   "
+            )
+            sys.stderr.flush()
+
+    counts = [0, 0]
+    pipe.run(jobs, convert, report)
+    source_bytes = counts[1]
     if progress:
         sys.stderr.write("\n")
 
@@ -197,13 +188,14 @@ def convert_checkpoint(
         }
     with fs.open(_join(root, CONFIG_FILE), "w") as f:
         json.dump(raw_config, f, indent=2)
+    files = sorted(specs)
     if len(files) > 1 or files != [SINGLE_FILE]:
         # total_size of what this checkpoint holds (HF's meaning), not of the source:
         # scales changed dtype and shape, and excluded modules grew to the model dtype.
         total = sum(
             math.prod(shape) * SAFETENSORS_ITEMSIZE[st_dtype]
-            for specs in plan.values()
-            for _, st_dtype, shape in specs
+            for file_specs in specs.values()
+            for _, st_dtype, shape in file_specs
         )
         with fs.open(_join(root, INDEX_FILE), "w") as f:
             json.dump(
@@ -213,19 +205,290 @@ def convert_checkpoint(
             )
     seconds = time.perf_counter() - t0
     return {
-        "tensors": len(recipe),
+        "tensors": sum(len(s) for s in specs.values()),
         "files": len(files),
         "source_bytes": source_bytes,
         "excluded_modules": sorted(set(excluded)),
         "seconds": round(seconds, 3),
         "source_gb_per_s": round(source_bytes / seconds / 1e9, 4) if seconds else None,
-        "backend": getattr(backend, "name", ""),
+        "backend": "cpu-fast" if use_fast else "cpu-reference",
+        "threads": n_threads if use_fast else None,
+        "stage_seconds": pipe.stage_seconds(),
     }
 
 
-def _read(storage: Storage, file: str, start: int, nbytes: int) -> memoryview:
-    buf = bytearray(nbytes)
-    out = memoryview(buf)
-    if nbytes:
-        storage.read_ranges_into(file, [contiguous(start, nbytes)], out)
-    return out
+# --- what to write ---------------------------------------------------------------------------
+
+Specs = dict[str, list[tuple[str, str, tuple[int, ...]]]]
+
+
+def _plan(meta: CheckpointMeta) -> tuple[Specs, list[_Job], list[str], dict[str, str]]:
+    """Output tensors per shard, and the jobs that make them in each shard's data order."""
+    cfg = meta.config
+    quant = cfg.quant.kind
+    model_st = MODEL_DTYPES[cfg.model_dtype]
+    specs: Specs = {}
+    made_by: dict[str, _Job] = {}
+    excluded: list[str] = list(cfg.quant.not_converted)
+    weight_map: dict[str, str] = {}
+    for name in sorted(meta.tensors):
+        info = meta.tensors[name]
+        out = specs.setdefault(info.file, [])
+        if quant == "block_fp8" and name.endswith("." + BLOCK_SCALE_SUFFIX):
+            continue
+        module = name[: -len(".weight")] if name.endswith(".weight") else ""
+        scale_name = f"{module}.{BLOCK_SCALE_SUFFIX}"
+        if quant == "block_fp8" and module and info.dtype == "F8_E4M3" and meta.has(scale_name):
+            n, k = info.shape
+            sources = (info, meta.tensor(scale_name))
+            if k % MX_GROUP == 0:
+                mx_scale = f"{module}.{MX_SCALE_SUFFIX}"
+                out.append((name, "F8_E4M3", (n, k)))
+                out.append((mx_scale, "U8", (n, k // MX_GROUP)))
+                job = _Job(info.file, "mx", (name, mx_scale), sources, n * k + n * k // MX_GROUP)
+                made_by[name] = made_by[mx_scale] = job
+                weight_map[mx_scale] = info.file
+            else:
+                out.append((name, model_st, (n, k)))
+                itemsize = SAFETENSORS_ITEMSIZE[model_st]
+                made_by[name] = _Job(info.file, "resolved", (name,), sources, n * k * itemsize)
+                excluded.append(module)
+        else:
+            out.append((name, info.dtype, tuple(info.shape)))
+            made_by[name] = _Job(info.file, "copy", (name,), (info,), info.nbytes)
+        weight_map[name] = info.file
+    jobs: list[_Job] = []
+    for file in sorted(specs):
+        seen: set[int] = set()
+        for name in data_order(specs[file]):
+            job = made_by[name]
+            if id(job) not in seen:
+                seen.add(id(job))
+                jobs.append(job)
+    return specs, jobs, excluded, weight_map
+
+
+def _fast_converters(
+    model_dtype: str, block_n: int, block_k: int, threads: int
+) -> tuple[Converter, Converter]:
+    mode = kernels.MODE_OF[model_dtype]
+
+    def mx(w: np.ndarray, s: np.ndarray) -> tuple[np.ndarray, ...]:
+        return kernels.convert(w, s, block_n=block_n, block_k=block_k, mode=mode, threads=threads)
+
+    def resolved(w: np.ndarray, s: np.ndarray) -> tuple[np.ndarray, ...]:
+        bits = kernels.resolve(w, s, block_n=block_n, block_k=block_k, mode=mode, threads=threads)
+        return (bits,)
+
+    return mx, resolved
+
+
+def _reference_converters(
+    model_dtype: str, block_n: int, block_k: int
+) -> tuple[Converter, Converter]:
+    """The naive eager-torch path (``workers.numerics.reference``) on the same arrays."""
+    import torch
+
+    from workers.loader import MODEL_TORCH_DTYPE
+    from workers.numerics import reference
+
+    kw = dict(
+        row0=0, col0=0, block_n=block_n, block_k=block_k, dtype=MODEL_TORCH_DTYPE[model_dtype]
+    )
+
+    def tensors(w: np.ndarray, s: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.from_numpy(w).view(torch.float8_e4m3fn), torch.from_numpy(s)
+
+    def mx(w: np.ndarray, s: np.ndarray) -> tuple[np.ndarray, ...]:
+        q, e = reference.mx_quantize(reference.resolve_block(*tensors(w, s), **kw))
+        return q.view(torch.uint8).numpy(), e.numpy()
+
+    def resolved(w: np.ndarray, s: np.ndarray) -> tuple[np.ndarray, ...]:
+        r = reference.resolve_block(*tensors(w, s), **kw)
+        return (r.view(torch.uint8).numpy(),)
+
+    return mx, resolved
+
+
+# --- the pipeline ----------------------------------------------------------------------------
+
+
+class _Window:
+    """Bytes in flight, bounded; one item larger than the bound may pass alone."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.used = 0
+        self._cv = threading.Condition()
+        self.closed = False
+
+    def acquire(self, n: int) -> bool:
+        with self._cv:
+            while not self.closed and self.used and self.used + n > self.limit:
+                self._cv.wait()
+            if self.closed:
+                return False
+            self.used += n
+            return True
+
+    def release(self, n: int) -> None:
+        with self._cv:
+            self.used -= n
+            self._cv.notify_all()
+
+    def close(self) -> None:
+        with self._cv:
+            self.closed = True
+            self._cv.notify_all()
+
+
+_END = object()
+
+
+class _Pipeline:
+    """Reader thread -> caller (converts) -> writer thread; the first error anywhere stops
+    all three, discards every shard being written, removes the shards this run finished
+    and is raised in the caller."""
+
+    def __init__(
+        self,
+        storage: Storage,
+        paths: dict[str, str],
+        specs: Specs,
+        dst_storage_options: Mapping[str, Any] | None,
+        *,
+        window_bytes: int,
+    ) -> None:
+        self.storage = storage
+        self.paths = paths
+        self.specs = specs
+        self.dst_options = dst_storage_options
+        self.window = _Window(window_bytes)
+        self.read_q: queue.Queue[Any] = queue.Queue()
+        self.write_q: queue.Queue[Any] = queue.Queue()
+        self.error: BaseException | None = None
+        self.completed: list[str] = []
+        """Shards written whole by this run (removed again if the run fails)."""
+        self.seconds = {"read": 0.0, "convert": 0.0, "write": 0.0, "wait_read": 0.0}
+
+    def stage_seconds(self) -> dict[str, float]:
+        """Busy seconds per stage (read, convert, write) and the caller's wait for reads:
+        with perfect overlap the wall time is about the largest."""
+        return {k: round(v, 3) for k, v in self.seconds.items()}
+
+    def _fail(self, exc: BaseException) -> None:
+        if self.error is None:
+            self.error = exc
+        self.window.close()
+
+    def _reader(self, jobs: list[_Job]) -> None:
+        try:
+            for job in jobs:
+                if not self.window.acquire(job.cost):
+                    return
+                t = time.perf_counter()
+                arrays = []
+                for info in job.sources:
+                    buf = np.empty(info.nbytes, dtype=np.uint8)
+                    if info.nbytes:
+                        self.storage.read_ranges_into(
+                            info.file, [contiguous(info.start, info.nbytes)], memoryview(buf)
+                        )
+                    arrays.append(buf)
+                self.seconds["read"] += time.perf_counter() - t
+                self.read_q.put((job, tuple(arrays)))
+        except BaseException as exc:
+            self._fail(exc)
+        finally:
+            self.read_q.put(_END)
+
+    def _writer(self) -> None:
+        writers: dict[str, SafetensorsWriter] = {}
+        left = {f: len(s) for f, s in self.specs.items()}
+        try:
+            for f in [f for f, n in left.items() if n == 0]:
+                self._open(f, writers).close()  # a shard with no tensors still exists
+                writers.pop(f)
+                self.completed.append(self.paths[f])
+            while True:
+                item = self.write_q.get()
+                if item is _END:
+                    break
+                if self.error is not None:
+                    continue  # drain: the caller stops producing
+                job, arrays = item
+                t = time.perf_counter()
+                w = writers.get(job.file) or self._open(job.file, writers)
+                for name, arr in zip(job.outputs, arrays, strict=True):
+                    w.write(name, arr)
+                left[job.file] -= len(job.outputs)
+                if left[job.file] == 0:
+                    writers.pop(job.file).close()
+                    self.completed.append(self.paths[job.file])
+                self.seconds["write"] += time.perf_counter() - t
+                self.window.release(job.cost)
+        except BaseException as exc:
+            self._fail(exc)
+        finally:
+            for w in writers.values():
+                w.abort()
+
+    def _open(self, file: str, writers: dict[str, SafetensorsWriter]) -> SafetensorsWriter:
+        writers[file] = SafetensorsWriter(
+            self.paths[file],
+            self.specs[file],
+            metadata={"format": "pt"},
+            storage_options=self.dst_options,
+        )
+        return writers[file]
+
+    def run(
+        self,
+        jobs: list[_Job],
+        convert: Callable[[_Job, tuple[np.ndarray, ...]], tuple[np.ndarray, ...]],
+        progress: Callable[[_Job], None] | None = None,
+    ) -> None:
+        """Read, ``convert`` (on this thread) and write every job, in order. Raises the
+        first error of any stage once all three have stopped, every shard discarded."""
+        reader = threading.Thread(target=self._reader, args=(jobs,), name="convert-read")
+        writer = threading.Thread(target=self._writer, name="convert-write")
+        reader.start()
+        writer.start()
+        try:
+            while self.error is None:
+                t = time.perf_counter()
+                item = self.read_q.get()
+                t1 = time.perf_counter()
+                self.seconds["wait_read"] += t1 - t
+                if item is _END:
+                    break
+                job, arrays = item
+                outputs = convert(job, arrays)
+                self.seconds["convert"] += time.perf_counter() - t1
+                self.write_q.put((job, outputs))
+                if progress is not None:
+                    progress(job)
+        except BaseException as exc:
+            self._fail(exc)
+        finally:
+            self.write_q.put(_END)
+            writer.join()
+            reader.join()  # an error closed the window, so a waiting reader returns
+        if self.error is not None:
+            self._remove_completed()
+            raise self.error
+
+    def _remove_completed(self) -> None:
+        """A failed run leaves no shard behind: half a checkpoint must not look usable."""
+        import fsspec
+
+        for path in self.completed:
+            try:
+                fs, p = fsspec.core.url_to_fs(path, **dict(self.dst_options or {}))
+                fs.rm(p)
+            except Exception:  # best effort: the original error is what the user needs
+                pass
+
+
+def _join(root: str, name: str) -> str:
+    return root.rstrip("/") + "/" + name

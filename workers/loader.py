@@ -24,6 +24,7 @@ import os
 import resource
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -456,7 +457,8 @@ class RankLoader:
         if units is None:
             units = self.plan.units
         elif len(units) != len(self.plan.units) or any(
-            (u.buffer, u.expert, u.rows, u.cols) != (p.buffer, p.expert, p.rows, p.cols)
+            (u.buffer, u.expert, u.row0, u.rows, u.cols)
+            != (p.buffer, p.expert, p.row0, p.rows, p.cols)
             for u, p in zip(units, self.plan.units, strict=True)
         ):
             raise RunError(f"rank {self.rank}: reload units differ from the plan", rank=self.rank)
@@ -506,7 +508,7 @@ class RankLoader:
                             self._read, units[i + 1], reads[i + 1], source, pool
                         )
                     self._convert_and_write(
-                        unit, reads[i], raw, leases, source, pool, opts, 0, stats
+                        unit, reads[i], raw, leases, source, pool, opts, unit.row0, stats
                     )
                 else:
                     for chunk in step.chunks:
@@ -524,7 +526,7 @@ class RankLoader:
                         stats.read_seconds += time.perf_counter() - t_r
                         stats.bytes_read += fetched
                         self._convert_and_write(
-                            su, sr, raw, leases, source, pool, opts, chunk.start, stats
+                            su, sr, raw, leases, source, pool, opts, unit.row0 + chunk.start, stats
                         )
                 self.unit_versions[i] = version
                 stats.units += 1
@@ -671,8 +673,17 @@ class RankLoader:
         by_version: dict[int, int] = {}
         for v in self.unit_versions:
             by_version[v] = by_version.get(v, 0) + 1
+        blocks = Counter(u.buffer for u in self.plan.units if u.expert < 0)
+
+        def label(u: Unit) -> str:
+            if u.expert >= 0:
+                return f"{u.buffer}[{u.expert}]"
+            if blocks[u.buffer] > 1:  # a vocab buffer cut into row blocks
+                return f"{u.buffer}[rows {u.row0}:{u.row0 + u.rows}]"
+            return u.buffer
+
         stale = [
-            u.buffer + (f"[{u.expert}]" if u.expert >= 0 else "")
+            label(u)
             for u, v in zip(self.plan.units, self.unit_versions, strict=True)
             if v != max(self.unit_versions, default=0)
         ]

@@ -13,6 +13,9 @@ with spaces to a multiple of 8, then the data with no gaps. The data is ordered 
 size, largest first, then by the order of ``specs`` (:attr:`SafetensorsWriter.order`): with
 the data section 8-byte aligned, every tensor then starts aligned to its item size.
 
+Tensors are torch tensors, numpy arrays or raw bytes; torch is imported only by callers
+that hold tensors (``mxload convert`` never imports it).
+
 Destinations: a local path is written to ``<path>.partial`` with positioned writes, so
 tensors may arrive in any order, and renamed into place on :meth:`close` (a crash leaves
 no file that looks complete). Any other fsspec URL (``memory://``, ``s3://``...) is written
@@ -33,35 +36,60 @@ from types import TracebackType
 from typing import Any
 
 import fsspec
-import torch
+import numpy as np
 
 from orchestrator.formats import SAFETENSORS_ITEMSIZE
 
 if sys.byteorder != "little":  # pragma: no cover - safetensors is little-endian only
     raise ImportError("mxload's safetensors I/O assumes a little-endian host")
 
-SAFETENSORS_TO_TORCH: dict[str, torch.dtype] = {
-    "BOOL": torch.bool,
-    "U8": torch.uint8,
-    "I8": torch.int8,
-    "F8_E4M3": torch.float8_e4m3fn,
-    "F8_E5M2": torch.float8_e5m2,
-    "I16": torch.int16,
-    "U16": torch.uint16,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "I32": torch.int32,
-    "U32": torch.uint32,
-    "F32": torch.float32,
-    "I64": torch.int64,
-    "U64": torch.uint64,
-    "F64": torch.float64,
-}
-"""safetensors dtype string -> torch dtype (those this torch build has)."""
-if hasattr(torch, "float8_e8m0fnu"):
-    SAFETENSORS_TO_TORCH["F8_E8M0"] = torch.float8_e8m0fnu
+_TORCH_TABLES: dict[str, dict[Any, Any]] = {}
 
-TORCH_TO_SAFETENSORS: dict[torch.dtype, str] = {v: k for k, v in SAFETENSORS_TO_TORCH.items()}
+
+def _torch_tables() -> dict[str, dict[Any, Any]]:
+    """Build the dtype tables on first use: torch is imported only by callers that hold
+    tensors (``mxload convert`` writes numpy arrays and never imports it)."""
+    if not _TORCH_TABLES:
+        import torch
+
+        to_torch: dict[str, Any] = {
+            "BOOL": torch.bool,
+            "U8": torch.uint8,
+            "I8": torch.int8,
+            "F8_E4M3": torch.float8_e4m3fn,
+            "F8_E5M2": torch.float8_e5m2,
+            "I16": torch.int16,
+            "U16": torch.uint16,
+            "F16": torch.float16,
+            "BF16": torch.bfloat16,
+            "I32": torch.int32,
+            "U32": torch.uint32,
+            "F32": torch.float32,
+            "I64": torch.int64,
+            "U64": torch.uint64,
+            "F64": torch.float64,
+        }
+        if hasattr(torch, "float8_e8m0fnu"):
+            to_torch["F8_E8M0"] = torch.float8_e8m0fnu
+        _TORCH_TABLES["SAFETENSORS_TO_TORCH"] = to_torch
+        _TORCH_TABLES["TORCH_TO_SAFETENSORS"] = {v: k for k, v in to_torch.items()}
+    return _TORCH_TABLES
+
+
+def __getattr__(name: str) -> Any:
+    """``SAFETENSORS_TO_TORCH`` (safetensors dtype string -> torch dtype, those this torch
+    build has) and ``TORCH_TO_SAFETENSORS`` (the inverse), built on first access."""
+    if name in ("SAFETENSORS_TO_TORCH", "TORCH_TO_SAFETENSORS"):
+        return _torch_tables()[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def data_order(specs: Sequence[tuple[str, str, Sequence[int]]]) -> list[str]:
+    """Tensor names in the order :class:`SafetensorsWriter` lays out their data: largest
+    item size first, then ``specs`` order (so every tensor starts aligned)."""
+    ranked = sorted(range(len(specs)), key=lambda i: -SAFETENSORS_ITEMSIZE[specs[i][1]])
+    return [specs[i][0] for i in ranked]
+
 
 _ALIGN = 8
 
@@ -114,14 +142,14 @@ class SafetensorsWriter:
                 raise ValueError(f"{path}: tensor {name!r} has invalid shape {shape!r}")
             self._entries[name] = (dtype, (), 0, 0)  # placeholder: duplicate detection
             checked.append((name, dtype, tuple(int(d) for d in shape)))
-        # Largest item size first keeps every tensor aligned (see module doc); sorted() is
-        # stable, so spec order is kept within one item size.
-        checked = sorted(checked, key=lambda s: -SAFETENSORS_ITEMSIZE[s[1]])
-        self.order: list[str] = [name for name, _, _ in checked]
+        # Largest item size first keeps every tensor aligned (see module doc).
+        self.order: list[str] = data_order(checked)
         """Tensor names in data order: writing in this order never buffers a tensor."""
         self._order = self.order
+        by_name = {name: (dtype, shape_t) for name, dtype, shape_t in checked}
         offset = 0
-        for name, dtype, shape_t in checked:
+        for name in self.order:
+            dtype, shape_t = by_name[name]
             nbytes = _numel(shape_t) * SAFETENSORS_ITEMSIZE[dtype]
             self._entries[name] = (dtype, shape_t, offset, offset + nbytes)
             offset += nbytes
@@ -191,8 +219,18 @@ class SafetensorsWriter:
         self._drain()
 
     def _bytes_of(self, name: str, data: Any, dtype: str, shape: tuple[int, ...]) -> memoryview:
-        if isinstance(data, torch.Tensor):
-            expected = SAFETENSORS_TO_TORCH.get(dtype)
+        torch = sys.modules.get("torch")  # a tensor cannot exist without it
+        if isinstance(data, np.ndarray):
+            if not data.flags.c_contiguous:
+                raise ValueError(f"{self.path}: tensor {name!r} is not contiguous")
+            if data.size * data.itemsize != _numel(shape) * SAFETENSORS_ITEMSIZE[dtype]:
+                raise ValueError(
+                    f"{self.path}: tensor {name!r} is declared {dtype} {list(shape)}, got a "
+                    f"{data.dtype} array of shape {list(data.shape)}"
+                )
+            return memoryview(data.reshape(-1).view(np.uint8)) if data.size else memoryview(b"")
+        if torch is not None and isinstance(data, torch.Tensor):
+            expected = _torch_tables()["SAFETENSORS_TO_TORCH"].get(dtype)
             if data.dtype != expected:
                 raise ValueError(
                     f"{self.path}: tensor {name!r} is declared {dtype}, got torch {data.dtype}"
@@ -295,15 +333,16 @@ class SafetensorsWriter:
 
 def write_safetensors(
     path: str,
-    tensors: Mapping[str, torch.Tensor],
+    tensors: Mapping[str, Any],
     metadata: Mapping[str, str] | None = None,
     *,
     storage_options: Mapping[str, Any] | None = None,
 ) -> None:
-    """Write ``tensors`` (name -> contiguous tensor) to ``path`` in one go."""
+    """Write ``tensors`` (name -> contiguous torch tensor) to ``path`` in one go."""
+    to_st = _torch_tables()["TORCH_TO_SAFETENSORS"]
     specs: list[tuple[str, str, tuple[int, ...]]] = []
     for name, t in tensors.items():
-        dtype = TORCH_TO_SAFETENSORS.get(t.dtype)
+        dtype = to_st.get(t.dtype)
         if dtype is None:
             raise ValueError(
                 f"{path}: tensor {name!r} has dtype {t.dtype} with no safetensors name"
@@ -314,14 +353,16 @@ def write_safetensors(
             w.write(name, t.contiguous())
 
 
-def tensor_from_bytes(buf: Any, dtype: str, shape: Sequence[int]) -> torch.Tensor:
+def tensor_from_bytes(buf: Any, dtype: str, shape: Sequence[int]) -> Any:
     """View little-endian ``buf`` as a tensor of safetensors ``dtype`` and ``shape``.
 
     No copy when ``buf`` is writable and aligned to the item size; a read-only buffer
     (``bytes``) or a misaligned one is copied first (torch must not alias memory it may
     not write, and misaligned wide loads are slow or faulting on some hosts).
     """
-    tdtype = SAFETENSORS_TO_TORCH.get(dtype)
+    import torch
+
+    tdtype = _torch_tables()["SAFETENSORS_TO_TORCH"].get(dtype)
     if tdtype is None:
         raise ValueError(f"unknown safetensors dtype {dtype!r}")
     shape_t = tuple(int(d) for d in shape)

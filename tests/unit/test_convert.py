@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+from typing import Any
 
 import numpy as np
 import pytest
@@ -79,17 +80,17 @@ def model_dtype(config: dict) -> str:
 
 @pytest.fixture(scope="module")
 def converted(ckpt_factory, tmp_path_factory):
-    cache: dict[str, tuple[str, str, dict]] = {}
+    cache: dict[tuple[str, str], tuple[str, str, dict]] = {}
 
-    def get(case: str) -> tuple[str, str, dict]:
-        if case not in cache:
+    def get(case: str, numerics: str = "auto") -> tuple[str, str, dict]:
+        if (case, numerics) not in cache:
             preset, overrides = CASES[case]
             kw = {"overrides": overrides} if overrides else {}
             src = ckpt_factory(preset, 5, **kw)
-            dst = str(tmp_path_factory.mktemp(f"mx-{case}") / "out")
-            summary = convert_checkpoint(src, dst)
-            cache[case] = (src, dst, summary)
-        return cache[case]
+            dst = str(tmp_path_factory.mktemp(f"mx-{case}-{numerics}") / "out")
+            summary = convert_checkpoint(src, dst, numerics=numerics)
+            cache[(case, numerics)] = (src, dst, summary)
+        return cache[(case, numerics)]
 
     return get
 
@@ -142,9 +143,11 @@ ST_DTYPE = {
 }
 
 
+@pytest.mark.parametrize("numerics", ["fast", "reference"])
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_every_output_tensor_matches_the_independent_reference(converted, case) -> None:
-    src, dst, summary = converted(case)
+def test_every_output_tensor_matches_the_independent_reference(converted, case, numerics) -> None:
+    src, dst, summary = converted(case, numerics)
+    assert summary["backend"] == f"cpu-{numerics}"
     want, excluded, src_config = expected_output(src)
     config, got, _ = read_all(dst)
     assert set(got) == set(want), (
@@ -353,3 +356,91 @@ def test_nonfinite_scale_refused_unless_allowed(ckpt_factory, tmp_path) -> None:
         b = raw(got[key])
         same = same_e4m3_bytes(b, data) if dtype == "F8_E4M3" else (b == data)
         assert same.all(), key
+
+
+# --- the pipeline: bounded memory, remote destinations, failures, no torch -----------------
+
+
+def _shard_bytes(root: str) -> dict[str, bytes]:
+    return {
+        f: open(os.path.join(root, f), "rb").read()
+        for f in sorted(os.listdir(root))
+        if f.endswith(".safetensors")
+    }
+
+
+def test_one_tensor_window_and_memory_destination_give_the_same_files(converted) -> None:
+    """A window of one byte lets one job through at a time (reader, converter and writer
+    then never overlap); a ``memory://`` destination takes the sequential writer. Both
+    give the files of the default run, byte for byte."""
+    import fsspec
+
+    src, dst, _ = converted("moe-tiny")
+    want = _shard_bytes(dst)
+    assert len(want) > 1
+    url = "memory://mxload-convert-test/out"
+    summary = convert_checkpoint(src, url, window_bytes=1)
+    fs = fsspec.filesystem("memory")
+    got = {f: fs.cat(f"{url}/{f}") for f in want}
+    fs.rm("/mxload-convert-test", recursive=True)
+    assert got == want
+    assert set(summary["stage_seconds"]) == {"read", "convert", "write", "wait_read"}
+
+
+def test_storage_failure_mid_run_names_the_range_and_leaves_no_shard(
+    ckpt_factory, tmp_path, monkeypatch
+) -> None:
+    """Storage gone for good once the first shard is written: a StorageError naming the
+    file and byte range, and no output shard left behind -- neither the one being
+    written nor the one finished before the failure."""
+    from orchestrator.errors import StorageError
+    from tests.servers import Faults, RangeHTTPServer
+    from workers import convert as convert_mod
+
+    src = ckpt_factory("qwen3-moe-tiny", 5)
+    dst = tmp_path / "out"
+    finished: list[str] = []
+    with RangeHTTPServer(src) as server:
+        real_close = convert_mod.SafetensorsWriter.close
+
+        def close_then_break_storage(self: Any) -> None:
+            real_close(self)
+            finished.append(self.path)
+            server.faults = Faults(broken=True, broken_status=403)  # 403: not retryable
+
+        monkeypatch.setattr(convert_mod.SafetensorsWriter, "close", close_then_break_storage)
+        with pytest.raises(StorageError) as err:
+            convert_checkpoint(server.url, str(dst), window_bytes=1)
+    assert len(finished) == 1, "the failure must come after one whole shard was written"
+    assert err.value.exit_code == 1
+    assert "safetensors" in str(err.value) and "bytes" in str(err.value)
+    assert [f for f in os.listdir(dst) if "safetensors" in f] == []
+
+
+def test_convert_process_never_imports_torch(ckpt_factory, tmp_path) -> None:
+    """The fast path is torch-free (its start-up is a third of a 2 GB conversion)."""
+    import subprocess
+    import sys
+
+    src = ckpt_factory("qwen3-moe-tiny", 5)
+    code = (
+        "import sys, json\n"
+        "from workers.convert import convert_checkpoint\n"
+        "s = convert_checkpoint(sys.argv[1], sys.argv[2], numerics='fast')\n"
+        "print(json.dumps([s['backend'], 'torch' in sys.modules]))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code, src, str(tmp_path / "out")],
+        check=True,
+        capture_output=True,
+        text=True,
+        cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+    )
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == ["cpu-fast", False]
+
+
+def test_unknown_numerics_is_a_usage_error(ckpt_factory, tmp_path) -> None:
+    from orchestrator.errors import UsageError
+
+    with pytest.raises(UsageError, match="numerics"):
+        convert_checkpoint(ckpt_factory("qwen3-moe-tiny", 5), str(tmp_path / "o"), numerics="x")

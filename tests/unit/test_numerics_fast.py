@@ -16,12 +16,13 @@ import zlib
 from collections.abc import Iterator
 
 import numba
+import numpy as np
 import pytest
 import torch
 
 from orchestrator.errors import NumericsError
 from tests import numerics_cases as nc
-from workers.numerics import backend, fast, repack
+from workers.numerics import backend, fast, kernels, repack
 from workers.numerics import reference as ref
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -506,18 +507,26 @@ def test_concurrent_calls_from_threads() -> None:
 
 
 def test_without_numba_reports_unavailable(monkeypatch: pytest.MonkeyPatch) -> None:
-    # A fresh copy of the module imported while numba cannot be imported.
+    # A fresh copy of the kernels module imported while numba cannot be imported.
     monkeypatch.setitem(sys.modules, "numba", None)
-    spec = importlib.util.spec_from_file_location("_fast_without_numba", fast.__file__)
+    spec = importlib.util.spec_from_file_location("_kernels_without_numba", kernels.__file__)
     assert spec is not None and spec.loader is not None
     mod = importlib.util.module_from_spec(spec)
     monkeypatch.setitem(sys.modules, spec.name, mod)  # dataclasses look the module up
     spec.loader.exec_module(mod)
-    assert mod.fast_available() is False
+    assert mod.available() is False
     assert "numba" in (mod.unavailable_reason() or "")
+    with pytest.raises(NumericsError, match="unavailable"):
+        mod.convert(
+            np.zeros((1, 32), np.uint8), np.ones((1, 1), np.float32),
+            block_n=1, block_k=32, mode=mod.MODE_BF16, threads=1,
+        )  # fmt: skip
+    # The torch wrappers answer from the kernels module they launch.
+    monkeypatch.setattr(fast, "kernels", mod)
+    assert fast.fast_available() is False
     w = torch.zeros((1, 32), dtype=torch.uint8).view(torch.float8_e4m3fn)
     with pytest.raises(NumericsError, match="unavailable"):
-        mod.resolve_block(
+        fast.resolve_block(
             w, torch.ones((1, 1)), row0=0, col0=0, block_n=1, block_k=32, dtype=torch.bfloat16
         )
 

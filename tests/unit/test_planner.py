@@ -314,10 +314,11 @@ def check_coverage(cfg: ModelConfig, plan: Plan) -> None:
         assert not bad, (name, want, bad)
 
 
-def check_rank_structure(cfg: ModelConfig, rp: RankPlan) -> None:
+def check_rank_structure(cfg: ModelConfig, rp: RankPlan, plan: Plan) -> None:
     buffers = {b.name: b for b in rp.buffers}
     assert len(buffers) == len(rp.buffers), "buffer names repeat"
     written: dict[str, list[int]] = defaultdict(list)
+    blocks: dict[str, list[tuple[int, int]]] = defaultdict(list)
     for u in rp.units:
         assert u.buffer in buffers
         b = buffers[u.buffer]
@@ -353,7 +354,14 @@ def check_rank_structure(cfg: ModelConfig, rp: RankPlan) -> None:
             elif len(b.shape) == 1:
                 assert u.rows == 1 and b.shape == (u.cols,)
             else:
-                assert b.shape == (u.rows, u.cols)
+                assert b.shape[1] == u.cols and u.row0 + u.rows <= b.shape[0]
+                blocks[u.buffer].append((u.row0, u.row0 + u.rows))
+        if u.row0:
+            assert u.kind == "copy" and u.buffer.endswith(("embed_tokens.weight", "lm_head.weight"))
+    # Vocab buffers are cut into row blocks no larger (in bytes) than the largest linear
+    # or expert-half unit's FP8 payload in the plan, so they never set the default
+    # budget, which is plan-wide (SPEC §6).
+    largest = max(u.rows * u.cols for r in plan.ranks for u in r.units if u.kind != "copy")
     for name, b in buffers.items():
         if name.endswith("_scale"):
             continue
@@ -361,6 +369,13 @@ def check_rank_structure(cfg: ModelConfig, rp: RankPlan) -> None:
             e_l = len(rp.experts)
             # every local expert exactly once, in local order
             assert written[name] == list(range(e_l)), name
+        elif name in blocks:
+            spans = sorted(blocks[name])
+            assert spans[0][0] == 0 and spans[-1][1] == b.shape[0], name
+            assert all(a1 == b0 for (_, a1), (b0, _) in itertools.pairwise(spans)), name
+            if len(spans) > 1:
+                itemsize = 4 if b.dtype == "float32" else 2
+                assert all((e - s) * b.shape[1] * itemsize <= largest for s, e in spans), name
         else:
             assert written[name] == [-1], name
 
@@ -461,7 +476,7 @@ def test_synthetic_layouts(name: str, layout: ParallelLayout) -> None:
     assert len(plan.ranks) == layout.world
     check_coverage(cfg, plan)
     for rp in plan.ranks:
-        check_rank_structure(cfg, rp)
+        check_rank_structure(cfg, rp, plan)
         assert rp.persistent_bytes == expected_persistent(cfg, layout, rp.rank), rp.rank
         # config-only: predicted reads are the needed bytes
         assert rp.bytes_to_read == rp.bytes_needed > 0
@@ -498,7 +513,7 @@ def test_real_configs(name: str, layout: ParallelLayout) -> None:
         key = id(rp.units[-1])
         if key not in seen_structures:  # ranks sharing their last unit share most blocks
             seen_structures.add(key)
-            check_rank_structure(cfg, rp)
+            check_rank_structure(cfg, rp, plan)
 
 
 def test_deepseek_256_ranks_hold_one_expert_each() -> None:
@@ -565,19 +580,26 @@ def test_vocab_parallel_padding_and_tied_lm_head() -> None:
     plan = build_plan(cfg, L(tp=4, pp=2))
     first = plan.ranks[3]  # pp_rank 0, tp_rank 3
     last = plan.ranks[7]  # pp_rank 1, tp_rank 3
-    emb = next(u for u in first.units if u.buffer == "model.embed_tokens.weight")
-    assert emb.rows == 256 and emb.parts[0].rows == (768, 1000)  # rows 1000..1023 stay zero
+    # The rank's 256 rows come as row blocks (units of their own, SPEC §6 note in
+    # planner.copy_unit_bytes); together they read rows 768..999, rows 1000..1023 stay zero.
+    embs = [u for u in first.units if u.buffer == "model.embed_tokens.weight"]
+    assert len(embs) > 1 and sum(u.rows for u in embs) == 256
+    assert [u.row0 for u in embs] == list(itertools.accumulate([0] + [u.rows for u in embs[:-1]]))
+    src_rows = [p.rows for u in embs for p in u.parts]
+    assert src_rows[0][0] == 768 and src_rows[-1][1] == 1000
+    assert all(a[1] == b[0] for a, b in itertools.pairwise(src_rows))
+    assert all(u.parts[0].rows[0] - 768 == u.row0 for u in embs if u.parts)
     assert not any(b.name == "lm_head.weight" for b in first.buffers)
-    head = next(u for u in last.units if u.buffer == "lm_head.weight")
-    assert head.parts[0].tensor_name == "model.embed_tokens.weight"
-    assert head.parts[0].rows == (768, 1000)
+    heads = [u for u in last.units if u.buffer == "lm_head.weight"]
+    assert all(p.tensor_name == "model.embed_tokens.weight" for u in heads for p in u.parts)
+    assert [p.rows for u in heads for p in u.parts] == src_rows
     assert {b.name for b in last.buffers} >= {"lm_head.weight", "model.norm.weight"}
     assert not any(b.name == "model.embed_tokens.weight" for b in last.buffers)
     # a rank whose vocab slice is all padding (vocab 40 -> 64 over tp 4: rank 3 holds 48..63)
     small = synthetic("dense", vocab_size=40)
     _, units = plan_rank(small, L(tp=4), 3)
-    emb = next(u for u in units if u.buffer == "model.embed_tokens.weight")
-    assert emb.rows == 16 and emb.parts == ()
+    embs = [u for u in units if u.buffer == "model.embed_tokens.weight"]
+    assert sum(u.rows for u in embs) == 16 and all(u.parts == () for u in embs)
 
 
 def test_fallback_when_local_k_is_not_a_multiple_of_32() -> None:

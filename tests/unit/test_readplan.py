@@ -204,13 +204,16 @@ def test_a_tensor_two_units_read_is_fetched_twice() -> None:
     plan = build_plan(cfg, ParallelLayout(tp=2), checkpoint=fake_meta(cfg))
     rp = plan.ranks[0]
     assert rp.reads is not None
-    embed = [
-        r.parts[0].weight
-        for u, r in zip(rp.units, rp.reads, strict=True)
-        if u.buffer in ("model.embed_tokens.weight", "lm_head.weight")
-    ]
-    # rank 0 holds padded rows 0..511 of both: the same 512 x 256 BF16 rows, twice
-    assert len(embed) == 2 and embed[0] == embed[1] and embed[0].nbytes == 512 * 256 * 2
+    reads = {
+        name: [
+            r.parts[0].weight for u, r in zip(rp.units, rp.reads, strict=True) if u.buffer == name
+        ]
+        for name in ("model.embed_tokens.weight", "lm_head.weight")
+    }
+    # rank 0 holds padded rows 0..511 of both (in row blocks): the same 512 x 256 BF16
+    # rows, twice
+    embed, head = reads.values()
+    assert embed == head and sum(r.nbytes for r in embed) == 512 * 256 * 2
     assert rp.bytes_to_read == rp.bytes_needed
 
 

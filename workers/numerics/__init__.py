@@ -1,48 +1,45 @@
-"""Numerics of SPEC §2: the CPU reference, the kernel repack, and device backends.
+"""Numerics of SPEC §2: the CPU reference, the fast kernels, the kernel repack, and device
+backends.
 
-``reference`` is the bit-exact contract in plain torch; ``repack`` builds the Ascend 950
+``reference`` is the bit-exact contract in plain torch; ``kernels`` the fast numba path on
+numpy arrays (torch-free) and ``fast`` its torch wrappers; ``repack`` builds the Ascend 950
 kernel layouts; ``backend.select_backend`` picks where a worker computes (torch_npu and
-CUDA are imported lazily, never here). ``npu.NpuBackend`` is not re-exported so that
-importing this package never touches torch_npu.
+CUDA are imported lazily, never here). The names below are re-exported lazily, so that
+importing one torch-free submodule (``kernels``, ``scales``: what ``mxload convert``
+uses) does not import torch, and nothing here touches torch_npu.
 """
 
-from workers.numerics.backend import DEVICE_CHOICES, Backend, CudaBackend, select_backend
-from workers.numerics.reference import (
-    MODEL_TORCH_DTYPES,
-    check_block_scales,
-    mx_dequantize,
-    mx_quantize,
-    mx_scale_bytes,
-    resolve_block,
-    resolve_mx,
-)
-from workers.numerics.repack import (
-    pack_linear,
-    pack_moe,
-    pack_scale,
-    unpack_linear,
-    unpack_moe,
-    unpack_scale,
-    write_rows,
-)
+from __future__ import annotations
 
-__all__ = [
-    "DEVICE_CHOICES",
-    "MODEL_TORCH_DTYPES",
-    "Backend",
-    "CudaBackend",
-    "check_block_scales",
-    "mx_dequantize",
-    "mx_quantize",
-    "mx_scale_bytes",
-    "pack_linear",
-    "pack_moe",
-    "pack_scale",
-    "resolve_block",
-    "resolve_mx",
-    "select_backend",
-    "unpack_linear",
-    "unpack_moe",
-    "unpack_scale",
-    "write_rows",
-]
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "DEVICE_CHOICES": "backend",
+    "Backend": "backend",
+    "CudaBackend": "backend",
+    "select_backend": "backend",
+    "MODEL_TORCH_DTYPES": "reference",
+    "check_block_scales": "reference",
+    "mx_dequantize": "reference",
+    "mx_quantize": "reference",
+    "mx_scale_bytes": "reference",
+    "resolve_block": "reference",
+    "resolve_mx": "reference",
+    "pack_linear": "repack",
+    "pack_moe": "repack",
+    "pack_scale": "repack",
+    "unpack_linear": "repack",
+    "unpack_moe": "repack",
+    "unpack_scale": "repack",
+    "write_rows": "repack",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{module}"), name)

@@ -1,4 +1,4 @@
-"""Fast CPU conversion path: block-FP8 -> resolve -> MXFP8 in one pass, in numba.
+"""Fast CPU conversion path for torch tensors: block-FP8 -> resolve -> MXFP8 in one pass.
 
 Purpose
     The functions of :mod:`workers.numerics.reference` with the same signatures and
@@ -6,66 +6,11 @@ Purpose
     enough that CPU conversion stops being the bottleneck of a load, plus
     :func:`convert_block_to_mx_packed`, which writes the kernel layout of SPEC §2.3 in
     place (what ``repack.write_rows`` does after the reference, without the transpose
-    pass). ``tests/unit/test_numerics_fast.py`` holds it to the reference and to the
-    named case table; ``bench/bench_convert.py`` measures it (``bench/results/``).
-
-Why numba, and why tables (evidence: ``bench/results/convert.md``)
-    * Rearranged torch ops stay memory-bound: every elementwise op is a pass over 2-4
-      byte temporaries. The best torch arrangement tried (one 256-entry resolved table per
-      tile and a gather, then the reference MX steps: ``torch-lut`` in the bench) ran at
-      about half the naive path's speed, because the gather needs an int index tensor
-      per element. A compiled loop reads each source byte once and keeps the rest in
-      registers: this path runs 7-14x the naive one per core. numba is already a
-      dependency; ``@njit(parallel=True, cache=True, nogil=True)`` gives threads, an
-      on-disk compile cache and GIL-free calls (reads overlap conversion).
-    * The source is FP8: a byte, and one scale per tile. So ``R = to_dtype(f32(w) * s)``
-      is a 128-entry table per tile (the sign is ``(w & 0x80) ^ sign(s)``: IEEE products
-      and RNE are sign-symmetric), built once per tile -- a few hundred operations for
-      16k elements. MX quantization is monotone: |R| never decreases as ``w & 0x7F``
-      grows (rounding is monotone, e4m3fn bytes 0x00..0x7E are ordered by magnitude,
-      0x7F is NaN, NaN and Inf have exponent field 255), so a group's Emax is the table's
-      running-max exponent at the group's largest ``w & 0x7F``: a byte max over 32 bytes,
-      done 8 bytes per word (SWAR). The payload then depends only on ``(w, S)``: a
-      256-entry table per (tile, S) that occurs (a tile sees a handful of S values). The
-      hot loop is a word-wise max per group and one table lookup per byte.
-    * Exactness does not depend on the FPU mode. Table entries come from the hardware
-      float32 multiply only where its result is a normal float (then it is the IEEE RNE
-      product whatever flush-to-zero / denormals-are-zero say); zero, subnormal and
-      non-finite products, and non-normal scales, take an integer routine
-      (``_round_pack``), as does every other rounding (bf16/fp16 RNE, e4m3 RNE with
-      subnormals and the 448 clamp). No value is ever scaled by 2**(127 - S) in floating
-      point, so 2**(127 - 254) being an f32 subnormal cannot matter. A test runs the
-      named table with torch's flush-denormal mode on.
-    * ``mx_quantize`` of a bf16/fp32 tensor (a BF16 reload, SPEC §4) has too many
-      possible inputs for tables: groups whose non-zero elements all land in the e4m3
-      normal range (nearly all groups of real weights) take a branch-free formula (RNE
-      drop of the low mantissa bits, whose carry bumps the exponent; rebias; clamp),
-      other groups the exact integer routine. fp16 is widened to fp32 first (exact; SPEC
-      §2.2 defines fp16's Emax on that fp32 value).
-    * Loop shapes that mattered, measured: work items walk whole source rows in memory
-      order (tile-column order, rows 4 KiB apart, was 2-3x slower); hot loops index with
-      unsigned integers (numba then drops its negative-index fix-up: 2x on the resolve
-      loop); all payload tables of a work item are built before its lookups, so the hot
-      loop has no branch, allocation or reference counting (a table pool grown inside it
-      cost a third of the time); the packed path converts rows into a buffer whose row
-      stride is padded off 4 KiB, then transposes 8x8 bytes at a time in registers.
-
-Threads
-    Kernels run with ``min(torch.get_num_threads(), NUMBA_NUM_THREADS)`` threads, so a
-    Ray worker given a share of the cores uses that share. Launches are serialized by a
-    lock: numba's ``workqueue`` threading layer (used where neither TBB nor OpenMP is
-    available) aborts the process on concurrent launches, and a launch already uses all
-    of the worker's threads. (With the OpenMP layer, do not ``fork`` a process after its
-    first launch; Ray starts workers fresh, so the loader never does.)
-
-Compilation
-    ``cache=True``: the first process compiles (``bench/bench_convert.py`` reports how
-    long: tens of seconds on a small machine) and writes numba's cache next to this file
-    (or under ``NUMBA_CACHE_DIR``); later processes, such as each Ray worker, load it in
-    well under a second. Compilation happens in :func:`fast_available`, which also runs
-    every kernel on a tiny input with bytes derived by hand, and returns False (never
-    raises) when numba is missing or anything fails; callers then use the reference
-    (``backend.select_backend`` does).
+    pass). The kernels, and why they are numba and tables, are in
+    :mod:`workers.numerics.kernels` (torch-free, so ``mxload convert`` can skip the torch
+    import); this module validates torch arguments and launches them with
+    ``torch.get_num_threads()`` threads. ``tests/unit/test_numerics_fast.py`` holds it to
+    the reference and to the named case table; ``bench/bench_convert.py`` measures it.
 
 Limits
     CPU tensors only; non-contiguous inputs are copied first. ``mx_quantize`` and the
@@ -76,34 +21,13 @@ Limits
 
 from __future__ import annotations
 
-import threading
-from dataclasses import dataclass
-from typing import Any
-
 import numpy as np
 import torch
 
 from orchestrator.errors import NumericsError
 from orchestrator.formats import MX_GROUP, MX_PAIR, ceil_div
-
-try:  # numba is a dependency, but the reference must keep working without it.
-    import numba
-    from numba import njit, prange
-
-    _NUMBA_IMPORT_ERROR: str | None = None
-except Exception as exc:  # pragma: no cover - exercised by monkeypatching in tests
-    numba = None
-    _NUMBA_IMPORT_ERROR = f"{type(exc).__name__}: {exc}"
-
-    def njit(*args: Any, **kwargs: Any) -> Any:  # type: ignore[no-redef]
-        """Stand-in decorator so this module imports without numba (the kernels it leaves
-        undecorated are never called: :func:`fast_available` says False)."""
-        if len(args) == 1 and callable(args[0]) and not kwargs:
-            return args[0]
-        return lambda f: f
-
-    prange = range  # type: ignore[assignment]
-
+from workers.numerics import kernels
+from workers.numerics.kernels import MODE_BF16, MODE_FP16, MODE_FP32
 
 __all__ = [
     "convert_block_to_mx",
@@ -113,781 +37,28 @@ __all__ = [
     "resolve_block",
 ]
 
-# Output-dtype modes shared by the kernels (ints, because numba kernels take no torch dtypes).
-_MODE_BF16 = 0
-_MODE_FP16 = 1
-_MODE_FP32 = 2
 _MODES: dict[torch.dtype, int] = {
-    torch.bfloat16: _MODE_BF16,
-    torch.float16: _MODE_FP16,
-    torch.float32: _MODE_FP32,
+    torch.bfloat16: MODE_BF16,
+    torch.float16: MODE_FP16,
+    torch.float32: MODE_FP32,
 }
 
-_JIT = {"cache": True, "nogil": True}
-_PJIT = {"cache": True, "nogil": True, "parallel": True}
 
-# =========================================================================================
-# Scalar integer routines (exact, FTZ/DAZ-proof). All values are int64.
-# =========================================================================================
+def fast_available() -> bool:
+    """True when numba imports and every kernel compiles and passes a tiny self-test
+    (:func:`workers.numerics.kernels.available`; remembered for the process, never
+    raises)."""
+    return kernels.available()
 
 
-@njit(**_JIT)
-def _bitlen(v: int) -> int:
-    """Number of significant bits of an int in [0, 2**63) (0 for 0); a binary search,
-    since the table builders call it per entry."""
-    n = 0
-    if v >= np.int64(1) << 32:
-        v >>= 32
-        n += 32
-    if v >= 1 << 16:
-        v >>= 16
-        n += 16
-    if v >= 1 << 8:
-        v >>= 8
-        n += 8
-    if v >= 1 << 4:
-        v >>= 4
-        n += 4
-    if v >= 1 << 2:
-        v >>= 2
-        n += 2
-    if v >= 1 << 1:
-        v >>= 1
-        n += 1
-    return n + v
+def unavailable_reason() -> str | None:
+    """Why :func:`fast_available` said False (None when it said True or was not asked)."""
+    return kernels.unavailable_reason()
 
 
-@njit(**_JIT)
-def _round_pack(sig: int, e2: int, p: int, bias: int, inf_field: int) -> int:
-    """Round the non-negative value ``sig * 2**e2`` to nearest-even in a binary format
-    with ``p`` significand bits (hidden bit included) and exponent ``bias``, subnormals
-    included; return its magnitude bits (exponent field << (p-1) | mantissa). A result
-    whose exponent field reaches ``inf_field`` becomes Inf (that field, mantissa 0); pass
-    a large ``inf_field`` for a saturating format and clamp afterwards."""
-    if sig == 0:
-        return 0
-    lead = e2 + _bitlen(sig) - 1  # unbiased exponent of the leading bit
-    emin = 1 - bias
-    lc = lead if lead > emin else emin
-    qe = lc - (p - 1)  # exponent of one unit in the last place
-    shift = qe - e2
-    if shift > 0:
-        if shift > 62:
-            q = 0  # sig < 2**62 <= half an ulp: rounds to zero
-        else:
-            q = sig >> shift
-            rem = sig - (q << shift)
-            half = np.int64(1) << (shift - 1)
-            if rem > half or (rem == half and (q & 1) == 1):
-                q += 1
-    else:
-        q = sig << (-shift)
-    # Subnormal: field 0 and q is the mantissa; a carry to 2**(p-1) is exactly the
-    # smallest normal. Normal: q = 2**(p-1) + mantissa, and a carry to 2**p bumps the
-    # exponent. Both are this one sum.
-    bits = ((lc + bias - 1) << (p - 1)) + q
-    if (bits >> (p - 1)) >= inf_field:
-        bits = inf_field << (p - 1)
-    return bits
-
-
-@njit(**_JIT)
-def _f32_split(b: int) -> tuple[int, int]:
-    """Finite f32 magnitude bits -> (sig, e2) with value sig * 2**e2, exactly."""
-    e = (b >> 23) & 0xFF
-    m = b & 0x7FFFFF
-    if e == 0:
-        return m, -149
-    return m | 0x800000, e - 150
-
-
-@njit(**_JIT)
-def _f32_to_bf16(b: int) -> int:
-    """f32 bits -> bf16 bits, round-to-nearest-even (overflow to Inf), NaN stays NaN."""
-    if (b & 0x7FFFFFFF) > 0x7F800000:
-        return ((b >> 16) & 0x8000) | 0x7FC0
-    return (b + 0x7FFF + ((b >> 16) & 1)) >> 16
-
-
-@njit(**_JIT)
-def _f32_to_f16(b: int) -> int:
-    """f32 bits -> f16 bits, round-to-nearest-even, overflow to Inf, NaN stays NaN."""
-    sign = (b >> 16) & 0x8000
-    mag = b & 0x7FFFFFFF
-    if mag > 0x7F800000:
-        return sign | 0x7E00
-    e = mag >> 23
-    if 113 <= e <= 142:
-        # f16-normal exponent: rebias 127 -> 15 and drop 13 bits with RNE; a carry out
-        # of 65504 lands exactly on Inf (0x7C00), which is RNE's overflow.
-        return sign | ((mag - (112 << 23) + 0xFFF + ((mag >> 13) & 1)) >> 13)
-    if mag == 0x7F800000:
-        return sign | 0x7C00
-    sig, e2 = _f32_split(mag)
-    return sign | _round_pack(sig, e2, 11, 15, 31)
-
-
-@njit(**_JIT)
-def _f16_to_f32(h: int) -> int:
-    """f16 bits -> the f32 bits of the same value (exact)."""
-    sign = (h & 0x8000) << 16
-    e = (h >> 10) & 0x1F
-    m = h & 0x3FF
-    if e == 31:
-        return sign | 0x7F800000 | (m << 13)
-    if e == 0:
-        if m == 0:
-            return sign
-        return sign | _round_pack(m, -24, 24, 127, 255)  # exact: 11 bits fit in 24
-    return sign | ((e + 112) << 23) | (m << 13)
-
-
-@njit(**_JIT)
-def _product_f32(wb: int, sb: int) -> int:
-    """f32 bits of ``f32(w) * s`` as IEEE float32 computes it (RNE, gradual underflow),
-    in integer arithmetic. ``wb``: e4m3fn byte; ``sb``: f32 bits of the scale."""
-    sign = ((wb >> 7) ^ (sb >> 31)) & 1
-    se = (sb >> 23) & 0xFF
-    w_zero = (wb & 0x7F) == 0
-    if (wb & 0x7F) == 0x7F or (se == 255 and ((sb & 0x7FFFFF) != 0 or w_zero)):
-        return 0x7FC00000  # NaN operand, or 0 * Inf
-    if se == 255:
-        return (sign << 31) | 0x7F800000
-    we = (wb >> 3) & 0xF
-    if we == 0:
-        wsig = wb & 0x7
-        we2 = -9
-    else:
-        wsig = (wb & 0x7) | 8
-        we2 = we - 10
-    ssig, se2 = _f32_split(sb & 0x7FFFFFFF)
-    return (sign << 31) | _round_pack(wsig * ssig, we2 + se2, 24, 127, 255)
-
-
-@njit(**_JIT)
-def _to_mode(r32: int, mode: int) -> int:
-    """f32 bits -> model-dtype bits (one RNE rounding, SPEC §2.1)."""
-    if mode == 0:
-        return _f32_to_bf16(r32)
-    if mode == 1:
-        return _f32_to_f16(r32)
-    return r32
-
-
-@njit(**_JIT)
-def _as_f32_bits(r: int, mode: int) -> int:
-    """Model-dtype bits -> f32 bits of the same value (exact)."""
-    if mode == 0:
-        return r << 16
-    if mode == 1:
-        return _f16_to_f32(r)
-    return r
-
-
-@njit(**_JIT)
-def _resolve_table(
-    sb: int, s_abs: np.float32, mode: int, w_f32: np.ndarray, prod: np.ndarray, out: np.ndarray
-) -> None:
-    """``out[b]`` = model-dtype bits of ``to_dtype(f32(w) * |s|)`` for the 128 E4M3
-    magnitudes ``b`` (SPEC §2.1; the sign is ``(b & 0x80) ^ sign(s)``, see the module
-    docstring). For a normal scale the hardware float32 multiply is used wherever its
-    result is a normal float (exact IEEE RNE under any FTZ/DAZ setting); a zero,
-    subnormal or non-finite result, or a non-normal scale, goes to the integer routine.
-    ``prod`` is float32 scratch of 128 entries; ``w_f32`` the 128 E4M3 values."""
-    se = (sb >> 23) & 0xFF
-    mag_sb = sb & 0x7FFFFFFF
-    pbits = prod.view(np.uint32)
-    if 1 <= se <= 254:
-        for b in range(128):
-            prod[b] = w_f32[b] * s_abs
-    for b in range(128):
-        x = np.int64(pbits[b]) if 1 <= se <= 254 else 0
-        e = (x >> 23) & 0xFF
-        if e == 0 or e == 255:
-            x = _product_f32(b, mag_sb)
-        out[b] = _to_mode(x, mode)
-
-
-@njit(**_JIT)
-def _scale_byte(emax: int) -> int:
-    """SPEC §2.2 step 2."""
-    if emax == 255:
-        return 255
-    return (emax if emax > 8 else 8) - 8
-
-
-@njit(**_JIT)
-def _quant_e4m3(xb: int, s: int) -> int:
-    """SPEC §2.2 step 3 for one element: f32 bits ``xb`` and scale byte ``s`` -> e4m3fn
-    byte of ``xb * 2**(127 - s)``, RNE, subnormals included, saturating at +-448."""
-    if s == 255:
-        return 0x7F
-    sign = (xb >> 24) & 0x80
-    if s == 0:
-        return sign
-    mag = xb & 0x7FFFFFFF
-    if mag >= 0x7F800000:  # cannot happen when s < 255 (Emax would be 255); be total
-        return 0x7F
-    sig, e2 = _f32_split(mag)
-    y = _round_pack(sig, e2 + 127 - s, 4, 7, 1 << 30)
-    if y > 0x7E:
-        y = 0x7E  # clamp to 448 (0x7F is NaN in e4m3fn)
-    return sign | y
-
-
-@njit(**_JIT)
-def _payload_table(r32: np.ndarray, s: int, sflip: int, out: np.ndarray) -> None:
-    """``out[b]`` = e4m3 byte for source byte ``b`` (0..255) of a tile whose resolved
-    magnitudes are ``r32`` (f32 bits) and whose scale has sign bit ``sflip`` (0 or 0x80),
-    under group scale byte ``s``.
-
-    Entries whose exponent lands in the e4m3 normal range take the short formula (RNE
-    drop of 20 mantissa bits, whose carry bumps the exponent, then a rebias from
-    ``127 - s`` to e4m3's 7, then the 448 clamp); the rest take :func:`_quant_e4m3`.
-    The sign is ``(b & 0x80) ^ sflip``: IEEE products and RNE are sign-symmetric."""
-    if s == 0 or s == 255:
-        v = 0 if s == 0 else 0x7F
-        for b in range(128):
-            out[b] = v | sflip
-            out[b | 128] = v | (sflip ^ 0x80)
-        return
-    lim = s - 6 if s > 7 else 1
-    reb = (s - 7) << 3
-    for b in range(128):
-        x = r32[b]
-        if (x >> 23) >= lim and x < 0x7F800000:
-            v = ((x + 0x7FFFF + ((x >> 20) & 1)) >> 20) - reb
-            v = v if v < 0x7E else 0x7E
-        else:
-            v = _quant_e4m3(x, s)
-        out[b] = v | sflip
-        out[b | 128] = v | (sflip ^ 0x80)
-
-
-_SWAR_HI = np.uint64(0x8080808080808080)
-_SWAR_7F = np.uint64(0x7F7F7F7F7F7F7F7F)
-
-
-@njit(inline="always", **_JIT)
-def _swar_max7(a: np.uint64, b: np.uint64) -> np.uint64:
-    """Byte-wise max of two words whose bytes are all < 0x80 (a guard bit per byte keeps
-    the subtraction from borrowing across bytes)."""
-    ge = ((a | _SWAR_HI) - b) & _SWAR_HI  # 0x80 in every byte where a >= b
-    m = (ge >> np.uint64(7)) * np.uint64(0xFF)
-    return (a & m) | (b & ~m)
-
-
-@njit(inline="always", **_JIT)
-def _group_absmax(w64: np.ndarray, i: int) -> int:
-    """max(byte & 0x7F) over the 32 bytes of words ``w64[i : i + 4]``."""
-    u = np.uint64(i)
-    x = _swar_max7(
-        _swar_max7(w64[u] & _SWAR_7F, w64[u + np.uint64(1)] & _SWAR_7F),
-        _swar_max7(w64[u + np.uint64(2)] & _SWAR_7F, w64[u + np.uint64(3)] & _SWAR_7F),
-    )
-    x = _swar_max7(x, x >> np.uint64(32))
-    x = _swar_max7(x, x >> np.uint64(16))
-    x = _swar_max7(x, x >> np.uint64(8))
-    return np.int64(x & np.uint64(0xFF))
-
-
-@njit(**_JIT)
-def _tile_range(t: int, base: int, block: int, n: int) -> tuple[int, int]:
-    """Local ``[lo, hi)`` of the elements of global tile ``t`` in a slice starting at
-    global index ``base`` with ``n`` elements."""
-    lo = t * block - base
-    hi = lo + block
-    if lo < 0:
-        lo = 0
-    if hi > n:
-        hi = n
-    return lo, hi
-
-
-@njit(**_JIT)
-def _e4m3_values() -> np.ndarray:
-    """float32 values of the E4M3 magnitudes 0..127 (0x7F is NaN)."""
-    v = np.empty(128, dtype=np.float32)
-    for b in range(128):
-        e = b >> 3
-        m = b & 7
-        if b == 0x7F:
-            v[b] = np.float32(np.nan)
-        elif e == 0:
-            v[b] = np.float32(m * 2.0**-9)
-        else:
-            v[b] = np.float32((8 + m) * 2.0 ** (e - 10))
-    return v
-
-
-@njit(**_PJIT)
-def _tile_tables(
-    sbits: np.ndarray, sf: np.ndarray, mode: int, r_bits: np.ndarray, s_tab: np.ndarray
-) -> None:
-    """Per tile ``t = ti * TJ + tj``: ``r_bits[t, b]`` = model-dtype bits of the resolved
-    magnitude ``b`` (0..127) and, when ``s_tab`` has rows, ``r_bits`` is turned into the
-    f32 bits of that value and ``s_tab[t, b]`` is the scale byte (SPEC §2.2 step 2) of
-    the running max of their exponent fields: a group's Emax is that running max at the
-    group's largest magnitude byte (module docstring)."""
-    n_tc = sbits.shape[1]
-    w_f32 = _e4m3_values()
-    with_emax = s_tab.shape[0] > 0
-    for t in prange(sbits.shape[0] * n_tc):
-        ti = t // n_tc
-        tj = t % n_tc
-        prod = np.empty(128, dtype=np.float32)
-        row = r_bits[t]
-        _resolve_table(np.int64(sbits[ti, tj]), abs(sf[ti, tj]), mode, w_f32, prod, row)
-        if with_emax:
-            run = 0
-            for b in range(128):
-                x = _as_f32_bits(row[b], mode)
-                row[b] = x
-                run = max(run, (x >> 23) & 0xFF)
-                s_tab[t, b] = _scale_byte(run)
-
-
-@njit(**_JIT)
-def _row_chunks(n: int, row0: int, bn: int, rows_per_item: int) -> np.ndarray:
-    """Split local rows [0, n) into chunks of at most ``rows_per_item`` rows that never
-    cross a tile-row boundary; returns [n_items, 2] of (lo, hi)."""
-    t_r0 = row0 // bn
-    n_tr = (row0 + n - 1) // bn - t_r0 + 1
-    count = 0
-    for i in range(n_tr):
-        lo, hi = _tile_range(t_r0 + i, row0, bn, n)
-        count += (hi - lo + rows_per_item - 1) // rows_per_item
-    out = np.empty((count, 2), dtype=np.int64)
-    j = 0
-    for i in range(n_tr):
-        lo, hi = _tile_range(t_r0 + i, row0, bn, n)
-        while lo < hi:
-            out[j, 0] = lo
-            out[j, 1] = min(hi, lo + rows_per_item)
-            lo = out[j, 1]
-            j += 1
-    return out
-
-
-@njit(**_PJIT)
-def _resolve_kernel(
-    w: np.ndarray,  # uint8 [n * k], row-major
-    n: int,
-    k: int,
-    sbits: np.ndarray,  # uint32 [TI, TJ], f32 bits of the covering tiles
-    sf: np.ndarray,  # float32 view of the same
-    row0: int,
-    col0: int,
-    bn: int,
-    bk: int,
-    mode: int,
-    out: np.ndarray,  # uint16 or uint32 [n * k]
-    rows_per_item: int,
-) -> None:
-    n_tc = sbits.shape[1]
-    half = np.empty((sbits.shape[0] * n_tc, 128), dtype=np.int64)
-    _tile_tables(sbits, sf, mode, half, np.empty((0, 128), dtype=np.uint8))
-    # Full 256-entry tables: the sign of an IEEE product is sign(w) ^ sign(s), and RNE is
-    # symmetric, so entry b | 0x80 is entry b with the sign bit flipped.
-    neg = 0x80000000 if mode == 2 else 0x8000
-    tables = np.empty((half.shape[0], 256), dtype=out.dtype)
-    for t in range(half.shape[0]):
-        sflip = neg if sbits[t // n_tc, t % n_tc] >> 31 else 0
-        for b in range(128):
-            tables[t, b] = half[t, b] | sflip
-            tables[t, b | 128] = half[t, b] | (sflip ^ neg)
-    t_r0 = row0 // bn
-    t_c0 = col0 // bk
-    chunks = _row_chunks(n, row0, bn, rows_per_item)
-    for it in prange(chunks.shape[0]):
-        ti = (row0 + chunks[it, 0]) // bn - t_r0
-        for r in range(chunks[it, 0], chunks[it, 1]):
-            base = r * k
-            for tj in range(n_tc):
-                c_lo, c_hi = _tile_range(t_c0 + tj, col0, bk, k)
-                tab = tables[ti * n_tc + tj]
-                for c in range(base + c_lo, base + c_hi):
-                    uc = np.uint64(c)  # unsigned: no negative-index fix-up
-                    out[uc] = tab[w[uc]]
-
-
-@njit(**_JIT)
-def _split_group(
-    w: np.ndarray,
-    base: int,
-    c0: int,
-    ti: int,
-    sbits: np.ndarray,
-    col0: int,
-    bk: int,
-    r32: np.ndarray,
-    xs: np.ndarray,
-) -> int:
-    """A group that straddles two scale tiles (a slice that starts mid-tile, SPEC §2.1):
-    the resolved f32 bits of its 32 elements into ``xs``, each from its own tile's
-    table; returns the group's scale byte. Rare, so element by element."""
-    n_tc = sbits.shape[1]
-    t_c0 = col0 // bk
-    emax = 0
-    for i in range(32):
-        tj = (col0 + c0 + i) // bk - t_c0
-        b = np.int64(w[base + c0 + i])
-        x = r32[ti * n_tc + tj, b & 0x7F]
-        # The sign of R is sign(w) ^ sign(s) (module docstring).
-        xs[i] = x | ((((b >> 7) ^ (np.int64(sbits[ti, tj]) >> 31)) & 1) << 31)
-        emax = max(emax, (x >> 23) & 0xFF)
-    return _scale_byte(emax)
-
-
-@njit(**_JIT)
-def _convert_rows(
-    w: np.ndarray,
-    w64: np.ndarray,
-    k: int,
-    r_lo: int,
-    r_hi: int,
-    ti: int,
-    sbits: np.ndarray,
-    col0: int,
-    bk: int,
-    r32: np.ndarray,
-    s_tab: np.ndarray,
-    g_tile: np.ndarray,
-    g_split: np.ndarray,
-    dst: np.ndarray,
-    d_stride: int,
-    s_dst: np.ndarray,
-) -> None:
-    """Convert local rows ``[r_lo, r_hi)`` (all in tile row ``ti``): payload of (row r,
-    column c) to ``dst[(r - r_lo) * d_stride + c]``, scale byte of (r, g) to
-    ``s_dst[r - r_lo, g]``.
-
-    Three steps: every group's scale byte (one word-wise max and a table read each);
-    the payload tables of the (tile column, S) pairs that occur; then the payload, one
-    lookup per byte. Knowing all tables before the lookups keeps the hot loop free of
-    branches, allocation and reference counting (a pool grown inside it cost a third of
-    the run time). A plain (not parallel) function, so its loops compile like C."""
-    ng = k // 32
-    n_tc = sbits.shape[1]
-    xs = np.empty(32, dtype=np.int64)
-    # 1. Scale bytes; mark the (tile column, S) pairs that need a payload table.
-    slot = np.full((n_tc, 256), -1, dtype=np.int32)
-    for r in range(r_lo, r_hi):
-        base = r * k
-        srow = s_dst[r - r_lo]
-        for g in range(ng):
-            if g_split[g]:
-                srow[g] = _split_group(w, base, g * 32, ti, sbits, col0, bk, r32, xs)
-            else:
-                t = ti * n_tc + g_tile[g]
-                s = s_tab[t, _group_absmax(w64, (base + g * 32) >> 3)]
-                srow[g] = s
-                slot[g_tile[g], s] = 0
-    # 2. Those tables, 256 bytes each (sign included); slot[tj, S] becomes their offset.
-    count = 0
-    for tj in range(n_tc):
-        for s in range(256):
-            if slot[tj, s] == 0:
-                slot[tj, s] = 256 * count + 1
-                count += 1
-    pool = np.empty(256 * count, dtype=np.uint8)
-    for tj in range(n_tc):
-        sflip = (np.int64(sbits[ti, tj]) >> 24) & 0x80
-        for s in range(256):
-            off = slot[tj, s] - 1
-            if off >= 0:
-                _payload_table(r32[ti * n_tc + tj], s, sflip, pool[off : off + 256])
-    # 3. Payload: unsigned indices, so numba skips its negative-index fix-up.
-    for r in range(r_lo, r_hi):
-        base = r * k
-        d_row = (r - r_lo) * d_stride
-        srow = s_dst[r - r_lo]
-        for g in range(ng):
-            c0 = g * 32
-            if g_split[g]:
-                s = _split_group(w, base, c0, ti, sbits, col0, bk, r32, xs)
-                for i in range(32):
-                    dst[d_row + c0 + i] = _quant_e4m3(xs[i], s)
-            else:
-                src = np.uint64(base + c0)
-                d = np.uint64(d_row + c0)
-                off = np.uint64(slot[g_tile[g], srow[g]] - 1)
-                for i in range(32):
-                    ui = np.uint64(i)
-                    dst[d + ui] = pool[off + np.uint64(w[src + ui])]
-
-
-_M8 = np.uint64(0x00FF00FF00FF00FF)
-_M16 = np.uint64(0x0000FFFF0000FFFF)
-_M32 = np.uint64(0x00000000FFFFFFFF)
-
-
-@njit(inline="always", **_JIT)
-def _swap(a: np.uint64, b: np.uint64, sh: np.uint64, m: np.uint64) -> tuple[np.uint64, np.uint64]:
-    """Exchange the ``m``-masked fields of ``b`` with the fields ``sh`` bits up in ``a``."""
-    t = ((a >> sh) ^ b) & m
-    return a ^ (t << sh), b ^ t
-
-
-@njit(**_JIT)
-def _transpose_words(
-    loc64: np.ndarray, s8: int, nr: int, k: int, q64: np.ndarray, n8: int, col8: int
-) -> None:
-    """Transpose ``nr`` rows of ``k`` bytes (word stride ``s8``) into columns ``8*col8``
-    onward of rows of ``n8`` words, 8x8 bytes at a time in registers (three rounds of
-    field swaps). Needs nr, k, the column and the row length multiples of 8."""
-    sh8 = np.uint64(8)
-    sh16 = np.uint64(16)
-    sh32 = np.uint64(32)
-    for c8 in range(k // 8):
-        for i8 in range(nr // 8):
-            b = i8 * 8 * s8 + c8
-            x0 = loc64[b]
-            x1 = loc64[b + s8]
-            x2 = loc64[b + 2 * s8]
-            x3 = loc64[b + 3 * s8]
-            x4 = loc64[b + 4 * s8]
-            x5 = loc64[b + 5 * s8]
-            x6 = loc64[b + 6 * s8]
-            x7 = loc64[b + 7 * s8]
-            x0, x1 = _swap(x0, x1, sh8, _M8)
-            x2, x3 = _swap(x2, x3, sh8, _M8)
-            x4, x5 = _swap(x4, x5, sh8, _M8)
-            x6, x7 = _swap(x6, x7, sh8, _M8)
-            x0, x2 = _swap(x0, x2, sh16, _M16)
-            x1, x3 = _swap(x1, x3, sh16, _M16)
-            x4, x6 = _swap(x4, x6, sh16, _M16)
-            x5, x7 = _swap(x5, x7, sh16, _M16)
-            x0, x4 = _swap(x0, x4, sh32, _M32)
-            x1, x5 = _swap(x1, x5, sh32, _M32)
-            x2, x6 = _swap(x2, x6, sh32, _M32)
-            x3, x7 = _swap(x3, x7, sh32, _M32)
-            o = c8 * 8 * n8 + col8 + i8
-            q64[o] = x0
-            q64[o + n8] = x1
-            q64[o + 2 * n8] = x2
-            q64[o + 3 * n8] = x3
-            q64[o + 4 * n8] = x4
-            q64[o + 5 * n8] = x5
-            q64[o + 6 * n8] = x6
-            q64[o + 7 * n8] = x7
-
-
-@njit(**_JIT)
-def _convert_item(
-    w: np.ndarray,
-    w64: np.ndarray,
-    k: int,
-    r_lo: int,
-    r_hi: int,
-    ti: int,
-    sbits: np.ndarray,
-    col0: int,
-    bk: int,
-    r32: np.ndarray,
-    s_tab: np.ndarray,
-    g_tile: np.ndarray,
-    g_split: np.ndarray,
-    packed: bool,
-    q_out: np.ndarray,
-    q64: np.ndarray,
-    n_total: int,
-    out_row0: int,
-    s_out: np.ndarray,
-) -> None:
-    """One parallel work item: local rows ``[r_lo, r_hi)`` of one tile row, all of K."""
-    ng = k // 32
-    nr = r_hi - r_lo
-    if not packed:
-        _convert_rows(
-            w, w64, k, r_lo, r_hi, ti, sbits, col0, bk, r32, s_tab, g_tile, g_split,
-            q_out[r_lo * k : r_hi * k], k, s_out.reshape(-1, ng)[r_lo:r_hi],
-        )  # fmt: skip
-        return
-    # Packed (SPEC §2.3): convert the rows row-major into ``loc``, then write them as
-    # columns [col, col + nr) of the kernel layout. The row stride is padded by 64 bytes:
-    # rows 4 KiB apart would all map to the same cache sets when read column-wise.
-    stride = k + 64
-    loc = np.empty(nr * stride, dtype=np.uint8)
-    s_loc = np.empty((nr, ng), dtype=np.uint8)
-    _convert_rows(
-        w, w64, k, r_lo, r_hi, ti, sbits, col0, bk, r32, s_tab, g_tile, g_split,
-        loc, stride, s_loc,
-    )  # fmt: skip
-    col = out_row0 + r_lo
-    if q64.shape[0] > 0 and col % 8 == 0 and nr % 8 == 0:
-        _transpose_words(loc.view(np.uint64), stride // 8, nr, k, q64, n_total // 8, col // 8)
-    else:
-        for c in range(k):
-            o = c * n_total + col
-            for i in range(nr):
-                q_out[o + i] = loc[i * stride + c]
-    for g in range(ng):
-        base = ((g >> 1) * n_total + col) * 2 + (g & 1)
-        for i in range(nr):
-            s_out[base + 2 * i] = s_loc[i, g]
-
-
-@njit(**_PJIT)
-def _convert_kernel(
-    w: np.ndarray,  # uint8 [n * k], row-major, k % 32 == 0
-    w64: np.ndarray,  # uint64 view of w
-    n: int,
-    k: int,
-    sbits: np.ndarray,  # uint32 [TI, TJ], f32 bits of the covering tiles
-    sf: np.ndarray,  # float32 view of the same
-    row0: int,
-    col0: int,
-    bn: int,
-    bk: int,
-    mode: int,
-    packed: bool,
-    q_out: np.ndarray,  # uint8 flat: [n, k] row-major, or (packed) [k, n_total]
-    q64: np.ndarray,  # (packed) uint64 view of q_out when 8-byte aligned with n_total % 8 == 0
-    n_total: int,
-    out_row0: int,
-    s_out: np.ndarray,  # uint8 flat: [n, g] row-major, or (packed) [ceil(g/2), n_total, 2]
-    rows_per_item: int,
-) -> None:
-    ng = k // 32
-    t_r0 = row0 // bn
-    t_c0 = col0 // bk
-    n_tiles = sbits.shape[0] * sbits.shape[1]
-    r32 = np.empty((n_tiles, 128), dtype=np.int64)
-    s_tab = np.empty((n_tiles, 128), dtype=np.uint8)
-    _tile_tables(sbits, sf, mode, r32, s_tab)
-    # Column tile of each group (by its first column) and whether it straddles two tiles.
-    g_tile = np.empty(ng, dtype=np.int64)
-    g_split = np.empty(ng, dtype=np.bool_)
-    for g in range(ng):
-        c = col0 + 32 * g
-        g_tile[g] = c // bk - t_c0
-        g_split[g] = (c + 31) // bk != c // bk
-    chunks = _row_chunks(n, row0, bn, rows_per_item)
-    for it in prange(chunks.shape[0]):
-        r_lo = chunks[it, 0]
-        _convert_item(
-            w, w64, k, r_lo, chunks[it, 1], (row0 + r_lo) // bn - t_r0, sbits, col0, bk,
-            r32, s_tab, g_tile, g_split, packed, q_out, q64, n_total, out_row0, s_out,
-        )  # fmt: skip
-
-
-@njit(inline="always", **_JIT)
-def _mx_groups(
-    x: np.ndarray, g_lo: int, g_hi: int, ebits: int, q_out: np.ndarray, s_out: np.ndarray
-) -> None:
-    """MX-quantize groups ``[g_lo, g_hi)`` of ``x`` (bf16 bits: ``ebits`` 7; f32 bits:
-    23). Inlined into callers that pass ``ebits`` as a constant, so the shifts fold."""
-    drop = ebits - 3  # e4m3 keeps 3 mantissa bits; drop the rest with RNE
-    mag_mask = (np.int64(1) << (ebits + 8)) - 1
-    half = (np.int64(1) << (drop - 1)) - 1
-    for g in range(g_lo, g_hi):
-        base = np.uint64(g * 32)  # unsigned indices: no negative-index fix-up
-        # Exponent fields grow with the magnitude bits, so Emax is the exponent of the
-        # largest magnitude; the smallest exponent among non-zero elements decides
-        # whether the short formula is exact for the whole group.
-        mmax = 0
-        emin = 255
-        for i in range(32):
-            mag = np.int64(x[base + np.uint64(i)]) & mag_mask
-            mmax = max(mmax, mag)
-            emin = min(emin, (mag >> ebits) if mag != 0 else 255)
-        s = _scale_byte(mmax >> ebits)
-        s_out[g] = s
-        if s == 255:
-            for i in range(32):
-                q_out[base + np.uint64(i)] = 0x7F
-        elif s == 0:
-            for i in range(32):
-                q_out[base + np.uint64(i)] = (
-                    np.int64(x[base + np.uint64(i)]) >> (ebits + 1)
-                ) & 0x80
-        elif emin >= 1 and emin >= s - 6:
-            # Every element is zero or lands in the e4m3 normal range: drop the low
-            # mantissa bits with RNE (a carry bumps the exponent, as it should), rebias
-            # the exponent from 127 - s to e4m3's 7, clamp to 448.
-            reb = (s - 7) << 3
-            for i in range(32):
-                h = np.int64(x[base + np.uint64(i)])
-                mag = h & mag_mask
-                v = min(((mag + half + ((mag >> drop) & 1)) >> drop) - reb, 0x7E)
-                v = v if mag != 0 else 0
-                q_out[base + np.uint64(i)] = ((h >> (ebits + 1)) & 0x80) | v
-        else:
-            for i in range(32):
-                h = np.int64(x[base + np.uint64(i)])
-                q_out[base + np.uint64(i)] = _quant_e4m3(h << (23 - ebits), s)
-
-
-@njit(**_JIT)
-def _mx_groups_bf16(
-    x: np.ndarray, g_lo: int, g_hi: int, q_out: np.ndarray, s_out: np.ndarray
-) -> None:
-    _mx_groups(x, g_lo, g_hi, 7, q_out, s_out)
-
-
-@njit(**_JIT)
-def _mx_groups_f32(
-    x: np.ndarray, g_lo: int, g_hi: int, q_out: np.ndarray, s_out: np.ndarray
-) -> None:
-    _mx_groups(x, g_lo, g_hi, 23, q_out, s_out)
-
-
-@njit(**_PJIT)
-def _mx_kernel(
-    x: np.ndarray,  # uint16 (bf16 bits) or uint32 (fp32 bits), flat, len % 32 == 0
-    is_bf16: bool,
-    q_out: np.ndarray,  # uint8, flat, same length
-    s_out: np.ndarray,  # uint8, one per group
-) -> None:
-    ng = x.shape[0] // 32
-    chunk = 1024
-    for ch in prange((ng + chunk - 1) // chunk):
-        g_hi = min(ng, (ch + 1) * chunk)
-        if is_bf16:
-            _mx_groups_bf16(x, ch * chunk, g_hi, q_out, s_out)
-        else:
-            _mx_groups_f32(x, ch * chunk, g_hi, q_out, s_out)
-
-
-# =========================================================================================
-# Availability, threads, argument handling
-# =========================================================================================
-
-_LOCK = threading.Lock()
-"""Serializes kernel launches (module docstring, Threads)."""
-_INIT_LOCK = threading.Lock()
-_AVAILABLE: bool | None = None
-_UNAVAILABLE_REASON: str | None = _NUMBA_IMPORT_ERROR
-_MAX_ROWS_PER_ITEM = 64
-"""Rows per parallel work item, at most: items walk whole rows of the source in memory
-order (walking a 128-row tile column instead, rows k bytes apart, was 2-3x slower)."""
-
-
-def _rows_per_item(n: int) -> int:
-    """Rows per work item: about four items per thread, 8 to 64 rows, a multiple of 8 (so
-    the packed path's transposed writes stay word-aligned)."""
-    want = ceil_div(n, 4 * max(1, numba.get_num_threads()))
-    return min(_MAX_ROWS_PER_ITEM, max(8, ceil_div(want, 8) * 8))
-
-
-def _set_threads() -> None:
-    """Use the worker's share of cores (torch's setting), capped by numba's pool size."""
-    want = max(1, min(torch.get_num_threads(), int(numba.config.NUMBA_NUM_THREADS)))
-    if numba.get_num_threads() != want:
-        numba.set_num_threads(want)
-
-
-@dataclass(frozen=True)
-class _Block:
-    """A validated resolve/convert block, as the kernels take it."""
-
-    w: np.ndarray  # uint8 [n * k], row-major
-    w64: np.ndarray  # uint64 view of w (the group max reads 8 bytes at a time)
-    n: int
-    k: int
-    sbits: np.ndarray  # uint32 [TI, TJ]: bits of the covering tiles
-    sf: np.ndarray  # float32 view of sbits
+def _threads() -> int:
+    """The worker's share of cores: torch's setting (a Ray worker sets it)."""
+    return torch.get_num_threads()
 
 
 def _block(
@@ -898,7 +69,7 @@ def _block(
     block_n: int,
     block_k: int,
     what: str,
-) -> _Block:
+) -> kernels.Block:
     """Validate a block exactly as ``reference.resolve_block`` does: ``scale_inv_f32``
     holds the tiles covering the slice, its ``[0, 0]`` being tile
     ``(row0 // block_n, col0 // block_k)`` (SPEC §2.1: floor of the first index)."""
@@ -929,146 +100,14 @@ def _block(
             f"tile ({tile_r0}, {tile_c0}); got a scale of shape {tuple(scale_inv_f32.shape)}"
         )
     w = w_fp8.contiguous().view(torch.uint8).reshape(-1).numpy()
-    if k % 8 == 0 and w.ctypes.data % 8 == 0:
-        w64 = w.view(np.uint64)
-    else:
-        # Only the MX kernel reads words, and it needs k % 32 == 0; keep types uniform.
-        w64 = np.zeros(0, dtype=np.uint64)
-        if k % 8 == 0:
-            w = w.copy()  # numpy allocations are aligned
-            w64 = w.view(np.uint64)
     sbits = scale_inv_f32.contiguous().view(torch.int32).numpy().view(np.uint32)
-    return _Block(w, w64, n, k, sbits, sbits.view(np.float32))
+    return kernels.make_block(w, n, k, sbits)
 
 
 def _mode(dtype: torch.dtype, what: str) -> int:
     if dtype not in _MODES:
         raise NumericsError(f"{what}: dtype must be bfloat16, float16 or float32, got {dtype}")
     return _MODES[dtype]
-
-
-def _require() -> None:
-    if not fast_available():
-        raise NumericsError(
-            f"the fast CPU numerics path is unavailable ({_UNAVAILABLE_REASON}); "
-            "use workers.numerics.reference"
-        )
-
-
-def _run_resolve(b: _Block, row0: int, col0: int, bn: int, bk: int, mode: int) -> torch.Tensor:
-    out = torch.empty((b.n, b.k), dtype=torch.int32 if mode == _MODE_FP32 else torch.int16)
-    if b.n and b.k:
-        out_np = out.view(-1).numpy().view(np.uint32 if mode == _MODE_FP32 else np.uint16)
-        with _LOCK:
-            _set_threads()
-            _resolve_kernel(
-                b.w, b.n, b.k, b.sbits, b.sf, row0, col0, bn, bk, mode, out_np,
-                _rows_per_item(b.n),
-            )  # fmt: skip
-    return out
-
-
-def _words(q_np: np.ndarray, n_total: int) -> np.ndarray:
-    """uint64 view of a packed payload buffer, or an empty array where rows of the
-    kernel layout are not all 8-byte aligned (then the kernel copies bytes)."""
-    if n_total % 8 == 0 and q_np.ctypes.data % 8 == 0 and q_np.size % 8 == 0:
-        return q_np.view(np.uint64)
-    return np.zeros(0, dtype=np.uint64)
-
-
-def _run_convert(
-    b: _Block,
-    row0: int,
-    col0: int,
-    bn: int,
-    bk: int,
-    mode: int,
-    packed: bool,
-    q_np: np.ndarray,
-    s_np: np.ndarray,
-    n_total: int,
-    out_row0: int,
-) -> None:
-    if b.n == 0 or b.k == 0:
-        return
-    with _LOCK:
-        _set_threads()
-        _convert_kernel(
-            b.w, b.w64, b.n, b.k, b.sbits, b.sf, row0, col0, bn, bk, mode,
-            packed, q_np, _words(q_np, n_total), n_total, out_row0, s_np, _rows_per_item(b.n),
-        )  # fmt: skip
-
-
-def _run_mx(bits: np.ndarray, is_bf16: bool, q_np: np.ndarray, s_np: np.ndarray) -> None:
-    if bits.size == 0:
-        return
-    with _LOCK:
-        _set_threads()
-        _mx_kernel(bits, is_bf16, q_np, s_np)
-
-
-def _self_test() -> None:
-    """Compile every kernel on tiny inputs and check bytes derived by hand (SPEC §2)."""
-    # w = [1.0 (0x38), -2.0 (0xC0), 448 (0x7E), 2**-9 (0x01)] * 8, one tile, scale 2**-120:
-    # products 2**-120, -2**-119, 1.75 * 2**-112 and 2**-129 (an f32 subnormal).
-    w = torch.tensor([0x38, 0xC0, 0x7E, 0x01] * 8, dtype=torch.uint8).view(torch.float8_e4m3fn)
-    w = w.reshape(1, 32)
-    scale = torch.tensor([[2.0**-120]], dtype=torch.float32)
-    b = _block(w, scale, 0, 0, 128, 128, "self-test")
-    r = _run_resolve(b, 0, 0, 128, 128, _MODE_BF16)
-    # bf16: 2**-120 -> field 7 -> 0x0380; -2**-119 -> 0x8400; 1.75 * 2**-112 -> 0x07E0;
-    # 2**-129 is a bf16 subnormal, 2**4 units of 2**-133 -> 0x0010.
-    got = [int(v) & 0xFFFF for v in r.view(-1)[:4]]
-    if got != [0x0380, 0x8400, 0x07E0, 0x0010]:
-        raise RuntimeError(f"resolve self-test gave {[hex(v) for v in got]}")
-    # Emax = 15 (1.75 * 2**-112) -> S = 7; scaled by 2**120: 1, -2, 448 and 2**-9, the
-    # e4m3 subnormal 0x01: the input bytes come back.
-    want = [0x38, 0xC0, 0x7E, 0x01] * 8
-    q = np.empty(32, dtype=np.uint8)
-    s = np.empty(1, dtype=np.uint8)
-    for packed in (False, True):
-        _run_convert(b, 0, 0, 128, 128, _MODE_BF16, packed, q, s, 1, 0)
-        if int(s[0]) != 7 or q.tolist() != want:
-            raise RuntimeError(f"convert self-test gave S={int(s[0])}, {q.tolist()}")
-    bits16 = r.view(-1).numpy().view(np.uint16).copy()
-    for bits, is_bf16 in ((bits16, True), (bits16.astype(np.uint32) << 16, False)):
-        _run_mx(bits, is_bf16, q, s)
-        if int(s[0]) != 7 or q.tolist() != want:
-            raise RuntimeError(f"mx self-test gave S={int(s[0])}, {q.tolist()}")
-    for mode in (_MODE_FP16, _MODE_FP32):
-        _run_resolve(b, 0, 0, 128, 128, mode)
-        _run_convert(b, 0, 0, 128, 128, mode, False, q, s, 1, 0)
-        _run_convert(b, 0, 0, 128, 128, mode, True, q, s, 1, 0)
-
-
-def fast_available() -> bool:
-    """True when numba imports and every kernel compiles and passes a tiny self-test.
-
-    The first call compiles (or loads numba's cache); the answer is remembered for the
-    process. Never raises: on any failure the reason is kept for
-    :func:`unavailable_reason` and callers fall back to the reference path.
-    """
-    global _AVAILABLE, _UNAVAILABLE_REASON
-    if _AVAILABLE is not None:
-        return _AVAILABLE
-    with _INIT_LOCK:  # one thread compiles; the others wait for its answer
-        if _AVAILABLE is None:
-            if numba is None:
-                _AVAILABLE = False
-            else:
-                try:
-                    _self_test()
-                    _AVAILABLE = True
-                    _UNAVAILABLE_REASON = None
-                except Exception as exc:  # a broken optional kernel must not stop a load
-                    _AVAILABLE = False
-                    _UNAVAILABLE_REASON = f"{type(exc).__name__}: {exc}"
-    return _AVAILABLE
-
-
-def unavailable_reason() -> str | None:
-    """Why :func:`fast_available` said False (None when it said True or was not asked)."""
-    return _UNAVAILABLE_REASON
 
 
 # =========================================================================================
@@ -1089,16 +128,19 @@ def resolve_block(
     """SPEC §2.1, as ``reference.resolve_block``: ``w_fp8`` ``[n, k]`` holds rows
     ``[row0, row0 + n)`` and cols ``[col0, col0 + k)`` of the source weight and
     ``scale_inv_f32`` exactly the tiles covering them; returns ``[n, k]`` in ``dtype``."""
-    _require()
+    kernels.require()
     mode = _mode(dtype, "resolve_block")
     b = _block(w_fp8, scale_inv_f32, row0, col0, block_n, block_k, "resolve_block")
-    return _run_resolve(b, row0, col0, block_n, block_k, mode).view(dtype)
+    out = torch.empty((b.n, b.k), dtype=torch.int32 if mode == MODE_FP32 else torch.int16)
+    out_np = out.view(-1).numpy().view(np.uint32 if mode == MODE_FP32 else np.uint16)
+    kernels.run_resolve(b, row0, col0, block_n, block_k, mode, out_np, _threads())
+    return out.view(dtype)
 
 
 def mx_quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """SPEC §2.2, as ``reference.mx_quantize``: ``[..., K]`` bf16/fp16/fp32 ->
     (float8_e4m3fn ``[..., K]``, uint8 ``[..., K // 32]``); K must be a multiple of 32."""
-    _require()
+    kernels.require()
     if x.dtype not in _MODES:
         raise NumericsError(f"mx_quantize: x has dtype {x.dtype}; expected bf16, fp16 or fp32")
     if x.dim() == 0 or x.shape[-1] % MX_GROUP != 0:
@@ -1118,7 +160,7 @@ def mx_quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # fp16 widens exactly to fp32, and SPEC §2.2 takes fp16's Emax from that f32.
         bits = x.contiguous().float().view(torch.int32).reshape(-1).numpy().view(np.uint32)
         is_bf16 = False
-    _run_mx(bits, is_bf16, q.view(-1).numpy(), s.view(-1).numpy())
+    kernels.run_mx(bits, is_bf16, q.view(-1).numpy(), s.view(-1).numpy(), _threads())
     return q.view(torch.float8_e4m3fn), s
 
 
@@ -1134,7 +176,7 @@ def convert_block_to_mx(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``mx_quantize(resolve_block(...))`` fused in one pass over the source:
     (float8_e4m3fn ``[n, k]``, uint8 ``[n, k // 32]``); k must be a multiple of 32."""
-    _require()
+    kernels.require()
     mode = _mode(dtype, "convert_block_to_mx")
     b = _block(w_fp8, scale_inv_f32, row0, col0, block_n, block_k, "convert_block_to_mx")
     if b.k % MX_GROUP != 0:
@@ -1144,9 +186,8 @@ def convert_block_to_mx(
         )
     q = torch.empty((b.n, b.k), dtype=torch.uint8)
     s = torch.empty((b.n, b.k // MX_GROUP), dtype=torch.uint8)
-    _run_convert(
-        b, row0, col0, block_n, block_k, mode, False, q.view(-1).numpy(), s.view(-1).numpy(), 0, 0
-    )
+    q_np, s_np = q.view(-1).numpy(), s.view(-1).numpy()
+    kernels.run_convert(b, row0, col0, block_n, block_k, mode, False, q_np, s_np, 0, 0, _threads())
     return q.view(torch.float8_e4m3fn), s
 
 
@@ -1172,7 +213,7 @@ def convert_block_to_mx_packed(
     included, as long as they are contiguous). Equals ``repack.write_rows`` of
     :func:`convert_block_to_mx`'s result, byte for byte.
     """
-    _require()
+    kernels.require()
     what = "convert_block_to_mx_packed"
     mode = _mode(dtype, what)
     b = _block(w_fp8, scale_inv_f32, row0, col0, block_n, block_k, what)
@@ -1199,10 +240,10 @@ def convert_block_to_mx_packed(
     for name, t in (("out_weight", out_weight), ("out_scale", out_scale)):
         if t.device.type != "cpu" or not t.is_contiguous():
             raise NumericsError(f"{what}: {name} must be a contiguous CPU tensor")
-    _run_convert(
+    kernels.run_convert(
         b, row0, col0, block_n, block_k, mode, True,
         out_weight.view(torch.uint8).view(-1).numpy(), out_scale.view(-1).numpy(),
-        n_total, out_row0,
+        n_total, out_row0, _threads(),
     )  # fmt: skip
     if g % MX_PAIR and b.n:
         out_scale[-1, out_row0 : out_row0 + b.n, 1] = 0  # SPEC §2.3: odd g pads with 0

@@ -23,8 +23,9 @@ from __future__ import annotations
 
 import torch
 
-from orchestrator.errors import NonFiniteScale, NumericsError
+from orchestrator.errors import NumericsError
 from orchestrator.formats import E4M3_EMAX, E4M3_MAX, E8M0_BIAS, E8M0_NAN, MX_GROUP
+from workers.numerics import scales as _scales
 
 MODEL_TORCH_DTYPES: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float16, torch.float32)
 """Dtypes a resolved tensor can have, and that mx_quantize accepts (SPEC §1.4, §2.2)."""
@@ -145,23 +146,13 @@ def check_block_scales(
             file=file,
             tensor=tensor,
         )
-    flat = scale_inv_f32.reshape(-1)
-    bad = flat <= 0  # NaN compares False; -0.0 and -Inf are caught here
-    if not allow_nonfinite:
-        bad = bad | ~torch.isfinite(flat)
-    if not bool(bad.any()):
-        return
-    first = int(torch.nonzero(bad)[0, 0])
-    tc = scale_inv_f32.shape[1] if scale_inv_f32.dim() == 2 else 1
-    tile = (tile_row0 + first // tc, tile_col0 + first % tc)
-    value = float(flat[first])
-    hint = "" if allow_nonfinite else "; --allow-nonfinite lets NaN/Inf through"
-    raise NonFiniteScale(
-        f"{file}: {tensor}: block scale of tile {tile} is {value!r}; scales must be finite "
-        f"and positive (SPEC §1.1){hint}",
-        file=file,
+    _scales.check_block_scales(
+        scale_inv_f32.detach().cpu().contiguous().numpy(),
         tensor=tensor,
-        tile=tile,
+        file=file,
+        tile_row0=tile_row0,
+        tile_col0=tile_col0,
+        allow_nonfinite=allow_nonfinite,
     )
 
 
