@@ -29,6 +29,8 @@ Memory
     Bytes in flight (read buffers plus results not yet written) stay under
     ``window_bytes`` (default :data:`DEFAULT_WINDOW`), except that one tensor larger
     than the window is always let through alone: a checkpoint larger than RAM converts.
+    Written buffers are reused for later tensors of the same size (fresh pages cost a
+    fault and a zero-fill each); at most another ``window_bytes`` of them are kept idle.
 """
 
 from __future__ import annotations
@@ -64,7 +66,7 @@ from workers.numerics.scales import check_block_scales
 from workers.safetensors_io import SafetensorsWriter, data_order
 from workers.storage import Storage
 
-DEFAULT_WINDOW = 512 << 20
+DEFAULT_WINDOW = 256 << 20
 """Bytes in flight between the reader and the writer, by default (see module doc)."""
 
 NUMERICS = ("auto", "fast", "reference")
@@ -131,8 +133,9 @@ def convert_checkpoint(
     use_fast = numerics == "fast" or (numerics == "auto" and kernels.available())
     if numerics == "fast":
         kernels.require()
+    arena = _Arena(max(1, window_bytes))
     mx, resolved = (
-        _fast_converters(cfg.model_dtype, cfg.quant.block_n, cfg.quant.block_k, n_threads)
+        _fast_converters(cfg.model_dtype, cfg.quant.block_n, cfg.quant.block_k, n_threads, arena)
         if use_fast
         else _reference_converters(cfg.model_dtype, cfg.quant.block_n, cfg.quant.block_k)
     )
@@ -145,6 +148,7 @@ def convert_checkpoint(
         specs,
         dst_storage_options,
         window_bytes=max(1, window_bytes),
+        arena=arena,
     )
 
     def convert(job: _Job, arrays: tuple[np.ndarray, ...]) -> tuple[np.ndarray, ...]:
@@ -269,12 +273,16 @@ def _plan(meta: CheckpointMeta) -> tuple[Specs, list[_Job], list[str], dict[str,
 
 
 def _fast_converters(
-    model_dtype: str, block_n: int, block_k: int, threads: int
+    model_dtype: str, block_n: int, block_k: int, threads: int, arena: _Arena
 ) -> tuple[Converter, Converter]:
     mode = kernels.MODE_OF[model_dtype]
 
     def mx(w: np.ndarray, s: np.ndarray) -> tuple[np.ndarray, ...]:
-        return kernels.convert(w, s, block_n=block_n, block_k=block_k, mode=mode, threads=threads)
+        n, k = w.shape
+        out = (arena.get(n * k), arena.get(n * (k // MX_GROUP)))
+        return kernels.convert(
+            w, s, block_n=block_n, block_k=block_k, mode=mode, threads=threads, out=out
+        )
 
     def resolved(w: np.ndarray, s: np.ndarray) -> tuple[np.ndarray, ...]:
         bits = kernels.resolve(w, s, block_n=block_n, block_k=block_k, mode=mode, threads=threads)
@@ -342,6 +350,39 @@ class _Window:
             self._cv.notify_all()
 
 
+class _Arena:
+    """Reusable byte buffers, by exact size (an MoE checkpoint repeats a few shapes many
+    times). Fresh memory costs a page fault and a kernel zero-fill per page on first touch:
+    about as much CPU as the copy itself. Idle buffers are kept up to ``limit`` bytes."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.idle = 0
+        self._free: dict[int, list[np.ndarray]] = {}
+        self._lock = threading.Lock()
+
+    def get(self, nbytes: int) -> np.ndarray:
+        with self._lock:
+            free = self._free.get(nbytes)
+            if free:
+                self.idle -= nbytes
+                return free.pop()
+        return np.empty(nbytes, dtype=np.uint8)
+
+    def put(self, *arrays: np.ndarray) -> None:
+        with self._lock:
+            for a in arrays:
+                base = a if a.base is None else a.base
+                if (
+                    isinstance(base, np.ndarray)
+                    and base.dtype == np.uint8
+                    and base.ndim == 1
+                    and self.idle + base.nbytes <= self.limit
+                ):
+                    self._free.setdefault(base.nbytes, []).append(base)
+                    self.idle += base.nbytes
+
+
 _END = object()
 
 
@@ -358,12 +399,14 @@ class _Pipeline:
         dst_storage_options: Mapping[str, Any] | None,
         *,
         window_bytes: int,
+        arena: _Arena,
     ) -> None:
         self.storage = storage
         self.paths = paths
         self.specs = specs
         self.dst_options = dst_storage_options
         self.window = _Window(window_bytes)
+        self.arena = arena
         self.read_q: queue.Queue[Any] = queue.Queue()
         self.write_q: queue.Queue[Any] = queue.Queue()
         self.error: BaseException | None = None
@@ -389,7 +432,7 @@ class _Pipeline:
                 t = time.perf_counter()
                 arrays = []
                 for info in job.sources:
-                    buf = np.empty(info.nbytes, dtype=np.uint8)
+                    buf = self.arena.get(info.nbytes)
                     if info.nbytes:
                         self.storage.read_ranges_into(
                             info.file, [contiguous(info.start, info.nbytes)], memoryview(buf)
@@ -416,7 +459,7 @@ class _Pipeline:
                     break
                 if self.error is not None:
                     continue  # drain: the caller stops producing
-                job, arrays = item
+                job, arrays, inputs = item
                 t = time.perf_counter()
                 w = writers.get(job.file) or self._open(job.file, writers)
                 for name, arr in zip(job.outputs, arrays, strict=True):
@@ -426,6 +469,9 @@ class _Pipeline:
                     writers.pop(job.file).close()
                     self.completed.append(self.paths[job.file])
                 self.seconds["write"] += time.perf_counter() - t
+                # Written (a local write has consumed the bytes; remote writers copy what
+                # they hold back), so the buffers can be handed out again.
+                self.arena.put(*{id(a): a for a in (*arrays, *inputs)}.values())
                 self.window.release(job.cost)
         except BaseException as exc:
             self._fail(exc)
@@ -465,7 +511,7 @@ class _Pipeline:
                 job, arrays = item
                 outputs = convert(job, arrays)
                 self.seconds["convert"] += time.perf_counter() - t1
-                self.write_q.put((job, outputs))
+                self.write_q.put((job, outputs, arrays))
                 if progress is not None:
                     progress(job)
         except BaseException as exc:

@@ -90,6 +90,10 @@ def _check_block(
     kw = dict(row0=row0, col0=col0, block_n=block_n, block_k=block_k, dtype=dtype)
     want_r = ref.resolve_block(w, scale, **kw)
     _assert_same_resolved(fast.resolve_block(w, scale, **kw), want_r, f"{label} resolve")
+    whole = row0 == 0 and col0 == 0  # what the numpy API (mxload convert) takes
+    if whole:
+        got_r = _np_resolve(w, scale, block_n, block_k, dtype)
+        _assert_same_resolved(got_r, want_r, f"{label} kernels.resolve")
     if w.shape[1] % 32:
         return
     want_p, want_s = ref.mx_quantize(want_r)
@@ -97,9 +101,37 @@ def _check_block(
     assert got_s.dtype == torch.uint8
     assert torch.equal(got_s, want_s), f"{label} convert scale"
     _assert_same_payload(got_p, want_p, f"{label} convert payload")
+    if whole:
+        got_p, got_s = _np_convert(w, scale, block_n, block_k, dtype)
+        assert torch.equal(got_s, want_s), f"{label} kernels.convert scale"
+        _assert_same_payload(got_p, want_p, f"{label} kernels.convert payload")
     got_p, got_s = fast.mx_quantize(want_r)
     assert torch.equal(got_s, want_s), f"{label} mx_quantize scale"
     _assert_same_payload(got_p, want_p, f"{label} mx_quantize payload")
+
+
+_NP_MODE = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+
+
+def _np_convert(
+    w: torch.Tensor, scale: torch.Tensor, bn: int, bk: int, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``kernels.convert`` (numpy in, numpy out: ``mxload convert``'s call) as tensors."""
+    q, e = kernels.convert(
+        w.contiguous().view(torch.uint8).numpy(), scale.contiguous().numpy(),
+        block_n=bn, block_k=bk, mode=kernels.MODE_OF[_NP_MODE[dtype]], threads=2,
+    )  # fmt: skip
+    return torch.from_numpy(q).view(torch.float8_e4m3fn), torch.from_numpy(e)
+
+
+def _np_resolve(
+    w: torch.Tensor, scale: torch.Tensor, bn: int, bk: int, dtype: torch.dtype
+) -> torch.Tensor:
+    bits = kernels.resolve(
+        w.contiguous().view(torch.uint8).numpy(), scale.contiguous().numpy(),
+        block_n=bn, block_k=bk, mode=kernels.MODE_OF[_NP_MODE[dtype]], threads=2,
+    )  # fmt: skip
+    return torch.from_numpy(bits.view(np.int32 if dtype == torch.float32 else np.int16)).view(dtype)
 
 
 def _seed(*parts: object) -> int:
@@ -193,6 +225,8 @@ def test_fused_cases(case: tuple) -> None:  # type: ignore[type-arg]
     for fn_name, fn in (("fast", fast.convert_block_to_mx), ("reference", _ref_convert)):
         payload, scale_u8 = fn(w, s, **kw)
         assert nc.compare_mx(f"{name} ({fn_name})", payload, scale_u8, want_p, want_s) == []
+    payload, scale_u8 = _np_convert(w, s, 128, 128, dtype)
+    assert nc.compare_mx(f"{name} (kernels.convert)", payload, scale_u8, want_p, want_s) == []
 
 
 def _ref_convert(

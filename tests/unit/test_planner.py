@@ -833,3 +833,39 @@ def test_ranks_sharing_a_shard_share_unit_objects() -> None:
     eb = next(u for u in b.units if u.kind == "moe_w13")
     assert ea != eb  # different MoE ranks hold different expert slices
     assert replace(ea, parts=eb.parts) == eb
+
+
+def _mx_unit_staging(n: int, k: int, block: int = 128) -> int:
+    """SPEC §6 staging of one whole block-FP8 linear unit ``[n, k]`` on the fused CPU path,
+    counted from the formats: read = FP8 payload + F32 tiles covering it; out = the
+    kernel-layout payload + paired E8M0 scales ``[ceil(g/2), n, 2]``."""
+    tiles = -(-n // block) * -(-k // block)
+    read = n * k + 4 * tiles
+    out = n * k + n * 2 * -(-(k // 32) // 2)
+    return read + out
+
+
+@pytest.mark.parametrize(
+    "layout,largest",
+    [
+        # tp=1: the merged qkv (32 + 4 + 4 heads of 128 rows, K 2048) is the largest unit.
+        (L(tp=1), (40 * 128, 2048)),
+        # EP at tp 4: the largest unit is one expert's w13 (2 x 768 rows, K 2048).
+        (L(tp=4, dp=2, ep=True), (2 * 768, 2048)),
+        (L(tp=8, ep=True), (2 * 768, 2048)),
+    ],
+    ids=["tp1", "tp4-dp2-ep", "tp8-ep"],
+)
+def test_default_budget_is_the_largest_converted_unit_not_a_vocab_shard(
+    layout: ParallelLayout, largest: tuple[int, int]
+) -> None:
+    """Qwen3-30B-A3B's vocab shard (151936 x 2048 BF16 = 622 MB at tp=1) is cut into row
+    blocks, so the default staging budget (the reload minimum, SPEC §6) is one converted
+    unit: the qkv at tp=1 (21 MB), one expert's w13 under EP (6.4 MB)."""
+    cfg = real("qwen3-30b-a3b-fp8")
+    plan = build_plan(cfg, layout)
+    want = _mx_unit_staging(*largest)
+    assert plan.min_staging_reload == want
+    assert {rp.staging.staging_bytes for rp in plan.ranks if rp.staging} == {want}
+    vocab_shard = 151936 // layout.tp * 2048 * 2
+    assert vocab_shard > 10 * want  # what the default was while the shard was one unit

@@ -1044,23 +1044,37 @@ def require() -> None:
 
 
 def convert(
-    w: np.ndarray, scale_inv: np.ndarray, *, block_n: int, block_k: int, mode: int, threads: int
+    w: np.ndarray,
+    scale_inv: np.ndarray,
+    *,
+    block_n: int,
+    block_k: int,
+    mode: int,
+    threads: int,
+    out: tuple[np.ndarray, np.ndarray] | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """A whole block-FP8 weight (uint8 ``[n, k]`` payload, float32 ``[ceil(n/bn),
     ceil(k/bk)]`` scales) -> (uint8 e4m3 payload ``[n, k]``, uint8 E8M0 ``[n, k/32]``).
 
     Equals ``reference.mx_quantize(reference.resolve_block(...))`` byte for byte (NaN
     payload bytes 0x7F and 0xFF count as equal). ``k`` must be a multiple of 32; the
-    caller checks the scales (``scales.check_block_scales``) and their shape."""
+    caller checks the scales (``scales.check_block_scales``) and their shape. ``out``:
+    C-contiguous uint8 arrays of ``n * k`` and ``n * k / 32`` bytes to write into (and
+    return, reshaped), e.g. reused buffers."""
     require()
     n, k = w.shape
     if k % MX_GROUP:
         raise NumericsError(f"convert: K = {k} is not a multiple of {MX_GROUP} (SPEC §2.2)")
     b = make_block(np.ascontiguousarray(w), n, k, scale_inv.view(np.uint32))
-    q = np.empty((n, k), dtype=np.uint8)
-    s = np.empty((n, k // MX_GROUP), dtype=np.uint8)
-    run_convert(b, 0, 0, block_n, block_k, mode, False, q.reshape(-1), s.reshape(-1), 0, 0, threads)
-    return q, s
+    if out is None:
+        q = np.empty(n * k, dtype=np.uint8)
+        s = np.empty(n * (k // MX_GROUP), dtype=np.uint8)
+    else:
+        q, s = (a.reshape(-1) for a in out)
+        if q.size != n * k or s.size != n * (k // MX_GROUP) or q.dtype != np.uint8:
+            raise NumericsError(f"convert: out arrays do not fit a [{n}, {k}] weight")
+    run_convert(b, 0, 0, block_n, block_k, mode, False, q, s, 0, 0, threads)
+    return q.reshape(n, k), s.reshape(n, k // MX_GROUP)
 
 
 def resolve(
