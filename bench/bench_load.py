@@ -1066,6 +1066,17 @@ class Suite:
 
     # --- 5. staging predicted vs measured ---------------------------------------------------------
 
+    @staticmethod
+    def _expert_unit_staging(plan: Any) -> int:
+        """Whole-unit staging of the first expert-w13 unit of ``plan`` (the memory model)."""
+        from orchestrator.memory import ConvertOptions, unit_cost
+
+        rp = plan.ranks[0]
+        for u, r in zip(rp.units, rp.reads, strict=True):
+            if u.kind == "moe_w13":
+                return unit_cost(u, u.rows, r.nbytes, ConvertOptions(fused=True)).pool
+        raise ValueError("no expert unit in the plan")
+
     def staging(self) -> dict[str, Any]:
         from orchestrator.plantypes import ParallelLayout
 
@@ -1190,6 +1201,18 @@ class Suite:
         slow_small = paired_ratio(timings["tp1 small"], timings["tp1 default"])
         slow_tiny = paired_ratio(timings["tp8 minimum"], timings["tp8 default"])
         ok = all(1.0 <= r <= 1.10 for r in within)
+        # "One expert's worth": the staging of one whole expert-w13 unit (the larger half of
+        # an expert), from the same memory model, against measured peaks at the default.
+        expert = self._expert_unit_staging(default_plan)
+        worth = {
+            "tp=1 (the largest unit is the merged qkv)": Rate(
+                tuple(float(r[0].measured_peak_staging_bytes) / expert for r in runs["tp1 default"])
+            )
+        }
+        if ray is not None:
+            worth["tp=2 x dp=2 EP, Ray ranks"] = Rate(
+                tuple(float(r["measured_peak_staging_bytes"]) / expert for r in ray["ranks"])
+            )
         return _section(
             "staging",
             "5. Peak staging: predicted vs measured",
@@ -1236,8 +1259,13 @@ class Suite:
                 _ratio_row(
                     "staging: load time at minimum budget / default (tp=8 rank 0)", slow_tiny
                 ),
+                *(
+                    _ratio_row(f"staging at the default budget / one expert's w13 unit, {k}", v)
+                    for k, v in worth.items()
+                ),
             ],
             data={
+                "expert_w13_unit_staging": expert,
                 "default_budget": default_budget,
                 "small_budget": small,
                 "minimum_budget_tp8": tiny,

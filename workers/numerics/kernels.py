@@ -866,18 +866,25 @@ def cpu_share() -> int:
         return max(1, os.cpu_count() or 1)
 
 
+_TLS = threading.local()
+"""This thread's numba thread count as last set (numba's setting is per thread, and
+asking numba for it costs tens of microseconds: a visible share of a small launch)."""
+
+
 def rows_per_item(n: int) -> int:
     """Rows per work item: about four items per thread, 8 to 64 rows, a multiple of 8 (so
     the packed path's transposed writes stay word-aligned)."""
-    want = ceil_div(n, 4 * max(1, numba.get_num_threads()))
+    threads = getattr(_TLS, "threads", 0) or numba.get_num_threads()
+    want = ceil_div(n, 4 * max(1, threads))
     return min(_MAX_ROWS_PER_ITEM, max(8, ceil_div(want, 8) * 8))
 
 
 def set_threads(want: int) -> None:
     """Launch kernels on ``want`` threads, capped by numba's pool size (call under LOCK)."""
     want = max(1, min(int(want), int(numba.config.NUMBA_NUM_THREADS)))
-    if numba.get_num_threads() != want:
+    if getattr(_TLS, "threads", 0) != want:
         numba.set_num_threads(want)
+        _TLS.threads = want
 
 
 @dataclass(frozen=True)
