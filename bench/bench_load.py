@@ -553,6 +553,10 @@ class Suite:
                 shutil.rmtree(dsts[name], ignore_errors=True)
             if name == "cat (cold cache)":
                 evict_page_cache(ck.files)
+            # Untimed: flush what earlier candidates wrote (2 GB each), so no candidate
+            # runs while the kernel writes back another's output (on 2 cores that
+            # writeback takes CPU from whoever runs next).
+            os.sync()
 
         candidates: dict[str, Callable[[], object]] = {
             "cat (cold cache)": lambda: cat_files(ck.files),
@@ -623,7 +627,8 @@ class Suite:
                 "`--numerics fast`, the same pipeline otherwise (reader, converter and writer "
                 "threads overlapping). All rows take turns within each repeat; `x reference` is "
                 "speed-up per repeat (reference wall / row wall), `x cat` is row wall / warm "
-                "`cat` wall. Stage seconds are busy time per stage inside the process; they "
+                "`cat` wall. Before each run (untimed) `sync` flushes what the previous "
+                "candidate wrote, so none runs during another's writeback. Stage seconds are busy time per stage inside the process; they "
                 "overlap, so they add up to more than the in-process seconds."
             ),
             [

@@ -389,6 +389,22 @@ def test_convert(work: Path, ckpts: dict[str, str]) -> None:
     assert json.loads(again.stdout)["quantization"] == "mxfp8"
 
 
+def test_convert_numerics_flag(work: Path, ckpts: dict[str, str]) -> None:
+    """``--numerics reference`` runs the naive path through the same pipeline and writes
+    the same files as the default (fast) path; an unknown value is a usage error."""
+    outs = {}
+    for numerics in ("reference", "fast"):
+        dst = work / f"converted-{numerics}"
+        proc = mx(work, "convert", ckpts["v1"], str(dst), "--json", "--numerics", numerics)
+        assert proc.returncode == 0, proc.stderr
+        assert json.loads(proc.stdout)["backend"] == f"cpu-{numerics}"
+        outs[numerics] = {p.name: p.read_bytes() for p in sorted(dst.glob("*.safetensors"))}
+    assert outs["reference"] == outs["fast"] and outs["fast"]
+    assert_refused(
+        mx(work, "convert", ckpts["v1"], str(work / "x"), "--numerics", "gpu"), "--numerics"
+    )
+
+
 def test_convert_nonfinite_scale_needs_the_flag(work: Path, ckpts: dict[str, str]) -> None:
     src = work / "nan-scale"
     shutil.copytree(ckpts["v1"], src)
