@@ -48,6 +48,7 @@ import json
 import os
 import shutil
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -132,6 +133,17 @@ class Checkpoint:
     files: tuple[str, ...]
     """Absolute paths of its .safetensors shards."""
     make_seconds: float
+
+
+def _tmpfs_dir(need: int) -> Path | None:
+    """A fresh scratch folder on tmpfs (/dev/shm) with ``need`` bytes free, else None."""
+    root = Path("/dev/shm")
+    try:
+        if not root.is_dir() or shutil.disk_usage(root).free < need:
+            return None
+        return Path(tempfile.mkdtemp(prefix="mxbench-", dir=root))
+    except OSError:
+        return None
 
 
 def make_ckpt(path: Path, label: str, *, preset: str, seed: int, size: Size | None) -> Checkpoint:
@@ -537,14 +549,21 @@ class Suite:
         ck = self.ckpts["big_v1"]
         py = sys.executable
         dsts = {k: self.workdir / f"converted-{k}" for k in ("reference", "fast")}
+        # The same two runs with the output on tmpfs (memory): what the converter costs
+        # when the destination is not this VM's disk (writing 2 GB here takes 1.5-2.5 s).
+        shm = _tmpfs_dir(2 * ck.nbytes + (1 << 30))
+        if shm is not None:
+            dsts |= {f"{k} (tmpfs)": shm / f"converted-{k}" for k in ("reference", "fast")}
         summaries: dict[str, list[dict[str, Any]]] = {k: [] for k in dsts}
 
-        def command(numerics: str) -> Callable[[], None]:
+        def command(key: str) -> Callable[[], None]:
+            numerics = key.split(" ")[0]
+
             def go() -> None:
-                dst = str(dsts[numerics])
+                dst = str(dsts[key])
                 cmd = [py, "-m", "orchestrator.cli", "convert", ck.path, dst, "--json"]
                 _, out = run_timed([*cmd, "--numerics", numerics])
-                summaries[numerics].append(json.loads(out))
+                summaries[key].append(json.loads(out))
 
             return go
 
@@ -562,10 +581,14 @@ class Suite:
             "cat (cold cache)": lambda: cat_files(ck.files),
             "cat (warm cache)": lambda: cat_files(ck.files),
             "write (dd)": lambda: write_zeros(self.workdir / "dd-out", ck.nbytes),
-            "reference": command("reference"),
-            "fast": command("fast"),
+            **{k: command(k) for k in dsts},
         }
         log(f"convert: {len(candidates)} candidates on {fmt_bytes(ck.nbytes)}")
+
+        def base_of(k: str) -> str:
+            """The reference row a row's speed-up is taken against (same destination)."""
+            return "reference (tmpfs)" if k.endswith("(tmpfs)") else "reference"
+
         # No warm-up run: run.py's start-up check already (re)built the numba cache that
         # every fresh process loads, and the page cache is warm from writing the files.
         t = interleave(
@@ -577,15 +600,22 @@ class Suite:
         )
         (self.workdir / "dd-out").unlink(missing_ok=True)
         same = _same_files(dsts["reference"], dsts["fast"])
+        if shm is not None:
+            same = same and _same_files(dsts["fast"], dsts["fast (tmpfs)"])
+            shutil.rmtree(shm, ignore_errors=True)
         labels = {
             "cat (cold cache)": "`cat` the shards, cold page cache (posix_fadvise DONTNEED)",
             "cat (warm cache)": "`cat` the shards, warm page cache",
             "write (dd)": "write as many bytes to a new file (the output's floor)",
             "reference": "`mxload convert SRC DST --numerics reference` (the naive path)",
             "fast": "`mxload convert SRC DST --numerics fast` (the default where numba works)",
+            "reference (tmpfs)": "the same, reference, DST on tmpfs (/dev/shm)",
+            "fast (tmpfs)": "the same, fast, DST on tmpfs (/dev/shm)",
         }
         rows = []
         for k, label in labels.items():
+            if k not in t:
+                continue
             inproc = stages = "-"
             if summaries.get(k):
                 inproc = Rate(tuple(x["seconds"] for x in summaries[k])).text(2, " s")
@@ -600,13 +630,16 @@ class Suite:
                     _gbps(ck.nbytes, t[k]).text(3),
                     inproc,
                     stages,
-                    paired_ratio(t["reference"], t[k]).text(2, "x")
-                    if k != "reference"
+                    paired_ratio(t[base_of(k)], t[k]).text(2, "x")
+                    if not k.startswith("reference")
                     else "1.00x",
                     paired_ratio(t[k], t["cat (warm cache)"]).text(1, "x"),
                 ]
             )
         fast_x_ref = paired_ratio(t["reference"], t["fast"])
+        tmpfs_x = (
+            paired_ratio(t["reference (tmpfs)"], t["fast (tmpfs)"]) if shm is not None else None
+        )
         # The same runs' own convert_checkpoint seconds: the speed-up without the fixed
         # cost of a process (interpreter, imports, numba cache load).
         inproc_x = paired_ratio(
@@ -628,8 +661,11 @@ class Suite:
                 "threads overlapping). All rows take turns within each repeat; `x reference` is "
                 "speed-up per repeat (reference wall / row wall), `x cat` is row wall / warm "
                 "`cat` wall. Before each run (untimed) `sync` flushes what the previous "
-                "candidate wrote, so none runs during another's writeback. Stage seconds are busy time per stage inside the process; they "
-                "overlap, so they add up to more than the in-process seconds."
+                "candidate wrote, so none runs during another's writeback. The tmpfs rows "
+                "write the output to memory (speed-up against the tmpfs reference row): what "
+                "conversion costs when the destination is not this VM's slow disk. Stage "
+                "seconds are busy time per stage inside the process; they overlap, so they "
+                "add up to more than the in-process seconds."
             ),
             [
                 {
@@ -655,6 +691,16 @@ class Suite:
             ],
             key_ratios=[
                 _ratio_row("mxload convert process: fast / reference speed-up", fast_x_ref),
+                *(
+                    [
+                        _ratio_row(
+                            "mxload convert process, output on tmpfs: fast / reference speed-up",
+                            tmpfs_x,
+                        )
+                    ]
+                    if tmpfs_x is not None
+                    else []
+                ),
                 _ratio_row(
                     "mxload convert in-process seconds: fast / reference speed-up", inproc_x
                 ),
@@ -673,6 +719,7 @@ class Suite:
                 "summaries": summaries,
                 "outputs_identical": same,
                 "in_process_speedup": inproc_x.to_json(),
+                "tmpfs_speedup": tmpfs_x.to_json() if tmpfs_x is not None else None,
             },
         )
 
