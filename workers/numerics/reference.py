@@ -132,14 +132,9 @@ def check_block_scales(
     tile_col0: int,
     allow_nonfinite: bool,
 ) -> None:
-    """Refuse NaN, Inf, zero or negative block scales (SPEC §1.1, tensor validation).
-
-    Raises :class:`NonFiniteScale` naming ``tensor``, ``file`` and the global tile index
-    ``(tile_row0 + i, tile_col0 + j)`` of the first bad entry in row-major order. With
-    ``allow_nonfinite`` (``--allow-nonfinite``), NaN and +Inf pass and follow the NaN
-    semantics of SPEC §2.2 downstream; zero, negative values and -Inf are still refused,
-    since no reading of the format gives them a meaning.
-    """
+    """Refuse NaN, Inf, zero or negative float32 block scales (SPEC §1.1): the torch
+    face of :func:`workers.numerics.scales.check_block_scales`, which says what passes and
+    what the :class:`~orchestrator.errors.NonFiniteScale` it raises names."""
     if scale_inv_f32.dtype != torch.float32:
         raise NumericsError(
             f"{file}: {tensor}: block scale has dtype {scale_inv_f32.dtype}; expected float32",
