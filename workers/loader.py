@@ -53,6 +53,10 @@ from orchestrator.ranges import ByteRange
 from workers.safetensors_io import SAFETENSORS_TO_TORCH
 from workers.staging import Lease, StagingPool
 
+_Leased = list[tuple[str, list[tuple[int, str, ByteRange]], Lease]]
+"""A read's pool leases, one per file, with the (part, weight-or-scale, range) items each
+lease holds in order."""
+
 TORCH_DTYPES: dict[str, torch.dtype] = {
     "float8_e4m3fn": torch.float8_e4m3fn,
     "uint8": torch.uint8,
@@ -227,21 +231,40 @@ class RankLoader:
     ) -> tuple[list[Lease], list[tuple[torch.Tensor, torch.Tensor | None]], int]:
         """Read every part's weight (and scale) bytes into pool leases, one lease per file.
         Returns the leases, per-part (weight bytes, scale bytes) views, and bytes fetched."""
-        storage = self._storage(source)
+        return self._fill(unit, reads, source, pool, self._take_leases(unit, reads, pool))
+
+    def _take_leases(self, unit: Unit, reads: UnitReads, pool: StagingPool) -> _Leased:
+        """Phase 1 of a read: the pool leases, one per file. A read-ahead takes them on the
+        converting thread *before* it converts the current unit, so the staging peak is
+        what the schedule predicts however the two threads interleave (taken on the reader
+        thread, a fast copy unit could release its lease first and the peak come out lower
+        than predicted, by up to 2x)."""
         by_file: dict[str, list[tuple[int, str, ByteRange]]] = {}
         for i, pr in enumerate(reads.parts):
             by_file.setdefault(pr.file, []).append((i, "w", pr.weight))
             if pr.scale is not None:
                 by_file.setdefault(pr.scale_file or pr.file, []).append((i, "s", pr.scale))
-        leases: list[Lease] = []
-        views: dict[tuple[int, str], torch.Tensor] = {}
-        fetched = 0
+        taken: _Leased = []
         try:
             for file, items in by_file.items():
                 total = sum(r.nbytes for _, _, r in items)
-                lease = pool.take(total, tag=f"read {unit.buffer} {file}")
-                leases.append(lease)
-                if total:
+                taken.append((file, items, pool.take(total, tag=f"read {unit.buffer} {file}")))
+        except BaseException:
+            for _, _, lease in taken:
+                pool.release(lease)
+            raise
+        return taken
+
+    def _fill(
+        self, unit: Unit, reads: UnitReads, source: SourceInfo, pool: StagingPool, taken: _Leased
+    ) -> tuple[list[Lease], list[tuple[torch.Tensor, torch.Tensor | None]], int]:
+        """Phase 2 of a read: fetch the bytes into the leases (releases them on error)."""
+        storage = self._storage(source)
+        views: dict[tuple[int, str], torch.Tensor] = {}
+        fetched = 0
+        try:
+            for file, items, lease in taken:
+                if lease.nbytes:
                     try:
                         fetched += storage.read_ranges_into(
                             file, [r for _, _, r in items], memoryview(lease.tensor.numpy())
@@ -261,11 +284,11 @@ class RankLoader:
                     views[(i, kind)] = lease.tensor[off : off + r.nbytes]
                     off += r.nbytes
         except BaseException:
-            for lease in leases:
+            for _, _, lease in taken:
                 pool.release(lease)
             raise
         parts = [(views[(i, "w")], views.get((i, "s"))) for i in range(len(reads.parts))]
-        return leases, parts, fetched
+        return [lease for _, _, lease in taken], parts, fetched
 
     # --- conversion --------------------------------------------------------------------------
 
@@ -504,8 +527,9 @@ class RankLoader:
                     stats.read_seconds += time.perf_counter() - t_r
                     stats.bytes_read += fetched
                     if step.prefetch_next and i + 1 < len(units) and todo[i + 1]:
+                        ahead = self._take_leases(units[i + 1], reads[i + 1], pool)
                         pending = executor.submit(
-                            self._read, units[i + 1], reads[i + 1], source, pool
+                            self._fill, units[i + 1], reads[i + 1], source, pool, ahead
                         )
                     self._convert_and_write(
                         unit, reads[i], raw, leases, source, pool, opts, unit.row0, stats

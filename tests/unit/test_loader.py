@@ -574,3 +574,31 @@ def test_interrupted_reload_reports_current_bytes_and_completes(ckpt_factory) ->
     assert loader.consistent and loader.version == 2
     assert {n: t.data_ptr() for n, t in loader.buffers.items()} == ptrs
     assert_rank_matches(ref_of(v2), layout, 0, loader)
+
+
+@pytest.mark.parametrize(
+    "layout", [ParallelLayout(tp=2, pp=2), ParallelLayout(tp=1)], ids=["tp2pp2", "tp1"]
+)
+def test_staging_peak_does_not_depend_on_reader_timing(ckpt_factory, monkeypatch, layout) -> None:
+    """SPEC §6: measured <= predicted <= 1.10 x measured on every run. Consecutive vocab
+    row blocks are copy units that read ahead; a reader thread that starts late must not
+    let the current block's lease go before the next one's is taken (the peak would come
+    out at half the prediction: seen in CI). Every fill is delayed here."""
+    import time as _time
+
+    from workers.loader import RankLoader
+
+    real_fill = RankLoader._fill
+
+    def late_fill(self, *args):  # type: ignore[no-untyped-def]
+        _time.sleep(0.01)
+        return real_fill(self, *args)
+
+    monkeypatch.setattr(RankLoader, "_fill", late_fill)
+    src = ckpt_factory("qwen3-moe-tiny", 1)
+    meta, plan = plan_of(src, layout, fused=True)  # what Ray workers run: vocab blocks peak
+    for rp in plan.ranks:
+        assert sum(u.buffer.endswith("embed_tokens.weight") for u in rp.units) in (0, 2)
+        _, stats = run_rank(src, meta, plan, rp.rank, fast=True)
+        meas, pred = stats.measured_peak_staging_bytes, stats.predicted_peak_staging_bytes
+        assert 0 < meas <= pred <= 1.10 * meas, (rp.rank, meas, pred)
