@@ -19,6 +19,7 @@ before the kernel transpose of SPEC §2.3. 1-D tensors (norms, biases) are viewe
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -43,10 +44,7 @@ class BufferSpec:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
+        return math.prod(self.shape)
 
     @property
     def nbytes(self) -> int:

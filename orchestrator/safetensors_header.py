@@ -33,6 +33,7 @@ Python ints do not overflow, so the "overflow" checks are caps that keep every s
 from __future__ import annotations
 
 import json
+import math
 import struct
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -77,10 +78,7 @@ class TensorInfo:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
+        return math.prod(self.shape)
 
     @property
     def itemsize(self) -> int:

@@ -297,11 +297,14 @@ def _reference_converters(
     """The naive eager-torch path (``workers.numerics.reference``) on the same arrays."""
     import torch
 
-    from workers.loader import MODEL_TORCH_DTYPE
     from workers.numerics import reference
 
     kw = dict(
-        row0=0, col0=0, block_n=block_n, block_k=block_k, dtype=MODEL_TORCH_DTYPE[model_dtype]
+        row0=0,
+        col0=0,
+        block_n=block_n,
+        block_k=block_k,
+        dtype=reference.MODEL_TORCH_DTYPE[model_dtype],
     )
 
     def tensors(w: np.ndarray, s: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:

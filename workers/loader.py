@@ -50,6 +50,7 @@ from orchestrator.memory import (
 )
 from orchestrator.plantypes import BufferSpec, PartRead, RankPlan, Unit, UnitReads
 from orchestrator.ranges import ByteRange
+from workers.numerics.reference import MODEL_TORCH_DTYPE
 from workers.safetensors_io import SAFETENSORS_TO_TORCH
 from workers.staging import Lease, StagingPool
 
@@ -64,7 +65,6 @@ TORCH_DTYPES: dict[str, torch.dtype] = {
     "float16": torch.float16,
     "float32": torch.float32,
 }
-MODEL_TORCH_DTYPE = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 CHECKSUM_NAME = "blake2b-128"
 """Checksum of a buffer: BLAKE2b with a 16-byte digest over its bytes in row-major order

@@ -28,7 +28,9 @@ safetensors dtype without copying when the buffer is writable and aligned.
 
 from __future__ import annotations
 
+import functools
 import json
+import math
 import os
 import sys
 from collections.abc import Mapping, Sequence
@@ -43,44 +45,35 @@ from orchestrator.formats import SAFETENSORS_ITEMSIZE
 if sys.byteorder != "little":  # pragma: no cover - safetensors is little-endian only
     raise ImportError("mxload's safetensors I/O assumes a little-endian host")
 
-_TORCH_TABLES: dict[str, dict[Any, Any]] = {}
+
+@functools.cache
+def _to_torch() -> dict[str, Any]:
+    """safetensors dtype string -> torch dtype (those this torch build has), built on
+    first use: torch is imported only by callers that hold tensors (``mxload convert``
+    writes numpy arrays and never imports it)."""
+    import torch
+
+    names = {
+        "BOOL": "bool", "U8": "uint8", "I8": "int8", "F8_E4M3": "float8_e4m3fn",
+        "F8_E5M2": "float8_e5m2", "I16": "int16", "U16": "uint16", "F16": "float16",
+        "BF16": "bfloat16", "I32": "int32", "U32": "uint32", "F32": "float32",
+        "I64": "int64", "U64": "uint64", "F64": "float64", "F8_E8M0": "float8_e8m0fnu",
+    }  # fmt: skip
+    return {st: getattr(torch, t) for st, t in names.items() if hasattr(torch, t)}
 
 
-def _torch_tables() -> dict[str, dict[Any, Any]]:
-    """Build the dtype tables on first use: torch is imported only by callers that hold
-    tensors (``mxload convert`` writes numpy arrays and never imports it)."""
-    if not _TORCH_TABLES:
-        import torch
-
-        to_torch: dict[str, Any] = {
-            "BOOL": torch.bool,
-            "U8": torch.uint8,
-            "I8": torch.int8,
-            "F8_E4M3": torch.float8_e4m3fn,
-            "F8_E5M2": torch.float8_e5m2,
-            "I16": torch.int16,
-            "U16": torch.uint16,
-            "F16": torch.float16,
-            "BF16": torch.bfloat16,
-            "I32": torch.int32,
-            "U32": torch.uint32,
-            "F32": torch.float32,
-            "I64": torch.int64,
-            "U64": torch.uint64,
-            "F64": torch.float64,
-        }
-        if hasattr(torch, "float8_e8m0fnu"):
-            to_torch["F8_E8M0"] = torch.float8_e8m0fnu
-        _TORCH_TABLES["SAFETENSORS_TO_TORCH"] = to_torch
-        _TORCH_TABLES["TORCH_TO_SAFETENSORS"] = {v: k for k, v in to_torch.items()}
-    return _TORCH_TABLES
+@functools.cache
+def _to_safetensors() -> dict[Any, str]:
+    return {v: k for k, v in _to_torch().items()}
 
 
 def __getattr__(name: str) -> Any:
-    """``SAFETENSORS_TO_TORCH`` (safetensors dtype string -> torch dtype, those this torch
-    build has) and ``TORCH_TO_SAFETENSORS`` (the inverse), built on first access."""
-    if name in ("SAFETENSORS_TO_TORCH", "TORCH_TO_SAFETENSORS"):
-        return _torch_tables()[name]
+    """``SAFETENSORS_TO_TORCH`` and its inverse ``TORCH_TO_SAFETENSORS``, built on first
+    access (see :func:`_to_torch`)."""
+    if name == "SAFETENSORS_TO_TORCH":
+        return _to_torch()
+    if name == "TORCH_TO_SAFETENSORS":
+        return _to_safetensors()
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
@@ -92,13 +85,6 @@ def data_order(specs: Sequence[tuple[str, str, Sequence[int]]]) -> list[str]:
 
 
 _ALIGN = 8
-
-
-def _numel(shape: Sequence[int]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 def _is_url(path: str) -> bool:
@@ -150,7 +136,7 @@ class SafetensorsWriter:
         offset = 0
         for name in self.order:
             dtype, shape_t = by_name[name]
-            nbytes = _numel(shape_t) * SAFETENSORS_ITEMSIZE[dtype]
+            nbytes = math.prod(shape_t) * SAFETENSORS_ITEMSIZE[dtype]
             self._entries[name] = (dtype, shape_t, offset, offset + nbytes)
             offset += nbytes
         self.data_bytes = offset
@@ -223,14 +209,14 @@ class SafetensorsWriter:
         if isinstance(data, np.ndarray):
             if not data.flags.c_contiguous:
                 raise ValueError(f"{self.path}: tensor {name!r} is not contiguous")
-            if data.size * data.itemsize != _numel(shape) * SAFETENSORS_ITEMSIZE[dtype]:
+            if data.size * data.itemsize != math.prod(shape) * SAFETENSORS_ITEMSIZE[dtype]:
                 raise ValueError(
                     f"{self.path}: tensor {name!r} is declared {dtype} {list(shape)}, got a "
                     f"{data.dtype} array of shape {list(data.shape)}"
                 )
             return memoryview(data.reshape(-1).view(np.uint8)) if data.size else memoryview(b"")
         if torch is not None and isinstance(data, torch.Tensor):
-            expected = _torch_tables()["SAFETENSORS_TO_TORCH"].get(dtype)
+            expected = _to_torch().get(dtype)
             if data.dtype != expected:
                 raise ValueError(
                     f"{self.path}: tensor {name!r} is declared {dtype}, got torch {data.dtype}"
@@ -339,7 +325,7 @@ def write_safetensors(
     storage_options: Mapping[str, Any] | None = None,
 ) -> None:
     """Write ``tensors`` (name -> contiguous torch tensor) to ``path`` in one go."""
-    to_st = _torch_tables()["TORCH_TO_SAFETENSORS"]
+    to_st = _to_safetensors()
     specs: list[tuple[str, str, tuple[int, ...]]] = []
     for name, t in tensors.items():
         dtype = to_st.get(t.dtype)
@@ -362,7 +348,7 @@ def tensor_from_bytes(buf: Any, dtype: str, shape: Sequence[int]) -> Any:
     """
     import torch
 
-    tdtype = _torch_tables()["SAFETENSORS_TO_TORCH"].get(dtype)
+    tdtype = _to_torch().get(dtype)
     if tdtype is None:
         raise ValueError(f"unknown safetensors dtype {dtype!r}")
     shape_t = tuple(int(d) for d in shape)
@@ -373,7 +359,7 @@ def tensor_from_bytes(buf: Any, dtype: str, shape: Sequence[int]) -> Any:
     if not mv.c_contiguous:
         raise ValueError("tensor_from_bytes: buffer must be contiguous")
     mv = mv.cast("B") if (mv.format != "B" or mv.ndim != 1) else mv
-    want = _numel(shape_t) * itemsize
+    want = math.prod(shape_t) * itemsize
     if mv.nbytes != want:
         raise ValueError(
             f"tensor_from_bytes: {dtype} {list(shape_t)} needs {want} bytes, got {mv.nbytes}"

@@ -19,6 +19,7 @@ _EXPORTS = {
     "Backend": "backend",
     "CudaBackend": "backend",
     "select_backend": "backend",
+    "MODEL_TORCH_DTYPE": "reference",
     "MODEL_TORCH_DTYPES": "reference",
     "check_block_scales": "reference",
     "mx_dequantize": "reference",

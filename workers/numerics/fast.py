@@ -27,7 +27,8 @@ import torch
 from orchestrator.errors import NumericsError
 from orchestrator.formats import MX_GROUP, MX_PAIR, ceil_div
 from workers.numerics import kernels
-from workers.numerics.kernels import MODE_BF16, MODE_FP16, MODE_FP32
+from workers.numerics.kernels import MODE_FP32
+from workers.numerics.reference import MODEL_TORCH_DTYPE
 
 __all__ = [
     "convert_block_to_mx",
@@ -37,11 +38,8 @@ __all__ = [
     "resolve_block",
 ]
 
-_MODES: dict[torch.dtype, int] = {
-    torch.bfloat16: MODE_BF16,
-    torch.float16: MODE_FP16,
-    torch.float32: MODE_FP32,
-}
+_MODES: dict[torch.dtype, int] = {t: kernels.MODE_OF[name] for name, t in MODEL_TORCH_DTYPE.items()}
+"""torch dtype -> kernel mode, from the one name -> dtype table."""
 
 
 def fast_available() -> bool:

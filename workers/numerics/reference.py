@@ -27,7 +27,14 @@ from orchestrator.errors import NumericsError
 from orchestrator.formats import E4M3_EMAX, E4M3_MAX, E8M0_BIAS, E8M0_NAN, MX_GROUP
 from workers.numerics import scales as _scales
 
-MODEL_TORCH_DTYPES: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float16, torch.float32)
+MODEL_TORCH_DTYPE: dict[str, torch.dtype] = {
+    "bf16": torch.bfloat16,
+    "fp16": torch.float16,
+    "fp32": torch.float32,
+}
+"""Model dtype name (``orchestrator.config``'s ``model_dtype``) -> torch dtype."""
+
+MODEL_TORCH_DTYPES: tuple[torch.dtype, ...] = tuple(MODEL_TORCH_DTYPE.values())
 """Dtypes a resolved tensor can have, and that mx_quantize accepts (SPEC §1.4, §2.2)."""
 
 _F32_EXP_SHIFT = 23
