@@ -53,8 +53,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from workers.numerics import fast, repack  # noqa: E402
-from workers.numerics import reference as ref  # noqa: E402
+from mxload.workers.numerics import fast, repack  # noqa: E402
+from mxload.workers.numerics import reference as ref  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
 BLOCK = 128
@@ -160,7 +160,7 @@ def _compile_times() -> dict[str, float | str]:
     """Seconds for ``fast_available()`` in a fresh process: cold (empty numba cache:
     compile everything and write the cache) and warm (load the cache)."""
     code = (
-        "import time; t = time.perf_counter(); from workers.numerics import fast; "
+        "import time; t = time.perf_counter(); from mxload.workers.numerics import fast; "
         "ok = fast.fast_available(); print(time.perf_counter() - t, ok)"
     )
     out: dict[str, float | str] = {}
@@ -175,7 +175,9 @@ def _compile_times() -> dict[str, float | str]:
             if ok != "True":
                 raise SystemExit(f"fast path unavailable in a fresh process: {proc.stderr}")
             out[label] = round(float(seconds), 2)
-    out["note"] = "fast_available() in a fresh process, including `import workers.numerics.fast`"
+    out["note"] = (
+        "fast_available() in a fresh process, including `import mxload.workers.numerics.fast`"
+    )
     return out
 
 

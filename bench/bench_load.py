@@ -3,7 +3,7 @@ reload vs cold load. Every headline is a ratio against a baseline timed in the s
 
 Purpose: tell the truth about where a load's time goes on the CPU path, on checkpoints
 with the real shapes of Qwen3-30B-A3B-FP8 (hidden 2048, 32 q / 4 kv heads of 128,
-experts of 768, 128x128 block scales), made by ``workers.synth.make_checkpoint`` with
+experts of 768, 128x128 block scales), made by ``mxload.workers.synth.make_checkpoint`` with
 fewer layers (and, for the small size, fewer experts) and a smaller vocabulary so the
 files are ~2 GB (``--quick``: ~200 MB). What each benchmark measures and against what:
 
@@ -29,7 +29,7 @@ files are ~2 GB (``--quick``: ~200 MB). What each benchmark measures and against
 
 Limits: CPU only (``device="cpu"``); the page cache is warm except where a row says
 "cold" (evicted with posix_fadvise); synthetic weights have the value distribution of
-``workers.synth`` (six binades of row magnitude, tile scales over ten binades), which the
+``mxload.workers.synth`` (six binades of row magnitude, tile scales over ten binades), which the
 fast kernel's speed depends on a little (tables per tile and scale). No timing is
 asserted anywhere.
 
@@ -147,7 +147,7 @@ def _tmpfs_dir(need: int) -> Path | None:
 
 
 def make_ckpt(path: Path, label: str, *, preset: str, seed: int, size: Size | None) -> Checkpoint:
-    from workers.synth import make_checkpoint
+    from mxload.workers.synth import make_checkpoint
 
     t0 = time.perf_counter()
     summary = make_checkpoint(
@@ -173,7 +173,7 @@ def _same_mx(a: tuple[torch.Tensor, torch.Tensor], b: tuple[torch.Tensor, torch.
 
 
 def block_fp8(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """A block-FP8 weight with ``workers.synth``'s value distribution: Gaussian rows whose
+    """A block-FP8 weight with ``mxload.workers.synth``'s value distribution: Gaussian rows whose
     magnitudes span six binades, saturated to +-448; tile scales log-uniform in 2^-14..2^-4."""
     g = torch.Generator().manual_seed(seed)
     row = torch.exp2(-6.0 * torch.rand(n, 1, generator=g)) * 150.0
@@ -296,7 +296,7 @@ class Suite:
     # --- 1. conversion kernels -------------------------------------------------------------
 
     def kernels(self) -> dict[str, Any]:
-        from workers.numerics.backend import select_backend
+        from mxload.workers.numerics.backend import select_backend
 
         ref = select_backend("cpu", prefer_fast=False)
         fast = select_backend("cpu", prefer_fast=True)
@@ -329,7 +329,7 @@ class Suite:
         ]
         has_packed = hasattr(fast, "convert_block_to_mx_packed")
         # Correctness before speed: a benchmark of a wrong kernel is worthless.
-        from workers.numerics.repack import write_rows
+        from mxload.workers.numerics.repack import write_rows
 
         for i in (0, 3, 4, 6):
             w, s = tensors[i]
@@ -561,7 +561,7 @@ class Suite:
 
             def go() -> None:
                 dst = str(dsts[key])
-                cmd = [py, "-m", "orchestrator.cli", "convert", ck.path, dst, "--json"]
+                cmd = [py, "-m", "mxload.orchestrator.cli", "convert", ck.path, dst, "--json"]
                 _, out = run_timed([*cmd, "--numerics", numerics])
                 summaries[key].append(json.loads(out))
 
@@ -726,15 +726,15 @@ class Suite:
     # --- 3. load vs read (tp=1, no Ray) --------------------------------------------------------
 
     def _open(self, name: str) -> tuple[Any, Any]:
-        from orchestrator.catalog import open_checkpoint
-        from orchestrator.driver import source_info
+        from mxload.orchestrator.catalog import open_checkpoint
+        from mxload.orchestrator.driver import source_info
 
         meta = open_checkpoint(self.ckpts[name].path)
         return meta, source_info(meta, False, self.ckpts[name].path, None)
 
     def _plan(self, meta: Any, layout: Any, *, budget: int | None = None) -> Any:
-        from orchestrator.planner import build_plan
-        from workers.numerics.backend import select_backend
+        from mxload.orchestrator.planner import build_plan
+        from mxload.workers.numerics.backend import select_backend
 
         fused = select_backend("cpu").fused
         return build_plan(meta.config, layout, checkpoint=meta, staging_budget=budget, fused=fused)
@@ -749,9 +749,9 @@ class Suite:
         storage_factory: Callable[..., Any] | None = None,
     ) -> tuple[Any, float, float]:
         """One rank's load through RankLoader (no Ray): (stats, alloc seconds, load seconds)."""
-        from orchestrator.driver import staging_budget_of
-        from workers.loader import RankLoader
-        from workers.numerics.backend import select_backend
+        from mxload.orchestrator.driver import staging_budget_of
+        from mxload.workers.loader import RankLoader
+        from mxload.workers.numerics.backend import select_backend
 
         rp = plan.ranks[rank]
         t0 = time.perf_counter()
@@ -771,8 +771,8 @@ class Suite:
         return stats, t1 - t0, t2 - t1
 
     def load(self) -> dict[str, Any]:
-        from orchestrator.plantypes import ParallelLayout
-        from workers.storage import Storage
+        from mxload.orchestrator.plantypes import ParallelLayout
+        from mxload.workers.storage import Storage
 
         ck = self.ckpts["big_v1"]
         meta, source = self._open("big_v1")
@@ -905,7 +905,7 @@ class Suite:
             (
                 "tp=1: `RankLoader.load` (no Ray, fast backend, the plan's default staging "
                 "budget) against reading exactly its planned byte ranges through "
-                "`workers.storage.Storage` with no conversion, against the same load fed from "
+                "`mxload.workers.storage.Storage` with no conversion, against the same load fed from "
                 "RAM (a storage whose reads are memcpys: the conversion and the loop around "
                 "it), and `cat`. The candidates take turns within each repeat; a cold-cache "
                 "pass evicts the shards before each run. The Ray load (tp 2 x dp 2, EP) is in "
@@ -945,7 +945,7 @@ class Suite:
     # --- 4. read amplification -------------------------------------------------------------------
 
     def amplification(self) -> dict[str, Any]:
-        from orchestrator.plantypes import ParallelLayout
+        from mxload.orchestrator.plantypes import ParallelLayout
 
         ck = self.ckpts["big_v1"]
         meta, source = self._open("big_v1")
@@ -1121,7 +1121,7 @@ class Suite:
     @staticmethod
     def _expert_unit_staging(plan: Any) -> int:
         """Whole-unit staging of the first expert-w13 unit of ``plan`` (the memory model)."""
-        from orchestrator.memory import ConvertOptions, unit_cost
+        from mxload.orchestrator.memory import ConvertOptions, unit_cost
 
         rp = plan.ranks[0]
         for u, r in zip(rp.units, rp.reads, strict=True):
@@ -1130,7 +1130,7 @@ class Suite:
         raise ValueError("no expert unit in the plan")
 
     def staging(self) -> dict[str, Any]:
-        from orchestrator.plantypes import ParallelLayout
+        from mxload.orchestrator.plantypes import ParallelLayout
 
         meta, source = self._open("big_v1")
         default_plan = self._plan(meta, ParallelLayout())
@@ -1343,12 +1343,11 @@ class Suite:
     def sessions(self) -> list[dict[str, Any]]:
         """Benchmark 6, and the Ray rows of benchmark 3 (returned as a second section)."""
         import ray
-
-        from cluster.local import start_embedded
-        from orchestrator.driver import LoadRequest, plan_load
-        from orchestrator.plantypes import ParallelLayout
-        from orchestrator.session import Session
-        from workers.storage import Storage
+        from mxload.cluster.local import start_embedded
+        from mxload.orchestrator.driver import LoadRequest, plan_load
+        from mxload.orchestrator.plantypes import ParallelLayout
+        from mxload.orchestrator.session import Session
+        from mxload.workers.storage import Storage
 
         layout = ParallelLayout(tp=2, dp=2, enable_expert_parallel=True)
         n_sessions = 2 if self.quick else 3
@@ -1519,7 +1518,7 @@ class Suite:
             "reload",
             "6. Reload in place vs cold load",
             (
-                "Embedded Ray (`cluster.local.start_embedded`: loopback, private temp dir, 4 "
+                "Embedded Ray (`mxload.cluster.local.start_embedded`: loopback, private temp dir, 4 "
                 "virtual NPUs, shut down afterwards), layout tp 2 x dp 2 with expert "
                 f'parallelism, `device="cpu"`. {n_sessions} sessions per checkpoint: '
                 f"`Session.load(v1)` (cold: plan, placement group, 4 actor processes, load), "
@@ -1597,7 +1596,7 @@ class Suite:
             "3b. End-to-end Ray load (tp 2 x dp 2, EP) vs raw read",
             (
                 f"The cold loads of benchmark 6 on {ck['label']} ({fmt_bytes(ck['bytes'])}): "
-                "`Session.load` = `orchestrator.driver.load(keep=True)` on the embedded Ray, 4 "
+                "`Session.load` = `mxload.orchestrator.driver.load(keep=True)` on the embedded Ray, 4 "
                 "actor processes on 2 cores. Baseline: reading every rank's planned byte "
                 "ranges through the storage seam in this process. Per-rank read and convert "
                 "seconds come from each actor's `RunStats` (`read_seconds` is time spent "

@@ -193,7 +193,7 @@ def _fast_startup() -> str:
     """Seconds for ``fast_available()`` in a fresh process (numba cache load, or a compile
     after fast.py changed): the fixed cost every convert process and Ray worker pays."""
     code = (
-        "import time; t = time.perf_counter(); from workers.numerics import fast; "
+        "import time; t = time.perf_counter(); from mxload.workers.numerics import fast; "
         "ok = fast.fast_available(); print(round(time.perf_counter() - t, 2), ok)"
     )
     try:

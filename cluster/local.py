@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from orchestrator.errors import SessionError
+from mxload.orchestrator.errors import SessionError
 
 NAMESPACE = "mxload"
 LOOPBACK = "127.0.0.1"

@@ -58,7 +58,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from cluster.local import (
+from mxload.cluster.local import (
     LOOPBACK,
     RAY_ENV,
     client_server_port_flags,
@@ -67,7 +67,7 @@ from cluster.local import (
     mxload_home,
     short_temp_dir,
 )
-from orchestrator.errors import InputError, SessionError
+from mxload.orchestrator.errors import InputError, SessionError
 
 RECORD_NAME = "sim-cluster.json"
 DEFAULT_OBJECT_STORE = 256 * 1024 * 1024
@@ -93,7 +93,7 @@ main()
 # the environment) and waits until every node is alive: proves the recorded env works.
 _CHECK = """
 import json, sys, time
-from cluster.local import connect
+from mxload.cluster.local import connect
 import ray
 expected, timeout_s = int(sys.argv[2]), float(sys.argv[3])
 connect(sys.argv[1])

@@ -2,8 +2,8 @@
 
 SPEC §3 asks for architectures described as *tables of name patterns -> parallel style*,
 not as code branches; adding an architecture is adding a table here (and its name to
-``orchestrator.config.SUPPORTED_ARCHITECTURES``). The planner (``orchestrator.planner``)
-and the layout checks (``orchestrator.layout``) read nothing else about a model.
+``mxload.orchestrator.config.SUPPORTED_ARCHITECTURES``). The planner (``mxload.orchestrator.planner``)
+and the layout checks (``mxload.orchestrator.layout``) read nothing else about a model.
 
 A table row (:class:`TensorRule`) names one device tensor (vLLM/vllm-ascend's parameter
 name), the checkpoint modules merged into it in order (q, k, v; gate, up), where it lives
@@ -43,7 +43,7 @@ What stays in which dtype, and why:
 
 Limits: MTP layers (DeepSeek ``num_nextn_predict_layers``, index >= num_hidden_layers)
 are not in any table, so they are never planned or read. DeepSeek-V3 is planning-only
-(``orchestrator.config.LOADABLE_ARCHITECTURES``).
+(``mxload.orchestrator.config.LOADABLE_ARCHITECTURES``).
 """
 
 from __future__ import annotations
@@ -52,8 +52,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Literal
 
-from orchestrator.config import ModelConfig
-from orchestrator.errors import UnsupportedError
+from .config import ModelConfig
+from .errors import UnsupportedError
 
 Style = Literal["column", "row", "replicated", "vocab", "moe"]
 Place = Literal["first", "layer", "last"]

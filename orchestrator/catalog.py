@@ -26,11 +26,11 @@ from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol
 
-from orchestrator.checkpoint import CheckpointMeta, build_meta, parse_index
-from orchestrator.config import parse_config
-from orchestrator.errors import CheckpointError, ConfigError, StorageError, TruncatedFile
-from orchestrator.formats import CONFIG_FILE, INDEX_FILE, SINGLE_FILE
-from orchestrator.safetensors_header import (
+from .checkpoint import CheckpointMeta, build_meta, parse_index
+from .config import parse_config
+from .errors import CheckpointError, ConfigError, StorageError, TruncatedFile
+from .formats import CONFIG_FILE, INDEX_FILE, SINGLE_FILE
+from .safetensors_header import (
     PREFIX_BYTES,
     FileHeader,
     parse_header,
@@ -42,7 +42,7 @@ DEFAULT_HEADER_WORKERS = 8
 
 
 class StorageLike(Protocol):
-    """The part of ``workers.storage.Storage`` the catalog uses (paths relative to the root)."""
+    """The part of ``mxload.workers.storage.Storage`` the catalog uses (paths relative to the root)."""
 
     def read_file(self, relpath: str) -> bytes: ...
     def read_range(self, relpath: str, start: int, length: int) -> bytes: ...
@@ -61,12 +61,12 @@ def open_checkpoint(
     """Read and validate the metadata of the checkpoint at ``src`` (a path or fsspec URL).
 
     ``dtype`` is the ``--dtype`` override of the model dtype. ``storage`` replaces the
-    default ``workers.storage.Storage(src, storage_options)`` (tests, shared connections).
+    default ``mxload.workers.storage.Storage(src, storage_options)`` (tests, shared connections).
     """
     if storage is not None:
         return _open(src, storage, dtype=dtype, max_workers=max_workers)
     # Imported here so that importing the orchestrator never pulls in fsspec.
-    from workers.storage import Storage
+    from mxload.workers.storage import Storage
 
     with Storage(src, storage_options) as own:
         return _open(src, own, dtype=dtype, max_workers=max_workers)
@@ -181,7 +181,7 @@ def describe(meta: CheckpointMeta) -> dict[str, Any]:
 
 
 def _not_found(storage: StorageLike, exc: StorageError, file: str) -> bool:
-    """Whether ``exc`` means ``file`` does not exist. ``workers.storage`` says so in the
+    """Whether ``exc`` means ``file`` does not exist. ``mxload.workers.storage`` says so in the
     error's context; for a seam that does not, ask it."""
     flag = exc.context.get("not_found")
     if flag is not None:

@@ -33,8 +33,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from orchestrator.config import ModelConfig, QuantKind
-from orchestrator.errors import (
+from .config import ModelConfig, QuantKind
+from .errors import (
     CheckpointError,
     DuplicateTensor,
     IndexError_,
@@ -42,7 +42,7 @@ from orchestrator.errors import (
     MissingTensor,
     UnpairedTensor,
 )
-from orchestrator.formats import (
+from .formats import (
     BLOCK_SCALE_DTYPE,
     BLOCK_SCALE_SUFFIX,
     INDEX_FILE,
@@ -53,7 +53,7 @@ from orchestrator.formats import (
     SINGLE_FILE,
     ceil_div,
 )
-from orchestrator.safetensors_header import (
+from .safetensors_header import (
     FileHeader,
     JsonObject,
     TensorInfo,

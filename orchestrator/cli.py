@@ -14,9 +14,9 @@ import warnings
 from collections.abc import Sequence
 from typing import Any
 
-from orchestrator.errors import MxloadError, UsageError
-from orchestrator.plantypes import ParallelLayout
-from orchestrator.sizes import format_size, parse_size
+from .errors import MxloadError, UsageError
+from .plantypes import ParallelLayout
+from .sizes import format_size, parse_size
 
 
 class _Parser(argparse.ArgumentParser):
@@ -190,7 +190,7 @@ def _progress_printer(enabled: bool) -> Any:
 
 
 def cmd_make_checkpoint(args: argparse.Namespace) -> int:
-    from workers.synth import PRESETS, make_checkpoint
+    from mxload.workers.synth import PRESETS, make_checkpoint
 
     if args.preset not in PRESETS:
         raise UsageError(
@@ -214,7 +214,7 @@ def cmd_make_checkpoint(args: argparse.Namespace) -> int:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    from orchestrator.catalog import describe, open_checkpoint
+    from .catalog import describe, open_checkpoint
 
     meta = open_checkpoint(args.src, storage_options=_storage_options(args), dtype=args.dtype)
     info = describe(meta)
@@ -229,8 +229,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from orchestrator.config import parse_config
-    from orchestrator.planner import build_plan, plan_to_json
+    from .config import parse_config
+    from .planner import build_plan, plan_to_json
 
     layout = _layout(args)
     meta = None
@@ -248,7 +248,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
             ) from None
         config = parse_config(raw, args.config, dtype=args.dtype)
     elif args.src:
-        from orchestrator.catalog import open_checkpoint
+        from .catalog import open_checkpoint
 
         meta = open_checkpoint(args.src, storage_options=_storage_options(args), dtype=args.dtype)
         config = meta.config
@@ -265,7 +265,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     )
     budget = _size(args, "staging_budget")
     if budget is not None and budget < plan.min_staging_load:
-        from orchestrator.errors import StagingBudgetError
+        from .errors import StagingBudgetError
 
         raise StagingBudgetError(
             f"--staging-budget {budget} bytes is below the minimum a load can run under "
@@ -342,7 +342,7 @@ def render_load_table(manifest: dict[str, Any]) -> str:
 
 
 def _load_request(args: argparse.Namespace) -> Any:
-    from orchestrator.driver import LoadRequest
+    from .driver import LoadRequest
 
     return LoadRequest(
         src=args.src,
@@ -371,11 +371,11 @@ def cmd_load(args: argparse.Namespace) -> int:
     req = _load_request(args)
     show = _progress_printer(sys.stderr.isatty() and not args.json)
     if args.detach:
-        from orchestrator.detached import detached_load
+        from .detached import detached_load
 
         manifest = detached_load(req, session=args.session, dump=args.dump, on_progress=show)
     else:
-        from orchestrator.driver import load
+        from .driver import load
 
         manifest, _ = load(req, dump=args.dump, on_progress=show)
     if show:
@@ -386,7 +386,7 @@ def cmd_load(args: argparse.Namespace) -> int:
 
 
 def cmd_reload(args: argparse.Namespace) -> int:
-    from orchestrator.detached import detached_reload
+    from .detached import detached_reload
 
     manifest = detached_reload(
         args.src,
@@ -407,7 +407,7 @@ def cmd_reload(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from orchestrator.detached import detached_status
+    from .detached import detached_status
 
     manifest = detached_status(session=args.session, address=args.address, dump=args.dump)
     consistent = all(r["consistent"] for r in manifest["ranks"])
@@ -421,7 +421,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_release(args: argparse.Namespace) -> int:
-    from orchestrator.detached import detached_release
+    from .detached import detached_release
 
     info = detached_release(session=args.session, address=args.address)
     _emit(args, info, f"released session {args.session!r}: {info}")
@@ -429,7 +429,7 @@ def cmd_release(args: argparse.Namespace) -> int:
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
-    from workers.convert import convert_checkpoint
+    from mxload.workers.convert import convert_checkpoint
 
     summary = convert_checkpoint(
         args.src,
@@ -445,7 +445,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from orchestrator.demo import run_demo
+    from .demo import run_demo
 
     return run_demo(workdir=args.workdir, json_out=args.json)
 
@@ -470,7 +470,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         warnings.filterwarnings("ignore")
         logging.getLogger("ray").setLevel(logging.ERROR)
     # Before anything imports Ray: loopback only, no usage stats (cluster/local.py).
-    import cluster.local  # noqa: F401
+    import mxload.cluster.local  # noqa: F401
 
     try:
         args = build_parser().parse_args(argv)

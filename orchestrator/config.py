@@ -5,7 +5,7 @@ model dtype), §3 (architectures). A bad config gets an error that names the key
 file; a valid config mxload does not implement gets an :class:`UnsupportedError`.
 
 The parser takes the already-decoded JSON object: reading the file is the caller's job
-(``orchestrator.catalog``), so the planner can run on a config alone with no I/O here.
+(``mxload.orchestrator.catalog``), so the planner can run on a config alone with no I/O here.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from orchestrator.errors import ConfigError, UnsupportedError
-from orchestrator.formats import MODEL_DTYPES, TORCH_DTYPE_ALIASES
+from .errors import ConfigError, UnsupportedError
+from .formats import MODEL_DTYPES, TORCH_DTYPE_ALIASES
 
 QuantKind = Literal["block_fp8", "mxfp8", "none"]
 

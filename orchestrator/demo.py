@@ -15,15 +15,16 @@ import sys
 import tempfile
 from typing import Any
 
-from orchestrator.plantypes import ParallelLayout
+from .plantypes import ParallelLayout
 
 
 def reference_checksums(src: str, layout: ParallelLayout, rank: int) -> dict[str, str]:
     """Checksums of one rank's buffers converted in-process by the CPU reference path."""
-    from orchestrator.catalog import open_checkpoint
-    from orchestrator.planner import build_plan
-    from workers.loader import RankLoader, SourceInfo
-    from workers.numerics.backend import select_backend
+    from mxload.workers.loader import RankLoader, SourceInfo
+    from mxload.workers.numerics.backend import select_backend
+
+    from .catalog import open_checkpoint
+    from .planner import build_plan
 
     meta = open_checkpoint(src)
     plan = build_plan(meta.config, layout, checkpoint=meta)
@@ -56,9 +57,10 @@ def _verify(src: str, layout: ParallelLayout, manifest: dict[str, Any]) -> int:
 
 
 def run_demo(workdir: str | None = None, json_out: bool = False) -> int:
-    from orchestrator.cli import render_load_table
-    from orchestrator.session import Session
-    from workers.synth import make_checkpoint
+    from mxload.workers.synth import make_checkpoint
+
+    from .cli import render_load_table
+    from .session import Session
 
     out = print if not json_out else (lambda *a, **k: print(*a, file=sys.stderr, **k))
     root = workdir or tempfile.mkdtemp(prefix="mxload-demo-")

@@ -12,7 +12,7 @@ name (``--session``, default ``default``):
 
 On the embedded default, ``load --detach`` first starts a local Ray head as its own
 background process and records its address under ``$MXLOAD_HOME``
-(``cluster.local.start_detached_head``), so ``status``/``reload``/``release`` in other
+(``mxload.cluster.local.start_detached_head``), so ``status``/``reload``/``release`` in other
 processes find it without ``--address``. ``release`` ends the session's actors and, when
 no session is left on a head that mxload started, stops that head.
 
@@ -29,7 +29,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
-from orchestrator.driver import (
+from .driver import (
     LoadRequest,
     RayRun,
     build_manifest,
@@ -38,8 +38,8 @@ from orchestrator.driver import (
     source_info,
     write_dump,
 )
-from orchestrator.errors import AddressMoved, SessionError, WorkerLost
-from orchestrator.plantypes import Plan
+from .errors import AddressMoved, SessionError, WorkerLost
+from .plantypes import Plan
 
 NAMESPACE = "mxload"
 VIRTUAL_DEVICES_PER_HEAD = 16
@@ -70,8 +70,7 @@ def _rank_name(session: str, rank: int) -> str:
 def _connect(address: str | None) -> tuple[str, bool]:
     """Join the session's Ray: --address, else the head recorded under $MXLOAD_HOME."""
     import ray
-
-    from cluster.local import connect, head_alive, read_head_record
+    from mxload.cluster.local import connect, head_alive, read_head_record
 
     if ray.is_initialized():
         return "", False
@@ -112,8 +111,7 @@ def detached_load(
 ) -> dict[str, Any]:
     """Load and leave the workers running under ``session``; returns the manifest."""
     import ray
-
-    from cluster.local import start_detached_head
+    from mxload.cluster.local import start_detached_head
 
     meta, plan = plan_load(req)  # refuse bad input before starting anything
     started_head = False
@@ -125,7 +123,7 @@ def detached_load(
         )
         req = replace(req, address=record.address)
         started_head = True
-        from cluster.local import connect
+        from mxload.cluster.local import connect
 
         connect(record.address, token=record.token)
     else:
@@ -208,13 +206,13 @@ def _repair(keeper: Any, state: dict[str, Any], run: RayRun) -> list[int]:
     lost = [r for r, info in enumerate(infos) if info is None or info["pid"] != state["pids"][r]]
     if not lost:
         return []
-    from orchestrator.catalog import open_checkpoint
+    from .catalog import open_checkpoint
 
     req: LoadRequest = state["request"]
     meta = open_checkpoint(state["src"], storage_options=state["storage_options"])
     source = source_info(meta, req.allow_nonfinite, state["src"], state["storage_options"])
     _, fresh = plan_load(replace(req, src=state["src"], storage_options=state["storage_options"]))
-    from orchestrator.session import reload_units
+    from .session import reload_units
 
     for rank in lost:
         ray.get(
@@ -237,7 +235,7 @@ def _repair(keeper: Any, state: dict[str, Any], run: RayRun) -> list[int]:
 
 
 def _budget(plan: Plan, rank: int) -> int:
-    from orchestrator.driver import staging_budget_of
+    from .driver import staging_budget_of
 
     return staging_budget_of(plan, plan.ranks[rank])
 
@@ -304,8 +302,8 @@ def detached_reload(
     """In-place reload of a detached session from ``src`` (SPEC §4 "Reload")."""
     import ray
 
-    from orchestrator.driver import workers_fused
-    from orchestrator.session import plan_reload, reload_budgets, reload_units
+    from .driver import workers_fused
+    from .session import plan_reload, reload_budgets, reload_units
 
     try:
         keeper, state, run = _attach(session, address)
@@ -365,8 +363,7 @@ def detached_reload(
 def detached_release(*, session: str = "default", address: str | None = None) -> dict[str, Any]:
     """End a detached session; stop the head mxload started when no session is left."""
     import ray
-
-    from cluster.local import read_head_record, stop_detached_head
+    from mxload.cluster.local import read_head_record, stop_detached_head
 
     own_head = address is None
     _connect(address)

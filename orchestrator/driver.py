@@ -20,7 +20,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from orchestrator.errors import (
+from .errors import (
     InputError,
     MxloadError,
     PlanDoesNotFit,
@@ -28,8 +28,8 @@ from orchestrator.errors import (
     StagingBudgetError,
     WorkerLost,
 )
-from orchestrator.formats import DUMP_FORMAT
-from orchestrator.plantypes import ParallelLayout, Plan, RankPlan
+from .formats import DUMP_FORMAT
+from .plantypes import ParallelLayout, Plan, RankPlan
 
 PLACEMENTS = {
     "pack": "PACK",
@@ -72,11 +72,11 @@ class LoadRequest:
 
 def plan_load(req: LoadRequest) -> tuple[Any, Plan]:
     """Read config and headers, build and check the plan. Pure apart from the reads."""
-    from orchestrator.catalog import open_checkpoint
-    from orchestrator.planner import build_plan
+    from .catalog import open_checkpoint
+    from .planner import build_plan
 
     meta = open_checkpoint(req.src, storage_options=req.storage_options, dtype=req.dtype)
-    from orchestrator.config import LOADABLE_ARCHITECTURES
+    from .config import LOADABLE_ARCHITECTURES
 
     if meta.config.architecture not in LOADABLE_ARCHITECTURES:
         raise InputError(
@@ -116,7 +116,7 @@ def workers_fused(device: str) -> bool:
     if device not in ("cpu", "auto"):
         return False
     try:
-        from workers.numerics.fast import fast_available
+        from mxload.workers.numerics.fast import fast_available
 
         return bool(fast_available())
     except ImportError:
@@ -152,8 +152,7 @@ class RayRun:
 
     def start(self) -> None:
         import ray
-
-        from cluster.local import connect, start_embedded
+        from mxload.cluster.local import connect, start_embedded
 
         if ray.is_initialized():
             return
@@ -212,9 +211,8 @@ class RayRun:
 
     def spawn(self) -> None:
         import ray
+        from mxload.workers.actor import remote_class
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-        from workers.actor import remote_class
 
         cls = remote_class()
         world = self.plan.layout.world
@@ -404,7 +402,7 @@ def assign_ranks(bundles_to_node: Mapping[int, str], world: int) -> list[int]:
 
 
 def source_info(meta: Any, req_allow_nonfinite: bool, src: str, storage_options: Any) -> Any:
-    from workers.loader import SourceInfo
+    from mxload.workers.loader import SourceInfo
 
     q = meta.config.quant
     return SourceInfo(
@@ -453,7 +451,7 @@ def build_manifest(
             "addresses_changed": rep.get("addresses_changed", False),
         }
         ranks.append(entry)
-    from workers.loader import CHECKSUM_NAME
+    from mxload.workers.loader import CHECKSUM_NAME
 
     return {
         "format": DUMP_FORMAT,
@@ -475,9 +473,9 @@ def write_dump(run: RayRun, manifest: dict[str, Any], out_dir: str) -> None:
     import json
 
     import ray
+    from mxload.workers.safetensors_io import SafetensorsWriter
 
-    from orchestrator.formats import BUFFER_TO_SAFETENSORS
-    from workers.safetensors_io import SafetensorsWriter
+    from .formats import BUFFER_TO_SAFETENSORS
 
     os.makedirs(out_dir, exist_ok=True)
     for rank, actor in enumerate(run.actors):

@@ -14,7 +14,7 @@ buffers are the ones the inference engine's parameters have:
 
 :func:`validate_layout` refuses a layout the model cannot take, with the reason and the
 flag to change. It reads the split dimensions from the architecture table
-(``orchestrator.arch``), so a new architecture gets its checks for free.
+(``mxload.orchestrator.arch``), so a new architecture gets its checks for free.
 
 Decision: ``--enable-expert-parallel`` on a dense model is accepted and does nothing
 (vLLM accepts it too: there are no experts to place); the plan reports ``ep_rank`` 0.
@@ -22,11 +22,11 @@ Decision: ``--enable-expert-parallel`` on a dense model is accepted and does not
 
 from __future__ import annotations
 
-from orchestrator.arch import LAYER_KINDS, Architecture, SourceSpec, TensorRule, architecture_for
-from orchestrator.config import ModelConfig
-from orchestrator.errors import LayoutError
-from orchestrator.formats import VOCAB_PAD, ceil_div
-from orchestrator.plantypes import ParallelLayout
+from .arch import LAYER_KINDS, Architecture, SourceSpec, TensorRule, architecture_for
+from .config import ModelConfig
+from .errors import LayoutError
+from .formats import VOCAB_PAD, ceil_div
+from .plantypes import ParallelLayout
 
 PLACEMENTS = ("linear", "round_robin")
 """Expert placements vLLM knows (``--expert-placement``)."""

@@ -1,6 +1,6 @@
 """The memory model: staging per rank, chunking, minimum budgets (SPEC §6). Pure.
 
-The rank loader (``workers.loader``) runs exactly the schedule this module describes, so
+The rank loader (``mxload.workers.loader``) runs exactly the schedule this module describes, so
 its measured staging high-water mark can be held against the prediction:
 
 * Units are converted one at a time, in plan order. A unit's staging is
@@ -27,10 +27,10 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from orchestrator.errors import StagingBudgetError
-from orchestrator.formats import MX_GROUP, ceil_div
-from orchestrator.plantypes import StagingEstimate, Unit, UnitReads
-from orchestrator.ranges import ByteRange
+from .errors import StagingBudgetError
+from .formats import MX_GROUP, ceil_div
+from .plantypes import StagingEstimate, Unit, UnitReads
+from .ranges import ByteRange
 
 MODEL_DTYPE_SIZE = {"bf16": 2, "fp16": 2, "fp32": 4}
 

@@ -6,11 +6,11 @@ From a :class:`ModelConfig` (and, when there are weights, the checkpoint's heade
 * which buffers it holds (names of SPEC §3, shapes and dtypes of SPEC §2.3), exactly, so
   ``persistent_bytes`` is their sum and not an estimate;
 * which units it converts, each with its parts' rectangles in the source tensors;
-* with a checkpoint, the byte ranges of each unit (``orchestrator.readplan``);
-* its staging (``orchestrator.memory``) and whether it fits a device.
+* with a checkpoint, the byte ranges of each unit (``mxload.orchestrator.readplan``);
+* its staging (``mxload.orchestrator.memory``) and whether it fits a device.
 
-How a tensor is sharded comes from the architecture table (``orchestrator.arch``); how a
-layout maps ranks to shards from ``orchestrator.layout``. The planner only composes them.
+How a tensor is sharded comes from the architecture table (``mxload.orchestrator.arch``); how a
+layout maps ranks to shards from ``mxload.orchestrator.layout``. The planner only composes them.
 
 Which buffers are MXFP8 (SPEC §2.2/§2.3):
 
@@ -46,7 +46,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from orchestrator.arch import (
+from .arch import (
     EXPERT_PLACEHOLDER,
     SCALE_SUFFIX,
     W2_BUFFER,
@@ -57,15 +57,15 @@ from orchestrator.arch import (
     device_name,
     source_module,
 )
-from orchestrator.checkpoint import CheckpointMeta
-from orchestrator.config import ModelConfig
-from orchestrator.errors import (
+from .checkpoint import CheckpointMeta
+from .config import ModelConfig
+from .errors import (
     CheckpointError,
     MissingTensor,
     MixedQuantization,
     StagingBudgetError,
 )
-from orchestrator.formats import (
+from .formats import (
     LAYOUT_DENSE,
     LAYOUT_MX_LINEAR,
     LAYOUT_MX_MOE,
@@ -78,7 +78,7 @@ from orchestrator.formats import (
     SAFETENSORS_TO_BUFFER,
     ceil_div,
 )
-from orchestrator.layout import (
+from .layout import (
     ep_rank_of,
     ep_size,
     even_split,
@@ -90,7 +90,7 @@ from orchestrator.layout import (
     uses_expert_parallel,
     validate_layout,
 )
-from orchestrator.plantypes import (
+from .plantypes import (
     BufferSpec,
     ParallelLayout,
     Part,
@@ -101,8 +101,8 @@ from orchestrator.plantypes import (
     UnitKind,
     UnitReads,
 )
-from orchestrator.ranges import LOCAL_POLICY, REMOTE_POLICY
-from orchestrator.readplan import needed_bytes, predicted_read_bytes, unit_reads
+from .ranges import LOCAL_POLICY, REMOTE_POLICY
+from .readplan import needed_bytes, predicted_read_bytes, unit_reads
 
 FP8_BUFFER = SAFETENSORS_TO_BUFFER[QUANT_WEIGHT_DTYPE]
 SCALE_BUFFER = "uint8"
@@ -685,7 +685,7 @@ def _build_plan(
     remote: bool,
     fused: bool = True,
 ) -> Plan:
-    from orchestrator.memory import (
+    from .memory import (
         ConvertOptions,
         min_budgets,
         proportional_read_fn,

@@ -1,7 +1,7 @@
 """The plan's data types: what each rank holds, converts and reads. Pure.
 
-These frozen dataclasses are the contract between the planner (``orchestrator.planner``),
-the memory model (``orchestrator.memory``) and the rank loader (``workers.loader``). They
+These frozen dataclasses are the contract between the planner (``mxload.orchestrator.planner``),
+the memory model (``mxload.orchestrator.memory``) and the rank loader (``mxload.workers.loader``). They
 are plain data: picklable for shipping to Ray workers and JSON-able through ``to_json``.
 
 Vocabulary (SPEC §6):
@@ -23,8 +23,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from orchestrator.formats import BUFFER_ITEMSIZE
-from orchestrator.ranges import ByteRange
+from .formats import BUFFER_ITEMSIZE
+from .ranges import ByteRange
 
 UnitKind = Literal["linear", "moe_w13", "moe_w2", "copy"]
 """linear: a (merged) quantized-or-not linear; moe_w13/moe_w2: one expert's half;

@@ -18,7 +18,7 @@ SPEC §4) can be planned against the units of the session that loaded the first 
 ``bytes_needed`` (SPEC §6) is the sum of these ranges; the bytes actually requested are
 the ranges coalesced per file under a :class:`CoalescePolicy` (the planner coalesces each
 unit's reads on their own, as the loader requests them unit by unit). :func:`requested_bytes_fast`
-computes exactly what ``orchestrator.ranges.requested_bytes`` computes, but walks a
+computes exactly what ``mxload.orchestrator.ranges.requested_bytes`` computes, but walks a
 strided range by whole runs of merged segments instead of row by row, so a 256-rank plan
 of DeepSeek-V3 (hundreds of thousands of row segments per rank) stays fast.
 """
@@ -27,10 +27,10 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-from orchestrator.checkpoint import CheckpointMeta
-from orchestrator.config import ModelConfig
-from orchestrator.errors import CheckpointError, MissingTensor
-from orchestrator.formats import (
+from .checkpoint import CheckpointMeta
+from .config import ModelConfig
+from .errors import CheckpointError, MissingTensor
+from .formats import (
     BLOCK_SCALE_DTYPE,
     MODEL_DTYPES,
     MX_GROUP,
@@ -38,9 +38,9 @@ from orchestrator.formats import (
     QUANT_WEIGHT_DTYPE,
     SAFETENSORS_ITEMSIZE,
 )
-from orchestrator.plantypes import Part, PartRead, Unit, UnitReads
-from orchestrator.ranges import ByteRange, CoalescePolicy, contiguous
-from orchestrator.safetensors_header import TensorInfo
+from .plantypes import Part, PartRead, Unit, UnitReads
+from .ranges import ByteRange, CoalescePolicy, contiguous
+from .safetensors_header import TensorInfo
 
 
 def tile_span(lo: int, hi: int, block: int) -> tuple[int, int]:
@@ -197,7 +197,7 @@ def needed_bytes(
 
 
 class _Runs:
-    """The state of ``orchestrator.ranges.coalesce`` over segments fed in sorted order."""
+    """The state of ``mxload.orchestrator.ranges.coalesce`` over segments fed in sorted order."""
 
     __slots__ = ("active", "c", "gaps", "max_gap", "needed", "run_end", "run_start", "total")
 
@@ -290,7 +290,7 @@ class _Runs:
 
 
 def requested_bytes_fast(ranges: Iterable[ByteRange], policy: CoalescePolicy) -> int:
-    """Exactly ``orchestrator.ranges.requested_bytes(ranges, policy)`` for the ranges of
+    """Exactly ``mxload.orchestrator.ranges.requested_bytes(ranges, policy)`` for the ranges of
     ONE file, without visiting strided ranges row by row."""
     uniq = sorted({r for r in ranges if r.nbytes > 0}, key=lambda r: (r.start, r.end, r.length))
     runs = _Runs(policy)

@@ -8,7 +8,7 @@ The file format: ``u64 little-endian N`` | ``N bytes of UTF-8 JSON`` | data sect
 The JSON object maps tensor names to ``{"dtype", "shape", "data_offsets": [start, end]}``
 (offsets relative to the data section) plus an optional ``"__metadata__"`` str -> str map.
 
-SPEC §1.3: every check below has its own error class (``orchestrator.errors``) and a
+SPEC §1.3: every check below has its own error class (``mxload.orchestrator.errors``) and a
 message naming the file and, where there is one, the tensor:
 
 - ``TruncatedFile``: fewer than 8 bytes, or a well-formed layout whose data runs past the
@@ -39,7 +39,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
-from orchestrator.errors import (
+from .errors import (
     HeaderTooLarge,
     InvalidHeaderJson,
     InvalidOffset,
@@ -49,7 +49,7 @@ from orchestrator.errors import (
     TruncatedFile,
     UnknownDtype,
 )
-from orchestrator.formats import HEADER_MAX_BYTES, SAFETENSORS_ITEMSIZE
+from .formats import HEADER_MAX_BYTES, SAFETENSORS_ITEMSIZE
 
 PREFIX_BYTES = 8
 """Length of the little-endian u64 header-length prefix."""

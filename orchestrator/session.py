@@ -2,8 +2,8 @@
 
 :class:`Session` is the Python API an RL trainer uses in-process::
 
-    from orchestrator.session import Session
-    from orchestrator.plantypes import ParallelLayout
+    from .session import Session
+    from .plantypes import ParallelLayout
 
     s = Session.load("s3://bucket/step-0", ParallelLayout(tp=2, dp=2, enable_expert_parallel=True),
                      storage_options={"endpoint_url": "http://127.0.0.1:9000"})
@@ -14,7 +14,7 @@
 
 ``--detach`` on the command line keeps the same actors alive as named, detached Ray
 actors; ``mxload reload/status/release`` then reach them from other processes through
-``orchestrator.detached``.
+``mxload.orchestrator.detached``.
 
 Reload = preflight (the new checkpoint must give every rank exactly the buffers it holds:
 names, shapes, dtypes, layouts; otherwise refuse, listing every mismatch, before touching
@@ -30,18 +30,18 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
-from orchestrator.driver import (
+from .driver import (
     LoadRequest,
     RayRun,
     build_manifest,
     source_info,
     workers_fused,
 )
-from orchestrator.driver import (
+from .driver import (
     load as driver_load,
 )
-from orchestrator.errors import AddressMoved, ReloadMismatch
-from orchestrator.plantypes import ParallelLayout, Plan
+from .errors import AddressMoved, ReloadMismatch
+from .plantypes import ParallelLayout, Plan
 
 
 def _unit_key(u: Any) -> tuple[Any, ...]:
@@ -109,8 +109,8 @@ def reload_budgets(
 ) -> list[int]:
     """Staging budget of every rank for a reload: the given one, else the largest whole
     unit of any rank as the reload will convert it (held layouts, new source)."""
-    from orchestrator.errors import StagingBudgetError
-    from orchestrator.memory import ConvertOptions, min_budgets, read_fn_from_reads
+    from .errors import StagingBudgetError
+    from .memory import ConvertOptions, min_budgets, read_fn_from_reads
 
     quant = config.quant.kind
     block_n = config.quant.block_n if quant == "block_fp8" else 1
@@ -134,8 +134,8 @@ def reload_budgets(
 
 def plan_reload(held: Plan, req: LoadRequest) -> tuple[Any, Plan]:
     """Plan a reload from ``req.src`` against the held plan; refuse on any mismatch."""
-    from orchestrator.catalog import open_checkpoint
-    from orchestrator.planner import build_plan
+    from .catalog import open_checkpoint
+    from .planner import build_plan
 
     meta = open_checkpoint(req.src, storage_options=req.storage_options, dtype=held.model["dtype"])
     problems: list[str] = []
@@ -274,7 +274,7 @@ class ReloadInputs:
     what an inference engine hosting ``RankLoader`` itself calls (docs/adoption.md)."""
 
     source: Any
-    """workers.loader.SourceInfo of the new checkpoint."""
+    """mxload.workers.loader.SourceInfo of the new checkpoint."""
     reads: tuple[tuple[Any, ...], ...]
     """Per rank: the new checkpoint's byte ranges for each held unit."""
     units: tuple[tuple[Any, ...], ...]

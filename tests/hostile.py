@@ -16,7 +16,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from orchestrator.errors import (
+from mxload.orchestrator.errors import (
     HeaderError,
     HeaderTooLarge,
     InvalidHeaderJson,

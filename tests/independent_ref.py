@@ -1,6 +1,6 @@
 """A second, test-side implementation of SPEC §2, written from the SPEC in numpy.
 
-It shares no code with ``workers.numerics`` and takes a different route on purpose:
+It shares no code with ``mxload.workers.numerics`` and takes a different route on purpose:
 - E4M3 rounding searches the table of all 256 E4M3 values (decoded from the format's
   definition: bias 7, 3 mantissa bits, ``S.1111.111`` is NaN, no infinities) for the
   nearest one, breaking ties towards the even code;

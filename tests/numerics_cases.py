@@ -586,7 +586,7 @@ def random_conformance(backend: object, seed: int = 2024) -> list[str]:
     """Compare ``backend`` (any device) with the CPU reference, byte for byte, on seeded
     random data; returns mismatch descriptions naming the input. Runs ``mx_quantize``,
     ``resolve_block`` and ``convert_block_to_mx`` (tile-misaligned slices)."""
-    from workers.numerics import reference
+    from mxload.workers.numerics import reference
 
     problems: list[str] = []
     for label, x in _random_inputs(seed):

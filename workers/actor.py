@@ -1,4 +1,4 @@
-"""The Ray actor around :class:`workers.loader.RankLoader`: a thin wrapper.
+"""The Ray actor around :class:`mxload.workers.loader.RankLoader`: a thin wrapper.
 
 One actor per rank, pinned by its placement bundle to one accelerator (Ray sets
 ``ASCEND_RT_VISIBLE_DEVICES`` / ``CUDA_VISIBLE_DEVICES``). The actor reserves no CPU
@@ -17,9 +17,8 @@ import threading
 from typing import Any
 
 import torch
-
-from orchestrator.plantypes import RankPlan, Unit, UnitReads
-from workers.loader import RankLoader, RunStats, SourceInfo
+from mxload.orchestrator.plantypes import RankPlan, Unit, UnitReads
+from mxload.workers.loader import RankLoader, RunStats, SourceInfo
 
 VISIBLE_DEVICE_VARS = {
     "NPU": "ASCEND_RT_VISIBLE_DEVICES",
@@ -44,7 +43,7 @@ class RankWorker:
         self.resource = resource
         var = VISIBLE_DEVICE_VARS.get(resource, "")
         self.visible_devices = os.environ.get(var, "") if var else ""
-        from workers.numerics.backend import select_backend
+        from mxload.workers.numerics.backend import select_backend
 
         self.backend = select_backend(device, visible_devices=self.visible_devices or None)
         self.loader = RankLoader(plan, model_dtype=model_dtype, backend=self.backend)

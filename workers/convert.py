@@ -17,10 +17,10 @@ re-shard-check or move one between stores.
 How it runs (why it is fast)
     Three stages overlap, each on its own thread, so a conversion takes about the
     longest stage, not their sum: a reader fills numpy buffers through the storage seam
-    (:class:`workers.storage.Storage`, the only place with retries) in output order, the
+    (:class:`mxload.workers.storage.Storage`, the only place with retries) in output order, the
     calling thread converts one tensor at a time, a writer streams results into each
     shard's :class:`SafetensorsWriter` (headers are known before any data is read). The
-    fast numerics are :mod:`workers.numerics.kernels` on numpy arrays: with them the
+    fast numerics are :mod:`mxload.workers.numerics.kernels` on numpy arrays: with them the
     process never imports torch (about 1.4 s of start-up on the benchmark machine); the
     reference path (``numerics="reference"``, or where numba is unavailable) imports it.
     ``bench/run.py --only convert`` measures the whole process against the reference.
@@ -46,11 +46,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-
-from orchestrator.catalog import open_checkpoint
-from orchestrator.checkpoint import CheckpointMeta, TensorInfo
-from orchestrator.errors import UnsupportedError, UsageError
-from orchestrator.formats import (
+from mxload.orchestrator.catalog import open_checkpoint
+from mxload.orchestrator.checkpoint import CheckpointMeta, TensorInfo
+from mxload.orchestrator.errors import UnsupportedError, UsageError
+from mxload.orchestrator.formats import (
     BLOCK_SCALE_SUFFIX,
     CONFIG_FILE,
     INDEX_FILE,
@@ -60,11 +59,11 @@ from orchestrator.formats import (
     SAFETENSORS_ITEMSIZE,
     SINGLE_FILE,
 )
-from orchestrator.ranges import contiguous
-from workers.numerics import kernels
-from workers.numerics.scales import check_block_scales
-from workers.safetensors_io import SafetensorsWriter, data_order
-from workers.storage import Storage
+from mxload.orchestrator.ranges import contiguous
+from mxload.workers.numerics import kernels
+from mxload.workers.numerics.scales import check_block_scales
+from mxload.workers.safetensors_io import SafetensorsWriter, data_order
+from mxload.workers.storage import Storage
 
 DEFAULT_WINDOW = 256 << 20
 """Bytes in flight between the reader and the writer, by default (see module doc)."""
@@ -294,10 +293,9 @@ def _fast_converters(
 def _reference_converters(
     model_dtype: str, block_n: int, block_k: int
 ) -> tuple[Converter, Converter]:
-    """The naive eager-torch path (``workers.numerics.reference``) on the same arrays."""
+    """The naive eager-torch path (``mxload.workers.numerics.reference``) on the same arrays."""
     import torch
-
-    from workers.numerics import reference
+    from mxload.workers.numerics import reference
 
     kw = dict(
         row0=0,

@@ -1,6 +1,6 @@
 """The rank loader: one device's share of a load or reload. A plain class.
 
-It runs in any process: inside a Ray actor (``workers.actor``), in a test, or inside an
+It runs in any process: inside a Ray actor (``mxload.workers.actor``), in a test, or inside an
 inference engine's own worker that hands it the parameters its graphs captured
 (``buffers=``, SPEC §4 "adopts buffers its host already owns").
 
@@ -11,7 +11,7 @@ unit into its persistent buffer. Buffers are allocated once, before the first un
 their final shapes, and are only ever written with in-place ``copy_`` (SPEC §4
 "Persistent buffers"); every load and reload ends by checking that no ``data_ptr`` moved.
 
-Schedule and staging follow ``orchestrator.memory.schedule`` exactly: the staging pool
+Schedule and staging follow ``mxload.orchestrator.memory.schedule`` exactly: the staging pool
 enforces the planned budget and records the high-water mark reported beside the
 prediction. Reads of the next unit are issued before the current unit converts when the
 schedule allows it (reads overlap conversion, SPEC §4 "Streaming").
@@ -31,16 +31,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-
-from orchestrator.errors import (
+from mxload.orchestrator.errors import (
     AddressMoved,
     AdoptionError,
     MxloadError,
     RunError,
     StorageError,
 )
-from orchestrator.formats import MX_GROUP
-from orchestrator.memory import (
+from mxload.orchestrator.formats import MX_GROUP
+from mxload.orchestrator.memory import (
     ConvertOptions,
     StepPlan,
     read_fn_from_reads,
@@ -48,11 +47,11 @@ from orchestrator.memory import (
     sub_reads,
     sub_unit,
 )
-from orchestrator.plantypes import BufferSpec, PartRead, RankPlan, Unit, UnitReads
-from orchestrator.ranges import ByteRange
-from workers.numerics.reference import MODEL_TORCH_DTYPE
-from workers.safetensors_io import SAFETENSORS_TO_TORCH
-from workers.staging import Lease, StagingPool
+from mxload.orchestrator.plantypes import BufferSpec, PartRead, RankPlan, Unit, UnitReads
+from mxload.orchestrator.ranges import ByteRange
+from mxload.workers.numerics.reference import MODEL_TORCH_DTYPE
+from mxload.workers.safetensors_io import SAFETENSORS_TO_TORCH
+from mxload.workers.staging import Lease, StagingPool
 
 _Leased = list[tuple[str, list[tuple[int, str, ByteRange]], Lease]]
 """A read's pool leases, one per file, with the (part, weight-or-scale, range) items each
@@ -139,7 +138,7 @@ class RankLoader:
         storage_factory: Callable[..., Any] | None = None,
     ) -> None:
         if backend is None:
-            from workers.numerics.backend import select_backend
+            from mxload.workers.numerics.backend import select_backend
 
             backend = select_backend(device)
         self.plan = plan
@@ -220,7 +219,7 @@ class RankLoader:
             if self._storage_factory is not None:
                 st = self._storage_factory(source.root, source.storage_options)
             else:
-                from workers.storage import Storage
+                from mxload.workers.storage import Storage
 
                 st = Storage(source.root, source.storage_options)
             self._storages[key] = st
@@ -307,9 +306,9 @@ class RankLoader:
         Returns the pool reservations that account for the results and the writes that
         copy them into the unit's buffer. The writes run only once every part is
         converted, so a buffer never holds a half-converted unit (SPEC §4 "Reload")."""
-        from orchestrator.memory import unit_cost
-        from workers.numerics.reference import check_block_scales, resolve_mx
-        from workers.numerics.repack import write_rows
+        from mxload.orchestrator.memory import unit_cost
+        from mxload.workers.numerics.reference import check_block_scales, resolve_mx
+        from mxload.workers.numerics.repack import write_rows
 
         cost = unit_cost(unit, unit.rows, reads.nbytes, opts)
         reservations: list[Lease] = []
@@ -629,7 +628,7 @@ class RankLoader:
         """In-place reload: whole units only, addresses verified at the end.
 
         ``units``: the held units with the new source's quantized flags
-        (``orchestrator.session.reload_inputs``); default: the plan's."""
+        (``mxload.orchestrator.session.reload_inputs``); default: the plan's."""
         return self.load(
             reads,
             source,

@@ -1,6 +1,6 @@
 """The staging pool: every byte a rank stages is taken from here and accounted.
 
-The plan (``orchestrator.memory``) says how many staging bytes a rank may hold at once;
+The plan (``mxload.orchestrator.memory``) says how many staging bytes a rank may hold at once;
 this pool enforces that number and records the high-water mark the run reports beside the
 prediction (SPEC §6, STYLE "memory is planned, then allocated").
 
@@ -19,8 +19,7 @@ import threading
 from dataclasses import dataclass, field
 
 import torch
-
-from orchestrator.errors import RunError
+from mxload.orchestrator.errors import RunError
 
 
 @dataclass

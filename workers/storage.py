@@ -30,7 +30,7 @@ exactly one place that knows about URLs, fsspec, ranged requests, coalescing and
   configured for a single attempt unless the caller's storage options say otherwise, so
   attempts are counted here and nowhere else.
 
-Limits: reads only (writers live in :mod:`workers.safetensors_io`); the output buffer must
+Limits: reads only (writers live in :mod:`mxload.workers.safetensors_io`); the output buffer must
 be CPU memory exposing the buffer protocol (or a contiguous CPU torch tensor); remote
 back ends copy once, from the response body into the buffer, because fsspec's ``cat``
 returns ``bytes``.
@@ -52,10 +52,8 @@ from typing import Any
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
-from tenacity import RetryCallState, Retrying, retry_if_exception, stop_after_attempt
-
-from orchestrator.errors import CheckpointError, StorageError, UsageError
-from orchestrator.ranges import (
+from mxload.orchestrator.errors import CheckpointError, StorageError, UsageError
+from mxload.orchestrator.ranges import (
     LOCAL_POLICY,
     REMOTE_POLICY,
     ByteRange,
@@ -63,6 +61,7 @@ from orchestrator.ranges import (
     coalesce,
     contiguous,
 )
+from tenacity import RetryCallState, Retrying, retry_if_exception, stop_after_attempt
 
 # --- retry policy -------------------------------------------------------------------------
 

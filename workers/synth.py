@@ -54,10 +54,9 @@ from typing import Any
 
 import fsspec
 import torch
-
-from orchestrator.config import LOADABLE_ARCHITECTURES, ModelConfig, parse_config
-from orchestrator.errors import UnsupportedError, UsageError
-from orchestrator.formats import (
+from mxload.orchestrator.config import LOADABLE_ARCHITECTURES, ModelConfig, parse_config
+from mxload.orchestrator.errors import UnsupportedError, UsageError
+from mxload.orchestrator.formats import (
     BLOCK_SCALE_DTYPE,
     BLOCK_SCALE_SUFFIX,
     CONFIG_FILE,
@@ -69,7 +68,7 @@ from orchestrator.formats import (
     SINGLE_FILE,
     ceil_div,
 )
-from workers.safetensors_io import SAFETENSORS_TO_TORCH, SafetensorsWriter
+from mxload.workers.safetensors_io import SAFETENSORS_TO_TORCH, SafetensorsWriter
 
 _FP8_BLOCK_QUANT: dict[str, Any] = {
     "quant_method": "fp8",

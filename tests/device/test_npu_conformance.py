@@ -30,7 +30,7 @@ pytestmark = [
 
 @pytest.fixture(scope="module")
 def backend():  # type: ignore[no-untyped-def]
-    from workers.numerics import select_backend
+    from mxload.workers.numerics import select_backend
 
     b = select_backend("npu")
     assert b.name == "npu"

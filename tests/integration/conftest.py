@@ -11,8 +11,7 @@ import pytest
 def local_ray():
     """A local Ray head with 8 virtual NPUs and 2 CPUs, shared by the module's tests."""
     import ray
-
-    from cluster.local import start_embedded
+    from mxload.cluster.local import start_embedded
 
     if ray.is_initialized():
         ray.shutdown()

@@ -34,7 +34,7 @@ from tests.reference_model import Layout, RefCheckpoint, compare_rank, expected_
 pytestmark = [pytest.mark.slow]
 
 CONFIGS = Path("/work/shared/configs")
-MXLOAD = [sys.executable, "-m", "orchestrator.cli"]
+MXLOAD = [sys.executable, "-m", "mxload.orchestrator.cli"]
 SHARD2 = "model-00002-of-00002.safetensors"
 
 

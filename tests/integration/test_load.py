@@ -12,10 +12,10 @@ import json
 import os
 
 import pytest
+from mxload.orchestrator.driver import LoadRequest, load
+from mxload.orchestrator.plantypes import ParallelLayout
 from safetensors.torch import load_file
 
-from orchestrator.driver import LoadRequest, load
-from orchestrator.plantypes import ParallelLayout
 from tests.reference_model import Layout, RefCheckpoint, compare_rank, expected_rank
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
@@ -93,7 +93,7 @@ def test_awkward_checkpoint_tp2(local_ray, ckpt_factory, tmp_path) -> None:
 
 def test_dense_model_tp2_small_staging_budget(local_ray, ckpt_factory, tmp_path) -> None:
     """A budget below one unit converts in row chunks and still matches, within budget."""
-    from orchestrator.driver import plan_load
+    from mxload.orchestrator.driver import plan_load
 
     src = ckpt_factory("qwen3-dense-tiny", 5)
     layout = ParallelLayout(tp=2)
@@ -118,7 +118,7 @@ def test_visible_devices_are_distinct_and_pinned(local_ray, ckpt_factory) -> Non
 
 
 def test_bad_layout_refused_before_starting(local_ray, ckpt_factory) -> None:
-    from orchestrator.errors import LayoutError
+    from mxload.orchestrator.errors import LayoutError
 
     src = ckpt_factory("qwen3-moe-tiny", 1)
     with pytest.raises(LayoutError):

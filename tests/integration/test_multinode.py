@@ -28,11 +28,11 @@ from typing import Any
 
 import psutil
 import pytest
+from mxload.orchestrator.driver import LoadRequest, load
+from mxload.orchestrator.errors import InputError, RunError
+from mxload.orchestrator.plantypes import ParallelLayout
 from safetensors.torch import load_file
 
-from orchestrator.driver import LoadRequest, load
-from orchestrator.errors import InputError, RunError
-from orchestrator.plantypes import ParallelLayout
 from tests.reference_model import Layout, RefCheckpoint, as_bytes, compare_rank, expected_rank
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
@@ -57,7 +57,16 @@ def _cli_env(**extra: str) -> dict[str, str]:
 
 def _cli_load(args: list[str], env: dict[str, str]) -> dict[str, Any]:
     proc = subprocess.run(
-        [sys.executable, "-m", "orchestrator.cli", "load", *args, "--device", "cpu", "--json"],
+        [
+            sys.executable,
+            "-m",
+            "mxload.orchestrator.cli",
+            "load",
+            *args,
+            "--device",
+            "cpu",
+            "--json",
+        ],
         env=env,
         capture_output=True,
         text=True,
@@ -114,9 +123,7 @@ def two_nodes() -> Iterator[Any]:
     """A head and one more node, each with 2 NPUs and 1 CPU, all on 127.0.0.1, token
     auth on; the driver (this process) joins by address like ``mxload --address``."""
     import ray
-    from ray.cluster_utils import Cluster
-
-    from cluster.local import (
+    from mxload.cluster.local import (
         LOOPBACK,
         _refresh_ray_auth,
         connect,
@@ -124,6 +131,7 @@ def two_nodes() -> Iterator[Any]:
         prepare_environment,
         short_temp_dir,
     )
+    from ray.cluster_utils import Cluster
 
     prepare_environment()
     if ray.is_initialized():
@@ -219,7 +227,7 @@ def test_simulate_cluster_script_joined_by_address(
 ) -> None:
     """``cluster/simulate_cluster.py``: real ``ray start`` nodes on loopback, a token the
     CLI joins with (``--address``), and ``stop`` ends exactly what it started."""
-    from cluster import simulate_cluster as sim
+    from mxload.cluster import simulate_cluster as sim
 
     monkeypatch.setenv("MXLOAD_HOME", str(tmp_path / "home"))
     cluster = sim.start(workers=1, npus=NPUS_PER_NODE, num_cpus=1)
@@ -318,7 +326,7 @@ def test_every_cluster_socket_is_loopback(two_nodes, src) -> None:
     manifest, run = load(LoadRequest(src=src, layout=LAYOUT, device="cpu"), keep=True)
     assert run is not None
     try:
-        from cluster.local import processes_under
+        from mxload.cluster.local import processes_under
 
         procs = [*processes_under(two_nodes.temp_dir), psutil.Process()]
         pids = {p.pid for p in procs}

@@ -9,12 +9,12 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
+from mxload.orchestrator.arch import ARCHITECTURES, LAYER_KINDS, architecture_for
+from mxload.orchestrator.config import SUPPORTED_ARCHITECTURES
+from mxload.orchestrator.errors import UnsupportedError
+from mxload.orchestrator.planner import plan_rank
+from mxload.orchestrator.plantypes import ParallelLayout
 
-from orchestrator.arch import ARCHITECTURES, LAYER_KINDS, architecture_for
-from orchestrator.config import SUPPORTED_ARCHITECTURES
-from orchestrator.errors import UnsupportedError
-from orchestrator.planner import plan_rank
-from orchestrator.plantypes import ParallelLayout
 from tests.unit.test_planner import real, synthetic
 
 

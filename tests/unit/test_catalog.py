@@ -1,4 +1,4 @@
-"""orchestrator.catalog: what it reads (and does not), errors, describe()."""
+"""mxload.orchestrator.catalog: what it reads (and does not), errors, describe()."""
 
 from __future__ import annotations
 
@@ -9,9 +9,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
-from orchestrator.catalog import describe, open_checkpoint
-from orchestrator.errors import (
+from mxload.orchestrator.catalog import describe, open_checkpoint
+from mxload.orchestrator.errors import (
     CheckpointError,
     ConfigError,
     DuplicateTensor,
@@ -22,6 +21,7 @@ from orchestrator.errors import (
     TruncatedFile,
     UnsupportedError,
 )
+
 from tests.hostile import build_safetensors, raw_file
 
 INDEX = "model.safetensors.index.json"
@@ -310,13 +310,15 @@ def test_describe() -> None:
 
 def _real_storage_available() -> bool:
     try:
-        import workers.storage  # noqa: F401
+        import mxload.workers.storage  # noqa: F401
     except ImportError:
         return False
     return True
 
 
-needs_storage = pytest.mark.skipif(not _real_storage_available(), reason="workers.storage absent")
+needs_storage = pytest.mark.skipif(
+    not _real_storage_available(), reason="mxload.workers.storage absent"
+)
 
 
 @needs_storage

@@ -1,4 +1,4 @@
-"""orchestrator.checkpoint: the index, index/shard agreement and weight/scale pairing
+"""mxload.orchestrator.checkpoint: the index, index/shard agreement and weight/scale pairing
 (SPEC §1.1, §1.2, §1.4)."""
 
 from __future__ import annotations
@@ -11,15 +11,14 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import pytest
-
-from orchestrator.checkpoint import (
+from mxload.orchestrator.checkpoint import (
     CheckpointMeta,
     ModuleWeights,
     build_meta,
     parse_index,
 )
-from orchestrator.config import ModelConfig, parse_config
-from orchestrator.errors import (
+from mxload.orchestrator.config import ModelConfig, parse_config
+from mxload.orchestrator.errors import (
     CheckpointError,
     DuplicateTensor,
     IndexError_,
@@ -27,7 +26,8 @@ from orchestrator.errors import (
     MissingTensor,
     UnpairedTensor,
 )
-from orchestrator.safetensors_header import FileHeader, parse_header, parse_header_length
+from mxload.orchestrator.safetensors_header import FileHeader, parse_header, parse_header_length
+
 from tests.hostile import build_safetensors
 
 ROOT = "memory://ckpt"

@@ -1,4 +1,4 @@
-"""orchestrator.config against SPEC §1.1's validation table, §1.2, §1.4 and the real configs."""
+"""mxload.orchestrator.config against SPEC §1.1's validation table, §1.2, §1.4 and the real configs."""
 
 from __future__ import annotations
 
@@ -9,9 +9,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
-from orchestrator.config import QuantConfig, parse_config
-from orchestrator.errors import ConfigError, InputError, UnsupportedError
+from mxload.orchestrator.config import QuantConfig, parse_config
+from mxload.orchestrator.errors import ConfigError, InputError, UnsupportedError
 
 CONFIGS = Path("/work/shared/configs")
 SRC = "/ckpt/qwen3-tiny/config.json"

@@ -17,13 +17,13 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from mxload.orchestrator.catalog import open_checkpoint
+from mxload.orchestrator.errors import UnsupportedError
+from mxload.workers.convert import convert_checkpoint
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from orchestrator.catalog import open_checkpoint
-from orchestrator.errors import UnsupportedError
 from tests.independent_ref import mx_quantize_ref, resolve_ref_bits, same_e4m3_bytes
-from workers.convert import convert_checkpoint
 
 BITS = {"bf16": (np.uint16, torch.bfloat16), "fp16": (np.uint16, torch.float16)}
 
@@ -254,11 +254,12 @@ def test_output_opens_as_mxfp8_with_mxloads_catalog(converted, case) -> None:
 def test_converted_checkpoint_loads_to_the_same_bytes(converted) -> None:
     """The short route (MXFP8, repack only) gives every rank the bytes the long route
     (block-FP8 -> resolve -> quantize) must give, per the independent reference."""
-    from orchestrator.planner import build_plan
-    from orchestrator.plantypes import ParallelLayout
+    from mxload.orchestrator.planner import build_plan
+    from mxload.orchestrator.plantypes import ParallelLayout
+    from mxload.workers.loader import RankLoader, SourceInfo
+    from mxload.workers.numerics.backend import select_backend
+
     from tests.reference_model import Layout, RefCheckpoint, compare_rank, expected_rank
-    from workers.loader import RankLoader, SourceInfo
-    from workers.numerics.backend import select_backend
 
     src, dst, _ = converted("moe-tiny")
     layout = ParallelLayout(tp=2, dp=2, enable_expert_parallel=True)
@@ -321,7 +322,7 @@ def test_nonfinite_scale_refused_unless_allowed(ckpt_factory, tmp_path) -> None:
     import shutil
     import struct
 
-    from orchestrator.errors import NonFiniteScale
+    from mxload.orchestrator.errors import NonFiniteScale
 
     src = str(tmp_path / "src")
     shutil.copytree(ckpt_factory("qwen3-dense-tiny", 5), src)
@@ -393,9 +394,10 @@ def test_storage_failure_mid_run_names_the_range_and_leaves_no_shard(
     """Storage gone for good once the first shard is written: a StorageError naming the
     file and byte range, and no output shard left behind -- neither the one being
     written nor the one finished before the failure."""
-    from orchestrator.errors import StorageError
+    from mxload.orchestrator.errors import StorageError
+    from mxload.workers import convert as convert_mod
+
     from tests.servers import Faults, RangeHTTPServer
-    from workers import convert as convert_mod
 
     src = ckpt_factory("qwen3-moe-tiny", 5)
     dst = tmp_path / "out"
@@ -425,7 +427,7 @@ def test_convert_process_never_imports_torch(ckpt_factory, tmp_path) -> None:
     src = ckpt_factory("qwen3-moe-tiny", 5)
     code = (
         "import sys, json\n"
-        "from workers.convert import convert_checkpoint\n"
+        "from mxload.workers.convert import convert_checkpoint\n"
         "s = convert_checkpoint(sys.argv[1], sys.argv[2], numerics='fast')\n"
         "print(json.dumps([s['backend'], 'torch' in sys.modules]))\n"
     )
@@ -440,7 +442,7 @@ def test_convert_process_never_imports_torch(ckpt_factory, tmp_path) -> None:
 
 
 def test_unknown_numerics_is_a_usage_error(ckpt_factory, tmp_path) -> None:
-    from orchestrator.errors import UsageError
+    from mxload.orchestrator.errors import UsageError
 
     with pytest.raises(UsageError, match="numerics"):
         convert_checkpoint(ckpt_factory("qwen3-moe-tiny", 5), str(tmp_path / "o"), numerics="x")

@@ -12,10 +12,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
-from orchestrator.config import ModelConfig, parse_config
-from orchestrator.errors import LayoutError
-from orchestrator.layout import (
+from mxload.orchestrator.config import ModelConfig, parse_config
+from mxload.orchestrator.errors import LayoutError
+from mxload.orchestrator.layout import (
     experts_for_rank,
     kv_head_rows,
     padded_vocab,
@@ -23,7 +22,7 @@ from orchestrator.layout import (
     rank_coords,
     validate_layout,
 )
-from orchestrator.plantypes import ParallelLayout
+from mxload.orchestrator.plantypes import ParallelLayout
 
 CONFIGS = Path("/work/shared/configs")
 

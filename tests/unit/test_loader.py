@@ -1,6 +1,6 @@
 """The rank loader used without Ray (SPEC §4 "The per-rank loader is a plain class").
 
-Every rank of a plan is loaded in this process by ``workers.loader.RankLoader`` and its
+Every rank of a plan is loaded in this process by ``mxload.workers.loader.RankLoader`` and its
 buffers are compared byte for byte with ``tests.reference_model.expected_rank``, which
 reads the checkpoint with the official safetensors library and converts it with the
 independent numpy reference: nothing expected here comes from the code under test.
@@ -24,14 +24,14 @@ import threading
 import numpy as np
 import pytest
 import torch
+from mxload.orchestrator.catalog import open_checkpoint
+from mxload.orchestrator.errors import AdoptionError, InputError, NonFiniteScale, RunError
+from mxload.orchestrator.planner import build_plan
+from mxload.orchestrator.plantypes import ParallelLayout, Plan, RankPlan
+from mxload.workers.loader import TORCH_DTYPES, RankLoader, SourceInfo
+from mxload.workers.numerics.backend import select_backend
 
-from orchestrator.catalog import open_checkpoint
-from orchestrator.errors import AdoptionError, InputError, NonFiniteScale, RunError
-from orchestrator.planner import build_plan
-from orchestrator.plantypes import ParallelLayout, Plan, RankPlan
 from tests.reference_model import Layout, RefCheckpoint, compare_rank, expected_rank
-from workers.loader import TORCH_DTYPES, RankLoader, SourceInfo
-from workers.numerics.backend import select_backend
 
 # --- helpers -------------------------------------------------------------------------------
 
@@ -231,7 +231,7 @@ def test_reload_second_version_into_the_same_buffers(ckpt_factory) -> None:
         assert sum(sums1[n] != sums2[n] for n in sums1) > 0.9 * len(sums1)
         assert stats.measured_peak_staging_bytes <= plan1.min_staging_reload
         # A reload keeps units whole: a budget below the largest unit is refused.
-        from orchestrator.errors import StagingBudgetError
+        from mxload.orchestrator.errors import StagingBudgetError
 
         with pytest.raises(StagingBudgetError, match="--staging-budget"):
             loader.reload(
@@ -535,7 +535,7 @@ def test_interrupted_reload_reports_current_bytes_and_completes(ckpt_factory) ->
     """A reload that fails part-way leaves finished units at the new version and the
     rest at the old one (consistent: false); the report's checksums are those of the
     bytes held now; running the reload again completes it (SPEC §4 "Reload")."""
-    from workers.loader import checksum
+    from mxload.workers.loader import checksum
 
     v1, v2 = ckpt_factory("qwen3-moe-tiny", 1), ckpt_factory("qwen3-moe-tiny", 2)
     layout = ParallelLayout(tp=2)
@@ -586,7 +586,7 @@ def test_staging_peak_does_not_depend_on_reader_timing(ckpt_factory, monkeypatch
     out at half the prediction: seen in CI). Every fill is delayed here."""
     import time as _time
 
-    from workers.loader import RankLoader
+    from mxload.workers.loader import RankLoader
 
     real_fill = RankLoader._fill
 

@@ -20,10 +20,9 @@ from __future__ import annotations
 from collections import Counter
 
 import pytest
-
-from orchestrator.catalog import open_checkpoint
-from orchestrator.errors import StagingBudgetError
-from orchestrator.memory import (
+from mxload.orchestrator.catalog import open_checkpoint
+from mxload.orchestrator.errors import StagingBudgetError
+from mxload.orchestrator.memory import (
     MIN_CHUNK_ROWS,
     ConvertOptions,
     chunk_rows,
@@ -35,9 +34,9 @@ from orchestrator.memory import (
     sub_unit,
     unit_cost,
 )
-from orchestrator.planner import build_plan
-from orchestrator.plantypes import ParallelLayout, RankPlan
-from orchestrator.ranges import ByteRange
+from mxload.orchestrator.planner import build_plan
+from mxload.orchestrator.plantypes import ParallelLayout, RankPlan
+from mxload.orchestrator.ranges import ByteRange
 
 CASES = {
     # partial tiles (hidden 160, q rows 96 per rank at tp=2 start mid-tile), odd groups
@@ -63,7 +62,7 @@ def plans(ckpt_factory, tmp_path_factory):
             preset, layout = CASES[case]
             src = ckpt_factory(preset.removeprefix("mxfp8:"), 3)
             if preset.startswith("mxfp8:"):
-                from workers.convert import convert_checkpoint
+                from mxload.workers.convert import convert_checkpoint
 
                 dst = str(tmp_path_factory.mktemp("mxfp8") / "ckpt")
                 convert_checkpoint(src, dst)

@@ -18,16 +18,16 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from mxload.orchestrator.errors import ConversionError, MxloadError, UsageError
+from mxload.workers.numerics import Backend, reference, select_backend
+from mxload.workers.numerics.npu import NpuBackend, apply_group_rules, normalise_mx_scale
 
-from orchestrator.errors import ConversionError, MxloadError, UsageError
 from tests import independent_ref as ir
 from tests import numerics_cases as nc
-from workers.numerics import Backend, reference, select_backend
-from workers.numerics.npu import NpuBackend, apply_group_rules, normalise_mx_scale
 
 HAS_TORCH_NPU = importlib.util.find_spec("torch_npu") is not None
 HAS_CUDA = torch.cuda.is_available()
-FAST_MODULE = "workers.numerics.fast"
+FAST_MODULE = "mxload.workers.numerics.fast"
 
 
 # --- select_backend -------------------------------------------------------------------------

@@ -3,7 +3,7 @@ byte (SPEC §2; NaN payload bytes 0x7F and 0xFF count as equal).
 
 Expected bytes come from the hand-written table (tests/numerics_cases.py), from a few
 fused cases derived by hand below, from exhaustive enumeration of the 256 E4M3 codes,
-and from workers.numerics.reference / repack on seeded random data -- never from the
+and from mxload.workers.numerics.reference / repack on seeded random data -- never from the
 code under test. No timing assertions (bench/bench_convert.py measures speed).
 """
 
@@ -19,11 +19,11 @@ import numba
 import numpy as np
 import pytest
 import torch
+from mxload.orchestrator.errors import NumericsError
+from mxload.workers.numerics import backend, fast, kernels, repack
+from mxload.workers.numerics import reference as ref
 
-from orchestrator.errors import NumericsError
 from tests import numerics_cases as nc
-from workers.numerics import backend, fast, kernels, repack
-from workers.numerics import reference as ref
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 NAN = float("nan")

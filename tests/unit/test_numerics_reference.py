@@ -14,11 +14,11 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from mxload.orchestrator.errors import NonFiniteScale, NumericsError
+from mxload.workers.numerics import reference as ref
 
-from orchestrator.errors import NonFiniteScale, NumericsError
 from tests import independent_ref as ir
 from tests import numerics_cases as nc
-from workers.numerics import reference as ref
 
 DTYPES = ("bf16", "fp16", "fp32")
 

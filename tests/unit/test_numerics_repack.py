@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from orchestrator.errors import NumericsError
-from workers.numerics import repack
+from mxload.orchestrator.errors import NumericsError
+from mxload.workers.numerics import repack
 
 
 def _payload(n: int, k: int, seed: int = 0) -> torch.Tensor:

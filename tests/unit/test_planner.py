@@ -7,7 +7,7 @@ Invariants, in the spirit of vLLM's ``ep_weight_filter`` and Run:ai's partition 
   heads when tp > kv, once for a routed expert), and the gathered parts rebuild the
   tensor's whole index space;
 * the checkpoint tensors the plan reads are exactly those SPEC §3 lists for the model
-  (enumerated here independently of ``orchestrator.arch``);
+  (enumerated here independently of ``mxload.orchestrator.arch``);
 * each rank's persistent bytes equal a count made here from the SPEC §2.3 formulas;
 * buffers and units agree with each other (names, shapes, layouts, expert indices).
 """
@@ -24,20 +24,19 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
-from orchestrator.checkpoint import CheckpointMeta
-from orchestrator.config import ModelConfig, parse_config
-from orchestrator.errors import (
+from mxload.orchestrator.checkpoint import CheckpointMeta
+from mxload.orchestrator.config import ModelConfig, parse_config
+from mxload.orchestrator.errors import (
     CheckpointError,
     LayoutError,
     MissingTensor,
     MixedQuantization,
     StagingBudgetError,
 )
-from orchestrator.formats import SAFETENSORS_ITEMSIZE
-from orchestrator.planner import build_plan, plan_rank, plan_to_json
-from orchestrator.plantypes import ParallelLayout, Plan, RankPlan
-from orchestrator.safetensors_header import TensorInfo
+from mxload.orchestrator.formats import SAFETENSORS_ITEMSIZE
+from mxload.orchestrator.planner import build_plan, plan_rank, plan_to_json
+from mxload.orchestrator.plantypes import ParallelLayout, Plan, RankPlan
+from mxload.orchestrator.safetensors_header import TensorInfo
 
 CONFIGS = Path("/work/shared/configs")
 FP8 = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}  # fmt: skip
@@ -811,7 +810,7 @@ def test_bytes_needed_counts_slices_and_covering_tiles() -> None:
     o = next(u for u in rp.units if u.buffer == "model.layers.0.self_attn.o_proj.weight")
     assert o.parts[0].cols == (64, 128)
     # o_proj [256, 256] F8: 256 x 64 bytes, plus tile rows 0..1 x tile column 0: 2 x 4 bytes
-    from orchestrator.readplan import needed_bytes
+    from mxload.orchestrator.readplan import needed_bytes
 
     assert needed_bytes(o, cfg) == 256 * 64 + 2 * 4
 

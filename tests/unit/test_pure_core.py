@@ -16,19 +16,19 @@ from pathlib import Path
 import pytest
 
 PURE_MODULES = (
-    "orchestrator.errors",
-    "orchestrator.formats",
-    "orchestrator.sizes",
-    "orchestrator.config",
-    "orchestrator.ranges",
-    "orchestrator.plantypes",
-    "orchestrator.arch",
-    "orchestrator.layout",
-    "orchestrator.planner",
-    "orchestrator.readplan",
-    "orchestrator.memory",
-    "orchestrator.safetensors_header",
-    "orchestrator.checkpoint",
+    "mxload.orchestrator.errors",
+    "mxload.orchestrator.formats",
+    "mxload.orchestrator.sizes",
+    "mxload.orchestrator.config",
+    "mxload.orchestrator.ranges",
+    "mxload.orchestrator.plantypes",
+    "mxload.orchestrator.arch",
+    "mxload.orchestrator.layout",
+    "mxload.orchestrator.planner",
+    "mxload.orchestrator.readplan",
+    "mxload.orchestrator.memory",
+    "mxload.orchestrator.safetensors_header",
+    "mxload.orchestrator.checkpoint",
 )
 HEAVY = ("torch", "ray", "numpy", "fsspec")
 ROOT = Path(__file__).resolve().parents[2]
@@ -39,9 +39,9 @@ mods = {mods!r}
 for m in mods:
     __import__(m)
 if {plan!r}:
-    from orchestrator.config import parse_config
-    from orchestrator.plantypes import ParallelLayout
-    from orchestrator.planner import build_plan, plan_to_json
+    from mxload.orchestrator.config import parse_config
+    from mxload.orchestrator.plantypes import ParallelLayout
+    from mxload.orchestrator.planner import build_plan, plan_to_json
     cfg = parse_config(json.load(open({config!r})), "config.json")
     plan_to_json(build_plan(cfg, ParallelLayout(tp=2, dp=2, enable_expert_parallel=True)))
 heavy = sorted(h for h in {heavy!r} if h in sys.modules or any(k.startswith(h + ".") for k in sys.modules))
@@ -75,4 +75,4 @@ def test_planning_from_a_config_stays_pure() -> None:
 
 def test_the_probe_can_see_a_heavy_import() -> None:
     # The check is only worth something if it notices a heavy import when there is one.
-    assert probe(("orchestrator.config", "numpy")) == ["numpy"]
+    assert probe(("mxload.orchestrator.config", "numpy")) == ["numpy"]

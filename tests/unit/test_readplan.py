@@ -2,7 +2,7 @@
 
 Hand-computed expectations for misaligned slices (floor-based tile coverage, never ceil
 of the offset), compactness (one strided range per row-split part, not one per row), the
-fast coalescing count against ``orchestrator.ranges.requested_bytes`` on random range
+fast coalescing count against ``mxload.orchestrator.ranges.requested_bytes`` on random range
 sets, and an end-to-end check that the planned ranges of a real synthetic checkpoint hold
 exactly the bytes of each part's rectangle.
 """
@@ -13,13 +13,12 @@ import random
 from pathlib import Path
 
 import pytest
-
-from orchestrator.checkpoint import CheckpointMeta
-from orchestrator.config import ModelConfig, parse_config
-from orchestrator.formats import SAFETENSORS_ITEMSIZE
-from orchestrator.planner import build_plan
-from orchestrator.plantypes import ParallelLayout, Part, PartRead, Unit, UnitReads
-from orchestrator.ranges import (
+from mxload.orchestrator.checkpoint import CheckpointMeta
+from mxload.orchestrator.config import ModelConfig, parse_config
+from mxload.orchestrator.formats import SAFETENSORS_ITEMSIZE
+from mxload.orchestrator.planner import build_plan
+from mxload.orchestrator.plantypes import ParallelLayout, Part, PartRead, Unit, UnitReads
+from mxload.orchestrator.ranges import (
     LOCAL_POLICY,
     REMOTE_POLICY,
     ByteRange,
@@ -27,7 +26,7 @@ from orchestrator.ranges import (
     contiguous,
     requested_bytes,
 )
-from orchestrator.readplan import (
+from mxload.orchestrator.readplan import (
     needed_bytes,
     predicted_read_bytes,
     rect_range,
@@ -35,7 +34,8 @@ from orchestrator.readplan import (
     tile_span,
     unit_reads,
 )
-from orchestrator.safetensors_header import TensorInfo
+from mxload.orchestrator.safetensors_header import TensorInfo
+
 from tests.unit.test_planner import fake_meta, real, synthetic
 
 
@@ -325,7 +325,7 @@ def range_bytes(path: Path, rng: ByteRange) -> bytes:
 def test_planned_ranges_hold_the_rectangles(
     ckpt_factory, preset: str, layout: ParallelLayout
 ) -> None:  # type: ignore[no-untyped-def]
-    from orchestrator.catalog import open_checkpoint
+    from mxload.orchestrator.catalog import open_checkpoint
 
     root = Path(ckpt_factory(preset))
     ck = open_checkpoint(str(root))

@@ -1,4 +1,4 @@
-"""orchestrator.safetensors_header: hostile files (SPEC §1.3) and agreement with safetensors."""
+"""mxload.orchestrator.safetensors_header: hostile files (SPEC §1.3) and agreement with safetensors."""
 
 from __future__ import annotations
 
@@ -11,8 +11,7 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
-from orchestrator.errors import (
+from mxload.orchestrator.errors import (
     HeaderError,
     HeaderTooLarge,
     InvalidHeaderJson,
@@ -23,12 +22,13 @@ from orchestrator.errors import (
     TruncatedFile,
     UnknownDtype,
 )
-from orchestrator.safetensors_header import (
+from mxload.orchestrator.safetensors_header import (
     FileHeader,
     TensorInfo,
     parse_header,
     parse_header_length,
 )
+
 from tests.hostile import ATTACKS, EVIL, Attack, build_safetensors, layout, raw_file
 
 FILE = "model-00001-of-00002.safetensors"

@@ -15,10 +15,9 @@ import uuid
 import fsspec
 import pytest
 import torch
+from mxload.workers.safetensors_io import SafetensorsWriter, tensor_from_bytes, write_safetensors
 from safetensors import safe_open
 from safetensors.torch import load as st_load
-
-from workers.safetensors_io import SafetensorsWriter, tensor_from_bytes, write_safetensors
 
 
 def _tensors() -> dict[str, torch.Tensor]:

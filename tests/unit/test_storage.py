@@ -21,11 +21,11 @@ import fsspec
 import numpy as np
 import pytest
 import torch
+from mxload.orchestrator.errors import CheckpointError, StorageError, UsageError
+from mxload.orchestrator.ranges import LOCAL_POLICY, REMOTE_POLICY, ByteRange, CoalescePolicy
+from mxload.workers.storage import RetryPolicy, ShortRead, Storage, is_retryable
 
-from orchestrator.errors import CheckpointError, StorageError, UsageError
-from orchestrator.ranges import LOCAL_POLICY, REMOTE_POLICY, ByteRange, CoalescePolicy
 from tests.servers import Faults, MotoS3, RangeHTTPServer, moto_s3
-from workers.storage import RetryPolicy, ShortRead, Storage, is_retryable
 
 FILE = "model-00001-of-00001.safetensors"
 SIZE = 200_003  # odd on purpose

@@ -16,12 +16,12 @@ import uuid
 import fsspec
 import pytest
 import torch
+from mxload.orchestrator.config import parse_config
+from mxload.orchestrator.errors import UsageError
+from mxload.workers.synth import PRESETS, make_checkpoint
 from safetensors import safe_open
 
-from orchestrator.config import parse_config
-from orchestrator.errors import UsageError
 from tests.servers import moto_s3
-from workers.synth import PRESETS, make_checkpoint
 
 QUANT = {
     "quant_method": "fp8",

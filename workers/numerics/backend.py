@@ -8,7 +8,7 @@ in ``note`` why it chose what it chose (``"cpu: torch_npu is not installed"``).
 Why lazy imports: torch_npu and the CUDA runtime are imported only inside
 ``select_backend`` and the device backends, never at module import, so the planner, the
 CLI and CPU-only tests import this module on any machine. The optional fused CPU kernel
-(``workers.numerics.fast``) is also looked up lazily; if it is missing or says it is not
+(``mxload.workers.numerics.fast``) is also looked up lazily; if it is missing or says it is not
 available, the reference is used.
 
 Limits: every backend must match the reference byte for byte (NaN bytes 0x7F and 0xFF
@@ -25,9 +25,8 @@ from types import ModuleType
 from typing import Any
 
 import torch
-
-from orchestrator.errors import UsageError
-from workers.numerics import reference
+from mxload.orchestrator.errors import UsageError
+from mxload.workers.numerics import reference
 
 ResolveFn = Callable[..., torch.Tensor]
 QuantizeFn = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
@@ -159,7 +158,7 @@ class Backend:
                 **kwargs,
             )
             return
-        from workers.numerics.repack import write_rows
+        from mxload.workers.numerics.repack import write_rows
 
         payload, scale = self.convert_block_to_mx(w_fp8, scale_inv_f32, **kwargs)  # type: ignore[arg-type]
         write_rows(out_weight, out_scale, payload, scale, out_row0)
@@ -217,7 +216,7 @@ class CudaBackend(Backend):
 
 
 def _cpu_backend(prefer_fast: bool, why: str) -> Backend:
-    """The CPU backend: the fused kernel of ``workers.numerics.fast`` when it is there and
+    """The CPU backend: the fused kernel of ``mxload.workers.numerics.fast`` when it is there and
     says it can run, else the reference. ``note`` reads ``"cpu: <why>; <which CPU path>"``."""
     cpu = torch.device("cpu")
     if not prefer_fast:
@@ -225,7 +224,7 @@ def _cpu_backend(prefer_fast: bool, why: str) -> Backend:
             "cpu-reference", cpu, f"cpu: {why}; reference path (fast path not requested)"
         )
     try:
-        fast: ModuleType | None = importlib.import_module("workers.numerics.fast")
+        fast: ModuleType | None = importlib.import_module("mxload.workers.numerics.fast")
     except ImportError as exc:
         fast = None
         fast_why = f"no fast CPU path ({exc})"
@@ -279,9 +278,9 @@ def select_backend(
 ) -> Backend:
     """Turn ``--device`` into a :class:`Backend` (SPEC §4).
 
-    - ``"cpu"``: the CPU backend (``"cpu-fast"`` if ``workers.numerics.fast`` is there and
+    - ``"cpu"``: the CPU backend (``"cpu-fast"`` if ``mxload.workers.numerics.fast`` is there and
       available and ``prefer_fast``, else ``"cpu-reference"``).
-    - ``"npu"``: :class:`workers.numerics.npu.NpuBackend`; a :class:`UsageError` naming
+    - ``"npu"``: :class:`mxload.workers.numerics.npu.NpuBackend`; a :class:`UsageError` naming
       ``--device`` if torch_npu cannot be imported or no NPU is visible.
     - ``"cuda"``: :class:`CudaBackend`; a :class:`UsageError` if CUDA is unavailable.
     - ``"auto"``: npu if torch_npu imports and an NPU is visible, else cuda if available,
@@ -304,7 +303,7 @@ def select_backend(
         if torch_npu is not None:
             visible, npu_why = _npu_visible(visible_devices)
             if visible:
-                from workers.numerics.npu import NpuBackend
+                from mxload.workers.numerics.npu import NpuBackend
 
                 return NpuBackend(note=f"npu: --device {device}{where}")
         if device == "npu":

@@ -1,13 +1,13 @@
 """Fast CPU conversion path for torch tensors: block-FP8 -> resolve -> MXFP8 in one pass.
 
 Purpose
-    The functions of :mod:`workers.numerics.reference` with the same signatures and
+    The functions of :mod:`mxload.workers.numerics.reference` with the same signatures and
     byte-identical results (SPEC §2; NaN payload bytes 0x7F and 0xFF count as equal), fast
     enough that CPU conversion stops being the bottleneck of a load, plus
     :func:`convert_block_to_mx_packed`, which writes the kernel layout of SPEC §2.3 in
     place (what ``repack.write_rows`` does after the reference, without the transpose
     pass). The kernels, and why they are numba and tables, are in
-    :mod:`workers.numerics.kernels` (torch-free, so ``mxload convert`` can skip the torch
+    :mod:`mxload.workers.numerics.kernels` (torch-free, so ``mxload convert`` can skip the torch
     import); this module validates torch arguments and launches them with
     ``torch.get_num_threads()`` threads. ``tests/unit/test_numerics_fast.py`` holds it to
     the reference and to the named case table; ``bench/bench_convert.py`` measures it.
@@ -23,12 +23,11 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-
-from orchestrator.errors import NumericsError
-from orchestrator.formats import MX_GROUP, MX_PAIR, ceil_div
-from workers.numerics import kernels
-from workers.numerics.kernels import MODE_FP32
-from workers.numerics.reference import MODEL_TORCH_DTYPE
+from mxload.orchestrator.errors import NumericsError
+from mxload.orchestrator.formats import MX_GROUP, MX_PAIR, ceil_div
+from mxload.workers.numerics import kernels
+from mxload.workers.numerics.kernels import MODE_FP32
+from mxload.workers.numerics.reference import MODEL_TORCH_DTYPE
 
 __all__ = [
     "convert_block_to_mx",
@@ -44,7 +43,7 @@ _MODES: dict[torch.dtype, int] = {t: kernels.MODE_OF[name] for name, t in MODEL_
 
 def fast_available() -> bool:
     """True when numba imports and every kernel compiles and passes a tiny self-test
-    (:func:`workers.numerics.kernels.available`; remembered for the process, never
+    (:func:`mxload.workers.numerics.kernels.available`; remembered for the process, never
     raises)."""
     return kernels.available()
 

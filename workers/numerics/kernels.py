@@ -1,12 +1,12 @@
 """The numba kernels of the fast CPU conversion path, on numpy arrays only (no torch).
 
 Purpose
-    The byte-exact kernels behind :mod:`workers.numerics.fast` (block-FP8 -> resolve ->
+    The byte-exact kernels behind :mod:`mxload.workers.numerics.fast` (block-FP8 -> resolve ->
     MXFP8 in one pass, SPEC §2), with a numpy-level API: :func:`convert` and
     :func:`resolve` take the raw uint8 payload and float32 tile scales of a checkpoint
     tensor and return new arrays. Nothing here imports torch, so ``mxload convert``
-    (:mod:`workers.convert`) starts in a fraction of the time a torch import takes (about
-    1.4 s of a 2-3 s conversion on the benchmark machine). :mod:`workers.numerics.fast`
+    (:mod:`mxload.workers.convert`) starts in a fraction of the time a torch import takes (about
+    1.4 s of a 2-3 s conversion on the benchmark machine). :mod:`mxload.workers.numerics.fast`
     wraps the same kernels for torch tensors (the loader's calls) and
     ``tests/unit/test_numerics_fast.py`` holds both to the reference and the named case
     table; ``bench/bench_convert.py`` measures them (``bench/results/``).
@@ -54,7 +54,7 @@ Why numba, and why tables (evidence: ``bench/results/convert.md``)
 
 Threads
     Each launch names its thread count (capped by ``NUMBA_NUM_THREADS``):
-    :mod:`workers.numerics.fast` passes ``torch.get_num_threads()``, so a Ray worker given
+    :mod:`mxload.workers.numerics.fast` passes ``torch.get_num_threads()``, so a Ray worker given
     a share of the cores uses that share; ``mxload convert`` passes :func:`cpu_share`. Launches are serialized by a
     lock: numba's ``workqueue`` threading layer (used where neither TBB nor OpenMP is
     available) aborts the process on concurrent launches, and a launch already uses all
@@ -85,9 +85,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-
-from orchestrator.errors import NumericsError
-from orchestrator.formats import MX_GROUP, ceil_div
+from mxload.orchestrator.errors import NumericsError
+from mxload.orchestrator.formats import MX_GROUP, ceil_div
 
 # OpenMP worker threads that spin after each parallel region (the default) burn a core
 # between the many short launches of a load or a convert, taking it from the reader and
@@ -120,7 +119,7 @@ MODE_BF16 = 0
 MODE_FP16 = 1
 MODE_FP32 = 2
 MODE_OF: dict[str, int] = {"bf16": MODE_BF16, "fp16": MODE_FP16, "fp32": MODE_FP32}
-"""Model dtype name (config.json's ``torch_dtype``, as ``orchestrator.config`` names it)
+"""Model dtype name (config.json's ``torch_dtype``, as ``mxload.orchestrator.config`` names it)
 -> kernel mode."""
 
 

@@ -29,11 +29,10 @@ import importlib
 from typing import Any
 
 import torch
-
-from orchestrator.errors import ConversionError, NumericsError
-from orchestrator.formats import E8M0_NAN, MX_GROUP, MX_PAIR, ceil_div
-from workers.numerics import reference
-from workers.numerics.backend import Backend
+from mxload.orchestrator.errors import ConversionError, NumericsError
+from mxload.orchestrator.formats import E8M0_NAN, MX_GROUP, MX_PAIR, ceil_div
+from mxload.workers.numerics import reference
+from mxload.workers.numerics.backend import Backend
 
 _NPU_OP_DTYPES = (torch.bfloat16, torch.float16)
 _E4M3_NAN_BYTE = 0x7F

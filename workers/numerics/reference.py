@@ -22,17 +22,16 @@ pads a ragged K; callers decide the K % 32 fallback (SPEC §2.2) before calling.
 from __future__ import annotations
 
 import torch
-
-from orchestrator.errors import NumericsError
-from orchestrator.formats import E4M3_EMAX, E4M3_MAX, E8M0_BIAS, E8M0_NAN, MX_GROUP
-from workers.numerics import scales as _scales
+from mxload.orchestrator.errors import NumericsError
+from mxload.orchestrator.formats import E4M3_EMAX, E4M3_MAX, E8M0_BIAS, E8M0_NAN, MX_GROUP
+from mxload.workers.numerics import scales as _scales
 
 MODEL_TORCH_DTYPE: dict[str, torch.dtype] = {
     "bf16": torch.bfloat16,
     "fp16": torch.float16,
     "fp32": torch.float32,
 }
-"""Model dtype name (``orchestrator.config``'s ``model_dtype``) -> torch dtype."""
+"""Model dtype name (``mxload.orchestrator.config``'s ``model_dtype``) -> torch dtype."""
 
 MODEL_TORCH_DTYPES: tuple[torch.dtype, ...] = tuple(MODEL_TORCH_DTYPE.values())
 """Dtypes a resolved tensor can have, and that mx_quantize accepts (SPEC §1.4, §2.2)."""
@@ -140,7 +139,7 @@ def check_block_scales(
     allow_nonfinite: bool,
 ) -> None:
     """Refuse NaN, Inf, zero or negative float32 block scales (SPEC §1.1): the torch
-    face of :func:`workers.numerics.scales.check_block_scales`, which says what passes and
+    face of :func:`mxload.workers.numerics.scales.check_block_scales`, which says what passes and
     what the :class:`~orchestrator.errors.NonFiniteScale` it raises names."""
     if scale_inv_f32.dtype != torch.float32:
         raise NumericsError(

@@ -8,8 +8,7 @@ directly.
 from __future__ import annotations
 
 import numpy as np
-
-from orchestrator.errors import NonFiniteScale
+from mxload.orchestrator.errors import NonFiniteScale
 
 
 def check_block_scales(
