@@ -9,9 +9,11 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 import warnings
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import MxloadError, UsageError
@@ -24,100 +26,254 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(message)
 
 
-def _add_common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], help="model dtype override")
-    p.add_argument("--allow-nonfinite", action="store_true", help="let NaN/Inf scales through")
-    p.add_argument("--max-restarts", type=int, default=1, help="restarts per worker")
-    p.add_argument("--storage-options", default=None, help="JSON object passed to fsspec")
-    p.add_argument("--debug", action="store_true", help="show tracebacks")
-    p.add_argument("--json", action="store_true", help="machine-readable output on stdout")
+# --- flags: each declared once, with the commands it acts on -----------------------------------
+#
+# Why a table: a flag appears only where it means something (``--max-restarts`` on a load,
+# not on ``inspect``), every flag has help text, and a default the user did not give is
+# recorded so the output can say which were used. Adding a flag to a set of commands is one
+# ``Flag(...)`` entry below; the command reads it as ``args.<dest>``.
+
+ALL = ("demo", "make-checkpoint", "inspect", "plan", "load", "reload", "status", "release", "convert")  # fmt: skip
+LAYOUT = ("plan", "load")
+"""Commands that take a parallel layout."""
+SESSION = ("load", "reload", "status", "release")
+"""Commands that reach a detached session or a Ray cluster."""
+READS = ("make-checkpoint", "inspect", "plan", "load", "reload", "convert")
+"""Commands that open a checkpoint URL through fsspec."""
+
+SIZE_HELP = "SIZE with its unit, e.g. 64GiB, 512MiB, 2GB or 1048576B; a bare number is refused"
 
 
-def _add_layout(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--tp", type=int, default=1)
-    p.add_argument("--dp", type=int, default=1)
-    p.add_argument("--pp", type=int, default=1)
-    p.add_argument("--enable-expert-parallel", action="store_true")
-    p.add_argument("--expert-placement", choices=["linear", "round_robin"], default="linear")
+@dataclass(frozen=True)
+class Flag:
+    """One command-line flag: its names, the commands it acts on, argparse keywords.
+
+    ``default`` is applied after parsing (argparse sees None) so the command knows which
+    defaults were used (``args.defaults_used``); ``size`` flags are parsed with a unit."""
+
+    names: tuple[str, ...]
+    commands: tuple[str, ...]
+    help: str
+    default: Any = None
+    size: bool = False
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def dest(self) -> str:
+        return self.names[0].lstrip("-").replace("-", "_")
 
 
-def _add_cluster(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--address", default=None, help="join an existing Ray cluster")
-    p.add_argument("--session", default="default", help="detached session name")
+FLAGS: tuple[Flag, ...] = (
+    # layout
+    Flag(("--tp",), LAYOUT, "tensor-parallel size", 1, kwargs={"type": int, "metavar": "N"}),
+    Flag(("--dp",), LAYOUT, "data-parallel size", 1, kwargs={"type": int, "metavar": "N"}),
+    Flag(("--pp",), LAYOUT, "pipeline-parallel size", 1, kwargs={"type": int, "metavar": "N"}),
+    Flag(
+        ("--enable-expert-parallel",),
+        LAYOUT,
+        "shard MoE experts over tp x dp ranks (vLLM's EP) instead of TP-sharding each expert",
+        kwargs={"action": "store_true"},
+    ),
+    Flag(
+        ("--expert-placement",),
+        LAYOUT,
+        "how experts map to EP ranks: linear (contiguous blocks) or round_robin",
+        "linear",
+        kwargs={"choices": ["linear", "round_robin"]},
+    ),
+    # memory
+    Flag(
+        ("--device-memory",),
+        ("plan", "load"),
+        f"memory of one device; plans that do not fit exit 3 ({SIZE_HELP})",
+        size=True,
+        kwargs={"metavar": "SIZE"},
+    ),
+    Flag(
+        ("--staging-budget",),
+        ("plan", "load", "reload"),
+        f"host staging memory per rank (default: the largest unit; {SIZE_HELP})",
+        size=True,
+        kwargs={"metavar": "SIZE"},
+    ),
+    # devices and placement
+    Flag(
+        ("--device",),
+        ("load",),
+        "where buffers live: npu, cuda, cpu, or auto (npu where torch_npu imports, else cpu)",
+        "auto",
+        kwargs={"choices": ["auto", "npu", "cuda", "cpu"]},
+    ),
+    Flag(
+        ("--device",),
+        ("plan",),
+        "device the plan is for (its kernels' scratch differs): npu, cuda, cpu, auto",
+        "cpu",
+        kwargs={"choices": ["auto", "npu", "cuda", "cpu"]},
+    ),
+    Flag(
+        ("--devices-per-node",),
+        ("plan",),
+        "devices per node for the per-node headroom summary (ranks packed in order)",
+        16,
+        kwargs={"type": int, "metavar": "N"},
+    ),
+    Flag(
+        ("--resource",),
+        ("load",),
+        "Ray resource each rank asks one unit of (default NPU; GPU with --device cuda)",
+        kwargs={"metavar": "NAME"},
+    ),
+    Flag(
+        ("--placement",),
+        ("load",),
+        "Ray placement-group strategy for the ranks' bundles",
+        "pack",
+        kwargs={"choices": ["pack", "spread", "strict_pack", "strict_spread"]},
+    ),
+    Flag(
+        ("--max-restarts",),
+        ("load",),
+        "times a lost worker process is restarted and its rank redone before the load fails",
+        1,
+        kwargs={"type": int, "metavar": "N"},
+    ),
+    # cluster and session
+    Flag(
+        ("--address",),
+        SESSION,
+        "Ray head to join, HOST:PORT (default: the head recorded under $MXLOAD_HOME, or for "
+        "load a new local one)",
+        kwargs={"metavar": "HOST:PORT"},
+    ),
+    Flag(
+        ("--session",),
+        SESSION,
+        "detached session name (load: only with --detach)",
+        "default",
+        kwargs={"metavar": "NAME"},
+    ),
+    Flag(
+        ("--detach",),
+        ("load",),
+        "keep the workers and their buffers alive after the command (then: status, "
+        "reload, release)",
+        kwargs={"action": "store_true"},
+    ),
+    # sources and numerics
+    Flag(
+        ("--storage-options",),
+        READS,
+        "JSON object passed to fsspec for s3:// or http(s):// URLs, e.g. "
+        '\'{"endpoint_url": "http://host:9000"}\'',
+        kwargs={"metavar": "JSON"},
+    ),
+    Flag(
+        ("--dtype",),
+        ("inspect", "plan", "load", "convert"),
+        "model dtype of unquantized tensors, instead of config.json's torch_dtype",
+        kwargs={"choices": ["bf16", "fp16", "fp32"]},
+    ),
+    Flag(
+        ("--allow-nonfinite",),
+        ("load", "convert"),
+        "let NaN/Inf block scales through (they are refused by default, naming the tensor)",
+        kwargs={"action": "store_true"},
+    ),
+    # outputs
+    Flag(
+        ("--dump",),
+        ("load", "status"),
+        "write what every rank holds to DIR/rank-NNNNN.safetensors",
+        kwargs={"metavar": "DIR"},
+    ),
+    Flag(
+        ("--report",),
+        ("load", "reload"),
+        "write the run's manifest (JSON) to FILE",
+        kwargs={"metavar": "FILE"},
+    ),
+    Flag(
+        ("--json",),
+        ALL,
+        "machine-readable JSON on stdout (no progress, no table)",
+        kwargs={"action": "store_true"},
+    ),
+    Flag(("--debug",), ALL, "show tracebacks and library logs", kwargs={"action": "store_true"}),
+)
+
+
+def _add_flags(p: argparse.ArgumentParser, command: str) -> None:
+    for flag in FLAGS:
+        if command in flag.commands:
+            shown = flag.help if flag.default is None else f"{flag.help} (default {flag.default})"
+            p.add_argument(*flag.names, dest=flag.dest, default=None, help=shown, **flag.kwargs)
+
+
+def _apply_defaults(args: argparse.Namespace) -> None:
+    """Fill in the defaults the user did not give, record them (``args.defaults_used``,
+    shown by the tables), and parse sizes."""
+    used: list[str] = []
+    for flag in FLAGS:
+        if args.command not in flag.commands:
+            continue
+        value = getattr(args, flag.dest, None)
+        if flag.kwargs.get("action") == "store_true":
+            setattr(args, flag.dest, bool(value))
+            continue
+        if value is None and flag.default is not None:
+            setattr(args, flag.dest, flag.default)
+            used.append(f"{flag.names[0]} {flag.default}")
+        elif value is not None and flag.size:
+            setattr(args, flag.dest, parse_size(value, flag.names[0], require_unit=True))
+    args.defaults_used = used
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="mxload", description=__doc__.splitlines()[0] if __doc__ else None)
-    sub = parser.add_subparsers(dest="command", parser_class=_Parser)
+    parser = _Parser(
+        prog="mxload",
+        description="Load block-FP8 checkpoints into Ascend MXFP8 kernel layouts, sharded "
+        "over Ray workers, reload them in place, and plan device memory.",
+        epilog="Exit status: 0 ok; 2 bad input or a refusal; 3 the plan does not fit; 1 a "
+        "failed run. Detached sessions are recorded under $MXLOAD_HOME (default ~/.mxload). "
+        "'mxload COMMAND --help' for a command's flags.",
+    )
+    sub = parser.add_subparsers(dest="command", parser_class=_Parser, metavar="COMMAND")
 
-    p = sub.add_parser("demo", help="make a tiny checkpoint, load it on local Ray, reload it")
-    _add_common(p)
-    p.add_argument("--workdir", default=None, help="keep the demo's files here")
+    def command(name: str, help: str) -> argparse.ArgumentParser:
+        return sub.add_parser(name, help=help, description=help)
 
-    p = sub.add_parser("make-checkpoint", help="write a synthetic block-FP8 checkpoint")
-    p.add_argument("out")
-    p.add_argument("--preset", required=True)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--shards", type=int, default=2)
+    p = command("demo", "make a tiny checkpoint, load it on local Ray, reload it in place")
+    p.add_argument("--workdir", default=None, metavar="DIR", help="keep the demo's files here")
+
+    p = command("make-checkpoint", "write a synthetic block-FP8 checkpoint in the HF layout")
+    p.add_argument("out", metavar="OUT", help="folder or fsspec URL to write")
+    p.add_argument("--preset", required=True, help="model shape: " + ", ".join(_preset_names()))
+    p.add_argument("--seed", type=int, default=0, metavar="N", help="random seed (default 0)")
+    p.add_argument(
+        "--shards", type=int, default=2, metavar="N", help="safetensors files (default 2)"
+    )
     p.add_argument("--bf16", action="store_true", help="write the same model as plain BF16")
-    _add_common(p)
 
-    p = sub.add_parser("inspect", help="what a checkpoint is")
-    p.add_argument("src")
-    _add_common(p)
+    p = command("inspect", "what a checkpoint is: architecture, quantization, tensors, bytes")
+    p.add_argument("src", metavar="SRC", help="checkpoint folder or fsspec URL")
 
-    p = sub.add_parser("plan", help="per-rank plan and memory table")
-    p.add_argument("src", nargs="?")
-    p.add_argument("--config", default=None, help="plan from config.json alone")
-    _add_layout(p)
-    p.add_argument("--device-memory", default=None)
-    p.add_argument("--staging-budget", default=None)
-    p.add_argument("--device", default="cpu", choices=["auto", "npu", "cuda", "cpu"])
-    p.add_argument(
-        "--devices-per-node",
-        type=int,
-        default=16,
-        help="devices per node for the per-node headroom summary (ranks packed in order)",
-    )
-    _add_common(p)
+    p = command("plan", "per-rank plan and memory table, from a checkpoint or a config alone")
+    p.add_argument("src", nargs="?", metavar="SRC", help="checkpoint folder or fsspec URL")
+    p.add_argument("--config", default=None, metavar="FILE", help="plan from this config.json")
 
-    p = sub.add_parser("load", help="distributed load on Ray")
-    p.add_argument("src")
-    _add_layout(p)
-    p.add_argument("--device", default="auto", choices=["auto", "npu", "cuda", "cpu"])
-    p.add_argument(
-        "--resource", default=None, help="accelerator resource (default NPU; GPU for cuda)"
-    )
-    p.add_argument(
-        "--placement", default="pack", choices=["pack", "spread", "strict_pack", "strict_spread"]
-    )
-    p.add_argument("--staging-budget", default=None)
-    p.add_argument("--device-memory", default=None)
-    p.add_argument("--dump", default=None)
-    p.add_argument("--report", default=None)
-    p.add_argument("--detach", action="store_true")
-    _add_cluster(p)
-    _add_common(p)
+    p = command("load", "distributed load on Ray (a local head unless --address)")
+    p.add_argument("src", metavar="SRC", help="checkpoint folder or fsspec URL")
 
-    p = sub.add_parser("reload", help="in-place reload of a detached session")
-    p.add_argument("src")
-    p.add_argument("--staging-budget", default=None)
-    p.add_argument("--report", default=None)
-    _add_cluster(p)
-    _add_common(p)
+    p = command("reload", "in-place reload of a detached session (checked first)")
+    p.add_argument("src", metavar="SRC", help="the new checkpoint (same model)")
 
-    p = sub.add_parser("status", help="a detached session's ranks, versions, addresses")
-    p.add_argument("--dump", default=None)
-    _add_cluster(p)
-    _add_common(p)
+    command("status", "a detached session's ranks, versions, addresses, memory")
+    command("release", "end a detached session (and the head 'load --detach' started)")
 
-    p = sub.add_parser("release", help="end a detached session")
-    _add_cluster(p)
-    _add_common(p)
-
-    p = sub.add_parser("convert", help="offline block-FP8 -> ModelOpt-style MXFP8 checkpoint")
-    p.add_argument("src")
-    p.add_argument("dst")
+    p = command("convert", "offline block-FP8 -> ModelOpt-style MXFP8 checkpoint")
+    p.add_argument("src", metavar="SRC", help="block-FP8 checkpoint folder or fsspec URL")
+    p.add_argument("dst", metavar="DST", help="output folder")
     p.add_argument(
         "--numerics",
         choices=("auto", "fast", "reference"),
@@ -125,8 +281,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="conversion path: fast (numba kernels), reference (eager torch, the naive "
         "path), auto = fast where numba works (default)",
     )
-    _add_common(p)
+    for name, p in sub.choices.items():
+        _add_flags(p, name)
     return parser
+
+
+def _preset_names() -> list[str]:
+    # The preset table lives with the synthetic writer; listing it must not import torch.
+    return ["qwen3-dense-tiny", "qwen3-moe-awkward", "qwen3-moe-tiny"]
 
 
 def _storage_options(args: argparse.Namespace) -> dict[str, Any] | None:
@@ -158,10 +320,9 @@ def _layout(args: argparse.Namespace) -> ParallelLayout:
 
 
 def _size(args: argparse.Namespace, name: str) -> int | None:
-    raw = getattr(args, name, None)
-    if raw is None:
-        return None
-    return parse_size(raw, "--" + name.replace("_", "-"))
+    """A size flag's value in bytes (parsed, with its unit, by ``_apply_defaults``)."""
+    value = getattr(args, name, None)
+    return None if value is None else int(value)
 
 
 def _emit(args: argparse.Namespace, obj: Any, human: str) -> None:
@@ -273,21 +434,46 @@ def cmd_plan(args: argparse.Namespace) -> int:
             key="--staging-budget",
         )
     obj = plan_to_json(plan)
-    _emit(args, obj, render_plan_table(obj, devices_per_node=max(1, args.devices_per_node)))
+    _emit(
+        args,
+        obj,
+        render_plan_table(
+            obj, devices_per_node=max(1, args.devices_per_node), defaults_used=args.defaults_used
+        ),
+    )
     return 0 if obj["fits"] else 3
 
 
-def render_plan_table(obj: dict[str, Any], devices_per_node: int = 16) -> str:
+def layout_header(par: dict[str, Any], defaults_used: Sequence[str] = ()) -> list[str]:
+    """The layout a table is for, and the defaults that filled in what was not given."""
+    lines = [
+        f"layout: tp={par['tp']} dp={par['dp']} pp={par['pp']} "
+        f"ep={'on' if par['enable_expert_parallel'] else 'off'} "
+        f"expert_placement={par.get('expert_placement', 'linear')} world={par['world']}"
+    ]
+    if defaults_used:
+        lines.append("defaults used: " + ", ".join(defaults_used))
+    return lines
+
+
+def render_plan_table(
+    obj: dict[str, Any], devices_per_node: int = 16, defaults_used: Sequence[str] = ()
+) -> str:
     par = obj["parallel"]
     lines = [
-        f"{obj['model'].get('architecture')}  tp={par['tp']} dp={par['dp']} pp={par['pp']} "
-        f"ep={'on' if par['enable_expert_parallel'] else 'off'} world={par['world']}",
+        f"model: {obj['model'].get('architecture')}",
+        *layout_header(par, defaults_used),
         f"{'rank':>5} {'tp':>3} {'dp':>3} {'pp':>3} {'ep':>3} {'layers':>9} {'experts':>8} "
         f"{'persistent':>12} {'staging':>11} {'peak':>12} {'read':>11} {'amp':>6} {'headroom':>12}",
     ]
     dev = obj.get("device_memory_bytes")
-    shown = obj["ranks"] if len(obj["ranks"]) <= 64 else obj["ranks"][:32] + obj["ranks"][-8:]
-    for r in shown:
+    ranks = obj["ranks"]
+    # Many ranks: the first 32 and the last 8, the note standing where rows are left out.
+    gap = 32 if len(ranks) > 64 else len(ranks)
+    shown = ranks if len(ranks) <= 64 else ranks[:32] + ranks[-8:]
+    for i, r in enumerate(shown):
+        if i == gap:
+            lines.append(f"  ... {len(ranks) - len(shown)} more ranks (see --json)")
         layers = f"{r['layers'][0]}-{r['layers'][-1]}" if r["layers"] else "-"
         amp = r["bytes_to_read"] / r["bytes_needed"] if r["bytes_needed"] else 0.0
         head = format_size(dev - r["peak_bytes"]) if dev is not None else "-"
@@ -297,8 +483,6 @@ def render_plan_table(obj: dict[str, Any], devices_per_node: int = 16) -> str:
             f"{format_size(r['staging_bytes']):>11} {format_size(r['peak_bytes']):>12} "
             f"{format_size(r['bytes_to_read']):>11} {amp:>6.3f} {head:>12}"
         )
-    if len(shown) < len(obj["ranks"]):
-        lines.append(f"  ... {len(obj['ranks']) - len(shown)} more ranks (see --json)")
     mins = obj["min_staging_bytes"]
     lines.append(
         f"minimum staging budget: load {format_size(mins['load'])}, reload {format_size(mins['reload'])}"
@@ -381,7 +565,8 @@ def cmd_load(args: argparse.Namespace) -> int:
     if show:
         sys.stderr.write("\n")
     _write_report(args.report, manifest)
-    _emit(args, manifest, render_load_table(manifest))
+    header = layout_header(manifest["parallel"], args.defaults_used)
+    _emit(args, manifest, "\n".join([*header, render_load_table(manifest)]))
     return 0
 
 
@@ -476,6 +661,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = build_parser().parse_args(argv)
         if not args.command:
             raise UsageError("a command is required: " + ", ".join(COMMANDS))
+        _apply_defaults(args)
         return COMMANDS[args.command](args)
     except MxloadError as err:
         if debug:
@@ -485,6 +671,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         sys.stderr.write("mxload: interrupted\n")
         return 130
+    except BrokenPipeError:
+        # `mxload plan ... | head`: the reader left; say nothing more, like other tools.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
     except Exception as err:  # a failed run: say what failed, no traceback
         if debug:
             raise

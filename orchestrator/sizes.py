@@ -25,12 +25,20 @@ _UNITS = {
 _SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*$")
 
 
-def parse_size(text: str, flag: str = "size") -> int:
-    """Parse a size; raise UsageError naming ``flag`` when it is not one."""
+def parse_size(text: str, flag: str = "size", *, require_unit: bool = False) -> int:
+    """Parse a size; raise UsageError naming ``flag`` when it is not one.
+
+    ``require_unit``: a bare number is refused (the CLI's rule: ``--device-memory 64``
+    read as 64 bytes would plan against a device that cannot exist); ``64B`` is bytes."""
     match = _SIZE_RE.match(str(text))
     if not match:
-        raise UsageError(f"{flag}: {text!r} is not a size (examples: 64GiB, 512MiB, 2GB, 1048576)")
+        raise UsageError(f"{flag}: {text!r} is not a size (examples: 64GiB, 512MiB, 2GB, 1048576B)")
     number, unit = match.groups()
+    if require_unit and not unit:
+        raise UsageError(
+            f"{flag}: {text!r} has no unit; write {number}GiB (binary), {number}GB "
+            f"(decimal) or {number}B (bytes)"
+        )
     factor = _UNITS.get(unit.upper())
     if factor is None:
         raise UsageError(

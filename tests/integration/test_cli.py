@@ -213,11 +213,11 @@ REFUSALS = {
     ),
     "zero-tp": (lambda w, c: ["plan", c["v1"], "--tp", "0"], ["--tp"]),
     "budget-below-minimum": (
-        lambda w, c: ["plan", c["v1"], "--staging-budget", "1000"],
+        lambda w, c: ["plan", c["v1"], "--staging-budget", "1000B"],
         ["--staging-budget"],
     ),
     "budget-below-minimum-load": (
-        lambda w, c: ["load", c["v1"], "--staging-budget", "1000", "--device", "cpu"],
+        lambda w, c: ["load", c["v1"], "--staging-budget", "1000B", "--device", "cpu"],
         ["--staging-budget"],
     ),
     "bad-size": (lambda w, c: ["plan", c["v1"], "--device-memory", "lots"], ["--device-memory"]),
@@ -237,6 +237,14 @@ REFUSALS = {
         ["--config", "absent.json"],
     ),
     "unknown-flag": (lambda w, c: ["plan", c["v1"], "--frobnicate"], ["--frobnicate"]),
+    "size-without-unit": (
+        lambda w, c: ["plan", c["v1"], "--device-memory", "64"],
+        ["--device-memory", "'64'", "64GiB", "64B"],
+    ),
+    "flag-where-it-does-not-act": (
+        lambda w, c: ["inspect", c["v1"], "--max-restarts", "3"],
+        ["--max-restarts"],
+    ),
 }
 
 
@@ -314,9 +322,26 @@ def test_plan_json_from_a_real_config(work: Path) -> None:
         assert r["layers"] == list(range(layers))
         assert r["peak_bytes"] == r["persistent_bytes"] + r["staging_bytes"]
         assert r["bytes_to_read"] == r["bytes_needed"]  # config only: predicted as needed
-    # Human table on a pipe: no JSON, the same exit status.
+    # Human table on a pipe: no JSON, the same exit status; the header says the layout
+    # and the defaults that filled in what was not given.
     human = mx(work, *args[:-1])
     assert human.returncode == 0 and "minimum staging budget" in human.stdout
+    head = human.stdout.splitlines()[:3]
+    assert head[1].startswith("layout: tp=4 dp=2 pp=1 ep=on expert_placement=linear world=8")
+    assert head[2].startswith("defaults used: --pp 1, --expert-placement linear"), head
+    assert "--tp" not in head[2] and "--dp" not in head[2]
+
+
+def test_plan_table_notes_left_out_ranks_at_the_gap(work: Path) -> None:
+    config_file = CONFIGS / "deepseek-v3.json"
+    args = ["plan", "--config", str(config_file), "--tp", "8", "--dp", "32", "--enable-expert-parallel"]  # fmt: skip
+    proc = mx(work, *args)
+    assert proc.returncode == 0, proc.stderr
+    rows = [ln.split()[0] for ln in proc.stdout.splitlines() if ln.strip()]
+    note = rows.index("...")
+    # 32 rows, the note, then the last 8 ranks: 256 - 40 = 216 left out, between 31 and 248.
+    assert rows[note - 1] == "31" and rows[note + 1] == "248", rows[note - 2 : note + 3]
+    assert "216 more ranks" in proc.stdout
 
 
 def test_plan_that_does_not_fit_exits_3(work: Path) -> None:
