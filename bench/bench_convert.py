@@ -2,7 +2,7 @@
 
 Purpose: the evidence behind ``workers/numerics/fast.py`` (its tool choice and its
 claims), measured in one run on the same bytes: for each workload (a real linear or
-expert shape from the configs in /work/shared/configs) and for 1 thread and for all
+expert shape from the packaged configs in orchestrator/configs) and for 1 thread and for all
 cores, each path runs several times after a warm-up; the script prints medians, the
 spread (min-max) and ratios, and writes ``bench/results/convert.md`` and ``.json``.
 
@@ -57,9 +57,20 @@ from mxload.workers.numerics import fast, repack  # noqa: E402
 from mxload.workers.numerics import reference as ref  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
+
+
+def rel(path: Path) -> str:
+    """A path as printed in recorded output: relative to the repository when inside it, so
+    committed results name no machine's folders."""
+    try:
+        return str(Path(path).resolve().relative_to(ROOT))
+    except ValueError:
+        return str(path)
+
+
 BLOCK = 128
 
-# (name, N, K): real shapes, from the configs in /work/shared/configs.
+# (name, N, K): real shapes, from the packaged configs in orchestrator/configs.
 WORKLOADS_FULL = [
     ("qwen3-30b-a3b expert w13 [2*768, 2048]", 1536, 2048),
     ("deepseek-v3 expert w13 [2*2048, 7168]", 4096, 7168),
@@ -361,7 +372,7 @@ def main(argv: list[str] | None = None) -> int:
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "convert.json").write_text(json.dumps(report, indent=2) + "\n")
     (RESULTS / "convert.md").write_text(_markdown(report))
-    print(f"\nwrote {RESULTS / 'convert.md'} and {RESULTS / 'convert.json'}")
+    print(f"\nwrote {rel(RESULTS / 'convert.md')} and {rel(RESULTS / 'convert.json')}")
     return 0
 
 

@@ -61,6 +61,7 @@ if __package__ in (None, ""):
 import torch
 
 from bench.common import (
+    ROOT,
     Rate,
     Timing,
     cat_files,
@@ -77,7 +78,7 @@ from bench.common import (
 
 BLOCK = 128
 REAL_DIMS: dict[str, Any] = {
-    # Qwen3-30B-A3B-FP8 (/work/shared/configs/qwen3-30b-a3b-fp8.json), all MoE layers.
+    # Qwen3-30B-A3B-FP8 (orchestrator/configs/qwen3-30b-a3b-fp8.json), all MoE layers.
     "hidden_size": 2048,
     "head_dim": 128,
     "num_attention_heads": 32,
@@ -540,7 +541,7 @@ class Suite:
                 "headers": ["workload", "threads", "path", "GB/s (min-max)", "x naive", "x memcpy"],
                 "rows": rows,
             },
-            "data": {"argv": argv, "results": str(target / "convert.json")},
+            "data": {"argv": argv, "results": os.path.relpath(target / "convert.json", ROOT)},
         }
 
     # --- 2. mxload convert, whole process ----------------------------------------------------

@@ -2,7 +2,7 @@
 ranks in seconds").
 
 Purpose: how long ``mxload.orchestrator.planner.build_plan`` takes for the real configs in
-/work/shared/configs at production layouts, measured two ways:
+the packaged configs (orchestrator/configs) at production layouts, measured two ways:
 
 * in-process: ``parse_config`` + ``build_plan`` repeated after one warm-up call (imports
   and first-call costs excluded), median and min-max;
@@ -32,6 +32,8 @@ from typing import Any
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from mxload.orchestrator.models import model_config_path
+
 from bench.common import (
     Timing,
     fmt_bytes,
@@ -40,7 +42,7 @@ from bench.common import (
     run_timed,
 )
 
-CONFIGS = Path("/work/shared/configs")
+CONFIGS = model_config_path("deepseek-v3").parent  # the packaged configs
 
 
 @dataclass(frozen=True)
@@ -138,7 +140,7 @@ def bench_plan(*, quick: bool) -> dict[str, Any]:
         data.append(
             {
                 "case": case.label,
-                "config": str(case.config),
+                "config": f"orchestrator/configs/{case.config.name}",
                 "layout": {"tp": case.tp, "dp": case.dp, "pp": case.pp, "ep": case.ep},
                 "in_process": inproc.to_json(),
                 "cli": t_cli.to_json(),

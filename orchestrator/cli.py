@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import MxloadError, UsageError
+from .models import model_config, model_config_path, model_names, resolve_model
 from .plantypes import ParallelLayout
 from .sizes import format_size, parse_size
 
@@ -260,7 +261,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = command("plan", "per-rank plan and memory table, from a checkpoint or a config alone")
     p.add_argument("src", nargs="?", metavar="SRC", help="checkpoint folder or fsspec URL")
-    p.add_argument("--config", default=None, metavar="FILE", help="plan from this config.json")
+    what = p.add_mutually_exclusive_group()
+    what.add_argument(
+        "--config", default=None, metavar="FILE", help="plan from this config.json alone"
+    )
+    what.add_argument(
+        "--model",
+        default=None,
+        metavar="NAME",
+        help="plan a packaged model from its published config: " + ", ".join(model_names()),
+    )
 
     p = command("load", "distributed load on Ray (a local head unless --address)")
     p.add_argument("src", metavar="SRC", help="checkpoint folder or fsspec URL")
@@ -395,7 +405,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     layout = _layout(args)
     meta = None
-    if args.config:
+    if args.model:
+        config = parse_config(
+            model_config(args.model), str(model_config_path(args.model)), dtype=args.dtype
+        )
+    elif args.config:
         try:
             with open(args.config, "rb") as f:
                 raw = json.loads(f.read())
@@ -411,10 +425,14 @@ def cmd_plan(args: argparse.Namespace) -> int:
     elif args.src:
         from .catalog import open_checkpoint
 
+        _refuse_config_as_src(args.src)
         meta = open_checkpoint(args.src, storage_options=_storage_options(args), dtype=args.dtype)
         config = meta.config
     else:
-        raise UsageError("plan needs SRC or --config FILE")
+        raise UsageError(
+            "plan needs SRC (a checkpoint), --config FILE or --model NAME "
+            f"({', '.join(model_names())})"
+        )
     plan = build_plan(
         config,
         layout,
@@ -454,6 +472,30 @@ def layout_header(par: dict[str, Any], defaults_used: Sequence[str] = ()) -> lis
     if defaults_used:
         lines.append("defaults used: " + ", ".join(defaults_used))
     return lines
+
+
+def _refuse_config_as_src(src: str) -> None:
+    """``plan path/config.json`` (or a model name) where a checkpoint folder belongs: say
+    which flag was meant instead of failing on a file that is not a folder."""
+    if "://" in src and not src.startswith("file://"):
+        return
+    path = src.removeprefix("file://")
+    if os.path.isfile(path):
+        raise UsageError(
+            f"plan: {src} is a file, not a checkpoint folder; to plan from a config.json "
+            f"alone use --config {src}",
+            file=src,
+            key="--config",
+        )
+    if not os.path.exists(path):
+        try:
+            name = resolve_model(src)
+        except UsageError:
+            return
+        raise UsageError(
+            f"plan: {src} is not a checkpoint folder; for the packaged model use --model {name}",
+            key="--model",
+        )
 
 
 def render_plan_table(

@@ -26,6 +26,7 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
+from mxload.orchestrator.models import model_config_path
 from safetensors.torch import load_file, save_file
 
 from tests.hostile import ATTACKS
@@ -33,7 +34,7 @@ from tests.reference_model import Layout, RefCheckpoint, compare_rank, expected_
 
 pytestmark = [pytest.mark.slow]
 
-CONFIGS = Path("/work/shared/configs")
+CONFIGS = model_config_path("deepseek-v3").parent  # the packaged configs
 MXLOAD = [sys.executable, "-m", "mxload.orchestrator.cli"]
 SHARD2 = "model-00002-of-00002.safetensors"
 
@@ -237,6 +238,15 @@ REFUSALS = {
         ["--config", "absent.json"],
     ),
     "unknown-flag": (lambda w, c: ["plan", c["v1"], "--frobnicate"], ["--frobnicate"]),
+    "config-file-as-src": (
+        lambda w, c: ["plan", c["config-static"]],
+        ["--config", "config-static.json", "is a file"],
+    ),
+    "model-name-as-src": (lambda w, c: ["plan", "deepseek-v3"], ["--model deepseek-v3"]),
+    "unknown-model": (
+        lambda w, c: ["plan", "--model", "llama-3"],
+        ["--model", "llama-3", "deepseek-v3", "qwen3-235b-a22b-fp8", "--config"],
+    ),
     "size-without-unit": (
         lambda w, c: ["plan", c["v1"], "--device-memory", "64"],
         ["--device-memory", "'64'", "64GiB", "64B"],
@@ -330,6 +340,42 @@ def test_plan_json_from_a_real_config(work: Path) -> None:
     assert head[1].startswith("layout: tp=4 dp=2 pp=1 ep=on expert_placement=linear world=8")
     assert head[2].startswith("defaults used: --pp 1, --expert-placement linear"), head
     assert "--tp" not in head[2] and "--dp" not in head[2]
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "deepseek-v3",
+        "qwen3-30b-a3b-fp8",
+        "qwen3-32b-fp8",
+        "qwen3-235b-a22b-fp8",
+        "Qwen/Qwen3-32B-FP8",
+    ],
+)
+def test_plan_a_packaged_model_by_name(work: Path, name: str) -> None:
+    """``--model NAME`` plans the packaged config: the same plan as ``--config`` on that
+    file, which is a copy of the model's published config.json."""
+    tp = ["--tp", "8", "--dp", "2", "--enable-expert-parallel", "--json"]
+    by_name = mx(work, "plan", "--model", name, *tp)
+    assert by_name.returncode == 0, by_name.stderr
+    stem = name.lower().split("/")[-1]
+    by_file = mx(work, "plan", "--config", str(CONFIGS / f"{stem}.json"), *tp)
+    assert by_file.returncode == 0, by_file.stderr
+    assert json.loads(by_name.stdout) == json.loads(by_file.stdout)
+
+
+def test_qwen3_235b_config_is_the_published_geometry() -> None:
+    cfg = json.loads((CONFIGS / "qwen3-235b-a22b-fp8.json").read_text())
+    published = {
+        "hidden_size": 4096, "num_hidden_layers": 94, "num_attention_heads": 64,
+        "num_key_value_heads": 4, "head_dim": 128, "moe_intermediate_size": 1536,
+        "num_experts": 128, "num_experts_per_tok": 8, "intermediate_size": 12288,
+        "vocab_size": 151936, "torch_dtype": "bfloat16", "decoder_sparse_step": 1,
+        "mlp_only_layers": [], "tie_word_embeddings": False,
+    }  # fmt: skip
+    assert {k: cfg[k] for k in published} == published
+    assert cfg["quantization_config"]["weight_block_size"] == [128, 128]
+    assert cfg["quantization_config"]["activation_scheme"] == "dynamic"
 
 
 def test_plan_table_notes_left_out_ranks_at_the_gap(work: Path) -> None:

@@ -5,14 +5,14 @@ from __future__ import annotations
 import copy
 import json
 import pickle
-from pathlib import Path
 from typing import Any
 
 import pytest
 from mxload.orchestrator.config import QuantConfig, parse_config
 from mxload.orchestrator.errors import ConfigError, InputError, UnsupportedError
+from mxload.orchestrator.models import model_config_path
 
-CONFIGS = Path("/work/shared/configs")
+CONFIGS = model_config_path("deepseek-v3").parent  # the packaged configs
 SRC = "/ckpt/qwen3-tiny/config.json"
 
 BASE: dict[str, Any] = {

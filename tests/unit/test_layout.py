@@ -8,7 +8,6 @@ placement partitions the experts; cases come from real configs where they exist.
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -22,9 +21,10 @@ from mxload.orchestrator.layout import (
     rank_coords,
     validate_layout,
 )
+from mxload.orchestrator.models import model_config_path
 from mxload.orchestrator.plantypes import ParallelLayout
 
-CONFIGS = Path("/work/shared/configs")
+CONFIGS = model_config_path("deepseek-v3").parent  # the packaged configs
 
 
 def real(name: str) -> ModelConfig:

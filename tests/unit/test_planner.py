@@ -20,7 +20,6 @@ import json
 from collections import Counter, defaultdict
 from collections.abc import Iterator
 from dataclasses import replace
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -34,11 +33,12 @@ from mxload.orchestrator.errors import (
     StagingBudgetError,
 )
 from mxload.orchestrator.formats import SAFETENSORS_ITEMSIZE
+from mxload.orchestrator.models import model_config_path
 from mxload.orchestrator.planner import build_plan, plan_rank, plan_to_json
 from mxload.orchestrator.plantypes import ParallelLayout, Plan, RankPlan
 from mxload.orchestrator.safetensors_header import TensorInfo
 
-CONFIGS = Path("/work/shared/configs")
+CONFIGS = model_config_path("deepseek-v3").parent  # the packaged configs
 FP8 = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}  # fmt: skip
 
 

@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from mxload.orchestrator.models import model_config_path
 
 PURE_MODULES = (
     "mxload.orchestrator.errors",
@@ -53,7 +54,7 @@ def probe(modules: tuple[str, ...], plan: bool = False) -> list[str]:
     code = PROBE.format(
         mods=list(modules),
         plan=plan,
-        config="/work/shared/configs/qwen3-30b-a3b-fp8.json",
+        config=str(model_config_path("qwen3-30b-a3b-fp8")),
         heavy=list(HEAVY),
     )
     done = subprocess.run(
