@@ -6,7 +6,8 @@ the pure parsers (``config.parse_config``, ``checkpoint.parse_index``,
 
 What it reads, and why no more (SPEC §1.4, §4): ``config.json``; then
 ``model.safetensors.index.json`` if it exists, else ``model.safetensors``; then per shard
-its size, the 8-byte length prefix and the header, as two ranged reads. Shards are found
+its size, the 8-byte length prefix and the header, as two ranged reads, and the store's
+version tag (ETag or mtime) for the checkpoint's fingerprint (:func:`fingerprint`). Shards are found
 only through the index, never by listing a directory: HTTP and object stores list badly.
 Weight bytes are never read here.
 
@@ -20,10 +21,12 @@ order is the one reported.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections import Counter
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from typing import Any, Protocol
 
 from .checkpoint import CheckpointMeta, build_meta, parse_index
@@ -86,8 +89,10 @@ def _open(src: str, storage: StorageLike, *, dtype: str | None, max_workers: int
     config_obj = _load_json(config_bytes, config_path)
     config = parse_config(config_obj, config_path, dtype=dtype)
 
+    index_bytes: bytes | None = None
     if storage.exists(INDEX_FILE):
-        index = parse_index(storage.read_file(INDEX_FILE), file=INDEX_FILE)
+        index_bytes = storage.read_file(INDEX_FILE)
+        index = parse_index(index_bytes, file=INDEX_FILE)
         weight_map: dict[str, str] | None = index
         files = sorted(set(index.values()))
     elif storage.exists(SINGLE_FILE):
@@ -100,16 +105,56 @@ def _open(src: str, storage: StorageLike, *, dtype: str | None, max_workers: int
             file=_display(src, INDEX_FILE),
         )
 
-    def read(f: str) -> FileHeader:
-        return read_header(storage, f, src=src)
+    tagger = getattr(storage, "version_tag", None)
+
+    def read(f: str) -> tuple[FileHeader, str]:
+        return read_header(storage, f, src=src), (tagger(f) if tagger is not None else "")
 
     if max_workers > 1 and len(files) > 1:
         with ThreadPoolExecutor(max_workers=min(max_workers, len(files))) as pool:
             # map() yields in file order and re-raises the first failure in that order.
-            headers = dict(zip(files, pool.map(read, files), strict=True))
+            got = dict(zip(files, pool.map(read, files), strict=True))
     else:
-        headers = {f: read(f) for f in files}
-    return build_meta(src, config, weight_map, headers)
+        got = {f: read(f) for f in files}
+    headers = {f: h for f, (h, _) in got.items()}
+    meta = build_meta(src, config, weight_map, headers)
+    tags = {f: t for f, (_, t) in got.items()}
+    return replace(meta, fingerprint=fingerprint(src, config_bytes, index_bytes, headers, tags))
+
+
+def fingerprint(
+    src: str,
+    config_bytes: bytes,
+    index_bytes: bytes | None,
+    headers: Mapping[str, FileHeader],
+    tags: Mapping[str, str],
+) -> str:
+    """The identity of a checkpoint as read (SPEC §4 "Reload"): BLAKE2b-128 over its URL,
+    config.json, the index, and per shard its name, size, the store's version tag (ETag or
+    mtime, ``Storage.version_tag``) and every tensor's name, dtype, shape and offsets.
+
+    A reload skips a unit only when it already holds this fingerprint at the target
+    version number, so a checkpoint rewritten in place (same URL, new shards) is reloaded
+    whole. Limits: bytes rewritten in place with the same size, header and mtime (an
+    in-place edit that also restores the mtime) are not seen; the weights are not hashed,
+    which would cost a full read."""
+    h = hashlib.blake2b(digest_size=16)
+
+    def put(*items: object) -> None:
+        for item in items:
+            data = item if isinstance(item, bytes) else str(item).encode("utf-8", "replace")
+            h.update(len(data).to_bytes(8, "little"))
+            h.update(data)
+
+    put(src.rstrip("/"), config_bytes, index_bytes if index_bytes is not None else b"")
+    for f in sorted(headers):
+        hdr = headers[f]
+        put(f, hdr.file_size, hdr.header_len, tags.get(f, ""))
+        for name, info in hdr.tensors.items():
+            put(name, info.dtype, info.shape, info.start, info.nbytes)
+        for key in sorted(hdr.metadata):
+            put(key, hdr.metadata[key])
+    return h.hexdigest()
 
 
 def read_header(storage: StorageLike, file: str, *, src: str = "") -> FileHeader:

@@ -90,6 +90,9 @@ class CheckpointMeta:
     """Shard file names relative to ``root``, sorted."""
     headers: Mapping[str, FileHeader]
     """Shard file name -> its parsed header."""
+    fingerprint: str = ""
+    """Identity of what was read (``catalog.fingerprint``): with a version number, it names
+    the checkpoint a unit was loaded from (SPEC §4 "Reload"). "" when unknown."""
 
     def has(self, tensor: str) -> bool:
         return tensor in self.tensors

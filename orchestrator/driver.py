@@ -412,6 +412,7 @@ def source_info(meta: Any, req_allow_nonfinite: bool, src: str, storage_options:
         block_n=q.block_n,
         block_k=q.block_k,
         allow_nonfinite=req_allow_nonfinite,
+        fingerprint=meta.fingerprint,
     )
 
 

@@ -123,6 +123,7 @@ class RankWorker:
             {
                 "version": self.loader.version,
                 "consistent": self.loader.consistent,
+                "identity": list(self.loader.identity) if self.loader.identity else None,
                 "units": self.loader.unit_status(),
                 "tensors": self.loader.tensor_report(),
                 "bytes_read": stats.bytes_read,

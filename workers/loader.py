@@ -92,6 +92,17 @@ class SourceInfo:
     block_n: int = 128
     block_k: int = 128
     allow_nonfinite: bool = False
+    fingerprint: str = ""
+    """Identity of the checkpoint as read (``mxload.orchestrator.catalog.fingerprint``).
+    Every unit records (version, fingerprint) of the run that wrote it; "" (unknown) never
+    matches, so a unit is never skipped on the word of a source that cannot say what it is."""
+
+
+Identity = tuple[int, str]
+"""(version number, checkpoint fingerprint): what a unit holds (SPEC §4 "Reload")."""
+
+NOTHING: Identity = (0, "")
+"""A unit never written, or one whose write was cut part-way (it holds no one version)."""
 
 
 @dataclass
@@ -152,8 +163,10 @@ class RankLoader:
             self._adopt(buffers) if buffers is not None else self._allocate()
         )
         self.addresses = {n: t.data_ptr() for n, t in self.buffers.items()}
-        self.unit_versions = [0] * len(plan.units)
-        self.target_version = 0
+        self.unit_ids: list[Identity] = [NOTHING] * len(plan.units)
+        """Per unit, the identity of the run that last wrote it whole."""
+        self.target_id: Identity = NOTHING
+        """The identity the latest run (finished or not) was writing."""
         self.last_stats = RunStats()
         self._busy = threading.Lock()
         self._storages: dict[tuple[str, str], Any] = {}
@@ -447,8 +460,9 @@ class RankLoader:
     ) -> RunStats:
         """Fill every buffer from ``source``; ``whole_units`` for a reload.
 
-        Units already at ``version`` (an interrupted reload run again) are skipped.
-        ``units`` (reload) are the plan's units with the new source's quantized flags;
+        Units already at the target identity, ``(version, source.fingerprint)``, are skipped
+        (an interrupted reload run again); a unit at the same version number from another
+        checkpoint is rewritten. ``units`` (reload) are the plan's units with the new source's quantized flags;
         they must have the plan's geometry."""
         if not self._busy.acquire(blocking=False):
             raise RunError(
@@ -500,7 +514,8 @@ class RankLoader:
         )
         steps, estimate = schedule(units, read_fn, opts, staging_budget, whole_units=whole_units)
         pool = StagingPool(staging_budget, rank=self.rank)
-        self.target_version = version
+        target: Identity = (version, source.fingerprint)
+        self.target_id = target
         stats = RunStats(predicted_peak_staging_bytes=estimate.staging_bytes)
         stats.bytes_needed = self.plan.bytes_needed
         rss0 = _rss_bytes()
@@ -511,7 +526,9 @@ class RankLoader:
         executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"mxload-read-{self.rank}")
         pending: Future[Any] | None = None
         rss_samples: list[int] = []
-        todo = [self.unit_versions[i] != version for i in range(len(units))]
+        # Skip only what this very checkpoint already wrote at this version; a source
+        # without a fingerprint is never taken to be what a unit holds.
+        todo = [not source.fingerprint or self.unit_ids[i] != target for i in range(len(units))]
         try:
             for i, (unit, step) in enumerate(zip(units, steps, strict=True)):
                 if not todo[i]:
@@ -534,6 +551,9 @@ class RankLoader:
                         unit, reads[i], raw, leases, source, pool, opts, unit.row0, stats
                     )
                 else:
+                    # Chunks are written one by one: until the last lands the unit holds
+                    # no one version.
+                    self.unit_ids[i] = NOTHING
                     for chunk in step.chunks:
                         su = sub_unit(unit, chunk.start, chunk.end)
                         sr = sub_reads(
@@ -551,7 +571,7 @@ class RankLoader:
                         self._convert_and_write(
                             su, sr, raw, leases, source, pool, opts, unit.row0 + chunk.start, stats
                         )
-                self.unit_versions[i] = version
+                self.unit_ids[i] = target
                 stats.units += 1
                 rss_samples.append(_rss_bytes())
                 if progress is not None:
@@ -650,12 +670,37 @@ class RankLoader:
             )
 
     @property
+    def unit_versions(self) -> list[int]:
+        return [v for v, _ in self.unit_ids]
+
+    @property
     def version(self) -> int:
-        return min(self.unit_versions) if self.unit_versions else self.target_version
+        return min(self.unit_versions) if self.unit_ids else self.target_id[0]
+
+    @property
+    def identity(self) -> Identity | None:
+        """The one identity every unit holds; None when units differ (or none is loaded)."""
+        ids = set(self.unit_ids) or {self.target_id}
+        only = next(iter(ids))
+        return only if len(ids) == 1 and only != NOTHING else None
 
     @property
     def consistent(self) -> bool:
-        return len(set(self.unit_versions)) <= 1
+        """Every unit holds one identity: same version number *and* same checkpoint."""
+        return len(set(self.unit_ids)) <= 1
+
+    def buffer_identities(self) -> dict[str, Identity | None]:
+        """Per buffer, the identity all its units hold (None: its units differ)."""
+        seen: dict[str, set[Identity]] = {}
+        for unit, ident in zip(self.plan.units, self.unit_ids, strict=True):
+            seen.setdefault(unit.buffer, set()).add(ident)
+            if unit.buffer + "_scale" in self.buffers:
+                seen.setdefault(unit.buffer + "_scale", set()).add(ident)
+        out: dict[str, Identity | None] = {}
+        for name in self.buffers:
+            ids = seen.get(name, {self.identity or NOTHING})
+            out[name] = next(iter(ids)) if len(ids) == 1 else None
+        return out
 
     def buffer_versions(self) -> dict[str, int]:
         out: dict[str, int] = {}
@@ -676,6 +721,7 @@ class RankLoader:
 
     def tensor_report(self, *, with_checksums: bool = True) -> dict[str, dict[str, Any]]:
         versions = self.buffer_versions()
+        idents = self.buffer_identities()
         sums = self.checksums() if with_checksums else {}
         out = {}
         for spec in self.plan.buffers:
@@ -688,6 +734,8 @@ class RankLoader:
                 "nbytes": spec.nbytes,
                 "checksum": sums.get(spec.name, ""),
                 "version": versions[spec.name],
+                # the checkpoint its units were read from; "mixed" when they differ
+                "fingerprint": (idents[spec.name] or (0, "mixed"))[1],
             }
         return out
 
@@ -696,6 +744,7 @@ class RankLoader:
         by_version: dict[int, int] = {}
         for v in self.unit_versions:
             by_version[v] = by_version.get(v, 0) + 1
+        by_identity = Counter(f"{v}:{fp}" for v, fp in self.unit_ids)
         blocks = Counter(u.buffer for u in self.plan.units if u.expert < 0)
 
         def label(u: Unit) -> str:
@@ -705,16 +754,22 @@ class RankLoader:
                 return f"{u.buffer}[rows {u.row0}:{u.row0 + u.rows}]"
             return u.buffer
 
+        # Stale: not at what the latest run was writing (an interrupted reload's leftovers).
         stale = [
             label(u)
-            for u, v in zip(self.plan.units, self.unit_versions, strict=True)
-            if v != max(self.unit_versions, default=0)
+            for u, ident in zip(self.plan.units, self.unit_ids, strict=True)
+            if ident != self.target_id
         ]
+        ident = self.identity
         return {
             "version": self.version,
             "consistent": self.consistent,
+            "identity": list(ident) if ident is not None else None,
+            "target": list(self.target_id),
             "units_by_version": {str(k): n for k, n in sorted(by_version.items())},
+            "units_by_identity": dict(sorted(by_identity.items())),
             "stale_units": stale[:50],
+            "stale_count": len(stale),
         }
 
     def host_tensors(self) -> dict[str, torch.Tensor]:

@@ -601,6 +601,26 @@ class Storage:
         result: int = self._call(relpath, None, stat)
         return result
 
+    def version_tag(self, relpath: str) -> str:
+        """What the store says identifies this version of ``relpath`` beyond its size: the
+        ETag where it gives one (S3, most HTTP servers), else its modification time, else
+        "" (a checkpoint's fingerprint, SPEC §4 "Reload", includes it)."""
+        path = self._path(relpath)
+
+        def stat() -> str:
+            if self.is_local:
+                st = os.stat(path)
+                return f"mtime_ns={st.st_mtime_ns}"
+            info = self.fs.info(path)
+            for key in ("ETag", "etag", "LastModified", "last_modified", "mtime", "Last-Modified"):
+                value = info.get(key)
+                if value:
+                    return f"{key}={value}"
+            return ""
+
+        result: str = self._call(relpath, None, stat)
+        return result
+
     def exists(self, relpath: str) -> bool:
         """Whether ``relpath`` exists. Errors other than "not found" still raise."""
         try:

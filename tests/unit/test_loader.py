@@ -56,6 +56,7 @@ def source_of(src: str, meta, *, allow_nonfinite: bool = False) -> SourceInfo:
         block_n=q.block_n,
         block_k=q.block_k,
         allow_nonfinite=allow_nonfinite,
+        fingerprint=meta.fingerprint,
     )
 
 
@@ -574,6 +575,112 @@ def test_interrupted_reload_reports_current_bytes_and_completes(ckpt_factory) ->
     assert loader.consistent and loader.version == 2
     assert {n: t.data_ptr() for n, t in loader.buffers.items()} == ptrs
     assert_rank_matches(ref_of(v2), layout, 0, loader)
+
+
+def test_a_failed_reload_then_another_checkpoint_rewrites_every_unit(ckpt_factory) -> None:
+    """A version names a checkpoint (SPEC §4): after a reload from v2 stopped half-way,
+    a reload from v3 *at the same version number* must rewrite the units v2 wrote, not
+    skip them (skipping by number alone left a mix of v2 and v3 reported consistent)."""
+    v1, v2, v3 = (ckpt_factory("qwen3-moe-tiny", seed) for seed in (1, 2, 3))
+    layout = ParallelLayout(tp=2)
+    meta1, plan1 = plan_of(v1, layout)
+    meta2, plan2 = plan_of(v2, layout)
+    meta3, plan3 = plan_of(v3, layout)
+    assert len({meta1.fingerprint, meta2.fingerprint, meta3.fingerprint}) == 3
+    loader, _ = run_rank(v1, meta1, plan1, 1)
+    stop_at = len(plan2.ranks[1].units) // 2
+
+    def fail(i: int) -> None:
+        if i == stop_at:
+            raise Interrupted(f"unit {i}")
+
+    with pytest.raises(Interrupted):
+        loader.reload(
+            list(plan2.ranks[1].reads),
+            source_of(v2, meta2),
+            version=2,
+            staging_budget=plan1.min_staging_reload,
+            fault_hook=fail,
+        )
+    assert not loader.consistent and loader.identity is None
+    assert loader.unit_status()["units_by_identity"] == {
+        f"1:{meta1.fingerprint}": len(plan1.ranks[1].units) - stop_at,
+        f"2:{meta2.fingerprint}": stop_at,
+    }
+    written: list[int] = []
+    loader.reload(
+        list(plan3.ranks[1].reads),
+        source_of(v3, meta3),
+        version=2,
+        staging_budget=plan1.min_staging_reload,
+        fault_hook=written.append,
+    )
+    assert written == list(range(len(plan3.ranks[1].units))), "every unit rewritten"
+    assert loader.consistent and loader.identity == (2, meta3.fingerprint)
+    assert {e["fingerprint"] for e in loader.tensor_report().values()} == {meta3.fingerprint}
+    assert_rank_matches(ref_of(v3), layout, 1, loader)
+
+
+def test_a_checkpoint_rewritten_at_the_same_url_is_another_identity(tmp_path) -> None:
+    """Same path, new contents (a trainer overwriting step-N): a new fingerprint, so an
+    interrupted reload run again rewrites every unit from the new bytes."""
+    from mxload.workers.synth import make_checkpoint
+
+    v1, same = str(tmp_path / "v1"), str(tmp_path / "step")
+    make_checkpoint(v1, "qwen3-dense-tiny", seed=1)
+    make_checkpoint(same, "qwen3-dense-tiny", seed=2)
+    layout = ParallelLayout(tp=2)
+    meta1, plan1 = plan_of(v1, layout)
+    meta_a, plan_a = plan_of(same, layout)
+    assert open_checkpoint(same).fingerprint == meta_a.fingerprint, "deterministic"
+    loader, _ = run_rank(v1, meta1, plan1, 0)
+    n = len(plan_a.ranks[0].units)
+
+    def fail(i: int) -> None:
+        if i == n - 1:
+            raise Interrupted("last unit")
+
+    with pytest.raises(Interrupted):
+        loader.reload(
+            list(plan_a.ranks[0].reads),
+            source_of(same, meta_a),
+            version=2,
+            staging_budget=plan1.min_staging_reload,
+            fault_hook=fail,
+        )
+    shutil.rmtree(same)
+    make_checkpoint(same, "qwen3-dense-tiny", seed=3)
+    meta_b, plan_b = plan_of(same, layout)
+    assert meta_b.fingerprint != meta_a.fingerprint
+    written: list[int] = []
+    loader.reload(
+        list(plan_b.ranks[0].reads),
+        source_of(same, meta_b),
+        version=2,
+        staging_budget=plan1.min_staging_reload,
+        fault_hook=written.append,
+    )
+    assert written == list(range(n))
+    assert_rank_matches(RefCheckpoint(same), layout, 0, loader)
+
+
+def test_a_source_without_fingerprint_is_never_skipped(ckpt_factory) -> None:
+    src = ckpt_factory("qwen3-dense-tiny", 1)
+    layout = ParallelLayout(tp=2)
+    meta, plan = plan_of(src, layout)
+    rp = plan.ranks[0]
+    loader = RankLoader(rp, model_dtype=meta.config.model_dtype, backend=backend(False))
+    anonymous = SourceInfo(root=src, quant=meta.config.quant.kind)
+    for _ in range(2):
+        written: list[int] = []
+        loader.load(
+            list(rp.reads),
+            anonymous,
+            version=1,
+            staging_budget=rp.staging.budget_bytes,
+            fault_hook=written.append,
+        )
+        assert written == list(range(len(rp.units)))
 
 
 @pytest.mark.parametrize(
