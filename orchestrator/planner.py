@@ -59,6 +59,14 @@ from .arch import (
 )
 from .checkpoint import CheckpointMeta
 from .config import ModelConfig
+from .engines import (
+    DEFAULT_ENGINE,
+    EngineProfile,
+    check_expert_placement,
+    check_moe_groups,
+    engine_profile,
+    held_as,
+)
 from .errors import (
     CheckpointError,
     MissingTensor,
@@ -147,13 +155,26 @@ class RankCoords:
     experts: tuple[int, ...]
 
 
-def _mx_linear_buffers(name: str, n: int, k: int) -> tuple[BufferSpec, ...]:
+def _held(
+    engine: EngineProfile, kind: str, name: str, canonical: tuple[int, ...], dtype: str, layout: str
+) -> BufferSpec:
+    """A buffer of ``kind`` as ``engine`` holds it (view shape, storage order)."""
+    h = held_as(engine, kind, canonical)
+    return BufferSpec(name, h.shape, dtype, layout, h.storage_order, h.canonical_of_view)
+
+
+def _mx_linear_buffers(engine: EngineProfile, name: str, n: int, k: int) -> tuple[BufferSpec, ...]:
     # SPEC §2.3: weight [K, N] fp8; scale [ceil(g/2), N, 2] u8 with g = K/32.
     g = k // MX_GROUP
     return (
-        BufferSpec(name, (k, n), FP8_BUFFER, LAYOUT_MX_LINEAR),
-        BufferSpec(
-            name + SCALE_SUFFIX, (ceil_div(g, MX_PAIR), n, MX_PAIR), SCALE_BUFFER, LAYOUT_MX_LINEAR
+        _held(engine, "mx_linear", name, (k, n), FP8_BUFFER, LAYOUT_MX_LINEAR),
+        _held(
+            engine,
+            "mx_linear_scale",
+            name + SCALE_SUFFIX,
+            (ceil_div(g, MX_PAIR), n, MX_PAIR),
+            SCALE_BUFFER,
+            LAYOUT_MX_LINEAR,
         ),
     )
 
@@ -166,11 +187,13 @@ class _Planner:
         config: ModelConfig,
         layout: ParallelLayout,
         checkpoint: CheckpointMeta | None,
+        engine: str | EngineProfile = DEFAULT_ENGINE,
     ) -> None:
         validate_layout(config, layout)
         self.config = config
         self.layout = layout
         self.checkpoint = checkpoint
+        self.engine = engine_profile(engine)
         self.arch: Architecture = architecture_for(config)
         self.size = {name: dim.size(config) for name, dim in self.arch.dims.items()}
         self.ep = uses_expert_parallel(config, layout)
@@ -181,6 +204,11 @@ class _Planner:
         ]
         self.first_rules = self.arch.rules_at("first")
         self.last_rules = self.arch.rules_at("last")
+        # Rows the engine builds (and loads) on every pipeline stage, not only on the
+        # first or last one (vLLM's Qwen3-MoE: embed_tokens, norm, lm_head).
+        every = set(self.engine.every_stage.get(self.arch.name, ()))
+        self.every_stage = {i for i, r in enumerate(self.arch.rules) if r.name in every}
+        check_expert_placement(self.engine, layout.expert_placement, self.ep)
         self._facts: dict[tuple[int, int], _Facts] = {}
         self._blocks: dict[tuple[int, int, int], _Block] = {}
         self._moe_buffers: dict[tuple[int, int, int], tuple[BufferSpec, ...]] = {}
@@ -214,12 +242,13 @@ class _Planner:
     def blocks(self, c: RankCoords) -> list[_Block]:
         """The rank's blocks in plan order: stage-0 rows, each layer's rows, last-stage rows."""
         out: list[_Block] = []
-        if c.pp_rank == 0:
-            out.extend(self._block(i, -1, c) for i in self.first_rules)
+        first, last = c.pp_rank == 0, c.pp_rank == self.layout.pp - 1
+        out.extend(
+            self._block(i, -1, c) for i in self.first_rules if first or i in self.every_stage
+        )
         for layer in c.layers:
             out.extend(self._block(i, layer, c) for i in self.layer_rules[layer])
-        if c.pp_rank == self.layout.pp - 1:
-            out.extend(self._block(i, -1, c) for i in self.last_rules)
+        out.extend(self._block(i, -1, c) for i in self.last_rules if last or i in self.every_stage)
         return out
 
     def _block(self, idx: int, layer: int, c: RankCoords) -> _Block:
@@ -371,7 +400,7 @@ class _Planner:
         kind: UnitKind = "linear" if rule.linear else "copy"
         if facts.quantized and rule.mx and k_local % MX_GROUP == 0:
             layout = LAYOUT_MX_LINEAR
-            buffers = _mx_linear_buffers(name, n_local, k_local)
+            buffers = _mx_linear_buffers(self.engine, name, n_local, k_local)
         else:
             layout = LAYOUT_DENSE
             dtype = (
@@ -473,24 +502,31 @@ class _Planner:
             lo = c.moe_rank * i_local
         mx = facts.quantized and rule.mx and hidden % MX_GROUP == 0 and i_local % MX_GROUP == 0
         layout = LAYOUT_MX_MOE if mx else LAYOUT_DENSE
-        prefix = device_name(rule, layer)
+        prefix = device_name(rule, layer) + self.engine.moe_infix
         w13, w2 = f"{prefix}.{W13_BUFFER}", f"{prefix}.{W2_BUFFER}"
         e_local = len(c.experts)
         bkey = (idx, layer, e_local)
         buffers = self._moe_buffers.get(bkey)
         if buffers is None:
+            eng = self.engine
             if mx:
+                check_moe_groups(eng, w13, hidden, MX_GROUP)
+                check_moe_groups(eng, w2, i_local, MX_GROUP)
                 g13, g2 = hidden // MX_GROUP, i_local // MX_GROUP
                 buffers = (
-                    BufferSpec(w13, (e_local, hidden, 2 * i_local), FP8_BUFFER, layout),
-                    BufferSpec(
+                    _held(eng, "mx_moe", w13, (e_local, hidden, 2 * i_local), FP8_BUFFER, layout),
+                    _held(
+                        eng,
+                        "mx_moe_scale",
                         w13 + SCALE_SUFFIX,
                         (e_local, ceil_div(g13, MX_PAIR), 2 * i_local, MX_PAIR),
                         SCALE_BUFFER,
                         layout,
                     ),
-                    BufferSpec(w2, (e_local, i_local, hidden), FP8_BUFFER, layout),
-                    BufferSpec(
+                    _held(eng, "mx_moe", w2, (e_local, i_local, hidden), FP8_BUFFER, layout),
+                    _held(
+                        eng,
+                        "mx_moe_scale",
                         w2 + SCALE_SUFFIX,
                         (e_local, ceil_div(g2, MX_PAIR), hidden, MX_PAIR),
                         SCALE_BUFFER,
@@ -504,8 +540,8 @@ class _Planner:
                     else SAFETENSORS_TO_BUFFER[facts.dtype]
                 )
                 buffers = (
-                    BufferSpec(w13, (e_local, 2 * i_local, hidden), dtype, layout),
-                    BufferSpec(w2, (e_local, hidden, i_local), dtype, layout),
+                    _held(eng, "dense_moe", w13, (e_local, 2 * i_local, hidden), dtype, layout),
+                    _held(eng, "dense_moe", w2, (e_local, hidden, i_local), dtype, layout),
                 )
             self._moe_buffers[bkey] = buffers
         units: list[Unit] = []
@@ -629,13 +665,14 @@ def plan_rank(
     rank: int,
     *,
     checkpoint: CheckpointMeta | None = None,
+    engine: str | EngineProfile = DEFAULT_ENGINE,
 ) -> tuple[tuple[BufferSpec, ...], tuple[Unit, ...]]:
     """The buffers and units of one rank, in plan order (SPEC §3).
 
     Refuses a layout the model cannot take (LayoutError), a checkpoint that disagrees
     with the config (CheckpointError naming the tensor) and merged parts that disagree on
     being quantized (MixedQuantization)."""
-    planner = _Planner(config, layout, checkpoint)
+    planner = _Planner(config, layout, checkpoint, engine)
     return _flatten(planner.blocks(planner.coords(rank)))
 
 
@@ -649,6 +686,7 @@ def build_plan(
     device: str = "cpu",
     remote: bool = False,
     fused: bool = True,
+    engine: str | EngineProfile = DEFAULT_ENGINE,
 ) -> Plan:
     """Every rank's plan, with reads (when there is a checkpoint) and staging (SPEC §6).
 
@@ -671,6 +709,7 @@ def build_plan(
             device=device,
             remote=remote,
             fused=fused,
+            engine=engine,
         )
 
 
@@ -684,6 +723,7 @@ def _build_plan(
     device: str,
     remote: bool,
     fused: bool = True,
+    engine: str | EngineProfile = DEFAULT_ENGINE,
 ) -> Plan:
     from .memory import (
         ConvertOptions,
@@ -693,7 +733,7 @@ def _build_plan(
         read_fn_from_reads,
     )
 
-    planner = _Planner(config, layout, checkpoint)
+    planner = _Planner(config, layout, checkpoint, engine)
     policy = REMOTE_POLICY if remote else LOCAL_POLICY
     quant = config.quant.kind
     block_n = config.quant.block_n if quant == "block_fp8" else (1 if quant == "mxfp8" else 128)
@@ -827,6 +867,7 @@ def _build_plan(
             },
             "from_checkpoint": checkpoint is not None,
         },
+        engine=planner.engine.name,
     )
 
 
@@ -870,6 +911,7 @@ def plan_to_json(plan: Plan) -> dict[str, Any]:
         "format": PLAN_FORMAT,
         "model": dict(plan.model),
         "parallel": plan.layout.to_json(),
+        "engine": plan.engine,
         "ranks": ranks,
         "min_staging_bytes": {"load": plan.min_staging_load, "reload": plan.min_staging_reload},
         "device_memory_bytes": plan.device_memory_bytes,

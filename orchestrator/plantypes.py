@@ -41,10 +41,39 @@ class BufferSpec:
     """torch dtype name: float8_e4m3fn, uint8, bfloat16, float16, float32."""
     layout: str
     """mx_linear | mx_moe | dense."""
+    storage_order: tuple[int, ...] = ()
+    """Dims of ``shape`` from the outermost in memory to the innermost; () = row-major.
+    An engine profile (``mxload.orchestrator.engines``) may hold a buffer as a transposed
+    view of its storage; ``shape`` is always the view's (what the engine reads)."""
+    canonical_of_view: tuple[int, ...] = ()
+    """``canonical_of_view[i]`` = mxload's canonical dim that view dim ``i`` is (the units
+    write canonical rows); () = the view is canonical."""
 
     @property
     def numel(self) -> int:
         return math.prod(self.shape)
+
+    @property
+    def storage_shape(self) -> tuple[int, ...]:
+        """Shape of the row-major storage the view is taken from."""
+        order = self.storage_order or tuple(range(len(self.shape)))
+        return tuple(self.shape[d] for d in order)
+
+    @property
+    def stride(self) -> tuple[int, ...]:
+        """Strides (elements) of the view over its storage."""
+        order = self.storage_order or tuple(range(len(self.shape)))
+        stride = [0] * len(self.shape)
+        step = 1
+        for d in reversed(order):
+            stride[d] = step
+            step *= max(self.shape[d], 1)
+        return tuple(stride)
+
+    @property
+    def storage_offset(self) -> int:
+        """Offset (elements) of the view into its storage: 0, every buffer owns its storage."""
+        return 0
 
     @property
     def nbytes(self) -> int:
@@ -239,6 +268,8 @@ class Plan:
     """Smallest staging budget a reload can run under (whole units, SPEC §6)."""
     device_memory_bytes: int | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    engine: str = "mxload"
+    """Engine profile the buffers are laid out for (``mxload.orchestrator.engines``)."""
 
     @property
     def fits(self) -> bool:

@@ -162,6 +162,12 @@ class RankLoader:
         self.buffers: dict[str, torch.Tensor] = (
             self._adopt(buffers) if buffers is not None else self._allocate()
         )
+        # Units write canonical rows (source orientation, SPEC §2.3 kernel layout); an
+        # engine profile may hold a buffer as a permuted view of that, so each unit writes
+        # through the canonical view of the engine's tensor: same storage, no copy.
+        self._canonical = {
+            spec.name: _canonical_view(self.buffers[spec.name], spec) for spec in plan.buffers
+        }
         self.addresses = {n: t.data_ptr() for n, t in self.buffers.items()}
         self.unit_ids: list[Identity] = [NOTHING] * len(plan.units)
         """Per unit, the identity of the run that last wrote it whole."""
@@ -174,15 +180,21 @@ class RankLoader:
     # --- buffers -------------------------------------------------------------------------
 
     def _allocate(self) -> dict[str, torch.Tensor]:
+        """Every buffer as the engine profile holds it: row-major storage of
+        ``spec.storage_shape``, then the view of ``spec.shape`` over it (a permutation,
+        so ``stride`` and ``storage_offset`` are the planned ones)."""
         out = {}
         for spec in self.plan.buffers:
-            out[spec.name] = (
-                torch.zeros(spec.shape, dtype=TORCH_DTYPES[spec.dtype], device=self.backend.device)
-                if spec.dtype != "float8_e4m3fn"
-                else torch.zeros(spec.shape, dtype=torch.uint8, device=self.backend.device).view(
-                    torch.float8_e4m3fn
+            storage = (
+                torch.zeros(
+                    spec.storage_shape, dtype=TORCH_DTYPES[spec.dtype], device=self.backend.device
                 )
+                if spec.dtype != "float8_e4m3fn"
+                else torch.zeros(
+                    spec.storage_shape, dtype=torch.uint8, device=self.backend.device
+                ).view(torch.float8_e4m3fn)
             )
+            out[spec.name] = _view_of_storage(storage, spec)
         return out
 
     def _adopt(self, given: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -199,8 +211,7 @@ class RankLoader:
                 problems.append(f"{spec.name}: dtype {t.dtype} != planned {spec.dtype}")
             if t.device.type != want_device.type:
                 problems.append(f"{spec.name}: device {t.device} != compute device {want_device}")
-            if not t.is_contiguous():
-                problems.append(f"{spec.name}: not contiguous")
+            problems.extend(_layout_problems(spec, t))
         extra = sorted(set(given) - set(self._specs))
         for name in extra:
             problems.append(f"{name}: not a buffer of rank {self.rank}'s plan")
@@ -212,8 +223,8 @@ class RankLoader:
         return {spec.name: given[spec.name] for spec in self.plan.buffers}
 
     def _unit_buffers(self, unit: Unit) -> tuple[torch.Tensor, torch.Tensor | None]:
-        w = self.buffers[unit.buffer]
-        s = self.buffers.get(unit.buffer + "_scale")
+        w = self._canonical[unit.buffer]
+        s = self._canonical.get(unit.buffer + "_scale")
         if unit.expert >= 0:
             w = w[unit.expert]
             s = s[unit.expert] if s is not None else None
@@ -328,11 +339,15 @@ class RankLoader:
         packed: tuple[Lease, torch.Tensor, torch.Tensor] | None = None
         staged_packed = unit.layout in ("mx_linear", "mx_moe") and unit.quantized
         staged_packed = staged_packed and source.quant == "block_fp8"
+        w_buf, s_buf = self._unit_buffers(unit)
+        # The packed stage is [K, rows]: right when the buffer's storage is K-major (the
+        # mxload layout). An engine holding [N, K]-ordered storage (vllm-ascend's MoE) gets
+        # the row-major MX result instead, whose write is then a copy in storage order.
+        staged_packed = staged_packed and w_buf.is_contiguous()
         if cost.out and not staged_packed:
             reservations.append(pool.reserve(cost.out, tag=f"out {unit.buffer}"))
         if cost.scratch:
             reservations.append(pool.reserve(cost.scratch, tag=f"resolve {unit.buffer}"))
-        w_buf, s_buf = self._unit_buffers(unit)
         dtype = MODEL_TORCH_DTYPE[self.model_dtype]
         be = self.backend
         writes: list[Callable[[], None]] = []
@@ -728,6 +743,8 @@ class RankLoader:
             t = self.buffers[spec.name]
             out[spec.name] = {
                 "shape": list(spec.shape),
+                "stride": list(t.stride()),
+                "storage_offset": t.storage_offset(),
                 "dtype": spec.dtype,
                 "layout": spec.layout,
                 "data_ptr": t.data_ptr(),
@@ -773,8 +790,56 @@ class RankLoader:
         }
 
     def host_tensors(self) -> dict[str, torch.Tensor]:
-        """CPU copies of every buffer (for --dump)."""
-        return {n: t.detach().cpu() for n, t in self.buffers.items()}
+        """CPU copies of every buffer (for --dump): logical values, what each view reads,
+        in its shape (row-major), whatever the storage order."""
+        return {n: t.detach().cpu().contiguous() for n, t in self.buffers.items()}
+
+
+def _inverse(perm: Sequence[int]) -> list[int]:
+    inv = [0] * len(perm)
+    for i, d in enumerate(perm):
+        inv[d] = i
+    return inv
+
+
+def _view_of_storage(storage: torch.Tensor, spec: BufferSpec) -> torch.Tensor:
+    """The view ``spec`` describes over row-major ``storage`` of ``spec.storage_shape``."""
+    if not spec.storage_order:
+        return storage
+    return storage.permute(_inverse(spec.storage_order))
+
+
+def _canonical_view(t: torch.Tensor, spec: BufferSpec) -> torch.Tensor:
+    """``t`` (the engine's view) seen in mxload's canonical dimension order."""
+    if not spec.canonical_of_view:
+        return t
+    return t.permute(_inverse(spec.canonical_of_view))
+
+
+def _layout_problems(spec: BufferSpec, t: torch.Tensor) -> list[str]:
+    """How a tensor handed in for ``spec`` differs from the planned view: its stride, and
+    whether the memory it spans is exactly the planned storage (``numel`` elements, no gap,
+    no overlap) inside the tensor's storage. The storage offset is free: a host may carve
+    its parameters out of one arena. An engine's own parameters must match the profile
+    exactly, or writes would land elsewhere than its kernels read."""
+    problems = []
+    # A dimension of size 1 has no meaningful stride (torch may report any value).
+    significant = [d for d, n in enumerate(spec.shape) if n > 1]
+    if [t.stride()[d] for d in significant] != [spec.stride[d] for d in significant]:
+        problems.append(
+            f"{spec.name}: stride {tuple(t.stride())} != planned {spec.stride} "
+            f"(a view of storage {list(spec.storage_shape)}; is --engine right?)"
+        )
+    elif spec.numel:
+        span = spec.numel * t.element_size()
+        end = (t.storage_offset() + spec.numel) * t.element_size()
+        have = t.untyped_storage().nbytes()
+        if end > have:
+            problems.append(
+                f"{spec.name}: its storage holds {have} bytes, the view needs {span} bytes "
+                f"from element {t.storage_offset()}"
+            )
+    return problems
 
 
 def _rss_bytes() -> int:

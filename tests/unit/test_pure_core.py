@@ -24,6 +24,7 @@ PURE_MODULES = (
     "mxload.orchestrator.ranges",
     "mxload.orchestrator.plantypes",
     "mxload.orchestrator.arch",
+    "mxload.orchestrator.engines",
     "mxload.orchestrator.layout",
     "mxload.orchestrator.planner",
     "mxload.orchestrator.readplan",
