@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from .engines import DEFAULT_ENGINE, ENGINES
 from .errors import MxloadError, UsageError
 from .models import model_config, model_config_path, model_names, resolve_model
 from .plantypes import ParallelLayout
@@ -81,6 +82,21 @@ FLAGS: tuple[Flag, ...] = (
         "how experts map to EP ranks: linear (contiguous blocks) or round_robin",
         "linear",
         kwargs={"choices": ["linear", "round_robin"]},
+    ),
+    # engine
+    Flag(
+        ("--engine",),
+        ("plan", "load", "convert"),
+        "lay buffers out as this engine holds them after its own post-load (names, views, "
+        "placement): " + ", ".join(ENGINES),
+        DEFAULT_ENGINE,
+        kwargs={"choices": list(ENGINES)},
+    ),
+    Flag(
+        ("--engine",),
+        ("reload", "status"),
+        "the engine the session was loaded for (refused when it differs; default: the session's)",
+        kwargs={"choices": list(ENGINES)},
     ),
     # memory
     Flag(
@@ -441,6 +457,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         device_memory=_size(args, "device_memory"),
         device=args.device,
         remote=bool(args.src) and "://" in args.src and not args.src.startswith("file://"),
+        engine=args.engine,
     )
     budget = _size(args, "staging_budget")
     if budget is not None and budget < plan.min_staging_load:
@@ -583,6 +600,7 @@ def _load_request(args: argparse.Namespace) -> Any:
         dtype=args.dtype,
         allow_nonfinite=args.allow_nonfinite,
         max_restarts=args.max_restarts,
+        engine=args.engine,
     )
 
 
@@ -621,6 +639,7 @@ def cmd_reload(args: argparse.Namespace) -> int:
         address=args.address,
         storage_options=_storage_options(args),
         staging_budget=_size(args, "staging_budget"),
+        engine=args.engine,
     )
     _write_report(args.report, manifest)
     moved = manifest.get("addresses_moved", [])
@@ -636,7 +655,9 @@ def cmd_reload(args: argparse.Namespace) -> int:
 def cmd_status(args: argparse.Namespace) -> int:
     from .detached import detached_status
 
-    manifest = detached_status(session=args.session, address=args.address, dump=args.dump)
+    manifest = detached_status(
+        session=args.session, address=args.address, dump=args.dump, engine=args.engine
+    )
     consistent = all(r["consistent"] for r in manifest["ranks"])
     versions = sorted({r["version"] for r in manifest["ranks"]})
     _emit(
@@ -666,6 +687,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
         allow_nonfinite=args.allow_nonfinite,
         progress=sys.stderr.isatty() and not args.json,
         numerics=args.numerics,
+        engine=args.engine,
     )
     _emit(args, summary, f"converted {args.src} -> {args.dst}: {json.dumps(summary)}")
     return 0

@@ -240,14 +240,30 @@ def _budget(plan: Plan, rank: int) -> int:
     return staging_budget_of(plan, plan.ranks[rank])
 
 
+def _check_engine(session: str, held: Plan, engine: str | None) -> None:
+    """``--engine`` on reload/status names what the caller expects; the session's buffers
+    are laid out for the engine it was loaded with, and cannot change."""
+    if engine is not None and engine != held.engine:
+        raise SessionError(
+            f"session {session!r} holds buffers laid out for --engine {held.engine}, not "
+            f"{engine}; release it and load again to change the engine",
+            key="--engine",
+        )
+
+
 def detached_status(
-    *, session: str = "default", address: str | None = None, dump: str | None = None
+    *,
+    session: str = "default",
+    address: str | None = None,
+    dump: str | None = None,
+    engine: str | None = None,
 ) -> dict[str, Any]:
     """Per-rank versions, consistency, addresses, memory of a detached session."""
     import ray
 
     try:
         keeper, state, run = _attach(session, address)
+        _check_engine(session, state["plan"], engine)
         repaired = _repair(keeper, state, run)
         reports = ray.get([a.report.remote() for a in run.actors])
         for r in reports:
@@ -298,6 +314,7 @@ def detached_reload(
     storage_options: Any = None,
     staging_budget: int | None = None,
     on_progress: Callable[[list[tuple[int, int, int]]], None] | None = None,
+    engine: str | None = None,
 ) -> dict[str, Any]:
     """In-place reload of a detached session from ``src`` (SPEC §4 "Reload")."""
     import ray
@@ -308,6 +325,7 @@ def detached_reload(
     try:
         keeper, state, run = _attach(session, address)
         held: Plan = state["plan"]
+        _check_engine(session, held, engine)
         req = replace(
             state["request"],
             src=src,

@@ -60,6 +60,8 @@ class LoadRequest:
     num_cpus: int | None = None
     """CPUs the embedded head declares (default: this machine's, capped at 2 in tests)."""
     threads_per_worker: int | None = None
+    engine: str = "mxload"
+    """Engine profile the buffers are laid out for (``mxload.orchestrator.engines``)."""
     fault_at: dict[int, int] = field(default_factory=dict)
     """Test hook: rank -> unit index at which that rank's process exits hard (first try only)."""
 
@@ -93,6 +95,7 @@ def plan_load(req: LoadRequest) -> tuple[Any, Plan]:
         device="cpu" if req.device in ("cpu", "auto") else req.device,
         remote=not _is_local(req.src),
         fused=workers_fused(req.device),
+        engine=req.engine,
     )
     if req.staging_budget is not None and req.staging_budget < plan.min_staging_load:
         raise StagingBudgetError(
@@ -458,6 +461,7 @@ def build_manifest(
         "format": DUMP_FORMAT,
         "model": plan.model,
         "parallel": plan.layout.to_json(),
+        "engine": plan.engine,
         "checksum": CHECKSUM_NAME,
         "ranks": ranks,
     }

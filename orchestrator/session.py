@@ -74,7 +74,7 @@ def preflight(held: Plan, new: Plan) -> list[str]:
             x, y = a[name], b[name]
             if name in relaid and x.layout != y.layout:
                 continue
-            for attr in ("shape", "dtype", "layout"):
+            for attr in ("shape", "stride", "dtype", "layout"):
                 if getattr(x, attr) != getattr(y, attr):
                     problems.append(
                         f"rank {ro.rank}: {name}: {attr} {getattr(y, attr)} in the new "
@@ -154,6 +154,7 @@ def plan_reload(held: Plan, req: LoadRequest) -> tuple[Any, Plan]:
         device="cpu",
         remote="://" in req.src and not req.src.startswith("file://"),
         fused=workers_fused(req.device),
+        engine=held.engine,
     )
     problems += preflight(held, new)
 

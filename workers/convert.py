@@ -10,6 +10,12 @@ file; merged projections stay unmerged, one tensor per expert. Per quantized lin
 * otherwise ``X.weight`` resolved in the model dtype, no scale, and X listed in
   ``exclude_modules``.
 
+``exclude_modules`` lists every module whose 2-D weight the output keeps in the model
+dtype (lm_head, embed_tokens, the MoE router ``mlp.gate``, the resolved linears above),
+plus the engine profile's own patterns (``--engine``): a ModelOpt config quantizes every
+linear and ``ParallelLMHead`` it does not exclude, so without them vLLM would build an
+MXFP8 lm_head or router and fail to load the BF16 tensor into it.
+
 Everything else is copied byte for byte. An already-MXFP8 checkpoint is accepted and
 copied through (its headers and pairing validated on the way), so ``convert`` can also
 re-shard-check or move one between stores.
@@ -106,6 +112,7 @@ def convert_checkpoint(
     numerics: str = "auto",
     threads: int | None = None,
     window_bytes: int = DEFAULT_WINDOW,
+    engine: str = "mxload",
 ) -> dict[str, Any]:
     """Convert ``src`` into ``dst``; returns a summary (tensors, bytes, seconds, GB/s).
 
@@ -115,6 +122,9 @@ def convert_checkpoint(
 
     if numerics not in NUMERICS:
         raise UsageError(f"numerics must be one of {', '.join(NUMERICS)}, got {numerics!r}")
+    from mxload.orchestrator.engines import engine_profile
+
+    profile = engine_profile(engine)
     t0 = time.perf_counter()
     meta = open_checkpoint(src, storage_options=storage_options, dtype=dtype)
     cfg = meta.config
@@ -128,6 +138,7 @@ def convert_checkpoint(
         )
     storage = Storage(src, storage_options)
     specs, jobs, excluded, weight_map = _plan(meta)
+    excluded = [*excluded, *profile.model_dtype_modules]
     n_threads = threads or kernels.cpu_share()
     use_fast = numerics == "fast" or (numerics == "auto" and kernels.available())
     if numerics == "fast":
@@ -259,6 +270,8 @@ def _plan(meta: CheckpointMeta) -> tuple[Specs, list[_Job], list[str], dict[str,
         else:
             out.append((name, info.dtype, tuple(info.shape)))
             made_by[name] = _Job(info.file, "copy", (name,), (info,), info.nbytes)
+            if module and len(info.shape) == 2 and info.dtype != "F8_E4M3":
+                excluded.append(module)  # a 2-D weight kept in the model dtype
         weight_map[name] = info.file
     jobs: list[_Job] = []
     for file in sorted(specs):

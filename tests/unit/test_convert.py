@@ -105,6 +105,9 @@ def expected_output(src: str) -> tuple[dict[str, tuple[str, np.ndarray]], list[s
     np_bits, torch_dt = BITS[dtype]
     out: dict[str, tuple[str, np.ndarray]] = {}
     excluded = list(qc.get("modules_to_not_convert") or qc.get("ignored_layers") or [])
+    # vLLM builds a ParallelLMHead even with tied embeddings; mxload holds it in the model
+    # dtype, so it is always excluded.
+    excluded.append("lm_head")
     for name, t in tensors.items():
         if name.endswith(".weight_scale_inv"):
             continue
@@ -131,6 +134,11 @@ def expected_output(src: str) -> tuple[dict[str, tuple[str, np.ndarray]], list[s
                 excluded.append(module)
         else:
             out[name] = (ST_DTYPE[t.dtype], raw(t))
+            if name.endswith(".weight") and t.dim() == 2:
+                # kept in the model dtype: a ModelOpt config must exclude it, or vLLM
+                # quantizes lm_head / the router (ParallelLMHead and linears it does not
+                # exclude) and cannot load the BF16 tensor
+                excluded.append(module)
     return out, sorted(set(excluded)), config
 
 
@@ -195,6 +203,9 @@ def test_fallback_case_really_has_excluded_modules(converted) -> None:
     assert "model.layers.1.mlp.experts.0.down_proj" in excl
     assert "model.layers.0.mlp.down_proj" in excl
     assert "model.layers.1.mlp.experts.0.gate_proj" not in excl
+    # kept in the model dtype, so listed: lm_head, the embedding, the MoE router
+    assert {"lm_head", "model.embed_tokens", "model.layers.1.mlp.gate"} <= set(excl)
+    assert not any("norm" in m for m in excl)  # 1-D tensors are not linears
     assert got["model.layers.1.mlp.experts.0.down_proj.weight"].dtype == torch.bfloat16
     assert "model.layers.1.mlp.experts.0.down_proj.weight_scale" not in got
     _, dst2, _ = converted("dense-not-converted")
