@@ -372,7 +372,7 @@ class RankLoader:
                     )
                 else:
                     scale_src = _typed(sb, torch.uint8, (nr, nc // MX_GROUP))
-            if mx and unit.quantized and source.quant == "block_fp8":
+            if staged_packed:
                 if packed is None:
                     packed = self._packed_stage(unit, pool)
                     reservations.append(packed[0])

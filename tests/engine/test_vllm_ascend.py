@@ -1,0 +1,484 @@
+"""mxload against vllm-ascend's own MXFP8 code: names, views, values, addresses.
+
+The engine's graphs point at the parameters vllm-ascend holds *after its own post-load*,
+so this test runs vllm-ascend's real code, downloaded at test time, on CPU:
+
+1. ``pip download --no-deps`` of the pinned sdist into a cache (skipped, with the reason,
+   when the package index cannot be reached); nothing of it is copied into the project.
+2. Its real ``vllm_ascend/quantization/methods/w8a8_mxfp8.py`` is imported with torch_npu,
+   vLLM and the vllm-ascend modules it needs only for ``apply`` replaced by stubs in
+   ``sys.modules`` (nothing real can run there on CPU); ``quant_type.py``, ``base.py`` and
+   ``registry.py`` are vllm-ascend's own.
+3. Per rank of each layout, the engine's MX parameters are created by the schemes' real
+   ``get_weight`` / ``get_pergroup_param`` / ``get_dynamic_quant_param`` (registered as
+   ``nn.Parameter`` the way ``method_adapters.create_weights`` does), filled from the
+   ModelOpt-MXFP8 checkpoint that ``mxload convert`` writes, sharded by vLLM's rules (the
+   weight loaders, written here from vLLM's conventions), then the real
+   ``process_weights_after_loading`` runs.
+4. mxload plans with ``--engine vllm-ascend-0.23`` and must give exactly those names,
+   shapes, strides and dtypes; it adopts the engine's parameters and reloads the block-FP8
+   checkpoint into them three times; each time, the parameters read through their views
+   equal what vllm-ascend's RL path gives (``restore_weights_for_rl_loading``, the
+   weight loaders with the new ModelOpt checkpoint, post-load again), and no ``data_ptr``
+   moves. A standalone mxload load (its own allocation, what ``--dump`` writes) holds the
+   same views and bytes.
+
+Not covered for real (nothing of them imports without vLLM/torch_npu): vLLM's own weight
+loaders and ``method_adapters.create_weights`` (reproduced here), the unquantized
+(fallback) MoE post-load, and vllm-ascend main (no release to download; its MXFP8 file,
+read at 182b75ea, has the same post-load as 0.23 and differs in names, which the planner
+test below checks).
+"""
+
+from __future__ import annotations
+
+import enum
+import importlib
+import logging
+import os
+import subprocess
+import sys
+import tarfile
+import types
+from collections.abc import Iterator
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+from mxload.orchestrator.catalog import open_checkpoint
+from mxload.orchestrator.planner import build_plan
+from mxload.orchestrator.plantypes import ParallelLayout
+from mxload.orchestrator.session import reload_inputs
+from mxload.workers.convert import convert_checkpoint
+from mxload.workers.loader import RankLoader
+from safetensors.torch import load_file
+
+from tests.reference_model import Layout, coords, experts_of, stage_layers
+
+PIN = "0.23.0.post1"
+ENGINE = "vllm-ascend-0.23"
+SDIST_DIR = f"vllm_ascend-{PIN}"
+MX_FILE = "vllm_ascend/quantization/methods/w8a8_mxfp8.py"
+
+# H = 256 (8 groups), moe I = 256: I_l = 128 / 256 / 64 at tp2, EP, tp2 x dp2 without EP
+# (even group counts everywhere: vllm-ascend's MoE post-load cannot take odd ones).
+OVERRIDES = {"moe_intermediate_size": 256}
+LAYOUTS = {
+    "tp2": ParallelLayout(tp=2),
+    "tp2xdp2-ep": ParallelLayout(tp=2, dp=2, enable_expert_parallel=True),
+    "tp2xdp2": ParallelLayout(tp=2, dp=2),
+}
+
+_NETWORK_SIGNS = (
+    "NewConnectionError",
+    "Network is unreachable",
+    "Temporary failure in name resolution",
+    "Max retries exceeded",
+    "ConnectionError",
+    "Could not find a version that satisfies",
+    "No matching distribution",
+    "timed out",
+)
+
+
+def _cache_dir() -> Path:
+    base = os.environ.get("MXLOAD_TEST_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "mxload-tests"
+    )
+    return Path(base) / f"vllm-ascend-{PIN}"
+
+
+@pytest.fixture(scope="module")
+def vllm_ascend_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The unpacked pinned sdist, downloaded once into the cache."""
+    cache = _cache_dir()
+    root = cache / SDIST_DIR
+    if (root / MX_FILE).is_file():
+        return root
+    cache.mkdir(parents=True, exist_ok=True)
+    # pip prepares an sdist's metadata before saving it. vllm-ascend's build needs torch,
+    # torch_npu and cmake (GBs) in an isolated build env; without isolation its setup.py
+    # needs only setuptools_scm (for the version, which we know) and a SOC_VERSION. A
+    # four-line stand-in for setuptools_scm, on PYTHONPATH for pip's subprocess only.
+    shim = tmp_path_factory.mktemp("scm-shim")
+    (shim / "setuptools_scm").mkdir()
+    (shim / "setuptools_scm" / "__init__.py").write_text(
+        "import os\n\ndef get_version(**kwargs):\n"
+        "    return os.environ['SETUPTOOLS_SCM_PRETEND_VERSION']\n"
+    )
+    env = dict(
+        os.environ,
+        PYTHONPATH=str(shim),
+        SETUPTOOLS_SCM_PRETEND_VERSION=PIN,
+        SOC_VERSION="ascend950",
+        COMPILE_CUSTOM_KERNELS="0",
+    )
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-build-isolation"]
+    cmd += [f"vllm-ascend=={PIN}", "-d", str(cache)]
+    try:
+        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    except subprocess.TimeoutExpired:
+        pytest.skip(f"pip download vllm-ascend=={PIN}: the package index did not answer in 600 s")
+    out = done.stdout + done.stderr
+    if done.returncode != 0:
+        if any(sign in out for sign in _NETWORK_SIGNS):
+            pytest.skip(f"the package index cannot be reached: {out.strip().splitlines()[-1]}")
+        pytest.fail(f"pip download vllm-ascend=={PIN} failed:\n{out[-3000:]}")
+    with tarfile.open(cache / f"{SDIST_DIR}.tar.gz") as tar:
+        members = [m for m in tar.getmembers() if m.name.startswith(f"{SDIST_DIR}/vllm_ascend/")]
+        tar.extractall(cache, members=members, filter="data")
+    assert (root / MX_FILE).is_file()
+    return root
+
+
+# --- vllm-ascend's MXFP8 schemes, imported for real with stubs around them ------------------
+
+
+class _CompilationMode(enum.IntEnum):
+    NONE = 0
+    VLLM_COMPILE = 3
+
+
+def _module(name: str, path: Path | None = None, **attrs: Any) -> types.ModuleType:
+    m = types.ModuleType(name)
+    if path is not None:
+        m.__path__ = [str(path)]  # a package whose submodules load from the real sources
+    m.__dict__.update(attrs)
+    return m
+
+
+@pytest.fixture(scope="module")
+def schemes(vllm_ascend_root: Path) -> Iterator[SimpleNamespace]:
+    pkg = vllm_ascend_root / "vllm_ascend"
+    vllm_config = SimpleNamespace(
+        quant_config=SimpleNamespace(quant_description={"group_size": 32}),
+        compilation_config=SimpleNamespace(mode=_CompilationMode.NONE),
+        model_config=SimpleNamespace(enforce_eager=True),
+        use_v2_model_runner=False,
+    )
+    ascend_config = SimpleNamespace(
+        eplb_config=SimpleNamespace(dynamic_eplb=False), multistream_overlap_gate=False
+    )
+    stubs = {
+        # what nothing real can stand in for on CPU: torch_npu and vLLM
+        "torch_npu": _module("torch_npu"),
+        "vllm": _module("vllm", Path("/nonexistent")),
+        "vllm.config": _module(
+            "vllm.config",
+            CompilationMode=_CompilationMode,
+            get_current_vllm_config=lambda: vllm_config,
+        ),
+        "vllm.logger": _module("vllm.logger", logger=logging.getLogger("vllm-stub")),
+        "vllm.utils": _module("vllm.utils", Path("/nonexistent")),
+        "vllm.utils.math_utils": _module("vllm.utils.math_utils", cdiv=lambda a, b: -(-a // b)),
+        # vllm-ascend's packages without their __init__ (which import all of vLLM)
+        "vllm_ascend": _module("vllm_ascend", pkg),
+        "vllm_ascend.quantization": _module("vllm_ascend.quantization", pkg / "quantization"),
+        "vllm_ascend.quantization.methods": _module(
+            "vllm_ascend.quantization.methods", pkg / "quantization" / "methods"
+        ),
+        # vllm-ascend modules the MXFP8 file uses only at run time (apply) or to read
+        # configuration that the stubs above provide
+        "vllm_ascend.ascend_config": _module(
+            "vllm_ascend.ascend_config", get_ascend_config=lambda: ascend_config
+        ),
+        "vllm_ascend.ascend_forward_context": _module(
+            "vllm_ascend.ascend_forward_context", _EXTRA_CTX=None
+        ),
+        "vllm_ascend.device": _module("vllm_ascend.device", Path("/nonexistent")),
+        "vllm_ascend.device.mxfp_compat": _module(
+            "vllm_ascend.device.mxfp_compat",
+            FLOAT8_E8M0FNU_DTYPE=torch.uint8,
+            ensure_mxfp8_linear_available=lambda *a: None,
+            ensure_mxfp8_moe_available=lambda *a: None,
+        ),
+        "vllm_ascend.flash_common3_context": _module(
+            "vllm_ascend.flash_common3_context", get_flash_common3_context=lambda: None
+        ),
+        "vllm_ascend.ops": _module("vllm_ascend.ops", Path("/nonexistent")),
+        "vllm_ascend.ops.fused_moe": _module("vllm_ascend.ops.fused_moe", Path("/nonexistent")),
+        "vllm_ascend.ops.fused_moe.experts_selector": _module(
+            "vllm_ascend.ops.fused_moe.experts_selector", select_experts=None
+        ),
+        "vllm_ascend.ops.fused_moe.moe_runtime_args": _module(
+            "vllm_ascend.ops.fused_moe.moe_runtime_args", build_fused_experts_input=None
+        ),
+    }
+    before = set(sys.modules)
+    saved = {k: sys.modules[k] for k in stubs if k in sys.modules}
+    sys.modules.update(stubs)
+    try:
+        mx = importlib.import_module("vllm_ascend.quantization.methods.w8a8_mxfp8")
+        assert Path(mx.__file__).resolve() == (vllm_ascend_root / MX_FILE).resolve()
+        yield SimpleNamespace(
+            linear=mx.AscendW8A8MXFP8DynamicLinearMethod,
+            moe=mx.AscendW8A8MXFP8DynamicFusedMoEMethod,
+        )
+    finally:
+        for k in set(sys.modules) - before:
+            del sys.modules[k]
+        sys.modules.update(saved)
+
+
+# --- the engine side: vllm-ascend's parameters, filled as vLLM's loaders would --------------
+
+
+class _Engine:
+    """One rank's MX layers as vllm-ascend holds them (name -> module with Parameters)."""
+
+    def __init__(self, schemes: SimpleNamespace, plan_rank: Any, dtype: torch.dtype) -> None:
+        self.layers: dict[str, tuple[Any, torch.nn.Module]] = {}
+        bufs = {b.name: b for b in plan_rank.buffers}
+        for b in plan_rank.buffers:
+            if b.layout == "mx_linear" and b.name.endswith(".weight"):
+                k, n = b.shape
+                scheme = schemes.linear()
+                layer = torch.nn.Module()
+                # method_adapters.create_weights: each returned tensor becomes a Parameter
+                for d in (
+                    scheme.get_weight(k, n, dtype),
+                    scheme.get_pergroup_param(k, n, dtype, layer_type="others"),
+                ):
+                    for pname, t in d.items():
+                        layer.register_parameter(pname, torch.nn.Parameter(t, requires_grad=False))
+                self.layers[b.name[: -len(".weight")]] = (scheme, layer)
+            elif b.layout == "mx_moe" and b.name.endswith(".w13_weight"):
+                e_l, h, two_i = b.shape
+                w2 = bufs[b.name.replace("w13_weight", "w2_weight")]
+                assert w2.shape == (e_l, two_i // 2, h)
+                scheme = schemes.moe()
+                layer = torch.nn.Module()
+                for d in (
+                    scheme.get_weight(e_l, two_i // 2, h, dtype),
+                    scheme.get_dynamic_quant_param(e_l, two_i // 2, h, dtype),
+                ):
+                    for pname, t in d.items():
+                        layer.register_parameter(pname, torch.nn.Parameter(t, requires_grad=False))
+                self.layers[b.name[: -len(".w13_weight")]] = (scheme, layer)
+
+    def load(self, values: dict[str, torch.Tensor]) -> None:
+        """What vLLM's weight loaders leave in the parameters (before post-load)."""
+        for prefix, (_, layer) in self.layers.items():
+            for pname, p in layer.named_parameters():
+                p.data.copy_(values[f"{prefix}.{pname}"])
+
+    def post_load(self) -> None:
+        for scheme, layer in self.layers.values():
+            scheme.process_weights_after_loading(layer)
+
+    def restore(self) -> None:
+        for scheme, layer in self.layers.values():
+            scheme.restore_weights_for_rl_loading(layer)
+
+    def params(self) -> dict[str, torch.Tensor]:
+        return {
+            f"{prefix}.{pname}": p
+            for prefix, (_, layer) in self.layers.items()
+            for pname, p in layer.named_parameters()
+        }
+
+
+def _loader_values(mx_ckpt: dict[str, torch.Tensor], cfg: dict, layout: Layout, rank: int):
+    """Per parameter, the [N, K] payload / [N, K/32] scale a rank's parameters hold after
+    vLLM's weight loaders ran on the ModelOpt-MXFP8 checkpoint (vLLM's sharding: qkv with
+    kv-head replication, column/row splits, FusedMoE TP over dp*tp or EP whole experts)."""
+    dp_rank, pp_rank, tp_rank = coords(layout, rank)
+    tp = layout.tp
+    hd = cfg["head_dim"]
+    nq, nkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    out: dict[str, torch.Tensor] = {}
+
+    def w(module: str, rows: slice, cols: slice) -> tuple[torch.Tensor, torch.Tensor]:
+        payload = mx_ckpt[f"{module}.weight"].view(torch.uint8)[rows, cols]
+        c0 = cols.start or 0
+        c1 = cols.stop if cols.stop is not None else payload.shape[1] + c0
+        scale = mx_ckpt[f"{module}.weight_scale"][rows, c0 // 32 : c1 // 32]
+        return payload, scale
+
+    def split(total: int, parts: int, i: int) -> slice:
+        share = total // parts
+        return slice(i * share, (i + 1) * share)
+
+    def put(name: str, pieces: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        out[f"{name}.weight"] = torch.cat([p for p, _ in pieces]).view(torch.float8_e4m3fn)
+        out[f"{name}.weight_scale"] = torch.cat([s for _, s in pieces])
+
+    full = slice(None)
+    for i in stage_layers(cfg["num_hidden_layers"], layout.pp, pp_rank):
+        p = f"model.layers.{i}"
+        q_rows = split(nq * hd, tp, tp_rank)
+        if nkv % tp == 0:
+            kv_rows = split(nkv * hd, tp, tp_rank)
+        else:
+            head = tp_rank // (tp // nkv)
+            kv_rows = slice(head * hd, (head + 1) * hd)
+        put(
+            f"{p}.self_attn.qkv_proj",
+            [
+                w(f"{p}.self_attn.q_proj", q_rows, full),
+                w(f"{p}.self_attn.k_proj", kv_rows, full),
+                w(f"{p}.self_attn.v_proj", kv_rows, full),
+            ],
+        )
+        put(
+            f"{p}.self_attn.o_proj", [w(f"{p}.self_attn.o_proj", full, split(nq * hd, tp, tp_rank))]
+        )
+        if i in cfg.get("mlp_only_layers", []):
+            inter = split(cfg["intermediate_size"], tp, tp_rank)
+            put(
+                f"{p}.mlp.gate_up_proj",
+                [w(f"{p}.mlp.gate_proj", inter, full), w(f"{p}.mlp.up_proj", inter, full)],
+            )
+            put(f"{p}.mlp.down_proj", [w(f"{p}.mlp.down_proj", full, inter)])
+            continue
+        n_e, mi = cfg["num_experts"], cfg["moe_intermediate_size"]
+        moe_rank, moe_size = dp_rank * tp + tp_rank, layout.dp * tp
+        if layout.ep:
+            experts = experts_of(n_e, moe_size, moe_rank, layout.placement)
+            rows = slice(0, mi)
+        else:
+            experts, rows = list(range(n_e)), split(mi, moe_size, moe_rank)
+        w13, s13, w2, s2 = [], [], [], []
+        for e in experts:
+            m = f"{p}.mlp.experts.{e}"
+            (gp, gs), (up, us) = w(f"{m}.gate_proj", rows, full), w(f"{m}.up_proj", rows, full)
+            dp_, ds = w(f"{m}.down_proj", full, rows)
+            w13.append(torch.cat([gp, up]))
+            s13.append(torch.cat([gs, us]))
+            w2.append(dp_)
+            s2.append(ds)
+        x = f"{p}.mlp.experts"
+        out[f"{x}.w13_weight"] = torch.stack(w13).view(torch.float8_e4m3fn)
+        out[f"{x}.w13_weight_scale"] = torch.stack(s13)
+        out[f"{x}.w2_weight"] = torch.stack(w2).view(torch.float8_e4m3fn)
+        out[f"{x}.w2_weight_scale"] = torch.stack(s2)
+    return out
+
+
+def _read_mx(path: str) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for f in sorted(os.listdir(path)):
+        if f.endswith(".safetensors"):
+            out.update(load_file(os.path.join(path, f)))
+    return out
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """Logical values (what the view reads), as bytes in the view's row-major order."""
+    return t.detach().contiguous().view(torch.uint8)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(ckpt_factory, tmp_path_factory):
+    """Two block-FP8 versions and their ModelOpt-MXFP8 forms (mxload convert)."""
+    out = {}
+    for seed in (1, 2):
+        src = ckpt_factory("qwen3-moe-tiny", seed=seed, overrides=OVERRIDES)
+        dst = str(tmp_path_factory.mktemp(f"modelopt-{seed}"))
+        convert_checkpoint(src, dst)
+        out[seed] = (src, _read_mx(dst))
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(LAYOUTS))
+def test_adopts_vllm_ascend_parameters_and_reloads_to_its_own_values(
+    name, schemes, checkpoints
+) -> None:
+    import json
+
+    layout = LAYOUTS[name]
+    ref_layout = Layout(tp=layout.tp, dp=layout.dp, pp=layout.pp, ep=layout.enable_expert_parallel)
+    src1, mx1 = checkpoints[1]
+    src2, mx2 = checkpoints[2]
+    with open(os.path.join(src1, "config.json")) as f:
+        cfg = json.load(f)
+    meta = open_checkpoint(src1)
+    held = build_plan(meta.config, layout, checkpoint=meta, engine=ENGINE)
+    dtype = torch.bfloat16
+    inputs = {1: reload_inputs(held, src1), 2: reload_inputs(held, src2)}
+    for rank, rp in enumerate(held.ranks):
+        values = {v: _loader_values(mx, cfg, ref_layout, rank) for v, mx in ((1, mx1), (2, mx2))}
+        # What vllm-ascend holds after loading version 1 (its engine start-up).
+        engine = _Engine(schemes, rp, dtype)
+        engine.load(values[1])
+        engine.post_load()
+        params = engine.params()
+        assert params, f"rank {rank}: no MX parameters"
+
+        # 1. mxload's plan names exactly those views: shape, stride, dtype, storage offset.
+        specs = {b.name: b for b in rp.buffers}
+        for pname, t in params.items():
+            spec = specs[pname]
+            got = (spec.shape, spec.stride, spec.dtype, spec.storage_offset)
+            want = (tuple(t.shape), tuple(t.stride()), str(t.dtype).split(".")[1], 0)
+            assert got == want, f"rank {rank} {pname}: planned {got}, vllm-ascend holds {want}"
+        mx_specs = {n for n, b in specs.items() if b.layout in ("mx_linear", "mx_moe")}
+        assert mx_specs == set(params), f"rank {rank}: {sorted(mx_specs ^ set(params))}"
+
+        # vllm-ascend's RL path to version 2 on a second engine: restore, load, post-load.
+        ref2 = _Engine(schemes, rp, dtype)
+        ref2.load(values[1])
+        ref2.post_load()
+        ref2.restore()
+        ref2.load(values[2])
+        ref2.post_load()
+        want = {1: {n: _bytes(t).clone() for n, t in params.items()}}
+        want[2] = {n: _bytes(t) for n, t in ref2.params().items()}
+
+        # 2. mxload adopts the engine's own parameters (the rest: host tensors) and
+        #    reloads three times, from the block-FP8 checkpoints.
+        host = {n: p for n, p in params.items()}
+        for b in rp.buffers:
+            if b.name not in host:
+                host[b.name] = torch.zeros(b.shape, dtype=getattr(torch, b.dtype))
+        ptrs = {n: t.data_ptr() for n, t in host.items()}
+        loader = RankLoader(rp, model_dtype=held.model["dtype"], device="cpu", buffers=host)
+        for version, v in enumerate((2, 1, 2), start=1):
+            inp = inputs[v]
+            loader.reload(
+                list(inp.reads[rank]),
+                inp.source,
+                version=version,
+                staging_budget=inp.budgets[rank],
+                units=list(inp.units[rank]),
+            )
+            bad = [n for n, t in params.items() if not torch.equal(_bytes(t), want[v][n])]
+            assert bad == [], f"{name} rank {rank} reload {version} (v{v}): {bad}"
+            moved = [n for n, t in host.items() if t.data_ptr() != ptrs[n]]
+            assert moved == [], f"{name} rank {rank} reload {version}: moved {moved}"
+
+        # 3. A standalone load (what `mxload load --engine vllm-ascend-0.23 --dump` holds):
+        #    the same views and bytes as vllm-ascend's own parameters.
+        alone = RankLoader(rp, model_dtype=held.model["dtype"], device="cpu")
+        inp = inputs[2]
+        alone.load(list(inp.reads[rank]), inp.source, version=1, staging_budget=inp.budgets[rank])
+        report = alone.tensor_report()
+        dumped = alone.host_tensors()
+        for pname, t in ref2.params().items():
+            r = report[pname]
+            assert (tuple(r["shape"]), tuple(r["stride"]), r["storage_offset"]) == (
+                tuple(t.shape),
+                tuple(t.stride()),
+                0,
+            ), pname
+            assert torch.equal(_bytes(dumped[pname]), want[2][pname]), f"rank {rank} {pname}"
+
+
+def test_main_profile_names_routed_experts_with_the_same_views() -> None:
+    """vllm-ascend main (no release to download): same post-load views as 0.23, MoE
+    parameters under ``mlp.experts.routed_experts.`` (vLLM main's MoERunner)."""
+    from mxload.orchestrator.config import parse_config
+    from mxload.workers.synth import preset_config
+
+    config = parse_config(preset_config("qwen3-moe-tiny", OVERRIDES))
+    layout = ParallelLayout(tp=2, dp=2, enable_expert_parallel=True)
+    a = build_plan(config, layout, engine="vllm-ascend-0.23").ranks[1].buffers
+    b = build_plan(config, layout, engine="vllm-ascend-main").ranks[1].buffers
+    assert len(a) == len(b)
+    for x, y in zip(a, b, strict=True):
+        assert y.name == x.name.replace("mlp.experts.", "mlp.experts.routed_experts."), y.name
+        assert (x.shape, x.stride, x.dtype) == (y.shape, y.stride, y.dtype)
+    assert any(".routed_experts.w13_weight_scale" in y.name for y in b)
