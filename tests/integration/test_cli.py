@@ -460,6 +460,39 @@ def test_convert(work: Path, ckpts: dict[str, str]) -> None:
     assert json.loads(again.stdout)["quantization"] == "mxfp8"
 
 
+@pytest.mark.ray
+def test_load_for_an_engine_dumps_its_views(work: Path, ckpts: dict[str, str]) -> None:
+    """``--engine vllm-ascend-main``: vllm-ascend's names (routed_experts), its strides in
+    the manifest, logical values in the dump (equal to the independent reference, whose
+    MoE views read the same values as mxload's layout)."""
+    dump = work / "dump-engine"
+    layout = ["--tp", "2", "--dp", "2", "--enable-expert-parallel", "--device", "cpu"]
+    proc = mx(
+        work, "load", ckpts["v1"], *layout, "--engine", "vllm-ascend-main",
+        "--dump", str(dump), "--json", timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    manifest = json.loads(proc.stdout)
+    assert manifest["engine"] == "vllm-ascend-main"
+    on_disk = json.loads((dump / "manifest.json").read_text())
+    assert on_disk["engine"] == "vllm-ascend-main"
+    ref = RefCheckpoint(ckpts["v1"])
+    for r, rank in enumerate(manifest["ranks"]):
+        t = rank["tensors"]
+        w13 = t["model.layers.0.mlp.experts.routed_experts.w13_weight"]
+        _, h, n2 = w13["shape"]
+        assert (w13["stride"], w13["storage_offset"]) == ([h * n2, 1, h], 0)
+        s13 = t["model.layers.0.mlp.experts.routed_experts.w13_weight_scale"]
+        _, g2, n, _ = s13["shape"]
+        assert s13["stride"] == [n * g2 * 2, 2, g2 * 2, 1]
+        qkv = t["model.layers.0.self_attn.qkv_proj.weight"]
+        assert qkv["stride"] == [qkv["shape"][1], 1]  # linears stay contiguous
+        got = load_file(dump / f"rank-{r:05d}.safetensors")
+        renamed = {k.replace(".experts.routed_experts.", ".experts."): v for k, v in got.items()}
+        problems = compare_rank(expected_rank(ref, Layout(2, 2, 1, True), r), renamed)
+        assert problems == [], f"rank {r}: {problems[:8]}"
+
+
 def test_convert_numerics_flag(work: Path, ckpts: dict[str, str]) -> None:
     """``--numerics reference`` runs the naive path through the same pipeline and writes
     the same files as the default (fast) path; an unknown value is a usage error."""
