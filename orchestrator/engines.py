@@ -179,11 +179,11 @@ VLLM_ASCEND_0_23 = EngineProfile(
         ),
         SourceRef(
             "MX linear: contiguous [K, N] and [ceil(g/2), N, 2] (odd g padded), persistent",
-            "vllm_ascend/quantization/methods/w8a8_mxfp8.py:109-161",
+            "vllm_ascend/quantization/methods/w8a8_mxfp8.py:59-67, 109-162",
         ),
         SourceRef(
             "MX MoE: [E, N, K] / [E, N, K//32] created, post-load transposed views",
-            "vllm_ascend/quantization/methods/w8a8_mxfp8.py:232-255, 356-395",
+            "vllm_ascend/quantization/methods/w8a8_mxfp8.py:232-255, 356-395 (reshape/transpose 386-392)",
         ),
         SourceRef(
             "fallback MoE: [E, H, 2I] and [E, I, H] contiguous, new parameters",
@@ -237,8 +237,8 @@ VLLM_ASCEND_MAIN = EngineProfile(
         ),
         SourceRef(
             "NZ: VLLM_ASCEND_ENABLE_NZ default 1; rl_config.enabled forces 0; updates refuse NZ",
-            "vllm-ascend main vllm_ascend/envs.py:80, ascend_config.py:239-245, 579-588, "
-            "worker/worker.py:287-310",
+            "vllm-ascend main vllm_ascend/envs.py:80, ascend_config.py:240-244, 583-588, "
+            "worker/worker.py:288-306",
         ),
         SourceRef(
             "round_robin falls back to linear without expert groups / DeepEP-LL",
@@ -247,6 +247,10 @@ VLLM_ASCEND_MAIN = EngineProfile(
         SourceRef(
             "Qwen3-MoE: embed_tokens, norm, lm_head built on every PP stage",
             "vllm 0.33.0 model_executor/models/qwen3_moe.py:468-479,580-585",
+        ),
+        SourceRef(
+            "ModelOpt config quantizes ParallelLMHead unless excluded",
+            "vllm 0.33.0 model_executor/layers/quantization/modelopt.py:191-254",
         ),
     ),
 )
