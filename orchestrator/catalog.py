@@ -204,11 +204,22 @@ def describe(meta: CheckpointMeta) -> dict[str, Any]:
         }
         for f in meta.files
     ]
+    cfg = meta.config
+    bytes_by_kind: Counter[str] = Counter()
+    for name, info in meta.tensors.items():
+        bytes_by_kind[tensor_kind(name, info.dtype)] += info.nbytes
+    moe_layers = sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
     out: dict[str, Any] = {
         "root": meta.root,
-        "architecture": meta.config.architecture,
+        "architecture": cfg.architecture,
         "quantization": quant.kind,
-        "dtype": meta.config.model_dtype,
+        "dtype": cfg.model_dtype,
+        "layers": cfg.num_hidden_layers,
+        "moe_layers": moe_layers,
+        "experts": cfg.num_experts,
+        "hidden_size": cfg.hidden_size,
+        "vocab_size": cfg.vocab_size,
+        "tensor_bytes_by_kind": dict(sorted(bytes_by_kind.items())),
         "files": files,
         "num_files": len(files),
         "num_tensors": len(meta.tensors),
@@ -223,6 +234,24 @@ def describe(meta: CheckpointMeta) -> dict[str, Any]:
     if quant.not_converted:
         out["not_converted"] = list(quant.not_converted)
     return out
+
+
+TENSOR_KINDS = (
+    ("scale", (".weight_scale_inv", ".weight_scale")),
+    ("embedding", ("embed_tokens.weight", "lm_head.weight")),
+    ("router", (".mlp.gate.weight", ".e_score_correction_bias")),
+    ("norm", ("norm.weight",)),
+)
+"""Name suffix -> kind, for ``inspect``'s bytes per kind; the first match wins."""
+
+
+def tensor_kind(name: str, dtype: str) -> str:
+    """What a checkpoint tensor is, for a summary: ``fp8 weight``, ``scale``,
+    ``embedding``, ``router``, ``norm`` or ``other`` (unquantized weights)."""
+    for kind, suffixes in TENSOR_KINDS:
+        if name.endswith(suffixes):
+            return kind
+    return "fp8 weight" if dtype.startswith("F8") else "other"
 
 
 def _not_found(storage: StorageLike, exc: StorageError, file: str) -> bool:

@@ -16,6 +16,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from mxload.cluster.local import mxload_home
+
 from .engines import DEFAULT_ENGINE, ENGINES
 from .errors import MxloadError, UsageError
 from .models import model_config, model_config_path, model_names, resolve_model
@@ -159,8 +161,8 @@ FLAGS: tuple[Flag, ...] = (
     Flag(
         ("--address",),
         SESSION,
-        "Ray head to join, HOST:PORT (default: the head recorded under $MXLOAD_HOME, or for "
-        "load a new local one)",
+        "Ray head to join, HOST:PORT (default: the head recorded in $MXLOAD_HOME, "
+        f"here {mxload_home()}; for load, a new local one)",
         kwargs={"metavar": "HOST:PORT"},
     ),
     Flag(
@@ -252,8 +254,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Load block-FP8 checkpoints into Ascend MXFP8 kernel layouts, sharded "
         "over Ray workers, reload them in place, and plan device memory.",
         epilog="Exit status: 0 ok; 2 bad input or a refusal; 3 the plan does not fit; 1 a "
-        "failed run. Detached sessions are recorded under $MXLOAD_HOME (default ~/.mxload). "
-        "'mxload COMMAND --help' for a command's flags.",
+        f"failed run. Detached sessions are recorded under $MXLOAD_HOME (here: "
+        f"{mxload_home()}; default ~/.mxload). 'mxload COMMAND --help' for a command's flags.",
     )
     sub = parser.add_subparsers(dest="command", parser_class=_Parser, metavar="COMMAND")
 
@@ -359,18 +361,14 @@ def _emit(args: argparse.Namespace, obj: Any, human: str) -> None:
         print(human)
 
 
-def _progress_printer(enabled: bool) -> Any:
-    if not enabled:
+def _progress(args: argparse.Namespace, label: str) -> Any:
+    """A progress bar for a long run when stderr is a terminal and --json is off; None
+    otherwise (pipes and scripts see no control characters)."""
+    if args.json or not sys.stderr.isatty():
         return None
+    from .progress import RankProgress
 
-    def show(progress: list[tuple[int, int, int]]) -> None:
-        done = sum(p[0] for p in progress)
-        total = sum(p[1] for p in progress) or 1
-        nbytes = sum(p[2] for p in progress)
-        sys.stderr.write(f"\r  units {done}/{total}  read {format_size(nbytes)}   ")
-        sys.stderr.flush()
-
-    return show
+    return RankProgress(label)
 
 
 # --- commands ---------------------------------------------------------------------------------
@@ -392,12 +390,19 @@ def cmd_make_checkpoint(args: argparse.Namespace) -> int:
         storage_options=_storage_options(args),
         bf16=args.bf16,
     )
-    _emit(
-        args,
-        summary,
-        f"wrote {args.preset} (seed {args.seed}) to {args.out}: {json.dumps(summary)}",
-    )
+    _emit(args, summary, render_made(args, summary))
     return 0
+
+
+def render_made(args: argparse.Namespace, summary: dict[str, Any]) -> str:
+    """``make-checkpoint``'s one-line summary (the details are in ``--json``)."""
+    kind = "BF16" if args.bf16 else "block-FP8"
+    return (
+        f"wrote {kind} {args.preset} (seed {args.seed}) to {args.out}: "
+        f"{summary['tensors']} tensors in {summary['shards']} shard(s), "
+        f"{format_size(summary['bytes'])}, {len(summary.get('special_tiles', []))} special "
+        "tile(s) (--json lists them)"
+    )
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
@@ -405,14 +410,40 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
     meta = open_checkpoint(args.src, storage_options=_storage_options(args), dtype=args.dtype)
     info = describe(meta)
-    lines = [f"{args.src}"]
-    for k, v in info.items():
-        if isinstance(v, dict | list) and len(json.dumps(v)) > 100:
-            lines.append(f"  {k}: {json.dumps(v)[:300]}...")
-        else:
-            lines.append(f"  {k}: {v}")
-    _emit(args, info, "\n".join(lines))
+    _emit(args, info, render_inspect(args.src, info))
     return 0
+
+
+def render_inspect(src: str, info: dict[str, Any]) -> str:
+    """``inspect``'s human summary: the model, its quantization, bytes per kind, files."""
+    quant = info["quantization"]
+    if "weight_block_size" in info:
+        quant += " (blocks " + "x".join(str(b) for b in info["weight_block_size"]) + ")"
+    experts = f", {info['experts']} experts in {info['moe_layers']} MoE layers" if info["experts"] else ""  # fmt: skip
+    lines = [
+        src,
+        f"  model         {info['architecture']}: {info['layers']} layers{experts}, "
+        f"hidden {info['hidden_size']}, vocab {info['vocab_size']}, dtype {info['dtype']}",
+        f"  quantization  {quant}; {info['quantized_linears']} quantized linears"
+        + (
+            f"; not converted: {', '.join(info['not_converted'])}"
+            if info.get("not_converted")
+            else ""
+        ),
+        f"  tensors       {info['num_tensors']} in {info['num_files']} file(s), "
+        f"{format_size(info['tensor_bytes'])}",
+        "  bytes by kind "
+        + ", ".join(f"{kind} {format_size(n)}" for kind, n in info["tensor_bytes_by_kind"].items()),
+        "  bytes by dtype "
+        + ", ".join(
+            f"{dt} {format_size(n)} ({info['tensors_by_dtype'][dt]} tensors)"
+            for dt, n in info["tensor_bytes_by_dtype"].items()
+        ),
+        "  files",
+    ]
+    for f in info["files"]:
+        lines.append(f"    {f['file']}  {format_size(f['bytes'])}, {f['tensors']} tensors")
+    return "\n".join(lines)
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -613,34 +644,63 @@ def _write_report(path: str | None, manifest: dict[str, Any]) -> None:
 
 def cmd_load(args: argparse.Namespace) -> int:
     req = _load_request(args)
-    show = _progress_printer(sys.stderr.isatty() and not args.json)
-    if args.detach:
-        from .detached import detached_load
+    show = _progress(args, "load")
+    try:
+        if args.detach:
+            from .detached import detached_load
 
-        manifest = detached_load(req, session=args.session, dump=args.dump, on_progress=show)
-    else:
-        from .driver import load
+            manifest = detached_load(req, session=args.session, dump=args.dump, on_progress=show)
+        else:
+            from .driver import load
 
-        manifest, _ = load(req, dump=args.dump, on_progress=show)
-    if show:
-        sys.stderr.write("\n")
+            manifest, _ = load(req, dump=args.dump, on_progress=show)
+    finally:
+        if show:
+            show.close()
     _write_report(args.report, manifest)
     header = layout_header(manifest["parallel"], args.defaults_used)
     _emit(args, manifest, "\n".join([*header, render_load_table(manifest)]))
+    if args.detach:
+        # On stderr under --json, so stdout stays one JSON object.
+        print(detach_note(manifest, args.session), file=sys.stderr if args.json else sys.stdout)
     return 0
+
+
+def detach_note(manifest: dict[str, Any], session: str) -> str:
+    """What a detached load leaves behind and the commands that come next."""
+    from mxload.cluster.local import mxload_home
+
+    flag = "" if session == "default" else f" --session {session}"
+    return "\n".join(
+        [
+            f"session {session!r} is loaded and detached: {len(manifest['ranks'])} workers "
+            f"hold the weights on the Ray head at {manifest.get('address')} "
+            f"(recorded in {mxload_home()})",
+            "next:",
+            f"  mxload status{flag}            versions, consistency, addresses",
+            f"  mxload reload NEW_SRC{flag}    rewrite the weights in place",
+            f"  mxload release{flag}           end the session and free the devices",
+        ]
+    )
 
 
 def cmd_reload(args: argparse.Namespace) -> int:
     from .detached import detached_reload
 
-    manifest = detached_reload(
-        args.src,
-        session=args.session,
-        address=args.address,
-        storage_options=_storage_options(args),
-        staging_budget=_size(args, "staging_budget"),
-        engine=args.engine,
-    )
+    show = _progress(args, "reload")
+    try:
+        manifest = detached_reload(
+            args.src,
+            session=args.session,
+            address=args.address,
+            storage_options=_storage_options(args),
+            staging_budget=_size(args, "staging_budget"),
+            engine=args.engine,
+            on_progress=show,
+        )
+    finally:
+        if show:
+            show.close()
     _write_report(args.report, manifest)
     moved = manifest.get("addresses_moved", [])
     _emit(

@@ -70,7 +70,7 @@ def _rank_name(session: str, rank: int) -> str:
 def _connect(address: str | None) -> tuple[str, bool]:
     """Join the session's Ray: --address, else the head recorded under $MXLOAD_HOME."""
     import ray
-    from mxload.cluster.local import connect, head_alive, read_head_record
+    from mxload.cluster.local import connect, head_alive, mxload_home, read_head_record
 
     if ray.is_initialized():
         return "", False
@@ -78,9 +78,11 @@ def _connect(address: str | None) -> tuple[str, bool]:
     if address is None:
         record = read_head_record()
         if record is None or not head_alive(record):
+            # The actual folder, not the variable's name: the user may not know it is set.
             raise SessionError(
-                "no detached session here: no Ray head is recorded under $MXLOAD_HOME "
-                "(start one with `mxload load ... --detach`, or pass --address)",
+                f"no detached session here: no running Ray head is recorded in "
+                f"{mxload_home()} ($MXLOAD_HOME); start one with `mxload load SRC --detach`, "
+                "or join a cluster with --address HOST:PORT",
                 key="--address",
             )
         address, own = record.address, True
@@ -96,10 +98,27 @@ def _keeper(session: str) -> Any:
     try:
         return ray.get_actor(_keeper_name(session), namespace=NAMESPACE)
     except ValueError:
+        names = session_names()
+        hint = (
+            f"sessions here: {', '.join(names)} (e.g. `mxload status --session {names[0]}`)"
+            if names
+            else "no session is running here; start one with `mxload load SRC --detach`"
+        )
         raise SessionError(
-            f"no such session {session!r} in this Ray cluster (see `mxload status --session`)",
-            key="--session",
+            f"no such session {session!r} in this Ray cluster; {hint}", key="--session"
         ) from None
+
+
+def session_names() -> list[str]:
+    """Names of the detached sessions in the connected Ray cluster, sorted."""
+    import ray
+
+    suffix = "/keeper"
+    return sorted(
+        str(a["name"])[: -len(suffix)]
+        for a in ray.util.list_named_actors(all_namespaces=True)
+        if a.get("namespace") == NAMESPACE and str(a.get("name", "")).endswith(suffix)
+    )
 
 
 def detached_load(
@@ -148,6 +167,7 @@ def detached_load(
         raise
     reports = manifest["ranks"]
     manifest["session"] = session
+    manifest["address"] = req.address
     state = {
         "session": session,
         "request": replace(req, fault_at={}),

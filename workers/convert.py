@@ -177,20 +177,36 @@ def convert_checkpoint(
         )
         return (mx if job.kind == "mx" else resolved)(arrays[0].reshape(n, k), s)
 
+    bar: Any = None
+    if progress:
+        from mxload.orchestrator.progress import bar_width
+        from tqdm import tqdm
+
+        bar = tqdm(
+            total=sum(job.in_bytes for job in jobs),
+            desc="convert",
+            unit="B",
+            unit_scale=True,
+            unit_divisor=1024,
+            file=sys.stderr,
+            ncols=bar_width(),
+            mininterval=0.5,
+        )
+
     def report(job: _Job) -> None:
         counts[0] += 1
         counts[1] += job.in_bytes
-        if progress:
-            sys.stderr.write(
-                f"\r  tensors {counts[0]}/{len(jobs)}  {counts[1] / 1e6:.1f} MB read   "
-            )
-            sys.stderr.flush()
+        if bar is not None:
+            bar.update(job.in_bytes)
+            bar.set_postfix_str(f"tensors {counts[0]}/{len(jobs)}", refresh=False)
 
     counts = [0, 0]
-    pipe.run(jobs, convert, report)
+    try:
+        pipe.run(jobs, convert, report)
+    finally:
+        if bar is not None:
+            bar.close()
     source_bytes = counts[1]
-    if progress:
-        sys.stderr.write("\n")
 
     raw_config = json.loads(storage.read_file(CONFIG_FILE))
     if quant == "block_fp8":

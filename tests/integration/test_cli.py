@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -115,6 +116,53 @@ def mx(
         text=True,
         timeout=timeout,
     )
+
+
+def mx_tty(
+    work: Path, *args: str, home: str = "home", timeout: float = 300
+) -> tuple[int, str, str]:
+    """Run ``mxload`` with stderr on a pseudo-terminal (as a user at a terminal sees it);
+    stdout goes to a file. Returns (exit status, stdout, what the terminal showed)."""
+    import fcntl
+    import pty
+    import select
+    import struct
+    import termios
+
+    env = dict(os.environ, MXLOAD_HOME=str(work / home), RAY_USAGE_STATS_ENABLED="0")
+    env.pop("RAY_ADDRESS", None)
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 160, 0, 0))  # 160 columns
+    out_path = work / f"tty-stdout-{time.monotonic_ns()}"
+    with open(out_path, "wb") as out:
+        proc = subprocess.Popen(
+            [*MXLOAD, *args], cwd=work / "cwd", env=env, stdin=subprocess.DEVNULL,
+            stdout=out, stderr=slave,
+        )  # fmt: skip
+    os.close(slave)
+    shown = bytearray()
+    deadline = time.monotonic() + timeout
+    # Read until the command exits (then a short drain: its children may hold the pty).
+    exited_at = None
+    while time.monotonic() < deadline:
+        if exited_at is None and proc.poll() is not None:
+            exited_at = time.monotonic()
+        if exited_at is not None and time.monotonic() - exited_at > 1.0:
+            break
+        ready, _, _ = select.select([master], [], [], 0.2)
+        if ready:
+            try:
+                data = os.read(master, 65536)
+            except OSError:  # EIO: every writer closed the pty
+                data = b""
+            if not data and exited_at is not None:
+                break
+            shown += data
+    os.close(master)
+    if proc.poll() is None:
+        proc.kill()
+        pytest.fail(f"mxload {' '.join(args)} did not finish in {timeout} s")
+    return proc.returncode, out_path.read_text(), shown.decode(errors="replace")
 
 
 def assert_refused(proc: subprocess.CompletedProcess, *names: str, code: int = 2) -> None:
@@ -226,7 +274,7 @@ REFUSALS = {
         lambda w, c: ["reload", c["v2"], "--session", "nosuch"],
         ["--address"],
     ),
-    "status-no-session": (lambda w, c: ["status"], ["--address"]),
+    "status-no-session": (lambda w, c: ["status"], ["--address", str(Path("home-empty"))]),
     "release-no-session": (lambda w, c: ["release"], ["--address"]),
     "convert-bf16": (
         lambda w, c: ["convert", c["bf16"], str(w / "never")],
@@ -438,8 +486,31 @@ def test_inspect(work: Path, ckpts: dict[str, str]) -> None:
     assert info["tensor_bytes"] == sum(t.numel() * t.element_size() for t in tensors.values())
     n_fp8 = sum(t.dtype == torch.float8_e4m3fn for t in tensors.values())
     assert info["quantized_linears"] == n_fp8
+    assert (info["layers"], info["experts"], info["moe_layers"]) == (4, 8, 3)
+    assert sum(info["tensor_bytes_by_kind"].values()) == info["tensor_bytes"]
+    fp8_bytes = sum(t.numel() for t in tensors.values() if t.dtype == torch.float8_e4m3fn)
+    assert info["tensor_bytes_by_kind"]["fp8 weight"] == fp8_bytes
+    assert "..." not in proc.stdout
     human = mx(work, "inspect", ckpts["v1"])
-    assert human.returncode == 0 and "Qwen3MoeForCausalLM" in human.stdout
+    assert human.returncode == 0, human.stderr
+    text = human.stdout
+    assert "Qwen3MoeForCausalLM: 4 layers, 8 experts in 3 MoE layers" in text
+    assert "block_fp8 (blocks 128x128)" in text and "bytes by kind" in text
+    # Readable: no JSON or Python reprs, no truncation; every file listed.
+    assert not any(c in text for c in "{}[]'") and "..." not in text, text
+    assert all(f["file"] in text for f in info["files"])
+
+
+def test_make_checkpoint_says_one_line_or_json(work: Path) -> None:
+    human = mx(work, "make-checkpoint", str(work / "made"), "--preset", "qwen3-dense-tiny")
+    assert human.returncode == 0, human.stderr
+    line = human.stdout.strip()
+    assert "\n" not in line and "{" not in line, line
+    assert line.startswith("wrote block-FP8 qwen3-dense-tiny (seed 0) to ")
+    doc = mx(work, "make-checkpoint", str(work / "made-json"), "--preset", "qwen3-dense-tiny", "--json")  # fmt: skip
+    assert doc.returncode == 0, doc.stderr
+    summary = json.loads(doc.stdout)
+    assert f"{summary['tensors']} tensors in {summary['shards']} shard(s)" in line
 
 
 def test_convert(work: Path, ckpts: dict[str, str]) -> None:
@@ -491,6 +562,32 @@ def test_load_for_an_engine_dumps_its_views(work: Path, ckpts: dict[str, str]) -
         renamed = {k.replace(".experts.routed_experts.", ".experts."): v for k, v in got.items()}
         problems = compare_rank(expected_rank(ref, Layout(2, 2, 1, True), r), renamed)
         assert problems == [], f"rank {r}: {problems[:8]}"
+
+
+def test_convert_shows_progress_on_a_terminal_only(work: Path, ckpts: dict[str, str]) -> None:
+    rc, _, shown = mx_tty(work, "convert", ckpts["v1"], str(work / "converted-tty"))
+    assert rc == 0, shown[-2000:]
+    assert "convert:" in shown and "100%" in shown, shown[-2000:]
+    assert re.search(r"tensors (\d+)/\1\b", shown), shown[-2000:]  # every job done
+    piped = mx(work, "convert", ckpts["v1"], str(work / "converted-pipe"))
+    assert piped.returncode == 0, piped.stderr
+    assert "\r" not in piped.stderr and "convert:" not in piped.stderr, piped.stderr
+
+
+@pytest.mark.ray
+def test_load_on_a_terminal_shows_progress_and_the_defaults(
+    work: Path, ckpts: dict[str, str]
+) -> None:
+    rc, out, shown = mx_tty(work, "load", ckpts["v1"], "--tp", "2", "--device", "cpu", home="home-empty")  # fmt: skip
+    assert rc == 0, shown[-3000:]
+    assert "load:" in shown and "ranks 2/2 done" in shown, shown[-3000:]
+    assert " at " in shown and "/s" in shown  # the read rate
+    assert "Traceback" not in shown
+    lines = out.splitlines()
+    assert lines[0].startswith("layout: tp=2 dp=1 pp=1 ep=off"), out[:500]
+    assert lines[1].startswith("defaults used: --dp 1, --pp 1"), out[:500]
+    assert "--device" not in lines[1] and "--tp" not in lines[1]
+    assert_nothing_left(work)
 
 
 def test_convert_numerics_flag(work: Path, ckpts: dict[str, str]) -> None:
@@ -553,6 +650,16 @@ def test_detached_session_across_processes(work: Path, ckpts: dict[str, str]) ->
         assert tensors_of(s1, "data_ptr") == first_ptrs
         assert tensors_of(s1, "checksum") == tensors_of(loaded, "checksum")
 
+        # The session name and what comes next, with the actual $MXLOAD_HOME.
+        assert "session 'default' is loaded and detached" in proc.stderr, proc.stderr[-2000:]
+        for hint in ("mxload status", "mxload reload NEW_SRC", "mxload release", str(work / "home")):  # fmt: skip
+            assert hint in proc.stderr, (hint, proc.stderr[-2000:])
+
+        # A wrong session name: the hint names the sessions and is a command that works.
+        wrong = mx(work, "status", "--session", "nosuch")
+        assert_refused(wrong, "nosuch", "mxload status --session default")
+        hinted = wrong.stderr.split("`")[1].split()
+        assert mx(work, *hinted[1:]).returncode == 0
         assert_refused(mx(work, "reload", ckpts["v2"], "--session", "nosuch"), "nosuch")
 
         rl = mx(work, "reload", ckpts["v2"], "--json", timeout=300)

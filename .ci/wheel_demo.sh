@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# The built wheel works on its own: build it, install it into a fresh venv outside the
+# repository (torch pinned to the CPU wheel first, as the README says), check that it
+# carries its package data, and run `mxload demo` from a folder outside the repository.
+set -euo pipefail
+repo="$(cd "$(dirname "$0")/.." && pwd)"
+work="$(mktemp -d "${TMPDIR:-/tmp}/mxload-wheel.XXXXXX")"
+trap 'rm -rf "$work"' EXIT
+python3 -m venv "$work/venv"
+pip="$work/venv/bin/pip"
+"$pip" install -q torch==2.13.0
+"$pip" wheel -q --no-deps "$repo" -w "$work/dist"
+"$pip" install -q "$work"/dist/mxload-*.whl
+cd "$work"
+"$work/venv/bin/python" - "$repo" <<'PY'
+import glob, pathlib, sys, zipfile
+repo = pathlib.Path(sys.argv[1])
+names = set(zipfile.ZipFile(glob.glob("dist/mxload-*.whl")[0]).namelist())
+data = [f"mxload/orchestrator/configs/{p.name}" for p in (repo / "orchestrator/configs").glob("*.json")]
+data += [f"mxload/cluster/{p.name}" for p in (repo / "cluster").iterdir() if p.suffix in (".yaml", ".sh", ".md")]
+missing = sorted(set(data) - names)
+assert len(data) >= 6 and not missing, f"package data missing from the wheel: {missing}"
+print(f"wheel: {len(names)} files, all {len(data)} package-data files present")
+PY
+"$work/venv/bin/mxload" plan --model deepseek-v3 --tp 8 --dp 32 --enable-expert-parallel --device-memory 64GiB >/dev/null
+"$work/venv/bin/mxload" demo
