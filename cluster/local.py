@@ -36,6 +36,9 @@ LOOPBACK = "127.0.0.1"
 
 RAY_ENV = {
     "RAY_USAGE_STATS_ENABLED": "0",
+    # Idle workers started ahead of need would make Ray's folders 0777 again and never
+    # run mxload's code to set them back (see tighten_own_temp_dir).
+    "RAY_prestart_worker_first_driver": "0",
     # Seen with Ray 2.60: without this, _node_ip_address alone still bound the
     # interface address on this kind of machine.
     "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
@@ -83,8 +86,56 @@ def free_port() -> int:
 
 
 def short_temp_dir(prefix: str = "mxray-") -> str:
-    """A private temp dir with a short path (Ray's unix sockets live under it)."""
+    """A private (0700) temp dir with a short path (Ray's unix sockets live under it)."""
     return tempfile.mkdtemp(prefix=prefix, dir="/tmp")
+
+
+def ray_temp_dir(root: str) -> str:
+    """The folder Ray is given inside a private ``root``.
+
+    Ray makes the temp dir it is given, and its ``session_*``, ``sockets`` and ``logs``,
+    mode 0777 (seen with Ray 2.60), so any local user could replace the raylet's sockets.
+    Ray is therefore given a folder *inside* a 0700 one: nobody else can reach anything
+    under it from the moment it exists (no window), and :func:`make_private` then sets
+    Ray's own folders back to 0700 too."""
+    return os.path.join(root, "r")
+
+
+def tighten_own_temp_dir() -> None:
+    """In a Ray process of a head mxload started: set its folders back to 0700.
+
+    Every Ray worker process, as it starts, makes the temp dir, ``session_*``, ``sockets``
+    and ``logs`` 0777 again (Ray's ``try_to_create_directory``); mxload's actors call this
+    first thing, so the modes return to 0700 as soon as the process that changed them is
+    up. The 0700 folder around Ray's (``ray_temp_dir``) keeps everything unreachable to
+    other users meanwhile. Only a temp dir of mxload's own shape is touched, never the
+    folders of a cluster someone else started."""
+    try:
+        import ray
+
+        temp = str(ray._private.worker.global_worker.node.get_temp_dir_path())
+    except Exception:
+        return
+    root = os.path.dirname(temp)
+    if os.path.basename(temp) == "r" and os.path.basename(root).startswith(OWN_PREFIXES):
+        make_private(root)
+
+
+OWN_PREFIXES = ("mxhead-", "mxray-")
+"""Prefixes of the temp dirs mxload makes for the heads it starts."""
+
+
+def make_private(root: str) -> None:
+    """chmod 0700 every folder under ``root`` (Ray's, after it started; see ray_temp_dir)."""
+    os.chmod(root, 0o700)
+    for here, dirs, _ in os.walk(root):
+        for d in dirs:
+            path = os.path.join(here, d)
+            try:
+                if not os.path.islink(path):
+                    os.chmod(path, 0o700)
+            except OSError:  # a folder Ray removed meanwhile
+                pass
 
 
 def start_embedded(
@@ -95,11 +146,12 @@ def start_embedded(
     temp_dir: str | None = None,
 ) -> str:
     """Start an in-process local Ray head with ``num_devices`` units of ``resource``.
-    Returns the temp dir (remove it after ``ray.shutdown()``)."""
+    Returns the temp dir, private to this user (remove it after ``ray.shutdown()``)."""
     import ray
 
     prepare_environment()
     temp_dir = temp_dir or short_temp_dir()
+    os.chmod(temp_dir, 0o700)
     # A private token for this head: otherwise Ray >= 2.5x writes one to ~/.ray/auth_token.
     if not os.environ.get("RAY_AUTH_TOKEN"):
         os.environ["RAY_AUTH_MODE"] = "token"
@@ -111,7 +163,7 @@ def start_embedded(
         num_cpus=num_cpus if num_cpus is not None else min(os.cpu_count() or 1, 2),
         resources={resource: num_devices},
         include_dashboard=False,
-        _temp_dir=temp_dir,
+        _temp_dir=ray_temp_dir(temp_dir),
         _node_ip_address=LOOPBACK,
         namespace=NAMESPACE,
         logging_level=logging.ERROR,
@@ -119,6 +171,7 @@ def start_embedded(
         configure_logging=True,
     )
     quiet_ray_logging()
+    make_private(temp_dir)
     return temp_dir
 
 
@@ -190,6 +243,67 @@ class HeadRecord:
     started_at: float
     token: str = ""
     """The head's Ray auth token (the record file is private to its owner)."""
+    processes: tuple[dict[str, Any], ...] = ()
+    """The head's own processes as started: ``{"pid", "created", "role"}`` each (role:
+    ``gcs_server``, ``raylet``, or the script a helper runs), so a crashed or half-dead
+    head is recognised without asking Ray, and ended without guessing by name."""
+
+
+def process_role(proc: Any) -> str:
+    """What a Ray daemon is: its executable's name, or the Python script it runs."""
+    try:
+        cmd = proc.cmdline() or [proc.name()]
+    except Exception:
+        return "?"
+    name = os.path.basename(cmd[0])
+    if name in ("gcs_server", "raylet"):
+        return name
+    scripts = [os.path.basename(a) for a in cmd[1:] if a.endswith(".py")]
+    if scripts:
+        return scripts[0].removesuffix(".py")
+    if "-m" in cmd[:-1]:
+        return cmd[cmd.index("-m") + 1]
+    return name
+
+
+def describe_processes(procs: list[Any]) -> tuple[dict[str, Any], ...]:
+    out = []
+    for proc in procs:
+        try:
+            out.append({"pid": proc.pid, "created": proc.create_time(), "role": process_role(proc)})
+        except Exception:  # already gone
+            pass
+    return tuple(sorted(out, key=lambda p: p["pid"]))
+
+
+def live_process(entry: dict[str, Any]) -> Any | None:
+    """The psutil process a record entry names, if that very process is still running
+    (same pid *and* start time: a reused pid is someone else's)."""
+    import psutil
+
+    try:
+        proc = psutil.Process(int(entry["pid"]))
+        if abs(proc.create_time() - float(entry["created"])) > 0.01:
+            return None
+        if proc.status() == psutil.STATUS_ZOMBIE:
+            return None
+        return proc
+    except (psutil.NoSuchProcess, psutil.AccessDenied, KeyError, TypeError, ValueError):
+        return None
+
+
+def head_down(record: HeadRecord) -> list[str]:
+    """What of a recorded head has died (empty: it looks alive): its GCS or raylet
+    process gone, or nothing listening at its address. Pure local checks, well under a
+    second: no Ray call, which would wait a minute for a dead raylet."""
+    dead = [
+        f"{p['role']} (pid {p['pid']})"
+        for p in record.processes
+        if p["role"] in ("gcs_server", "raylet") and live_process(p) is None
+    ]
+    if not head_alive(record):
+        dead.append(f"nothing listens at {record.address} (the GCS port)")
+    return dead
 
 
 def _record_path(home: Path) -> Path:
@@ -207,7 +321,7 @@ def start_detached_head(
     existing = read_head_record()
     if existing is not None and head_alive(existing):
         return existing
-    temp_dir = short_temp_dir("mxhead-")
+    temp_dir = short_temp_dir("mxhead-")  # 0700; Ray runs in ray_temp_dir() inside it
     port = free_port()
     ray_bin = shutil.which("ray", path=os.path.dirname(sys.executable)) or shutil.which("ray")
     if ray_bin is None:
@@ -220,7 +334,7 @@ def start_detached_head(
         f"--port={port}",
         f"--num-cpus={num_cpus if num_cpus is not None else min(os.cpu_count() or 1, 2)}",
         f"--resources={json.dumps({resource: num_devices})}",
-        f"--temp-dir={temp_dir}",
+        f"--temp-dir={ray_temp_dir(temp_dir)}",
         # free ports, not Ray's defaults (10001, 52365), which another head may hold
         *client_server_port_flags(),
         f"--dashboard-agent-listen-port={free_port()}",
@@ -231,9 +345,11 @@ def start_detached_head(
     env = dict(os.environ, **RAY_ENV, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=token)
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
     if proc.returncode != 0:
+        shutil.rmtree(temp_dir, ignore_errors=True)
         raise SessionError(
             "could not start a background Ray head: " + (proc.stderr or proc.stdout)[-2000:]
         )
+    make_private(temp_dir)
     record = HeadRecord(
         address=f"{LOOPBACK}:{port}",
         temp_dir=temp_dir,
@@ -241,6 +357,7 @@ def start_detached_head(
         num_devices=num_devices,
         started_at=time.time(),
         token=token,
+        processes=describe_processes(head_processes(temp_dir, f"{LOOPBACK}:{port}")),
     )
     path = _record_path(home)
     path.touch(mode=0o600, exist_ok=True)
@@ -268,6 +385,7 @@ def read_head_record() -> HeadRecord | None:
         return None
     try:
         data: dict[str, Any] = json.loads(path.read_text())
+        data["processes"] = tuple(data.get("processes") or ())
         return HeadRecord(**data)
     except (ValueError, TypeError):
         return None
@@ -285,12 +403,27 @@ def head_alive(record: HeadRecord) -> bool:
 def stop_detached_head(record: HeadRecord | None = None) -> bool:
     """Stop the background head this machine's $MXLOAD_HOME records (only its processes:
     those whose command line names its temp dir). Returns whether one was stopped."""
-    record = record or read_head_record()
+    return bool(end_head(record or read_head_record()))
+
+
+def end_head(record: HeadRecord | None, extra: list[dict[str, Any]] | None = None) -> list[str]:
+    """End every process of a recorded head, dead or alive or half-dead: the recorded
+    ones (pid and start time checked), anything still running under its temp dir (Ray's
+    workers are children of the raylet), its client server, and ``extra`` recorded
+    processes (a session's workers, orphaned when their raylet died); then remove its
+    record and temp dir. Returns what was ended, ``"role (pid N)"`` each."""
     if record is None:
-        return False
+        return []
     import psutil
 
-    victims = head_processes(record.temp_dir, record.address)
+    found = {p.pid: p for p in head_processes(record.temp_dir, record.address)}
+    for entry in [*record.processes, *(extra or [])]:
+        proc = live_process(entry)
+        if proc is not None:
+            found[proc.pid] = proc
+    found.pop(os.getpid(), None)
+    victims = list(found.values())
+    ended = [f"{process_role(p)} (pid {p.pid})" for p in victims]
     for proc in victims:
         try:
             proc.terminate()
@@ -305,7 +438,7 @@ def stop_detached_head(record: HeadRecord | None = None) -> bool:
     if read_head_record() == record:
         _record_path(mxload_home()).unlink(missing_ok=True)
     shutil.rmtree(record.temp_dir, ignore_errors=True)
-    return bool(victims)
+    return ended
 
 
 def processes_under(root: str) -> list[Any]:

@@ -1,7 +1,8 @@
 """``mxload`` — the command line (SPEC §5). Thin: parse, call the library, print.
 
 Exit status: 0 success; 2 bad input or a refusal (``mxload: error: ...`` on stderr, no
-traceback unless ``--debug``); 3 a plan that does not fit; 1 a failed run.
+traceback unless ``--debug``); 3 a plan that does not fit; 1 a failed run; 4 ``status``
+of a session that does not hold one checkpoint on every rank.
 """
 
 from __future__ import annotations
@@ -173,6 +174,13 @@ FLAGS: tuple[Flag, ...] = (
         kwargs={"metavar": "NAME"},
     ),
     Flag(
+        ("--force",),
+        ("release",),
+        "end the head mxload started and every session on it by pid, without asking Ray "
+        "(for a head that is up but does not answer; a dead head is cleaned up without it)",
+        kwargs={"action": "store_true"},
+    ),
+    Flag(
         ("--detach",),
         ("load",),
         "keep the workers and their buffers alive after the command (then: status, "
@@ -254,8 +262,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Load block-FP8 checkpoints into Ascend MXFP8 kernel layouts, sharded "
         "over Ray workers, reload them in place, and plan device memory.",
         epilog="Exit status: 0 ok; 2 bad input or a refusal; 3 the plan does not fit; 1 a "
-        f"failed run. Detached sessions are recorded under $MXLOAD_HOME (here: "
-        f"{mxload_home()}; default ~/.mxload). 'mxload COMMAND --help' for a command's flags.",
+        f"failed run; 4 status: the session is inconsistent. Detached sessions are recorded "
+        f"under $MXLOAD_HOME (here: {mxload_home()}; default ~/.mxload). 'mxload COMMAND "
+        "--help' for a command's flags.",
     )
     sub = parser.add_subparsers(dest="command", parser_class=_Parser, metavar="COMMAND")
 
@@ -718,21 +727,68 @@ def cmd_status(args: argparse.Namespace) -> int:
     manifest = detached_status(
         session=args.session, address=args.address, dump=args.dump, engine=args.engine
     )
-    consistent = all(r["consistent"] for r in manifest["ranks"])
+    consistent = bool(manifest["consistent"])
     versions = sorted({r["version"] for r in manifest["ranks"]})
     _emit(
         args,
         manifest,
-        render_load_table(manifest) + f"\nversions {versions}; consistent: {consistent}",
+        "\n".join(
+            [
+                *status_headline(manifest),
+                render_load_table(manifest),
+                f"versions {versions}; consistent: {consistent}",
+            ]
+        ),
     )
-    return 0
+    return 0 if consistent else STATUS_INCONSISTENT
+
+
+STATUS_INCONSISTENT = 4
+"""``mxload status`` exit status while the session does not hold one checkpoint everywhere
+(a failed or running reload, ranks or replicas that disagree, moved buffers)."""
+
+
+def status_headline(manifest: dict[str, Any]) -> list[str]:
+    """First lines of human ``status``: the verdict, then each reason and notice."""
+    ident = manifest["identity"]
+    world = len(manifest["ranks"])
+    if manifest["consistent"]:
+        lines = [
+            f"CONSISTENT: all {world} ranks hold version {ident['version']} of "
+            f"{ident['src']} (checkpoint {ident['fingerprint'][:12]}); replicated buffers agree"
+        ]
+    else:
+        lines = [f"INCONSISTENT: {manifest['problems'][0]}"]
+        lines += [f"  also: {p}" for p in manifest["problems"][1:]]
+        lines.append(
+            f"  the session records version {ident['version']} of {ident['src']}; "
+            "`mxload reload SRC` rewrites every unit not at its checkpoint"
+        )
+    lines += [f"note: {n}" for n in manifest.get("notices", [])]
+    return lines
 
 
 def cmd_release(args: argparse.Namespace) -> int:
     from .detached import detached_release
 
-    info = detached_release(session=args.session, address=args.address)
-    _emit(args, info, f"released session {args.session!r}: {info}")
+    info = detached_release(session=args.session, address=args.address, force=args.force)
+    if "processes_ended" in info:
+        why = (
+            f"its head was down ({'; '.join(info['head_down'])})"
+            if info["head_down"]
+            else "--force"
+        )
+        human = (
+            f"released session {args.session!r}: {why}; ended {len(info['processes_ended'])} "
+            f"process(es), removed the head's record and temp dir and the records of "
+            f"sessions {info['sessions_removed']}"
+        )
+    else:
+        human = (
+            f"released session {args.session!r}: {info['workers_ended']} worker(s) ended; "
+            f"head stopped: {info['head_stopped']}"
+        )
+    _emit(args, info, human)
     return 0
 
 

@@ -343,6 +343,10 @@ class RayRun:
                     refs[submit(rank)] = rank
                 except ray.exceptions.RayTaskError as err:
                     cause = err.cause if isinstance(err.cause, BaseException) else err
+                    if isinstance(cause, MxloadError) and not cause.message.startswith("rank "):
+                        # Say which rank failed (a bad scale in an expert only it holds).
+                        cause.message = f"rank {rank}: {cause.message}"
+                        cause.args = (cause.message,)
                     failures[rank] = (
                         cause
                         if isinstance(cause, MxloadError)
@@ -442,6 +446,9 @@ def build_manifest(
             "tensors": rep.get("tensors", {}),
             "version": rep.get("version"),
             "consistent": rep.get("consistent"),
+            # [version, checkpoint fingerprint] every unit holds; None when they differ
+            "identity": rep.get("identity"),
+            "units": rep.get("units"),
             "bytes_read": rep.get("bytes_read"),
             "bytes_needed": rep.get("bytes_needed"),
             "read_amplification": _ratio(rep.get("bytes_read"), rep.get("bytes_needed")),

@@ -151,6 +151,10 @@ class SessionError(InputError):
     """No such detached session, or it cannot be reached."""
 
 
+class SessionBusy(SessionError):
+    """Another command is reloading (or repairing) this session; names it (SPEC §4)."""
+
+
 class ReloadMismatch(InputError):
     """A reload's checkpoint would not fill the session's buffers (lists every mismatch)."""
 
@@ -187,6 +191,11 @@ class RetryableStorageError(StorageError):
 
 class WorkerLost(RunError):
     """A worker process died and could not be restarted within its budget."""
+
+
+class HeadDown(RunError):
+    """The Ray head a detached session was recorded on is dead or half-dead (says which of
+    its processes died)."""
 
 
 class AddressMoved(RunError):

@@ -25,6 +25,7 @@ checked against the first load's.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
@@ -40,7 +41,7 @@ from .driver import (
 from .driver import (
     load as driver_load,
 )
-from .errors import AddressMoved, ReloadMismatch
+from .errors import AddressMoved, ReloadMismatch, SessionBusy
 from .plantypes import ParallelLayout, Plan
 
 
@@ -184,6 +185,7 @@ class Session:
             for r in manifest["ranks"]
         }
         self.pids = {r["rank"]: r["pid"] for r in manifest["ranks"]}
+        self._reloading = threading.Lock()
 
     @classmethod
     def load(
@@ -208,7 +210,22 @@ class Session:
         on_progress: Callable[[list[tuple[int, int, int]]], None] | None = None,
     ) -> dict[str, Any]:
         """Rewrite every rank's buffers in place from ``src``; returns the manifest.
-        Running it again after a failure completes the interrupted reload."""
+        Running it again after a failure completes the interrupted reload (from ``src``)
+        or rewrites every unit not at the new checkpoint (from another). One reload at a
+        time: a second, from another thread, is refused (SessionBusy)."""
+        if not self._reloading.acquire(blocking=False):
+            raise SessionBusy("this session is already reloading; nothing was started")
+        try:
+            return self._reload(src, storage_options, on_progress)
+        finally:
+            self._reloading.release()
+
+    def _reload(
+        self,
+        src: str,
+        storage_options: Mapping[str, Any] | None,
+        on_progress: Callable[[list[tuple[int, int, int]]], None] | None,
+    ) -> dict[str, Any]:
         req = replace(
             self.req, src=src, storage_options=storage_options or self.req.storage_options
         )

@@ -39,6 +39,9 @@ class RankWorker:
         threads: int,
         incarnation_note: str = "",
     ) -> None:
+        from mxload.cluster.local import tighten_own_temp_dir
+
+        tighten_own_temp_dir()  # this process's start made Ray's folders 0777 again
         torch.set_num_threads(max(1, threads))
         self.resource = resource
         var = VISIBLE_DEVICE_VARS.get(resource, "")
