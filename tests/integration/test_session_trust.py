@@ -257,6 +257,23 @@ def test_two_concurrent_reloads_never_end_consistent_over_mixed_weights(work, ck
         assert st["consistent"] is False and st["problems"]
 
 
+def test_a_restarted_rank_shows_in_human_status(work: Path, ckpts) -> None:
+    """kill -9 of one rank's worker: Ray restarts it empty; status reloads it to the
+    session's checkpoint and says, in its human output, that its addresses changed."""
+    _, before = status_json(work)
+    pid = before["ranks"][2]["pid"]
+    os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 60
+    while psutil.pid_exists(pid) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    human = mx(work, "status")
+    assert human.returncode == 0, show(human)
+    assert human.stdout.startswith("CONSISTENT:"), show(human)
+    assert "rank 2 was lost and restarted" in human.stdout, show(human)
+    assert "recaptured" in human.stdout
+    assert dump_matches(work, before["identity"]["src"], "dump-restarted") == []
+
+
 # --- session names ------------------------------------------------------------------------
 
 

@@ -1,0 +1,271 @@
+"""The parts of a trustworthy session that need no Ray: the verdict over ranks' reports,
+replica checksums, the keeper's lease, session names, and recognising and ending a
+crashed head from its recorded processes (real subprocesses, real sockets).
+
+The same behaviours end to end, on a real Ray head: tests/integration/test_session_trust.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+from mxload.cluster import local
+from mxload.orchestrator.catalog import open_checkpoint
+from mxload.orchestrator.detached import (
+    SessionKeeper,
+    check_session_name,
+    replica_mismatches,
+    same_address,
+    verdict,
+)
+from mxload.orchestrator.errors import SessionError
+from mxload.orchestrator.planner import build_plan
+from mxload.orchestrator.plantypes import ParallelLayout
+
+# --- verdict ---------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def plan(ckpt_factory):
+    meta = open_checkpoint(ckpt_factory("qwen3-moe-tiny", 1))
+    return build_plan(meta.config, ParallelLayout(tp=2, dp=2), checkpoint=meta)
+
+
+def manifest_of(plan, identity=(1, "f1"), sums=None) -> dict:
+    """What status builds from four healthy ranks' reports: every buffer's checksum is
+    its name (so replicas agree) unless ``sums`` says otherwise."""
+    ranks = []
+    for rp in plan.ranks:
+        tensors = {
+            b.name: {"checksum": (sums or {}).get((rp.rank, b.name), b.name), "data_ptr": 1000}
+            for b in rp.buffers
+        }
+        ranks.append(
+            {
+                "rank": rp.rank,
+                "identity": list(identity),
+                "tensors": tensors,
+                "pid": 10 + rp.rank,
+                "units": {"units_by_identity": {f"{identity[0]}:{identity[1]}": 3}},
+            }
+        )
+    return {"ranks": ranks}
+
+
+def state_of(plan, version=1, fp="f1") -> dict:
+    return {
+        "plan": plan,
+        "version": version,
+        "fingerprint": fp,
+        "src": "/ckpt/v1",
+        "addresses": {rp.rank: {b.name: 1000 for b in rp.buffers} for rp in plan.ranks},
+    }
+
+
+def test_healthy_session_is_consistent(plan) -> None:
+    m = manifest_of(plan)
+    verdict(state_of(plan), m)
+    assert m["consistent"] is True and m["problems"] == [] and m["replicated_tensors_agree"]
+
+
+def test_same_version_number_from_another_checkpoint_is_not_consistent(plan) -> None:
+    """The bug: rank 3 at version 2 of one checkpoint, the others at version 2 of another."""
+    m = manifest_of(plan, identity=(2, "fB"))
+    m["ranks"][3]["identity"] = [2, "fA"]
+    verdict(state_of(plan, 2, "fB"), m)
+    assert m["consistent"] is False
+    assert any("ranks hold different checkpoints" in p for p in m["problems"]), m["problems"]
+    assert any("ranks 3 hold version 2 of checkpoint fA" in p for p in m["problems"])
+
+
+def test_a_rank_with_mixed_units_is_named(plan) -> None:
+    m = manifest_of(plan)
+    m["ranks"][1]["identity"] = None
+    m["ranks"][1]["units"] = {"units_by_identity": {"1:f1": 5, "2:fA": 4}}
+    verdict(state_of(plan), m)
+    assert not m["consistent"]
+    assert m["problems"][0].startswith("rank 1: its units hold different versions")
+    assert "5 at version 1 of f1" in m["problems"][0] and "4 at version 2 of fA" in m["problems"][0]
+
+
+def test_every_rank_at_an_unrecorded_identity_is_not_consistent(plan) -> None:
+    m = manifest_of(plan, identity=(2, "fA"))
+    verdict(state_of(plan, 1, "f1"), m)
+    assert not m["consistent"] and "not the session's version 1" in m["problems"][0]
+
+
+def test_replicas_that_differ_are_found_by_their_bytes(plan) -> None:
+    """Identities all agree, but dp rank 1's copy of a replicated buffer differs."""
+    name = next(b.name for b in plan.ranks[2].buffers if "input_layernorm" in b.name)
+    m = manifest_of(plan, sums={(2, name): "deadbeef"})
+    found = replica_mismatches(plan, m)
+    assert len(found) == 1 and found[0].startswith(f"{name} on ranks 0,1,2,3: "), found
+    assert "rank 2 deadbeef" in found[0]
+    verdict(state_of(plan), m)
+    assert not m["consistent"] and not m["replicated_tensors_agree"]
+    # A tp shard is compared only with its dp replica (rank 1 with 3), never with the
+    # other tp rank's slice (rank 0 holds different rows).
+    tp_sharded = next(b.name for b in plan.ranks[1].buffers if "o_proj" in b.name)
+    m = manifest_of(plan, sums={(1, tp_sharded): "other"})
+    found = replica_mismatches(plan, m)
+    assert len(found) == 1 and found[0].startswith(f"{tp_sharded} on ranks 1,3: "), found
+
+
+def test_moved_buffers_and_restarted_ranks_are_shown(plan) -> None:
+    m = manifest_of(plan)
+    name = next(iter(m["ranks"][0]["tensors"]))
+    m["ranks"][0]["tensors"][name]["data_ptr"] = 2000
+    m["ranks"][2]["addresses_changed"] = True
+    for t in m["ranks"][2]["tensors"].values():
+        t["data_ptr"] = 3000
+    verdict(state_of(plan), m)
+    assert not m["consistent"] and m["addresses_moved"] == [f"rank 0: {name}"]
+    assert any("rank 2 was lost and restarted" in n for n in m["notices"])
+
+
+def test_a_running_reload_and_a_failed_one_are_said(plan) -> None:
+    m = manifest_of(plan)
+    busy = {"what": "reload", "src": "/ckpt/v9", "pid": 42, "host": "h"}
+    state = dict(state_of(plan), last_reload={"ok": False, "src": "/x", "error": "boom"})
+    verdict(state, m, busy=busy)
+    assert not m["consistent"] and "a reload is running" in m["problems"][0]
+    assert any("failed: boom" in n for n in m["notices"])
+
+
+# --- the lease ---------------------------------------------------------------------------------
+
+
+def holder(pid: int | None = None, **kw) -> dict:
+    proc = psutil.Process(pid or os.getpid())
+    return {
+        "token": kw.pop("token", "t1"),
+        "pid": proc.pid,
+        "created": proc.create_time(),
+        "host": kw.pop("host", socket.gethostname()),
+        "what": "reload",
+        "src": kw.pop("src", "/a"),
+    }
+
+
+def test_lease_one_holder_at_a_time() -> None:
+    k = SessionKeeper({})
+    assert k.acquire(holder(), 60) is None
+    busy = k.acquire(holder(token="t2", src="/b"), 60)
+    assert busy is not None and busy["src"] == "/a" and busy["pid"] == os.getpid()
+    assert k.renew("t2", 60) is False and k.renew("t1", 60) is True
+    k.release("t2")  # not the holder: no effect
+    assert k.holder() is not None
+    k.release("t1")
+    assert k.holder() is None and k.acquire(holder(token="t2"), 60) is None
+
+
+def test_lease_of_a_dead_holder_or_expired_is_taken_over() -> None:
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        k = SessionKeeper({})
+        assert k.acquire(holder(proc.pid, src="/dead"), 60) is None
+        assert k.acquire(holder(token="t2"), 60) is not None  # its holder is alive
+    finally:
+        proc.kill()
+        proc.wait()
+    assert k.acquire(holder(token="t2"), 60) is None  # killed with -9: taken over
+    assert k.lease["took_over_from"]["src"] == "/dead"
+    # A holder on another host is trusted until its lease expires.
+    k = SessionKeeper({})
+    assert k.acquire(holder(host="elsewhere"), 60) is None
+    assert k.acquire(holder(token="t2"), 60) is not None
+    k = SessionKeeper({})
+    assert k.acquire(holder(host="elsewhere"), 0) is None  # a lease that has expired
+    assert k.acquire(holder(token="t2"), 60) is None
+
+
+# --- names and addresses ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "name", ["", "/", "..", ".", "a b", "x\x01y", "a/keeper", ".hidden", "t\n", "-x", "x" * 65]
+)
+def test_unsafe_session_names(name: str) -> None:
+    with pytest.raises(SessionError, match="--session") as err:
+        check_session_name(name)
+    assert err.value.exit_code == 2
+
+
+def test_same_address() -> None:
+    assert same_address("127.0.0.1:6379", "localhost:6379")
+    assert same_address("ray://127.0.0.1:6379", "127.0.0.1:6379")
+    assert not same_address("127.0.0.1:6379", "127.0.0.1:6380")
+    assert not same_address("10.0.0.2:6379", "127.0.0.1:6379")
+
+
+# --- a crashed head, from its record ---------------------------------------------------------
+
+
+def test_head_down_names_what_died_and_end_head_ends_only_recorded(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("MXLOAD_HOME", str(tmp_path / "home"))
+    (tmp_path / "home").mkdir()
+    temp = Path(local.short_temp_dir("mxhead-"))
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    port = listener.getsockname()[1]
+    sleeper = [sys.executable, "-c", "import time; time.sleep(120)"]
+    gcs, raylet, bystander = (subprocess.Popen(sleeper) for _ in range(3))
+    try:
+        procs = local.describe_processes([psutil.Process(gcs.pid), psutil.Process(raylet.pid)])
+        procs = tuple(
+            dict(p, role=role) for p, role in zip(procs, ("gcs_server", "raylet"), strict=True)
+        )
+        stale = {"pid": bystander.pid, "created": 1.0, "role": "ray::RankWorker"}  # reused pid
+        record = local.HeadRecord(
+            address=f"127.0.0.1:{port}",
+            temp_dir=str(temp),
+            resource="NPU",
+            num_devices=1,
+            started_at=time.time(),
+            processes=procs,
+        )
+        path = tmp_path / "home" / "head.json"
+        path.write_text(json.dumps(dataclasses.asdict(record)))
+        assert local.read_head_record() == record
+        assert local.head_down(record) == []
+        raylet.kill()
+        raylet.wait()
+        assert local.head_down(record) == [f"raylet (pid {raylet.pid})"]
+        listener.close()
+        assert local.head_down(record)[-1].startswith("nothing listens at")
+        ended = local.end_head(record, [stale])
+        assert [f"(pid {gcs.pid})" in e for e in ended] == [True], ended
+        assert gcs.wait(timeout=15) is not None
+        assert bystander.poll() is None, "a pid with another start time is not ours"
+        assert not path.exists() and not temp.exists()
+    finally:
+        for p in (gcs, raylet, bystander):
+            p.kill()
+            p.wait()
+        listener.close()
+
+
+def test_own_temp_dirs_are_private(tmp_path) -> None:
+    root = Path(local.short_temp_dir("mxray-"))
+    try:
+        inner = Path(local.ray_temp_dir(str(root)))
+        (inner / "session_x" / "sockets").mkdir(parents=True)
+        for d in (root, inner, inner / "session_x", inner / "session_x" / "sockets"):
+            d.chmod(0o777)  # what Ray does
+        local.make_private(str(root))
+        for d in (root, inner, inner / "session_x", inner / "session_x" / "sockets"):
+            assert oct(d.stat().st_mode & 0o777) == "0o700", d
+    finally:
+        import shutil
+
+        shutil.rmtree(root)
