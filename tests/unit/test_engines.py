@@ -97,3 +97,15 @@ def _source(meta, src):
     from mxload.orchestrator.driver import source_info
 
     return source_info(meta, False, src, None)
+
+
+def test_a_session_keeps_the_engine_it_was_loaded_for() -> None:
+    from mxload.orchestrator.detached import _check_engine
+    from mxload.orchestrator.errors import SessionError
+
+    config = parse_config(preset_config("qwen3-moe-tiny"))
+    held = build_plan(config, ParallelLayout(tp=2), engine="vllm-ascend-0.23")
+    _check_engine("s", held, None)  # default: the session's
+    _check_engine("s", held, "vllm-ascend-0.23")
+    with pytest.raises(SessionError, match=r"laid out for --engine vllm-ascend-0\.23, not mxload"):
+        _check_engine("s", held, "mxload")
