@@ -175,6 +175,47 @@ def start_embedded(
     return temp_dir
 
 
+HTTP2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+"""What a gRPC client sends first; a gRPC server (Ray's GCS) answers with a SETTINGS frame."""
+
+
+def check_reachable(address: str, timeout_s: float = 5.0) -> None:
+    """Refuse an ``--address`` with no Ray head behind it, in seconds and naming it.
+
+    Why: ``ray.init`` on a dead address retries for a minute or more and prints "Failed to
+    connect to GCS" lines all the while. Two probes first: a TCP connect (refused, no
+    route, time-out), then the HTTP/2 handshake every gRPC server (Ray's GCS is one)
+    answers with a SETTINGS frame, which tells a Ray head from another service on the
+    port. Limits: an address that is not HOST:PORT (``auto``, ``ray://``) is left to Ray;
+    a gRPC server that is not Ray passes, and Ray's own error follows."""
+    host, sep, port_text = address.rpartition(":")
+    if not sep or not port_text.isdigit() or "://" in address:
+        return
+    host = host.strip("[]")
+    start = time.monotonic()
+    try:
+        with socket.create_connection((host, int(port_text)), timeout=timeout_s) as conn:
+            conn.settimeout(max(0.5, timeout_s - (time.monotonic() - start)))
+            conn.sendall(HTTP2_PREFACE)
+            frame = conn.recv(9)
+    except OSError as err:
+        reason = err.strerror or type(err).__name__
+        if isinstance(err, TimeoutError | socket.timeout):
+            reason = f"no answer in {timeout_s:.0f} s"
+        raise SessionError(
+            f"--address {address}: no Ray head reachable there ({reason}); check the address "
+            "(`ray status` on the head prints it) and that this machine can reach that port",
+            key="--address",
+        ) from None
+    # A SETTINGS frame: 3 bytes length, type 0x04.
+    if len(frame) < 4 or frame[3] != 0x04:
+        raise SessionError(
+            f"--address {address}: something answers there, but not a Ray head (no gRPC "
+            "handshake); check the port (Ray's default is 6379)",
+            key="--address",
+        )
+
+
 def connect(address: str, *, token: str | None = None) -> None:
     """Join an existing Ray cluster (``--address``) in mxload's namespace.
 
@@ -194,6 +235,7 @@ def connect(address: str, *, token: str | None = None) -> None:
         # for address="auto"); a token on this machine means the cluster wants it.
         os.environ["RAY_AUTH_MODE"] = "token"
         _refresh_ray_auth()
+    check_reachable(address)
     try:
         ray.init(
             address=address,

@@ -845,9 +845,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return COMMANDS[args.command](args)
     except MxloadError as err:
         if debug:
+            if err.context.get("details"):  # the worker's own traceback, then ours
+                sys.stderr.write(f"--- from the worker ---\n{err.context['details']}\n")
             raise
-        sys.stderr.write(f"mxload: error: {err}\n")
-        return err.exit_code
+        return report_error(err, err.exit_code, argv)
     except KeyboardInterrupt:
         sys.stderr.write("mxload: interrupted\n")
         return 130
@@ -858,8 +859,52 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception as err:  # a failed run: say what failed, no traceback
         if debug:
             raise
-        sys.stderr.write(f"mxload: error: {type(err).__name__}: {err}\n")
-        return 1
+        return report_error(err, 1, argv)
+
+
+def report_error(err: BaseException, code: int, argv: Sequence[str]) -> int:
+    """One line on stderr, ``mxload: error: ...``, without colour codes or traceback.
+    A failed run or a worker's error also gets a log file (the traceback, the worker's
+    remote traceback) whose path is printed on a second line; ``--debug`` shows them."""
+    from .driver import first_line, plain
+
+    context = err.context if isinstance(err, MxloadError) else {}
+    text = plain(str(err)) if isinstance(err, MxloadError) else f"{type(err).__name__}: {first_line(err)}"  # fmt: skip
+    sys.stderr.write(f"mxload: error: {text}\n")
+    if code == 1 or "details" in context:
+        log = write_error_log(err, argv)
+        if log:
+            sys.stderr.write(f"mxload: the traceback is in {log} (or rerun with --debug)\n")
+    return code
+
+
+def write_error_log(err: BaseException, argv: Sequence[str]) -> str | None:
+    """Write what a user would need to report a failure; the file's path, or None when no
+    folder can take it. Under $MXLOAD_HOME/logs, else the temp folder."""
+    import tempfile
+    import time
+    import traceback
+
+    body = [
+        f"mxload {' '.join(argv)}",
+        f"at {time.strftime('%Y-%m-%d %H:%M:%S')}, pid {os.getpid()}",
+        "",
+        *traceback.format_exception(type(err), err, err.__traceback__),
+    ]
+    details = err.context.get("details") if isinstance(err, MxloadError) else None
+    if details:
+        body += ["", "--- from the worker ---", str(details)]
+    name = f"mxload-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.log"
+    for folder in (mxload_home() / "logs", tempfile.gettempdir()):
+        try:
+            os.makedirs(folder, exist_ok=True)
+            path = os.path.join(folder, name)
+            with open(path, "w") as f:
+                f.write("\n".join(body) + "\n")
+            return path
+        except OSError:
+            continue
+    return None
 
 
 if __name__ == "__main__":

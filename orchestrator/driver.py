@@ -13,6 +13,7 @@ reports become the manifest of SPEC §5.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import sys
 import time
@@ -74,6 +75,11 @@ class LoadRequest:
 
 def plan_load(req: LoadRequest) -> tuple[Any, Plan]:
     """Read config and headers, build and check the plan. Pure apart from the reads."""
+    if req.address:
+        # First: a dead --address is refused in seconds, before the slow imports.
+        from mxload.cluster.local import check_reachable
+
+        check_reachable(req.address)
     from .catalog import open_checkpoint
     from .planner import build_plan
 
@@ -162,6 +168,14 @@ class RayRun:
         if self.req.address:
             connect(self.req.address)
         else:
+            if self.req.device in ("npu", "cuda"):
+                # The embedded head's one node is this machine: ask here, in a second,
+                # rather than after Ray has started.
+                from mxload.workers.actor import probe_device
+
+                problem = probe_device(self.req.device, self.req.accelerator)
+                if problem:
+                    raise InputError(problem, key="--device")
             self.temp_dir = start_embedded(
                 self.plan.layout.world,
                 resource=self.req.accelerator,
@@ -211,6 +225,36 @@ class RayRun:
             for g in range(world // tp)
             if len({nodes[self.bundle_of_rank[r]] for r in range(g * tp, (g + 1) * tp)}) > 1
         ]
+
+    def check_devices(self) -> None:
+        """Refuse (exit 2, one line) before any worker starts when a node of the placement
+        group cannot compute on ``--device`` (npu without torch_npu, cuda without CUDA).
+        One small task per node, inside one of that node's bundles (so Ray sets its visible
+        devices as it will for the workers); ``auto`` and ``cpu`` always have a path."""
+        if self.req.device not in ("npu", "cuda"):
+            return
+        import ray
+        from mxload.workers.actor import probe_device
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        table = ray.util.placement_group_table(self.pg)["bundles_to_node_id"]
+        first_bundle: dict[str, int] = {}
+        for b in sorted(table):
+            first_bundle.setdefault(table[b], b)
+        task = ray.remote(num_cpus=0, max_retries=0)(probe_device)
+        refs = [
+            task.options(
+                resources={self.req.accelerator: 0.01},
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    self.pg, placement_group_bundle_index=b
+                ),
+            ).remote(self.req.device, self.req.accelerator)
+            for b in first_bundle.values()
+        ]
+        problems = sorted({p for p in ray.get(refs, timeout=self.req.placement_timeout_s) if p})
+        if problems:
+            more = f" (and {len(problems) - 1} more node(s))" if len(problems) > 1 else ""
+            raise InputError(problems[0] + more, key="--device")
 
     def spawn(self) -> None:
         import ray
@@ -336,22 +380,15 @@ class RayRun:
                     if attempts[rank] > self.req.max_restarts:
                         failures[rank] = WorkerLost(
                             f"rank {rank}: worker process lost {attempts[rank]} time(s) "
-                            f"(--max-restarts {self.req.max_restarts}): {err}",
+                            f"(--max-restarts {self.req.max_restarts}): {first_line(err)}",
                             rank=rank,
+                            details=plain(str(err)),
                         )
                         continue
                     refs[submit(rank)] = rank
                 except ray.exceptions.RayTaskError as err:
-                    cause = err.cause if isinstance(err.cause, BaseException) else err
-                    if isinstance(cause, MxloadError) and not cause.message.startswith("rank "):
-                        # Say which rank failed (a bad scale in an expert only it holds).
-                        cause.message = f"rank {rank}: {cause.message}"
-                        cause.args = (cause.message,)
-                    failures[rank] = (
-                        cause
-                        if isinstance(cause, MxloadError)
-                        else RunError(f"rank {rank}: {cause}", rank=rank)
-                    )
+                    # Say which rank failed (a bad scale in an expert only it holds).
+                    failures[rank] = rank_error(rank, err)
         if failures:
             first = min(failures)
             err = failures[first]
@@ -389,6 +426,38 @@ class RayRun:
         ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0.2)
         got = {r: ray.get(r) for r in ready}
         return [got.get(r, (0, 0, 0)) for r in refs]
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
+
+
+def plain(text: str) -> str:
+    """``text`` without terminal colour codes (Ray colours its remote tracebacks)."""
+    return _ANSI.sub("", text)
+
+
+def first_line(err: BaseException) -> str:
+    """The first non-empty line of an error's text, without colour codes."""
+    lines = [ln.strip() for ln in plain(str(err)).splitlines() if ln.strip()]
+    return lines[0] if lines else type(err).__name__
+
+
+def rank_error(rank: int, err: Any) -> MxloadError:
+    """A worker's error as the user sees it: ``rank N: <what>``, one error of mxload's
+    hierarchy (its exit status kept), the remote traceback kept aside in ``details`` for
+    ``--debug`` and the log file."""
+    cause = err.cause if isinstance(getattr(err, "cause", None), BaseException) else err
+    details = plain(str(err))
+    if isinstance(cause, MxloadError):
+        if not cause.message.startswith(f"rank {rank}"):
+            cause.message = f"rank {rank}: {cause.message}"
+            cause.args = (cause.message,)
+        cause.context.setdefault("rank", rank)
+        cause.context["details"] = details
+        return cause
+    return RunError(
+        f"rank {rank}: {type(cause).__name__}: {first_line(cause)}", rank=rank, details=details
+    )
 
 
 def assign_ranks(bundles_to_node: Mapping[int, str], world: int) -> list[int]:
@@ -537,6 +606,7 @@ def first_load(
     source = source_info(meta, req.allow_nonfinite, req.src, req.storage_options)
     t0 = time.perf_counter()
     run.place()
+    run.check_devices()
     run.spawn()
     reports = run.run_all(
         lambda r: list(plan.ranks[r].reads or ()),

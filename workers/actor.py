@@ -157,6 +157,32 @@ class RankWorker:
         return self.loader.checksums()
 
 
+def probe_device(device: str, resource: str) -> str:
+    """Whether this process can compute on ``device``: "" if it can, else the reason (one
+    line, naming the node). Run by the driver as a small task on every node of the
+    placement group before any worker starts, so a node without torch_npu or CUDA is a
+    refusal in seconds rather than workers failing, restarting and failing again."""
+    from mxload.orchestrator.errors import MxloadError
+    from mxload.workers.numerics.backend import select_backend
+
+    var = VISIBLE_DEVICE_VARS.get(resource, "")
+    visible = os.environ.get(var, "") if var else ""
+    try:
+        select_backend(device, visible_devices=visible or None)
+    except MxloadError as err:
+        return f"node {socket.gethostname()} ({_node_ip()}): {err.message}"
+    return ""
+
+
+def _node_ip() -> str:
+    try:
+        import ray
+
+        return str(ray.util.get_node_ip_address())
+    except Exception:  # outside Ray: the name alone says where
+        return "?"
+
+
 def remote_class() -> Any:
     """The Ray actor class (built lazily so importing this module needs no Ray)."""
     import ray

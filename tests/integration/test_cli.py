@@ -295,6 +295,22 @@ REFUSALS = {
         lambda w, c: ["plan", "--model", "llama-3"],
         ["--model", "llama-3", "deepseek-v3", "qwen3-235b-a22b-fp8", "--config"],
     ),
+    "npu-without-torch-npu": (
+        lambda w, c: ["load", c["v1"], "--tp", "2", "--device", "npu"],
+        ["--device npu", "torch_npu", "--device cpu"],
+    ),
+    "cuda-without-cuda": (
+        lambda w, c: ["load", c["v1"], "--device", "cuda"],
+        ["--device cuda", "CUDA"],
+    ),
+    "unreachable-address-load": (
+        lambda w, c: ["load", c["v1"], "--device", "cpu", "--address", "127.0.0.1:1"],
+        ["--address 127.0.0.1:1", "refused"],
+    ),
+    "unreachable-address-status": (
+        lambda w, c: ["status", "--address", "127.0.0.1:1"],
+        ["--address 127.0.0.1:1"],
+    ),
     "size-without-unit": (
         lambda w, c: ["plan", c["v1"], "--device-memory", "64"],
         ["--device-memory", "'64'", "64GiB", "64B"],
@@ -312,6 +328,8 @@ def test_refusals(work: Path, ckpts: dict[str, str], case: str) -> None:
     # A home of its own: no head is ever recorded there, so no case can reach a session.
     proc = mx(work, *build(work, ckpts), home="home-empty")
     assert_refused(proc, *names)
+    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr  # one line
+    assert "\x1b[" not in proc.stderr
     assert not (work / "never").exists()
     assert processes_in(work / "cwd") == [], "a refusal must start nothing"
 
@@ -328,6 +346,69 @@ def test_hostile_header_is_refused(work: Path, ckpts: dict[str, str], attack: st
     names = [SHARD2] + ([spec.tensor] if spec.tensor else [])
     assert_refused(mx(work, "inspect", str(ck), home="home-empty"), *names)
     assert_refused(mx(work, "plan", str(ck), "--tp", "2", home="home-empty"), *names)
+
+
+def test_a_silent_listener_is_not_taken_for_a_ray_head(work: Path) -> None:
+    """A port that accepts connections but never speaks gRPC: refused in seconds, naming
+    the address (Ray itself would retry for a minute and more)."""
+    import socket
+    import threading
+
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(8)
+    held: list[socket.socket] = []
+    stop = threading.Event()
+
+    def accept() -> None:
+        server.settimeout(0.2)
+        while not stop.is_set():
+            try:
+                held.append(server.accept()[0])
+            except OSError:
+                continue
+
+    thread = threading.Thread(target=accept, daemon=True)
+    thread.start()
+    address = f"127.0.0.1:{server.getsockname()[1]}"
+    try:
+        proc = mx(work, "status", "--address", address, home="home-empty", timeout=60)
+    finally:
+        stop.set()
+        thread.join()
+        for conn in held:
+            conn.close()
+        server.close()
+    assert_refused(proc, f"--address {address}", "no answer")
+    assert "Failed to connect" not in proc.stderr
+
+
+@pytest.mark.ray
+def test_a_worker_error_names_its_rank_without_a_traceback(
+    work: Path, ckpts: dict[str, str]
+) -> None:
+    """A non-finite scale is found by the worker that converts it: the user reads
+    ``mxload: error: rank N: ...`` (no colour codes, no traceback) and the path of a log
+    that holds the worker's traceback."""
+    src = work / "nan-scale-load"
+    shutil.copytree(ckpts["v1"], src)
+    name = "model.layers.2.self_attn.o_proj.weight_scale_inv"
+    with open(src / "model.safetensors.index.json") as f:
+        file = src / json.load(f)["weight_map"][name]
+    tensors = load_file(file)
+    tensors[name][0, 0] = float("nan")
+    save_file(tensors, file, metadata={"format": "pt"})
+    proc = mx(work, "load", str(src), "--tp", "2", "--device", "cpu", home="home-empty", timeout=300)  # fmt: skip
+    assert_refused(proc, name, "--allow-nonfinite")
+    lines = proc.stderr.strip().splitlines()
+    assert re.match(r"mxload: error: rank [01]: ", lines[0]), proc.stderr
+    assert "\x1b[" not in proc.stderr
+    assert len(lines) == 2 and lines[1].startswith("mxload: the traceback is in "), proc.stderr
+    log = Path(lines[1].split(" is in ")[1].split(" (or rerun")[0])
+    assert log.is_relative_to(work / "home-empty" / "logs")
+    text = log.read_text()
+    assert "Traceback" in text and "from the worker" in text and name in text
+    assert_nothing_left(work)
 
 
 def test_debug_shows_the_traceback(work: Path, ckpts: dict[str, str]) -> None:

@@ -337,3 +337,19 @@ def test_every_cluster_socket_is_loopback(two_nodes, src) -> None:
         assert {ip for _, ip, _ in bound} <= LOOPBACK_IPS, [b for b in bound]
     finally:
         run.shutdown()
+
+
+def test_a_node_without_the_device_runtime_is_refused_before_any_worker(two_nodes, src) -> None:
+    """``--device npu`` on nodes without torch_npu: each node of the placement group is
+    asked first (a small task in one of its bundles); the refusal names the node and the
+    flag, is an input error (exit 2), and starts no worker (nothing to restart)."""
+    import ray
+
+    with pytest.raises(InputError) as info:
+        load(LoadRequest(src=src, layout=LAYOUT, device="npu", placement="spread"))
+    msg = str(info.value)
+    assert msg.startswith("node ") and "--device npu" in msg and "torch_npu" in msg, msg
+    assert info.value.key == "--device" and info.value.exit_code == 2
+    assert ray.util.placement_group_table() == {} or all(
+        pg["state"] == "REMOVED" for pg in ray.util.placement_group_table().values()
+    )
