@@ -233,7 +233,7 @@ FLAGS: tuple[Flag, ...] = (
 def _add_flags(p: argparse.ArgumentParser, command: str) -> None:
     for flag in FLAGS:
         if command in flag.commands:
-            shown = flag.help if flag.default is None else f"{flag.help} (default {flag.default})"
+            shown = flag.help if flag.default is None else f"{flag.help} (default: {flag.default})"
             p.add_argument(*flag.names, dest=flag.dest, default=None, help=shown, **flag.kwargs)
 
 
