@@ -45,6 +45,8 @@ SESSION = ("load", "reload", "status", "release")
 """Commands that reach a detached session or a Ray cluster."""
 READS = ("make-checkpoint", "inspect", "plan", "load", "reload", "convert")
 """Commands that open a checkpoint URL through fsspec."""
+SOURCE = ("inspect", "plan", "load", "reload", "convert")
+"""Commands that read a checkpoint's files (the rules of the storage seam apply)."""
 
 SIZE_HELP = "SIZE with its unit, e.g. 64GiB, 512MiB, 2GB or 1048576B; a bare number is refused"
 
@@ -207,7 +209,34 @@ FLAGS: tuple[Flag, ...] = (
         "let NaN/Inf block scales through (they are refused by default, naming the tensor)",
         kwargs={"action": "store_true"},
     ),
+    Flag(
+        ("--allow-outside-links",),
+        SOURCE,
+        "read checkpoint files whose links resolve outside the checkpoint folder (refused "
+        "by default: a checkpoint is a folder)",
+        kwargs={"action": "store_true"},
+    ),
+    Flag(
+        ("--connect-timeout",),
+        SOURCE,
+        "seconds to wait for a remote connection before the attempt fails and is retried "
+        "(default 10, at most 60)",
+        kwargs={"type": float, "metavar": "S"},
+    ),
+    Flag(
+        ("--read-timeout",),
+        SOURCE,
+        "seconds to wait for the next bytes of a remote answer before the attempt fails and "
+        "is retried (default 30, at most 60)",
+        kwargs={"type": float, "metavar": "S"},
+    ),
     # outputs
+    Flag(
+        ("--overwrite",),
+        ("load", "status", "convert"),
+        "replace a non-empty --dump DIR (convert: DST) whole; refused by default",
+        kwargs={"action": "store_true"},
+    ),
     Flag(
         ("--dump",),
         ("load", "status"),
@@ -329,18 +358,26 @@ def _preset_names() -> list[str]:
 
 
 def _storage_options(args: argparse.Namespace) -> dict[str, Any] | None:
+    from mxload.workers.storage import ALLOW_OUTSIDE_LINKS, CONNECT_TIMEOUT, READ_TIMEOUT
+
     raw = getattr(args, "storage_options", None)
-    if not raw:
-        return None
-    try:
-        value = json.loads(raw)
-    except ValueError as err:
-        raise UsageError(
-            f"--storage-options: not valid JSON ({err})", key="--storage-options"
-        ) from None
-    if not isinstance(value, dict):
-        raise UsageError("--storage-options: must be a JSON object", key="--storage-options")
-    return value
+    value: dict[str, Any] = {}
+    if raw:
+        try:
+            value = json.loads(raw)
+        except ValueError as err:
+            raise UsageError(
+                f"--storage-options: not valid JSON ({err})", key="--storage-options"
+            ) from None
+        if not isinstance(value, dict):
+            raise UsageError("--storage-options: must be a JSON object", key="--storage-options")
+    # The source flags travel as storage options: every worker then reads under them.
+    if getattr(args, "allow_outside_links", False):
+        value[ALLOW_OUTSIDE_LINKS] = True
+    for flag, key in (("connect_timeout", CONNECT_TIMEOUT), ("read_timeout", READ_TIMEOUT)):
+        if getattr(args, flag, None) is not None:
+            value[key] = getattr(args, flag)
+    return value or None
 
 
 def _layout(args: argparse.Namespace) -> ParallelLayout:
@@ -627,6 +664,11 @@ def render_load_table(manifest: dict[str, Any]) -> str:
 def _load_request(args: argparse.Namespace) -> Any:
     from .driver import LoadRequest
 
+    if args.max_restarts < 0:
+        raise UsageError(
+            f"--max-restarts must be >= 0, got {args.max_restarts}", key="--max-restarts"
+        )
+
     return LoadRequest(
         src=args.src,
         layout=_layout(args),
@@ -645,14 +687,28 @@ def _load_request(args: argparse.Namespace) -> Any:
 
 
 def _write_report(path: str | None, manifest: dict[str, Any]) -> None:
-    if not path:
-        return
-    with open(path, "w") as f:
-        json.dump(manifest, f, indent=1)
+    from .outputs import write_file_atomic
+
+    if path is not None:
+        write_file_atomic(path, json.dumps(manifest, indent=1).encode(), "--report")
+
+
+def _outputs(args: argparse.Namespace) -> Any:
+    """Check --report and --dump before any work (outputs.py); the checked --dump target."""
+    from .outputs import OutputDir, check_file_target
+
+    check_file_target(getattr(args, "report", None), "--report")
+    dump = getattr(args, "dump", None)
+    if dump is None:
+        return None
+    target = OutputDir(dump, "--dump", overwrite=args.overwrite)
+    target.check()
+    return target
 
 
 def cmd_load(args: argparse.Namespace) -> int:
     req = _load_request(args)
+    args.dump = _outputs(args)
     show = _progress(args, "load")
     try:
         if args.detach:
@@ -696,6 +752,7 @@ def detach_note(manifest: dict[str, Any], session: str) -> str:
 def cmd_reload(args: argparse.Namespace) -> int:
     from .detached import detached_reload
 
+    _outputs(args)
     show = _progress(args, "reload")
     try:
         manifest = detached_reload(
@@ -724,8 +781,9 @@ def cmd_reload(args: argparse.Namespace) -> int:
 def cmd_status(args: argparse.Namespace) -> int:
     from .detached import detached_status
 
+    dump = _outputs(args)
     manifest = detached_status(
-        session=args.session, address=args.address, dump=args.dump, engine=args.engine
+        session=args.session, address=args.address, dump=dump, engine=args.engine
     )
     consistent = bool(manifest["consistent"])
     versions = sorted({r["version"] for r in manifest["ranks"]})
@@ -804,6 +862,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
         progress=sys.stderr.isatty() and not args.json,
         numerics=args.numerics,
         engine=args.engine,
+        overwrite=args.overwrite,
     )
     _emit(args, summary, f"converted {args.src} -> {args.dst}: {json.dumps(summary)}")
     return 0

@@ -30,6 +30,7 @@ from .errors import (
     WorkerLost,
 )
 from .formats import DUMP_FORMAT
+from .outputs import OutputDir
 from .plantypes import ParallelLayout, Plan, RankPlan
 
 PLACEMENTS = {
@@ -549,8 +550,13 @@ def _ratio(a: Any, b: Any) -> float | None:
     return round(a / b, 4)
 
 
-def write_dump(run: RayRun, manifest: dict[str, Any], out_dir: str) -> None:
-    """``--dump DIR``: each rank's buffers as rank-NNNNN.safetensors + manifest.json."""
+def write_dump(run: RayRun, manifest: dict[str, Any], out_dir: str | OutputDir) -> None:
+    """``--dump DIR``: each rank's buffers as rank-NNNNN.safetensors + manifest.json.
+
+    Written into a temporary folder beside DIR and renamed into place when complete
+    (``orchestrator/outputs.py``): never a ``.partial``, never another run's rank files
+    beside this manifest. A plain path is checked here (a non-empty DIR is refused); the
+    CLI passes an :class:`OutputDir` it checked before any work, with ``--overwrite``."""
     import json
 
     import ray
@@ -558,27 +564,40 @@ def write_dump(run: RayRun, manifest: dict[str, Any], out_dir: str) -> None:
 
     from .formats import BUFFER_TO_SAFETENSORS
 
-    os.makedirs(out_dir, exist_ok=True)
-    for rank, actor in enumerate(run.actors):
-        raw = ray.get(actor.host_tensors.remote())
-        specs = [(n, BUFFER_TO_SAFETENSORS[d], tuple(shape)) for n, (d, shape, _) in raw.items()]
-        path = os.path.join(out_dir, f"rank-{rank:05d}.safetensors")
-        with SafetensorsWriter(path, specs, metadata={"format": "pt"}) as w:
-            for name in w.order:
-                w.write(name, raw[name][2].tobytes())
-    with open(os.path.join(out_dir, "manifest.json"), "w") as f:
-        json.dump(manifest, f, indent=1)
+    out = out_dir if isinstance(out_dir, OutputDir) else dump_target(out_dir)
+    with out:
+        tmp = out.begin()
+        for rank, actor in enumerate(run.actors):
+            raw = ray.get(actor.host_tensors.remote())
+            specs = [
+                (n, BUFFER_TO_SAFETENSORS[d], tuple(shape)) for n, (d, shape, _) in raw.items()
+            ]
+            path = os.path.join(tmp, f"rank-{rank:05d}.safetensors")
+            with SafetensorsWriter(path, specs, metadata={"format": "pt"}) as w:
+                for name in w.order:
+                    w.write(name, raw[name][2].tobytes())
+        with open(os.path.join(tmp, "manifest.json"), "w") as f:
+            json.dump(manifest, f, indent=1)
+
+
+def dump_target(out_dir: str, *, overwrite: bool = False) -> OutputDir:
+    """The checked ``--dump`` folder (OutputError, before any work, if it cannot be used)."""
+    out = OutputDir(out_dir, "--dump", overwrite=overwrite)
+    out.check()
+    return out
 
 
 def load(
     req: LoadRequest,
     *,
-    dump: str | None = None,
+    dump: str | OutputDir | None = None,
     on_progress: Callable[[list[tuple[int, int, int]]], None] | None = None,
     keep: bool = False,
 ) -> tuple[dict[str, Any], RayRun | None]:
     """The whole distributed load. Returns the manifest (with tensors' metadata) and,
     with ``keep``, the live run (the caller shuts it down)."""
+    if isinstance(dump, str):
+        dump = dump_target(dump)  # refused before any work, not after the load
     meta, plan = plan_load(req)
     run = RayRun(req, plan)
     try:

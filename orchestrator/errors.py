@@ -107,6 +107,10 @@ class OverlappingTensors(HeaderError):
     """Two tensors' byte ranges overlap."""
 
 
+class InvalidTensorName(HeaderError):
+    """A tensor name is empty or holds a control character or a path separator."""
+
+
 class IndexError_(CheckpointError):
     """model.safetensors.index.json is malformed, or disagrees with the shards."""
 
@@ -137,6 +141,12 @@ class NonFiniteScale(ScaleError):
 
 class MixedQuantization(CheckpointError):
     """Parts of one merged tensor disagree on being quantized."""
+
+
+class OutputError(InputError):
+    """An output path cannot take what mxload would write (a missing or read-only parent,
+    a file where a folder goes, a non-empty folder without --overwrite, DST inside SRC, a
+    full disk): names the path and the flag. Nothing the user had is changed."""
 
 
 class LayoutError(InputError):

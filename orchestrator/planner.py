@@ -676,6 +676,40 @@ def plan_rank(
     return _flatten(planner.blocks(planner.coords(rank)))
 
 
+def check_checkpoint(checkpoint: CheckpointMeta) -> None:
+    """Every check a plan makes of a checkpoint that does not depend on the layout: each
+    tensor the architecture needs is there with the config's shape, merged parts agree on
+    being quantized and on dtype, and non-linears are not FP8 (raises what
+    :func:`build_plan` raises).
+
+    ``mxload convert`` runs it, so that no command writes a checkpoint that ``plan`` and
+    ``load`` refuse; the planner runs the same code for every layout (at tp=dp=pp=1 every
+    block of the model is visited once)."""
+    planner = _Planner(checkpoint.config, ParallelLayout(), checkpoint)
+    with _gc_paused():
+        planner.blocks(planner.coords(0))
+
+
+def quantization_groups(config: ModelConfig) -> list[tuple[str, ...]]:
+    """Checkpoint modules that must agree on being quantized, because they fill one
+    device tensor (merged q/k/v, gate/up) or one MoE block whose buffers share a layout
+    (every expert's gate, up and down of a layer). ``mxload convert`` falls back to the
+    model dtype for a whole group when one member must (K not a multiple of 32), so that
+    what it writes plans and loads."""
+    planner = _Planner(config, ParallelLayout(), None)
+    groups: list[tuple[str, ...]] = []
+    placed = [(i, -1) for i in (*planner.first_rules, *planner.last_rules)]
+    placed += [
+        (i, layer) for layer in range(config.num_hidden_layers) for i in planner.layer_rules[layer]
+    ]
+    for idx, layer in placed:
+        rule = planner.arch.rules[idx]
+        if rule.linear:
+            modules = planner._source_modules(rule, layer)
+            groups.append(tuple(m for names in modules for m in names))
+    return groups
+
+
 def build_plan(
     config: ModelConfig,
     layout: ParallelLayout,

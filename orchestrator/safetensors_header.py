@@ -44,6 +44,7 @@ from .errors import (
     InvalidHeaderJson,
     InvalidOffset,
     InvalidShape,
+    InvalidTensorName,
     OverlappingTensors,
     SizeMismatch,
     TruncatedFile,
@@ -119,16 +120,20 @@ def parse_header_length(prefix8: bytes, *, file: str, file_size: int) -> int:
             file=file,
         )
     (n,) = struct.unpack("<Q", bytes(prefix8[:PREFIX_BYTES]))
+    # The messages never print n: in a file that is not safetensors those 8 bytes are
+    # whatever the file starts with (a password hash, a key), and a message must not
+    # echo a file's content.
     if n > HEADER_MAX_BYTES:
         raise HeaderTooLarge(
-            f"{file}: declared header length {n} bytes exceeds the {HEADER_MAX_BYTES}-byte cap",
+            f"{file}: not a safetensors file: its 8-byte length prefix declares a header "
+            f"above the {HEADER_MAX_BYTES}-byte cap",
             file=file,
         )
     if n > file_size - PREFIX_BYTES:
         raise HeaderTooLarge(
-            f"{file}: declared header length {n} bytes exceeds what the file holds after "
-            f"its prefix ({file_size - PREFIX_BYTES} of {file_size} bytes); the file is "
-            "truncated or not safetensors",
+            f"{file}: not a safetensors file (or a truncated one): its 8-byte length prefix "
+            f"declares a header longer than the {file_size - PREFIX_BYTES} bytes the file "
+            f"holds after it ({file_size} bytes in all)",
             file=file,
         )
     return int(n)
@@ -245,8 +250,24 @@ def _metadata(raw: Any, file: str) -> dict[str, str]:
     return dict(raw)
 
 
+def _bad_tensor_name(name: str) -> str | None:
+    """Why ``name`` is not a usable tensor name (None if it is). Names become module paths,
+    dump and report keys and file content of every checkpoint mxload writes: control
+    characters (NUL...) and path syntax have no place in them."""
+    if not name:
+        return "an empty tensor name"
+    if any(ord(c) < 0x20 or ord(c) == 0x7F for c in name):
+        return "tensor name holds a control character"
+    if "/" in name or "\\" in name:
+        return "tensor name holds a path separator; names are dotted module paths"
+    return None
+
+
 def _tensor_info(name: str, entry: Any, *, file: str, data_start: int) -> TensorInfo:
     where = f"{file}: tensor {name!r}"
+    bad_name = _bad_tensor_name(name)
+    if bad_name:
+        raise InvalidTensorName(f"{where}: {bad_name}", file=file, tensor=name)
     if not isinstance(entry, dict):
         raise InvalidHeaderJson(
             f"{where}: entry must be an object with dtype, shape and data_offsets, got "

@@ -22,6 +22,7 @@ from mxload.orchestrator.errors import (
     InvalidHeaderJson,
     InvalidOffset,
     InvalidShape,
+    InvalidTensorName,
     OverlappingTensors,
     SizeMismatch,
     TruncatedFile,
@@ -120,7 +121,30 @@ def _nested() -> bytes:
     return raw_file(b"[" * 100_000 + b"]" * 100_000)
 
 
+def _named(name: str) -> Callable[[], bytes]:
+    def build() -> bytes:
+        return raw_file(
+            {**_good(), name: {"dtype": "U8", "shape": [4], "data_offsets": [16, 20]}}, bytes(20)
+        )
+
+    return build
+
+
 ATTACKS: tuple[Attack, ...] = (
+    Attack(
+        "tensor_name_with_nul",
+        _named("model.a\x00b"),
+        InvalidTensorName,
+        "model.a\x00b",
+        "a NUL inside a tensor name: it would travel into every file written from it",
+    ),
+    Attack(
+        "tensor_name_climbing_out",
+        _named("../../etc/evil"),
+        InvalidTensorName,
+        "../../etc/evil",
+        "path syntax in a tensor name",
+    ),
     Attack(
         "oversized_header_length",
         lambda: raw_file({}, b"", declared_len=2**64 - 1),

@@ -302,6 +302,46 @@ def serve_directory(root: str, faults: Faults | None = None) -> Iterator[RangeHT
         yield server
 
 
+class SilentServer:
+    """Accepts TCP connections on 127.0.0.1 and never answers (a hung server, a black-hole
+    proxy): every socket stays open, unread, until :meth:`stop`. Counts the connections."""
+
+    def __init__(self) -> None:
+        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._sock.bind((LOOPBACK, 0))
+        self._sock.listen(64)
+        self._sock.settimeout(0.05)
+        self.port = int(self._sock.getsockname()[1])
+        self._held: list[socket.socket] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._accept, name="silent", daemon=True)
+        self.connections = 0
+
+    @property
+    def url(self) -> str:
+        return f"http://{LOOPBACK}:{self.port}"
+
+    def _accept(self) -> None:
+        while not self._stop.is_set():
+            try:
+                conn, _ = self._sock.accept()
+            except (TimeoutError, OSError):
+                continue
+            self._held.append(conn)
+            self.connections += 1
+
+    def __enter__(self) -> SilentServer:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        for c in self._held:
+            c.close()
+        self._sock.close()
+
+
 # --- S3 (moto) -----------------------------------------------------------------------------
 
 _AWS_ENV = {

@@ -20,6 +20,17 @@ Everything else is copied byte for byte. An already-MXFP8 checkpoint is accepted
 copied through (its headers and pairing validated on the way), so ``convert`` can also
 re-shard-check or move one between stores.
 
+Nothing a user had is lost (:mod:`mxload.orchestrator.outputs`)
+    Before anything is read: DST equal to SRC, or either inside the other, is refused; a
+    DST that exists and is not an empty folder is refused unless ``overwrite``; DST's
+    parent must exist and take new files. The checkpoint is validated as ``plan`` and
+    ``load`` validate it (config, headers, pairing, and the planner's layout-independent
+    checks: :func:`mxload.orchestrator.planner.check_checkpoint`), so ``convert`` never
+    writes what they refuse. The output is written into a temporary folder beside DST and
+    renamed into place only when every file is complete; ``overwrite`` replaces DST whole
+    (never a mix of two runs' shard sets). A failed run removes its temporary folder and
+    leaves DST as it was.
+
 How it runs (why it is fast)
     Three stages overlap, each on its own thread, so a conversion takes about the
     longest stage, not their sum: a reader fills numpy buffers through the storage seam
@@ -65,11 +76,13 @@ from mxload.orchestrator.formats import (
     SAFETENSORS_ITEMSIZE,
     SINGLE_FILE,
 )
+from mxload.orchestrator.outputs import OutputDir, check_disjoint
+from mxload.orchestrator.planner import check_checkpoint, quantization_groups
 from mxload.orchestrator.ranges import contiguous
 from mxload.workers.numerics import kernels
 from mxload.workers.numerics.scales import check_block_scales
 from mxload.workers.safetensors_io import SafetensorsWriter, data_order
-from mxload.workers.storage import Storage
+from mxload.workers.storage import ALLOW_OUTSIDE_LINKS, Storage
 
 DEFAULT_WINDOW = 256 << 20
 """Bytes in flight between the reader and the writer, by default (see module doc)."""
@@ -113,19 +126,26 @@ def convert_checkpoint(
     threads: int | None = None,
     window_bytes: int = DEFAULT_WINDOW,
     engine: str = "mxload",
+    overwrite: bool = False,
+    allow_outside_links: bool = False,
 ) -> dict[str, Any]:
     """Convert ``src`` into ``dst``; returns a summary (tensors, bytes, seconds, GB/s).
 
     ``numerics`` picks the conversion path (:data:`NUMERICS`); ``threads`` the fast
-    kernels' threads (default: the cores this process may use)."""
-    import fsspec
-
+    kernels' threads (default: the cores this process may use). ``overwrite`` lets a
+    non-empty ``dst`` be replaced whole; ``allow_outside_links`` lets a local checkpoint's
+    files resolve outside its folder (see :class:`mxload.workers.storage.Storage`)."""
     if numerics not in NUMERICS:
         raise UsageError(f"numerics must be one of {', '.join(NUMERICS)}, got {numerics!r}")
     from mxload.orchestrator.engines import engine_profile
 
     profile = engine_profile(engine)
     t0 = time.perf_counter()
+    check_disjoint(src, dst)
+    out = OutputDir(dst, "DST", overwrite=overwrite, storage_options=dst_storage_options)
+    out.check()
+    if allow_outside_links:
+        storage_options = {**(storage_options or {}), ALLOW_OUTSIDE_LINKS: True}
     meta = open_checkpoint(src, storage_options=storage_options, dtype=dtype)
     cfg = meta.config
     quant = cfg.quant.kind
@@ -136,6 +156,7 @@ def convert_checkpoint(
             file=f"{src}/{CONFIG_FILE}",
             key="quantization_config",
         )
+    check_checkpoint(meta)  # the planner's checks: what plan/load refuse, convert refuses
     storage = Storage(src, storage_options)
     specs, jobs, excluded, weight_map = _plan(meta)
     excluded = [*excluded, *profile.model_dtype_modules]
@@ -148,17 +169,6 @@ def convert_checkpoint(
         _fast_converters(cfg.model_dtype, cfg.quant.block_n, cfg.quant.block_k, n_threads, arena)
         if use_fast
         else _reference_converters(cfg.model_dtype, cfg.quant.block_n, cfg.quant.block_k)
-    )
-
-    fs, root = fsspec.core.url_to_fs(dst, **(dict(dst_storage_options or {})))
-    fs.makedirs(root, exist_ok=True)
-    pipe = _Pipeline(
-        storage,
-        {f: _join(dst, f) for f in specs},
-        specs,
-        dst_storage_options,
-        window_bytes=max(1, window_bytes),
-        arena=arena,
     )
 
     def convert(job: _Job, arrays: tuple[np.ndarray, ...]) -> tuple[np.ndarray, ...]:
@@ -176,6 +186,62 @@ def convert_checkpoint(
             allow_nonfinite=allow_nonfinite,
         )
         return (mx if job.kind == "mx" else resolved)(arrays[0].reshape(n, k), s)
+
+    stage_seconds: dict[str, float] = {}
+    with out:
+        tmp = out.begin()
+        source_bytes = _write(
+            tmp, meta, storage, specs, jobs, excluded, weight_map, convert, progress,
+            dst_storage_options=dst_storage_options, window_bytes=window_bytes, arena=arena,
+            stage_seconds=stage_seconds,
+        )  # fmt: skip
+        # What is put in place must pass the validator plan and load run (a guard on
+        # this module's own rules: the output is read back, headers only).
+        check_checkpoint(open_checkpoint(tmp, storage_options=dst_storage_options))
+    files = sorted(specs)
+    seconds = time.perf_counter() - t0
+    return {
+        "tensors": sum(len(s) for s in specs.values()),
+        "files": len(files),
+        "source_bytes": source_bytes,
+        "excluded_modules": sorted(set(excluded)),
+        "seconds": round(seconds, 3),
+        "source_gb_per_s": round(source_bytes / seconds / 1e9, 4) if seconds else None,
+        "backend": "cpu-fast" if use_fast else "cpu-reference",
+        "threads": n_threads if use_fast else None,
+        "stage_seconds": stage_seconds,
+    }
+
+
+def _write(
+    root: str,
+    meta: CheckpointMeta,
+    storage: Storage,
+    specs: Specs,
+    jobs: list[_Job],
+    excluded: list[str],
+    weight_map: dict[str, str],
+    convert: Callable[[_Job, tuple[np.ndarray, ...]], tuple[np.ndarray, ...]],
+    progress: bool,
+    *,
+    dst_storage_options: Mapping[str, Any] | None,
+    window_bytes: int,
+    arena: _Arena,
+    stage_seconds: dict[str, float],
+) -> int:
+    """Every shard, config.json and the index into ``root`` (the temporary folder); the
+    source bytes read."""
+    import fsspec
+
+    fs, root_path = fsspec.core.url_to_fs(root, **(dict(dst_storage_options or {})))
+    pipe = _Pipeline(
+        storage,
+        {f: _join(root, f) for f in specs},
+        specs,
+        dst_storage_options,
+        window_bytes=max(1, window_bytes),
+        arena=arena,
+    )
 
     bar: Any = None
     if progress:
@@ -204,19 +270,20 @@ def convert_checkpoint(
     try:
         pipe.run(jobs, convert, report)
     finally:
+        stage_seconds.update(pipe.stage_seconds())
         if bar is not None:
             bar.close()
-    source_bytes = counts[1]
 
+    cfg = meta.config
     raw_config = json.loads(storage.read_file(CONFIG_FILE))
-    if quant == "block_fp8":
+    if cfg.quant.kind == "block_fp8":
         raw_config["quantization_config"] = {
             "quant_method": "modelopt",
             "quant_algo": "MXFP8",
             "exclude_modules": sorted(set(excluded)),
             "kv_cache_quant_algo": None,
         }
-    with fs.open(_join(root, CONFIG_FILE), "w") as f:
+    with fs.open(_join(root_path, CONFIG_FILE), "w") as f:
         json.dump(raw_config, f, indent=2)
     files = sorted(specs)
     if len(files) > 1 or files != [SINGLE_FILE]:
@@ -227,24 +294,13 @@ def convert_checkpoint(
             for file_specs in specs.values()
             for _, st_dtype, shape in file_specs
         )
-        with fs.open(_join(root, INDEX_FILE), "w") as f:
+        with fs.open(_join(root_path, INDEX_FILE), "w") as f:
             json.dump(
                 {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))},
                 f,
                 indent=2,
             )
-    seconds = time.perf_counter() - t0
-    return {
-        "tensors": sum(len(s) for s in specs.values()),
-        "files": len(files),
-        "source_bytes": source_bytes,
-        "excluded_modules": sorted(set(excluded)),
-        "seconds": round(seconds, 3),
-        "source_gb_per_s": round(source_bytes / seconds / 1e9, 4) if seconds else None,
-        "backend": "cpu-fast" if use_fast else "cpu-reference",
-        "threads": n_threads if use_fast else None,
-        "stage_seconds": pipe.stage_seconds(),
-    }
+    return counts[1]
 
 
 # --- what to write ---------------------------------------------------------------------------
@@ -259,6 +315,18 @@ def _plan(meta: CheckpointMeta) -> tuple[Specs, list[_Job], list[str], dict[str,
     model_st = MODEL_DTYPES[cfg.model_dtype]
     specs: Specs = {}
     made_by: dict[str, _Job] = {}
+    # A module whose K is not a multiple of 32 falls back to the model dtype; so does every
+    # module that must agree with it on being quantized (planner.quantization_groups),
+    # or the loader would refuse the output (one MoE block: one layout for w13 and w2).
+    fallback: set[str] = set()
+    if quant == "block_fp8":
+        for name, info in meta.tensors.items():
+            if name.endswith(".weight") and info.dtype == "F8_E4M3" and len(info.shape) == 2:
+                if info.shape[1] % MX_GROUP:
+                    fallback.add(name[: -len(".weight")])
+        for group in quantization_groups(cfg):
+            if fallback.intersection(group):
+                fallback.update(group)
     excluded: list[str] = list(cfg.quant.not_converted)
     weight_map: dict[str, str] = {}
     for name in sorted(meta.tensors):
@@ -271,7 +339,7 @@ def _plan(meta: CheckpointMeta) -> tuple[Specs, list[_Job], list[str], dict[str,
         if quant == "block_fp8" and module and info.dtype == "F8_E4M3" and meta.has(scale_name):
             n, k = info.shape
             sources = (info, meta.tensor(scale_name))
-            if k % MX_GROUP == 0:
+            if module not in fallback:
                 mx_scale = f"{module}.{MX_SCALE_SUFFIX}"
                 out.append((name, "F8_E4M3", (n, k)))
                 out.append((mx_scale, "U8", (n, k // MX_GROUP)))
@@ -418,8 +486,8 @@ _END = object()
 
 class _Pipeline:
     """Reader thread -> caller (converts) -> writer thread; the first error anywhere stops
-    all three, discards every shard being written, removes the shards this run finished
-    and is raised in the caller."""
+    all three, discards every shard being written and is raised in the caller (whose
+    temporary output folder is then removed whole)."""
 
     def __init__(
         self,
@@ -440,8 +508,6 @@ class _Pipeline:
         self.read_q: queue.Queue[Any] = queue.Queue()
         self.write_q: queue.Queue[Any] = queue.Queue()
         self.error: BaseException | None = None
-        self.completed: list[str] = []
-        """Shards written whole by this run (removed again if the run fails)."""
         self.seconds = {"read": 0.0, "convert": 0.0, "write": 0.0, "wait_read": 0.0}
 
     def stage_seconds(self) -> dict[str, float]:
@@ -482,7 +548,6 @@ class _Pipeline:
             for f in [f for f, n in left.items() if n == 0]:
                 self._open(f, writers).close()  # a shard with no tensors still exists
                 writers.pop(f)
-                self.completed.append(self.paths[f])
             while True:
                 item = self.write_q.get()
                 if item is _END:
@@ -497,7 +562,6 @@ class _Pipeline:
                 left[job.file] -= len(job.outputs)
                 if left[job.file] == 0:
                     writers.pop(job.file).close()
-                    self.completed.append(self.paths[job.file])
                 self.seconds["write"] += time.perf_counter() - t
                 # Written (a local write has consumed the bytes; remote writers copy what
                 # they hold back), so the buffers can be handed out again.
@@ -525,7 +589,7 @@ class _Pipeline:
         progress: Callable[[_Job], None] | None = None,
     ) -> None:
         """Read, ``convert`` (on this thread) and write every job, in order. Raises the
-        first error of any stage once all three have stopped, every shard discarded."""
+        first error of any stage once all three have stopped, every open shard discarded."""
         reader = threading.Thread(target=self._reader, args=(jobs,), name="convert-read")
         writer = threading.Thread(target=self._writer, name="convert-write")
         reader.start()
@@ -551,19 +615,7 @@ class _Pipeline:
             writer.join()
             reader.join()  # an error closed the window, so a waiting reader returns
         if self.error is not None:
-            self._remove_completed()
             raise self.error
-
-    def _remove_completed(self) -> None:
-        """A failed run leaves no shard behind: half a checkpoint must not look usable."""
-        import fsspec
-
-        for path in self.completed:
-            try:
-                fs, p = fsspec.core.url_to_fs(path, **dict(self.dst_options or {}))
-                fs.rm(p)
-            except Exception:  # best effort: the original error is what the user needs
-                pass
 
 
 def _join(root: str, name: str) -> str:

@@ -274,10 +274,14 @@ class SafetensorsWriter:
             raise ValueError(
                 f"{self.path}: {len(missing)} tensor(s) never written: {shown}; file discarded"
             )
-        if self._local:
-            # A tensor with no bytes at the end still needs the file to reach its length.
-            self._fh.truncate(self.data_start + self.data_bytes)
-        self._fh.close()
+        try:
+            if self._local:
+                # A tensor with no bytes at the end still needs the file to reach its length.
+                self._fh.truncate(self.data_start + self.data_bytes)
+            self._fh.close()  # the last buffered bytes go out here: a full disk fails here
+        except BaseException:
+            self.abort()  # never leave a .partial behind
+            raise
         self._closed = True
         if self._local:
             os.replace(self._partial, self._final)
@@ -289,7 +293,10 @@ class SafetensorsWriter:
         self._closed = True
         self._pending.clear()
         if self._local:
-            self._fh.close()
+            try:
+                self._fh.close()
+            except OSError:  # a full disk fails the final flush too; the file goes anyway
+                pass
             try:
                 os.remove(self._partial)
             except FileNotFoundError:

@@ -30,6 +30,29 @@ exactly one place that knows about URLs, fsspec, ranged requests, coalescing and
   configured for a single attempt unless the caller's storage options say otherwise, so
   attempts are counted here and nowhere else.
 
+* **A checkpoint is a folder** (local roots): every file read must resolve (``realpath``,
+  symlinks followed) inside the checkpoint root's real path, else
+  :class:`~orchestrator.errors.CheckpointError` naming the file, before a byte of it is
+  read; the storage option ``mxload_allow_outside_links`` (CLI ``--allow-outside-links``)
+  lifts this for checkpoints assembled from links into a shared store.
+* **Timeouts** (remote back ends): every HTTP(S) and S3 request has a connect timeout
+  (default :data:`DEFAULT_CONNECT_TIMEOUT_S`) and a read timeout, the longest wait for
+  the next bytes of an answer (default :data:`DEFAULT_READ_TIMEOUT_S`); both at most
+  :data:`MAX_TIMEOUT_S`. A timeout is transient, so a server that accepts and never
+  answers costs at most ``attempts x (connect + read timeout) + backoff`` (5 x 40 s + about
+  4 s by default) and then fails naming the URL; on a terminal each timed-out attempt is
+  reported on stderr as it happens. Set them with the storage options
+  ``mxload_connect_timeout_s`` / ``mxload_read_timeout_s`` (CLI ``--connect-timeout`` /
+  ``--read-timeout``); a ``client_kwargs.timeout`` (HTTP) or ``config_kwargs`` timeout
+  (S3) of the caller's own wins.
+* **Protocols**: local paths, ``file://``, ``memory://``, ``http(s)://``, ``s3://``,
+  ``gs://`` and ``az://``/``abfs://`` (:data:`PROTOCOLS`); anything else (``ftp://``...) is
+  refused as bad input before any connection is tried.
+
+Storage options that mxload reads itself (:data:`MXLOAD_OPTIONS`, never passed to fsspec)
+travel with the other storage options to every worker, so a setting given once holds for
+the catalog, the planner and every rank.
+
 Limits: reads only (writers live in :mod:`mxload.workers.safetensors_io`); the output buffer must
 be CPU memory exposing the buffer protocol (or a contiguous CPU torch tensor); remote
 back ends copy once, from the response body into the buffer, because fsspec's ``cat``
@@ -42,6 +65,7 @@ import bisect
 import errno
 import os
 import posixpath
+import sys
 import threading
 import time
 import zlib
@@ -62,6 +86,57 @@ from mxload.orchestrator.ranges import (
     contiguous,
 )
 from tenacity import RetryCallState, Retrying, retry_if_exception, stop_after_attempt
+
+# --- settings mxload reads from the storage options -----------------------------------------
+
+CONNECT_TIMEOUT = "mxload_connect_timeout_s"
+READ_TIMEOUT = "mxload_read_timeout_s"
+ALLOW_OUTSIDE_LINKS = "mxload_allow_outside_links"
+MXLOAD_OPTIONS = (CONNECT_TIMEOUT, READ_TIMEOUT, ALLOW_OUTSIDE_LINKS)
+"""Storage-option keys mxload reads itself and removes before calling fsspec."""
+
+DEFAULT_CONNECT_TIMEOUT_S = 10.0
+"""Seconds to wait for a remote connection (TCP and TLS) before the attempt fails."""
+DEFAULT_READ_TIMEOUT_S = 30.0
+"""Seconds to wait for the next bytes of a remote answer before the attempt fails."""
+MAX_TIMEOUT_S = 60.0
+"""Upper bound of either timeout: a bigger one would let one silent server stall a run."""
+
+PROTOCOLS = frozenset(
+    {
+        "",
+        "file",
+        "local",
+        "memory",
+        "http",
+        "https",
+        "s3",
+        "s3a",
+        "gs",
+        "gcs",
+        "az",
+        "abfs",
+        "abfss",
+    }
+)
+"""URL schemes mxload reads (SPEC §4 "Streaming"); others are refused before connecting."""
+
+
+def _timeout_option(options: Mapping[str, Any], key: str, default: float) -> float:
+    value = options.get(key, default)
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or not (0 < value <= MAX_TIMEOUT_S)
+    ):
+        flag = "--" + key.removeprefix("mxload_").removesuffix("_s").replace("_", "-")
+        raise UsageError(
+            f"{flag} (storage option {key}): must be a number of seconds in (0, "
+            f"{MAX_TIMEOUT_S:g}], got {value!r}",
+            key=flag,
+        )
+    return float(value)
+
 
 # --- retry policy -------------------------------------------------------------------------
 
@@ -289,6 +364,34 @@ def _classify(exc: BaseException) -> str:
     return "fatal"
 
 
+def is_timeout(exc: BaseException | None) -> bool:
+    """Whether a failed request timed out (a server that accepts and does not answer)."""
+    if exc is None:
+        return False
+    for e in _causes(exc):
+        if isinstance(e, TimeoutError) or "Timeout" in type(e).__name__:
+            return True
+        if isinstance(e, OSError) and e.errno == errno.ETIMEDOUT:
+            return True
+    return False
+
+
+def _report_stall(exc: BaseException | None, url: str, attempt: int, attempts: int) -> None:
+    """On a terminal, say that a request timed out and will be tried again (a stall
+    must not look like a hang); quiet in pipes and logs."""
+    if not is_timeout(exc):
+        return
+    try:
+        if not sys.stderr.isatty():
+            return
+        sys.stderr.write(
+            f"\nmxload: {url}: no answer in time (attempt {attempt} of {attempts}); retrying\n"
+        )
+        sys.stderr.flush()
+    except (OSError, ValueError):  # stderr closed: nothing to tell
+        pass
+
+
 def is_retryable(exc: BaseException) -> bool:
     """Whether a failed read is worth repeating (SPEC §4 "Faults")."""
     return _classify(exc) == "retry"
@@ -377,9 +480,19 @@ class Storage:
         max_request_bytes: int = _DEFAULT_MAX_REQUEST_BYTES,
     ) -> None:
         if not isinstance(root_url, str) or not root_url:
-            raise ValueError(f"Storage: root_url must be a non-empty string, got {root_url!r}")
+            raise UsageError(
+                f"checkpoint location: an empty path or URL ({root_url!r}); give a folder or "
+                "an fsspec URL",
+                file=str(root_url),
+            )
         if storage_options is not None and not isinstance(storage_options, Mapping):
             raise ValueError("Storage: storage_options must be a mapping (a JSON object)")
+        if _protocol(root_url) not in PROTOCOLS:
+            raise UsageError(
+                f"{root_url}: unsupported protocol {_protocol(root_url)!r}; mxload reads local "
+                "paths and " + ", ".join(f"{p}://" for p in sorted(PROTOCOLS) if p),
+                file=root_url,
+            )
         if max_concurrency < 1 or max_request_bytes < 1:
             raise ValueError("Storage: max_concurrency and max_request_bytes must be >= 1")
         self.root_url = root_url
@@ -389,8 +502,18 @@ class Storage:
         self.max_concurrency = max_concurrency
         self.max_request_bytes = max_request_bytes
         self.stats = StorageStats()
+        self.connect_timeout_s = _timeout_option(
+            self.storage_options, CONNECT_TIMEOUT, DEFAULT_CONNECT_TIMEOUT_S
+        )
+        self.read_timeout_s = _timeout_option(
+            self.storage_options, READ_TIMEOUT, DEFAULT_READ_TIMEOUT_S
+        )
+        self.allow_outside_links = bool(self.storage_options.get(ALLOW_OUTSIDE_LINKS, False))
+        self._inside: dict[str, bool] = {}
 
-        options = self._effective_options(root_url, self.storage_options)
+        options = self._effective_options(
+            root_url, self.storage_options, self.connect_timeout_s, self.read_timeout_s
+        )
         try:
             self.fs, root_path = fsspec.core.url_to_fs(root_url, **options)
         except (ValueError, TypeError, ImportError) as exc:
@@ -408,6 +531,7 @@ class Storage:
         self.is_local: bool = isinstance(self.fs, LocalFileSystem)
         # Local roots are kept as OS paths so reads can go through os.preadv.
         self._root = os.path.abspath(root_path) if self.is_local else root_path.rstrip("/")
+        self._real_root = os.path.realpath(self._root) if self.is_local else ""
         self.policy: CoalescePolicy = policy or (LOCAL_POLICY if self.is_local else REMOTE_POLICY)
         self._pool: ThreadPoolExecutor | None = None
         self._pool_lock = threading.Lock()
@@ -415,13 +539,37 @@ class Storage:
     # -- construction helpers ---------------------------------------------------------------
 
     @staticmethod
-    def _effective_options(root_url: str, options: Mapping[str, Any]) -> dict[str, Any]:
-        """The caller's options, plus: botocore makes one attempt per request (the retries
-        happen here, where they are bounded and counted), unless told otherwise."""
-        out = dict(options)
-        if _protocol(root_url) in _S3_PROTOCOLS:
+    def _effective_options(
+        root_url: str,
+        options: Mapping[str, Any],
+        connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S,
+        read_timeout_s: float = DEFAULT_READ_TIMEOUT_S,
+    ) -> dict[str, Any]:
+        """The caller's options without mxload's own keys, plus: botocore makes one attempt
+        per request (the retries happen here, where they are bounded and counted), and
+        remote requests time out (see module doc), unless the caller's options say
+        otherwise."""
+        out = {k: v for k, v in options.items() if k not in MXLOAD_OPTIONS}
+        protocol = _protocol(root_url)
+        if protocol in ("http", "https"):
+            import aiohttp
+
+            client_kwargs = dict(out.get("client_kwargs") or {})
+            client_kwargs.setdefault(
+                "timeout",
+                aiohttp.ClientTimeout(
+                    total=None,
+                    connect=connect_timeout_s,
+                    sock_connect=connect_timeout_s,
+                    sock_read=read_timeout_s,
+                ),
+            )
+            out["client_kwargs"] = client_kwargs
+        if protocol in _S3_PROTOCOLS:
             config_kwargs = dict(out.get("config_kwargs") or {})
             config_kwargs.setdefault("retries", {"total_max_attempts": 1})
+            config_kwargs.setdefault("connect_timeout", connect_timeout_s)
+            config_kwargs.setdefault("read_timeout", read_timeout_s)
             out["config_kwargs"] = config_kwargs
             # A private instance: its retry count is set below, and must not leak into
             # other users of fsspec's instance cache.
@@ -496,8 +644,27 @@ class Storage:
         """What the file system (or ``os``) is given for ``relpath``."""
         self._check_relpath(relpath)
         if self.is_local:
-            return os.path.join(self._root, *relpath.split("/"))
+            path = os.path.join(self._root, *relpath.split("/"))
+            if not self.allow_outside_links and not self._inside.get(relpath):
+                self._check_inside(relpath, path)
+            return path
         return posixpath.join(self._root, relpath) if self._root else relpath
+
+    def _check_inside(self, relpath: str, path: str) -> None:
+        """A local file must resolve inside the checkpoint folder (a symlink to a system
+        file would otherwise be opened and its bytes parsed and quoted). Checked before
+        the first read of each file; a link changed later is not seen (limit)."""
+        real = os.path.realpath(path)
+        if real != self._real_root and not real.startswith(self._real_root.rstrip(os.sep) + os.sep):
+            url = self.url(relpath)
+            raise CheckpointError(
+                f"{url}: resolves to {real}, outside the checkpoint folder {self._real_root}; "
+                "not read (a checkpoint is a folder: give --allow-outside-links to follow "
+                "links out of it)",
+                file=url,
+                key="--allow-outside-links",
+            )
+        self._inside[relpath] = True
 
     # -- retries ----------------------------------------------------------------------------
 
@@ -532,10 +699,13 @@ class Storage:
 
         def before_sleep(state: RetryCallState) -> None:
             self.stats.add(retries=1)
+            if state.outcome is not None:
+                _report_stall(state.outcome.exception(), url, attempts, self.retry.attempts)
 
         # Sleep after the bare first try, then let tenacity run tries 2..attempts; its
         # attempt numbers are offset by one from ours.
         self.stats.add(retries=1)
+        _report_stall(first, url, 1, self.retry.attempts)
         self._sleep(self.retry.backoff(1, key))
         retrying = Retrying(
             stop=stop_after_attempt(self.retry.attempts - 1),

@@ -17,6 +17,7 @@ from mxload.orchestrator.errors import (
     InvalidHeaderJson,
     InvalidOffset,
     InvalidShape,
+    InvalidTensorName,
     OverlappingTensors,
     SizeMismatch,
     TruncatedFile,
@@ -68,6 +69,7 @@ def test_every_header_error_class_has_an_attack() -> None:
         InvalidOffset,
         SizeMismatch,
         OverlappingTensors,
+        InvalidTensorName,
     }
 
 

@@ -178,10 +178,124 @@ def test_paths_outside_the_root_are_refused(ckpt_dir, bad):
         st.read_file(bad)
 
 
-def test_unknown_protocol_is_bad_input():
-    with pytest.raises(UsageError, match="nosuchproto://x: fsspec cannot open") as info:
-        Storage("nosuchproto://x")
+@pytest.mark.parametrize("scheme", ["nosuchproto", "ftp", "sftp"])
+def test_unknown_or_unsupported_protocol_is_bad_input_before_any_connection(scheme):
+    """``ftp://x`` used to look the host up and fail with a raw gaierror (exit 1). Now
+    the URL is refused by its scheme, naming it, and nothing is contacted: the listening
+    loopback socket sees no connection."""
+    from tests.servers import SilentServer
+
+    with SilentServer() as server:
+        url = f"{scheme}://127.0.0.1:{server.port}/ck"
+        with pytest.raises(
+            UsageError, match=f"{scheme}://127.0.0.1:{server.port}/ck: unsupported"
+        ) as info:
+            Storage(url)
+        time.sleep(0.2)
+        assert server.connections == 0
     assert info.value.exit_code == 2
+
+
+def test_empty_location_is_bad_input():
+    with pytest.raises(UsageError, match="empty path") as info:
+        Storage("")
+    assert info.value.exit_code == 2
+
+
+# --- a checkpoint is a folder -----------------------------------------------------------------
+
+SECRET = b"\x05\x00\x00\x00\x00\x00\x00\x00TOPSECRET-hash$6$abcdefgh"
+
+
+def test_symlink_out_of_the_checkpoint_is_refused_before_reading(tmp_path):
+    """A shard symlinked to a file outside the folder (a system file, say) is refused
+    naming the link, before any byte of the target is read; --allow-outside-links
+    (the storage option) lifts it."""
+    root = tmp_path / "ck"
+    root.mkdir()
+    secret = tmp_path / "secret"
+    secret.write_bytes(SECRET)
+    (root / "model.safetensors").symlink_to(secret)
+    (root / "inside").write_bytes(b"ok")
+    (root / "alias").symlink_to(root / "inside")  # a link that stays inside is fine
+    st = Storage(str(root))
+    for call in (
+        lambda: st.read_file("model.safetensors"),
+        lambda: st.size("model.safetensors"),
+        lambda: st.read_range("model.safetensors", 0, 8),
+        lambda: st.read_ranges_into("model.safetensors", [ByteRange(0, 8)], bytearray(8)),
+    ):
+        with pytest.raises(CheckpointError, match="outside the checkpoint folder") as info:
+            call()
+        msg = str(info.value)
+        assert "model.safetensors" in msg and "--allow-outside-links" in msg
+        assert "TOPSECRET" not in msg and "abcdefgh" not in msg
+        assert info.value.exit_code == 2
+    assert st.stats.bytes_fetched == 0
+    assert st.read_file("alias") == b"ok"
+    allowed = Storage(str(root), {"mxload_allow_outside_links": True})
+    assert allowed.read_file("model.safetensors") == SECRET
+
+
+def test_symlinked_root_is_its_own_folder(tmp_path):
+    real = tmp_path / "real"
+    real.mkdir()
+    (real / "f").write_bytes(b"xyz")
+    (tmp_path / "via").symlink_to(real)
+    assert Storage(str(tmp_path / "via")).read_file("f") == b"xyz"
+
+
+# --- timeouts -----------------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(120)  # a hang guard: without timeouts this waits 3 x 300 s
+def test_silent_server_fails_in_bounded_time_naming_the_url():
+    """A server that accepts and never answers: every attempt times out (read timeout
+    0.3 s here), the retries are bounded, and the error names the URL. Backoff sleeps
+    are injected, so the wait is attempts x timeout."""
+    from tests.servers import SilentServer
+
+    slept: list[float] = []
+    with SilentServer() as server:
+        st = Storage(
+            server.url + "/ck",
+            {"mxload_connect_timeout_s": 0.3, "mxload_read_timeout_s": 0.3},
+            retry=RetryPolicy(attempts=3),
+            sleep=slept.append,
+        )
+        with pytest.raises(StorageError) as info:
+            st.read_range("model.safetensors", 0, 8)
+        connections = server.connections
+    msg = str(info.value)
+    assert server.url + "/ck/model.safetensors" in msg
+    assert "3 attempts" in msg and "Timeout" in msg
+    assert len(slept) == 2
+    assert connections >= 1
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"mxload_read_timeout_s": 0},
+        {"mxload_read_timeout_s": 61},
+        {"mxload_connect_timeout_s": "10"},
+        {"mxload_connect_timeout_s": True},
+    ],
+)
+def test_timeouts_out_of_range_are_refused_naming_the_flag(options):
+    with pytest.raises(UsageError, match=r"--(read|connect)-timeout") as info:
+        Storage("http://127.0.0.1:9/ck", options)
+    assert info.value.exit_code == 2
+
+
+def test_mxload_options_never_reach_fsspec(tmp_path):
+    (tmp_path / "f").write_bytes(b"abc")
+    st = Storage(
+        f"file://{tmp_path}",
+        {"mxload_read_timeout_s": 5, "mxload_allow_outside_links": False},
+    )
+    assert st.read_file("f") == b"abc"
+    assert st.read_timeout_s == 5
 
 
 def test_subdirectories_are_allowed(tmp_path):
