@@ -740,9 +740,16 @@ class Storage:
 
     # -- whole files and metadata ------------------------------------------------------------
 
+    def _not_a_folder(self, relpath: str, path: str) -> None:
+        """A checkpoint file that is a folder is the checkpoint's fault (exit status 2)."""
+        if self.is_local and os.path.isdir(path):
+            url = self.url(relpath)
+            raise CheckpointError(f"{url}: is a folder, not a file", file=url)
+
     def read_file(self, relpath: str) -> bytes:
         """The whole file (config.json, the index): small files only."""
         path = self._path(relpath)
+        self._not_a_folder(relpath, path)
 
         def fetch() -> bytes:
             if self.is_local:
@@ -759,6 +766,7 @@ class Storage:
     def size(self, relpath: str) -> int:
         """Size in bytes of ``relpath`` (StorageError if it does not exist)."""
         path = self._path(relpath)
+        self._not_a_folder(relpath, path)
 
         def stat() -> int:
             if self.is_local:

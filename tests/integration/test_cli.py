@@ -212,7 +212,28 @@ def ckpts(work: Path, ckpt_factory) -> dict[str, str]:
     tensors[BAD_TENSOR] = torch.ones(512, dtype=torch.bfloat16)  # hidden is 256
     save_file(tensors, bad / file, metadata={"format": "pt"})
     out["bad-shape"] = str(bad)
+
+    variant("huge", lambda c: c.update(hidden_size=10**12))
+    folder = work / "shard-folder"  # a directory where a shard file should be
+    shutil.copytree(out["v1"], folder)
+    (folder / SHARD2).unlink()
+    (folder / SHARD2).mkdir()
+    out["shard-folder"] = str(folder)
+    used = work / "used"  # someone's folder: never to be written into without --overwrite
+    used.mkdir()
+    (used / "keep.txt").write_text("mine")
+    out["used"] = str(used)
+    link = work / "outside-link"  # a shard linked to a file outside the checkpoint
+    shutil.copytree(out["v1"], link)
+    (work / "secret").write_bytes(SECRET)
+    (link / SHARD2).unlink()
+    (link / SHARD2).symlink_to(work / "secret")
+    out["outside-link"] = str(link)
     return out
+
+
+SECRET = b"\x07\x00\x00\x00\x00\x00\x00\x00SECRET-hash-$6$rounds"
+"""The target of the outside link: a small header length then bytes nobody may see."""
 
 
 BAD_TENSOR = "model.layers.1.input_layernorm.weight"
@@ -315,6 +336,64 @@ REFUSALS = {
         lambda w, c: ["plan", c["v1"], "--device-memory", "64"],
         ["--device-memory", "'64'", "64GiB", "64B"],
     ),
+    "max-restarts-negative": (
+        lambda w, c: ["load", c["v1"], "--max-restarts", "-5", "--device", "cpu"],
+        ["--max-restarts", "-5"],
+    ),
+    "inspect-empty-location": (lambda w, c: ["inspect", ""], ["empty path"]),
+    "shard-is-a-folder": (
+        lambda w, c: ["inspect", c["shard-folder"]],
+        [f"shard-folder/{SHARD2}", "is a folder"],
+    ),
+    "unsupported-protocol": (lambda w, c: ["inspect", "ftp://x"], ["ftp://x", "unsupported"]),
+    "timeout-above-cap": (
+        lambda w, c: ["inspect", c["v1"], "--read-timeout", "600"],
+        ["--read-timeout", "600"],
+    ),
+    "report-parent-missing": (
+        lambda w, c: ["load", c["v1"], "--device", "cpu", "--report", str(w / "nodir" / "r.json")],
+        ["--report", "nodir", "does not exist"],
+    ),
+    "report-is-a-folder": (
+        lambda w, c: ["load", c["v1"], "--device", "cpu", "--report", str(w)],
+        ["--report", "is a folder"],
+    ),
+    "report-unwritable-reload": (
+        lambda w, c: ["reload", c["v2"], "--report", str(w / "nodir" / "r.json")],
+        ["--report", "nodir"],
+    ),
+    "dump-into-a-used-folder": (
+        lambda w, c: ["load", c["v1"], "--device", "cpu", "--dump", c["used"]],
+        ["--dump", "used", "not empty", "--overwrite"],
+    ),
+    "status-dump-into-a-used-folder": (
+        lambda w, c: ["status", "--dump", c["used"]],
+        ["--dump", "used", "--overwrite"],
+    ),
+    "convert-onto-itself": (
+        lambda w, c: ["convert", c["v1"], c["v1"], "--overwrite"],
+        ["same location"],
+    ),
+    "convert-into-itself": (
+        lambda w, c: ["convert", c["v1"], c["v1"] + "/out"],
+        ["inside"],
+    ),
+    "convert-into-a-used-folder": (
+        lambda w, c: ["convert", c["v1"], c["used"]],
+        ["DST", "used", "--overwrite"],
+    ),
+    "convert-hidden-size-1e12": (
+        lambda w, c: ["convert", c["ckpt-huge"], str(w / "never")],
+        ["hidden_size", "1000000000000"],
+    ),
+    "outside-link": (
+        lambda w, c: ["inspect", c["outside-link"]],
+        [f"outside-link/{SHARD2}", "outside the checkpoint folder", "--allow-outside-links"],
+    ),
+    "outside-link-convert": (
+        lambda w, c: ["convert", c["outside-link"], str(w / "never")],
+        [f"outside-link/{SHARD2}", "--allow-outside-links"],
+    ),
     "flag-where-it-does-not-act": (
         lambda w, c: ["inspect", c["v1"], "--max-restarts", "3"],
         ["--max-restarts"],
@@ -332,6 +411,10 @@ def test_refusals(work: Path, ckpts: dict[str, str], case: str) -> None:
     assert "\x1b[" not in proc.stderr
     assert not (work / "never").exists()
     assert processes_in(work / "cwd") == [], "a refusal must start nothing"
+    assert "SECRET" not in proc.stderr + proc.stdout
+    assert sorted(os.listdir(ckpts["used"])) == ["keep.txt"]
+    assert (Path(ckpts["used"]) / "keep.txt").read_text() == "mine"
+    assert not [p for p in work.rglob("*mxload-tmp*")], "a refusal leaves no temporary files"
 
 
 HOSTILE = ["oversized_header_length", "overlapping_tensors", "unknown_dtype", "header_nested_too_deep"]  # fmt: skip
@@ -712,6 +795,54 @@ def tensors_of(manifest: dict, key: str) -> dict[tuple[int, str], object]:
     return {(r["rank"], n): t[key] for r in manifest["ranks"] for n, t in r["tensors"].items()}
 
 
+def test_silent_server_is_a_bounded_failure_naming_the_url(work: Path) -> None:
+    """An HTTP server that accepts and never answers: every attempt times out (0.5 s
+    timeouts here; defaults 10 s connect, 30 s read), the 5 attempts run out, and the
+    command fails (exit 1: storage gone after retries) naming the URL, instead of
+    waiting 5 x 300 s in silence."""
+    from tests.servers import SilentServer
+
+    with SilentServer() as server:
+        url = server.url + "/ck"
+        t0 = time.monotonic()
+        proc = mx(work, "inspect", url, "--connect-timeout", "0.5", "--read-timeout", "0.5")
+        seconds = time.monotonic() - t0
+    assert_refused(proc, f"{url}/config.json", "5 attempts", code=1)
+    assert server.connections >= 1
+    print(f"silent server: inspect failed after {seconds:.1f} s")
+
+
+def test_full_disk_names_the_path_and_leaves_nothing(work: Path, ckpts: dict[str, str]) -> None:
+    """convert onto a file system that fills up (a 256 KiB tmpfs, mounted in a private
+    mount namespace): exit 2 naming DST and the full disk, no traceback, and nothing
+    left on the full file system (the temporary folder removed)."""
+    if shutil.which("unshare") is None:
+        pytest.skip("unshare is not available: no private tmpfs to fill")
+    mnt = work / "small-disk"
+    mnt.mkdir(exist_ok=True)
+    script = (
+        f"mount -t tmpfs -o size=256k tmpfs {mnt} || exit 99; "
+        f"{sys.executable} -m mxload.orchestrator.cli convert {ckpts['v1']} {mnt}/out; "
+        f'rc=$?; echo "left: $(ls -A {mnt})" >&2; exit $rc'
+    )
+    probe = subprocess.run(["unshare", "-rm", "true"], capture_output=True)
+    if probe.returncode != 0:
+        pytest.skip("unshare -rm is not permitted here: no private tmpfs to fill")
+    proc = subprocess.run(
+        ["unshare", "-rm", "sh", "-c", script],
+        cwd=work / "cwd",
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode != 99, proc.stderr
+    err = proc.stderr.split("left:")[0]
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert err.startswith("mxload: error:") and "Traceback" not in err, err
+    assert f"{mnt}/out" in err and "no space left" in err, err
+    assert proc.stderr.strip().endswith("left:"), proc.stderr
+
+
 @pytest.mark.ray
 def test_detached_session_across_processes(work: Path, ckpts: dict[str, str]) -> None:
     layout = ["--tp", "2", "--dp", "2", "--enable-expert-parallel"]
@@ -752,10 +883,23 @@ def test_detached_session_across_processes(work: Path, ckpts: dict[str, str]) ->
         human = mx(work, "status")
         assert human.returncode == 0 and "consistent: True" in human.stdout
 
-        # What the devices hold is version 2, byte for byte (independent reference).
+        # The dump folder holds an earlier run of 8 ranks: refused without --overwrite
+        # (untouched); with it, replaced whole: no stale rank file beside the new manifest.
         dump = work / "dump-v2"
-        st2 = mx(work, "status", "--dump", str(dump), "--json")
+        dump.mkdir()
+        stale = {f"rank-{r:05d}.safetensors": b"old" for r in range(8)} | {"manifest.json": b"{}"}
+        for name, data in stale.items():
+            (dump / name).write_bytes(data)
+        assert_refused(mx(work, "status", "--dump", str(dump)), "--dump", "--overwrite")
+        assert {p.name: p.read_bytes() for p in dump.iterdir()} == stale
+        # What the devices hold is version 2, byte for byte (independent reference).
+        st2 = mx(work, "status", "--dump", str(dump), "--overwrite", "--json")
         assert st2.returncode == 0, st2.stderr[-3000:]
+        assert sorted(p.name for p in dump.iterdir()) == [
+            "manifest.json",
+            *(f"rank-{r:05d}.safetensors" for r in range(4)),
+        ]
+        assert not list(work.glob(".dump-v2*")), "no temporary or old folder left beside it"
         s2 = json.loads(st2.stdout)
         ref = RefCheckpoint(ckpts["v2"])
         for r in range(4):

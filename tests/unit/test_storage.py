@@ -249,7 +249,7 @@ def test_symlinked_root_is_its_own_folder(tmp_path):
 
 
 @pytest.mark.timeout(120)  # a hang guard: without timeouts this waits 3 x 300 s
-def test_silent_server_fails_in_bounded_time_naming_the_url():
+def test_silent_server_fails_in_bounded_time_naming_the_url(capfd):
     """A server that accepts and never answers: every attempt times out (read timeout
     0.3 s here), the retries are bounded, and the error names the URL. Backoff sleeps
     are injected, so the wait is attempts x timeout."""
@@ -271,6 +271,37 @@ def test_silent_server_fails_in_bounded_time_naming_the_url():
     assert "3 attempts" in msg and "Timeout" in msg
     assert len(slept) == 2
     assert connections >= 1
+    assert "no answer" not in capfd.readouterr().err, "quiet when stderr is not a terminal"
+
+
+@pytest.mark.timeout(120)
+def test_a_stall_is_reported_on_a_terminal(monkeypatch):
+    """On a terminal (a pseudo-terminal here) each timed-out attempt says so on stderr,
+    naming the URL; the same run in a pipe prints nothing (the error says it all)."""
+    import pty
+    import sys
+
+    from tests.servers import SilentServer
+
+    master, slave = pty.openpty()
+    tty = os.fdopen(slave, "w", buffering=1)
+    monkeypatch.setattr(sys, "stderr", tty)
+    try:
+        with SilentServer() as server:
+            st = Storage(
+                server.url + "/ck",
+                {"mxload_connect_timeout_s": 0.2, "mxload_read_timeout_s": 0.2},
+                retry=RetryPolicy(attempts=2),
+                sleep=lambda s: None,
+            )
+            with pytest.raises(StorageError):
+                st.read_file("config.json")
+        tty.flush()
+        shown = os.read(master, 65536).decode()
+    finally:
+        tty.close()
+        os.close(master)
+    assert f"{server.url}/ck/config.json: no answer in time (attempt 1 of 2)" in shown
 
 
 @pytest.mark.parametrize(
