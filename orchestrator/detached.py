@@ -54,6 +54,7 @@ from .driver import (
     write_dump,
 )
 from .errors import AddressMoved, HeadDown, SessionBusy, SessionError, WorkerLost
+from .outputs import OutputDir
 from .plantypes import Plan
 
 NAMESPACE = "mxload"
@@ -345,7 +346,7 @@ def detached_load(
     req: LoadRequest,
     *,
     session: str = "default",
-    dump: str | None = None,
+    dump: str | OutputDir | None = None,
     on_progress: Callable[[list[tuple[int, int, int]]], None] | None = None,
 ) -> dict[str, Any]:
     """Load and leave the workers running under ``session``; returns the manifest."""
@@ -517,7 +518,7 @@ def detached_status(
     *,
     session: str = "default",
     address: str | None = None,
-    dump: str | None = None,
+    dump: str | OutputDir | None = None,
     engine: str | None = None,
 ) -> dict[str, Any]:
     """Per-rank versions, consistency, addresses, memory of a detached session."""

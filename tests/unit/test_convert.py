@@ -576,3 +576,56 @@ def test_unknown_numerics_is_a_usage_error(ckpt_factory, tmp_path) -> None:
 
     with pytest.raises(UsageError, match="numerics"):
         convert_checkpoint(ckpt_factory("qwen3-moe-tiny", 5), str(tmp_path / "o"), numerics="x")
+
+
+def _patched_checkpoint(base: str, dst, case: str) -> str:
+    """A copy of ``base`` with one defect that plan and load refuse."""
+    import shutil
+    import struct
+
+    shutil.copytree(base, dst)
+    if case == "hidden-size-1e12":
+        cfg = json.loads((dst / "config.json").read_text())
+        cfg["hidden_size"] = 10**12
+        (dst / "config.json").write_text(json.dumps(cfg))
+        return str(dst)
+    index = json.loads((dst / "model.safetensors.index.json").read_text())
+    file = dst / index["weight_map"]["model.norm.weight"]
+    blob = file.read_bytes()
+    (n,) = struct.unpack("<Q", blob[:8])
+    header, data = json.loads(blob[8 : 8 + n]), blob[8 + n :]
+    if case == "zero-length-norm":
+        start = header["model.norm.weight"]["data_offsets"][0]
+        header["model.norm.weight"].update(shape=[0], data_offsets=[start, start])
+    else:
+        name = {"nul-in-name": "model.a\x00b", "dotdot-in-name": "../../evil"}[case]
+        header[name] = {"dtype": "U8", "shape": [4], "data_offsets": [len(data), len(data) + 4]}
+        data += b"evil"
+        index["weight_map"][name] = file.name
+        (dst / "model.safetensors.index.json").write_text(json.dumps(index))
+    raw_header = json.dumps(header).encode()
+    raw_header += b" " * (-len(raw_header) % 8)
+    file.write_bytes(struct.pack("<Q", len(raw_header)) + raw_header + data)
+    return str(dst)
+
+
+@pytest.mark.parametrize(
+    "case", ["hidden-size-1e12", "zero-length-norm", "nul-in-name", "dotdot-in-name"]
+)
+def test_convert_refuses_what_plan_refuses(ckpt_factory, tmp_path, case) -> None:
+    """One validator: each defect is refused by plan (the planner over the catalog) and
+    by convert, with the same error, and convert writes nothing."""
+    from mxload.orchestrator.errors import InputError
+    from mxload.orchestrator.planner import build_plan
+    from mxload.orchestrator.plantypes import ParallelLayout
+
+    src = _patched_checkpoint(ckpt_factory("qwen3-dense-tiny", 5), tmp_path / "src", case)
+    with pytest.raises(InputError) as by_plan:
+        meta = open_checkpoint(src)
+        build_plan(meta.config, ParallelLayout(), checkpoint=meta)
+    with pytest.raises(InputError) as by_convert:
+        convert_checkpoint(src, str(tmp_path / "out"))
+    assert type(by_convert.value) is type(by_plan.value)
+    assert str(by_convert.value) == str(by_plan.value)
+    assert by_convert.value.exit_code == 2
+    assert sorted(os.listdir(tmp_path)) == ["src"], "a refused convert writes nothing"
