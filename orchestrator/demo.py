@@ -13,6 +13,8 @@ import json
 import shutil
 import sys
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from .plantypes import ParallelLayout
@@ -56,6 +58,21 @@ def _verify(src: str, layout: ParallelLayout, manifest: dict[str, Any]) -> int:
     return bad
 
 
+@contextmanager
+def _progress(json_out: bool, label: str) -> Iterator[Any]:
+    """A progress bar on a terminal (None in a pipe or with --json), closed afterwards."""
+    if json_out or not sys.stderr.isatty():
+        yield None
+        return
+    from .progress import RankProgress
+
+    bar = RankProgress(label)
+    try:
+        yield bar
+    finally:
+        bar.close()
+
+
 def run_demo(workdir: str | None = None, json_out: bool = False) -> int:
     from mxload.workers.synth import make_checkpoint
 
@@ -71,7 +88,8 @@ def run_demo(workdir: str | None = None, json_out: bool = False) -> int:
         make_checkpoint(v2, "qwen3-moe-tiny", seed=2)
         layout = ParallelLayout(tp=2, dp=2, enable_expert_parallel=True)
         out("[2/5] starting local Ray (127.0.0.1) with 4 virtual NPUs; loading tp=2 dp=2 EP")
-        session = Session.load(v1, layout, device="auto")
+        with _progress(json_out, "load") as show:
+            session = Session.load(v1, layout, device="auto", on_progress=show)
         try:
             m1 = session.manifest
             out(render_load_table(m1))
@@ -83,7 +101,8 @@ def run_demo(workdir: str | None = None, json_out: bool = False) -> int:
             bad = _verify(v1, layout, m1)
             out(f"      {'all ranks match' if not bad else f'{bad} rank(s) differ'}")
             out("[4/5] reloading step-2 in place")
-            m2 = session.reload(v2)
+            with _progress(json_out, "reload") as show:
+                m2 = session.reload(v2, on_progress=show)
             out(render_load_table(m2))
             bad2 = _verify(v2, layout, m2)
             moved = m2.get("addresses_moved", [])

@@ -848,6 +848,7 @@ def test_detached_session_across_processes(work: Path, ckpts: dict[str, str]) ->
     layout = ["--tp", "2", "--dp", "2", "--enable-expert-parallel"]
     proc = mx(work, "load", ckpts["v1"], *layout, "--device", "cpu", "--detach", "--json", timeout=300)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "\r" not in proc.stderr and "load:" not in proc.stderr  # no progress in a pipe
     head = json.loads((work / "home" / "head.json").read_text())
     assert head["address"].startswith("127.0.0.1:")
     loaded = json.loads(proc.stdout)
@@ -937,10 +938,13 @@ def test_release_leaves_no_process_behind(work: Path) -> None:
 
 @pytest.mark.ray
 def test_demo(work: Path) -> None:
-    proc = mx(work, "demo", home="home-demo", timeout=300)
-    assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-3000:])
-    assert "0 addresses moved" in proc.stdout
-    assert "all ranks match" in proc.stdout
-    assert "Traceback" not in proc.stderr
+    """The demo as a user runs it, at a terminal: its story on stdout, progress bars for
+    the load and the reload on the terminal."""
+    rc, out, shown = mx_tty(work, "demo", home="home-demo", timeout=300)
+    assert rc == 0, (out[-3000:], shown[-3000:])
+    assert "0 addresses moved" in out
+    assert "all ranks match" in out
+    assert "load:" in shown and "reload:" in shown and "ranks 4/4 done" in shown, shown[-3000:]
+    assert "Traceback" not in shown
     # The demo's embedded Ray ends with it.
     assert_nothing_left(work)
