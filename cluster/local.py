@@ -448,12 +448,19 @@ def stop_detached_head(record: HeadRecord | None = None) -> bool:
     return bool(end_head(record or read_head_record()))
 
 
-def end_head(record: HeadRecord | None, extra: list[dict[str, Any]] | None = None) -> list[str]:
+def end_head(
+    record: HeadRecord | None,
+    extra: list[dict[str, Any]] | None = None,
+    *,
+    grace_s: float = 10.0,
+) -> list[str]:
     """End every process of a recorded head, dead or alive or half-dead: the recorded
     ones (pid and start time checked), anything still running under its temp dir (Ray's
     workers are children of the raylet), its client server, and ``extra`` recorded
     processes (a session's workers, orphaned when their raylet died); then remove its
-    record and temp dir. Returns what was ended, ``"role (pid N)"`` each."""
+    record and temp dir. ``grace_s``: how long SIGTERM is given before SIGKILL (a head
+    whose GCS or raylet is dead has nothing to shut down cleanly: its workers wait for
+    them, so a short grace). Returns what was ended, ``"role (pid N)"`` each."""
     if record is None:
         return []
     import psutil
@@ -471,12 +478,13 @@ def end_head(record: HeadRecord | None, extra: list[dict[str, Any]] | None = Non
             proc.terminate()
         except psutil.NoSuchProcess:
             pass
-    _, alive = psutil.wait_procs(victims, timeout=10)
+    _, alive = psutil.wait_procs(victims, timeout=grace_s)
     for proc in alive:
         try:
             proc.kill()
         except psutil.NoSuchProcess:
             pass
+    psutil.wait_procs(alive, timeout=5)
     if read_head_record() == record:
         _record_path(mxload_home()).unlink(missing_ok=True)
     shutil.rmtree(record.temp_dir, ignore_errors=True)

@@ -858,7 +858,7 @@ def _release_without_ray(session: str, record: Any, down: list[str]) -> dict[str
 
     sessions = _recorded_sessions(record.address)
     extra = [p for data in sessions.values() for p in data.get("processes", [])]
-    ended = end_head(record, extra)
+    ended = end_head(record, extra, grace_s=2.0 if down else 10.0)
     for path in sessions:
         try:
             os.unlink(path)

@@ -186,6 +186,12 @@ class Session:
         }
         self.pids = {r["rank"]: r["pid"] for r in manifest["ranks"]}
         self._reloading = threading.Lock()
+        first = manifest["ranks"][0].get("identity") or [1, ""]
+        self.src = req.src
+        self.fingerprint: str = first[1]
+        """Fingerprint of the checkpoint the session's version came from (SPEC §4)."""
+        self.last_reload: dict[str, Any] | None = None
+        self.restarted: set[int] = set()
 
     @classmethod
     def load(
@@ -236,14 +242,22 @@ class Session:
         source = source_info(meta, req.allow_nonfinite, req.src, req.storage_options)
         target = self.version + 1
         t0 = time.perf_counter()
-        reports = self.run.run_all(
-            lambda r: (list(new_plan.ranks[r].reads or ()), reload_units(self.plan, new_plan, r)),
-            source,
-            version=target,
-            whole_units=True,
-            on_progress=on_progress,
-            budgets=budgets,
-        )
+        self.last_reload = {"src": src, "version": target, "ok": False, "error": "running"}
+        try:
+            reports = self.run.run_all(
+                lambda r: (
+                    list(new_plan.ranks[r].reads or ()),
+                    reload_units(self.plan, new_plan, r),
+                ),
+                source,
+                version=target,
+                whole_units=True,
+                on_progress=on_progress,
+                budgets=budgets,
+            )
+        except BaseException as err:  # status says so (Session.status -> "notices")
+            self.last_reload["error"] = f"{type(err).__name__}: {err}"[:400]
+            raise
         for rep in reports:
             # A worker process that died and was restarted (before or during this
             # reload) holds new buffers: its addresses changed, and it says so.
@@ -265,16 +279,41 @@ class Session:
         for r in manifest["ranks"]:
             if r.get("addresses_changed"):
                 self.addresses[r["rank"]] = {n: t["data_ptr"] for n, t in r["tensors"].items()}
+        self.restarted |= {r["rank"] for r in manifest["ranks"] if r.get("addresses_changed")}
         self.pids = {rep["rank"]: rep["pid"] for rep in reports}
         self.version = target
+        self.fingerprint = meta.fingerprint
+        self.src = src
+        self.last_reload = {"src": src, "version": target, "ok": True, "error": ""}
         self.manifest = manifest
         return manifest
 
     def status(self) -> dict[str, Any]:
+        """What every rank holds, with the same verdict as ``mxload status``:
+        ``consistent`` only when every unit of every rank holds this session's version of
+        one checkpoint and replicated buffers agree; ``problems`` and ``notices`` say why
+        not and what else happened (a failed reload, a restarted rank)."""
         import ray
 
+        from .detached import verdict
+
         reports = ray.get([a.report.remote() for a in self.run.actors])
-        return build_manifest(self.plan, reports)
+        for rep in reports:
+            rep["addresses_changed"] = (
+                rep["rank"] in self.restarted or rep["pid"] != self.pids[rep["rank"]]
+            )
+        manifest = build_manifest(self.plan, reports)
+        state = {
+            "plan": self.plan,
+            "version": self.version,
+            "fingerprint": self.fingerprint,
+            "src": self.src,
+            "addresses": self.addresses,
+            "last_reload": self.last_reload,
+        }
+        verdict(state, manifest, busy=None)
+        manifest["last_reload"] = self.last_reload
+        return manifest
 
     def release(self) -> None:
         self.run.shutdown()

@@ -7,6 +7,7 @@ be there; addresses are compared with the first load's.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
@@ -230,3 +231,61 @@ def test_two_sessions_side_by_side(local_ray, ckpt_factory) -> None:
             r["visible_devices"] for r in reference.manifest["ranks"]
         }
         assert len(devices) == 6, "each rank of each session has its own device"
+
+
+def test_failed_reload_on_one_rank_then_another_checkpoint_in_process(
+    local_ray, ckpt_factory, tmp_path
+) -> None:
+    """The Python API's view of a version as an identity (SPEC §4): a reload that fails on
+    rank 3 only (a NaN block scale in expert 7, rank 3's alone under EP), then a reload
+    from another checkpoint at the same version number: every rank ends with that
+    checkpoint's bytes, and ``status`` says inconsistent in between. A second reload from
+    another thread while one runs is refused."""
+    import shutil
+    import threading
+
+    from mxload.orchestrator.errors import NonFiniteScale, SessionBusy
+    from safetensors.torch import load_file, save_file
+
+    v1, v3 = ckpt_factory("qwen3-moe-tiny", 1), ckpt_factory("qwen3-moe-tiny", 3)
+    nan = tmp_path / "nan"
+    shutil.copytree(ckpt_factory("qwen3-moe-tiny", 2), nan)
+    name = "model.layers.0.mlp.experts.7.down_proj.weight_scale_inv"
+    with open(nan / "model.safetensors.index.json") as f:
+        file = json.load(f)["weight_map"][name]
+    tensors = load_file(nan / file)
+    tensors[name][0, 0] = float("nan")
+    save_file(tensors, nan / file, metadata={"format": "pt"})
+    with Session.load(v1, LAYOUT, device="cpu") as s:
+        assert s.status()["consistent"] is True
+        with pytest.raises(NonFiniteScale, match="rank 3"):
+            s.reload(str(nan))
+        st = s.status()
+        assert st["consistent"] is False and st["problems"], st
+        assert [r["identity"] is None for r in st["ranks"]] == [False, False, False, True]
+        assert any("failed" in n for n in st["notices"])
+
+        entered, release = threading.Event(), threading.Event()
+        real = s.run.run_all
+
+        def slow_run_all(*args, **kwargs):  # holds the first reload inside the session
+            entered.set()
+            release.wait(120)
+            return real(*args, **kwargs)
+
+        s.run.run_all = slow_run_all  # type: ignore[method-assign]
+        outcome: dict = {}
+        t = threading.Thread(target=lambda: outcome.setdefault("m", s.reload(v3)))
+        t.start()
+        try:
+            assert entered.wait(120)
+            with pytest.raises(SessionBusy):
+                s.reload(ckpt_factory("qwen3-moe-tiny", 4))
+        finally:
+            release.set()
+            t.join(300)
+        s.run.run_all = real  # type: ignore[method-assign]
+        assert all(r["version"] == 2 and r["consistent"] for r in outcome["m"]["ranks"])
+        st = s.status()
+        assert st["consistent"] is True, st["problems"]
+        assert_holds(s, v3)

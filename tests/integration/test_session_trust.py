@@ -320,12 +320,14 @@ def _kill_and_check(work: Path, role: str) -> None:
     assert st.returncode == 1, show(st)
     assert f"{role} (pid {victim['pid']})" in st.stderr and "down" in st.stderr, show(st)
     assert "Traceback" not in st.stderr
+    print(f"\n{role} killed: status answered in {took:.1f}s (rc {st.returncode})")
     assert took < BOUND_S, f"status took {took:.1f}s"
 
     t0 = time.monotonic()
     rel = mx(work, "release", "--json", timeout=120)
     took = time.monotonic() - t0
     assert rel.returncode == 0, show(rel)
+    print(f"{role} killed: release answered in {took:.1f}s")
     assert took < BOUND_S, f"release took {took:.1f}s"
     info = json.loads(rel.stdout)
     assert any(role in d for d in info["head_down"]), info
