@@ -39,8 +39,8 @@ exactly one place that knows about URLs, fsspec, ranged requests, coalescing and
   (default :data:`DEFAULT_CONNECT_TIMEOUT_S`) and a read timeout, the longest wait for
   the next bytes of an answer (default :data:`DEFAULT_READ_TIMEOUT_S`); both at most
   :data:`MAX_TIMEOUT_S`. A timeout is transient, so a server that accepts and never
-  answers costs at most ``attempts x (connect + read timeout) + backoff`` (5 x 40 s + about
-  4 s by default) and then fails naming the URL; on a terminal each timed-out attempt is
+  answers costs at most ``attempts x (connect + read timeout) + backoff`` (5 x 40 s + under
+  1 s by default) and then fails naming the URL; on a terminal each timed-out attempt is
   reported on stderr as it happens. Set them with the storage options
   ``mxload_connect_timeout_s`` / ``mxload_read_timeout_s`` (CLI ``--connect-timeout`` /
   ``--read-timeout``); a ``client_kwargs.timeout`` (HTTP) or ``config_kwargs`` timeout
