@@ -27,6 +27,7 @@ from .errors import (
     PlanDoesNotFit,
     RunError,
     StagingBudgetError,
+    UsageError,
     WorkerLost,
 )
 from .formats import DUMP_FORMAT
@@ -64,6 +65,8 @@ class LoadRequest:
     threads_per_worker: int | None = None
     engine: str = "mxload"
     """Engine profile the buffers are laid out for (``mxload.orchestrator.engines``)."""
+    share: str = "cluster"
+    """Read-once scope (``mxload.orchestrator.sharing``): none | node | cluster."""
     fault_at: dict[int, int] = field(default_factory=dict)
     """Test hook: rank -> unit index at which that rank's process exits hard (first try only)."""
 
@@ -83,7 +86,12 @@ def plan_load(req: LoadRequest) -> tuple[Any, Plan]:
         check_reachable(req.address)
     from .catalog import open_checkpoint
     from .planner import build_plan
+    from .sharing import SHARE_SCOPES
 
+    if req.share not in SHARE_SCOPES:
+        raise UsageError(
+            f"--share: {req.share!r} is not one of {', '.join(SHARE_SCOPES)}", key="--share"
+        )
     meta = open_checkpoint(req.src, storage_options=req.storage_options, dtype=req.dtype)
     from .config import LOADABLE_ARCHITECTURES
 
@@ -157,6 +165,8 @@ class RayRun:
         self.bundle_of_rank: list[int] = []
         self.split_tp_groups: list[int] = []
         self.detached_name = detached_name
+        self.last_sharing: dict[str, Any] = {}
+        """What the last run's read-once sharing planned and measured (manifest "sharing")."""
 
     # --- cluster ------------------------------------------------------------------------
 
@@ -341,14 +351,23 @@ class RayRun:
         for rank, unit in self.req.fault_at.items():
             ray.get(self.actors[rank].set_fault.remote(unit))
 
+        inputs = [reads_of(r) for r in range(world)]
+        reads_all = [list(g[0] if isinstance(g, tuple) else g) for g in inputs]
+        units_all = [g[1] if isinstance(g, tuple) else None for g in inputs]
+        pids = self.pids()
+        fetched, peers_of = self._share(reads_all, units_all, source, budgets, whole_units)
+
         def submit(rank: int) -> Any:
-            got = reads_of(rank)
-            reads, units = got if isinstance(got, tuple) else (got, None)
             return self.actors[rank].load.remote(
-                reads, source, version, budgets[rank], whole_units, units
+                reads_all[rank],
+                source,
+                version,
+                budgets[rank],
+                whole_units,
+                units_all[rank],
+                peers_of.get(rank),
             )
 
-        pids = self.pids()
         refs = {submit(r): r for r in range(world)}
         reports: list[dict[str, Any] | None] = [None] * world
         failures: dict[int, MxloadError] = {}
@@ -405,8 +424,112 @@ class RayRun:
             restarted = rep["pid"] != pids[rank]
             rep["restarts"] = max(attempts[rank], int(restarted))
             rep["addresses_changed"] = restarted
+            got = fetched.get(rank)
+            if got is not None:  # what the rank fetched for its peers before loading
+                rep["bytes_from_storage"] = rep.get("bytes_from_storage", 0) + got["fetched"]
+                rep["shared_put_bytes"] = got["published"]
+                rep["measured_peak_staging_bytes"] = max(
+                    rep.get("measured_peak_staging_bytes") or 0, got["peak"]
+                )
+                rep["fetch_seconds"] = got["seconds"]
             out.append(rep)
+        self._sharing_totals(out)
         return out
+
+    def _share(
+        self,
+        reads_all: list[list[Any]],
+        units_all: list[Any],
+        source: Any,
+        budgets: list[int],
+        whole_units: bool,
+    ) -> tuple[dict[int, dict[str, Any]], dict[int, dict[int, Any]]]:
+        """Read once per cluster (``mxload.orchestrator.sharing``): the owners fetch every
+        shared read and publish it in Ray's object store; returns what each owner fetched
+        and, per rank, unit index -> PeerUnit.
+
+        A unit converted in row chunks is read chunk by chunk, so sharing needs every
+        unit whole: a load whose staging budget is below the largest unit does not share
+        (the manifest says so)."""
+        import ray
+        from mxload.workers.loader import PeerUnit
+
+        from .ranges import LOCAL_POLICY, REMOTE_POLICY
+        from .readplan import predicted_read_bytes
+        from .sharing import plan_sharing, rank_traffic, unique_bytes
+
+        policy = LOCAL_POLICY if _is_local(source.root) else REMOTE_POLICY
+
+        def fetch_bytes(r: Any) -> int:
+            return predicted_read_bytes((r,), policy)
+
+        scope = self.req.share
+        note = ""
+        if scope != "none" and not whole_units and min(budgets) < self.plan.min_staging_reload:
+            scope, note = "none", "staging budget below the largest unit: units run in chunks"
+        nodes = ray.get([a.node_id.remote() for a in self.actors])
+        share = plan_sharing(self.plan, nodes, scope, fetch_bytes, reads_of=lambda r: reads_all[r])
+        traffic = rank_traffic(self.plan, share, fetch_bytes, reads_of=lambda r: reads_all[r])
+        self.last_sharing = {
+            "scope": share.scope,
+            "requested_scope": self.req.share,
+            "note": note,
+            "shared_reads": len(share.shared),
+            "nodes": len(set(nodes)),
+            "unique_bytes_needed": unique_bytes(reads_all),
+            "predicted": [t.__dict__ for t in traffic],
+        }
+        fetched: dict[int, dict[str, Any]] = {}
+        if not share.shared:
+            return fetched, {}
+        owners = sorted({s.owner for s in share.shared})
+        refs = {}
+        for rank in owners:
+            items = []
+            for s in share.owned_by(rank):
+                i = next(i for r, i in s.users if r == rank)
+                unit = (units_all[rank] or self.plan.ranks[rank].units)[i]
+                items.append((s.key, unit, reads_all[rank][i]))
+            refs[rank] = self.actors[rank].fetch_shared.remote(items, source, budgets[rank])
+        handles: dict[int, Any] = {}
+        for rank, ref in refs.items():
+            try:
+                got = ray.get(ref)
+            except ray.exceptions.RayTaskError as err:
+                cause = err.cause if isinstance(err.cause, BaseException) else err
+                if isinstance(cause, MxloadError):
+                    raise cause from None
+                raise RunError(f"rank {rank}: fetching shared reads: {cause}", rank=rank) from err
+            except ray.exceptions.RayActorError:
+                continue  # its users read storage themselves (PeerUnit absent)
+            fetched[rank] = got
+            handles.update(got["handles"])
+        peers_of: dict[int, dict[int, Any]] = {}
+        for s in share.shared:
+            if s.key not in handles:
+                continue
+            for rank, i in s.users:
+                peers_of.setdefault(rank, {})[i] = PeerUnit(
+                    owner=s.owner, fetch_bytes=s.fetch_bytes, handles=handles[s.key]
+                )
+        return fetched, peers_of
+
+    def _sharing_totals(self, reports: list[dict[str, Any]]) -> None:
+        """Cluster totals of the last run: storage bytes against the unique bytes."""
+        info = self.last_sharing
+        if not info:
+            return
+        storage = sum(r.get("bytes_from_storage") or 0 for r in reports)
+        unique = info["unique_bytes_needed"]
+        info["bytes_from_storage"] = storage
+        info["bytes_from_peers"] = sum(r.get("bytes_from_peers") or 0 for r in reports)
+        info["storage_over_unique"] = round(storage / unique, 4) if unique else None
+        info["predicted_bytes_from_storage"] = sum(
+            p["bytes_from_storage"] for p in info["predicted"]
+        )
+        for rep, pred in zip(reports, info["predicted"], strict=True):
+            rep["predicted_bytes_from_storage"] = pred["bytes_from_storage"]
+            rep["predicted_bytes_from_peers"] = pred["bytes_from_peers"]
 
     def pids(self) -> list[int | None]:
         """Each rank's worker pid now (None for one that does not answer)."""
@@ -521,12 +644,19 @@ def build_manifest(
             "units": rep.get("units"),
             "bytes_read": rep.get("bytes_read"),
             "bytes_needed": rep.get("bytes_needed"),
+            "bytes_to_read": rp.bytes_to_read,
             "read_amplification": _ratio(rep.get("bytes_read"), rep.get("bytes_needed")),
             "persistent_bytes": rp.persistent_bytes,
             "predicted_peak_staging_bytes": rep.get("predicted_peak_staging_bytes"),
             "measured_peak_staging_bytes": rep.get("measured_peak_staging_bytes"),
             "device_peak_staging_bytes": rep.get("device_peak_staging_bytes"),
             "rss_growth_bytes": rep.get("rss_growth_bytes"),
+            "bytes_from_storage": rep.get("bytes_from_storage"),
+            "bytes_from_peers": rep.get("bytes_from_peers"),
+            "predicted_bytes_from_storage": rep.get("predicted_bytes_from_storage"),
+            "predicted_bytes_from_peers": rep.get("predicted_bytes_from_peers"),
+            "shared_put_bytes": rep.get("shared_put_bytes", 0),
+            "peer_fallbacks": rep.get("peer_fallbacks", 0),
             "seconds": rep.get("seconds"),
             "restarts": rep.get("restarts", 0),
             "addresses_changed": rep.get("addresses_changed", False),
@@ -640,7 +770,14 @@ def first_load(
         "strategy": req.placement,
         "tp_groups_across_nodes": run.split_tp_groups,
     }
+    manifest["sharing"] = sharing_summary(run)
     return manifest
+
+
+def sharing_summary(run: RayRun) -> dict[str, Any]:
+    """The manifest's "sharing" object: scope and cluster totals (per-rank figures are in
+    each rank's entry)."""
+    return {k: v for k, v in run.last_sharing.items() if k != "predicted"}
 
 
 def stderr_is_tty() -> bool:

@@ -292,7 +292,10 @@ class _Runs:
 def requested_bytes_fast(ranges: Iterable[ByteRange], policy: CoalescePolicy) -> int:
     """Exactly ``mxload.orchestrator.ranges.requested_bytes(ranges, policy)`` for the ranges of
     ONE file, without visiting strided ranges row by row."""
-    uniq = sorted({r for r in ranges if r.nbytes > 0}, key=lambda r: (r.start, r.end, r.length))
+    uniq = sorted(
+        {policy.as_read(r) for r in ranges if r.nbytes > 0},
+        key=lambda r: (r.start, r.end, r.length),
+    )
     runs = _Runs(policy)
     i = 0
     while i < len(uniq):

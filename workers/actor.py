@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 from mxload.orchestrator.plantypes import RankPlan, Unit, UnitReads
-from mxload.workers.loader import RankLoader, RunStats, SourceInfo
+from mxload.workers.loader import PeerUnit, RankLoader, RunStats, SourceInfo
 
 VISIBLE_DEVICE_VARS = {
     "NPU": "ASCEND_RT_VISIBLE_DEVICES",
@@ -80,6 +80,15 @@ class RankWorker:
     def pid(self) -> int:
         return os.getpid()
 
+    def node_id(self) -> str:
+        """The Ray node this rank runs on (what read-once sharing groups ranks by)."""
+        try:
+            import ray
+
+            return str(ray.get_runtime_context().get_node_id())
+        except Exception:
+            return socket.gethostname()
+
     # --- work -------------------------------------------------------------------------
 
     def _set_progress(self, done: int, total: int, nbytes: int) -> None:
@@ -106,7 +115,15 @@ class RankWorker:
         staging_budget: int,
         whole_units: bool,
         units: list[Unit] | None = None,
+        peers: dict[int, PeerUnit] | None = None,
     ) -> dict[str, Any]:
+        """Load (or reload) this rank; ``peers``: the shared units other ranks (or this
+        one) published, as ObjectRefs of raw bytes (never pickled tensors)."""
+        peer_get = None
+        if peers:
+            import ray
+
+            peer_get = ray.get
         stats = self.loader.load(
             reads,
             source,
@@ -116,8 +133,30 @@ class RankWorker:
             whole_units=whole_units,
             progress=self._set_progress,
             fault_hook=self._fault_hook,
+            peers=peers,
+            peer_get=peer_get,
         )
         return self.report(stats)
+
+    def fetch_shared(
+        self, items: list[tuple[int, Unit, UnitReads]], source: SourceInfo, staging_budget: int
+    ) -> dict[str, Any]:
+        """Fetch the shared reads this rank owns from storage and ``ray.put`` their raw
+        bytes (uint8 arrays: plasma shares them within a node, the object manager moves
+        them to other nodes). The refs go back to the driver, which hands them to the
+        users; this process owns the objects while it lives."""
+        import ray
+
+        got = self.loader.fetch_for_peers(
+            items, source, staging_budget=staging_budget, publish=ray.put
+        )
+        return {
+            "handles": got.handles,
+            "fetched": got.bytes_from_storage,
+            "published": got.published_bytes,
+            "peak": got.peak_staging_bytes,
+            "seconds": round(got.seconds, 4),
+        }
 
     def report(self, stats: RunStats | None = None) -> dict[str, Any]:
         stats = stats or self.loader.last_stats
@@ -135,6 +174,9 @@ class RankWorker:
                 "measured_peak_staging_bytes": stats.measured_peak_staging_bytes,
                 "device_peak_staging_bytes": stats.device_peak_bytes,
                 "rss_growth_bytes": stats.rss_growth_bytes,
+                "bytes_from_storage": stats.bytes_from_storage,
+                "bytes_from_peers": stats.bytes_from_peers,
+                "peer_fallbacks": stats.peer_fallbacks,
                 "seconds": round(stats.seconds, 4),
                 "read_seconds": round(stats.read_seconds, 4),
                 "convert_seconds": round(stats.convert_seconds, 4),

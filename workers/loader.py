@@ -119,7 +119,36 @@ class RunStats:
     rss_growth_bytes: int = 0
     read_seconds: float = 0.0
     convert_seconds: float = 0.0
+    bytes_from_storage: int = 0
+    """Bytes this run fetched from storage for the rank's own units (coalescing included)."""
+    bytes_from_peers: int = 0
+    """Bytes of the rank's units another rank fetched and published (read once per cluster)."""
+    peer_fallbacks: int = 0
+    """Shared units whose published bytes could not be had (owner lost): read from storage."""
     extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class PeerUnit:
+    """Where a shared unit's bytes are (``mxload.orchestrator.sharing``): published by rank
+    ``owner`` as one handle per file, in the order the unit's reads group by file."""
+
+    owner: int
+    fetch_bytes: int
+    """Bytes the owner requested from storage for the unit (what ``bytes_read`` counts)."""
+    handles: tuple[tuple[str, Any], ...]
+    """(file, handle) per file; ``peer_get(handle)`` gives the bytes (a uint8 buffer)."""
+
+
+@dataclass
+class FetchResult:
+    """What :meth:`RankLoader.fetch_for_peers` fetched and published."""
+
+    handles: dict[int, tuple[tuple[str, Any], ...]] = field(default_factory=dict)
+    bytes_from_storage: int = 0
+    published_bytes: int = 0
+    peak_staging_bytes: int = 0
+    seconds: float = 0.0
 
 
 def _typed(flat: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
@@ -176,6 +205,9 @@ class RankLoader:
         self.last_stats = RunStats()
         self._busy = threading.Lock()
         self._storages: dict[tuple[str, str], Any] = {}
+        self._peer_get: Callable[[Any], Any] | None = None
+        self._run_stats: RunStats | None = None
+        self._stats_lock = threading.Lock()  # the reader thread counts too
 
     # --- buffers -------------------------------------------------------------------------
 
@@ -250,11 +282,16 @@ class RankLoader:
         return st
 
     def _read(
-        self, unit: Unit, reads: UnitReads, source: SourceInfo, pool: StagingPool
+        self,
+        unit: Unit,
+        reads: UnitReads,
+        source: SourceInfo,
+        pool: StagingPool,
+        peer: PeerUnit | None = None,
     ) -> tuple[list[Lease], list[tuple[torch.Tensor, torch.Tensor | None]], int]:
         """Read every part's weight (and scale) bytes into pool leases, one lease per file.
         Returns the leases, per-part (weight bytes, scale bytes) views, and bytes fetched."""
-        return self._fill(unit, reads, source, pool, self._take_leases(unit, reads, pool))
+        return self._fill(unit, reads, source, pool, self._take_leases(unit, reads, pool), peer)
 
     def _take_leases(self, unit: Unit, reads: UnitReads, pool: StagingPool) -> _Leased:
         """Phase 1 of a read: the pool leases, one per file. A read-ahead takes them on the
@@ -278,20 +315,62 @@ class RankLoader:
             raise
         return taken
 
+    def _count(self, **deltas: int) -> None:
+        with self._stats_lock:
+            if self._run_stats is not None:
+                for name, n in deltas.items():
+                    setattr(self._run_stats, name, getattr(self._run_stats, name) + n)
+
+    def _from_peer(self, peer: PeerUnit, taken: _Leased) -> bool:
+        """Copy a shared unit's published bytes into its leases. False (nothing counted)
+        when they cannot be had, e.g. their owner's process died: the caller then reads
+        storage, which stays the source of truth."""
+        if self._peer_get is None or [f for f, _, _ in taken] != [f for f, _ in peer.handles]:
+            return False
+        try:
+            for (_, _, lease), (_, handle) in zip(taken, peer.handles, strict=True):
+                if lease.nbytes:
+                    data = self._peer_get(handle)
+                    lease.tensor.numpy()[...] = data
+        except Exception:
+            return False
+        return True
+
     def _fill(
-        self, unit: Unit, reads: UnitReads, source: SourceInfo, pool: StagingPool, taken: _Leased
+        self,
+        unit: Unit,
+        reads: UnitReads,
+        source: SourceInfo,
+        pool: StagingPool,
+        taken: _Leased,
+        peer: PeerUnit | None = None,
     ) -> tuple[list[Lease], list[tuple[torch.Tensor, torch.Tensor | None]], int]:
-        """Phase 2 of a read: fetch the bytes into the leases (releases them on error)."""
+        """Phase 2 of a read: fetch the bytes into the leases (releases them on error).
+
+        A shared unit (``peer``) is copied from the bytes its owner published instead;
+        the bytes it returns as fetched are what the owner requested from storage, so
+        ``bytes_read`` means the same with and without sharing."""
         storage = self._storage(source)
         views: dict[tuple[int, str], torch.Tensor] = {}
         fetched = 0
         try:
+            if peer is not None and self._from_peer(peer, taken):
+                if peer.owner != self.rank:
+                    self._count(bytes_from_peers=sum(lease.nbytes for _, _, lease in taken))
+                fetched = peer.fetch_bytes
+                taken_from_storage = False
+            else:
+                if peer is not None:
+                    self._count(peer_fallbacks=1)
+                taken_from_storage = True
             for file, items, lease in taken:
-                if lease.nbytes:
+                if lease.nbytes and taken_from_storage:
                     try:
-                        fetched += storage.read_ranges_into(
+                        n = storage.read_ranges_into(
                             file, [r for _, _, r in items], memoryview(lease.tensor.numpy())
                         )
+                        fetched += n
+                        self._count(bytes_from_storage=n)
                     except StorageError as err:
                         first = items[0][2]
                         raise StorageError(
@@ -472,13 +551,17 @@ class RankLoader:
         units: Sequence[Unit] | None = None,
         progress: Callable[[int, int, int], None] | None = None,
         fault_hook: Callable[[int], None] | None = None,
+        peers: Mapping[int, PeerUnit] | None = None,
+        peer_get: Callable[[Any], Any] | None = None,
     ) -> RunStats:
         """Fill every buffer from ``source``; ``whole_units`` for a reload.
 
         Units already at the target identity, ``(version, source.fingerprint)``, are skipped
         (an interrupted reload run again); a unit at the same version number from another
         checkpoint is rewritten. ``units`` (reload) are the plan's units with the new source's quantized flags;
-        they must have the plan's geometry."""
+        they must have the plan's geometry. ``peers``: unit index -> where another rank
+        published that unit's bytes (read once per cluster), fetched with ``peer_get``;
+        a unit converted in row chunks is read from storage all the same."""
         if not self._busy.acquire(blocking=False):
             raise RunError(
                 f"rank {self.rank}: a load is already running on this rank", rank=self.rank
@@ -487,11 +570,22 @@ class RankLoader:
             # The bytes are about to change: a run that fails part-way must not leave the
             # checksums of the previous bytes cached for status to report (SPEC §4).
             self._checksums = None
+            self._peer_get = peer_get
             return self._load(
-                reads, source, version, staging_budget, whole_units, units, progress, fault_hook
+                reads,
+                source,
+                version,
+                staging_budget,
+                whole_units,
+                units,
+                progress,
+                fault_hook,
+                peers or {},
             )
         finally:
             self._checksums = None
+            self._peer_get = None
+            self._run_stats = None
             self._busy.release()
 
     def _load(
@@ -504,6 +598,7 @@ class RankLoader:
         units: Sequence[Unit] | None,
         progress: Callable[[int, int, int], None] | None,
         fault_hook: Callable[[int], None] | None,
+        peers: Mapping[int, PeerUnit],
     ) -> RunStats:
         if units is None:
             units = self.plan.units
@@ -532,6 +627,7 @@ class RankLoader:
         target: Identity = (version, source.fingerprint)
         self.target_id = target
         stats = RunStats(predicted_peak_staging_bytes=estimate.staging_bytes)
+        self._run_stats = stats
         stats.bytes_needed = self.plan.bytes_needed
         rss0 = _rss_bytes()
         maxrss0 = _maxrss_bytes()
@@ -552,7 +648,9 @@ class RankLoader:
                     fault_hook(i)
                 if len(step.chunks) == 1:
                     t_r = time.perf_counter()
-                    fut = pending or executor.submit(self._read, unit, reads[i], source, pool)
+                    fut = pending or executor.submit(
+                        self._read, unit, reads[i], source, pool, peers.get(i)
+                    )
                     pending = None
                     leases, raw, fetched = fut.result()
                     stats.read_seconds += time.perf_counter() - t_r
@@ -560,7 +658,13 @@ class RankLoader:
                     if step.prefetch_next and i + 1 < len(units) and todo[i + 1]:
                         ahead = self._take_leases(units[i + 1], reads[i + 1], pool)
                         pending = executor.submit(
-                            self._fill, units[i + 1], reads[i + 1], source, pool, ahead
+                            self._fill,
+                            units[i + 1],
+                            reads[i + 1],
+                            source,
+                            pool,
+                            ahead,
+                            peers.get(i + 1),
                         )
                     self._convert_and_write(
                         unit, reads[i], raw, leases, source, pool, opts, unit.row0, stats
@@ -648,6 +752,40 @@ class RankLoader:
         finally:
             for lease in leases + reservations:
                 pool.release(lease)
+
+    def fetch_for_peers(
+        self,
+        items: Sequence[tuple[int, Unit, UnitReads]],
+        source: SourceInfo,
+        *,
+        staging_budget: int,
+        publish: Callable[[Any], Any],
+    ) -> FetchResult:
+        """Fetch the shared reads this rank owns and publish their bytes for every user.
+
+        ``items``: (key, unit, reads), one per shared read. Each unit's bytes are read
+        into pool leases exactly as for a load (one lease per file), handed to
+        ``publish`` (which copies them out, e.g. ``ray.put``) and released, one unit at a
+        time: the pool peaks at the largest owned unit's reads, which never exceeds the
+        rank's predicted staging (shared units run whole, SPEC §6)."""
+        pool = StagingPool(staging_budget, rank=self.rank)
+        result = FetchResult()
+        t0 = time.perf_counter()
+        for key, unit, reads in items:
+            taken = self._take_leases(unit, reads, pool)
+            leases, _, fetched = self._fill(unit, reads, source, pool, taken)
+            try:
+                result.handles[key] = tuple(
+                    (file, publish(lease.tensor.numpy())) for file, _, lease in taken
+                )
+                result.published_bytes += sum(lease.nbytes for lease in leases)
+            finally:
+                for lease in leases:
+                    pool.release(lease)
+            result.bytes_from_storage += fetched
+        result.peak_staging_bytes = pool.high_water
+        result.seconds = time.perf_counter() - t0
+        return result
 
     def reload(
         self,

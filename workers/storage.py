@@ -75,6 +75,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import fsspec
+import numpy as np
 from fsspec.implementations.local import LocalFileSystem
 from mxload.orchestrator.errors import CheckpointError, StorageError, UsageError
 from mxload.orchestrator.ranges import (
@@ -891,13 +892,18 @@ class Storage:
     def _run_local_exact(
         self, relpath: str, path: str, ranges: Sequence[ByteRange], view: memoryview
     ) -> int:
-        """Local files under an exact policy: each range's segments are pread straight
-        into the output in one tight loop, one request (and retry scope) per range.
+        """Local files when no gap between ranges is bridged: each range goes straight
+        into the output, one request (and retry scope) per range. A strided range whose
+        gaps are under ``policy.span_gap_bytes`` (a page) is read as its span, in blocks
+        of at most ``_GATHER_BYTES``, and its rows gathered out of it with numpy; a wider
+        one is pread row by row in one tight loop.
 
-        A row-split slice is thousands of small segments; building a request object per
-        segment cost several times the pread itself (issue 6 bench, tp >= 2)."""
+        A row-split slice is thousands of small segments; a request object per segment
+        cost several times the pread itself (issue 6 bench, tp >= 2), and one pread per
+        96-byte row cost more than reading the span (issue 13 bench, tp = 8)."""
         fetched = 0
         fd: int | None = None
+        gather: list[np.ndarray] = []  # one scratch buffer, made on first use
         try:
             offset = 0
             for r in ranges:
@@ -906,21 +912,26 @@ class Storage:
                     continue
                 dst = view[offset : offset + n]
                 offset += n
+                spanned = self.policy.as_read(r)
 
-                def read(r: ByteRange = r, dst: memoryview = dst) -> int:
+                def read(r: ByteRange = r, dst: memoryview = dst, span: ByteRange = spanned) -> int:
                     nonlocal fd
                     if fd is None:
                         fd = os.open(path, os.O_RDONLY)
                     if r.is_contiguous():
                         _pread_into(fd, dst, r.start)
+                        got = r.nbytes
+                    elif span is not r:
+                        got = _gather_span(fd, r, dst, gather, self.stats)
                     else:
                         length, stride, start = r.length, r.stride, r.start
                         for i in range(r.count):
                             lo = i * length
                             _pread_into(fd, dst[lo : lo + length], start + i * stride)
                         self.stats.add(requests=r.count - 1)  # one pread per segment
-                    self.stats.add(bytes_fetched=r.nbytes)
-                    return r.nbytes
+                        got = r.nbytes
+                    self.stats.add(bytes_fetched=got)
+                    return got
 
                 fetched += self._call(relpath, (r.start, r.end - r.start), read)
         finally:
@@ -1023,6 +1034,39 @@ def _pread_into(fd: int, buf: memoryview, offset: int) -> None:
         if n == 0:
             raise ShortRead(f"short read: got {done} of {want} bytes (file ends early)")
         done += n
+
+
+_GATHER_BYTES = 1 << 20
+"""Largest block of a spanned strided range read at once (the gather scratch buffer, one
+per read call, outside the staging pool like a remote response body)."""
+
+
+def _gather_span(
+    fd: int, r: ByteRange, dst: memoryview, scratch: list[np.ndarray], stats: StorageStats
+) -> int:
+    """Read the span of strided range ``r`` in blocks of whole strides and gather its
+    rows into ``dst``; returns the bytes read (the span: first row's start to last
+    row's end, exactly what ``CoalescePolicy.as_read`` predicts)."""
+    stride, length, count = r.stride, r.length, r.count
+    rows_per_block = max(1, _GATHER_BYTES // stride)
+    if not scratch:
+        scratch.append(np.empty(rows_per_block * stride, dtype=np.uint8))
+    buf = scratch[0]
+    if buf.nbytes < rows_per_block * stride:
+        buf = scratch[0] = np.empty(rows_per_block * stride, dtype=np.uint8)
+    out = np.frombuffer(dst, dtype=np.uint8).reshape(count, length)
+    got = 0
+    for a in range(0, count, rows_per_block):
+        b = min(count, a + rows_per_block)
+        # whole strides, but the last block stops at the last row's end
+        nbytes = (b - a) * stride if b < count else (b - a - 1) * stride + length
+        _pread_into(fd, memoryview(buf)[:nbytes], r.start + a * stride)
+        got += nbytes
+        rows = np.lib.stride_tricks.as_strided(buf, shape=(b - a, length), strides=(stride, 1))
+        out[a:b] = rows
+        stats.add(requests=1)
+    stats.add(requests=-1)  # the caller's _call counted the first
+    return got
 
 
 def _scatter(job: _Job, src: memoryview, out: memoryview) -> None:

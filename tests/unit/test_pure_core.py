@@ -31,6 +31,8 @@ PURE_MODULES = (
     "mxload.orchestrator.memory",
     "mxload.orchestrator.safetensors_header",
     "mxload.orchestrator.checkpoint",
+    "mxload.orchestrator.sharing",
+    "mxload.orchestrator.timemodel",
 )
 HEAVY = ("torch", "ray", "numpy", "fsspec")
 ROOT = Path(__file__).resolve().parents[2]

@@ -191,8 +191,20 @@ def test_bytes_to_read_under_the_policies() -> None:
     ck = fake_meta(cfg)
     local = build_plan(cfg, ParallelLayout(tp=2), checkpoint=ck)
     remote = build_plan(cfg, ParallelLayout(tp=2), checkpoint=ck, remote=True)
+
+    def spanned(r: ByteRange) -> int:  # a K-split slice's rows are under a page apart
+        if r.count > 1 and r.stride - r.length < 4096:
+            return (r.count - 1) * r.stride + r.length
+        return r.nbytes
+
     for a, b in zip(local.ranks, remote.ranks, strict=True):
-        assert a.bytes_to_read == a.bytes_needed  # nothing overlaps, no gap bridged
+        # local: nothing overlaps, no gap between ranges bridged, strided ranges spanned
+        want = sum(
+            spanned(p.weight) + (spanned(p.scale) if p.scale is not None else 0)
+            for ur in a.reads
+            for p in ur.parts
+        )
+        assert a.bytes_to_read == want > a.bytes_needed
         assert a.bytes_needed <= b.bytes_to_read <= 1.25 * a.bytes_needed
     assert any(b.bytes_to_read > b.bytes_needed for b in remote.ranks)
 
@@ -214,7 +226,7 @@ def test_a_tensor_two_units_read_is_fetched_twice() -> None:
     # rows, twice
     embed, head = reads.values()
     assert embed == head and sum(r.nbytes for r in embed) == 512 * 256 * 2
-    assert rp.bytes_to_read == rp.bytes_needed
+    assert rp.bytes_needed == sum(r.nbytes for r in rp.reads)  # counted twice in both
 
 
 def test_coalescing_is_per_file() -> None:
@@ -231,6 +243,7 @@ def test_coalescing_is_per_file() -> None:
 
 POLICIES = [
     LOCAL_POLICY,
+    CoalescePolicy(max_gap_bytes=64, max_overread_ratio=1.5, span_gap_bytes=31),
     REMOTE_POLICY,
     CoalescePolicy(max_gap_bytes=4096, max_overread_ratio=1.1),
     CoalescePolicy(max_gap_bytes=100, max_overread_ratio=1.5),
@@ -263,7 +276,9 @@ def random_ranges(rng: random.Random) -> list[ByteRange]:
 
 
 @pytest.mark.parametrize(
-    "policy", POLICIES, ids=lambda p: f"gap{p.max_gap_bytes}-x{p.max_overread_ratio}"
+    "policy",
+    POLICIES,
+    ids=lambda p: f"gap{p.max_gap_bytes}-x{p.max_overread_ratio}-span{p.span_gap_bytes}",
 )
 def test_fast_count_equals_coalesce(policy: CoalescePolicy) -> None:
     rng = random.Random(20261129)
@@ -289,8 +304,13 @@ def test_fast_count_on_long_runs_hand_cases() -> None:
     assert (
         requested_bytes_fast([r], REMOTE_POLICY) == 500 * 240 == requested_bytes([r], REMOTE_POLICY)
     )
-    # local policy never bridges a gap
-    assert requested_bytes_fast([r], LOCAL_POLICY) == 100_000
+    # the local policy bridges no gap between ranges, but reads a strided range whose
+    # gaps are under a page as its span (and a wider-gapped one row by row)
+    assert requested_bytes_fast([r], LOCAL_POLICY) == r.end == requested_bytes([r], LOCAL_POLICY)
+    wide = ByteRange(0, 100, 100 + 4096, 1000)
+    assert requested_bytes_fast([wide], LOCAL_POLICY) == 100_000
+    two = [ByteRange(0, 100, 100, 1), ByteRange(150, 100, 100, 1)]
+    assert requested_bytes_fast(two, LOCAL_POLICY) == 200 == requested_bytes(two, LOCAL_POLICY)
 
 
 # --- end to end against a real synthetic checkpoint ---------------------------------------------

@@ -22,7 +22,13 @@ import numpy as np
 import pytest
 import torch
 from mxload.orchestrator.errors import CheckpointError, StorageError, UsageError
-from mxload.orchestrator.ranges import LOCAL_POLICY, REMOTE_POLICY, ByteRange, CoalescePolicy
+from mxload.orchestrator.ranges import (
+    LOCAL_POLICY,
+    REMOTE_POLICY,
+    ByteRange,
+    CoalescePolicy,
+    requested_bytes,
+)
 from mxload.workers.storage import RetryPolicy, ShortRead, Storage, is_retryable
 
 from tests.servers import Faults, MotoS3, RangeHTTPServer, moto_s3
@@ -119,15 +125,30 @@ def test_output_may_be_numpy_or_torch(kind, ckpt_dir, data):
     assert bytes(mv) == want.tobytes()
 
 
-def test_local_reads_fetch_exactly_what_is_needed(ckpt_dir, data):
+def test_local_reads_span_rows_under_a_page(ckpt_dir, data):
+    """Gaps under a page: one span read, rows gathered; bytes_fetched counts the span."""
     st = Storage(ckpt_dir)
     ranges = [ByteRange(1000, 96, 256, 40), ByteRange(100_000, 5000)]
     out = bytearray(96 * 40 + 5000)
     fetched = st.read_ranges_into(FILE, ranges, out)
-    assert fetched == 96 * 40 + 5000  # LOCAL_POLICY: no over-read
-    assert st.stats.requests == 41
+    assert fetched == 39 * 256 + 96 + 5000 == requested_bytes(ranges, LOCAL_POLICY)
+    assert st.stats.requests == 2
     assert st.stats.bytes_fetched == fetched
     assert bytes(out) == expected(data, ranges)
+
+
+def test_local_span_reads_in_blocks_and_wide_gaps_row_by_row(ckpt_dir, data, monkeypatch):
+    import mxload.workers.storage as storage_mod
+
+    monkeypatch.setattr(storage_mod, "_GATHER_BYTES", 1000)  # 3 rows of 300 per block
+    st = Storage(ckpt_dir)
+    spanned = ByteRange(64, 100, 300, 10)
+    wide = ByteRange(3000, 16, 16 + 4096, 5)
+    out = bytearray(spanned.nbytes + wide.nbytes)
+    fetched = st.read_ranges_into(FILE, [spanned, wide], out)
+    assert bytes(out) == expected(data, [spanned, wide])
+    assert fetched == (spanned.end - spanned.start) + wide.nbytes
+    assert st.stats.requests == 4 + 5  # blocks of 3, 3, 3, 1 rows; one pread per wide row
 
 
 def test_output_buffer_size_is_checked(ckpt_dir):

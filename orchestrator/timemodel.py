@@ -1,0 +1,219 @@
+"""How long a load (and a reload) takes, predicted from bytes and bandwidths. Pure.
+
+An operator asks the planner "how long?", not only "how much memory?". The answer is a
+function of what each rank moves (``mxload.orchestrator.sharing.RankTraffic``: bytes
+from storage, from peers on other nodes) and converts (its ``bytes_needed``), and of
+four rates:
+
+* storage bandwidth **per node** (a node's link to the store) and **aggregate** (what the
+  store serves the whole cluster at once);
+* node **network** bandwidth (what a node takes in from peers' object stores);
+* the **conversion** rate of one rank (source bytes per second through resolve, MX
+  quantize and repack; on CPU measured by ``bench/``, on NPU an estimate until measured).
+
+The run has the two phases the driver runs: first the owners of shared reads fetch them
+(nobody converts yet), then every rank loads, reading its unshared units, copying shared
+ones from peers and converting, with reads overlapping conversion (SPEC §4). Concurrent
+transfers share a link equally (processor sharing): ``n`` flows on a link of capacity
+``C`` each get ``C / n`` until the smallest finishes, and so on. A rank's transfer is
+bounded by its node's link and by the store's aggregate, whichever finishes it later.
+Phase 2 of a rank ends when the slowest of its storage reads, network pulls and
+conversion ends (they overlap).
+
+A reload moves and converts the same bytes as a load (whole units, same reads), so it is
+predicted the same; what a first load adds (starting Ray and the workers, allocating
+buffers) is not modelled: the figures are from the first byte requested to the last unit
+written. Per-request latency is not modelled either (large sequential requests).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from .config import ModelConfig
+from .plantypes import Plan
+from .ranges import LOCAL_POLICY, REMOTE_POLICY
+from .readplan import needed_bytes, predicted_read_bytes
+from .sharing import RankTraffic, ReadItem, plan_sharing, rank_traffic
+
+GB = 1e9
+
+CPU_CONVERT_BYTES_PER_S = 0.45 * GB
+"""One CPU core of the fused path, source bytes/s: ``RankLoader`` tp=1 on 2 threads
+loads 0.90 GB/s from warm cache in ``bench/`` (bench/results/full, section load)."""
+
+NPU_CONVERT_BYTES_PER_S = 20 * GB
+"""One Ascend NPU, an estimate until measured: the host-to-device copy of the FP8
+source over PCIe 5 x16 (~50 GB/s peak, ~25 in practice) bounds it, and the eager
+resolve/quantize ops make a few passes over HBM (1.6 TB/s) each."""
+
+STORAGE_NODE_BYTES_PER_S = 5 * GB
+"""A node's link to the checkpoint store: a 100 GbE-class front end, as parallel file
+systems and object stores give one client node."""
+
+STORAGE_AGGREGATE_BYTES_PER_S = 40 * GB
+"""What the store serves the whole cluster at once (a mid-size parallel file system or
+object store deployment)."""
+
+NETWORK_NODE_BYTES_PER_S = 25 * GB
+"""A node's inbound network for peer objects: 200 Gb/s RoCE/InfiniBand."""
+
+
+@dataclass(frozen=True)
+class Rates:
+    """The time model's inputs (bytes per second; 0 = unlimited)."""
+
+    storage_node: float = STORAGE_NODE_BYTES_PER_S
+    storage_aggregate: float = STORAGE_AGGREGATE_BYTES_PER_S
+    network_node: float = NETWORK_NODE_BYTES_PER_S
+    convert: float = CPU_CONVERT_BYTES_PER_S
+    """Per rank."""
+
+    def __post_init__(self) -> None:
+        for name in ("storage_node", "storage_aggregate", "network_node", "convert"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"rate {name} must be >= 0, got {getattr(self, name)}")
+
+
+@dataclass(frozen=True)
+class RankTime:
+    """Predicted seconds of one rank."""
+
+    fetch_seconds: float
+    """Phase 1: the whole cluster fetching shared reads (every rank waits for it)."""
+    storage_seconds: float
+    network_seconds: float
+    convert_seconds: float
+    load_seconds: float
+    """fetch + max(storage, network, convert)."""
+
+    @property
+    def reload_seconds(self) -> float:
+        return self.load_seconds
+
+
+def shared_link(sizes: Sequence[float], capacity: float) -> list[float]:
+    """Finish time of each of ``sizes`` bytes started together on one link of
+    ``capacity`` bytes/s, shared equally among unfinished transfers; 0 = unlimited."""
+    n = len(sizes)
+    out = [0.0] * n
+    if capacity <= 0:
+        return out
+    t = prev = 0.0
+    order = sorted(range(n), key=lambda i: sizes[i])
+    for k, i in enumerate(order):
+        t += (sizes[i] - prev) * (n - k) / capacity
+        prev = sizes[i]
+        out[i] = t
+    return out
+
+
+def _two_level(
+    sizes: Sequence[float], nodes: Sequence[str], node_cap: float, agg_cap: float
+) -> list[float]:
+    """Finish times bounded by each node's link and by the aggregate, the later of the two."""
+    agg = shared_link(sizes, agg_cap)
+    per_node = [0.0] * len(sizes)
+    for node in set(nodes):
+        idx = [i for i, n in enumerate(nodes) if n == node]
+        for i, t in zip(idx, shared_link([sizes[i] for i in idx], node_cap), strict=True):
+            per_node[i] = t
+    return [max(a, b) for a, b in zip(agg, per_node, strict=True)]
+
+
+def predict(
+    traffic: Sequence[RankTraffic],
+    convert_bytes: Sequence[int],
+    node_of_rank: Sequence[str],
+    rates: Rates,
+) -> list[RankTime]:
+    """Per rank: predicted load (and reload) seconds, itemised."""
+    nodes = list(node_of_rank)
+    fetch = [float(t.bytes_fetched_for_sharing) for t in traffic]
+    phase1 = max(_two_level(fetch, nodes, rates.storage_node, rates.storage_aggregate), default=0.0)
+    own = [float(t.bytes_from_storage - t.bytes_fetched_for_sharing) for t in traffic]
+    storage = _two_level(own, nodes, rates.storage_node, rates.storage_aggregate)
+    remote = [float(t.bytes_from_other_nodes) for t in traffic]
+    network = _two_level(remote, nodes, rates.network_node, 0.0)
+    out = []
+    for i in range(len(traffic)):
+        conv = convert_bytes[i] / rates.convert if rates.convert > 0 else 0.0
+        out.append(
+            RankTime(
+                fetch_seconds=phase1,
+                storage_seconds=storage[i],
+                network_seconds=network[i],
+                convert_seconds=conv,
+                load_seconds=phase1 + max(storage[i], network[i], conv),
+            )
+        )
+    return out
+
+
+def plan_times(
+    plan: Plan,
+    config: ModelConfig,
+    *,
+    rates: Rates,
+    scope: str,
+    devices_per_node: int,
+) -> dict[str, Any]:
+    """Predicted traffic and times of every rank of ``plan``, for ``mxload plan``.
+
+    Ranks are placed as the driver packs them: consecutive ranks on a node,
+    ``devices_per_node`` per node. A plan with byte ranges shares its identical unit
+    reads and counts what storage is asked for (coalescing included); a config-only plan
+    shares equal units and counts their ``bytes_needed``."""
+    if devices_per_node < 1:
+        raise ValueError(f"devices per node must be >= 1, got {devices_per_node}")
+    world = len(plan.ranks)
+    nodes = [f"node{r // devices_per_node}" for r in range(world)]
+    coalescing = plan.extra.get("coalescing", {})
+    policy = REMOTE_POLICY if coalescing.get("remote") else LOCAL_POLICY
+    # Replicas share their unit (and reads) objects: each object is hashed by value and
+    # sized once, then known by a small int (a 256-rank plan has ~300k units).
+    canon: dict[Hashable, int] = {}
+    item_of: dict[int, ReadItem] = {}
+
+    def items_of(rank: int) -> list[ReadItem]:
+        rp = plan.ranks[rank]
+        objs: Sequence[Any] = rp.reads if rp.reads is not None else rp.units
+        out: list[ReadItem] = []
+        for o in objs:
+            item = item_of.get(id(o))
+            if item is None:
+                if rp.reads is not None:
+                    nbytes, fetch = o.nbytes, predicted_read_bytes((o,), policy)
+                else:
+                    nbytes = fetch = needed_bytes(o, config)
+                item = item_of[id(o)] = (canon.setdefault(o, len(canon)), nbytes, fetch)
+            out.append(item)
+        return out
+
+    cache = [items_of(r) for r in range(world)]
+    share = plan_sharing(nodes, scope, cache.__getitem__)
+    traffic = rank_traffic(share, cache.__getitem__)
+    times = predict(traffic, [rp.bytes_needed for rp in plan.ranks], nodes, rates)
+    distinct: dict[Hashable, int] = {}
+    for its in cache:
+        for key, _, fetch in its:
+            distinct[key] = fetch
+    return {
+        "share": scope,
+        "devices_per_node": devices_per_node,
+        "nodes": -(-world // devices_per_node),
+        "rates_bytes_per_s": {
+            "storage_node": rates.storage_node,
+            "storage_aggregate": rates.storage_aggregate,
+            "network_node": rates.network_node,
+            "convert": rates.convert,
+        },
+        "traffic": traffic,
+        "times": times,
+        "bytes_from_storage": sum(t.bytes_from_storage for t in traffic),
+        "distinct_read_bytes": sum(distinct.values()),
+        "predicted_load_seconds": max((t.load_seconds for t in times), default=0.0),
+        "predicted_reload_seconds": max((t.reload_seconds for t in times), default=0.0),
+    }
