@@ -160,6 +160,47 @@ FLAGS: tuple[Flag, ...] = (
         1,
         kwargs={"type": int, "metavar": "N"},
     ),
+    # read once per cluster, and the time model
+    Flag(
+        ("--share",),
+        ("plan", "load"),
+        "read-once scope: each replicated read is fetched from storage once per cluster, "
+        "once per node, or by every rank (none) and shared through Ray's object store",
+        "cluster",
+        kwargs={"choices": ["none", "node", "cluster"]},
+    ),
+    Flag(
+        ("--storage-bandwidth",),
+        ("plan",),
+        "time model: one node's bandwidth to the checkpoint store, per second",
+        "5GB",
+        size=True,
+        kwargs={"metavar": "SIZE"},
+    ),
+    Flag(
+        ("--storage-aggregate-bandwidth",),
+        ("plan",),
+        "time model: what the store serves the whole cluster at once, per second",
+        "40GB",
+        size=True,
+        kwargs={"metavar": "SIZE"},
+    ),
+    Flag(
+        ("--network-bandwidth",),
+        ("plan",),
+        "time model: one node's inbound network for peers' shared bytes, per second",
+        "25GB",
+        size=True,
+        kwargs={"metavar": "SIZE"},
+    ),
+    Flag(
+        ("--convert-rate",),
+        ("plan",),
+        "time model: source bytes one rank converts per second (default: 450MB on cpu, "
+        "measured by bench/; 20GB on npu/cuda/auto, an estimate until measured)",
+        size=True,
+        kwargs={"metavar": "SIZE"},
+    ),
     # cluster and session
     Flag(
         ("--address",),
@@ -278,7 +319,10 @@ def _apply_defaults(args: argparse.Namespace) -> None:
             setattr(args, flag.dest, bool(value))
             continue
         if value is None and flag.default is not None:
-            setattr(args, flag.dest, flag.default)
+            default = flag.default
+            if flag.size and isinstance(default, str):  # "5GB": written as a user would
+                default = parse_size(default, flag.names[0], require_unit=True)
+            setattr(args, flag.dest, default)
             used.append(f"{flag.names[0]} {flag.default}")
         elif value is not None and flag.size:
             setattr(args, flag.dest, parse_size(value, flag.names[0], require_unit=True))
@@ -546,6 +590,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
             key="--staging-budget",
         )
     obj = plan_to_json(plan)
+    add_times(obj, plan, config, args)
     _emit(
         args,
         obj,
@@ -554,6 +599,41 @@ def cmd_plan(args: argparse.Namespace) -> int:
         ),
     )
     return 0 if obj["fits"] else 3
+
+
+def add_times(obj: dict[str, Any], plan: Any, config: Any, args: argparse.Namespace) -> None:
+    """The time model's prediction (``mxload.orchestrator.timemodel``) into the plan
+    object: per rank ``predicted_load_seconds`` / ``predicted_reload_seconds`` and its
+    traffic, and the totals under ``time_model``."""
+    from .timemodel import CPU_CONVERT_BYTES_PER_S, NPU_CONVERT_BYTES_PER_S, Rates, plan_times
+
+    convert = _size(args, "convert_rate")
+    if convert is None:
+        convert = int(CPU_CONVERT_BYTES_PER_S if args.device == "cpu" else NPU_CONVERT_BYTES_PER_S)
+    for name in ("storage_bandwidth", "storage_aggregate_bandwidth", "network_bandwidth"):
+        if (_size(args, name) or 0) <= 0:
+            raise UsageError(f"--{name.replace('_', '-')} must be > 0", key=name)
+    if convert <= 0 or args.devices_per_node < 1:
+        raise UsageError("--convert-rate and --devices-per-node must be > 0", key="--convert-rate")
+    rates = Rates(
+        storage_node=float(_size(args, "storage_bandwidth") or 0),
+        storage_aggregate=float(_size(args, "storage_aggregate_bandwidth") or 0),
+        network_node=float(_size(args, "network_bandwidth") or 0),
+        convert=float(convert),
+    )
+    got = plan_times(
+        plan, config, rates=rates, scope=args.share, devices_per_node=args.devices_per_node
+    )
+    for entry, t, tr in zip(obj["ranks"], got["times"], got["traffic"], strict=True):
+        entry["predicted_load_seconds"] = round(t.load_seconds, 4)
+        entry["predicted_reload_seconds"] = round(t.reload_seconds, 4)
+        entry["bytes_from_storage"] = tr.bytes_from_storage
+        entry["bytes_from_peers"] = tr.bytes_from_peers
+    obj["time_model"] = {
+        k: (round(v, 4) if isinstance(v, float) else v)
+        for k, v in got.items()
+        if k not in ("times", "traffic")
+    }
 
 
 def layout_header(par: dict[str, Any], defaults_used: Sequence[str] = ()) -> list[str]:
@@ -600,7 +680,8 @@ def render_plan_table(
         f"model: {obj['model'].get('architecture')}",
         *layout_header(par, defaults_used),
         f"{'rank':>5} {'tp':>3} {'dp':>3} {'pp':>3} {'ep':>3} {'layers':>9} {'experts':>8} "
-        f"{'persistent':>12} {'staging':>11} {'peak':>12} {'read':>11} {'amp':>6} {'headroom':>12}",
+        f"{'persistent':>12} {'staging':>11} {'peak':>12} {'read':>11} {'amp':>6} {'headroom':>12}"
+        f" {'load s':>7}",
     ]
     dev = obj.get("device_memory_bytes")
     ranks = obj["ranks"]
@@ -618,6 +699,20 @@ def render_plan_table(
             f"{layers:>9} {len(r['experts']):>8} {format_size(r['persistent_bytes']):>12} "
             f"{format_size(r['staging_bytes']):>11} {format_size(r['peak_bytes']):>12} "
             f"{format_size(r['bytes_to_read']):>11} {amp:>6.3f} {head:>12}"
+            f" {r.get('predicted_load_seconds', 0.0):>7.2f}"
+        )
+    tm = obj.get("time_model")
+    if tm:
+        rates = tm["rates_bytes_per_s"]
+        lines.append(
+            f"predicted load {tm['predicted_load_seconds']:.2f} s, reload "
+            f"{tm['predicted_reload_seconds']:.2f} s (--share {tm['share']}: "
+            f"{format_size(tm['bytes_from_storage'])} from storage, distinct reads "
+            f"{format_size(tm['distinct_read_bytes'])}; storage {format_size(int(rates['storage_node']))}/s "
+            f"per node, {format_size(int(rates['storage_aggregate']))}/s aggregate, network "
+            f"{format_size(int(rates['network_node']))}/s per node, convert "
+            f"{format_size(int(rates['convert']))}/s per rank; {tm['nodes']} nodes of "
+            f"{tm['devices_per_node']})"
         )
     mins = obj["min_staging_bytes"]
     lines.append(
@@ -683,6 +778,7 @@ def _load_request(args: argparse.Namespace) -> Any:
         allow_nonfinite=args.allow_nonfinite,
         max_restarts=args.max_restarts,
         engine=args.engine,
+        share=args.share,
     )
 
 

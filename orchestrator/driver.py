@@ -355,7 +355,9 @@ class RayRun:
         reads_all = [list(g[0] if isinstance(g, tuple) else g) for g in inputs]
         units_all = [g[1] if isinstance(g, tuple) else None for g in inputs]
         pids = self.pids()
+        t_run = time.perf_counter()
         fetched, peers_of = self._share(reads_all, units_all, source, budgets, whole_units)
+        t_fetched = time.perf_counter()
 
         def submit(rank: int) -> Any:
             return self.actors[rank].load.remote(
@@ -434,6 +436,10 @@ class RayRun:
                 rep["fetch_seconds"] = got["seconds"]
             out.append(rep)
         self._sharing_totals(out)
+        if self.last_sharing:
+            # the data phases the time model predicts (mxload.orchestrator.timemodel)
+            self.last_sharing["fetch_seconds"] = round(t_fetched - t_run, 4)
+            self.last_sharing["run_seconds"] = round(time.perf_counter() - t_run, 4)
         return out
 
     def _share(
@@ -456,7 +462,7 @@ class RayRun:
 
         from .ranges import LOCAL_POLICY, REMOTE_POLICY
         from .readplan import predicted_read_bytes
-        from .sharing import plan_sharing, rank_traffic, unique_bytes
+        from .sharing import plan_sharing, rank_traffic, read_items, unique_bytes
 
         policy = LOCAL_POLICY if _is_local(source.root) else REMOTE_POLICY
 
@@ -468,8 +474,9 @@ class RayRun:
         if scope != "none" and not whole_units and min(budgets) < self.plan.min_staging_reload:
             scope, note = "none", "staging budget below the largest unit: units run in chunks"
         nodes = ray.get([a.node_id.remote() for a in self.actors])
-        share = plan_sharing(self.plan, nodes, scope, fetch_bytes, reads_of=lambda r: reads_all[r])
-        traffic = rank_traffic(self.plan, share, fetch_bytes, reads_of=lambda r: reads_all[r])
+        items = [read_items(reads, fetch_bytes) for reads in reads_all]
+        share = plan_sharing(nodes, scope, items.__getitem__)
+        traffic = rank_traffic(share, items.__getitem__)
         self.last_sharing = {
             "scope": share.scope,
             "requested_scope": self.req.share,
@@ -775,9 +782,11 @@ def first_load(
 
 
 def sharing_summary(run: RayRun) -> dict[str, Any]:
-    """The manifest's "sharing" object: scope and cluster totals (per-rank figures are in
-    each rank's entry)."""
-    return {k: v for k, v in run.last_sharing.items() if k != "predicted"}
+    """The manifest's "sharing" object: scope, cluster totals, the data phases' seconds
+    and the predicted traffic per rank (what ``mxload.orchestrator.timemodel`` takes)."""
+    info = dict(run.last_sharing)
+    info["predicted_traffic"] = info.pop("predicted", [])
+    return info
 
 
 def stderr_is_tty() -> bool:

@@ -11,7 +11,9 @@ Everything binds 127.0.0.1 on a free port (tests touch no other network, STYLE/r
   ``Range``. Fractions are deterministic (request number ``i`` is hit
   when ``floor((i+1)*f) > floor(i*f)``), so hits are spread evenly and never consecutive
   for ``f < 0.5`` in a sequential client (a concurrent client's retries land on arbitrary
-  slots: give it enough attempts, or use ``fail_first``, which is exact). It records
+  slots: give it enough attempts, or use ``fail_first``, which is exact). ``bandwidth``
+  throttles what it sends in all (bytes/s over every connection: a store's aggregate
+  limit, for the time model's checks in ``bench/``). It records
   every request (method, path, Range header, outcome) and counts injected faults, so tests
   can compare a client's retry count with what the server actually did.
 * :class:`MotoS3` runs moto's S3 in server mode (``ThreadedMotoServer``) on 127.0.0.1,
@@ -32,6 +34,7 @@ import math
 import os
 import socket
 import threading
+import time
 import urllib.parse
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -96,6 +99,24 @@ class _State:
     injected_failures: int = 0
     injected_cuts: int = 0
     seen: dict[tuple[str, str, str | None], int] = field(default_factory=dict)
+    bandwidth: float = 0.0
+    """Bytes/s the server sends in all, over every connection (0 = unthrottled)."""
+    next_free: float = 0.0
+    """Throttle: when the link is free again (time.monotonic())."""
+    bytes_sent: int = 0
+    """Body bytes sent by successful GETs."""
+
+    def throttle(self, nbytes: int) -> None:
+        """Wait for ``nbytes`` of the shared link: concurrent requests queue for it, so
+        the server as a whole sends ``bandwidth`` bytes/s (a store's aggregate limit)."""
+        if self.bandwidth <= 0:
+            return
+        with self.lock:
+            now = time.monotonic()
+            start = max(now, self.next_free)
+            self.next_free = start + nbytes / self.bandwidth
+            wait = self.next_free - now
+        time.sleep(wait)
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -194,7 +215,15 @@ class _Handler(BaseHTTPRequestHandler):
                 self.connection.shutdown(socket.SHUT_RDWR)
             self._record(rel, rng, "cut")
             return None
-        self.wfile.write(body)
+        if state.bandwidth > 0:  # throttled: the link's share, chunk by chunk
+            for lo in range(0, len(body), _THROTTLE_CHUNK):
+                chunk = body[lo : lo + _THROTTLE_CHUNK]
+                state.throttle(len(chunk))
+                self.wfile.write(chunk)
+        else:
+            self.wfile.write(body)
+        with state.lock:
+            state.bytes_sent += len(body)
         self._record(rel, rng, "ok")
         return None
 
@@ -218,6 +247,9 @@ def _parse_range(header: str, size: int) -> tuple[int, int] | None:
     return start, end
 
 
+_THROTTLE_CHUNK = 64 << 10
+
+
 class _Server(ThreadingHTTPServer):
     daemon_threads = True
     allow_reuse_address = True
@@ -228,9 +260,9 @@ class _Server(ThreadingHTTPServer):
 class RangeHTTPServer:
     """Serves ``root`` at ``http://127.0.0.1:<port>/`` (see module doc)."""
 
-    def __init__(self, root: str, faults: Faults | None = None) -> None:
+    def __init__(self, root: str, faults: Faults | None = None, *, bandwidth: float = 0.0) -> None:
         self._server = _Server((LOOPBACK, 0), _Handler)
-        self._server.state = _State(root=root, faults=faults or Faults())
+        self._server.state = _State(root=root, faults=faults or Faults(), bandwidth=bandwidth)
         self._thread = threading.Thread(
             target=self._server.serve_forever,
             kwargs={"poll_interval": 0.05},  # quick shutdown

@@ -1,0 +1,95 @@
+"""The time model (``mxload.orchestrator.timemodel``): processor sharing worked by hand, the
+two phases, and ``mxload plan``'s predicted seconds. No timing is measured here (the
+model is checked against measured loads in ``bench/bench_cluster.py``)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from mxload.orchestrator.cli import main
+from mxload.orchestrator.config import parse_config
+from mxload.orchestrator.models import model_config, model_config_path
+from mxload.orchestrator.planner import build_plan
+from mxload.orchestrator.plantypes import ParallelLayout
+from mxload.orchestrator.sharing import RankTraffic
+from mxload.orchestrator.timemodel import Rates, plan_times, predict, shared_link
+
+
+def test_shared_link_by_hand() -> None:
+    # 3 transfers of 10, 20, 40 bytes on 10 B/s: all three at 10/3 B/s until the first
+    # ends (3 s), the other two at 5 B/s for 10 more bytes (2 s: t=5), the last alone for
+    # 20 more bytes (2 s: t=7) = total bytes / capacity.
+    assert shared_link([40, 10, 20], 10.0) == pytest.approx([7.0, 3.0, 5.0])
+    assert shared_link([0, 5], 5.0) == pytest.approx([0.0, 1.0])  # nothing to share with
+    assert shared_link([5, 5], 0.0) == [0.0, 0.0]  # unlimited
+
+
+def traffic(storage: int, peers: int = 0, remote: int = 0, fetched: int = 0) -> RankTraffic:
+    return RankTraffic(storage, peers, remote, fetched, fetched)
+
+
+def test_two_phases_and_the_slowest_resource() -> None:
+    rates = Rates(storage_node=100.0, storage_aggregate=150.0, network_node=50.0, convert=40.0)
+    nodes = ["a", "a", "b"]
+    t = [traffic(300, fetched=200), traffic(100), traffic(0, peers=100, remote=100)]
+    got = predict(t, [100, 100, 100], nodes, rates)
+    # phase 1: only rank 0 fetches 200 shared bytes: node a's link, 2 s
+    assert all(r.fetch_seconds == pytest.approx(2.0) for r in got)
+    # phase 2 storage: ranks 0 and 1 read 100 each on node a (100 B/s shared): 2 s each;
+    # the aggregate (150 B/s for 200 bytes) would allow 1.33 s
+    assert got[0].storage_seconds == pytest.approx(2.0) == got[1].storage_seconds
+    # rank 2 pulls 100 bytes from node a at 50 B/s; converting 100 bytes takes 2.5 s
+    assert got[2].network_seconds == pytest.approx(2.0)
+    assert [r.convert_seconds for r in got] == pytest.approx([2.5, 2.5, 2.5])
+    assert [r.load_seconds for r in got] == pytest.approx([4.5, 4.5, 4.5])
+    assert got[0].reload_seconds == got[0].load_seconds
+    with pytest.raises(ValueError, match="convert"):
+        Rates(convert=-1.0)
+
+
+def qwen_plan(layout: ParallelLayout):
+    name = "qwen3-30b-a3b-fp8"
+    cfg = parse_config(model_config(name), str(model_config_path(name)))
+    return cfg, build_plan(cfg, layout, device="npu", fused=False)
+
+
+def test_plan_times_sharing_scopes_on_a_config_plan() -> None:
+    cfg, plan = qwen_plan(ParallelLayout(tp=2, dp=4, enable_expert_parallel=True))
+    storage_bound = Rates(storage_node=1e9, storage_aggregate=2e9, network_node=0, convert=0)
+    got = {
+        s: plan_times(plan, cfg, rates=storage_bound, scope=s, devices_per_node=4)
+        for s in ("none", "node", "cluster")
+    }
+    none, node, cluster = got["none"], got["node"], got["cluster"]
+    assert none["bytes_from_storage"] == sum(rp.bytes_needed for rp in plan.ranks)
+    assert cluster["bytes_from_storage"] == cluster["distinct_read_bytes"]
+    assert cluster["bytes_from_storage"] < node["bytes_from_storage"] < none["bytes_from_storage"]
+    loads = [g["predicted_load_seconds"] for g in (cluster, node, none)]
+    assert loads == sorted(loads) and loads[0] > 0
+    # every rank gets all of its bytes: from storage, from peers, or a unit it owns
+    for rp, tr in zip(plan.ranks, cluster["traffic"], strict=True):
+        own = tr.bytes_from_storage - tr.bytes_fetched_for_sharing
+        assert own + tr.bytes_from_peers + tr.shared_put_bytes >= rp.bytes_needed
+    with pytest.raises(ValueError, match="devices per node"):
+        plan_times(plan, cfg, rates=storage_bound, scope="cluster", devices_per_node=0)
+
+
+def test_mxload_plan_prints_and_reports_predicted_times(capsys) -> None:
+    args = ["plan", "--model", "qwen3-30b-a3b-fp8", "--tp", "2", "--dp", "2"]
+    assert main([*args, "--enable-expert-parallel", "--json"]) == 0
+    obj = json.loads(capsys.readouterr().out)
+    for r in obj["ranks"]:
+        assert r["predicted_load_seconds"] > 0
+        assert r["predicted_reload_seconds"] == r["predicted_load_seconds"]
+        assert r["bytes_from_storage"] >= 0 and r["bytes_from_peers"] >= 0
+    tm = obj["time_model"]
+    assert tm["share"] == "cluster" and tm["rates_bytes_per_s"]["storage_node"] == 5e9
+    assert tm["predicted_load_seconds"] == max(r["predicted_load_seconds"] for r in obj["ranks"])
+    # a slower store predicts a slower load; the table says so in words
+    assert main([*args, "--storage-bandwidth", "500MB", "--share", "none"]) == 0
+    out = capsys.readouterr().out
+    assert "predicted load" in out and "--share none" in out
+    # a zero rate is refused naming the flag (exit 2)
+    assert main([*args, "--convert-rate", "0B"]) == 2
+    assert "--convert-rate" in capsys.readouterr().err
