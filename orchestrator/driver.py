@@ -473,7 +473,7 @@ class RayRun:
         note = ""
         if scope != "none" and not whole_units and min(budgets) < self.plan.min_staging_reload:
             scope, note = "none", "staging budget below the largest unit: units run in chunks"
-        nodes = ray.get([a.node_id.remote() for a in self.actors])
+        nodes = self.node_ids()
         items = [read_items(reads, fetch_bytes) for reads in reads_all]
         share = plan_sharing(nodes, scope, items.__getitem__)
         traffic = rank_traffic(share, items.__getitem__)
@@ -537,6 +537,30 @@ class RayRun:
         for rep, pred in zip(reports, info["predicted"], strict=True):
             rep["predicted_bytes_from_storage"] = pred["bytes_from_storage"]
             rep["predicted_bytes_from_peers"] = pred["bytes_from_peers"]
+
+    def node_ids(self) -> list[str]:
+        """Each rank's node. A worker being restarted is waited for (up to the placement
+        timeout); one that does not answer gets a node of its own, so sharing plans
+        around it (its users fall back to storage if it owned anything)."""
+        import ray
+
+        out: list[str] = []
+        for rank, a in enumerate(self.actors):
+            deadline = time.monotonic() + self.req.placement_timeout_s
+            while True:
+                try:
+                    out.append(ray.get(a.node_id.remote(), timeout=self.req.placement_timeout_s))
+                    break
+                except ray.exceptions.ActorUnavailableError:
+                    if time.monotonic() < deadline:
+                        time.sleep(0.5)
+                        continue
+                    out.append(f"unavailable-rank-{rank}")
+                    break
+                except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+                    out.append(f"unavailable-rank-{rank}")
+                    break
+        return out
 
     def pids(self) -> list[int | None]:
         """Each rank's worker pid now (None for one that does not answer)."""

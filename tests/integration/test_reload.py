@@ -180,7 +180,9 @@ def test_interrupted_reload_runs_again_to_completion(local_ray, ckpt_factory) ->
     v1 = ckpt_factory("qwen3-moe-tiny", 1)
     v2 = ckpt_factory("qwen3-moe-tiny", 2)
     with RangeHTTPServer(v2) as server:
-        with Session.load(v1, LAYOUT, device="cpu") as s:
+        # Each rank reads for itself (--share none): with sharing, the owners' fetch of
+        # the shared reads fails first and no rank writes a unit (nothing part-way).
+        with Session.load(v1, LAYOUT, device="cpu", share="none") as s:
             first = addresses(s.manifest)
             # the second shard's data becomes unreadable after planning: every rank stops
             # at its first unit that needs it, with earlier units already at version 2
