@@ -363,34 +363,39 @@ def start_detached_head(
     existing = read_head_record()
     if existing is not None and head_alive(existing):
         return existing
-    temp_dir = short_temp_dir("mxhead-")  # 0700; Ray runs in ray_temp_dir() inside it
-    port = free_port()
     ray_bin = shutil.which("ray", path=os.path.dirname(sys.executable)) or shutil.which("ray")
     if ray_bin is None:
         raise SessionError("cannot find the `ray` command next to this Python to start a head")
-    cmd = [
-        ray_bin,
-        "start",
-        "--head",
-        f"--node-ip-address={LOOPBACK}",
-        f"--port={port}",
-        f"--num-cpus={num_cpus if num_cpus is not None else min(os.cpu_count() or 1, 2)}",
-        f"--resources={json.dumps({resource: num_devices})}",
-        f"--temp-dir={ray_temp_dir(temp_dir)}",
-        # free ports, not Ray's defaults (10001, 52365), which another head may hold
-        *client_server_port_flags(),
-        f"--dashboard-agent-listen-port={free_port()}",
-        "--include-dashboard=false",
-        "--disable-usage-stats",
-    ]
     token = secrets.token_hex(32)
     env = dict(os.environ, **RAY_ENV, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=token)
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
-    if proc.returncode != 0:
-        shutil.rmtree(temp_dir, ignore_errors=True)
-        raise SessionError(
-            "could not start a background Ray head: " + (proc.stderr or proc.stdout)[-2000:]
-        )
+    # free_port() can lose its port to another process before Ray binds it (seen on a
+    # busy shared machine: "Failed to start the grpc server. The specified port is ...");
+    # such a start is cleaned up and tried again with new ports.
+    for attempt in range(HEAD_START_ATTEMPTS):
+        temp_dir = short_temp_dir("mxhead-")  # 0700; Ray runs in ray_temp_dir() inside it
+        port = free_port()
+        cmd = [
+            ray_bin,
+            "start",
+            "--head",
+            f"--node-ip-address={LOOPBACK}",
+            f"--port={port}",
+            f"--num-cpus={num_cpus if num_cpus is not None else min(os.cpu_count() or 1, 2)}",
+            f"--resources={json.dumps({resource: num_devices})}",
+            f"--temp-dir={ray_temp_dir(temp_dir)}",
+            # free ports, not Ray's defaults (10001, 52365), which another head may hold
+            *client_server_port_flags(),
+            f"--dashboard-agent-listen-port={free_port()}",
+            "--include-dashboard=false",
+            "--disable-usage-stats",
+        ]
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
+        if proc.returncode == 0:
+            break
+        output = proc.stderr or proc.stdout
+        _end_failed_start(temp_dir, f"{LOOPBACK}:{port}")
+        if "port" not in output.lower() or attempt + 1 == HEAD_START_ATTEMPTS:
+            raise SessionError("could not start a background Ray head: " + output[-2000:])
     make_private(temp_dir)
     record = HeadRecord(
         address=f"{LOOPBACK}:{port}",
@@ -406,6 +411,24 @@ def start_detached_head(
     path.chmod(0o600)
     path.write_text(json.dumps(asdict(record), indent=2))
     return record
+
+
+HEAD_START_ATTEMPTS = 3
+"""Tries of ``ray start --head`` when a port it was given was taken meanwhile."""
+
+
+def _end_failed_start(temp_dir: str, address: str) -> None:
+    """What a failed ``ray start`` left running under ``temp_dir``, and the folder."""
+    import psutil
+
+    victims = head_processes(temp_dir, address)
+    for proc in victims:
+        try:
+            proc.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(victims, timeout=5)
+    shutil.rmtree(temp_dir, ignore_errors=True)
 
 
 def client_server_port_flags() -> list[str]:
