@@ -31,6 +31,7 @@ from mxload.orchestrator.models import model_config_path
 from safetensors.torch import load_file, save_file
 
 from tests.hostile import ATTACKS
+from tests.procs import end_processes, processes_in
 from tests.reference_model import Layout, RefCheckpoint, compare_rank, expected_rank
 
 pytestmark = [pytest.mark.slow]
@@ -54,19 +55,6 @@ def work(tmp_path_factory: pytest.TempPathFactory):
         print(f"test_cli: ended {len(leftovers)} stray process(es): {leftovers}")
 
 
-def processes_in(cwd: Path) -> list[int]:
-    """Pids of live processes (not this one) whose working directory is ``cwd``."""
-    want = str(cwd.resolve())
-    found = []
-    for proc in psutil.process_iter(["pid"]):
-        try:
-            if proc.pid != os.getpid() and proc.cwd() == want and proc.status() != "zombie":
-                found.append(proc.pid)
-        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
-            continue
-    return found
-
-
 def assert_nothing_left(work: Path, grace_s: float = 8) -> None:
     """No process this module started is still alive (after a grace period for
     processes that are shutting down); any that is gets ended, then reported."""
@@ -82,23 +70,6 @@ def assert_nothing_left(work: Path, grace_s: float = 8) -> None:
             pass
     end_processes(left)
     assert described == [], described
-
-
-def end_processes(pids: list[int]) -> None:
-    procs = []
-    for pid in pids:
-        try:
-            p = psutil.Process(pid)
-            p.terminate()
-            procs.append(p)
-        except psutil.NoSuchProcess:
-            pass
-    _, alive = psutil.wait_procs(procs, timeout=10)
-    for p in alive:
-        try:
-            p.kill()
-        except psutil.NoSuchProcess:
-            pass
 
 
 def mx(

@@ -36,6 +36,7 @@ import psutil
 import pytest
 from safetensors.torch import load_file, save_file
 
+from tests.procs import end_processes, processes_in
 from tests.reference_model import Layout, RefCheckpoint, compare_rank, expected_rank
 
 pytestmark = [pytest.mark.slow, pytest.mark.ray]
@@ -58,35 +59,6 @@ def work(tmp_path_factory: pytest.TempPathFactory):
     (root / "home").mkdir()
     yield root
     end_processes(processes_in(root / "cwd"))
-
-
-def processes_in(cwd: Path) -> list[int]:
-    want = str(cwd.resolve())
-    found = []
-    for proc in psutil.process_iter(["pid"]):
-        try:
-            if proc.pid != os.getpid() and proc.cwd() == want and proc.status() != "zombie":
-                found.append(proc.pid)
-        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
-            continue
-    return found
-
-
-def end_processes(pids: list[int]) -> None:
-    procs = []
-    for pid in pids:
-        try:
-            p = psutil.Process(pid)
-            p.terminate()
-            procs.append(p)
-        except psutil.NoSuchProcess:
-            pass
-    _, alive = psutil.wait_procs(procs, timeout=10)
-    for p in alive:
-        try:
-            p.kill()
-        except psutil.NoSuchProcess:
-            pass
 
 
 def env_of(work: Path) -> dict[str, str]:
