@@ -157,7 +157,10 @@ def start_embedded(
         os.environ["RAY_AUTH_MODE"] = "token"
         os.environ["RAY_AUTH_TOKEN"] = secrets.token_hex(32)
         os.environ.pop("RAY_AUTH_TOKEN_PATH", None)
-        _refresh_ray_auth()
+    # Always re-read: Ray caches the token per process, and an earlier connect() in this
+    # process (another head's token) would otherwise be sent to this head's GCS, which
+    # refuses it ("InvalidAuthToken") however the environment looks now.
+    _refresh_ray_auth()
     ray.init(
         address="local",
         num_cpus=num_cpus if num_cpus is not None else min(os.cpu_count() or 1, 2),
