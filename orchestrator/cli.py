@@ -201,6 +201,20 @@ FLAGS: tuple[Flag, ...] = (
         size=True,
         kwargs={"metavar": "SIZE"},
     ),
+    Flag(
+        ("--request-latency",),
+        ("plan",),
+        "time model: seconds one storage request waits for its first byte (default: "
+        "0.01 for an object store or a config-only plan, 0.0001 for a local checkpoint)",
+        kwargs={"type": float, "metavar": "SECONDS"},
+    ),
+    Flag(
+        ("--storage-request-rate",),
+        ("plan",),
+        "time model: requests per second the store serves the whole cluster (0: unlimited)",
+        0.0,
+        kwargs={"type": float, "metavar": "N"},
+    ),
     # cluster and session
     Flag(
         ("--address",),
@@ -605,7 +619,14 @@ def add_times(obj: dict[str, Any], plan: Any, config: Any, args: argparse.Namesp
     """The time model's prediction (``mxload.orchestrator.timemodel``) into the plan
     object: per rank ``predicted_load_seconds`` / ``predicted_reload_seconds`` and its
     traffic, and the totals under ``time_model``."""
-    from .timemodel import CPU_CONVERT_BYTES_PER_S, NPU_CONVERT_BYTES_PER_S, Rates, plan_times
+    from .timemodel import (
+        CPU_CONVERT_BYTES_PER_S,
+        LOCAL_REQUEST_LATENCY_S,
+        NPU_CONVERT_BYTES_PER_S,
+        REMOTE_REQUEST_LATENCY_S,
+        Rates,
+        plan_times,
+    )
 
     convert = _size(args, "convert_rate")
     if convert is None:
@@ -615,20 +636,37 @@ def add_times(obj: dict[str, Any], plan: Any, config: Any, args: argparse.Namesp
             raise UsageError(f"--{name.replace('_', '-')} must be > 0", key=name)
     if convert <= 0 or args.devices_per_node < 1:
         raise UsageError("--convert-rate and --devices-per-node must be > 0", key="--convert-rate")
+    # A config-only plan is for a cluster, whose checkpoint sits in shared storage.
+    local = bool(args.src) and not ("://" in args.src and not args.src.startswith("file://"))
+    latency = args.request_latency
+    if latency is None:
+        latency = LOCAL_REQUEST_LATENCY_S if local else REMOTE_REQUEST_LATENCY_S
+    if latency < 0 or args.storage_request_rate < 0:
+        raise UsageError(
+            "--request-latency and --storage-request-rate must be >= 0", key="--request-latency"
+        )
     rates = Rates(
         storage_node=float(_size(args, "storage_bandwidth") or 0),
         storage_aggregate=float(_size(args, "storage_aggregate_bandwidth") or 0),
         network_node=float(_size(args, "network_bandwidth") or 0),
         convert=float(convert),
+        request_latency=float(latency),
+        storage_requests=float(args.storage_request_rate),
     )
     got = plan_times(
-        plan, config, rates=rates, scope=args.share, devices_per_node=args.devices_per_node
+        plan,
+        config,
+        rates=rates,
+        scope=args.share,
+        devices_per_node=args.devices_per_node,
+        local=local,
     )
     for entry, t, tr in zip(obj["ranks"], got["times"], got["traffic"], strict=True):
         entry["predicted_load_seconds"] = round(t.load_seconds, 4)
         entry["predicted_reload_seconds"] = round(t.reload_seconds, 4)
         entry["bytes_from_storage"] = tr.bytes_from_storage
         entry["bytes_from_peers"] = tr.bytes_from_peers
+        entry["predicted_requests"] = t.requests
     obj["time_model"] = {
         k: (round(v, 4) if isinstance(v, float) else v)
         for k, v in got.items()
@@ -713,6 +751,22 @@ def render_plan_table(
             f"{format_size(int(rates['network_node']))}/s per node, convert "
             f"{format_size(int(rates['convert']))}/s per rank; {tm['nodes']} nodes of "
             f"{tm['devices_per_node']})"
+        )
+        lines.append(
+            f"storage requests: {tm['requests_to_storage']} in all, "
+            f"{tm['request_latency_s'] * 1000:g} ms each, {tm['request_concurrency']} in "
+            "flight per rank"
+            + (
+                f", store serves {tm['storage_requests_per_s']:g}/s"
+                if tm["storage_requests_per_s"]
+                else ""
+            )
+            + (
+                f"; the slowest rank waits {tm['slowest_request_seconds']:.1f} s on requests "
+                "(K-split slices are one request per row from an object store)"
+                if tm.get("slowest_request_seconds", 0) > 0.5 * tm["predicted_load_seconds"]
+                else ""
+            )
         )
     mins = obj["min_staging_bytes"]
     lines.append(

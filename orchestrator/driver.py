@@ -461,13 +461,24 @@ class RayRun:
         from mxload.workers.loader import PeerUnit
 
         from .ranges import LOCAL_POLICY, REMOTE_POLICY
-        from .readplan import predicted_read_bytes
-        from .sharing import plan_sharing, rank_traffic, read_items, unique_bytes
+        from .readplan import predicted_reads
+        from .sharing import plan_sharing, rank_requests, rank_traffic, read_items, unique_bytes
+        from .timemodel import MAX_REQUEST_BYTES
 
-        policy = LOCAL_POLICY if _is_local(source.root) else REMOTE_POLICY
+        local = _is_local(source.root)
+        policy = LOCAL_POLICY if local else REMOTE_POLICY
+        counted: dict[int, tuple[int, int]] = {}  # id(reads) -> (bytes, requests)
+
+        def reads_cost(r: Any) -> tuple[int, int]:
+            got = counted.get(id(r))
+            if got is None:
+                got = counted[id(r)] = predicted_reads(
+                    (r,), policy, 0 if local else MAX_REQUEST_BYTES
+                )
+            return got
 
         def fetch_bytes(r: Any) -> int:
-            return predicted_read_bytes((r,), policy)
+            return reads_cost(r)[0]
 
         scope = self.req.share
         note = ""
@@ -477,6 +488,7 @@ class RayRun:
         items = [read_items(reads, fetch_bytes) for reads in reads_all]
         share = plan_sharing(nodes, scope, items.__getitem__)
         traffic = rank_traffic(share, items.__getitem__)
+        requests = rank_requests(share, lambda rank: [reads_cost(r)[1] for r in reads_all[rank]])
         self.last_sharing = {
             "scope": share.scope,
             "requested_scope": self.req.share,
@@ -485,6 +497,8 @@ class RayRun:
             "nodes": len(set(nodes)),
             "unique_bytes_needed": unique_bytes(reads_all),
             "predicted": [t.__dict__ for t in traffic],
+            # per rank: storage requests of its own reads, of the shared reads it owns
+            "predicted_requests": [list(r) for r in requests],
         }
         fetched: dict[int, dict[str, Any]] = {}
         if not share.shared:

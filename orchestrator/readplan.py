@@ -39,7 +39,7 @@ from .formats import (
     SAFETENSORS_ITEMSIZE,
 )
 from .plantypes import Part, PartRead, Unit, UnitReads
-from .ranges import ByteRange, CoalescePolicy, contiguous
+from .ranges import PAGE_BYTES, ByteRange, CoalescePolicy, contiguous
 from .safetensors_header import TensorInfo
 
 
@@ -193,19 +193,65 @@ def needed_bytes(
     return total
 
 
+def estimated_requests(unit: Unit, config: ModelConfig, *, remote: bool = True) -> int:
+    """Storage requests for one unit of a config-only plan (no headers, so no offsets):
+    per part, its weight and its scale. A slice narrower than its source tensor's K
+    (K-split) is one request per row from an object store, whose coalescing bridges no
+    gap of a row's other columns; a local read takes the span (gaps under a page) or
+    preads row by row. Anything else is one request (split at 32 MiB when remote)."""
+    cap = 32 << 20
+    total = 0
+    quant = config.quant.kind
+    for p in unit.parts:
+        full_k = p.source_shape[-1] if p.source_shape else p.ncols
+        k_split = p.ncols < full_k and p.nrows > 1
+        item = 1 if unit.quantized else 2
+        nbytes = p.nrows * p.ncols * item
+        if k_split and (remote or (full_k - p.ncols) * item >= PAGE_BYTES):
+            total += p.nrows
+        else:
+            total += max(1, -(-nbytes // cap)) if remote else 1
+        if unit.quantized and quant == "block_fp8":
+            t0, t1 = tile_span(p.rows[0], p.rows[1], config.quant.block_n)
+            total += (t1 - t0) if k_split and remote else 1
+        elif unit.quantized:
+            total += p.nrows if k_split and remote else 1
+    return total
+
+
 # --- coalesced request bytes ---------------------------------------------------------------
 
 
 class _Runs:
     """The state of ``mxload.orchestrator.ranges.coalesce`` over segments fed in sorted order."""
 
-    __slots__ = ("active", "c", "gaps", "max_gap", "needed", "run_end", "run_start", "total")
+    __slots__ = (
+        "active",
+        "c",
+        "gaps",
+        "max_gap",
+        "max_request",
+        "needed",
+        "requests",
+        "run_end",
+        "run_start",
+        "total",
+    )
 
-    def __init__(self, policy: CoalescePolicy) -> None:
+    def __init__(self, policy: CoalescePolicy, max_request_bytes: int = 0) -> None:
         self.max_gap = policy.max_gap_bytes
         self.c = policy.max_overread_ratio - 1.0
+        self.max_request = max_request_bytes
         self.active = False
         self.run_start = self.run_end = self.needed = self.gaps = self.total = 0
+        self.requests = 0
+
+    def _close(self, length: int, runs: int = 1) -> None:
+        """``runs`` finished runs of ``length`` bytes each: their bytes and requests (a
+        run longer than ``max_request`` is sent as several requests, as ``Storage`` does)."""
+        self.total += runs * length
+        per = -(-length // self.max_request) if self.max_request and length else 1
+        self.requests += runs * per
 
     def step(self, s: int, e: int) -> None:
         """One segment, exactly as ``coalesce`` treats it."""
@@ -224,7 +270,7 @@ class _Runs:
             self.needed += seg
             self.run_end = e
             return
-        self.total += self.run_end - self.run_start
+        self._close(self.run_end - self.run_start)
         self.run_start, self.run_end, self.needed, self.gaps = s, e, seg, 0
 
     def _merges(self, needed: int, gaps: int, gap: int, seg: int, limit: int) -> int:
@@ -262,7 +308,8 @@ class _Runs:
             self.run_end = last + length
             return
         if gap > self.max_gap:  # no two segments merge: every one is its own request
-            self.total += self.run_end - self.run_start + (rest - 1) * length
+            self._close(self.run_end - self.run_start)
+            self._close(length, rest - 1)
             self.run_start, self.run_end, self.needed, self.gaps = last, last + length, length, 0
             return
         k = self._merges(self.needed, self.gaps, gap, length, rest)
@@ -272,13 +319,13 @@ class _Runs:
         rest -= k
         if rest == 0:
             return
-        self.total += self.run_end - self.run_start
+        self._close(self.run_end - self.run_start)
         # From here every run starts afresh at one segment and takes the same number of
         # merges, so the remaining segments fall into equal runs plus a last one.
         first = r.count - rest
         per_run = 1 + self._merges(length, 0, gap, length, rest - 1)
         runs = -(-rest // per_run)
-        self.total += (runs - 1) * ((per_run - 1) * stride + length)
+        self._close((per_run - 1) * stride + length, runs - 1)
         tail = rest - (runs - 1) * per_run
         self.run_start = r.start + (first + (runs - 1) * per_run) * stride
         self.run_end = self.run_start + (tail - 1) * stride + length
@@ -286,17 +333,25 @@ class _Runs:
         self.gaps = (tail - 1) * gap
 
     def finish(self) -> int:
-        return self.total + (self.run_end - self.run_start if self.active else 0)
+        """Bytes requested; ``requests`` then holds how many requests carry them."""
+        if self.active:
+            self._close(self.run_end - self.run_start)
+            self.active = False
+        return self.total
 
 
-def requested_bytes_fast(ranges: Iterable[ByteRange], policy: CoalescePolicy) -> int:
-    """Exactly ``mxload.orchestrator.ranges.requested_bytes(ranges, policy)`` for the ranges of
-    ONE file, without visiting strided ranges row by row."""
+def coalesced_fast(
+    ranges: Iterable[ByteRange], policy: CoalescePolicy, max_request_bytes: int = 0
+) -> tuple[int, int]:
+    """(bytes, requests) of ``mxload.orchestrator.ranges.coalesce(ranges, policy)`` for
+    the ranges of ONE file, exactly, without visiting strided ranges row by row. A
+    request longer than ``max_request_bytes`` (0: no limit) counts as the pieces
+    ``Storage`` sends it in."""
     uniq = sorted(
         {policy.as_read(r) for r in ranges if r.nbytes > 0},
         key=lambda r: (r.start, r.end, r.length),
     )
-    runs = _Runs(policy)
+    runs = _Runs(policy, max_request_bytes)
     i = 0
     while i < len(uniq):
         # A cluster: ranges whose extents overlap, so their segments may interleave.
@@ -310,7 +365,14 @@ def requested_bytes_fast(ranges: Iterable[ByteRange], policy: CoalescePolicy) ->
             for s, n in sorted(seg for r in uniq[i:j] for seg in r.segments()):
                 runs.step(s, s + n)
         i = j
-    return runs.finish()
+    nbytes = runs.finish()
+    return nbytes, runs.requests
+
+
+def requested_bytes_fast(ranges: Iterable[ByteRange], policy: CoalescePolicy) -> int:
+    """Exactly ``mxload.orchestrator.ranges.requested_bytes(ranges, policy)`` for the ranges of
+    ONE file, without visiting strided ranges row by row."""
+    return coalesced_fast(ranges, policy)[0]
 
 
 def predicted_read_bytes(reads: Sequence[UnitReads], policy: CoalescePolicy) -> int:
@@ -323,3 +385,24 @@ def predicted_read_bytes(reads: Sequence[UnitReads], policy: CoalescePolicy) -> 
             if p.scale is not None:
                 by_file.setdefault(p.scale_file or p.file, []).append(p.scale)
     return sum(requested_bytes_fast(rs, policy) for rs in by_file.values())
+
+
+def predicted_reads(
+    reads: Sequence[UnitReads], policy: CoalescePolicy, max_request_bytes: int = 0
+) -> tuple[int, int]:
+    """(bytes, requests) a rank sends storage for ``reads`` coalesced per file under
+    ``policy``, as :func:`predicted_read_bytes` counts bytes. The time model charges
+    each request its latency: a K-split slice read from an object store is one request
+    per row (``REMOTE_POLICY`` bridges no gap that would read 1.25x what it needs)."""
+    by_file: dict[str, list[ByteRange]] = {}
+    for ur in reads:
+        for p in ur.parts:
+            by_file.setdefault(p.file, []).append(p.weight)
+            if p.scale is not None:
+                by_file.setdefault(p.scale_file or p.file, []).append(p.scale)
+    nbytes = requests = 0
+    for rs in by_file.values():
+        b, n = coalesced_fast(rs, policy, max_request_bytes)
+        nbytes += b
+        requests += n
+    return nbytes, requests

@@ -181,6 +181,29 @@ def rank_traffic(
     return out
 
 
+def rank_requests(
+    share: SharePlan, requests_of: Callable[[int], Sequence[int]]
+) -> list[tuple[int, int]]:
+    """Per rank: (storage requests for its unshared reads, storage requests for the
+    shared reads it owns). ``requests_of(rank)``: requests per unit read, in unit order
+    (the same order as the :data:`ReadItem` s the share plan was made from); a shared
+    read costs its owner the requests of its own copy, and its other users none."""
+    used: dict[int, set[int]] = {}
+    for s in share.shared:
+        for r, i in s.users:
+            used.setdefault(r, set()).add(i)
+    owned = [0] * len(share.node_of_rank)
+    for s in share.shared:
+        i = next(i for r, i in s.users if r == s.owner)
+        owned[s.owner] += requests_of(s.owner)[i]
+    out = []
+    for rank in range(len(share.node_of_rank)):
+        mine = used.get(rank, set())
+        own = sum(n for i, n in enumerate(requests_of(rank)) if i not in mine)
+        out.append((own, owned[rank]))
+    return out
+
+
 def unique_bytes(all_reads: Sequence[Sequence[UnitReads]]) -> int:
     """Checkpoint bytes any rank needs, each byte counted once (overlaps merged): what
     a cluster fetching every byte exactly once reads."""

@@ -20,10 +20,20 @@ bounded by its node's link and by the store's aggregate, whichever finishes it l
 Phase 2 of a rank ends when the slowest of its storage reads, network pulls and
 conversion ends (they overlap).
 
+Requests cost time of their own, which bytes alone miss: a K-split slice (``o_proj``,
+``down_proj`` at tp >= 2) read from an object store is one request per row, since no
+gap is bridged that would read more than 1.25x what is needed (``REMOTE_POLICY``); a
+dense layer at tp 2 is then about 100x the requests of tp 1. Two terms: every rank
+waits ``request_latency`` per request, ``request_concurrency`` requests in flight; and a
+store that serves at most ``storage_requests`` requests/s spends ``1/storage_requests``
+seconds on each, shared like its bandwidth (a request occupies the store for its bytes
+plus that). Request counts come from the same coalescing the loader does
+(``mxload.orchestrator.readplan.predicted_reads``).
+
 A reload moves and converts the same bytes as a load (whole units, same reads), so it is
 predicted the same; what a first load adds (starting Ray and the workers, allocating
 buffers) is not modelled: the figures are from the first byte requested to the last unit
-written. Per-request latency is not modelled either (large sequential requests).
+written.
 """
 
 from __future__ import annotations
@@ -35,8 +45,8 @@ from typing import Any
 from .config import ModelConfig
 from .plantypes import Plan
 from .ranges import LOCAL_POLICY, REMOTE_POLICY
-from .readplan import needed_bytes, predicted_read_bytes
-from .sharing import RankTraffic, ReadItem, plan_sharing, rank_traffic
+from .readplan import estimated_requests, needed_bytes, predicted_reads
+from .sharing import RankTraffic, ReadItem, plan_sharing, rank_requests, rank_traffic
 
 GB = 1e9
 
@@ -60,6 +70,18 @@ object store deployment)."""
 NETWORK_NODE_BYTES_PER_S = 25 * GB
 """A node's inbound network for peer objects: 200 Gb/s RoCE/InfiniBand."""
 
+REMOTE_REQUEST_LATENCY_S = 0.010
+"""One request to an object store (S3, HTTP): time to first byte, ~10 ms."""
+
+LOCAL_REQUEST_LATENCY_S = 0.0001
+"""One pread of a local or NFS-cached file: ~0.1 ms."""
+
+REQUEST_CONCURRENCY = 16
+"""Requests one rank keeps in flight (``Storage``'s ``max_concurrency``)."""
+
+MAX_REQUEST_BYTES = 32 << 20
+"""Longest remote request ``Storage`` sends; a longer coalesced range is split."""
+
 
 @dataclass(frozen=True)
 class Rates:
@@ -70,9 +92,23 @@ class Rates:
     network_node: float = NETWORK_NODE_BYTES_PER_S
     convert: float = CPU_CONVERT_BYTES_PER_S
     """Per rank."""
+    request_latency: float = REMOTE_REQUEST_LATENCY_S
+    """Seconds one request waits (first byte), per rank, before concurrency."""
+    request_concurrency: int = REQUEST_CONCURRENCY
+    storage_requests: float = 0.0
+    """Requests per second the store serves the whole cluster (0 = unlimited)."""
 
     def __post_init__(self) -> None:
-        for name in ("storage_node", "storage_aggregate", "network_node", "convert"):
+        if self.request_concurrency < 1:
+            raise ValueError(f"request concurrency must be >= 1, got {self.request_concurrency}")
+        for name in (
+            "storage_node",
+            "storage_aggregate",
+            "network_node",
+            "convert",
+            "request_latency",
+            "storage_requests",
+        ):
             if getattr(self, name) < 0:
                 raise ValueError(f"rate {name} must be >= 0, got {getattr(self, name)}")
 
@@ -88,6 +124,8 @@ class RankTime:
     convert_seconds: float
     load_seconds: float
     """fetch + max(storage, network, convert)."""
+    requests: int = 0
+    """Storage requests the rank sends (its own reads and the shared reads it owns)."""
 
     @property
     def reload_seconds(self) -> float:
@@ -110,17 +148,40 @@ def shared_link(sizes: Sequence[float], capacity: float) -> list[float]:
     return out
 
 
-def _two_level(
-    sizes: Sequence[float], nodes: Sequence[str], node_cap: float, agg_cap: float
+def _storage_finish(
+    sizes: Sequence[float], requests: Sequence[int], nodes: Sequence[str], rates: Rates
 ) -> list[float]:
-    """Finish times bounded by each node's link and by the aggregate, the later of the two."""
-    agg = shared_link(sizes, agg_cap)
-    per_node = [0.0] * len(sizes)
+    """When each rank's storage transfer ends, all starting together: the latest of its
+    node's link (bytes), the store's aggregate (bytes and requests, one shared server
+    time) and its own request pacing (latency x requests / concurrency)."""
+    n = len(sizes)
+    work = [0.0] * n  # seconds of the store's time each rank's reads take
+    for i in range(n):
+        if rates.storage_aggregate > 0:
+            work[i] += sizes[i] / rates.storage_aggregate
+        if rates.storage_requests > 0:
+            work[i] += requests[i] / rates.storage_requests
+    agg = shared_link(work, 1.0) if any(work) else [0.0] * n
+    per_node = [0.0] * n
+    if rates.storage_node > 0:
+        for node in set(nodes):
+            idx = [i for i, x in enumerate(nodes) if x == node]
+            got = shared_link([sizes[i] for i in idx], rates.storage_node)
+            for i, t in zip(idx, got, strict=True):
+                per_node[i] = t
+    pace = [r * rates.request_latency / rates.request_concurrency for r in requests]
+    return [max(a, b, c) for a, b, c in zip(agg, per_node, pace, strict=True)]
+
+
+def _network_finish(sizes: Sequence[float], nodes: Sequence[str], capacity: float) -> list[float]:
+    out = [0.0] * len(sizes)
+    if capacity <= 0:
+        return out
     for node in set(nodes):
-        idx = [i for i, n in enumerate(nodes) if n == node]
-        for i, t in zip(idx, shared_link([sizes[i] for i in idx], node_cap), strict=True):
-            per_node[i] = t
-    return [max(a, b) for a, b in zip(agg, per_node, strict=True)]
+        idx = [i for i, x in enumerate(nodes) if x == node]
+        for i, t in zip(idx, shared_link([sizes[i] for i in idx], capacity), strict=True):
+            out[i] = t
+    return out
 
 
 def predict(
@@ -128,15 +189,19 @@ def predict(
     convert_bytes: Sequence[int],
     node_of_rank: Sequence[str],
     rates: Rates,
+    requests: Sequence[tuple[int, int]] | None = None,
 ) -> list[RankTime]:
-    """Per rank: predicted load (and reload) seconds, itemised."""
+    """Per rank: predicted load (and reload) seconds, itemised. ``requests``: per rank,
+    (requests of its own reads, requests of the shared reads it owns), from
+    :func:`mxload.orchestrator.sharing.rank_requests`; None: requests cost nothing."""
     nodes = list(node_of_rank)
+    reqs = list(requests) if requests is not None else [(0, 0)] * len(traffic)
     fetch = [float(t.bytes_fetched_for_sharing) for t in traffic]
-    phase1 = max(_two_level(fetch, nodes, rates.storage_node, rates.storage_aggregate), default=0.0)
+    phase1 = max(_storage_finish(fetch, [r[1] for r in reqs], nodes, rates), default=0.0)
     own = [float(t.bytes_from_storage - t.bytes_fetched_for_sharing) for t in traffic]
-    storage = _two_level(own, nodes, rates.storage_node, rates.storage_aggregate)
+    storage = _storage_finish(own, [r[0] for r in reqs], nodes, rates)
     remote = [float(t.bytes_from_other_nodes) for t in traffic]
-    network = _two_level(remote, nodes, rates.network_node, 0.0)
+    network = _network_finish(remote, nodes, rates.network_node)
     out = []
     for i in range(len(traffic)):
         conv = convert_bytes[i] / rates.convert if rates.convert > 0 else 0.0
@@ -147,6 +212,7 @@ def predict(
                 network_seconds=network[i],
                 convert_seconds=conv,
                 load_seconds=phase1 + max(storage[i], network[i], conv),
+                requests=reqs[i][0] + reqs[i][1],
             )
         )
     return out
@@ -159,23 +225,31 @@ def plan_times(
     rates: Rates,
     scope: str,
     devices_per_node: int,
+    local: bool | None = None,
 ) -> dict[str, Any]:
     """Predicted traffic and times of every rank of ``plan``, for ``mxload plan``.
 
     Ranks are placed as the driver packs them: consecutive ranks on a node,
     ``devices_per_node`` per node. A plan with byte ranges shares its identical unit
     reads and counts what storage is asked for (coalescing included); a config-only plan
-    shares equal units and counts their ``bytes_needed``."""
+    shares equal units and counts their ``bytes_needed``.
+
+    Requests: a plan with byte ranges counts them as the loader will send them; a
+    config-only plan estimates them (:func:`mxload.orchestrator.readplan.estimated_requests`),
+    for an object store unless ``local``."""
     if devices_per_node < 1:
         raise ValueError(f"devices per node must be >= 1, got {devices_per_node}")
     world = len(plan.ranks)
     nodes = [f"node{r // devices_per_node}" for r in range(world)]
     coalescing = plan.extra.get("coalescing", {})
-    policy = REMOTE_POLICY if coalescing.get("remote") else LOCAL_POLICY
+    remote = bool(coalescing.get("remote")) if local is None else not local
+    policy = REMOTE_POLICY if remote else LOCAL_POLICY
+    max_request = MAX_REQUEST_BYTES if remote else 0
     # Replicas share their unit (and reads) objects: each object is hashed by value and
     # sized once, then known by a small int (a 256-rank plan has ~300k units).
     canon: dict[Hashable, int] = {}
     item_of: dict[int, ReadItem] = {}
+    requests_of_key: dict[Hashable, int] = {}
 
     def items_of(rank: int) -> list[ReadItem]:
         rp = plan.ranks[rank]
@@ -185,17 +259,22 @@ def plan_times(
             item = item_of.get(id(o))
             if item is None:
                 if rp.reads is not None:
-                    nbytes, fetch = o.nbytes, predicted_read_bytes((o,), policy)
+                    nbytes = o.nbytes
+                    fetch, requests = predicted_reads((o,), policy, max_request)
                 else:
                     nbytes = fetch = needed_bytes(o, config)
-                item = item_of[id(o)] = (canon.setdefault(o, len(canon)), nbytes, fetch)
+                    requests = estimated_requests(o, config, remote=remote)
+                key = canon.setdefault(o, len(canon))
+                item = item_of[id(o)] = (key, nbytes, fetch)
+                requests_of_key[key] = requests
             out.append(item)
         return out
 
     cache = [items_of(r) for r in range(world)]
     share = plan_sharing(nodes, scope, cache.__getitem__)
     traffic = rank_traffic(share, cache.__getitem__)
-    times = predict(traffic, [rp.bytes_needed for rp in plan.ranks], nodes, rates)
+    requests = rank_requests(share, lambda r: [requests_of_key[k] for k, _, _ in cache[r]])
+    times = predict(traffic, [rp.bytes_needed for rp in plan.ranks], nodes, rates, requests)
     distinct: dict[Hashable, int] = {}
     for its in cache:
         for key, _, fetch in its:
@@ -210,6 +289,14 @@ def plan_times(
             "network_node": rates.network_node,
             "convert": rates.convert,
         },
+        "request_latency_s": rates.request_latency,
+        "request_concurrency": rates.request_concurrency,
+        "storage_requests_per_s": rates.storage_requests,
+        "requests_to_storage": sum(a + b for a, b in requests),
+        "slowest_request_seconds": max(
+            (t.requests * rates.request_latency / rates.request_concurrency for t in times),
+            default=0.0,
+        ),
         "traffic": traffic,
         "times": times,
         "bytes_from_storage": sum(t.bytes_from_storage for t in traffic),

@@ -23,10 +23,12 @@ from mxload.orchestrator.ranges import (
     REMOTE_POLICY,
     ByteRange,
     CoalescePolicy,
+    coalesce,
     contiguous,
     requested_bytes,
 )
 from mxload.orchestrator.readplan import (
+    coalesced_fast,
     needed_bytes,
     predicted_read_bytes,
     rect_range,
@@ -288,6 +290,13 @@ def test_fast_count_equals_coalesce(policy: CoalescePolicy) -> None:
             trial,
             ranges,
         )
+        # and the request count the time model charges latency for, with and without
+        # Storage's split of long requests
+        reqs = coalesce(ranges, policy)
+        assert coalesced_fast(ranges, policy) == (requested_bytes(ranges, policy), len(reqs))
+        for cap in (64, 1000):
+            split = sum(-(-q.nbytes // cap) for q in reqs)
+            assert coalesced_fast(ranges, policy, cap)[1] == split, (trial, cap, ranges)
 
 
 def test_fast_count_on_long_runs_hand_cases() -> None:

@@ -93,3 +93,90 @@ def test_mxload_plan_prints_and_reports_predicted_times(capsys) -> None:
     # a zero rate is refused naming the flag (exit 2)
     assert main([*args, "--convert-rate", "0B"]) == 2
     assert "--convert-rate" in capsys.readouterr().err
+
+
+def test_request_latency_paces_a_rank() -> None:
+    # 1000 requests, 10 ms each, 10 in flight: 1 s, whatever few bytes they carry; the
+    # same bytes in 10 requests are link-bound instead (100 bytes at 100 B/s).
+    rates = Rates(
+        storage_node=100.0,
+        storage_aggregate=0.0,
+        network_node=0.0,
+        convert=0.0,
+        request_latency=0.01,
+        request_concurrency=10,
+    )
+    many, few = predict(
+        [traffic(100), traffic(100)], [0, 0], ["a", "b"], rates, [(1000, 0), (10, 0)]
+    )
+    assert many.storage_seconds == pytest.approx(1.0)
+    assert few.storage_seconds == pytest.approx(1.0)  # 100 B at 100 B/s; latency 0.01 s
+    assert (many.requests, few.requests) == (1000, 10)
+    with pytest.raises(ValueError, match="concurrency"):
+        Rates(request_concurrency=0)
+
+
+def test_store_request_rate_is_shared_like_its_bandwidth() -> None:
+    # One store: 100 B/s and 100 requests/s, no latency. Rank 0: 100 B + 100 requests =
+    # 2 s of the store's time; rank 1: 100 requests = 1 s. Shared equally, rank 1 ends at
+    # 2 s (two 1 s halves), rank 0 at 3 s (its last second alone).
+    rates = Rates(
+        storage_node=0.0,
+        storage_aggregate=100.0,
+        network_node=0.0,
+        convert=0.0,
+        request_latency=0.0,
+        storage_requests=100.0,
+    )
+    got = predict([traffic(100), traffic(0)], [0, 0], ["a", "b"], rates, [(100, 0), (100, 0)])
+    assert [r.storage_seconds for r in got] == pytest.approx([3.0, 2.0])
+    # the shared reads' owners pay their requests in phase 1, which everyone waits for
+    got = predict(
+        [traffic(0, fetched=0), traffic(0)], [0, 0], ["a", "b"], rates, [(0, 200), (0, 0)]
+    )
+    assert [r.fetch_seconds for r in got] == pytest.approx([2.0, 2.0])
+    # without request counts the model is the bytes-only one
+    assert predict([traffic(100)], [0], ["a"], rates)[0].storage_seconds == pytest.approx(1.0)
+
+
+def test_rank_requests_charge_the_owner_only() -> None:
+    from mxload.orchestrator.sharing import SharedRead, SharePlan, rank_requests
+
+    # rank 0 owns unit 1 (shared with rank 1's unit 0); rank 1 also reads unit 1 alone
+    share = SharePlan(
+        "cluster",
+        (SharedRead(key=0, owner=0, users=((0, 1), (1, 0)), nbytes=8, fetch_bytes=8),),
+        ("n", "n"),
+    )
+    got = rank_requests(share, [[3, 5], [5, 7]].__getitem__)
+    assert got == [(3, 5), (7, 0)]
+
+
+def test_config_plan_counts_k_split_rows_as_requests() -> None:
+    from mxload.orchestrator.readplan import estimated_requests
+
+    cfg, plan = qwen_plan(ParallelLayout(tp=2))
+    o_proj = next(u for u in plan.ranks[0].units if ".o_proj." in u.buffer)
+    (part,) = o_proj.parts
+    assert part.ncols * 2 == part.source_shape[-1]  # K-split at tp 2
+    # remote: one request per row, and one per row of 128-row scale tiles
+    assert estimated_requests(o_proj, cfg) == part.nrows + -(-part.nrows // 128)
+    # local: the gap (K/2 bytes of FP8, 2048 here) is under a page: one span, one scale read
+    assert estimated_requests(o_proj, cfg, remote=False) == 2
+    qkv = next(u for u in plan.ranks[0].units if ".qkv_proj." in u.buffer)
+    assert estimated_requests(qkv, cfg) == 2 * len(qkv.parts)  # row-split: weight + scale
+
+
+def test_mxload_plan_reports_requests(capsys) -> None:
+    args = ["plan", "--model", "qwen3-30b-a3b-fp8", "--tp", "2", "--dp", "2", "--json"]
+    assert main([*args, "--request-latency", "0.5"]) == 0
+    obj = json.loads(capsys.readouterr().out)
+    tm = obj["time_model"]
+    assert tm["request_latency_s"] == 0.5 and tm["requests_to_storage"] > 0
+    slowest = max(obj["ranks"], key=lambda r: r["predicted_requests"])
+    # half a second per request, 16 in flight: the requests alone bound the load time
+    assert tm["predicted_load_seconds"] >= slowest["predicted_requests"] * 0.5 / 16
+    assert main([*args[:-1], "--request-latency", "0.5"]) == 0
+    assert "the slowest rank waits" in capsys.readouterr().out
+    assert main([*args, "--request-latency", "-1"]) == 2
+    assert "--request-latency" in capsys.readouterr().err
