@@ -23,8 +23,9 @@ load time; and what page-aware local reads do for experts TP-sharded without EP.
 
 Every headline is a ratio against a baseline of the same run, median with min-max.
 
-Usage: ``python bench/bench_cluster.py [--quick] [--out DIR]`` writes ``cluster.md`` and
-``cluster.json`` there (default ``bench/results``).
+Usage: ``python bench/bench_cluster.py [--quick] [--only SECTIONS] [--out DIR]`` writes
+one ``.md``/``.json`` pair per section there (default ``bench/results``): ``cluster``
+(sharing), ``cluster-timemodel`` and ``cluster-experts``.
 """
 
 from __future__ import annotations
@@ -116,10 +117,12 @@ def convert_rate(src: str) -> float:
 
 
 class TwoNodes:
-    """A head and one more node on 127.0.0.1, ``npus`` virtual NPUs and 1 CPU each."""
+    """A head and ``count - 1`` more nodes on 127.0.0.1, ``npus`` virtual NPUs and 1 CPU
+    each (``count=1``: a local single-node cluster)."""
 
-    def __init__(self, npus: int) -> None:
+    def __init__(self, npus: int, count: int = 2) -> None:
         self.npus = npus
+        self.count = count
 
     def __enter__(self) -> TwoNodes:
         import ray
@@ -144,7 +147,8 @@ class TwoNodes:
                 node, include_dashboard=False, dashboard_agent_listen_port=free_port()
             ),
         )
-        self.cluster.add_node(**node)
+        for _ in range(self.count - 1):
+            self.cluster.add_node(**node)
         self.cluster.wait_for_nodes()
         ray.init(address=self.cluster.address, log_to_driver=False)
         return self
@@ -266,6 +270,149 @@ def sharing_section(work: Path, *, quick: bool, bandwidth: float) -> dict[str, A
     return {"bandwidth": bandwidth, "convert_rate_1_rank": rate_1, "rows": rows}
 
 
+PROBE = r"""
+import json, statistics, sys, time
+from mxload.orchestrator.ranges import ByteRange
+from mxload.workers.storage import Storage
+
+url, name, rows = sys.argv[1], sys.argv[2], int(sys.argv[3])
+st = Storage(url)
+st.read_range(name, 0, 64)  # connect
+lat = []
+for i in range(40):
+    t = time.perf_counter()
+    st.read_range(name, 4096 * i, 64)
+    lat.append(time.perf_counter() - t)
+# rows 64 bytes long, 4 KiB apart: no gap is bridged, one request each, 16 in flight
+# (what a K-split slice sends)
+r = ByteRange(0, 64, 4096, rows)
+buf = bytearray(r.nbytes)
+t = time.perf_counter()
+st.read_ranges_into(name, [r], buf)
+dt = time.perf_counter() - t
+print(json.dumps({"latency": statistics.median(lat), "rate": rows / dt}))
+"""
+
+
+def probe_requests(url: str, name: str, *, clients: int = 4, rows: int = 1000) -> dict[str, float]:
+    """The HTTP store's request latency (one client, serial) and the rate it serves
+    requests at with ``clients`` processes each keeping 16 in flight, as the ranks of a
+    load do. Clients run in separate processes (the server runs in this one, so a
+    client here would share its interpreter lock)."""
+    import subprocess
+
+    cmd = [sys.executable, "-c", PROBE, url, name, str(rows)]
+    cwd = str(Path(__file__).resolve().parents[1])
+
+    def run(n: int) -> list[dict[str, float]]:
+        procs = [
+            subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.PIPE, text=True) for _ in range(n)
+        ]
+        outs = [p.communicate()[0] for p in procs]
+        if any(p.returncode for p in procs):
+            raise RuntimeError("request probe failed")
+        return [json.loads(o.strip().splitlines()[-1]) for o in outs]
+
+    alone = run(1)[0]
+    together = run(clients)
+    return {
+        "latency": alone["latency"],
+        "rate_one_client": alone["rate"],
+        "rate": sum(c["rate"] for c in together),
+        "clients": clients,
+    }
+
+
+def timemodel_section(work: Path, *, quick: bool, bandwidth: float) -> dict[str, Any]:
+    """Predicted against measured data-phase time, three layouts, one and two nodes."""
+    from mxload.orchestrator.driver import LoadRequest, load
+    from mxload.orchestrator.plantypes import ParallelLayout
+    from mxload.orchestrator.sharing import RankTraffic
+    from mxload.orchestrator.timemodel import Rates, predict
+
+    from tests.servers import RangeHTTPServer
+
+    srv_root = work / "srv-tm"
+    srv_root.mkdir()
+    models = {
+        "dense": make(srv_root, "dense", "qwen3-dense-tiny", DENSE),
+        "moe": make(srv_root, "moe", "qwen3-moe-tiny", MOE),
+    }
+    rate_1 = {k: convert_rate(v) for k, v in models.items()}
+    cores = os.cpu_count() or 1
+    cases = [
+        ("dense", "tp1xdp4", ParallelLayout(tp=1, dp=4)),
+        ("dense", "tp2xdp2", ParallelLayout(tp=2, dp=2)),
+        ("moe", "tp2xdp2-ep", ParallelLayout(tp=2, dp=2, enable_expert_parallel=True)),
+    ]
+    repeats = 2 if quick else 3
+    rows: list[dict[str, Any]] = []
+    shard = sorted(p.name for p in Path(models["dense"]).glob("*.safetensors"))[0]
+    with RangeHTTPServer(str(srv_root), bandwidth=bandwidth) as server:
+        probe = probe_requests(f"{server.url}/dense", shard)
+        for count in (1, 2):
+            with TwoNodes(4 // count, count=count) as nodes:
+                for model, lname, layout in cases:
+                    for share in ("none", "cluster"):
+                        runs = []
+                        for _ in range(repeats):
+                            req = LoadRequest(
+                                src=f"{server.url}/{model}",
+                                layout=layout,
+                                device="cpu",
+                                address=nodes.cluster.address,
+                                placement="spread",
+                                share=share,
+                            )
+                            manifest, _ = load(req)
+                            sh = manifest["sharing"]
+                            ranks = manifest["ranks"]
+                            nodes_of = [r["node_id"] for r in ranks]
+                            rates = Rates(
+                                storage_node=0.0,
+                                storage_aggregate=bandwidth,
+                                network_node=0.0,
+                                convert=rate_1[model] * min(1.0, cores / layout.world),
+                                request_latency=probe["latency"],
+                                request_concurrency=16,
+                                storage_requests=probe["rate"],
+                            )
+                            times = predict(
+                                [RankTraffic(**t) for t in sh["predicted_traffic"]],
+                                [r["bytes_needed"] for r in ranks],
+                                nodes_of,
+                                rates,
+                                [tuple(x) for x in sh["predicted_requests"]],
+                            )
+                            runs.append(
+                                {
+                                    "measured": sh["run_seconds"],
+                                    "predicted": max(t.load_seconds for t in times),
+                                    "requests": sum(t.requests for t in times),
+                                    "nodes": len(set(nodes_of)),
+                                }
+                            )
+                        rows.append(
+                            {
+                                "cluster": f"{count} node{'s' if count > 1 else ''}",
+                                "model": model,
+                                "layout": lname,
+                                "share": share,
+                                "requests": runs[0]["requests"],
+                                "measured": Timing(tuple(r["measured"] for r in runs)),
+                                "predicted": Timing(tuple(r["predicted"] for r in runs)),
+                                "ratio": Rate(tuple(r["predicted"] / r["measured"] for r in runs)),
+                            }
+                        )
+    return {
+        "bandwidth": bandwidth,
+        "probe": probe,
+        "convert_rate_1_rank": rate_1,
+        "cores": cores,
+        "rows": rows,
+    }
+
+
 def experts_section(work: Path, *, quick: bool) -> dict[str, Any]:
     """Rank-seconds per byte of experts TP-sharded at tp=8 without EP, against tp=1."""
     import mxload.workers.storage as storage_mod
@@ -374,6 +521,48 @@ def render(res: dict[str, Any], command: str) -> str:
             )
         )
         lines.append("")
+    tm = res.get("timemodel")
+    if tm:
+        probe = tm["probe"]
+        lines += [
+            "Time model (`mxload.orchestrator.timemodel.predict`) against the measured data "
+            "phase (`manifest.sharing.run_seconds`: shared fetch + load), four ranks on one "
+            "node and on two simulated nodes (127.0.0.1), storage a loopback HTTP server "
+            f"throttled to {tm['bandwidth'] / 1e6:.0f} MB/s in all. Inputs measured in this "
+            "run: convert rate of one tp=1 rank "
+            + ", ".join(f"{k} {v / 1e6:.0f} MB/s" for k, v in tm["convert_rate_1_rank"].items())
+            + f" (a rank gets its share of {tm['cores']} cores); the server's request latency "
+            f"{probe['latency'] * 1000:.1f} ms (one client) and rate {probe['rate']:.0f} "
+            f"requests/s ({probe['clients']} client processes, 16 in flight each). Storage requests are the plan's count "
+            "(`predicted_requests`).",
+            "",
+            md_table(
+                [
+                    "cluster",
+                    "model",
+                    "layout",
+                    "share",
+                    "requests",
+                    "measured",
+                    "predicted",
+                    "predicted / measured",
+                ],
+                [
+                    [
+                        r["cluster"],
+                        r["model"],
+                        r["layout"],
+                        r["share"],
+                        str(r["requests"]),
+                        r["measured"].text(2),
+                        r["predicted"].text(2),
+                        r["ratio"].text(2),
+                    ]
+                    for r in tm["rows"]
+                ],
+            ),
+            "",
+        ]
     ex = res.get("experts")
     if ex:
         lines += [
@@ -416,31 +605,51 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="fewer repeats")
     ap.add_argument("--out", default="bench/results", help="folder for cluster.md/.json")
     ap.add_argument(
-        "--bandwidth", type=float, default=24e6, help="HTTP throttle, bytes/s (default 24e6)"
+        "--bandwidth",
+        type=float,
+        default=24e6,
+        help="HTTP throttle of the sharing section, bytes/s (default 24e6)",
     )
-    ap.add_argument("--only", default="sharing,experts", help="sections to run")
+    ap.add_argument(
+        "--tm-bandwidth",
+        type=float,
+        default=5e6,
+        help="HTTP throttle of the time-model section, bytes/s (default 5e6)",
+    )
+    ap.add_argument(
+        "--only", default="sharing,timemodel,experts", help="sections to run, comma-separated"
+    )
     args = ap.parse_args(argv)
     only = set(args.only.split(","))
     work = Path(tempfile.mkdtemp(prefix="mxbench13-"))
-    res: dict[str, Any] = {
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "machine": machine_facts(),
-        "load_before": load_average(),
-    }
-    try:
-        if "experts" in only:
-            res["experts"] = experts_section(work, quick=args.quick)
-        if "sharing" in only:
-            res["sharing"] = sharing_section(work, quick=args.quick, bandwidth=args.bandwidth)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-    res["load_after"] = load_average()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    command = "python bench/bench_cluster.py " + " ".join(argv or sys.argv[1:])
-    (out / "cluster.md").write_text(render(res, command.strip()))
-    (out / "cluster.json").write_text(json.dumps(_jsonable(res), indent=1, default=str))
-    print((out / "cluster.md").read_text())
+    command = ("python bench/bench_cluster.py " + " ".join(argv or sys.argv[1:])).strip()
+    # one file pair per section, so a section run alone keeps the others' results
+    files = {"sharing": "cluster", "timemodel": "cluster-timemodel", "experts": "cluster-experts"}
+    try:
+        for section, stem in files.items():
+            if section not in only:
+                continue
+            res: dict[str, Any] = {
+                "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                "machine": machine_facts(),
+                "load_before": load_average(),
+            }
+            if section == "experts":
+                res[section] = experts_section(work, quick=args.quick)
+            elif section == "sharing":
+                res[section] = sharing_section(work, quick=args.quick, bandwidth=args.bandwidth)
+            else:
+                res[section] = timemodel_section(
+                    work, quick=args.quick, bandwidth=args.tm_bandwidth
+                )
+            res["load_after"] = load_average()
+            (out / f"{stem}.md").write_text(render(res, command))
+            (out / f"{stem}.json").write_text(json.dumps(_jsonable(res), indent=1, default=str))
+            print((out / f"{stem}.md").read_text())
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
     return 0
 
 

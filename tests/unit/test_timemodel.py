@@ -117,9 +117,11 @@ def test_request_latency_paces_a_rank() -> None:
 
 
 def test_store_request_rate_is_shared_like_its_bandwidth() -> None:
-    # One store: 100 B/s and 100 requests/s, no latency. Rank 0: 100 B + 100 requests =
-    # 2 s of the store's time; rank 1: 100 requests = 1 s. Shared equally, rank 1 ends at
-    # 2 s (two 1 s halves), rank 0 at 3 s (its last second alone).
+    # One store: 100 B/s and 100 requests/s, two resources, no latency. Rank 0: 200 B
+    # and 50 requests; rank 1: 100 requests. Bandwidth: rank 0 alone, 2 s. Requests:
+    # 50/s each until rank 0's 50 are through (1 s), then rank 1's last 50 alone (0.5 s).
+    # Rank 0 ends at max(2, 1) = 2 s, rank 1 at 1.5 s (one shared server time, the sum,
+    # would say 3.5 s and 2 s).
     rates = Rates(
         storage_node=0.0,
         storage_aggregate=100.0,
@@ -128,8 +130,8 @@ def test_store_request_rate_is_shared_like_its_bandwidth() -> None:
         request_latency=0.0,
         storage_requests=100.0,
     )
-    got = predict([traffic(100), traffic(0)], [0, 0], ["a", "b"], rates, [(100, 0), (100, 0)])
-    assert [r.storage_seconds for r in got] == pytest.approx([3.0, 2.0])
+    got = predict([traffic(200), traffic(0)], [0, 0], ["a", "b"], rates, [(50, 0), (100, 0)])
+    assert [r.storage_seconds for r in got] == pytest.approx([2.0, 1.5])
     # the shared reads' owners pay their requests in phase 1, which everyone waits for
     got = predict(
         [traffic(0, fetched=0), traffic(0)], [0, 0], ["a", "b"], rates, [(0, 200), (0, 0)]
