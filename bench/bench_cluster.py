@@ -12,10 +12,18 @@ load time; and what page-aware local reads do for experts TP-sharded without EP.
   server's own count of bytes sent against the unique bytes the ranks need, the data
   phase's wall time (fetch + load, ``manifest["sharing"]["run_seconds"]``), the ratio of
   the two scopes per repeat, and predicted / measured time.
-* **Time model inputs**: the storage aggregate is the throttle; per-node storage and the
-  network are unlimited (one machine); the conversion rate per rank is measured first in
-  this run (one tp=1 ``RankLoader`` on the same checkpoint from local disk, source bytes
-  over its convert seconds) and divided by the ranks sharing this machine's cores.
+* **Time model** (its own section): four ranks on one node and on two simulated nodes load
+  dense tp 1 x dp 4 (bytes-bound), dense tp 2 x dp 2 and MoE tp 2 x dp 2 EP (their
+  K-split slices are one HTTP request per row: request-bound) over the loopback server
+  throttled to ``--tm-bandwidth``, with both scopes; predicted / measured data-phase time.
+  Inputs: the storage aggregate is the throttle; per-node storage and the network are
+  unlimited (one machine); the conversion rate per rank is measured first in this run
+  (one tp=1 ``RankLoader`` on the same checkpoint from local disk, source bytes over its
+  convert seconds) and divided by the ranks sharing this machine's cores; the server's
+  request latency (one client) and request rate (four client processes, 16 in flight
+  each, as four ranks send) are measured by ``Storage`` from other processes; request
+  counts are the plan's (``manifest.sharing.predicted_requests``). The sharing section
+  predicts without request terms (it was recorded before they existed).
 * **TP-sharded experts**: one ``RankLoader`` per rank in this process, Qwen3-30B-A3B expert
   dims (K-split ``down_proj`` rows of 96 bytes at tp=8), rank-seconds per byte at tp=8
   without EP against tp=1, with page-aware reads (the default) and with one pread per
