@@ -205,6 +205,7 @@ class RankLoader:
         self.last_stats = RunStats()
         self._busy = threading.Lock()
         self._storages: dict[tuple[str, str], Any] = {}
+        self._last_storage: tuple[SourceInfo, Any] | None = None
         self._peer_get: Callable[[Any], Any] | None = None
         self._run_stats: RunStats | None = None
         self._stats_lock = threading.Lock()  # the reader thread counts too
@@ -269,6 +270,9 @@ class RankLoader:
     def _storage(self, source: SourceInfo) -> Any:
         import json
 
+        last = self._last_storage
+        if last is not None and last[0] is source:  # every unit of a run: no key to build
+            return last[1]
         key = (source.root, json.dumps(source.storage_options or {}, sort_keys=True))
         st = self._storages.get(key)
         if st is None:
@@ -279,6 +283,7 @@ class RankLoader:
 
                 st = Storage(source.root, source.storage_options)
             self._storages[key] = st
+        self._last_storage = (source, st)
         return st
 
     def _read(
@@ -381,10 +386,10 @@ class RankLoader:
                             file=file,
                             byte_range=first.describe(),
                         ) from err
-                off = 0
-                for i, kind, r in items:
-                    views[(i, kind)] = lease.tensor[off : off + r.nbytes]
-                    off += r.nbytes
+                # one split for the lease's parts (a slice each cost a torch call apiece)
+                pieces = lease.tensor.split([r.nbytes for _, _, r in items])
+                for (i, kind, _), piece in zip(items, pieces, strict=True):
+                    views[(i, kind)] = piece
         except BaseException:
             for _, _, lease in taken:
                 pool.release(lease)

@@ -126,6 +126,10 @@ def test_http_dp2_serves_each_needed_byte_once(
         if rec.outcome == "ok" and rec.path.endswith(".safetensors") and not is_planning(rec)
     )
     assert got == want
+    # the time model's request count (plan side, per rank) is what the server answered
+    predicted = manifest["sharing"]["predicted_requests"]
+    assert len(predicted) == layout.world
+    assert sum(own + owned for own, owned in predicted) == sum(got.values())
     single = np.concatenate([needed_by_requests[f][c == 1] for f, c in cover.items()])
     overlap = np.concatenate([needed_by_requests[f][c > 1] for f, c in cover.items()])
     assert single.min() == 1 and overlap.size < 1e-3 * needed_served.size
