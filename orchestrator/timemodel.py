@@ -23,7 +23,7 @@ conversion ends (they overlap).
 Requests cost time of their own, which bytes alone miss: a K-split slice (``o_proj``,
 ``down_proj`` at tp >= 2) read from an object store is one request per row, since no
 gap is bridged that would read more than 1.25x what is needed (``REMOTE_POLICY``); a
-dense layer at tp 2 is then about 100x the requests of tp 1. Two terms: every rank
+dense layer at tp 2 then sends about 80x the requests of tp 1. Two terms: every rank
 waits ``request_latency`` per request, ``request_concurrency`` requests in flight; and a
 store that serves at most ``storage_requests`` requests/s shares that rate among ranks
 like its bandwidth (the two are separate resources: a transfer ends when both its bytes
