@@ -199,10 +199,14 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_header("Content-Length", str(length))
         if status == 206:
             self.send_header("Content-Range", f"bytes {start}-{end - 1}/{size}")
-        self.end_headers()
+        # Every request is logged before its last byte leaves: a client that has its
+        # whole response must find it in the log (with TCP_NODELAY it can get there
+        # before this thread runs another line).
         if head:
             self._record(rel, rng, "ok")
+            self.end_headers()
             return None
+        self.end_headers()
         with open(full, "rb") as f:
             f.seek(start)
             body = f.read(length)
@@ -215,20 +219,19 @@ class _Handler(BaseHTTPRequestHandler):
             self.wfile.write(body[: length // 2])
             self.wfile.flush()
             self.close_connection = True
+            self._record(rel, rng, "cut")
             with contextlib.suppress(OSError):
                 self.connection.shutdown(socket.SHUT_RDWR)
-            self._record(rel, rng, "cut")
             return None
-        if state.bandwidth > 0:  # throttled: the link's share, chunk by chunk
-            for lo in range(0, len(body), _THROTTLE_CHUNK):
-                chunk = body[lo : lo + _THROTTLE_CHUNK]
+        chunks = [body[lo : lo + _THROTTLE_CHUNK] for lo in range(0, len(body), _THROTTLE_CHUNK)]
+        for n, chunk in enumerate(chunks or [b""]):
+            if state.bandwidth > 0:  # throttled: the link's share, chunk by chunk
                 state.throttle(len(chunk))
-                self.wfile.write(chunk)
-        else:
-            self.wfile.write(body)
-        with state.lock:
-            state.bytes_sent += len(body)
-        self._record(rel, rng, "ok")
+            if n == len(chunks) - 1 or not chunks:  # the last: log it, then send it
+                with state.lock:
+                    state.bytes_sent += len(body)
+                self._record(rel, rng, "ok")
+            self.wfile.write(chunk)
         return None
 
 
