@@ -173,21 +173,42 @@ class TwoNodes:
         shutil.rmtree(self.temp, ignore_errors=True)
 
 
+def checkpoints(root: Path) -> tuple[dict[str, str], dict[str, float]]:
+    """The dense and MoE checkpoints a section serves (in ``root``), and the convert rate
+    of one tp=1 rank on each, measured now."""
+    root.mkdir()
+    models = {
+        "dense": make(root, "dense", "qwen3-dense-tiny", DENSE),
+        "moe": make(root, "moe", "qwen3-moe-tiny", MOE),
+    }
+    return models, {k: convert_rate(v) for k, v in models.items()}
+
+
+def predicted(manifest: dict[str, Any], rates: Any, *, requests: bool) -> list[Any]:
+    """The time model's per-rank prediction for a load's manifest (its predicted traffic
+    and, with ``requests``, its predicted storage requests)."""
+    from mxload.orchestrator.sharing import RankTraffic
+    from mxload.orchestrator.timemodel import predict
+
+    sh, ranks = manifest["sharing"], manifest["ranks"]
+    return predict(
+        [RankTraffic(**t) for t in sh["predicted_traffic"]],
+        [r["bytes_needed"] for r in ranks],
+        [r["node_id"] for r in ranks],
+        rates,
+        [tuple(x) for x in sh["predicted_requests"]] if requests else None,
+    )
+
+
 def sharing_section(work: Path, *, quick: bool, bandwidth: float) -> dict[str, Any]:
     from mxload.orchestrator.driver import LoadRequest, load
     from mxload.orchestrator.plantypes import ParallelLayout
-    from mxload.orchestrator.sharing import RankTraffic
-    from mxload.orchestrator.timemodel import Rates, predict
+    from mxload.orchestrator.timemodel import Rates
 
     from tests.servers import RangeHTTPServer
 
     srv_root = work / "srv"
-    srv_root.mkdir()
-    models = {
-        "dense": make(srv_root, "dense", "qwen3-dense-tiny", DENSE),
-        "moe": make(srv_root, "moe", "qwen3-moe-tiny", MOE),
-    }
-    rate_1 = {k: convert_rate(v) for k, v in models.items()}
+    models, rate_1 = checkpoints(srv_root)
     cores = os.cpu_count() or 1
     layouts = {
         "tp2xdp2": ParallelLayout(tp=2, dp=2, enable_expert_parallel=True),
@@ -217,17 +238,13 @@ def sharing_section(work: Path, *, quick: bool, bandwidth: float) -> dict[str, A
                         sh = manifest["sharing"]
                         ranks = manifest["ranks"]
                         nodes_of = [r["node_id"] for r in ranks]
-                        traffic = [RankTraffic(**t) for t in sh["predicted_traffic"]]
-                        per_rank_rate = rate_1[model] * min(1.0, cores / layout.world)
                         rates = Rates(
                             storage_node=0.0,
                             storage_aggregate=bandwidth,
                             network_node=0.0,
-                            convert=per_rank_rate,
+                            convert=rate_1[model] * min(1.0, cores / layout.world),
                         )
-                        times = predict(
-                            traffic, [r["bytes_needed"] for r in ranks], nodes_of, rates
-                        )
+                        times = predicted(manifest, rates, requests=False)
                         runs[share].append(
                             {
                                 "server_bytes": sent,
@@ -335,18 +352,12 @@ def timemodel_section(work: Path, *, quick: bool, bandwidth: float) -> dict[str,
     """Predicted against measured data-phase time, three layouts, one and two nodes."""
     from mxload.orchestrator.driver import LoadRequest, load
     from mxload.orchestrator.plantypes import ParallelLayout
-    from mxload.orchestrator.sharing import RankTraffic
-    from mxload.orchestrator.timemodel import Rates, predict
+    from mxload.orchestrator.timemodel import Rates
 
     from tests.servers import RangeHTTPServer
 
     srv_root = work / "srv-tm"
-    srv_root.mkdir()
-    models = {
-        "dense": make(srv_root, "dense", "qwen3-dense-tiny", DENSE),
-        "moe": make(srv_root, "moe", "qwen3-moe-tiny", MOE),
-    }
-    rate_1 = {k: convert_rate(v) for k, v in models.items()}
+    models, rate_1 = checkpoints(srv_root)
     cores = os.cpu_count() or 1
     cases = [
         ("dense", "tp1xdp4", ParallelLayout(tp=1, dp=4)),
@@ -385,13 +396,7 @@ def timemodel_section(work: Path, *, quick: bool, bandwidth: float) -> dict[str,
                                 request_concurrency=16,
                                 storage_requests=probe["rate"],
                             )
-                            times = predict(
-                                [RankTraffic(**t) for t in sh["predicted_traffic"]],
-                                [r["bytes_needed"] for r in ranks],
-                                nodes_of,
-                                rates,
-                                [tuple(x) for x in sh["predicted_requests"]],
-                            )
+                            times = predicted(manifest, rates, requests=True)
                             runs.append(
                                 {
                                     "measured": sh["run_seconds"],

@@ -375,16 +375,21 @@ def requested_bytes_fast(ranges: Iterable[ByteRange], policy: CoalescePolicy) ->
     return coalesced_fast(ranges, policy)[0]
 
 
-def predicted_read_bytes(reads: Sequence[UnitReads], policy: CoalescePolicy) -> int:
-    """Bytes a rank requests for ``reads``: every weight and scale range, coalesced per
-    file across all of the rank's units under ``policy`` (its ``bytes_to_read``)."""
+def _ranges_by_file(reads: Sequence[UnitReads]) -> dict[str, list[ByteRange]]:
+    """Every weight and scale range of ``reads``, grouped by the file it is read from."""
     by_file: dict[str, list[ByteRange]] = {}
     for ur in reads:
         for p in ur.parts:
             by_file.setdefault(p.file, []).append(p.weight)
             if p.scale is not None:
                 by_file.setdefault(p.scale_file or p.file, []).append(p.scale)
-    return sum(requested_bytes_fast(rs, policy) for rs in by_file.values())
+    return by_file
+
+
+def predicted_read_bytes(reads: Sequence[UnitReads], policy: CoalescePolicy) -> int:
+    """Bytes a rank requests for ``reads``: every weight and scale range, coalesced per
+    file across all of the rank's units under ``policy`` (its ``bytes_to_read``)."""
+    return predicted_reads(reads, policy)[0]
 
 
 def predicted_reads(
@@ -394,14 +399,8 @@ def predicted_reads(
     ``policy``, as :func:`predicted_read_bytes` counts bytes. The time model charges
     each request its latency: a K-split slice read from an object store is one request
     per row (``REMOTE_POLICY`` bridges no gap that would read 1.25x what it needs)."""
-    by_file: dict[str, list[ByteRange]] = {}
-    for ur in reads:
-        for p in ur.parts:
-            by_file.setdefault(p.file, []).append(p.weight)
-            if p.scale is not None:
-                by_file.setdefault(p.scale_file or p.file, []).append(p.scale)
     nbytes = requests = 0
-    for rs in by_file.values():
+    for rs in _ranges_by_file(reads).values():
         b, n = coalesced_fast(rs, policy, max_request_bytes)
         nbytes += b
         requests += n

@@ -159,21 +159,16 @@ def _storage_finish(
     equally among the ranks using it, working at the same time: a transfer ends when
     both its bytes and its requests are through (the larger, not the sum; the sum
     predicted 1.03-1.56x the measured time of request-bound loads in bench/)."""
-    n = len(sizes)
     agg = shared_link(sizes, rates.storage_aggregate)
     handled = shared_link([float(r) for r in requests], rates.storage_requests)
-    per_node = [0.0] * n
-    if rates.storage_node > 0:
-        for node in set(nodes):
-            idx = [i for i, x in enumerate(nodes) if x == node]
-            got = shared_link([sizes[i] for i in idx], rates.storage_node)
-            for i, t in zip(idx, got, strict=True):
-                per_node[i] = t
+    per_node = _per_node(sizes, nodes, rates.storage_node)
     pace = [r * rates.request_latency / rates.request_concurrency for r in requests]
     return [max(v) for v in zip(agg, handled, per_node, pace, strict=True)]
 
 
-def _network_finish(sizes: Sequence[float], nodes: Sequence[str], capacity: float) -> list[float]:
+def _per_node(sizes: Sequence[float], nodes: Sequence[str], capacity: float) -> list[float]:
+    """Finish times of transfers sharing their own node's link of ``capacity`` (0 =
+    unlimited)."""
     out = [0.0] * len(sizes)
     if capacity <= 0:
         return out
@@ -201,7 +196,7 @@ def predict(
     own = [float(t.bytes_from_storage - t.bytes_fetched_for_sharing) for t in traffic]
     storage = _storage_finish(own, [r[0] for r in reqs], nodes, rates)
     remote = [float(t.bytes_from_other_nodes) for t in traffic]
-    network = _network_finish(remote, nodes, rates.network_node)
+    network = _per_node(remote, nodes, rates.network_node)
     out = []
     for i in range(len(traffic)):
         conv = convert_bytes[i] / rates.convert if rates.convert > 0 else 0.0
