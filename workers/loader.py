@@ -102,6 +102,15 @@ Identity = tuple[int, str]
 """(version number, checkpoint fingerprint): what a unit holds (SPEC §4 "Reload")."""
 
 NOTHING: Identity = (0, "")
+
+INLINE_READ_BYTES = 4 << 20
+"""A unit whose bytes come from a local file and total at most this many is read on the
+converting thread instead of the reader thread. From the page cache such a read is a
+fraction of a millisecond, less than handing it to another thread costs: on a busy host
+the handoff and the reader's Python compete with the conversion kernel's threads for the
+cores and the GIL (TP-sharded experts at tp = 8, units of 0.2-0.4 MB: 20 % less
+rank time inline; issue 13 bench). Larger local reads and every remote or peer read
+still overlap conversion."""
 """A unit never written, or one whose write was cut part-way (it holds no one version)."""
 
 
@@ -118,6 +127,8 @@ class RunStats:
     device_peak_bytes: int | None = None
     rss_growth_bytes: int = 0
     read_seconds: float = 0.0
+    """Time the converting thread spent on reads: waiting for the reader thread, or
+    reading itself (small local units, :data:`INLINE_READ_BYTES`)."""
     convert_seconds: float = 0.0
     bytes_from_storage: int = 0
     """Bytes this run fetched from storage for the rank's own units (coalescing included)."""
@@ -646,6 +657,7 @@ class RankLoader:
         # without a fingerprint is never taken to be what a unit holds.
         todo = [not source.fingerprint or self.unit_ids[i] != target for i in range(len(units))]
         try:
+            inline = any(todo) and bool(getattr(self._storage(source), "is_local", False))
             for i, (unit, step) in enumerate(zip(units, steps, strict=True)):
                 if not todo[i]:
                     continue
@@ -653,8 +665,15 @@ class RankLoader:
                     fault_hook(i)
                 if len(step.chunks) == 1:
                     t_r = time.perf_counter()
-                    fut = pending or executor.submit(
-                        self._read, unit, reads[i], source, pool, peers.get(i)
+                    fut = pending or self._submit(
+                        executor,
+                        inline and i not in peers and reads[i].nbytes <= INLINE_READ_BYTES,
+                        self._read,
+                        unit,
+                        reads[i],
+                        source,
+                        pool,
+                        peers.get(i),
                     )
                     pending = None
                     leases, raw, fetched = fut.result()
@@ -662,15 +681,22 @@ class RankLoader:
                     stats.bytes_read += fetched
                     if step.prefetch_next and i + 1 < len(units) and todo[i + 1]:
                         ahead = self._take_leases(units[i + 1], reads[i + 1], pool)
-                        pending = executor.submit(
+                        nxt = reads[i + 1]
+                        now = inline and i + 1 not in peers and nxt.nbytes <= INLINE_READ_BYTES
+                        t_r = time.perf_counter()
+                        pending = self._submit(
+                            executor,
+                            now,
                             self._fill,
                             units[i + 1],
-                            reads[i + 1],
+                            nxt,
                             source,
                             pool,
                             ahead,
                             peers.get(i + 1),
                         )
+                        if now:  # read on this thread: time the converter did not convert
+                            stats.read_seconds += time.perf_counter() - t_r
                     self._convert_and_write(
                         unit, reads[i], raw, leases, source, pool, opts, unit.row0, stats
                     )
@@ -725,6 +751,22 @@ class RankLoader:
         self._checksums: dict[str, str] | None = None
         self.verify_addresses()
         return stats
+
+    @staticmethod
+    def _submit(
+        executor: ThreadPoolExecutor, inline: bool, fn: Callable[..., Any], *args: Any
+    ) -> Future[Any]:
+        """Run a read on the reader thread, or (``inline``) now, on this thread: either
+        way a future, so a failure surfaces when its unit is reached, as it would from
+        the reader thread."""
+        if not inline:
+            return executor.submit(fn, *args)
+        fut: Future[Any] = Future()
+        try:
+            fut.set_result(fn(*args))
+        except BaseException as exc:  # handed to the unit that reads it
+            fut.set_exception(exc)
+        return fut
 
     def _convert_and_write(
         self,
@@ -988,13 +1030,27 @@ def _layout_problems(spec: BufferSpec, t: torch.Tensor) -> list[str]:
 _PAGE_BYTES = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
+_STATM: tuple[int, int] | None = None
+"""(pid, fd) of this process's open ``/proc/self/statm``: reopened after a fork."""
+_STATM_LOCK = threading.Lock()
+
+
+def _statm_fd() -> int:
+    global _STATM
+    with _STATM_LOCK:
+        pid = os.getpid()
+        if _STATM is None or _STATM[0] != pid:
+            _STATM = (pid, os.open("/proc/self/statm", os.O_RDONLY | os.O_CLOEXEC))
+        return _STATM[1]
+
+
 def _rss_bytes() -> int:
     """Resident set size now. Sampled after every unit, so it must be cheap: Linux's
-    ``/proc/self/statm`` is one small read (psutil built a Process object per call, about
-    1 ms, a quarter of a small expert unit's time at tp = 8; issue 13 bench)."""
+    ``/proc/self/statm``, kept open, is one pread (psutil built a Process object per
+    call, about 1 ms, and opening the file each time a tenth of that: a quarter and a
+    fortieth of a small expert unit's time at tp = 8; issue 13 bench)."""
     try:
-        with open("/proc/self/statm", "rb") as f:
-            return int(f.read().split()[1]) * _PAGE_BYTES
+        return int(os.pread(_statm_fd(), 128, 0).split()[1]) * _PAGE_BYTES
     except (OSError, ValueError, IndexError):
         pass
     try:

@@ -237,10 +237,11 @@ def convert_block_to_mx_packed(
     for name, t in (("out_weight", out_weight), ("out_scale", out_scale)):
         if t.device.type != "cpu" or not t.is_contiguous():
             raise NumericsError(f"{what}: {name} must be a contiguous CPU tensor")
+    s_np = out_scale.numpy()
     kernels.run_convert(
         b, row0, col0, block_n, block_k, mode, True,
-        out_weight.view(torch.uint8).view(-1).numpy(), out_scale.view(-1).numpy(),
+        out_weight.view(torch.uint8).view(-1).numpy(), s_np.reshape(-1),
         n_total, out_row0, _threads(),
     )  # fmt: skip
     if g % MX_PAIR and b.n:
-        out_scale[-1, out_row0 : out_row0 + b.n, 1] = 0  # SPEC §2.3: odd g pads with 0
+        s_np[-1, out_row0 : out_row0 + b.n, 1] = 0  # SPEC §2.3: odd g pads with 0

@@ -878,11 +878,18 @@ asking numba for it costs tens of microseconds: a visible share of a small launc
 
 
 def rows_per_item(n: int) -> int:
-    """Rows per work item: about four items per thread, 8 to 64 rows, a multiple of 8 (so
-    the packed path's transposed writes stay word-aligned)."""
-    threads = getattr(_TLS, "threads", 0) or numba.get_num_threads()
-    want = ceil_div(n, 4 * max(1, threads))
-    return min(_MAX_ROWS_PER_ITEM, max(8, ceil_div(want, 8) * 8))
+    """Rows per work item, a multiple of 8 (so the packed path's transposed writes stay
+    word-aligned): 64 while that still gives every thread an item, else the block split
+    evenly over the threads (at least 8 rows).
+
+    64 rows are a whole 64-byte line of every row of the packed ``[K, N]`` layout, and
+    one allocation of the item's row buffer per 64 rows. Quarter-thread items of 16 rows
+    made a TP-sharded expert half (96 x 2048 at tp = 8) 15-40 % slower on 2 threads
+    (issue 13 bench)."""
+    threads = max(1, getattr(_TLS, "threads", 0) or numba.get_num_threads())
+    if ceil_div(n, _MAX_ROWS_PER_ITEM) >= threads:
+        return _MAX_ROWS_PER_ITEM
+    return min(_MAX_ROWS_PER_ITEM, max(8, ceil_div(ceil_div(n, threads), 8) * 8))
 
 
 def set_threads(want: int) -> None:
