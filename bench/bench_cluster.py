@@ -26,8 +26,9 @@ load time; and what page-aware local reads do for experts TP-sharded without EP.
   predicts without request terms (it was recorded before they existed).
 * **TP-sharded experts**: one ``RankLoader`` per rank in this process, Qwen3-30B-A3B expert
   dims (K-split ``down_proj`` rows of 96 bytes at tp=8), rank-seconds per byte at tp=8
-  without EP against tp=1, with page-aware reads (the default) and with one pread per
-  row (the policy before issue 13, patched in for the comparison only).
+  without EP against tp=1: the default, and one ablation per change (spans through a
+  scratch buffer, every read on the reader thread, one pread per row), each patched in
+  for its own measurement only (``EXPERT_CANDIDATES``).
 
 Every headline is a ratio against a baseline of the same run, median with min-max.
 
@@ -426,8 +427,19 @@ def timemodel_section(work: Path, *, quick: bool, bandwidth: float) -> dict[str,
     }
 
 
+EXPERT_CANDIDATES: dict[str, str] = {
+    "tp8": "tp=8 (default: page-aware reads, spans mapped, small local units inline)",
+    "tp8-buffered": "tp=8, spans copied through a scratch buffer (MAP_SPANS=False)",
+    "tp8-thread": "tp=8, every read on the reader thread (INLINE_READ_BYTES=0)",
+    "tp8-rows": "tp=8, one pread per row (the policy before issue 13)",
+}
+"""The default and one ablation per change of issue 13's experts work, each patched in
+for its measurement only."""
+
+
 def experts_section(work: Path, *, quick: bool) -> dict[str, Any]:
     """Rank-seconds per byte of experts TP-sharded at tp=8 without EP, against tp=1."""
+    import mxload.workers.loader as loader_mod
     import mxload.workers.storage as storage_mod
     from mxload.orchestrator.catalog import open_checkpoint
     from mxload.orchestrator.planner import build_plan
@@ -441,7 +453,15 @@ def experts_section(work: Path, *, quick: bool) -> dict[str, Any]:
     q = meta.config.quant
     source = SourceInfo(root=src, quant=q.kind, block_n=q.block_n, block_k=q.block_k)
     plans = {tp: build_plan(meta.config, ParallelLayout(tp=tp), checkpoint=meta) for tp in (1, 8)}
-    per_row = CoalescePolicy(max_gap_bytes=0, max_overread_ratio=1.0)  # before issue 13
+    patches: dict[str, tuple[Any, str, Any]] = {
+        "tp8-buffered": (storage_mod, "MAP_SPANS", False),
+        "tp8-thread": (loader_mod, "INLINE_READ_BYTES", 0),
+        "tp8-rows": (
+            storage_mod,
+            "LOCAL_POLICY",
+            CoalescePolicy(max_gap_bytes=0, max_overread_ratio=1.0),
+        ),
+    }
 
     def rank_seconds(tp: int) -> tuple[float, int, float, float]:
         plan = plans[tp]
@@ -455,31 +475,32 @@ def experts_section(work: Path, *, quick: bool) -> dict[str, Any]:
         return secs, int(nbytes), secs / nbytes, read_s
 
     samples: dict[str, list[tuple[float, int, float, float]]] = {
-        "tp1": [],
-        "tp8": [],
-        "tp8-rows": [],
+        name: [] for name in ("tp1", *EXPERT_CANDIDATES)
     }
     rank_seconds(1)  # warm the page cache and numba
-    for _ in range(2 if quick else 3):
-        samples["tp1"].append(rank_seconds(1))
-        samples["tp8"].append(rank_seconds(8))
-        saved = storage_mod.LOCAL_POLICY
-        storage_mod.LOCAL_POLICY = per_row
-        try:
-            samples["tp8-rows"].append(rank_seconds(8))
-        finally:
-            storage_mod.LOCAL_POLICY = saved
-    base = samples["tp1"]
-    return {
-        "checkpoint": src,
-        "samples": samples,
-        "tp8_over_tp1": Rate(tuple(b[2] / a[2] for a, b in zip(base, samples["tp8"], strict=True))),
-        "tp8_rows_over_tp1": Rate(
-            tuple(b[2] / a[2] for a, b in zip(base, samples["tp8-rows"], strict=True))
-        ),
-        "read_share_tp8": Rate(tuple(s[3] / s[0] for s in samples["tp8"])),
-        "read_share_tp8_rows": Rate(tuple(s[3] / s[0] for s in samples["tp8-rows"])),
-    }
+    rank_seconds(8)
+    for _ in range(3 if quick else 7):
+        # tp=1 next to every candidate: the machine's speed drifts within seconds
+        for name in EXPERT_CANDIDATES:
+            samples["tp1"].append(rank_seconds(1))
+            patch = patches.get(name)
+            saved = getattr(patch[0], patch[1]) if patch else None
+            if patch:
+                setattr(patch[0], patch[1], patch[2])
+            try:
+                samples[name].append(rank_seconds(8))
+            finally:
+                if patch:
+                    setattr(patch[0], patch[1], saved)
+    n = len(EXPERT_CANDIDATES)
+    out: dict[str, Any] = {"checkpoint": src, "samples": samples, "candidates": {}}
+    for j, name in enumerate(EXPERT_CANDIDATES):
+        base = samples["tp1"][j::n]
+        out["candidates"][name] = {
+            "over_tp1": Rate(tuple(b[2] / a[2] for a, b in zip(base, samples[name], strict=True))),
+            "read_share": Rate(tuple(s[3] / s[0] for s in samples[name])),
+        }
+    return out
 
 
 def render(res: dict[str, Any], command: str) -> str:
@@ -580,22 +601,21 @@ def render(res: dict[str, Any], command: str) -> str:
     if ex:
         lines += [
             "TP-sharded experts without EP (Qwen3-30B-A3B expert dims, 8 experts, one layer; "
-            "one RankLoader per rank in this process, local disk, warm cache): sum of rank "
-            "seconds per byte needed, against tp=1 in the same repeat.",
+            "one RankLoader per rank in this process, local disk, warm cache; the whole "
+            "layer, attention and vocab blocks included): sum of rank seconds per byte "
+            "needed, against a tp=1 load measured just before each candidate's. Read share: "
+            "`RunStats.read_seconds` (waiting for the reader thread, or reading inline) "
+            "over rank seconds.",
             "",
             md_table(
                 ["candidate", "rank-seconds per byte / tp=1", "read share of rank seconds"],
                 [
                     [
-                        "tp=8, page-aware reads (default)",
-                        ex["tp8_over_tp1"].text(2, "x"),
-                        ex["read_share_tp8"].text(2),
-                    ],
-                    [
-                        "tp=8, one pread per row (before)",
-                        ex["tp8_rows_over_tp1"].text(2, "x"),
-                        ex["read_share_tp8_rows"].text(2),
-                    ],
+                        label,
+                        ex["candidates"][name]["over_tp1"].text(2, "x"),
+                        ex["candidates"][name]["read_share"].text(2),
+                    ]
+                    for name, label in EXPERT_CANDIDATES.items()
                 ],
             ),
             "",

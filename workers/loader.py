@@ -679,27 +679,50 @@ class RankLoader:
                     leases, raw, fetched = fut.result()
                     stats.read_seconds += time.perf_counter() - t_r
                     stats.bytes_read += fetched
+                    later: _Leased | None = None
                     if step.prefetch_next and i + 1 < len(units) and todo[i + 1]:
+                        # The next unit's leases are taken before this one converts (the
+                        # schedule's peak); a small local read fills them on this thread
+                        # after it (an accelerator converts meanwhile), any other on the
+                        # reader thread now.
                         ahead = self._take_leases(units[i + 1], reads[i + 1], pool)
-                        nxt = reads[i + 1]
-                        now = inline and i + 1 not in peers and nxt.nbytes <= INLINE_READ_BYTES
+                        if (
+                            inline
+                            and i + 1 not in peers
+                            and reads[i + 1].nbytes <= INLINE_READ_BYTES
+                        ):
+                            later = ahead
+                        else:
+                            pending = executor.submit(
+                                self._fill,
+                                units[i + 1],
+                                reads[i + 1],
+                                source,
+                                pool,
+                                ahead,
+                                peers.get(i + 1),
+                            )
+                    try:
+                        self._convert_and_write(
+                            unit, reads[i], raw, leases, source, pool, opts, unit.row0, stats
+                        )
+                    except BaseException:
+                        for _, _, lease in later or ():
+                            pool.release(lease)
+                        raise
+                    if later is not None:
                         t_r = time.perf_counter()
                         pending = self._submit(
                             executor,
-                            now,
+                            True,
                             self._fill,
                             units[i + 1],
-                            nxt,
+                            reads[i + 1],
                             source,
                             pool,
-                            ahead,
-                            peers.get(i + 1),
+                            later,
                         )
-                        if now:  # read on this thread: time the converter did not convert
-                            stats.read_seconds += time.perf_counter() - t_r
-                    self._convert_and_write(
-                        unit, reads[i], raw, leases, source, pool, opts, unit.row0, stats
-                    )
+                        stats.read_seconds += time.perf_counter() - t_r
                 else:
                     # Chunks are written one by one: until the last lands the unit holds
                     # no one version.
