@@ -102,16 +102,18 @@ Identity = tuple[int, str]
 """(version number, checkpoint fingerprint): what a unit holds (SPEC §4 "Reload")."""
 
 NOTHING: Identity = (0, "")
+"""A unit never written, or one whose write was cut part-way (it holds no one version)."""
 
 INLINE_READ_BYTES = 4 << 20
 """A unit whose bytes come from a local file and total at most this many is read on the
 converting thread instead of the reader thread. From the page cache such a read is a
 fraction of a millisecond, less than handing it to another thread costs: on a busy host
 the handoff and the reader's Python compete with the conversion kernel's threads for the
-cores and the GIL (TP-sharded experts at tp = 8, units of 0.2-0.4 MB: 20 % less
-rank time inline; issue 13 bench). Larger local reads and every remote or peer read
-still overlap conversion."""
-"""A unit never written, or one whose write was cut part-way (it holds no one version)."""
+cores and the GIL (TP-sharded experts at tp = 8, units of 0.2-0.4 MB: 15-20 % less
+rank time inline; issue 13 bench). A read-ahead of such a unit runs after the current
+unit is converted (its leases are taken before, as the schedule counts), so an
+accelerator's queued conversion overlaps it. Larger local reads and every remote or
+peer read still go to the reader thread."""
 
 
 @dataclass
