@@ -463,20 +463,31 @@ def experts_section(work: Path, *, quick: bool) -> dict[str, Any]:
         ),
     }
 
-    def rank_seconds(tp: int) -> tuple[float, int, float, float]:
+    def rank_seconds(tp: int) -> dict[str, float]:
+        """Sums over ranks: seconds, bytes needed, read seconds; and the expert units'
+        own seconds (between the progress calls around each) and read bytes."""
         plan = plans[tp]
-        secs = nbytes = read_s = 0.0
+        out = dict.fromkeys(("seconds", "bytes", "read_seconds", "expert_s", "expert_bytes"), 0.0)
         for rp in plan.ranks:
             ldr = RankLoader(rp, model_dtype=plan.model["dtype"], backend=select_backend("cpu"))
-            st = ldr.load(rp.reads, source, version=1, staging_budget=rp.staging.budget_bytes)
-            secs += st.seconds
-            read_s += st.read_seconds
-            nbytes += rp.bytes_needed
-        return secs, int(nbytes), secs / nbytes, read_s
+            stamps = [time.perf_counter()]
+            st = ldr.load(
+                rp.reads,
+                source,
+                version=1,
+                staging_budget=rp.staging.budget_bytes,
+                progress=lambda i, n, b, stamps=stamps: stamps.append(time.perf_counter()),
+            )
+            for i, u in enumerate(rp.units):
+                if u.expert >= 0:
+                    out["expert_s"] += stamps[i + 1] - stamps[i]
+                    out["expert_bytes"] += rp.reads[i].nbytes
+            out["seconds"] += st.seconds
+            out["read_seconds"] += st.read_seconds
+            out["bytes"] += rp.bytes_needed
+        return out
 
-    samples: dict[str, list[tuple[float, int, float, float]]] = {
-        name: [] for name in ("tp1", *EXPERT_CANDIDATES)
-    }
+    samples: dict[str, list[dict[str, float]]] = {name: [] for name in ("tp1", *EXPERT_CANDIDATES)}
     rank_seconds(1)  # warm the page cache and numba
     rank_seconds(8)
     for _ in range(3 if quick else 7):
@@ -496,9 +507,18 @@ def experts_section(work: Path, *, quick: bool) -> dict[str, Any]:
     out: dict[str, Any] = {"checkpoint": src, "samples": samples, "candidates": {}}
     for j, name in enumerate(EXPERT_CANDIDATES):
         base = samples["tp1"][j::n]
+        pairs = list(zip(base, samples[name], strict=True))
         out["candidates"][name] = {
-            "over_tp1": Rate(tuple(b[2] / a[2] for a, b in zip(base, samples[name], strict=True))),
-            "read_share": Rate(tuple(s[3] / s[0] for s in samples[name])),
+            "over_tp1": Rate(
+                tuple((b["seconds"] / b["bytes"]) / (a["seconds"] / a["bytes"]) for a, b in pairs)
+            ),
+            "experts_over_tp1": Rate(
+                tuple(
+                    (b["expert_s"] / b["expert_bytes"]) / (a["expert_s"] / a["expert_bytes"])
+                    for a, b in pairs
+                )
+            ),
+            "read_share": Rate(tuple(x["read_seconds"] / x["seconds"] for x in samples[name])),
         }
     return out
 
@@ -601,17 +621,25 @@ def render(res: dict[str, Any], command: str) -> str:
     if ex:
         lines += [
             "TP-sharded experts without EP (Qwen3-30B-A3B expert dims, 8 experts, one layer; "
-            "one RankLoader per rank in this process, local disk, warm cache; the whole "
-            "layer, attention and vocab blocks included): sum of rank seconds per byte "
-            "needed, against a tp=1 load measured just before each candidate's. Read share: "
-            "`RunStats.read_seconds` (waiting for the reader thread, or reading inline) "
-            "over rank seconds.",
+            "one RankLoader per rank in this process, local disk, warm cache): sum over "
+            "ranks of seconds per byte, against a tp=1 load measured just before each "
+            "candidate's. Expert units: the time between the progress calls around each "
+            "expert unit, over those units' read bytes (a unit's interval also holds the "
+            "inline read-ahead of the next). Whole layer: attention and vocab blocks too, "
+            "load seconds over bytes needed. Read share: `RunStats.read_seconds` (waiting "
+            "for the reader thread, or reading inline) over rank seconds.",
             "",
             md_table(
-                ["candidate", "rank-seconds per byte / tp=1", "read share of rank seconds"],
+                [
+                    "candidate",
+                    "expert units: rank-seconds per byte / tp=1",
+                    "whole layer: rank-seconds per byte / tp=1",
+                    "read share of rank seconds",
+                ],
                 [
                     [
                         label,
+                        ex["candidates"][name]["experts_over_tp1"].text(2, "x"),
                         ex["candidates"][name]["over_tp1"].text(2, "x"),
                         ex["candidates"][name]["read_share"].text(2),
                     ]

@@ -400,7 +400,7 @@ class RankLoader:
                             byte_range=first.describe(),
                         ) from err
                 # one split for the lease's parts (a slice each cost a torch call apiece)
-                pieces = lease.tensor.split([r.nbytes for _, _, r in items])
+                pieces = lease.tensor.split_with_sizes([r.nbytes for _, _, r in items])
                 for (i, kind, _), piece in zip(items, pieces, strict=True):
                     views[(i, kind)] = piece
         except BaseException:

@@ -80,7 +80,7 @@ def _block(
             f"{what}: scale_inv_f32 must be a 2-D float32 tensor, got "
             f"{scale_inv_f32.dtype} {tuple(scale_inv_f32.shape)}"
         )
-    if w_fp8.device.type != "cpu" or scale_inv_f32.device.type != "cpu":
+    if not (w_fp8.is_cpu and scale_inv_f32.is_cpu):
         raise NumericsError(f"{what}: the fast CPU path takes CPU tensors only")
     if block_n <= 0 or block_k <= 0 or row0 < 0 or col0 < 0:
         raise NumericsError(
@@ -235,7 +235,7 @@ def convert_block_to_mx_packed(
             f"{tuple(out_scale.shape)}"
         )
     for name, t in (("out_weight", out_weight), ("out_scale", out_scale)):
-        if t.device.type != "cpu" or not t.is_contiguous():
+        if not t.is_cpu or not t.is_contiguous():
             raise NumericsError(f"{what}: {name} must be a contiguous CPU tensor")
     s_np = out_scale.numpy()
     kernels.run_convert(
