@@ -7,22 +7,26 @@ set -euo pipefail
 repo="$(cd "$(dirname "$0")/.." && pwd)"
 work="$(mktemp -d "${TMPDIR:-/tmp}/mxload-wheel.XXXXXX")"
 trap 'rm -rf "$work"' EXIT
-python3 -m venv "$work/venv"
-pip="$work/venv/bin/pip"
-"$pip" wheel -q --no-deps "$repo" -w "$work/dist"
 if [ -n "${MXLOAD_WHEEL_DEPS_FROM:-}" ]; then
   # CI: the dependencies the test venv already resolved from the same pyproject are
   # shared through a .pth (its .pth files, the editable mxload's among them, are not
-  # processed from there); the wheel installs without them, and pip check proves that
-  # what it declares is satisfied. Saves installing torch and Ray a second time.
+  # processed from there). The fresh venv has no pip or setuptools of its own (they
+  # would shadow the shared ones); the test venv's pip installs the wheel into it
+  # without dependencies, and pip check proves that what the wheel declares is met.
+  # Saves installing torch and Ray a second time.
+  python3 -m venv --without-pip "$work/venv"
   site="$("$work/venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
   echo "$MXLOAD_WHEEL_DEPS_FROM" > "$site/zz-ci-shared-deps.pth"
-  "$pip" install -q --no-deps "$work"/dist/mxload-*.whl
-  "$pip" check
-  "$work/venv/bin/python" -c 'import mxload, sys; assert mxload.__file__.startswith(sys.prefix), mxload.__file__'
+  pip=(python -m pip --python "$work/venv/bin/python")
+  python -m pip wheel -q --no-deps "$repo" -w "$work/dist"
+  "${pip[@]}" install -q --no-deps "$work"/dist/mxload-*.whl
+  "${pip[@]}" check
+  "$work/venv/bin/python" -c 'import sys, mxload.orchestrator.cli as m; assert m.__file__.startswith(sys.prefix), m.__file__'
 else
-  "$pip" install -q torch==2.13.0
-  "$pip" install -q "$work"/dist/mxload-*.whl
+  python3 -m venv "$work/venv"
+  "$work/venv/bin/pip" install -q torch==2.13.0
+  "$work/venv/bin/pip" wheel -q --no-deps "$repo" -w "$work/dist"
+  "$work/venv/bin/pip" install -q "$work"/dist/mxload-*.whl
 fi
 cd "$work"
 "$work/venv/bin/python" - "$repo" <<'PY'
