@@ -26,9 +26,9 @@ load time; and what page-aware local reads do for experts TP-sharded without EP.
   predicts without request terms (it was recorded before they existed).
 * **TP-sharded experts**: one ``RankLoader`` per rank in this process, Qwen3-30B-A3B expert
   dims (K-split ``down_proj`` rows of 96 bytes at tp=8), rank-seconds per byte at tp=8
-  without EP against tp=1: the default, and one ablation per change (spans through a
-  scratch buffer, every read on the reader thread, one pread per row), each patched in
-  for its own measurement only (``EXPERT_CANDIDATES``).
+  without EP against tp=1: the default, and one ablation per change (every read on the
+  reader thread, one pread per row), each patched in for its own measurement only
+  (``EXPERT_CANDIDATES``).
 
 Every headline is a ratio against a baseline of the same run, median with min-max.
 
@@ -428,8 +428,7 @@ def timemodel_section(work: Path, *, quick: bool, bandwidth: float) -> dict[str,
 
 
 EXPERT_CANDIDATES: dict[str, str] = {
-    "tp8": "tp=8 (default: page-aware reads, spans mapped, small local units inline)",
-    "tp8-buffered": "tp=8, spans copied through a scratch buffer (MAP_SPANS=False)",
+    "tp8": "tp=8 (default: page-aware reads, small local units inline)",
     "tp8-thread": "tp=8, every read on the reader thread (INLINE_READ_BYTES=0)",
     "tp8-rows": "tp=8, one pread per row (the policy before issue 13)",
 }
@@ -454,7 +453,6 @@ def experts_section(work: Path, *, quick: bool) -> dict[str, Any]:
     source = SourceInfo(root=src, quant=q.kind, block_n=q.block_n, block_k=q.block_k)
     plans = {tp: build_plan(meta.config, ParallelLayout(tp=tp), checkpoint=meta) for tp in (1, 8)}
     patches: dict[str, tuple[Any, str, Any]] = {
-        "tp8-buffered": (storage_mod, "MAP_SPANS", False),
         "tp8-thread": (loader_mod, "INLINE_READ_BYTES", 0),
         "tp8-rows": (
             storage_mod,

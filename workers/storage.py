@@ -63,7 +63,6 @@ from __future__ import annotations
 
 import bisect
 import errno
-import mmap
 import os
 import posixpath
 import sys
@@ -1045,68 +1044,17 @@ _GATHER_BYTES = 1 << 20
 per read call, outside the staging pool like a remote response body)."""
 
 
-MAP_SPANS = True
-"""Gather a spanned strided range straight out of a read-only mapping of its pages
-instead of copying the whole span through a scratch buffer first. The pages the OS
-reads are the same (the span, which ``bytes_read`` counts); what changes is the CPU's
-work: a K-split slice at tp = 8 needs one eighth of each row, and copying the other
-seven eighths cost more than the conversion (issue 13 bench: 0.75 ms per 1.5 MB span
-through a buffer, 0.08 ms mapped). False, or a file system that cannot map, reads
-through the buffer."""
-
-
 def _gather_span(
     fd: int, r: ByteRange, dst: memoryview, scratch: list[np.ndarray], stats: StorageStats
 ) -> int:
-    """Gather the rows of strided range ``r`` (gaps under a page) into ``dst``; returns
-    the bytes read: the span, first row's start to last row's end, exactly what
-    ``CoalescePolicy.as_read`` predicts. Mapped when it can be (:data:`MAP_SPANS`),
-    else read in blocks of whole strides through a scratch buffer."""
-    if MAP_SPANS:
-        got = _gather_mapped(fd, r, dst)
-        if got is not None:
-            return got
-    return _gather_buffered(fd, r, dst, scratch, stats)
+    """Read the span of strided range ``r`` in blocks of whole strides and gather its
+    rows into ``dst`` (one request per block); returns the bytes read (the span: first
+    row's start to last row's end, exactly what ``CoalescePolicy.as_read`` predicts).
 
-
-def _gather_mapped(fd: int, r: ByteRange, dst: memoryview) -> int | None:
-    """The rows of ``r`` copied out of a mapping of the span's pages, unmapped before
-    returning (mapped pages would otherwise count as this process's RSS). None when
-    the file cannot be mapped. The file's size is checked first: a file shorter than
-    the span is ShortRead, as a pread would say, never a fault on a missing page (a
-    file truncated *during* the copy would still fault: checkpoints are read-only
-    inputs while a load runs)."""
-    span_end = r.start + (r.count - 1) * r.stride + r.length
-    size = os.fstat(fd).st_size
-    if size < span_end:
-        raise ShortRead(f"short read: the file ends at byte {size}, the range at {span_end}")
-    base = r.start - r.start % mmap.ALLOCATIONGRANULARITY
-    try:
-        m = mmap.mmap(fd, span_end - base, prot=mmap.PROT_READ, offset=base)
-    except (OSError, ValueError):
-        return None
-    src: np.ndarray | None = None
-    rows: np.ndarray | None = None
-    try:
-        src = np.frombuffer(m, dtype=np.uint8)
-        rows = np.lib.stride_tricks.as_strided(
-            src[r.start - base :], shape=(r.count, r.length), strides=(r.stride, 1)
-        )
-        np.copyto(np.frombuffer(dst, dtype=np.uint8).reshape(r.count, r.length), rows)
-    finally:
-        src = rows = None  # release the buffer exports, or the mapping cannot close
-        try:
-            m.close()
-        except BufferError:  # pragma: no cover - an export outlived us: GC unmaps it
-            pass
-    return span_end - r.start
-
-
-def _gather_buffered(
-    fd: int, r: ByteRange, dst: memoryview, scratch: list[np.ndarray], stats: StorageStats
-) -> int:
-    """Read the span of ``r`` in blocks of whole strides and gather its rows into
-    ``dst`` (one request per block)."""
+    Gathering out of a read-only mapping of the span instead was tried (issue 13): a
+    fresh mapping's page faults cost what the copy does (w2 spans at tp = 8: 49 ms
+    mapped, 44 ms copied, per load of the bench's 8 ranks), and a mapping turns a file
+    truncated under the reader into SIGBUS instead of a ShortRead."""
     stride, length, count = r.stride, r.length, r.count
     rows_per_block = max(1, _GATHER_BYTES // stride)
     if not scratch:

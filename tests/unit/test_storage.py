@@ -137,31 +137,23 @@ def test_local_reads_span_rows_under_a_page(ckpt_dir, data):
     assert bytes(out) == expected(data, ranges)
 
 
-@pytest.mark.parametrize("mapped", [True, False], ids=["mapped", "buffered"])
-def test_local_spans_gather_the_same_bytes_mapped_or_buffered(ckpt_dir, data, monkeypatch, mapped):
-    """Rows out of a mapping of the span's pages, or out of a scratch buffer: the same
-    bytes, the same span counted; one request per span when mapped (as the plan counts)."""
+def test_local_spans_gather_rows_off_page_boundaries(ckpt_dir, data, monkeypatch):
+    """Spans starting off a page boundary and ending near the file's end: the right
+    bytes, the span counted, one request per block of whole strides."""
     import mxload.workers.storage as storage_mod
 
-    monkeypatch.setattr(storage_mod, "MAP_SPANS", mapped)
-    monkeypatch.setattr(storage_mod, "_GATHER_BYTES", 1000)  # buffered: 3 rows per block
+    monkeypatch.setattr(storage_mod, "_GATHER_BYTES", 1000)  # 1 and 5 rows a block
     st = Storage(ckpt_dir)
-    # starts off a page boundary, near the file's end (the mapping is page-aligned)
     ranges = [ByteRange(5, 96, 768, 7), ByteRange(SIZE - 3 - 40 * 200 - 40, 40, 200, 41)]
     out = bytearray(sum(r.nbytes for r in ranges))
     fetched = st.read_ranges_into(FILE, ranges, out)
     assert bytes(out) == expected(data, ranges)
     assert fetched == requested_bytes(ranges, LOCAL_POLICY) == sum(r.end - r.start for r in ranges)
-    assert st.stats.requests == (2 if mapped else 7 + 9)  # buffered: 1 and 5 rows a block
+    assert st.stats.requests == 7 + 9
 
 
-@pytest.mark.parametrize("mapped", [True, False], ids=["mapped", "buffered"])
-def test_local_span_past_the_end_of_file_is_a_short_read(ckpt_dir, monkeypatch, mapped):
-    """A span the file does not hold is a clean, retried ShortRead: never a fault on an
-    unbacked page of a mapping."""
-    import mxload.workers.storage as storage_mod
-
-    monkeypatch.setattr(storage_mod, "MAP_SPANS", mapped)
+def test_local_span_past_the_end_of_file_is_a_short_read(ckpt_dir):
+    """A span the file does not hold is a clean, retried ShortRead."""
     st = Storage(ckpt_dir, retry=RetryPolicy(attempts=2), sleep=lambda s: None)
     rng = ByteRange(SIZE - 500, 50, 100, 6)  # the last row ends 50 bytes past the end
     with pytest.raises(StorageError, match=r"2 attempts.*short read"):
@@ -171,7 +163,6 @@ def test_local_span_past_the_end_of_file_is_a_short_read(ckpt_dir, monkeypatch, 
 def test_local_span_reads_in_blocks_and_wide_gaps_row_by_row(ckpt_dir, data, monkeypatch):
     import mxload.workers.storage as storage_mod
 
-    monkeypatch.setattr(storage_mod, "MAP_SPANS", False)
     monkeypatch.setattr(storage_mod, "_GATHER_BYTES", 1000)  # 3 rows of 300 per block
     st = Storage(ckpt_dir)
     spanned = ByteRange(64, 100, 300, 10)
