@@ -659,7 +659,11 @@ class RankLoader:
         # without a fingerprint is never taken to be what a unit holds.
         todo = [not source.fingerprint or self.unit_ids[i] != target for i in range(len(units))]
         try:
-            inline = any(todo) and bool(getattr(self._storage(source), "is_local", False))
+            local = any(todo) and bool(getattr(self._storage(source), "is_local", False))
+
+            def inline(j: int) -> bool:  # read unit j on this thread (INLINE_READ_BYTES)
+                return local and j not in peers and reads[j].nbytes <= INLINE_READ_BYTES
+
             for i, (unit, step) in enumerate(zip(units, steps, strict=True)):
                 if not todo[i]:
                     continue
@@ -667,15 +671,11 @@ class RankLoader:
                     fault_hook(i)
                 if len(step.chunks) == 1:
                     t_r = time.perf_counter()
-                    fut = pending or self._submit(
-                        executor,
-                        inline and i not in peers and reads[i].nbytes <= INLINE_READ_BYTES,
-                        self._read,
-                        unit,
-                        reads[i],
-                        source,
-                        pool,
-                        peers.get(i),
+                    args = (unit, reads[i], source, pool, peers.get(i))
+                    fut = pending or (
+                        _done(self._read, *args)
+                        if inline(i)
+                        else executor.submit(self._read, *args)
                     )
                     pending = None
                     leases, raw, fetched = fut.result()
@@ -688,11 +688,7 @@ class RankLoader:
                         # after it (an accelerator converts meanwhile), any other on the
                         # reader thread now.
                         ahead = self._take_leases(units[i + 1], reads[i + 1], pool)
-                        if (
-                            inline
-                            and i + 1 not in peers
-                            and reads[i + 1].nbytes <= INLINE_READ_BYTES
-                        ):
+                        if inline(i + 1):
                             later = ahead
                         else:
                             pending = executor.submit(
@@ -714,16 +710,7 @@ class RankLoader:
                         raise
                     if later is not None:
                         t_r = time.perf_counter()
-                        pending = self._submit(
-                            executor,
-                            True,
-                            self._fill,
-                            units[i + 1],
-                            reads[i + 1],
-                            source,
-                            pool,
-                            later,
-                        )
+                        pending = _done(self._fill, units[i + 1], reads[i + 1], source, pool, later)
                         stats.read_seconds += time.perf_counter() - t_r
                 else:
                     # Chunks are written one by one: until the last lands the unit holds
@@ -776,22 +763,6 @@ class RankLoader:
         self._checksums: dict[str, str] | None = None
         self.verify_addresses()
         return stats
-
-    @staticmethod
-    def _submit(
-        executor: ThreadPoolExecutor, inline: bool, fn: Callable[..., Any], *args: Any
-    ) -> Future[Any]:
-        """Run a read on the reader thread, or (``inline``) now, on this thread: either
-        way a future, so a failure surfaces when its unit is reached, as it would from
-        the reader thread."""
-        if not inline:
-            return executor.submit(fn, *args)
-        fut: Future[Any] = Future()
-        try:
-            fut.set_result(fn(*args))
-        except BaseException as exc:  # handed to the unit that reads it
-            fut.set_exception(exc)
-        return fut
 
     def _convert_and_write(
         self,
@@ -1003,6 +974,17 @@ class RankLoader:
         """CPU copies of every buffer (for --dump): logical values, what each view reads,
         in its shape (row-major), whatever the storage order."""
         return {n: t.detach().cpu().contiguous() for n, t in self.buffers.items()}
+
+
+def _done(fn: Callable[..., Any], *args: Any) -> Future[Any]:
+    """``fn(*args)`` run now, on this thread, as a finished future: a failure surfaces
+    when its unit is reached, as it would from the reader thread."""
+    fut: Future[Any] = Future()
+    try:
+        fut.set_result(fn(*args))
+    except BaseException as exc:  # handed to the unit that reads it
+        fut.set_exception(exc)
+    return fut
 
 
 def _inverse(perm: Sequence[int]) -> list[int]:
