@@ -1063,6 +1063,7 @@ def _gather_span(
     if buf.nbytes < rows_per_block * stride:
         buf = scratch[0] = np.empty(rows_per_block * stride, dtype=np.uint8)
     out = np.frombuffer(dst, dtype=np.uint8).reshape(count, length)
+    by_row = buf[: rows_per_block * stride].reshape(rows_per_block, stride)
     got = 0
     for a in range(0, count, rows_per_block):
         b = min(count, a + rows_per_block)
@@ -1070,10 +1071,12 @@ def _gather_span(
         nbytes = (b - a) * stride if b < count else (b - a - 1) * stride + length
         _pread_into(fd, memoryview(buf)[:nbytes], r.start + a * stride)
         got += nbytes
-        rows = np.lib.stride_tricks.as_strided(buf, shape=(b - a, length), strides=(stride, 1))
-        out[a:b] = rows
-        stats.add(requests=1)
-    stats.add(requests=-1)  # the caller's _call counted the first
+        # rows of the block: a plain 2-D view (np.lib.stride_tricks.as_strided cost ~30 us
+        # a call, a tenth of a 96-byte-row expert's whole read at tp = 8)
+        out[a:b] = by_row[: b - a, :length]
+    blocks = -(-count // rows_per_block)
+    if blocks > 1:
+        stats.add(requests=blocks - 1)  # one per block; the caller's _call counted the first
     return got
 
 

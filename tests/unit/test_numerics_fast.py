@@ -472,6 +472,161 @@ def test_packed_into_uint8_view_of_moe_stack() -> None:
     assert buf_w.data_ptr() == ptr
 
 
+# --- several parts in one launch (the loader's unit) ---------------------------------------------
+
+# (rows, first source row, first source column) per part, one K for all: a gate/up pair
+# starting mid-tile, a part of zero rows, and K-split slices whose groups straddle tiles.
+UNIT_CASES = {
+    "gate_up_mid_tile": (160, [(96, 40, 0), (72, 200, 0)]),
+    "three_parts_one_empty": (96, [(8, 0, 0), (0, 8, 0), (130, 120, 0)]),
+    "k_split_straddling": (64, [(48, 0, 96), (40, 300, 96)]),
+    "odd_g": (96, [(24, 0, 32), (16, 128, 32)]),
+}
+
+
+def _unit_case(name: str) -> tuple[int, list[tuple[torch.Tensor, torch.Tensor, int, int, int]]]:
+    k, geo = UNIT_CASES[name]
+    gen = torch.Generator().manual_seed(zlib.crc32(name.encode()))
+    parts = []
+    out_row0 = 0
+    for i, (n, row0, col0) in enumerate(geo):
+        w = _random_weight(gen, n, k, "bytes" if i % 2 else "weights")
+        tr = (row0 + n - 1) // 128 - row0 // 128 + 1 if n else 0
+        tc = (col0 + k - 1) // 128 - col0 // 128 + 1
+        parts.append((w, _random_scales(gen, tr, tc, special=i == 0), row0, col0, out_row0))
+        out_row0 += n
+    return k, parts
+
+
+def _reference_stage(k: int, parts: list, n_total: int, dtype: torch.dtype) -> tuple:
+    """Each part through the reference and repack.write_rows, on sentinel-filled buffers
+    (an odd g's pad byte is 0 in every written column)."""
+    pairs = (k // 32 + 1) // 2
+    want_w = torch.full((k, n_total), 0xA5, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    want_s = torch.full((pairs, n_total, 2), 0x5A, dtype=torch.uint8)
+    for w, sc, row0, col0, out_row0 in parts:
+        kw = dict(row0=row0, col0=col0, block_n=128, block_k=128, dtype=dtype)
+        payload, scale_u8 = ref.mx_quantize(ref.resolve_block(w, sc, **kw))
+        repack.write_rows(want_w, want_s, payload, scale_u8, out_row0)
+    return want_w, want_s
+
+
+def _one_lease(parts: list, scales_too: bool, shift: int = 0) -> list:
+    """The parts' payloads (and, with ``scales_too``, then their scales) copied back to
+    back into one buffer, ``shift`` bytes in, as the loader's lease holds them."""
+    sizes = [w.numel() for w, *_ in parts] + (
+        [4 * sc.numel() for _, sc, *_ in parts] if scales_too else []
+    )
+    lease = torch.zeros(shift + sum(sizes), dtype=torch.uint8)
+    pieces = lease[shift:].split_with_sizes(sizes)
+    out = []
+    for i, (w, sc, *rest) in enumerate(parts):
+        pw = pieces[i].view(torch.float8_e4m3fn).view(w.shape)
+        pw.copy_(w)
+        psc = sc
+        if scales_too:
+            psc = pieces[len(parts) + i].view(torch.float32).view(sc.shape)
+            psc.copy_(sc)
+        out.append((pw, psc, *rest))
+    return out
+
+
+@pytest.mark.parametrize("where", ["one_lease", "one_lease_misaligned", "separate"])
+@pytest.mark.parametrize("name", sorted(UNIT_CASES))
+def test_parts_in_one_launch_match_per_part_reference(name: str, where: str) -> None:
+    k, parts = _unit_case(name)
+    if where == "one_lease":
+        parts = _one_lease(parts, scales_too=True)
+    elif where == "one_lease_misaligned":  # payloads at odd offsets: copied, same bytes
+        parts = _one_lease(parts, scales_too=False, shift=3)
+    n_total = sum(w.shape[0] for w, *_ in parts) + 8  # 8 columns no part writes
+    want_w, want_s = _reference_stage(k, parts, n_total, torch.bfloat16)
+    got_w = torch.full((k, n_total), 0xA5, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    got_s = torch.full(want_s.shape, 0x5A, dtype=torch.uint8)
+    fast.convert_parts_to_mx_packed(
+        parts, block_n=128, block_k=128, dtype=torch.bfloat16, out_weight=got_w, out_scale=got_s
+    )
+    _assert_same_payload(got_w, want_w, f"{name} parts payload")
+    assert torch.equal(got_s, want_s), f"{name} parts scales"
+    # the reference backend (one call per part) agrees through the same interface
+    ref_w = torch.full((k, n_total), 0xA5, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    ref_s = torch.full(want_s.shape, 0x5A, dtype=torch.uint8)
+    cpu_ref = backend.select_backend("cpu", prefer_fast=False)
+    cpu_ref.convert_parts_to_mx_packed(
+        [backend.PackedPart(*p) for p in parts], block_n=128, block_k=128,
+        dtype=torch.bfloat16, out_weight=ref_w, out_scale=ref_s,
+    )  # fmt: skip
+    _assert_same_payload(ref_w, want_w, f"{name} reference backend payload")
+    assert torch.equal(ref_s, want_s)
+
+
+def _unit_lease(k: int, parts: list) -> tuple[np.ndarray, np.ndarray, int]:
+    """A lease as the loader lays it out (payloads, then every part's tiles) and its
+    parts table."""
+    table = np.zeros((len(parts), kernels.PART_FIELDS), dtype=np.int64)
+    payload_end = sum(w.numel() for w, *_ in parts)
+    chunks = [w.contiguous().view(torch.uint8).reshape(-1).numpy() for w, *_ in parts]
+    chunks += [sc.contiguous().view(torch.uint8).reshape(-1).numpy() for _, sc, *_ in parts]
+    lease = np.concatenate(chunks) if chunks else np.zeros(0, np.uint8)
+    w_at = tile_at = 0
+    for p, (w, sc, row0, col0, out_row0) in enumerate(parts):
+        table[p] = (w_at, w.shape[0], row0, col0, out_row0, tile_at, sc.shape[0], sc.shape[1])
+        w_at += w.numel()
+        tile_at += sc.numel()
+    aligned = np.empty(lease.size + 8, dtype=np.uint64).view(np.uint8)[: lease.size]
+    aligned[:] = lease
+    return aligned, table, payload_end
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("name", sorted(UNIT_CASES))
+def test_whole_unit_from_its_lease_matches_reference(name: str, dtype: torch.dtype) -> None:
+    k, parts = _unit_case(name)
+    n_total = sum(w.shape[0] for w, *_ in parts)
+    want_w, want_s = _reference_stage(k, parts, n_total, dtype)
+    lease, table, payload_end = _unit_lease(k, parts)
+    geom = fast.unit_geometry(table, payload_end=payload_end, k=k, block_n=128, block_k=128)
+    out = np.full(geom.out_bytes, 0xA5, dtype=np.uint8)
+    fast.convert_unit_packed(lease, geom, dtype=dtype, out=out)
+    got_w = torch.from_numpy(out[: k * n_total].copy()).view(torch.float8_e4m3fn).view(k, n_total)
+    got_s = torch.from_numpy(out[k * n_total :].copy()).view(want_s.shape)
+    _assert_same_payload(got_w, want_w, f"{name} unit payload")
+    assert torch.equal(got_s, want_s), f"{name} unit scales"
+
+
+def test_unit_geometry_refuses_tables_that_do_not_fit() -> None:
+    k, parts = _unit_case("gate_up_mid_tile")
+    lease, table, payload_end = _unit_lease(k, parts)
+    kw = dict(payload_end=payload_end, k=k, block_n=128, block_k=128)
+    fast.unit_geometry(table, **kw)  # the good one passes
+    bad = {
+        "misaligned payload": (0, 0, 4),
+        "payload past its end": (1, 0, payload_end),
+        "overlapping columns": (1, 4, 10),
+        "wrong tile rows": (0, 6, 5),
+        "wrong tile columns": (1, 7, 3),
+        "tiles past the lease": (1, 5, 10_000),
+    }
+    for label, (row, col, value) in bad.items():
+        t = table.copy()
+        t[row, col] = value
+        with pytest.raises(NumericsError, match="parts table"):
+            fast.unit_geometry(t, **kw)
+            pytest.fail(f"{label}: accepted")
+    geom = fast.unit_geometry(table, **kw)
+    out = np.zeros(geom.out_bytes, np.uint8)
+    with pytest.raises(NumericsError, match="lease"):
+        fast.convert_unit_packed(lease[:-4], geom, dtype=torch.bfloat16, out=out)
+    with pytest.raises(NumericsError, match="out"):
+        fast.convert_unit_packed(lease, geom, dtype=torch.bfloat16, out=out[:3])
+    buf = np.empty(lease.size + 16, np.uint8)
+    at = (1 - buf.ctypes.data) % 8  # a lease one byte past a word boundary
+    shifted = buf[at : at + lease.size]
+    shifted[:] = lease
+    with pytest.raises(NumericsError, match="aligned"):
+        fast.convert_unit_packed(shifted, geom, dtype=torch.bfloat16, out=out)
+
+
 # --- bad input ----------------------------------------------------------------------------------
 
 

@@ -20,9 +20,9 @@ measure (SPEC §6).
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from types import ModuleType
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from mxload.orchestrator.errors import UsageError
@@ -34,6 +34,17 @@ ConvertFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
 DEVICE_CHOICES: tuple[str, ...] = ("auto", "npu", "cuda", "cpu")
 """Values of ``--device`` (SPEC §5)."""
+
+
+class PackedPart(NamedTuple):
+    """One part of a unit for :meth:`Backend.convert_parts_to_mx_packed`: the arguments
+    :meth:`Backend.convert_block_to_mx_packed` takes per part."""
+
+    w_fp8: torch.Tensor
+    scale_inv_f32: torch.Tensor
+    row0: int
+    col0: int
+    out_row0: int
 
 
 class Backend:
@@ -54,6 +65,8 @@ class Backend:
         quantize_fn: QuantizeFn | None = None,
         convert_fn: ConvertFn | None = None,
         packed_fn: Callable[..., None] | None = None,
+        parts_fn: Callable[..., None] | None = None,
+        unit_fns: tuple[Callable[..., Any], Callable[..., None]] | None = None,
     ) -> None:
         self.name = name
         self.device = device
@@ -62,6 +75,9 @@ class Backend:
         self._quantize_fn: QuantizeFn = quantize_fn or reference.mx_quantize
         self._convert_fn: ConvertFn | None = convert_fn
         self._packed_fn = packed_fn
+        self._parts_fn = parts_fn
+        self._unit_fns = unit_fns
+        self._on_cpu = device.type == "cpu"
 
     def __repr__(self) -> str:
         return (
@@ -163,6 +179,71 @@ class Backend:
         payload, scale = self.convert_block_to_mx(w_fp8, scale_inv_f32, **kwargs)  # type: ignore[arg-type]
         write_rows(out_weight, out_scale, payload, scale, out_row0)
 
+    def convert_parts_to_mx_packed(
+        self,
+        parts: Sequence[PackedPart],
+        *,
+        block_n: int,
+        block_k: int,
+        dtype: torch.dtype,
+        out_weight: torch.Tensor,
+        out_scale: torch.Tensor,
+    ) -> None:
+        """:meth:`convert_block_to_mx_packed` of every part of a unit (one K), byte for
+        byte: one kernel launch on ``cpu-fast`` (a launch costs about what converting a
+        96-row expert half does), one call per part elsewhere."""
+        if self._parts_fn is not None:
+            self._parts_fn(
+                [(self.to_device(p.w_fp8), self.to_device(p.scale_inv_f32), *p[2:]) for p in parts],
+                block_n=block_n,
+                block_k=block_k,
+                dtype=dtype,
+                out_weight=out_weight,
+                out_scale=out_scale,
+            )
+            return
+        for p in parts:
+            self.convert_block_to_mx_packed(
+                p.w_fp8,
+                p.scale_inv_f32,
+                row0=p.row0,
+                col0=p.col0,
+                block_n=block_n,
+                block_k=block_k,
+                dtype=dtype,
+                out_weight=out_weight,
+                out_scale=out_scale,
+                out_row0=p.out_row0,
+            )
+
+    @property
+    def unit_packed(self) -> bool:
+        """Whether :meth:`convert_unit_packed` is there (``cpu-fast``)."""
+        return self._unit_fns is not None
+
+    def unit_geometry(
+        self, parts: Any, *, payload_end: int, k: int, block_n: int, block_k: int
+    ) -> Any:
+        """Check once where a unit's parts sit in its lease (a plan fact) and return what
+        :meth:`convert_unit_packed` takes (``fast.unit_geometry``). Only where
+        :attr:`unit_packed`."""
+        if self._unit_fns is None:
+            raise NotImplementedError(f"{self.name}: no whole-unit conversion")
+        return self._unit_fns[0](
+            parts, payload_end=payload_end, k=k, block_n=block_n, block_k=block_k
+        )
+
+    def convert_unit_packed(
+        self, lease: Any, geometry: Any, *, dtype: torch.dtype, out: Any
+    ) -> None:
+        """A whole unit from its one staging lease (numpy uint8) into its packed stage, in
+        one kernel launch with no tensor per part (``fast.convert_unit_packed`` says how
+        both are laid out). Only where :attr:`unit_packed`; the loader calls
+        :meth:`convert_parts_to_mx_packed` elsewhere."""
+        if self._unit_fns is None:
+            raise NotImplementedError(f"{self.name}: no whole-unit conversion")
+        self._unit_fns[1](lease, geometry, dtype=dtype, out=out)
+
     # --- device plumbing ----------------------------------------------------------------
 
     @property
@@ -173,6 +254,8 @@ class Backend:
 
     def to_device(self, t: torch.Tensor) -> torch.Tensor:
         """``t`` on this backend's device (no copy when it is already there)."""
+        if self._on_cpu and t.is_cpu:
+            return t
         return t.to(self.device)
 
     def synchronize(self) -> None:
@@ -245,6 +328,12 @@ def _cpu_backend(prefer_fast: bool, why: str) -> Backend:
                 quantize_fn=fast.mx_quantize,
                 convert_fn=fast.convert_block_to_mx,
                 packed_fn=getattr(fast, "convert_block_to_mx_packed", None),
+                parts_fn=getattr(fast, "convert_parts_to_mx_packed", None),
+                unit_fns=(
+                    (fast.unit_geometry, fast.convert_unit_packed)
+                    if hasattr(fast, "unit_geometry") and hasattr(fast, "convert_unit_packed")
+                    else None
+                ),
             )
     return Backend("cpu-reference", cpu, f"cpu: {why}; reference path, {fast_why}")
 

@@ -21,6 +21,9 @@ Limits
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 from mxload.orchestrator.errors import NumericsError
@@ -32,9 +35,12 @@ from mxload.workers.numerics.reference import MODEL_TORCH_DTYPE
 __all__ = [
     "convert_block_to_mx",
     "convert_block_to_mx_packed",
+    "convert_parts_to_mx_packed",
+    "convert_unit_packed",
     "fast_available",
     "mx_quantize",
     "resolve_block",
+    "unit_geometry",
 ]
 
 _MODES: dict[torch.dtype, int] = {t: kernels.MODE_OF[name] for name, t in MODEL_TORCH_DTYPE.items()}
@@ -210,24 +216,45 @@ def convert_block_to_mx_packed(
     included, as long as they are contiguous). Equals ``repack.write_rows`` of
     :func:`convert_block_to_mx`'s result, byte for byte.
     """
+    convert_parts_to_mx_packed(
+        [(w_fp8, scale_inv_f32, row0, col0, out_row0)],
+        block_n=block_n,
+        block_k=block_k,
+        dtype=dtype,
+        out_weight=out_weight,
+        out_scale=out_scale,
+        what="convert_block_to_mx_packed",
+    )
+
+
+def convert_parts_to_mx_packed(
+    parts: Sequence[tuple[torch.Tensor, torch.Tensor, int, int, int]],
+    *,
+    block_n: int,
+    block_k: int,
+    dtype: torch.dtype,
+    out_weight: torch.Tensor,
+    out_scale: torch.Tensor,
+    what: str = "convert_parts_to_mx_packed",
+) -> None:
+    """:func:`convert_block_to_mx_packed` of every ``(w_fp8, scale_inv_f32, row0, col0,
+    out_row0)`` part (one K for all) in one kernel launch: what the loader calls for a
+    unit, such as an expert's gate and up. Byte for byte the same as one call per part.
+
+    The payloads are read in place when they are views of one buffer at offsets that are
+    multiples of 8 (a staging lease split per part); otherwise they are copied once into
+    an aligned buffer first."""
     kernels.require()
-    what = "convert_block_to_mx_packed"
     mode = _mode(dtype, what)
-    b = _block(w_fp8, scale_inv_f32, row0, col0, block_n, block_k, what)
-    if b.k % MX_GROUP != 0:
-        raise NumericsError(f"{what}: K = {b.k} is not a multiple of {MX_GROUP} (SPEC §2.2)")
-    g = b.k // MX_GROUP
     if out_weight.dtype not in (torch.float8_e4m3fn, torch.uint8) or out_weight.dim() != 2:
         raise NumericsError(
             f"{what}: out_weight must be a 2-D float8_e4m3fn or uint8 tensor, got "
             f"{out_weight.dtype} {tuple(out_weight.shape)}"
         )
-    n_total = out_weight.shape[1]
-    if out_weight.shape[0] != b.k or out_row0 < 0 or out_row0 + b.n > n_total:
-        raise NumericsError(
-            f"{what}: a [{b.n}, {b.k}] block at column {out_row0} does not fit out_weight "
-            f"{tuple(out_weight.shape)} ([K, N_total])"
-        )
+    k, n_total = out_weight.shape
+    if k % MX_GROUP != 0:
+        raise NumericsError(f"{what}: K = {k} is not a multiple of {MX_GROUP} (SPEC §2.2)")
+    g = k // MX_GROUP
     want_scale = (ceil_div(g, MX_PAIR), n_total, MX_PAIR)
     if out_scale.dtype != torch.uint8 or tuple(out_scale.shape) != want_scale:
         raise NumericsError(
@@ -237,11 +264,183 @@ def convert_block_to_mx_packed(
     for name, t in (("out_weight", out_weight), ("out_scale", out_scale)):
         if not t.is_cpu or not t.is_contiguous():
             raise NumericsError(f"{what}: {name} must be a contiguous CPU tensor")
+    if block_n <= 0 or block_k <= 0:
+        raise NumericsError(f"{what}: bad block ({block_n}, {block_k})")
+    table = np.empty((len(parts), kernels.PART_FIELDS), dtype=np.int64)
+    payloads: list[torch.Tensor] = []
+    scales: list[np.ndarray] = []
+    sb0 = 0
+    for p, (w, sc, row0, col0, out_row0) in enumerate(parts):
+        if w.dtype != torch.float8_e4m3fn or w.dim() != 2 or w.shape[1] != k:
+            raise NumericsError(
+                f"{what}: part {p}: w_fp8 must be a 2-D float8_e4m3fn tensor of {k} columns "
+                f"(out_weight's K), got {w.dtype} {tuple(w.shape)}"
+            )
+        if sc.dtype != torch.float32 or sc.dim() != 2:
+            raise NumericsError(
+                f"{what}: part {p}: scale_inv_f32 must be a 2-D float32 tensor, got "
+                f"{sc.dtype} {tuple(sc.shape)}"
+            )
+        if not (w.is_cpu and sc.is_cpu):
+            raise NumericsError(f"{what}: the fast CPU path takes CPU tensors only")
+        n = w.shape[0]
+        if row0 < 0 or col0 < 0:
+            raise NumericsError(f"{what}: part {p}: bad geometry row0={row0} col0={col0}")
+        if out_row0 < 0 or out_row0 + n > n_total:
+            raise NumericsError(
+                f"{what}: a [{n}, {k}] block at column {out_row0} does not fit out_weight "
+                f"{tuple(out_weight.shape)} ([K, N_total])"
+            )
+        ti = (row0 + n - 1) // block_n - row0 // block_n + 1 if n else 0
+        tj = (col0 + k - 1) // block_k - col0 // block_k + 1 if k else 0
+        if tuple(sc.shape) != (ti, tj):
+            raise NumericsError(
+                f"{what}: weight slice rows [{row0}, {row0 + n}) cols [{col0}, {col0 + k}) "
+                f"with block ({block_n}, {block_k}) is covered by {ti}x{tj} tiles starting at "
+                f"tile ({row0 // block_n}, {col0 // block_k}); got a scale of shape "
+                f"{tuple(sc.shape)}"
+            )
+        table[p] = (0, n, row0, col0, out_row0, sb0, ti, tj)
+        sb0 += ti * tj
+        payloads.append(w if w.is_contiguous() else w.contiguous())
+        scales.append(sc.contiguous().view(torch.int32).numpy().reshape(-1))
+    if not parts:
+        return
+    src = _payload_source(payloads, table)
+    sbits = (scales[0] if len(scales) == 1 else np.concatenate(scales)).view(np.uint32)
     s_np = out_scale.numpy()
-    kernels.run_convert(
-        b, row0, col0, block_n, block_k, mode, True,
-        out_weight.view(torch.uint8).view(-1).numpy(), s_np.reshape(-1),
-        n_total, out_row0, _threads(),
+    kernels.run_convert_parts(
+        src, k, table, sbits, block_n, block_k, mode,
+        out_weight.view(torch.uint8).view(-1).numpy(), s_np.reshape(-1), n_total,
+        int(table[:, 1].sum()), _threads(),
     )  # fmt: skip
-    if g % MX_PAIR and b.n:
-        s_np[-1, out_row0 : out_row0 + b.n, 1] = 0  # SPEC §2.3: odd g pads with 0
+    if g % MX_PAIR:
+        for _, n, _, _, out_row0, *_ in table.tolist():
+            s_np[-1, out_row0 : out_row0 + n, 1] = 0  # SPEC §2.3: odd g pads with 0
+
+
+@dataclass(frozen=True)
+class UnitGeometry:
+    """Where the parts of a unit sit in its staging lease and in its packed stage, for
+    :func:`convert_unit_packed`; made and checked once per unit by :func:`unit_geometry`
+    (a plan fact: the same for every load and reload)."""
+
+    parts: np.ndarray
+    """int64 ``[P, kernels.PART_FIELDS]``, read-only."""
+    payload_end: int
+    k: int
+    block_n: int
+    block_k: int
+    n_total: int
+    lease_bytes: int
+    out_bytes: int
+
+
+def unit_geometry(
+    parts: np.ndarray, *, payload_end: int, k: int, block_n: int, block_k: int
+) -> UnitGeometry:
+    """Check a parts table against the lease layout :func:`convert_unit_packed` reads:
+    the parts' row-major ``[n, k]`` payloads at offsets ``parts[:, 0]`` (multiples of 8)
+    below ``payload_end``, then the float32 covering tiles of every part, part ``p``'s
+    from element ``parts[p, 5]``, with ``parts[p, 6:8]`` the tile rows and columns its
+    slice (rows from ``parts[p, 2]``, columns from ``parts[p, 3]``) needs; part ``p``
+    goes to columns ``parts[p, 4]`` onward of the stage."""
+    what = "unit_geometry"
+    if k % MX_GROUP or k <= 0:
+        raise NumericsError(f"{what}: K = {k} is not a positive multiple of {MX_GROUP}")
+    if block_n <= 0 or block_k <= 0 or payload_end % 8:
+        raise NumericsError(f"{what}: bad block ({block_n}, {block_k}) or payload end")
+    parts = np.array(parts, dtype=np.int64, copy=True).reshape(-1, kernels.PART_FIELDS)
+    n, row0, col0, out0 = parts[:, 1], parts[:, 2], parts[:, 3], parts[:, 4]
+    n_total = int(n.sum())
+    ti = np.where(n > 0, (row0 + n - 1) // block_n - row0 // block_n + 1, 0)
+    tj = (col0 + k - 1) // block_k - col0 // block_k + 1
+    n_tiles = int((parts[:, 6] * parts[:, 7]).sum())
+    columns = np.zeros(n_total + 1, dtype=np.int64)
+    for c0, rows in zip(out0.tolist(), n.tolist(), strict=True):
+        if 0 <= c0 and c0 + rows <= n_total:
+            columns[c0 : c0 + rows] += 1
+    if (
+        (n < 0).any()
+        or (parts[:, 0] % 8).any()
+        or (parts[:, 0] < 0).any()
+        or (parts[:, 0] + n * k > payload_end).any()
+        or (row0 < 0).any()
+        or (col0 < 0).any()
+        or (columns[:n_total] != 1).any()
+        or (parts[:, 6] != ti).any()
+        or (parts[:, 7] != tj).any()
+        or (parts[:, 5] < 0).any()
+        or (parts[:, 5] + ti * tj > n_tiles).any()
+    ):
+        raise NumericsError(
+            f"{what}: the parts table does not describe a unit of K = {k} in a lease "
+            f"whose payloads end at {payload_end}:\n{parts}"
+        )
+    parts.flags.writeable = False
+    g2 = ceil_div(k // MX_GROUP, MX_PAIR)
+    return UnitGeometry(
+        parts=parts,
+        payload_end=payload_end,
+        k=k,
+        block_n=block_n,
+        block_k=block_k,
+        n_total=n_total,
+        lease_bytes=payload_end + 4 * n_tiles,
+        out_bytes=k * n_total + g2 * n_total * MX_PAIR,
+    )
+
+
+def convert_unit_packed(
+    lease: np.ndarray, geom: UnitGeometry, *, dtype: torch.dtype, out: np.ndarray
+) -> None:
+    """A whole unit from its staging lease into its packed stage, in one launch: the
+    loader's call on ``cpu-fast`` when a unit's bytes are one lease (every part in one
+    file). Byte for byte what :func:`convert_parts_to_mx_packed` writes, with no tensor
+    per part (a unit's Python cost was as large as a tp = 8 expert's conversion).
+
+    ``lease``: uint8 laid out as ``geom`` says (:func:`unit_geometry`), 8-byte aligned.
+    ``out``: uint8 ``[K, N]`` then ``[ceil(g/2), N, 2]``, back to back (N: the rows of
+    all parts); the pad byte of an odd ``g`` is written 0 in every column. The caller
+    has checked the scales (``scales.check_block_scales``)."""
+    kernels.require()
+    what = "convert_unit_packed"
+    mode = _mode(dtype, what)
+    if lease.dtype != np.uint8 or lease.size != geom.lease_bytes:
+        raise NumericsError(f"{what}: the lease is not the {geom.lease_bytes} bytes of its unit")
+    if out.dtype != np.uint8 or out.size != geom.out_bytes:
+        raise NumericsError(f"{what}: out is not the {geom.out_bytes} bytes of the packed stage")
+    k, n_total = geom.k, geom.n_total
+    q, sc = out[: k * n_total], out[k * n_total :]
+    kernels.run_convert_parts(
+        lease[: geom.payload_end], k, geom.parts,
+        lease[geom.payload_end :].view(np.uint32), geom.block_n, geom.block_k, mode, q, sc,
+        n_total, n_total, _threads(),
+    )  # fmt: skip
+    g = k // MX_GROUP
+    if g % MX_PAIR and n_total:
+        sc.reshape(-1, n_total, MX_PAIR)[-1, :, 1] = 0  # SPEC §2.3: odd g pads with 0
+
+
+def _payload_source(payloads: Sequence[torch.Tensor], table: np.ndarray) -> np.ndarray:
+    """One 8-byte aligned uint8 array holding every part's payload; fills the offsets
+    column of ``table``. No copy when the payloads are views of one storage at offsets
+    that are multiples of 8 (the loader's lease); else one copy into a fresh array."""
+    storage = payloads[0].untyped_storage()
+    base = storage.data_ptr()
+    offsets = [w.data_ptr() - base for w in payloads]
+    same = all(w.untyped_storage().data_ptr() == base for w in payloads[1:])
+    if same and base % 8 == 0 and all(o % 8 == 0 for o in offsets):
+        end = max(o + w.numel() for o, w in zip(offsets, payloads, strict=True))
+        table[:, 0] = offsets
+        whole = torch.empty(0, dtype=torch.uint8).set_(storage)
+        return whole[:end].numpy()
+    # K is a multiple of 32, so back-to-back payloads keep 8-byte offsets
+    src = np.empty(sum(w.numel() for w in payloads), dtype=np.uint64).view(np.uint8)
+    at = 0
+    for p, w in enumerate(payloads):
+        nbytes = w.numel()
+        src[at : at + nbytes] = w.view(torch.uint8).reshape(-1).numpy()
+        table[p, 0] = at
+        at += nbytes
+    return src

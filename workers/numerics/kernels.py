@@ -728,47 +728,79 @@ def _convert_item(
             s_out[base + 2 * i] = s_loc[i, g]
 
 
+PART_FIELDS = 8
+"""Columns of a parts table (:func:`run_convert_parts`): payload offset in ``src``,
+rows, first source row, first source column, first output column (packed), offset of
+the part's tiles in ``sbits``, tile rows, tile columns."""
+
+
 @njit(**_PJIT)
 def _convert_kernel(
-    w: np.ndarray,  # uint8 [n * k], row-major, k % 32 == 0
-    w64: np.ndarray,  # uint64 view of w
-    n: int,
+    src: np.ndarray,  # uint8 flat: every part's [n, k] payload, row-major, k % 32 == 0
+    src64: np.ndarray,  # uint64 view of src (part offsets are multiples of 8)
     k: int,
-    sbits: np.ndarray,  # uint32 [TI, TJ], f32 bits of the covering tiles
+    parts: np.ndarray,  # int64 [P, PART_FIELDS]
+    sbits: np.ndarray,  # uint32 flat: every part's [TI, TJ] covering tiles (f32 bits)
     sf: np.ndarray,  # float32 view of the same
-    row0: int,
-    col0: int,
     bn: int,
     bk: int,
     mode: int,
     packed: bool,
-    q_out: np.ndarray,  # uint8 flat: [n, k] row-major, or (packed) [k, n_total]
+    q_out: np.ndarray,  # uint8 flat: [n, k] row-major (one part), or (packed) [k, n_total]
     q64: np.ndarray,  # (packed) uint64 view of q_out when 8-byte aligned with n_total % 8 == 0
     n_total: int,
-    out_row0: int,
     s_out: np.ndarray,  # uint8 flat: [n, g] row-major, or (packed) [ceil(g/2), n_total, 2]
     rows_per_item: int,
 ) -> None:
+    """Every part of a unit in one launch: its tables first (serially, they are small),
+    then one parallel loop over the work items of all parts, so a unit of several small
+    parts (an expert's gate and up at tp = 8) pays one launch and its items balance
+    over the threads together."""
+    n_parts = parts.shape[0]
     ng = k // 32
-    t_r0 = row0 // bn
-    t_c0 = col0 // bk
-    n_tiles = sbits.shape[0] * sbits.shape[1]
-    r32 = np.empty((n_tiles, 128), dtype=np.int64)
-    s_tab = np.empty((n_tiles, 128), dtype=np.uint8)
-    _tile_tables(sbits, sf, mode, r32, s_tab)
+    tile0 = np.empty(n_parts + 1, dtype=np.int64)
+    tile0[0] = 0
+    n_items = 0
+    for p in range(n_parts):
+        tile0[p + 1] = tile0[p] + parts[p, 6] * parts[p, 7]
+        n_items += _row_chunks(parts[p, 1], parts[p, 2], bn, rows_per_item).shape[0]
+    r32 = np.empty((tile0[n_parts], 128), dtype=np.int64)
+    s_tab = np.empty((tile0[n_parts], 128), dtype=np.uint8)
     # Column tile of each group (by its first column) and whether it straddles two tiles.
-    g_tile = np.empty(ng, dtype=np.int64)
-    g_split = np.empty(ng, dtype=np.bool_)
-    for g in range(ng):
-        c = col0 + 32 * g
-        g_tile[g] = c // bk - t_c0
-        g_split[g] = (c + 31) // bk != c // bk
-    chunks = _row_chunks(n, row0, bn, rows_per_item)
-    for it in prange(chunks.shape[0]):
-        r_lo = chunks[it, 0]
+    g_tile = np.empty((n_parts, ng), dtype=np.int64)
+    g_split = np.empty((n_parts, ng), dtype=np.bool_)
+    items = np.empty((n_items, 3), dtype=np.int64)  # (part, first row, end row)
+    j = 0
+    for p in range(n_parts):
+        n, row0, col0 = parts[p, 1], parts[p, 2], parts[p, 3]
+        sb0, ti_n, tj_n = parts[p, 5], parts[p, 6], parts[p, 7]
+        _tile_tables(
+            sbits[sb0 : sb0 + ti_n * tj_n].reshape((ti_n, tj_n)),
+            sf[sb0 : sb0 + ti_n * tj_n].reshape((ti_n, tj_n)),
+            mode, r32[tile0[p] : tile0[p + 1]], s_tab[tile0[p] : tile0[p + 1]],
+        )  # fmt: skip
+        t_c0 = col0 // bk
+        for g in range(ng):
+            c = col0 + 32 * g
+            g_tile[p, g] = c // bk - t_c0
+            g_split[p, g] = (c + 31) // bk != c // bk
+        chunks = _row_chunks(n, row0, bn, rows_per_item)
+        for c in range(chunks.shape[0]):
+            items[j, 0] = p
+            items[j, 1] = chunks[c, 0]
+            items[j, 2] = chunks[c, 1]
+            j += 1
+    for it in prange(n_items):
+        p = items[it, 0]
+        r_lo = items[it, 1]
+        w0, n, row0, col0 = parts[p, 0], parts[p, 1], parts[p, 2], parts[p, 3]
+        sb0, ti_n, tj_n = parts[p, 5], parts[p, 6], parts[p, 7]
         _convert_item(
-            w, w64, k, r_lo, chunks[it, 1], (row0 + r_lo) // bn - t_r0, sbits, col0, bk,
-            r32, s_tab, g_tile, g_split, packed, q_out, q64, n_total, out_row0, s_out,
+            src[w0 : w0 + n * k], src64[w0 >> 3 : (w0 + n * k) >> 3], k, r_lo, items[it, 2],
+            (row0 + r_lo) // bn - row0 // bn,
+            sbits[sb0 : sb0 + ti_n * tj_n].reshape((ti_n, tj_n)), col0, bk,
+            r32[tile0[p] : tile0[p + 1]], s_tab[tile0[p] : tile0[p + 1]],
+            g_tile[p], g_split[p], packed, q_out, q64, n_total, parts[p, 4], s_out,
         )  # fmt: skip
 
 
@@ -931,8 +963,10 @@ def make_block(w: np.ndarray, n: int, k: int, sbits: np.ndarray) -> Block:
 def words(q_np: np.ndarray, n_total: int) -> np.ndarray:
     """uint64 view of a packed payload buffer, or an empty array where rows of the
     kernel layout are not all 8-byte aligned (then the kernel copies bytes)."""
-    if n_total % 8 == 0 and q_np.ctypes.data % 8 == 0 and q_np.size % 8 == 0:
-        return q_np.view(np.uint64)
+    if n_total % 8 == 0 and q_np.size % 8 == 0:
+        q64 = q_np.view(np.uint64)  # numpy flags a misaligned view (cheaper than .ctypes)
+        if q64.flags.aligned:
+            return q64
     return np.zeros(0, dtype=np.uint64)
 
 
@@ -967,11 +1001,47 @@ def run_convert(
     kernel layout of SPEC §2.3 at column ``out_row0`` of ``n_total``."""
     if b.n == 0 or b.k == 0:
         return
+    ti, tj = b.sbits.shape
+    parts = np.array([[0, b.n, row0, col0, out_row0, 0, ti, tj]], dtype=np.int64)
     with LOCK:
         set_threads(threads)
         _convert_kernel(
-            b.w, b.w64, b.n, b.k, b.sbits, b.sf, row0, col0, bn, bk, mode,
-            packed, q_np, words(q_np, n_total), n_total, out_row0, s_np, rows_per_item(b.n),
+            b.w, b.w64, b.k, parts, b.sbits.reshape(-1), b.sf.reshape(-1), bn, bk, mode,
+            packed, q_np, words(q_np, n_total), n_total, s_np, rows_per_item(b.n),
+        )  # fmt: skip
+
+
+def run_convert_parts(
+    src: np.ndarray,
+    k: int,
+    parts: np.ndarray,
+    sbits: np.ndarray,
+    bn: int,
+    bk: int,
+    mode: int,
+    q_np: np.ndarray,
+    s_np: np.ndarray,
+    n_total: int,
+    rows: int,
+    threads: int,
+) -> None:
+    """Several parts of one unit into the kernel layout (SPEC §2.3) in one launch.
+
+    ``src``: 8-byte aligned uint8 holding every part's row-major ``[n, k]`` payload at an
+    offset that is a multiple of 8; ``parts``: int64 ``[P, PART_FIELDS]`` whose rows add
+    up to ``rows`` (at most ``n_total``, the packed output's columns); ``sbits``:
+    uint32, every part's covering tiles row-major at its offset. The caller validates
+    the geometry (``fast.convert_parts_to_mx_packed``, ``fast.convert_unit_packed``)."""
+    if rows == 0 or k == 0:
+        return
+    src64 = src.view(np.uint64)
+    if not src64.flags.aligned:
+        raise NumericsError("run_convert_parts: src is not 8-byte aligned")
+    with LOCK:
+        set_threads(threads)
+        _convert_kernel(
+            src, src64, k, parts, sbits, sbits.view(np.float32), bn, bk, mode,
+            True, q_np, words(q_np, n_total), n_total, s_np, rows_per_item(rows),
         )  # fmt: skip
 
 
