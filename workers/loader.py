@@ -30,7 +30,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import torch
 from mxload.orchestrator.errors import (
     AddressMoved,
@@ -224,8 +223,6 @@ class RankLoader:
         self._peer_get: Callable[[Any], Any] | None = None
         self._run_stats: RunStats | None = None
         self._stats_lock = threading.Lock()  # the reader thread counts too
-        self._layouts: dict[int, tuple[UnitReads, Unit, tuple[int, int], Any]] = {}
-        """id(reads) -> (reads, unit, block, _unit_layout's answer): plan facts, kept."""
 
     # --- buffers -------------------------------------------------------------------------
 
@@ -321,13 +318,9 @@ class RankLoader:
         what the schedule predicts however the two threads interleave (taken on the reader
         thread, a fast copy unit could release its lease first and the peak come out lower
         than predicted, by up to 2x)."""
-        # A file's lease holds its parts' weights first, then their scales: a unit read
-        # from one file is then one payload region and one region of scale tiles, which
-        # the whole-unit conversion takes as they are (_unit_layout).
         by_file: dict[str, list[tuple[int, str, ByteRange]]] = {}
         for i, pr in enumerate(reads.parts):
             by_file.setdefault(pr.file, []).append((i, "w", pr.weight))
-        for i, pr in enumerate(reads.parts):
             if pr.scale is not None:
                 by_file.setdefault(pr.scale_file or pr.file, []).append((i, "s", pr.scale))
         taken: _Leased = []
@@ -425,7 +418,6 @@ class RankLoader:
         unit: Unit,
         reads: UnitReads,
         raw: list[tuple[torch.Tensor, torch.Tensor | None]],
-        leases: list[Lease],
         source: SourceInfo,
         pool: StagingPool,
         opts: ConvertOptions,
@@ -459,24 +451,7 @@ class RankLoader:
         writes: list[Callable[[], None]] = []
         packed_parts: list[PackedPart] = []
         mx = unit.layout in ("mx_linear", "mx_moe")
-        layout = (
-            self._unit_layout(unit, reads, leases, source.block_n, source.block_k)
-            if staged_packed and be.unit_packed and len(leases) == 1
-            else None
-        )
-        if layout is not None:
-            # cpu-fast, one lease: the scales of every part in one check, the unit in one
-            # launch, and no tensor per part
-            geometry, payload_end = layout
-            arr = leases[0].tensor.numpy()
-            tiles = arr[payload_end:].view(np.float32)
-            if not (tiles.min() > 0 and (source.allow_nonfinite or tiles.max() < np.inf)):
-                self._check_part_scales(unit, reads, raw, source)  # names the bad tile
-            packed = self._packed_stage(unit, pool, pad=False)
-            reservations.append(packed[0])
-            be.convert_unit_packed(arr, geometry, dtype=dtype, out=packed[0].tensor.numpy())
-        generic = () if layout is not None else zip(unit.parts, reads.parts, raw, strict=True)
-        for part, pr, (wb, sb) in generic:
+        for part, pr, (wb, sb) in zip(unit.parts, reads.parts, raw, strict=True):
             nr, nc = part.nrows, part.ncols
             row = row_base + part.dst_row
             w = _typed(wb, SAFETENSORS_TO_TORCH[pr.weight_dtype], (nr, nc))
@@ -536,7 +511,7 @@ class RankLoader:
                 else:
                     x = be.to_device(w)
                 writes.append(lambda x=x, r=row, n=nr: w_buf[r : r + n].copy_(x))
-        if staged_packed and layout is None:
+        if staged_packed:
             # Every part in one call: one kernel launch per unit on cpu-fast.
             packed = self._packed_stage(unit, pool)
             reservations.append(packed[0])
@@ -570,92 +545,8 @@ class RankLoader:
                 start = max(start, hi)
         return reservations, writes
 
-    def _unit_layout(
-        self, unit: Unit, reads: UnitReads, leases: list[Lease], block_n: int, block_k: int
-    ) -> tuple[Any, int] | None:
-        """Where a block-FP8 unit read into one lease has its parts: the backend's checked
-        geometry (``fast.unit_geometry``) and the end of the payload region (the scale
-        tiles follow it; ``_take_leases`` lays a lease out so). None when the unit does not
-        fit that shape. A plan fact: computed once per unit and kept."""
-        key = id(reads)
-        hit = self._layouts.get(key)
-        if hit is not None and hit[0] is reads and hit[1] is unit and hit[2] == (block_n, block_k):
-            return hit[3]
-        from mxload.workers.numerics.kernels import PART_FIELDS
-
-        if len(self._layouts) > 4 * len(self.plan.units):  # row chunks' reads are new objects
-            self._layouts.clear()
-        layout: tuple[Any, int] | None = None
-        k = unit.cols
-        files = {pr.file for pr in reads.parts} | {pr.scale_file or pr.file for pr in reads.parts}
-        ok = (
-            len(files) == 1
-            and k % MX_GROUP == 0
-            and all(
-                pr.scale is not None and pr.weight_dtype == "F8_E4M3" and pr.scale_dtype == "F32"
-                for pr in reads.parts
-            )
-            and all(
-                pr.weight.nbytes == part.nrows * k
-                for part, pr in zip(unit.parts, reads.parts, strict=True)
-            )
-        )
-        if ok:
-            table = np.empty((len(unit.parts), PART_FIELDS), dtype=np.int64)
-            w_at = 0
-            tile_at = 0
-            for p, (part, pr) in enumerate(zip(unit.parts, reads.parts, strict=True)):
-                ti = pr.tile_rows[1] - pr.tile_rows[0]
-                tj = pr.tile_cols[1] - pr.tile_cols[0]
-                assert pr.scale is not None
-                ok = ok and pr.scale.nbytes == 4 * ti * tj
-                table[p] = (
-                    w_at,
-                    part.nrows,
-                    part.rows[0],
-                    part.cols[0],
-                    part.dst_row,
-                    tile_at,
-                    ti,
-                    tj,
-                )
-                w_at += pr.weight.nbytes
-                tile_at += ti * tj
-            if ok and w_at % 8 == 0 and w_at + 4 * tile_at == leases[0].nbytes:
-                geometry = self.backend.unit_geometry(
-                    table, payload_end=w_at, k=k, block_n=block_n, block_k=block_k
-                )
-                layout = (geometry, w_at)
-        self._layouts[key] = (reads, unit, (block_n, block_k), layout)
-        return layout
-
-    def _check_part_scales(
-        self,
-        unit: Unit,
-        reads: UnitReads,
-        raw: list[tuple[torch.Tensor, torch.Tensor | None]],
-        source: SourceInfo,
-    ) -> None:
-        """Every part's block scales, one by one: raises NonFiniteScale naming the
-        tensor, file and tile of the first bad one (SPEC §1.1)."""
-        from mxload.workers.numerics.reference import check_block_scales
-
-        for part, pr, (_, sb) in zip(unit.parts, reads.parts, raw, strict=True):
-            if sb is None:
-                continue
-            tr = pr.tile_rows[1] - pr.tile_rows[0]
-            tc = pr.tile_cols[1] - pr.tile_cols[0]
-            check_block_scales(
-                _typed(sb, torch.float32, (tr, tc)),
-                tensor=f"{part.module}.weight_scale_inv",
-                file=pr.scale_file or pr.file,
-                tile_row0=pr.tile_rows[0],
-                tile_col0=pr.tile_cols[0],
-                allow_nonfinite=source.allow_nonfinite,
-            )
-
     def _packed_stage(
-        self, unit: Unit, pool: StagingPool, *, pad: bool = True
+        self, unit: Unit, pool: StagingPool
     ) -> tuple[Lease, torch.Tensor, torch.Tensor]:
         """Staging for one MX unit in its kernel layout: payload ``[K, rows]`` and paired
         scales ``[ceil(g/2), rows, 2]``, carved from one pool lease."""
@@ -664,7 +555,7 @@ class RankLoader:
         lease = pool.take(k * n + g2 * n * 2, device=self.backend.device, tag=f"out {unit.buffer}")
         stage_w = lease.tensor[: k * n].view(torch.float8_e4m3fn).view(k, n)
         stage_s = lease.tensor[k * n :].view(g2, n, 2)
-        if pad and (k // MX_GROUP) % 2:  # (the whole-unit conversion writes it itself)
+        if (k // MX_GROUP) % 2:
             stage_s[-1, :, 1].zero_()
         return lease, stage_w, stage_s
 
@@ -892,9 +783,7 @@ class RankLoader:
         try:
             t_c = time.perf_counter()
             try:
-                reservations, writes = self._convert(
-                    unit, reads, raw, leases, source, pool, opts, row_base
-                )
+                reservations, writes = self._convert(unit, reads, raw, source, pool, opts, row_base)
             except MxloadError:
                 raise
             except Exception as err:  # a numerics failure names rank and tensor

@@ -66,7 +66,6 @@ class Backend:
         convert_fn: ConvertFn | None = None,
         packed_fn: Callable[..., None] | None = None,
         parts_fn: Callable[..., None] | None = None,
-        unit_fns: tuple[Callable[..., Any], Callable[..., None]] | None = None,
     ) -> None:
         self.name = name
         self.device = device
@@ -76,7 +75,6 @@ class Backend:
         self._convert_fn: ConvertFn | None = convert_fn
         self._packed_fn = packed_fn
         self._parts_fn = parts_fn
-        self._unit_fns = unit_fns
         self._on_cpu = device.type == "cpu"
 
     def __repr__(self) -> str:
@@ -190,8 +188,9 @@ class Backend:
         out_scale: torch.Tensor,
     ) -> None:
         """:meth:`convert_block_to_mx_packed` of every part of a unit (one K), byte for
-        byte: one kernel launch on ``cpu-fast`` (a launch costs about what converting a
-        96-row expert half does), one call per part elsewhere."""
+        byte: one kernel launch on ``cpu-fast`` (a call had about 0.1 ms of fixed cost
+        on 2 cores, a third of a tp = 8 expert half's conversion), one call per part
+        elsewhere."""
         if self._parts_fn is not None:
             self._parts_fn(
                 [(self.to_device(p.w_fp8), self.to_device(p.scale_inv_f32), *p[2:]) for p in parts],
@@ -215,34 +214,6 @@ class Backend:
                 out_scale=out_scale,
                 out_row0=p.out_row0,
             )
-
-    @property
-    def unit_packed(self) -> bool:
-        """Whether :meth:`convert_unit_packed` is there (``cpu-fast``)."""
-        return self._unit_fns is not None
-
-    def unit_geometry(
-        self, parts: Any, *, payload_end: int, k: int, block_n: int, block_k: int
-    ) -> Any:
-        """Check once where a unit's parts sit in its lease (a plan fact) and return what
-        :meth:`convert_unit_packed` takes (``fast.unit_geometry``). Only where
-        :attr:`unit_packed`."""
-        if self._unit_fns is None:
-            raise NotImplementedError(f"{self.name}: no whole-unit conversion")
-        return self._unit_fns[0](
-            parts, payload_end=payload_end, k=k, block_n=block_n, block_k=block_k
-        )
-
-    def convert_unit_packed(
-        self, lease: Any, geometry: Any, *, dtype: torch.dtype, out: Any
-    ) -> None:
-        """A whole unit from its one staging lease (numpy uint8) into its packed stage, in
-        one kernel launch with no tensor per part (``fast.convert_unit_packed`` says how
-        both are laid out). Only where :attr:`unit_packed`; the loader calls
-        :meth:`convert_parts_to_mx_packed` elsewhere."""
-        if self._unit_fns is None:
-            raise NotImplementedError(f"{self.name}: no whole-unit conversion")
-        self._unit_fns[1](lease, geometry, dtype=dtype, out=out)
 
     # --- device plumbing ----------------------------------------------------------------
 
@@ -329,11 +300,6 @@ def _cpu_backend(prefer_fast: bool, why: str) -> Backend:
                 convert_fn=fast.convert_block_to_mx,
                 packed_fn=getattr(fast, "convert_block_to_mx_packed", None),
                 parts_fn=getattr(fast, "convert_parts_to_mx_packed", None),
-                unit_fns=(
-                    (fast.unit_geometry, fast.convert_unit_packed)
-                    if hasattr(fast, "unit_geometry") and hasattr(fast, "convert_unit_packed")
-                    else None
-                ),
             )
     return Backend("cpu-reference", cpu, f"cpu: {why}; reference path, {fast_why}")
 

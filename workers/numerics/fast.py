@@ -22,7 +22,6 @@ Limits
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -36,11 +35,9 @@ __all__ = [
     "convert_block_to_mx",
     "convert_block_to_mx_packed",
     "convert_parts_to_mx_packed",
-    "convert_unit_packed",
     "fast_available",
     "mx_quantize",
     "resolve_block",
-    "unit_geometry",
 ]
 
 _MODES: dict[torch.dtype, int] = {t: kernels.MODE_OF[name] for name, t in MODEL_TORCH_DTYPE.items()}
@@ -317,109 +314,6 @@ def convert_parts_to_mx_packed(
     if g % MX_PAIR:
         for _, n, _, _, out_row0, *_ in table.tolist():
             s_np[-1, out_row0 : out_row0 + n, 1] = 0  # SPEC §2.3: odd g pads with 0
-
-
-@dataclass(frozen=True)
-class UnitGeometry:
-    """Where the parts of a unit sit in its staging lease and in its packed stage, for
-    :func:`convert_unit_packed`; made and checked once per unit by :func:`unit_geometry`
-    (a plan fact: the same for every load and reload)."""
-
-    parts: np.ndarray
-    """int64 ``[P, kernels.PART_FIELDS]``, read-only."""
-    payload_end: int
-    k: int
-    block_n: int
-    block_k: int
-    n_total: int
-    lease_bytes: int
-    out_bytes: int
-
-
-def unit_geometry(
-    parts: np.ndarray, *, payload_end: int, k: int, block_n: int, block_k: int
-) -> UnitGeometry:
-    """Check a parts table against the lease layout :func:`convert_unit_packed` reads:
-    the parts' row-major ``[n, k]`` payloads at offsets ``parts[:, 0]`` (multiples of 8)
-    below ``payload_end``, then the float32 covering tiles of every part, part ``p``'s
-    from element ``parts[p, 5]``, with ``parts[p, 6:8]`` the tile rows and columns its
-    slice (rows from ``parts[p, 2]``, columns from ``parts[p, 3]``) needs; part ``p``
-    goes to columns ``parts[p, 4]`` onward of the stage."""
-    what = "unit_geometry"
-    if k % MX_GROUP or k <= 0:
-        raise NumericsError(f"{what}: K = {k} is not a positive multiple of {MX_GROUP}")
-    if block_n <= 0 or block_k <= 0 or payload_end % 8:
-        raise NumericsError(f"{what}: bad block ({block_n}, {block_k}) or payload end")
-    parts = np.array(parts, dtype=np.int64, copy=True).reshape(-1, kernels.PART_FIELDS)
-    n, row0, col0, out0 = parts[:, 1], parts[:, 2], parts[:, 3], parts[:, 4]
-    n_total = int(n.sum())
-    ti = np.where(n > 0, (row0 + n - 1) // block_n - row0 // block_n + 1, 0)
-    tj = (col0 + k - 1) // block_k - col0 // block_k + 1
-    n_tiles = int((parts[:, 6] * parts[:, 7]).sum())
-    columns = np.zeros(n_total + 1, dtype=np.int64)
-    for c0, rows in zip(out0.tolist(), n.tolist(), strict=True):
-        if 0 <= c0 and c0 + rows <= n_total:
-            columns[c0 : c0 + rows] += 1
-    if (
-        (n < 0).any()
-        or (parts[:, 0] % 8).any()
-        or (parts[:, 0] < 0).any()
-        or (parts[:, 0] + n * k > payload_end).any()
-        or (row0 < 0).any()
-        or (col0 < 0).any()
-        or (columns[:n_total] != 1).any()
-        or (parts[:, 6] != ti).any()
-        or (parts[:, 7] != tj).any()
-        or (parts[:, 5] < 0).any()
-        or (parts[:, 5] + ti * tj > n_tiles).any()
-    ):
-        raise NumericsError(
-            f"{what}: the parts table does not describe a unit of K = {k} in a lease "
-            f"whose payloads end at {payload_end}:\n{parts}"
-        )
-    parts.flags.writeable = False
-    g2 = ceil_div(k // MX_GROUP, MX_PAIR)
-    return UnitGeometry(
-        parts=parts,
-        payload_end=payload_end,
-        k=k,
-        block_n=block_n,
-        block_k=block_k,
-        n_total=n_total,
-        lease_bytes=payload_end + 4 * n_tiles,
-        out_bytes=k * n_total + g2 * n_total * MX_PAIR,
-    )
-
-
-def convert_unit_packed(
-    lease: np.ndarray, geom: UnitGeometry, *, dtype: torch.dtype, out: np.ndarray
-) -> None:
-    """A whole unit from its staging lease into its packed stage, in one launch: the
-    loader's call on ``cpu-fast`` when a unit's bytes are one lease (every part in one
-    file). Byte for byte what :func:`convert_parts_to_mx_packed` writes, with no tensor
-    per part (a unit's Python cost was as large as a tp = 8 expert's conversion).
-
-    ``lease``: uint8 laid out as ``geom`` says (:func:`unit_geometry`), 8-byte aligned.
-    ``out``: uint8 ``[K, N]`` then ``[ceil(g/2), N, 2]``, back to back (N: the rows of
-    all parts); the pad byte of an odd ``g`` is written 0 in every column. The caller
-    has checked the scales (``scales.check_block_scales``)."""
-    kernels.require()
-    what = "convert_unit_packed"
-    mode = _mode(dtype, what)
-    if lease.dtype != np.uint8 or lease.size != geom.lease_bytes:
-        raise NumericsError(f"{what}: the lease is not the {geom.lease_bytes} bytes of its unit")
-    if out.dtype != np.uint8 or out.size != geom.out_bytes:
-        raise NumericsError(f"{what}: out is not the {geom.out_bytes} bytes of the packed stage")
-    k, n_total = geom.k, geom.n_total
-    q, sc = out[: k * n_total], out[k * n_total :]
-    kernels.run_convert_parts(
-        lease[: geom.payload_end], k, geom.parts,
-        lease[geom.payload_end :].view(np.uint32), geom.block_n, geom.block_k, mode, q, sc,
-        n_total, n_total, _threads(),
-    )  # fmt: skip
-    g = k // MX_GROUP
-    if g % MX_PAIR and n_total:
-        sc.reshape(-1, n_total, MX_PAIR)[-1, :, 1] = 0  # SPEC §2.3: odd g pads with 0
 
 
 def _payload_source(payloads: Sequence[torch.Tensor], table: np.ndarray) -> np.ndarray:

@@ -1031,7 +1031,7 @@ def run_convert_parts(
     offset that is a multiple of 8; ``parts``: int64 ``[P, PART_FIELDS]`` whose rows add
     up to ``rows`` (at most ``n_total``, the packed output's columns); ``sbits``:
     uint32, every part's covering tiles row-major at its offset. The caller validates
-    the geometry (``fast.convert_parts_to_mx_packed``, ``fast.convert_unit_packed``)."""
+    the geometry (``fast.convert_parts_to_mx_packed``)."""
     if rows == 0 or k == 0:
         return
     src64 = src.view(np.uint64)
