@@ -891,9 +891,18 @@ LOCK = threading.Lock()
 _INIT_LOCK = threading.Lock()
 _AVAILABLE: bool | None = None
 _UNAVAILABLE_REASON: str | None = _NUMBA_IMPORT_ERROR
-_MAX_ROWS_PER_ITEM = 64
-"""Rows per parallel work item, at most: items walk whole rows of the source in memory
-order (walking a 128-row tile column instead, rows k bytes apart, was 2-3x slower)."""
+_MAX_ROWS_PER_ITEM = 128
+"""Rows per parallel work item, at most (an item never crosses a tile row, so with the
+usual 128-row tiles this is a whole tile row): items walk whole rows of the source in
+memory order (walking a 128-row tile column instead, rows k bytes apart, was 2-3x
+slower), and every item builds the payload tables of the (tile column, S) pairs its
+groups use, so a whole tile row builds them once instead of twice. Measured against 64
+(issue 13, 2 threads): 6-15 % faster on Qwen3-30B-A3B experts at tp = 1 and tp = 8
+(K = 768 and 2048; 96-row halves and K = 96 ``down_proj`` slices included)."""
+_WIDE_K = 4096
+"""Above this K, items stay at 64 rows: an item's row buffer is rows x (K + 64) bytes,
+and 128 rows of K = 7168 (DeepSeek-V3) were 2-5 % slower than 64."""
+_WIDE_ROWS_PER_ITEM = 64
 
 
 def cpu_share() -> int:
@@ -909,19 +918,17 @@ _TLS = threading.local()
 asking numba for it costs tens of microseconds: a visible share of a small launch)."""
 
 
-def rows_per_item(n: int) -> int:
+def rows_per_item(n: int, k: int) -> int:
     """Rows per work item, a multiple of 8 (so the packed path's transposed writes stay
-    word-aligned): 64 while that still gives every thread an item, else the block split
-    evenly over the threads (at least 8 rows).
-
-    64 rows are a whole 64-byte line of every row of the packed ``[K, N]`` layout, and
-    one allocation of the item's row buffer per 64 rows. Quarter-thread items of 16 rows
-    made a TP-sharded expert half (96 x 2048 at tp = 8) 15-40 % slower on 2 threads
-    (issue 13 bench)."""
+    word-aligned): :data:`_MAX_ROWS_PER_ITEM` (64 above :data:`_WIDE_K`) while that still
+    gives every thread an item, else the block split evenly over the threads (at least 8
+    rows). Quarter-thread items of 16 rows made a TP-sharded expert half (96 x 2048 at
+    tp = 8) 15-40 % slower on 2 threads (issue 13 bench)."""
+    most = _MAX_ROWS_PER_ITEM if k <= _WIDE_K else _WIDE_ROWS_PER_ITEM
     threads = max(1, getattr(_TLS, "threads", 0) or numba.get_num_threads())
-    if ceil_div(n, _MAX_ROWS_PER_ITEM) >= threads:
-        return _MAX_ROWS_PER_ITEM
-    return min(_MAX_ROWS_PER_ITEM, max(8, ceil_div(ceil_div(n, threads), 8) * 8))
+    if ceil_div(n, most) >= threads:
+        return most
+    return min(most, max(8, ceil_div(ceil_div(n, threads), 8) * 8))
 
 
 def set_threads(want: int) -> None:
@@ -979,7 +986,7 @@ def run_resolve(
             set_threads(threads)
             _resolve_kernel(
                 b.w, b.n, b.k, b.sbits, b.sf, row0, col0, bn, bk, mode, out,
-                rows_per_item(b.n),
+                rows_per_item(b.n, b.k),
             )  # fmt: skip
 
 
@@ -1007,7 +1014,7 @@ def run_convert(
         set_threads(threads)
         _convert_kernel(
             b.w, b.w64, b.k, parts, b.sbits.reshape(-1), b.sf.reshape(-1), bn, bk, mode,
-            packed, q_np, words(q_np, n_total), n_total, s_np, rows_per_item(b.n),
+            packed, q_np, words(q_np, n_total), n_total, s_np, rows_per_item(b.n, b.k),
         )  # fmt: skip
 
 
@@ -1041,7 +1048,7 @@ def run_convert_parts(
         set_threads(threads)
         _convert_kernel(
             src, src64, k, parts, sbits, sbits.view(np.float32), bn, bk, mode,
-            True, q_np, words(q_np, n_total), n_total, s_np, rows_per_item(rows),
+            True, q_np, words(q_np, n_total), n_total, s_np, rows_per_item(rows, k),
         )  # fmt: skip
 
 
