@@ -503,6 +503,7 @@ def experts_section(work: Path, *, quick: bool) -> dict[str, Any]:
                     setattr(patch[0], patch[1], saved)
     n = len(EXPERT_CANDIDATES)
     out: dict[str, Any] = {"checkpoint": src, "samples": samples, "candidates": {}}
+    out["decomposition"] = _experts_decomposition(rank_seconds, repeats=3 if quick else 5)
     for j, name in enumerate(EXPERT_CANDIDATES):
         base = samples["tp1"][j::n]
         pairs = list(zip(base, samples[name], strict=True))
@@ -519,6 +520,70 @@ def experts_section(work: Path, *, quick: bool) -> dict[str, Any]:
             "read_share": Rate(tuple(x["read_seconds"] / x["seconds"] for x in samples[name])),
         }
     return out
+
+
+STUBS: dict[str, tuple[bool, bool]] = {
+    "as loaded": (False, False),
+    "kernel stubbed": (True, False),
+    "reads stubbed": (False, True),
+    "both stubbed": (True, True),
+}
+"""Where the tp=8 experts' extra seconds go: the default load with the MX conversion
+call (``Backend.convert_parts_to_mx_packed``) and/or the storage read
+(``Storage.read_ranges_into``) replaced by a no-op (the scale check is off when reads
+are stubbed: the staging bytes are then garbage). Instrumentation, not a configuration:
+what is left when both are stubbed is the loader's own per-unit cost."""
+
+
+def _experts_decomposition(rank_seconds: Any, *, repeats: int) -> dict[str, dict[str, Timing]]:
+    """Per stub variant (:data:`STUBS`), whole-layer load seconds summed over ranks at
+    tp=1 and tp=8, the two interleaved."""
+    import mxload.workers.numerics.backend as backend_mod
+    import mxload.workers.numerics.reference as reference_mod
+    import mxload.workers.storage as storage_mod
+
+    real = (
+        backend_mod.Backend.convert_parts_to_mx_packed,
+        storage_mod.Storage.read_ranges_into,
+        reference_mod.check_block_scales,
+    )
+
+    def no_convert(self: Any, parts: Any, **kw: Any) -> None:
+        return None
+
+    def no_read(self: Any, relpath: str, ranges: Any, view: Any) -> int:
+        return sum(r.nbytes for r in ranges)
+
+    def no_check(*a: Any, **kw: Any) -> None:
+        return None
+
+    samples: dict[str, dict[int, list[float]]] = {v: {1: [], 8: []} for v in STUBS}
+    try:
+        for _ in range(repeats):
+            for variant, (kernel, reads) in STUBS.items():
+                backend_mod.Backend.convert_parts_to_mx_packed = (  # type: ignore[method-assign]
+                    no_convert if kernel else real[0]
+                )
+                storage_mod.Storage.read_ranges_into = (  # type: ignore[method-assign]
+                    no_read if reads else real[1]
+                )
+                reference_mod.check_block_scales = no_check if reads else real[2]
+                for tp in (1, 8):
+                    samples[variant][tp].append(rank_seconds(tp)["seconds"])
+    finally:
+        backend_mod.Backend.convert_parts_to_mx_packed = real[0]  # type: ignore[method-assign]
+        storage_mod.Storage.read_ranges_into = real[1]  # type: ignore[method-assign]
+        reference_mod.check_block_scales = real[2]
+    return {
+        v: {
+            "tp1": Timing(tuple(samples[v][1])),
+            "tp8": Timing(tuple(samples[v][8])),
+            "extra": Timing(
+                tuple(b - a for a, b in zip(samples[v][1], samples[v][8], strict=True))
+            ),
+        }
+        for v in STUBS
+    }
 
 
 def render(res: dict[str, Any], command: str) -> str:
@@ -646,6 +711,23 @@ def render(res: dict[str, Any], command: str) -> str:
             ),
             "",
         ]
+        dec = ex.get("decomposition")
+        if dec:
+            lines += [
+                "Where tp=8's extra seconds go (whole layer, seconds summed over ranks, "
+                "median with min-max; the conversion call and/or the storage read replaced "
+                "by a no-op, `STUBS`): what is left with both stubbed is the loader's own "
+                "cost per unit, and tp=8 has 8x the expert units.",
+                "",
+                md_table(
+                    ["variant", "tp=1", "tp=8", "tp=8 - tp=1"],
+                    [
+                        [v, d["tp1"].text(3), d["tp8"].text(3), d["extra"].text(3)]
+                        for v, d in dec.items()
+                    ],
+                ),
+                "",
+            ]
     return "\n".join(lines)
 
 
