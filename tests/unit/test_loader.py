@@ -110,6 +110,7 @@ def assert_rank_matches(ck: RefCheckpoint, layout: ParallelLayout, rank: int, lo
 LAYOUTS = [
     ("qwen3-moe-tiny", ParallelLayout(tp=2, dp=2, enable_expert_parallel=True), False),
     ("qwen3-moe-tiny", ParallelLayout(tp=2, dp=2), False),  # no EP: experts TP over dp*tp
+    ("qwen3-moe-tiny", ParallelLayout(tp=4), True),  # gate+up (and q, k, v) in one launch
     ("qwen3-moe-tiny", ParallelLayout(tp=4, pp=2, enable_expert_parallel=True), False),
     ("qwen3-dense-tiny", ParallelLayout(tp=2, pp=2), True),
     ("qwen3-dense-tiny", ParallelLayout(tp=4), False),  # tp > n_kv: kv heads replicated
