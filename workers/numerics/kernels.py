@@ -896,9 +896,10 @@ _MAX_ROWS_PER_ITEM = 128
 usual 128-row tiles this is a whole tile row): items walk whole rows of the source in
 memory order (walking a 128-row tile column instead, rows k bytes apart, was 2-3x
 slower), and every item builds the payload tables of the (tile column, S) pairs its
-groups use, so a whole tile row builds them once instead of twice. Measured against 64
-(issue 13, 2 threads): 6-15 % faster on Qwen3-30B-A3B experts at tp = 1 and tp = 8
-(K = 768 and 2048; 96-row halves and K = 96 ``down_proj`` slices included)."""
+groups use, so a whole tile row builds them once instead of twice. Against 64, timing
+the kernel call of one unit at a time on 2 threads (issue 13): 3-18 % faster on
+Qwen3-30B-A3B experts at tp = 1 and tp = 8 (K = 2048 gate/up, K = 768 and K = 96
+``down_proj``); in whole loads of the experts bench the difference was within noise."""
 _WIDE_K = 4096
 """Above this K, items stay at 64 rows: an item's row buffer is rows x (K + 64) bytes,
 and 128 rows of K = 7168 (DeepSeek-V3) were 2-5 % slower than 64."""
