@@ -318,6 +318,39 @@ def test_silent_server_fails_in_bounded_time_naming_the_url(capfd):
     assert "no answer" not in capfd.readouterr().err, "quiet when stderr is not a terminal"
 
 
+@pytest.mark.timeout(120)  # a hang guard: botocore's own default read timeout is 60 s
+def test_silent_s3_endpoint_fails_in_bounded_time_naming_the_url():
+    """The same silent server as an S3 endpoint: mxload's timeouts reach botocore
+    (``config_kwargs``), botocore makes one attempt per request, and the seam's retries
+    are bounded and named in the error."""
+    from tests.servers import SilentServer
+
+    slept: list[float] = []
+    with SilentServer() as server:
+        st = Storage(
+            "s3://mxload-test/ck",
+            {
+                "endpoint_url": server.url,
+                "key": "testing",
+                "secret": "testing",
+                "mxload_connect_timeout_s": 0.3,
+                "mxload_read_timeout_s": 0.3,
+            },
+            retry=RetryPolicy(attempts=3),
+            sleep=slept.append,
+        )
+        with pytest.raises(StorageError) as info:
+            st.read_range("model.safetensors", 0, 8)
+        connections = server.connections
+    msg = str(info.value)
+    assert "s3://mxload-test/ck/model.safetensors" in msg
+    assert "3 attempts" in msg and "timeout" in msg.lower(), msg
+    assert len(slept) == 2
+    # one connection per attempt: botocore retried nothing on its own (with its default
+    # 60 s read timeout, three attempts would outlast the test's 120 s guard)
+    assert connections == 3, connections
+
+
 @pytest.mark.timeout(120)
 def test_a_stall_is_reported_on_a_terminal(monkeypatch):
     """On a terminal (a pseudo-terminal here) each timed-out attempt says so on stderr,
