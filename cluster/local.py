@@ -351,6 +351,26 @@ def head_down(record: HeadRecord) -> list[str]:
     return dead
 
 
+def head_stopped(record: HeadRecord) -> list[str]:
+    """The recorded head's GCS or raylet processes that are alive but stopped (SIGSTOP, a
+    debugger): its port still accepts connections (the kernel answers for a stopped
+    listener), but a Ray call would wait minutes for an answer. Pure local checks."""
+    import psutil
+
+    stopped = []
+    for p in record.processes:
+        if p["role"] not in ("gcs_server", "raylet"):
+            continue
+        proc = live_process(p)
+        try:
+            state = proc.status() if proc is not None else None
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            state = None
+        if state in (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP):
+            stopped.append(f"{p['role']} (pid {p['pid']})")
+    return stopped
+
+
 def _record_path(home: Path) -> Path:
     return home / "head.json"
 

@@ -53,7 +53,14 @@ from .driver import (
     source_info,
     write_dump,
 )
-from .errors import AddressMoved, HeadDown, SessionBusy, SessionError, WorkerLost
+from .errors import (
+    AddressMoved,
+    HeadDown,
+    HeadStopped,
+    SessionBusy,
+    SessionError,
+    WorkerLost,
+)
 from .outputs import OutputDir
 from .plantypes import Plan
 
@@ -232,12 +239,39 @@ def _head_down_error(record: Any, down: list[str]) -> HeadDown:
     )
 
 
+def _head_stopped_error(record: Any, stopped: list[str]) -> HeadStopped:
+    from mxload.cluster.local import mxload_home
+
+    pids = " ".join(s.rsplit("pid ", 1)[-1].rstrip(")") for s in stopped)
+    return HeadStopped(
+        f"the Ray head recorded in {mxload_home() / 'head.json'} ({record.address}) is "
+        f"stopped, not down: {'; '.join(stopped)} (SIGSTOP or a debugger); Ray would wait "
+        f"minutes for it. `kill -CONT {pids}` resumes it with its sessions; "
+        "`mxload release --force` ends it",
+        key="--address",
+    )
+
+
+def check_recorded_head(record: Any) -> None:
+    """Before any Ray call to a recorded head, from its recorded processes alone: HeadDown
+    when its GCS or raylet died (or nothing listens), HeadStopped when one is stopped."""
+    from mxload.cluster.local import head_down, head_stopped
+
+    down = head_down(record)
+    if down:
+        raise _head_down_error(record, down)
+    stopped = head_stopped(record)
+    if stopped:
+        raise _head_stopped_error(record, stopped)
+
+
 def _connect(address: str | None) -> tuple[str, bool]:
     """Join the session's Ray: --address, else the head recorded under $MXLOAD_HOME. A
     recorded head (also when --address names it) is checked first from its recorded
-    processes (HeadDown, at once, when its GCS or raylet died) and joined with its token."""
+    processes (:func:`check_recorded_head`: at once, when its GCS or raylet died or is
+    stopped) and joined with its token."""
     import ray
-    from mxload.cluster.local import connect, head_down, mxload_home
+    from mxload.cluster.local import connect, mxload_home
 
     if ray.is_initialized():
         return "", False
@@ -254,9 +288,7 @@ def _connect(address: str | None) -> tuple[str, bool]:
         assert address is not None
         connect(address)
         return address, False
-    down = head_down(record)
-    if down:
-        raise _head_down_error(record, down)
+    check_recorded_head(record)
     connect(address or record.address, token=record.token)
     return record.address, True
 
@@ -366,6 +398,7 @@ def detached_load(
         started_head = True
         from mxload.cluster.local import connect
 
+        check_recorded_head(record)  # a head already recorded here may be stopped
         connect(record.address, token=record.token)
     else:
         _connect(req.address)

@@ -208,6 +208,12 @@ class HeadDown(RunError):
     its processes died)."""
 
 
+class HeadStopped(RunError):
+    """The Ray head a detached session was recorded on is alive but stopped (its GCS or
+    raylet is in the stopped state: SIGSTOP, a debugger): Ray would wait on it for
+    minutes. It is not down: resumed, it still holds its sessions."""
+
+
 class AddressMoved(RunError):
     """A persistent buffer's data_ptr changed: a captured graph would be invalid."""
 

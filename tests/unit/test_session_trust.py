@@ -22,12 +22,13 @@ from mxload.cluster import local
 from mxload.orchestrator.catalog import open_checkpoint
 from mxload.orchestrator.detached import (
     SessionKeeper,
+    check_recorded_head,
     check_session_name,
     replica_mismatches,
     same_address,
     verdict,
 )
-from mxload.orchestrator.errors import SessionError
+from mxload.orchestrator.errors import HeadStopped, SessionError
 from mxload.orchestrator.planner import build_plan
 from mxload.orchestrator.plantypes import ParallelLayout
 
@@ -250,6 +251,60 @@ def test_head_down_names_what_died_and_end_head_ends_only_recorded(tmp_path, mon
         assert not path.exists() and not temp.exists()
     finally:
         for p in (gcs, raylet, bystander):
+            p.kill()
+            p.wait()
+        listener.close()
+
+
+def test_a_stopped_head_is_named_not_ended(tmp_path, monkeypatch) -> None:
+    """A SIGSTOPped raylet: its port still accepts connections, so only its process state
+    tells. The check refuses before any Ray call (which would wait minutes), names the
+    process and the way to resume it, and says the head is not down; resumed, it passes."""
+    import signal
+
+    monkeypatch.setenv("MXLOAD_HOME", str(tmp_path / "home"))
+    (tmp_path / "home").mkdir()
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    sleeper = [sys.executable, "-c", "import time; time.sleep(120)"]
+    gcs, raylet = (subprocess.Popen(sleeper) for _ in range(2))
+    try:
+        procs = local.describe_processes([psutil.Process(gcs.pid), psutil.Process(raylet.pid)])
+        record = local.HeadRecord(
+            address=f"127.0.0.1:{listener.getsockname()[1]}",
+            temp_dir=str(tmp_path / "t"),
+            resource="NPU",
+            num_devices=1,
+            started_at=time.time(),
+            processes=tuple(
+                dict(p, role=role) for p, role in zip(procs, ("gcs_server", "raylet"), strict=True)
+            ),
+        )
+        check_recorded_head(record)  # running: passes
+        os.kill(raylet.pid, signal.SIGSTOP)
+        deadline = time.monotonic() + 10
+        while psutil.Process(raylet.pid).status() != psutil.STATUS_STOPPED:
+            assert time.monotonic() < deadline, "the raylet stand-in never stopped"
+            time.sleep(0.01)
+        assert local.head_down(record) == []  # alive and listening: not down
+        assert local.head_stopped(record) == [f"raylet (pid {raylet.pid})"]
+        with pytest.raises(HeadStopped) as err:
+            check_recorded_head(record)
+        msg = str(err.value)
+        assert f"kill -CONT {raylet.pid}" in msg and "not down" in msg, msg
+        assert "release --force" in msg
+        os.kill(raylet.pid, signal.SIGCONT)
+        deadline = time.monotonic() + 10
+        while local.head_stopped(record):
+            assert time.monotonic() < deadline, "the raylet stand-in never resumed"
+            time.sleep(0.01)
+        check_recorded_head(record)
+        assert gcs.poll() is None and raylet.poll() is None, "nothing was ended"
+    finally:
+        for p in (gcs, raylet):
+            if p.poll() is None:
+                os.kill(p.pid, signal.SIGCONT)
             p.kill()
             p.wait()
         listener.close()
