@@ -28,7 +28,8 @@ load time; and what page-aware local reads do for experts TP-sharded without EP.
   dims (K-split ``down_proj`` rows of 96 bytes at tp=8), rank-seconds per byte at tp=8
   without EP against tp=1: the default, and one ablation per change (every read on the
   reader thread, one pread per row), each patched in for its own measurement only
-  (``EXPERT_CANDIDATES``).
+  (``EXPERT_CANDIDATES``); then where tp=8's extra seconds go, with the MX conversion
+  call and/or the storage read replaced by a no-op (``STUBS``).
 
 Every headline is a ratio against a baseline of the same run, median with min-max.
 
