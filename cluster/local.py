@@ -25,6 +25,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -289,7 +290,8 @@ class HeadRecord:
     token: str = ""
     """The head's Ray auth token (the record file is private to its owner)."""
     processes: tuple[dict[str, Any], ...] = ()
-    """The head's own processes as started: ``{"pid", "created", "role"}`` each (role:
+    """The head's own processes as started: ``{"pid", "created", "start_ticks", "role"}``
+    each (:func:`process_identity`; role:
     ``gcs_server``, ``raylet``, or the script a helper runs), so a crashed or half-dead
     head is recognised without asking Ray, and ended without guessing by name."""
 
@@ -311,11 +313,52 @@ def process_role(proc: Any) -> str:
     return name
 
 
+def start_ticks(pid: int) -> int | None:
+    """Linux: when process ``pid`` started, in clock ticks since boot (``/proc/PID/stat``
+    field 22), which no change of the wall clock moves; None elsewhere or when it is gone.
+
+    psutil's ``create_time`` is that plus ``/proc/stat``'s ``btime``, a whole second the
+    kernel recomputes from the wall clock: when the clock is adjusted it can step by one,
+    and a start time compared to 0.01 s then says a live process died (seen in CI: a
+    freshly started head reported down, its GCS port still answering)."""
+    try:
+        with open(f"/proc/{int(pid)}/stat", "rb") as f:
+            data = f.read()
+        # the command name may hold spaces and parentheses: fields follow the last ')'
+        return int(data[data.rindex(b")") + 2 :].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+CREATED_SLACK_S = 1.5
+"""Where start ticks cannot be compared, start times within this are the same process:
+btime's one-second steps pass; a pid reused within 1.5 s would need the whole pid space
+cycled through in that time."""
+
+
+def process_identity(proc: Any) -> dict[str, Any]:
+    """What tells this very process from a later one with its pid: ``{"pid", "created",
+    "start_ticks"}`` (``start_ticks`` None where there is no /proc)."""
+    return {"pid": proc.pid, "created": proc.create_time(), "start_ticks": start_ticks(proc.pid)}
+
+
+def same_process(proc: Any, entry: Mapping[str, Any]) -> bool:
+    """Whether running ``proc`` is the process ``entry`` (:func:`process_identity`)
+    recorded: same start ticks where both have them, else start times within
+    :data:`CREATED_SLACK_S`."""
+    recorded = entry.get("start_ticks")
+    if recorded is not None:
+        now = start_ticks(proc.pid)
+        if now is not None:
+            return bool(now == int(recorded))
+    return abs(proc.create_time() - float(entry["created"])) <= CREATED_SLACK_S
+
+
 def describe_processes(procs: list[Any]) -> tuple[dict[str, Any], ...]:
     out = []
     for proc in procs:
         try:
-            out.append({"pid": proc.pid, "created": proc.create_time(), "role": process_role(proc)})
+            out.append({**process_identity(proc), "role": process_role(proc)})
         except Exception:  # already gone
             pass
     return tuple(sorted(out, key=lambda p: p["pid"]))
@@ -323,12 +366,12 @@ def describe_processes(procs: list[Any]) -> tuple[dict[str, Any], ...]:
 
 def live_process(entry: dict[str, Any]) -> Any | None:
     """The psutil process a record entry names, if that very process is still running
-    (same pid *and* start time: a reused pid is someone else's)."""
+    (same pid *and* start, :func:`same_process`: a reused pid is someone else's)."""
     import psutil
 
     try:
         proc = psutil.Process(int(entry["pid"]))
-        if abs(proc.create_time() - float(entry["created"])) > 0.01:
+        if not same_process(proc, entry):
             return None
         if proc.status() == psutil.STATUS_ZOMBIE:
             return None

@@ -129,8 +129,9 @@ def _holder_alive(holder: dict[str, Any]) -> bool:
         return True
     try:
         import psutil
+        from mxload.cluster.local import same_process
 
-        return bool(psutil.Process(holder["pid"]).create_time() == holder["created"])
+        return same_process(psutil.Process(holder["pid"]), holder)
     except Exception:
         return False
 
@@ -141,12 +142,11 @@ def session_lease(keeper: Any, session: str, what: str, src: str = "") -> Iterat
     command that holds it. Renewed from a thread, so a long reload keeps it."""
     import psutil
     import ray
+    from mxload.cluster.local import process_identity
 
-    me = psutil.Process(os.getpid())
     holder = {
         "token": secrets.token_hex(8),
-        "pid": me.pid,
-        "created": me.create_time(),
+        **process_identity(psutil.Process(os.getpid())),
         "host": socket.gethostname(),
         "what": what,
         "src": src,

@@ -256,6 +256,29 @@ def test_head_down_names_what_died_and_end_head_ends_only_recorded(tmp_path, mon
         listener.close()
 
 
+def test_a_recorded_process_survives_a_clock_step_but_not_pid_reuse() -> None:
+    """psutil's create_time moves by a whole second when /proc/stat's btime is recomputed
+    after a clock adjustment; the start in ticks since boot does not. A record is matched
+    on ticks (a live head was once reported down on a 0.01 s create_time comparison)."""
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        proc = psutil.Process(sleeper.pid)
+        entry = dict(local.process_identity(proc), role="raylet")
+        assert entry["start_ticks"] == local.start_ticks(sleeper.pid) is not None
+        stepped = dict(entry, created=entry["created"] + 1.0)  # btime stepped by a second
+        assert local.live_process(stepped) is not None
+        reused = dict(entry, start_ticks=entry["start_ticks"] + 1)  # same pid, another start
+        assert local.live_process(reused) is None
+        # a record without ticks (another OS): start times within the slack
+        legacy = {"pid": sleeper.pid, "created": entry["created"] + 1.0, "role": "raylet"}
+        assert local.live_process(legacy) is not None
+        assert local.live_process(dict(legacy, created=entry["created"] - 60)) is None
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+    assert local.live_process(entry) is None  # gone
+
+
 def test_a_stopped_head_is_named_not_ended(tmp_path, monkeypatch) -> None:
     """A SIGSTOPped raylet: its port still accepts connections, so only its process state
     tells. The check refuses before any Ray call (which would wait minutes), names the
