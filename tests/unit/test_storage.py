@@ -15,7 +15,8 @@ import random
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import fsspec
 import numpy as np
@@ -292,26 +293,36 @@ def test_symlinked_root_is_its_own_folder(tmp_path):
 # --- timeouts -----------------------------------------------------------------------------------
 
 
-@pytest.mark.timeout(120)  # a hang guard: without timeouts this waits 3 x 300 s
-def test_silent_server_fails_in_bounded_time_naming_the_url(capfd):
-    """A server that accepts and never answers: every attempt times out (read timeout
-    0.3 s here), the retries are bounded, and the error names the URL. Backoff sleeps
-    are injected, so the wait is attempts x timeout."""
+def _read_from_silent_server(
+    root: Callable[[str], str], options: Callable[[str], dict[str, Any]]
+) -> tuple[str, str, list[float], int]:
+    """One read from a server that accepts and never answers, through ``Storage`` with
+    0.3 s timeouts and 3 attempts (backoff sleeps injected, so the wait is attempts x
+    timeout). ``root``/``options`` of the server's URL. Returns the storage root, the
+    error's text, the sleeps and the connections the server saw."""
     from tests.servers import SilentServer
 
     slept: list[float] = []
     with SilentServer() as server:
+        url = root(server.url)
         st = Storage(
-            server.url + "/ck",
-            {"mxload_connect_timeout_s": 0.3, "mxload_read_timeout_s": 0.3},
+            url,
+            {**options(server.url), "mxload_connect_timeout_s": 0.3, "mxload_read_timeout_s": 0.3},
             retry=RetryPolicy(attempts=3),
             sleep=slept.append,
         )
         with pytest.raises(StorageError) as info:
             st.read_range("model.safetensors", 0, 8)
         connections = server.connections
-    msg = str(info.value)
-    assert server.url + "/ck/model.safetensors" in msg
+    return url, str(info.value), slept, connections
+
+
+@pytest.mark.timeout(120)  # a hang guard: without timeouts this waits 3 x 300 s
+def test_silent_server_fails_in_bounded_time_naming_the_url(capfd):
+    """A server that accepts and never answers: every attempt times out, the retries are
+    bounded, and the error names the URL."""
+    url, msg, slept, connections = _read_from_silent_server(lambda u: u + "/ck", lambda u: {})
+    assert url + "/model.safetensors" in msg
     assert "3 attempts" in msg and "Timeout" in msg
     assert len(slept) == 2
     assert connections >= 1
@@ -323,26 +334,10 @@ def test_silent_s3_endpoint_fails_in_bounded_time_naming_the_url():
     """The same silent server as an S3 endpoint: mxload's timeouts reach botocore
     (``config_kwargs``), botocore makes one attempt per request, and the seam's retries
     are bounded and named in the error."""
-    from tests.servers import SilentServer
-
-    slept: list[float] = []
-    with SilentServer() as server:
-        st = Storage(
-            "s3://mxload-test/ck",
-            {
-                "endpoint_url": server.url,
-                "key": "testing",
-                "secret": "testing",
-                "mxload_connect_timeout_s": 0.3,
-                "mxload_read_timeout_s": 0.3,
-            },
-            retry=RetryPolicy(attempts=3),
-            sleep=slept.append,
-        )
-        with pytest.raises(StorageError) as info:
-            st.read_range("model.safetensors", 0, 8)
-        connections = server.connections
-    msg = str(info.value)
+    _, msg, slept, connections = _read_from_silent_server(
+        lambda u: "s3://mxload-test/ck",
+        lambda u: {"endpoint_url": u, "key": "testing", "secret": "testing"},
+    )
     assert "s3://mxload-test/ck/model.safetensors" in msg
     assert "3 attempts" in msg and "timeout" in msg.lower(), msg
     assert len(slept) == 2

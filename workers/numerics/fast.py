@@ -61,7 +61,7 @@ def _threads() -> int:
     return torch.get_num_threads()
 
 
-def _block(
+def _check_slice(
     w_fp8: torch.Tensor,
     scale_inv_f32: torch.Tensor,
     row0: int,
@@ -69,10 +69,11 @@ def _block(
     block_n: int,
     block_k: int,
     what: str,
-) -> kernels.Block:
-    """Validate a block exactly as ``reference.resolve_block`` does: ``scale_inv_f32``
+) -> tuple[int, int]:
+    """Validate a slice exactly as ``reference.resolve_block`` does: ``scale_inv_f32``
     holds the tiles covering the slice, its ``[0, 0]`` being tile
-    ``(row0 // block_n, col0 // block_k)`` (SPEC §2.1: floor of the first index)."""
+    ``(row0 // block_n, col0 // block_k)`` (SPEC §2.1: floor of the first index).
+    Returns the covering tiles' (rows, columns)."""
     if w_fp8.dtype != torch.float8_e4m3fn or w_fp8.dim() != 2:
         raise NumericsError(
             f"{what}: w_fp8 must be a 2-D float8_e4m3fn tensor, got {w_fp8.dtype} "
@@ -99,6 +100,12 @@ def _block(
             f"block ({block_n}, {block_k}) is covered by {want_tr}x{want_tc} tiles starting at "
             f"tile ({tile_r0}, {tile_c0}); got a scale of shape {tuple(scale_inv_f32.shape)}"
         )
+    return want_tr, want_tc
+
+
+def _as_block(w_fp8: torch.Tensor, scale_inv_f32: torch.Tensor) -> kernels.Block:
+    """A slice :func:`_check_slice` accepted, as the kernels take it."""
+    n, k = w_fp8.shape
     w = w_fp8.contiguous().view(torch.uint8).reshape(-1).numpy()
     sbits = scale_inv_f32.contiguous().view(torch.int32).numpy().view(np.uint32)
     return kernels.make_block(w, n, k, sbits)
@@ -130,7 +137,8 @@ def resolve_block(
     ``scale_inv_f32`` exactly the tiles covering them; returns ``[n, k]`` in ``dtype``."""
     kernels.require()
     mode = _mode(dtype, "resolve_block")
-    b = _block(w_fp8, scale_inv_f32, row0, col0, block_n, block_k, "resolve_block")
+    _check_slice(w_fp8, scale_inv_f32, row0, col0, block_n, block_k, "resolve_block")
+    b = _as_block(w_fp8, scale_inv_f32)
     out = torch.empty((b.n, b.k), dtype=torch.int32 if mode == MODE_FP32 else torch.int16)
     out_np = out.view(-1).numpy().view(np.uint32 if mode == MODE_FP32 else np.uint16)
     kernels.run_resolve(b, row0, col0, block_n, block_k, mode, out_np, _threads())
@@ -178,7 +186,8 @@ def convert_block_to_mx(
     (float8_e4m3fn ``[n, k]``, uint8 ``[n, k // 32]``); k must be a multiple of 32."""
     kernels.require()
     mode = _mode(dtype, "convert_block_to_mx")
-    b = _block(w_fp8, scale_inv_f32, row0, col0, block_n, block_k, "convert_block_to_mx")
+    _check_slice(w_fp8, scale_inv_f32, row0, col0, block_n, block_k, "convert_block_to_mx")
+    b = _as_block(w_fp8, scale_inv_f32)
     if b.k % MX_GROUP != 0:
         raise NumericsError(
             f"convert_block_to_mx: K = {b.k} is not a multiple of {MX_GROUP} (SPEC §2.2: "
@@ -261,41 +270,21 @@ def convert_parts_to_mx_packed(
     for name, t in (("out_weight", out_weight), ("out_scale", out_scale)):
         if not t.is_cpu or not t.is_contiguous():
             raise NumericsError(f"{what}: {name} must be a contiguous CPU tensor")
-    if block_n <= 0 or block_k <= 0:
-        raise NumericsError(f"{what}: bad block ({block_n}, {block_k})")
     table = np.empty((len(parts), kernels.PART_FIELDS), dtype=np.int64)
     payloads: list[torch.Tensor] = []
     scales: list[np.ndarray] = []
     sb0 = 0
     for p, (w, sc, row0, col0, out_row0) in enumerate(parts):
-        if w.dtype != torch.float8_e4m3fn or w.dim() != 2 or w.shape[1] != k:
-            raise NumericsError(
-                f"{what}: part {p}: w_fp8 must be a 2-D float8_e4m3fn tensor of {k} columns "
-                f"(out_weight's K), got {w.dtype} {tuple(w.shape)}"
-            )
-        if sc.dtype != torch.float32 or sc.dim() != 2:
-            raise NumericsError(
-                f"{what}: part {p}: scale_inv_f32 must be a 2-D float32 tensor, got "
-                f"{sc.dtype} {tuple(sc.shape)}"
-            )
-        if not (w.is_cpu and sc.is_cpu):
-            raise NumericsError(f"{what}: the fast CPU path takes CPU tensors only")
+        ti, tj = _check_slice(w, sc, row0, col0, block_n, block_k, f"{what}: part {p}")
         n = w.shape[0]
-        if row0 < 0 or col0 < 0:
-            raise NumericsError(f"{what}: part {p}: bad geometry row0={row0} col0={col0}")
+        if w.shape[1] != k:
+            raise NumericsError(
+                f"{what}: part {p}: w_fp8 has {w.shape[1]} columns, out_weight's K is {k}"
+            )
         if out_row0 < 0 or out_row0 + n > n_total:
             raise NumericsError(
                 f"{what}: a [{n}, {k}] block at column {out_row0} does not fit out_weight "
                 f"{tuple(out_weight.shape)} ([K, N_total])"
-            )
-        ti = (row0 + n - 1) // block_n - row0 // block_n + 1 if n else 0
-        tj = (col0 + k - 1) // block_k - col0 // block_k + 1 if k else 0
-        if tuple(sc.shape) != (ti, tj):
-            raise NumericsError(
-                f"{what}: weight slice rows [{row0}, {row0 + n}) cols [{col0}, {col0 + k}) "
-                f"with block ({block_n}, {block_k}) is covered by {ti}x{tj} tiles starting at "
-                f"tile ({row0 // block_n}, {col0 // block_k}); got a scale of shape "
-                f"{tuple(sc.shape)}"
             )
         table[p] = (0, n, row0, col0, out_row0, sb0, ti, tj)
         sb0 += ti * tj
