@@ -12,7 +12,12 @@ its measured staging high-water mark can be held against the prediction:
   row chunks are exact, SPEC §6). Chunks are as tall as the budget allows, aligned to
   the source tile height where possible so scale tiles are not read twice. Reloads keep
   units whole (a buffer never holds a half-written unit), so chunking is load-only.
-* While unit ``i`` converts, the reads of unit ``i+1`` are issued if
+* Consecutive small MX units that one launch of the fused CPU kernel converts (TP-sharded
+  experts' halves, 0.2-0.4 MB at tp = 8) share a *step* while their staging together
+  stays within half the budget: read together, converted in one launch, written unit by
+  unit once all are converted. A step holds the sum of its units' staging. Every other
+  unit is a step of its own.
+* While step ``i`` converts, the reads of step ``i+1`` are issued if
   ``staging(i) + read(i+1)`` fits the budget (prefetch). The decision is taken from
   sizes alone, before any timing, so the peak is a deterministic function of the plan.
 
@@ -142,10 +147,68 @@ def _split(rows: int, h: int) -> tuple[Chunk, ...]:
 
 @dataclass(frozen=True)
 class StepPlan:
-    """What the loader does for one unit: its chunks and whether it prefetches the next."""
+    """What the loader does in one step: unit ``first`` whole or in row chunks, or
+    (``count`` > 1) the units ``first .. first + count - 1``, whole, read and converted
+    together; and whether it prefetches the next step's reads."""
 
+    first: int
+    count: int
     chunks: tuple[Chunk, ...]
+    """Row chunks of unit ``first`` (one whole-unit chunk when it is not chunked)."""
     prefetch_next: bool
+
+    @property
+    def units(self) -> range:
+        return range(self.first, self.first + self.count)
+
+
+BATCH_UNIT_BYTES = 2 << 20
+"""Largest unit staging (read + out) that shares a step with its neighbours. A step costs
+about 0.3 ms of fixed work on 2 cores (its read call, leases, checks, kernel launch and
+writes), the conversion of about 0.4 MB: a TP-sharded expert half at tp = 8 (0.4-0.8 MB
+of staging) spends as long on it as on converting, a whole expert at tp = 1 (3-6 MB) a
+tenth. Larger units stay alone: batching them saved nothing measurable, and their merged
+reads left the converting thread (``loader.INLINE_READ_BYTES``)."""
+
+
+def batchable(unit: Unit, cost: UnitCost, opts: ConvertOptions) -> bool:
+    """Whether ``unit`` (whole staging ``cost``) may share a step with its neighbours: a
+    small MX unit that the fused CPU kernel converts from block FP8, where one launch can
+    take several units."""
+    return (
+        cost.pool <= BATCH_UNIT_BYTES
+        and unit.layout in ("mx_linear", "mx_moe")
+        and unit.quantized
+        and opts.source_quant == "block_fp8"
+        and opts.fused
+        and opts.device == "cpu"
+    )
+
+
+def _steps(
+    units: Sequence[Unit], whole: Sequence[UnitCost], opts: ConvertOptions, budget: int
+) -> list[tuple[int, int]]:
+    """(first, count) of each step: runs of consecutive batchable units whose staging
+    together stays within half the budget share a step, any other unit is a step alone.
+    Half, so that a step and the next step's reads always fit together: batching never
+    costs a read-ahead."""
+    cap = budget // 2
+    i = 0
+    out: list[tuple[int, int]] = []
+    while i < len(units):
+        j = i + 1
+        if batchable(units[i], whole[i], opts) and whole[i].pool <= cap:
+            total = whole[i].pool
+            while (
+                j < len(units)
+                and batchable(units[j], whole[j], opts)
+                and total + whole[j].pool <= cap
+            ):
+                total += whole[j].pool
+                j += 1
+        out.append((i, j - i))
+        i = j
+    return out
 
 
 def schedule(
@@ -156,24 +219,39 @@ def schedule(
     *,
     whole_units: bool,
 ) -> tuple[tuple[StepPlan, ...], StagingEstimate]:
-    """The loader's schedule for ``units`` under ``budget`` and the staging it peaks at.
+    """The loader's steps for ``units`` under ``budget`` and the staging they peak at.
 
-    ``whole_units`` (reload): every unit must fit whole; raises StagingBudgetError if not.
+    A step of several units holds the sum of their staging. ``whole_units`` (reload):
+    every unit must fit whole; raises StagingBudgetError if not.
     """
     steps: list[StepPlan] = []
     peak = peak_read = peak_scratch = peak_device = peak_host = 0
     max_chunk_rows = 0
     any_prefetch = False
     whole = [unit_cost(u, u.rows, read_fn(u, 0, u.rows), opts) for u in units]
-    for i, unit in enumerate(units):
-        if whole[i].pool <= budget:
+    spans = _steps(units, whole, opts, budget)
+    # a step's staging and reads: the sums over its units
+    step_cost = [
+        UnitCost(
+            read=sum(whole[i].read for i in range(f, f + n)),
+            out=sum(whole[i].out for i in range(f, f + n)),
+            scratch=sum(whole[i].scratch for i in range(f, f + n)),
+            transient=sum(whole[i].transient for i in range(f, f + n)),
+        )
+        if n > 1
+        else whole[f]
+        for f, n in spans
+    ]
+    for s, (first, count) in enumerate(spans):
+        unit = units[first]
+        if step_cost[s].pool <= budget:
             chunks: tuple[Chunk, ...] = (Chunk(0, unit.rows),)
-            costs = [whole[i]]
+            costs = [step_cost[s]]
         else:
             if whole_units:
                 raise StagingBudgetError(
                     f"--staging-budget {budget} bytes is below unit {unit.buffer!r} "
-                    f"({whole[i].pool} bytes); a reload keeps units whole",
+                    f"({whole[first].pool} bytes); a reload keeps units whole",
                     tensor=unit.buffer,
                     key="--staging-budget",
                 )
@@ -192,18 +270,19 @@ def schedule(
             ]
         prefetch = (
             len(chunks) == 1
-            and i + 1 < len(units)
-            and whole[i + 1].pool <= budget
-            and whole[i].pool + whole[i + 1].read <= budget
+            and s + 1 < len(spans)
+            and step_cost[s + 1].pool <= budget
+            and step_cost[s].pool + step_cost[s + 1].read <= budget
         )
         any_prefetch = any_prefetch or prefetch
-        ahead = whole[i + 1].read if prefetch else 0
-        # While this unit's reads land, the previous unit may have prefetched them already;
-        # the pool holds this unit's chunk (read + out + scratch) plus the next unit's reads.
+        ahead = step_cost[s + 1].read if prefetch else 0
+        # While this step's reads land, the previous step may have prefetched them already;
+        # the pool holds this step's chunk (read + out + scratch) plus the next step's reads.
+        rows = max(units[i].rows for i in range(first, first + count))
         for c, cost in zip(chunks, costs, strict=True):
             pool = cost.pool + ahead
             total = pool + cost.transient
-            max_chunk_rows = max(max_chunk_rows, c.end - c.start)
+            max_chunk_rows = max(max_chunk_rows, c.end - c.start if count == 1 else rows)
             if total > peak:
                 peak = total
                 peak_read = cost.read + ahead
@@ -212,7 +291,7 @@ def schedule(
                     peak_device, peak_host = 0, total
                 else:
                     peak_device, peak_host = peak_scratch, peak_read
-        steps.append(StepPlan(chunks=chunks, prefetch_next=prefetch))
+        steps.append(StepPlan(first=first, count=count, chunks=chunks, prefetch_next=prefetch))
     estimate = StagingEstimate(
         budget_bytes=budget,
         read_bytes=peak_read,

@@ -49,12 +49,15 @@ from mxload.orchestrator.memory import (
 )
 from mxload.orchestrator.plantypes import BufferSpec, PartRead, RankPlan, Unit, UnitReads
 from mxload.orchestrator.ranges import ByteRange
-from mxload.workers.numerics.backend import PackedPart
+from mxload.workers.numerics.backend import PackedPart, PackedUnit
 from mxload.workers.numerics.reference import MODEL_TORCH_DTYPE
 from mxload.workers.safetensors_io import SAFETENSORS_TO_TORCH
 from mxload.workers.staging import Lease, StagingPool
 
 _Leased = list[tuple[str, list[tuple[int, str, ByteRange]], Lease]]
+_Member = tuple[Unit, UnitReads, list[tuple[torch.Tensor, "torch.Tensor | None"]], int]
+"""One unit of a step as converted: the unit (or a row chunk of it), its reads, its
+per-part (weight bytes, scale bytes) views, and the buffer row it starts at."""
 """A read's pool leases, one per file, with the (part, weight-or-scale, range) items each
 lease holds in order."""
 
@@ -163,6 +166,23 @@ class FetchResult:
     published_bytes: int = 0
     peak_staging_bytes: int = 0
     seconds: float = 0.0
+
+
+@dataclass
+class _StepRead:
+    """How one step's units are read (:meth:`RankLoader._step_read`): groups of (unit
+    named in errors, reads, peer, label), and each member unit's number of parts."""
+
+    groups: list[tuple[Unit, UnitReads, PeerUnit | None, str]]
+    counts: list[int]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(r.nbytes for _, r, _, _ in self.groups)
+
+    @property
+    def from_peer(self) -> bool:
+        return any(p is not None for _, _, p, _ in self.groups)
 
 
 def _typed(flat: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
@@ -319,8 +339,12 @@ class RankLoader:
         thread, a fast copy unit could release its lease first and the peak come out lower
         than predicted, by up to 2x)."""
         by_file: dict[str, list[tuple[int, str, ByteRange]]] = {}
+        # Weights first, scales after: an MX weight's bytes are rows x K with K a multiple
+        # of 32, so every payload in a lease starts 8-byte aligned and the conversion
+        # kernel reads it in place (a scale between two payloads would force a copy).
         for i, pr in enumerate(reads.parts):
             by_file.setdefault(pr.file, []).append((i, "w", pr.weight))
+        for i, pr in enumerate(reads.parts):
             if pr.scale is not None:
                 by_file.setdefault(pr.scale_file or pr.file, []).append((i, "s", pr.scale))
         taken: _Leased = []
@@ -363,8 +387,11 @@ class RankLoader:
         pool: StagingPool,
         taken: _Leased,
         peer: PeerUnit | None = None,
+        *,
+        label: str = "",
     ) -> tuple[list[Lease], list[tuple[torch.Tensor, torch.Tensor | None]], int]:
         """Phase 2 of a read: fetch the bytes into the leases (releases them on error).
+        ``label`` names what is read in errors (default: the unit's buffer).
 
         A shared unit (``peer``) is copied from the bytes its owner published instead;
         the bytes it returns as fetched are what the owner requested from storage, so
@@ -393,7 +420,7 @@ class RankLoader:
                     except StorageError as err:
                         first = items[0][2]
                         raise StorageError(
-                            f"rank {self.rank}: reading {unit.buffer} from {file} "
+                            f"rank {self.rank}: reading {label or unit.buffer} from {file} "
                             f"({first.describe()}...): {err}",
                             rank=self.rank,
                             tensor=unit.buffer,
@@ -411,153 +438,250 @@ class RankLoader:
         parts = [(views[(i, "w")], views.get((i, "s"))) for i in range(len(reads.parts))]
         return [lease for _, _, lease in taken], parts, fetched
 
+    def _step_read(
+        self,
+        members: Sequence[int],
+        units: Sequence[Unit],
+        reads: Sequence[UnitReads],
+        peers: Mapping[int, PeerUnit],
+    ) -> _StepRead:
+        """How the units ``members`` of one step are read: all together (one lease and
+        one batch of requests per file), or unit by unit when one of them comes from a
+        peer (its bytes are published per unit)."""
+        counts = [len(reads[i].parts) for i in members]
+        if len(members) > 1 and not any(i in peers for i in members):
+            merged = UnitReads(parts=tuple(p for i in members for p in reads[i].parts))
+            label = f"{units[members[0]].buffer} and {len(members) - 1} more units"
+            return _StepRead([(units[members[0]], merged, None, label)], counts)
+        return _StepRead(
+            [(units[i], reads[i], peers.get(i), units[i].buffer) for i in members], counts
+        )
+
+    def _read_step(
+        self, step: _StepRead, source: SourceInfo, pool: StagingPool
+    ) -> tuple[list[Lease], list[list[tuple[torch.Tensor, torch.Tensor | None]]], int]:
+        """A step's read, both phases on one thread."""
+        return self._fill_step(step, source, pool, self._take_step(step, pool))
+
+    def _take_step(self, step: _StepRead, pool: StagingPool) -> list[_Leased]:
+        """Phase 1 of a step's read (see :meth:`_take_leases`)."""
+        taken: list[_Leased] = []
+        try:
+            for unit, reads, _, _ in step.groups:
+                taken.append(self._take_leases(unit, reads, pool))
+        except BaseException:
+            for t in taken:
+                for _, _, lease in t:
+                    pool.release(lease)
+            raise
+        return taken
+
+    def _fill_step(
+        self, step: _StepRead, source: SourceInfo, pool: StagingPool, taken: list[_Leased]
+    ) -> tuple[list[Lease], list[list[tuple[torch.Tensor, torch.Tensor | None]]], int]:
+        """Phase 2 of a step's read: the leases, each unit's per-part views, bytes
+        fetched. Every lease is released on error."""
+        leases: list[Lease] = []
+        parts: list[tuple[torch.Tensor, torch.Tensor | None]] = []
+        fetched = 0
+        done = 0
+        try:
+            for (unit, reads, peer, label), t in zip(step.groups, taken, strict=True):
+                got, views, n = self._fill(unit, reads, source, pool, t, peer, label=label)
+                done += 1
+                leases += got
+                parts += views
+                fetched += n
+        except BaseException:
+            for lease in leases:
+                pool.release(lease)
+            for t in taken[done + 1 :]:
+                for _, _, lease in t:
+                    pool.release(lease)
+            raise
+        out = []
+        at = 0
+        for n in step.counts:
+            out.append(parts[at : at + n])
+            at += n
+        return leases, out, fetched
+
     # --- conversion --------------------------------------------------------------------------
 
     def _convert(
         self,
-        unit: Unit,
-        reads: UnitReads,
-        raw: list[tuple[torch.Tensor, torch.Tensor | None]],
+        members: Sequence[_Member],
         source: SourceInfo,
         pool: StagingPool,
         opts: ConvertOptions,
-        row_base: int,
     ) -> tuple[list[Lease], list[Callable[[], None]]]:
-        """Convert one unit (or row chunk) into staged results.
+        """Convert the units (or a unit's row chunk) of one step into staged results.
 
         Returns the pool reservations that account for the results and the writes that
-        copy them into the unit's buffer. The writes run only once every part is
-        converted, so a buffer never holds a half-converted unit (SPEC §4 "Reload")."""
+        copy them into the units' buffers. The writes run only once every unit of the
+        step is converted, so a buffer never holds a half-converted unit (SPEC §4
+        "Reload"). Units the fused kernel converts into their kernel layout in staging
+        go through one backend call together."""
         from mxload.orchestrator.memory import unit_cost
         from mxload.workers.numerics.reference import check_block_scales, resolve_mx
         from mxload.workers.numerics.repack import write_rows
 
-        cost = unit_cost(unit, unit.rows, reads.nbytes, opts)
         reservations: list[Lease] = []
-        packed: tuple[Lease, torch.Tensor, torch.Tensor] | None = None
-        staged_packed = unit.layout in ("mx_linear", "mx_moe") and unit.quantized
-        staged_packed = staged_packed and source.quant == "block_fp8"
-        w_buf, s_buf = self._unit_buffers(unit)
-        # The packed stage is [K, rows]: right when the buffer's storage is K-major (the
-        # mxload layout). An engine holding [N, K]-ordered storage (vllm-ascend's MoE) gets
-        # the row-major MX result instead, whose write is then a copy in storage order.
-        staged_packed = staged_packed and w_buf.is_contiguous()
-        if cost.out and not staged_packed:
-            reservations.append(pool.reserve(cost.out, tag=f"out {unit.buffer}"))
-        if cost.scratch:
-            reservations.append(pool.reserve(cost.scratch, tag=f"resolve {unit.buffer}"))
+        writes: list[Callable[[], None]] = []
+        staged: list[tuple[Unit, int, list[PackedPart], torch.Tensor, torch.Tensor | None]] = []
         dtype = MODEL_TORCH_DTYPE[self.model_dtype]
         be = self.backend
-        writes: list[Callable[[], None]] = []
-        packed_parts: list[PackedPart] = []
-        mx = unit.layout in ("mx_linear", "mx_moe")
-        for part, pr, (wb, sb) in zip(unit.parts, reads.parts, raw, strict=True):
-            nr, nc = part.nrows, part.ncols
-            row = row_base + part.dst_row
-            w = _typed(wb, SAFETENSORS_TO_TORCH[pr.weight_dtype], (nr, nc))
-            scale_src: torch.Tensor | None = None
-            if unit.quantized and sb is not None:
-                if source.quant == "block_fp8":
-                    tr = pr.tile_rows[1] - pr.tile_rows[0]
-                    tc = pr.tile_cols[1] - pr.tile_cols[0]
-                    scale_src = _typed(sb, torch.float32, (tr, tc))
-                    check_block_scales(
-                        scale_src,
-                        tensor=f"{part.module}.weight_scale_inv",
-                        file=pr.scale_file or pr.file,
-                        tile_row0=pr.tile_rows[0],
-                        tile_col0=pr.tile_cols[0],
-                        allow_nonfinite=source.allow_nonfinite,
-                    )
-                else:
-                    scale_src = _typed(sb, torch.uint8, (nr, nc // MX_GROUP))
-            if staged_packed:
-                assert scale_src is not None
-                packed_parts.append(
-                    PackedPart(w, scale_src, part.rows[0], part.cols[0], part.dst_row)
+        try:
+            for unit, reads, raw, row_base in members:
+                cost = unit_cost(unit, unit.rows, reads.nbytes, opts)
+                mx = unit.layout in ("mx_linear", "mx_moe")
+                w_buf, s_buf = self._unit_buffers(unit)
+                # The packed stage is [K, rows]: right when the buffer's storage is K-major
+                # (the mxload layout). An engine holding [N, K]-ordered storage (vllm-ascend's
+                # MoE) gets the row-major MX result instead, whose write is then a copy in
+                # storage order.
+                staged_packed = (
+                    mx and unit.quantized and source.quant == "block_fp8" and w_buf.is_contiguous()
                 )
-                continue
-            if mx:
-                if unit.quantized and source.quant == "block_fp8":
-                    payload, scale = be.convert_block_to_mx(
-                        be.to_device(w),
-                        be.to_device(scale_src),
-                        row0=part.rows[0],
-                        col0=part.cols[0],
-                        block_n=source.block_n,
-                        block_k=source.block_k,
-                        dtype=dtype,
-                    )
-                elif unit.quantized:  # already MXFP8: repack only (SPEC §1.2)
-                    assert scale_src is not None
-                    payload, scale = be.to_device(w), be.to_device(scale_src)
-                else:  # a BF16 (RL trainer) checkpoint into MX buffers: quantize directly
-                    payload, scale = be.mx_quantize(be.to_device(w))
-                assert s_buf is not None
-                writes.append(lambda p=payload, s=scale, r=row: write_rows(w_buf, s_buf, p, s, r))
-            else:
-                if unit.quantized and source.quant == "block_fp8":
-                    x = be.resolve_block(
-                        be.to_device(w),
-                        be.to_device(scale_src),
-                        row0=part.rows[0],
-                        col0=part.cols[0],
-                        block_n=source.block_n,
-                        block_k=source.block_k,
-                        dtype=dtype,
-                    )
-                elif unit.quantized:
-                    x = resolve_mx(be.to_device(w), be.to_device(scale_src), dtype)
-                else:
-                    x = be.to_device(w)
-                writes.append(lambda x=x, r=row, n=nr: w_buf[r : r + n].copy_(x))
-        if staged_packed:
-            # Every part in one call: one kernel launch per unit on cpu-fast.
-            packed = self._packed_stage(unit, pool)
-            reservations.append(packed[0])
-            be.convert_parts_to_mx_packed(
-                packed_parts,
-                block_n=source.block_n,
-                block_k=source.block_k,
-                dtype=dtype,
-                out_weight=packed[1],
-                out_scale=packed[2],
-            )
-        if packed is not None:
-            # The unit, converted straight into its kernel layout in staging, is copied
-            # into its buffer's columns in one go (contiguous when the unit is whole).
-            _, stage_w, stage_s = packed
-            n = unit.rows
-            writes.append(
-                lambda a=row_base, b=row_base + n: (
-                    w_buf.view(torch.uint8)[:, a:b].copy_(stage_w.view(torch.uint8)),
-                    s_buf[:, a:b, :].copy_(stage_s),  # type: ignore[index]
+                if cost.out and not staged_packed:
+                    reservations.append(pool.reserve(cost.out, tag=f"out {unit.buffer}"))
+                if cost.scratch:
+                    reservations.append(pool.reserve(cost.scratch, tag=f"resolve {unit.buffer}"))
+                packed_parts: list[PackedPart] = []
+                for part, pr, (wb, sb) in zip(unit.parts, reads.parts, raw, strict=True):
+                    nr, nc = part.nrows, part.ncols
+                    row = row_base + part.dst_row
+                    w = _typed(wb, SAFETENSORS_TO_TORCH[pr.weight_dtype], (nr, nc))
+                    scale_src: torch.Tensor | None = None
+                    if unit.quantized and sb is not None:
+                        if source.quant == "block_fp8":
+                            tr = pr.tile_rows[1] - pr.tile_rows[0]
+                            tc = pr.tile_cols[1] - pr.tile_cols[0]
+                            scale_src = _typed(sb, torch.float32, (tr, tc))
+                            check_block_scales(
+                                scale_src,
+                                tensor=f"{part.module}.weight_scale_inv",
+                                file=pr.scale_file or pr.file,
+                                tile_row0=pr.tile_rows[0],
+                                tile_col0=pr.tile_cols[0],
+                                allow_nonfinite=source.allow_nonfinite,
+                            )
+                        else:
+                            scale_src = _typed(sb, torch.uint8, (nr, nc // MX_GROUP))
+                    if staged_packed:
+                        assert scale_src is not None
+                        packed_parts.append(
+                            PackedPart(w, scale_src, part.rows[0], part.cols[0], part.dst_row)
+                        )
+                    elif mx:
+                        if unit.quantized and source.quant == "block_fp8":
+                            payload, scale = be.convert_block_to_mx(
+                                be.to_device(w),
+                                be.to_device(scale_src),
+                                row0=part.rows[0],
+                                col0=part.cols[0],
+                                block_n=source.block_n,
+                                block_k=source.block_k,
+                                dtype=dtype,
+                            )
+                        elif unit.quantized:  # already MXFP8: repack only (SPEC §1.2)
+                            assert scale_src is not None
+                            payload, scale = be.to_device(w), be.to_device(scale_src)
+                        else:  # a BF16 (RL trainer) checkpoint into MX buffers: quantize directly
+                            payload, scale = be.mx_quantize(be.to_device(w))
+                        assert s_buf is not None
+                        writes.append(
+                            lambda p=payload, s=scale, r=row, wb=w_buf, sb=s_buf: write_rows(
+                                wb, sb, p, s, r
+                            )
+                        )
+                    else:
+                        if unit.quantized and source.quant == "block_fp8":
+                            x = be.resolve_block(
+                                be.to_device(w),
+                                be.to_device(scale_src),
+                                row0=part.rows[0],
+                                col0=part.cols[0],
+                                block_n=source.block_n,
+                                block_k=source.block_k,
+                                dtype=dtype,
+                            )
+                        elif unit.quantized:
+                            x = resolve_mx(be.to_device(w), be.to_device(scale_src), dtype)
+                        else:
+                            x = be.to_device(w)
+                        writes.append(lambda x=x, r=row, n=nr, wb=w_buf: wb[r : r + n].copy_(x))
+                if staged_packed:
+                    staged.append((unit, row_base, packed_parts, w_buf, s_buf))
+                if not mx:
+                    # Rows no part covers (vocab padding past V) are zeros (SPEC §3), also
+                    # in a buffer the host handed in with other contents.
+                    covered = sorted((p.dst_row, p.dst_row + p.nrows) for p in unit.parts)
+                    start = 0
+                    for lo, hi in [*covered, (unit.rows, unit.rows)]:
+                        if lo > start:
+                            writes.append(
+                                lambda a=row_base + start, b=row_base + lo, wb=w_buf: wb[
+                                    a:b
+                                ].zero_()
+                            )
+                        start = max(start, hi)
+            if staged:
+                # Every staged unit of the step in one call: one kernel launch on cpu-fast.
+                lease, stages = self._packed_stages([u for u, *_ in staged], pool)
+                reservations.append(lease)
+                be.convert_units_to_mx_packed(
+                    [
+                        PackedUnit(parts, stage_w, stage_s)
+                        for (_, _, parts, _, _), (stage_w, stage_s) in zip(
+                            staged, stages, strict=True
+                        )
+                    ],
+                    block_n=source.block_n,
+                    block_k=source.block_k,
+                    dtype=dtype,
                 )
-            )
-        if not mx:
-            # Rows no part covers (vocab padding past V) are zeros (SPEC §3), also in a
-            # buffer the host handed in with other contents.
-            covered = sorted((p.dst_row, p.dst_row + p.nrows) for p in unit.parts)
-            start = 0
-            for lo, hi in [*covered, (unit.rows, unit.rows)]:
-                if lo > start:
-                    writes.append(lambda a=row_base + start, b=row_base + lo: w_buf[a:b].zero_())
-                start = max(start, hi)
+                for (unit, row_base, _, w_buf, s_buf), (stage_w, stage_s) in zip(
+                    staged, stages, strict=True
+                ):
+                    # The unit, converted straight into its kernel layout in staging, is
+                    # copied into its buffer's columns in one go (contiguous when whole).
+                    writes.append(
+                        lambda a=row_base, b=row_base + unit.rows, wb=w_buf, sb=s_buf, q=stage_w, sc=stage_s: (
+                            wb.view(torch.uint8)[:, a:b].copy_(q.view(torch.uint8)),
+                            sb[:, a:b, :].copy_(sc),  # type: ignore[index]
+                        )
+                    )
+        except BaseException:
+            for lease in reservations:
+                pool.release(lease)
+            raise
         return reservations, writes
 
-    def _packed_stage(
-        self, unit: Unit, pool: StagingPool
-    ) -> tuple[Lease, torch.Tensor, torch.Tensor]:
-        """Staging for one MX unit in its kernel layout: payload ``[K, rows]`` and paired
-        scales ``[ceil(g/2), rows, 2]``, carved from one pool lease."""
-        k, n = unit.cols, unit.rows
-        g2 = -(-(k // MX_GROUP) // 2)
-        lease = pool.take(k * n + g2 * n * 2, device=self.backend.device, tag=f"out {unit.buffer}")
-        stage_w = lease.tensor[: k * n].view(torch.float8_e4m3fn).view(k, n)
-        stage_s = lease.tensor[k * n :].view(g2, n, 2)
-        if (k // MX_GROUP) % 2:
-            stage_s[-1, :, 1].zero_()
-        return lease, stage_w, stage_s
+    def _packed_stages(
+        self, units: Sequence[Unit], pool: StagingPool
+    ) -> tuple[Lease, list[tuple[torch.Tensor, torch.Tensor]]]:
+        """Staging for MX units in their kernel layout, carved from one pool lease: per
+        unit a payload ``[K, rows]`` and paired scales ``[ceil(g/2), rows, 2]``. Payloads
+        first (each a multiple of 32 bytes, so every one starts 8-byte aligned for the
+        kernel's word writes), then the scales."""
+        sizes = [(u.cols * u.rows, -(-(u.cols // MX_GROUP) // 2) * u.rows * 2) for u in units]
+        total = sum(q + sc for q, sc in sizes)
+        tag = units[0].buffer if len(units) == 1 else f"{units[0].buffer} +{len(units) - 1}"
+        lease = pool.take(total, device=self.backend.device, tag=f"out {tag}")
+        out = []
+        q_at = 0
+        s_at = sum(q for q, _ in sizes)
+        for u, (q, sc) in zip(units, sizes, strict=True):
+            k, n = u.cols, u.rows
+            stage_w = lease.tensor[q_at : q_at + q].view(torch.float8_e4m3fn).view(k, n)
+            stage_s = lease.tensor[s_at : s_at + sc].view(-(-(k // MX_GROUP) // 2), n, 2)
+            if (k // MX_GROUP) % 2:
+                stage_s[-1, :, 1].zero_()
+            out.append((stage_w, stage_s))
+            q_at += q
+            s_at += sc
+        return lease, out
 
     # --- the run -------------------------------------------------------------------------------
 
@@ -664,60 +788,71 @@ class RankLoader:
         try:
             local = any(todo) and bool(getattr(self._storage(source), "is_local", False))
 
-            def inline(j: int) -> bool:  # read unit j on this thread (INLINE_READ_BYTES)
-                return local and j not in peers and reads[j].nbytes <= INLINE_READ_BYTES
+            def inline(r: _StepRead) -> bool:  # read on this thread (INLINE_READ_BYTES)
+                return local and not r.from_peer and r.nbytes <= INLINE_READ_BYTES
 
-            for i, (unit, step) in enumerate(zip(units, steps, strict=True)):
-                if not todo[i]:
+            for s, step in enumerate(steps):
+                members = [i for i in step.units if todo[i]]
+                if not members:
                     continue
                 if fault_hook is not None:
-                    fault_hook(i)
+                    for i in members:
+                        fault_hook(i)
                 if len(step.chunks) == 1:
                     t_r = time.perf_counter()
-                    args = (unit, reads[i], source, pool, peers.get(i))
+                    plan = self._step_read(members, units, reads, peers)
                     fut = pending or (
-                        _done(self._read, *args)
-                        if inline(i)
-                        else executor.submit(self._read, *args)
+                        _done(self._read_step, plan, source, pool)
+                        if inline(plan)
+                        else executor.submit(self._read_step, plan, source, pool)
                     )
                     pending = None
                     leases, raw, fetched = fut.result()
                     stats.read_seconds += time.perf_counter() - t_r
                     stats.bytes_read += fetched
-                    later: _Leased | None = None
-                    if step.prefetch_next and i + 1 < len(units) and todo[i + 1]:
-                        # The next unit's leases are taken before this one converts (the
+                    later: tuple[_StepRead, list[_Leased]] | None = None
+                    ahead_members = (
+                        [j for j in steps[s + 1].units if todo[j]]
+                        if step.prefetch_next and s + 1 < len(steps)
+                        else []
+                    )
+                    if ahead_members:
+                        # The next step's leases are taken before this one converts (the
                         # schedule's peak); a small local read fills them on this thread
                         # after it (an accelerator converts meanwhile), any other on the
                         # reader thread now.
-                        ahead = self._take_leases(units[i + 1], reads[i + 1], pool)
-                        if inline(i + 1):
-                            later = ahead
+                        nxt = self._step_read(ahead_members, units, reads, peers)
+                        ahead = self._take_step(nxt, pool)
+                        if inline(nxt):
+                            later = (nxt, ahead)
                         else:
-                            pending = executor.submit(
-                                self._fill,
-                                units[i + 1],
-                                reads[i + 1],
-                                source,
-                                pool,
-                                ahead,
-                                peers.get(i + 1),
-                            )
+                            pending = executor.submit(self._fill_step, nxt, source, pool, ahead)
                     try:
                         self._convert_and_write(
-                            unit, reads[i], raw, leases, source, pool, opts, unit.row0, stats
+                            [
+                                (units[i], reads[i], r, units[i].row0)
+                                for i, r in zip(members, raw, strict=True)
+                            ],
+                            leases,
+                            source,
+                            pool,
+                            opts,
+                            stats,
                         )
                     except BaseException:
-                        for _, _, lease in later or ():
-                            pool.release(lease)
+                        for t in later[1] if later else ():
+                            for _, _, lease in t:
+                                pool.release(lease)
                         raise
                     if later is not None:
                         t_r = time.perf_counter()
-                        pending = _done(self._fill, units[i + 1], reads[i + 1], source, pool, later)
+                        pending = _done(self._fill_step, later[0], source, pool, later[1])
                         stats.read_seconds += time.perf_counter() - t_r
                 else:
                     # Chunks are written one by one: until the last lands the unit holds
                     # no one version.
+                    i = step.first
+                    unit = units[i]
                     self.unit_ids[i] = NOTHING
                     for chunk in step.chunks:
                         su = sub_unit(unit, chunk.start, chunk.end)
@@ -730,17 +865,24 @@ class RankLoader:
                             source_quant=source.quant,
                         )
                         t_r = time.perf_counter()
-                        leases, raw, fetched = self._read(su, sr, source, pool)
+                        leases, raw_parts, fetched = self._read(su, sr, source, pool)
                         stats.read_seconds += time.perf_counter() - t_r
                         stats.bytes_read += fetched
                         self._convert_and_write(
-                            su, sr, raw, leases, source, pool, opts, unit.row0 + chunk.start, stats
+                            [(su, sr, raw_parts, unit.row0 + chunk.start)],
+                            leases,
+                            source,
+                            pool,
+                            opts,
+                            stats,
                         )
-                self.unit_ids[i] = target
-                stats.units += 1
+                for i in members:
+                    self.unit_ids[i] = target
+                    stats.units += 1
                 rss_samples.append(_rss_bytes())
                 if progress is not None:
-                    progress(i + 1, len(units), stats.bytes_read)
+                    for i in members:
+                        progress(i + 1, len(units), stats.bytes_read)
             self.backend.synchronize()
         finally:
             if pending is not None:
@@ -769,28 +911,26 @@ class RankLoader:
 
     def _convert_and_write(
         self,
-        unit: Unit,
-        reads: UnitReads,
-        raw: list[tuple[torch.Tensor, torch.Tensor | None]],
+        members: Sequence[_Member],
         leases: list[Lease],
         source: SourceInfo,
         pool: StagingPool,
         opts: ConvertOptions,
-        row_base: int,
         stats: RunStats,
     ) -> None:
         reservations: list[Lease] = []
         try:
             t_c = time.perf_counter()
             try:
-                reservations, writes = self._convert(unit, reads, raw, source, pool, opts, row_base)
+                reservations, writes = self._convert(members, source, pool, opts)
             except MxloadError:
                 raise
             except Exception as err:  # a numerics failure names rank and tensor
+                names = ", ".join(dict.fromkeys(m[0].buffer for m in members))
                 raise RunError(
-                    f"rank {self.rank}: converting {unit.buffer}: {type(err).__name__}: {err}",
+                    f"rank {self.rank}: converting {names}: {type(err).__name__}: {err}",
                     rank=self.rank,
-                    tensor=unit.buffer,
+                    tensor=members[0][0].buffer,
                 ) from err
             for write in writes:
                 write()

@@ -579,6 +579,62 @@ def test_interrupted_reload_reports_current_bytes_and_completes(ckpt_factory) ->
     assert_rank_matches(ref_of(v2), layout, 0, loader)
 
 
+def test_a_step_of_several_units_is_converted_in_one_launch_and_written_all_or_nothing(
+    ckpt_factory, monkeypatch
+) -> None:
+    """The fused CPU kernel's steps (``memory.schedule``): small expert halves read,
+    converted in one backend call and written together. A reload that fails on the
+    second unit of such a step leaves the step's first unit at the old version too (no
+    unit of the step was written), the units of earlier steps at the new one; running it
+    again completes it, byte for byte the reference, at the same addresses."""
+    from mxload.orchestrator.memory import ConvertOptions, read_fn_from_reads, schedule
+    from mxload.workers.numerics.backend import Backend
+
+    v1, v2 = ckpt_factory("qwen3-moe-tiny", 1), ckpt_factory("qwen3-moe-tiny", 2)
+    layout = ParallelLayout(tp=2)
+    meta1, plan1 = plan_of(v1, layout, fused=True)
+    meta2, plan2 = plan_of(v2, layout, fused=True)
+    calls: list[int] = []
+    real = Backend.convert_units_to_mx_packed
+
+    def spy(self, units, **kw):  # type: ignore[no-untyped-def]
+        calls.append(len(units))
+        return real(self, units, **kw)
+
+    monkeypatch.setattr(Backend, "convert_units_to_mx_packed", spy)
+    loader, stats = run_rank(v1, meta1, plan1, 0, fast=True)
+    assert max(calls) > 1, calls
+    assert 0 < stats.measured_peak_staging_bytes <= stats.predicted_peak_staging_bytes
+    assert stats.predicted_peak_staging_bytes <= 1.10 * stats.measured_peak_staging_bytes
+    assert_rank_matches(ref_of(v1), layout, 0, loader)
+    ptrs = {n: t.data_ptr() for n, t in loader.buffers.items()}
+
+    rp2 = plan2.ranks[0]
+    budget = plan1.min_staging_reload
+    q = meta2.config.quant
+    opts = ConvertOptions(
+        model_dtype=meta2.config.model_dtype, source_quant=q.kind, fused=True, block_n=q.block_n
+    )
+    read_fn = read_fn_from_reads(rp2.units, rp2.reads, block_n=q.block_n, source_quant=q.kind)
+    steps, _ = schedule(rp2.units, read_fn, opts, budget, whole_units=True)
+    step = next(s for s in steps if s.count > 1)
+    stop_at = step.first + 1
+
+    def fail(i: int) -> None:
+        if i == stop_at:
+            raise Interrupted(f"unit {i}")
+
+    with pytest.raises(Interrupted):
+        loader.reload(
+            list(rp2.reads), source_of(v2, meta2), version=2, staging_budget=budget, fault_hook=fail
+        )
+    assert loader.unit_versions == [2] * step.first + [1] * (len(rp2.units) - step.first)
+    loader.reload(list(rp2.reads), source_of(v2, meta2), version=2, staging_budget=budget)
+    assert loader.consistent and loader.version == 2
+    assert {n: t.data_ptr() for n, t in loader.buffers.items()} == ptrs
+    assert_rank_matches(ref_of(v2), layout, 0, loader)
+
+
 def test_a_failed_reload_then_another_checkpoint_rewrites_every_unit(ckpt_factory) -> None:
     """A version names a checkpoint (SPEC §4): after a reload from v2 stopped half-way,
     a reload from v3 *at the same version number* must rewrite the units v2 wrote, not
@@ -738,9 +794,9 @@ def test_staging_peak_does_not_depend_on_reader_timing(
 
     real_fill = RankLoader._fill
 
-    def late_fill(self, *args):  # type: ignore[no-untyped-def]
+    def late_fill(self, *args, **kwargs):  # type: ignore[no-untyped-def]
         _time.sleep(0.01)
-        return real_fill(self, *args)
+        return real_fill(self, *args, **kwargs)
 
     monkeypatch.setattr(RankLoader, "_fill", late_fill)
     src = ckpt_factory("qwen3-moe-tiny", 1)

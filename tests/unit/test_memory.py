@@ -23,8 +23,11 @@ import pytest
 from mxload.orchestrator.catalog import open_checkpoint
 from mxload.orchestrator.errors import StagingBudgetError
 from mxload.orchestrator.memory import (
+    BATCH_UNIT_BYTES,
     MIN_CHUNK_ROWS,
+    Chunk,
     ConvertOptions,
+    batchable,
     chunk_rows,
     min_budgets,
     read_fn_from_reads,
@@ -35,7 +38,7 @@ from mxload.orchestrator.memory import (
     unit_cost,
 )
 from mxload.orchestrator.planner import build_plan
-from mxload.orchestrator.plantypes import ParallelLayout, RankPlan
+from mxload.orchestrator.plantypes import ParallelLayout, RankPlan, Unit
 from mxload.orchestrator.ranges import ByteRange
 
 CASES = {
@@ -329,31 +332,80 @@ def test_min_budgets_are_minimums(plans, case: str) -> None:
         assert err.value.exit_code == 2
 
 
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "unfused"])
 @pytest.mark.parametrize("case", ["awkward-tp2", "moe-tp2-dp2-ep"])
-def test_schedule_peak_is_the_max_over_steps(plans, case: str) -> None:
-    """The estimate recomputed by hand from the steps: each chunk's pool cost plus the
-    next unit's reads when the step prefetches; never above the budget."""
+def test_schedule_peak_is_the_max_over_steps(plans, case: str, fused: bool) -> None:
+    """The estimate recomputed by hand from the steps: each chunk's pool cost (a step of
+    several units: the sum of theirs) plus the next step's reads when the step
+    prefetches; never above the budget. Steps cover the units in order, once."""
     meta, plan = plans(case)
-    opts = _opts(meta)
+    opts = _opts(meta, fused)
     rp = plan.ranks[0]
     read_fn = _read_fn(meta, rp)
     load_min, reload_min = min_budgets(rp.units, read_fn, opts)
+
+    def whole(i: int):  # type: ignore[no-untyped-def]
+        u = rp.units[i]
+        return unit_cost(u, u.rows, read_fn(u, 0, u.rows), opts)
+
+    batched = 0
     for budget in _budgets_between(load_min, 2 * reload_min):
         steps, est = schedule(rp.units, read_fn, opts, budget, whole_units=False)
-        assert len(steps) == len(rp.units)
+        assert [i for s in steps for i in s.units] == list(range(len(rp.units)))
         peak = 0
-        for i, (unit, step) in enumerate(zip(rp.units, steps, strict=True)):
+        for j, step in enumerate(steps):
             ahead = 0
             if step.prefetch_next:
-                assert len(step.chunks) == 1 and i + 1 < len(rp.units)
-                nxt = rp.units[i + 1]
-                ahead = read_fn(nxt, 0, nxt.rows)
+                assert len(step.chunks) == 1 and j + 1 < len(steps)
+                ahead = sum(whole(i).read for i in steps[j + 1].units)
+            if step.count > 1:
+                batched += 1
+                assert step.chunks == (Chunk(0, rp.units[step.first].rows),)
+                assert sum(whole(i).pool for i in step.units) <= budget // 2
+                for i in step.units:
+                    assert whole(i).pool <= BATCH_UNIT_BYTES
+                    assert batchable(rp.units[i], whole(i), opts)
+                peak = max(peak, sum(whole(i).pool for i in step.units) + ahead)
+                continue
+            unit = rp.units[step.first]
             for c in step.chunks:
                 cost = unit_cost(unit, c.end - c.start, read_fn(unit, c.start, c.end), opts)
                 peak = max(peak, cost.pool + ahead)
         assert est.staging_bytes == peak
         assert peak <= budget
         assert est.budget_bytes == budget
+    # the fused CPU kernel batches the tiny MoE model's expert halves; nothing else batches
+    if not fused:
+        assert batched == 0
+    elif case.startswith("moe"):
+        assert batched > 0
+
+
+def test_batching_takes_every_small_mx_unit_that_fits() -> None:
+    """Greedy and maximal: a run of batchable units fills steps up to half the budget;
+    a unit that is not batchable (dense, or too large) is a step of its own and splits
+    the run."""
+    from mxload.orchestrator.plantypes import Part
+
+    def unit(layout: str, rows: int, cols: int = 64) -> Unit:
+        part = Part(module="m", rows=(0, rows), cols=(0, cols), dst_row=0)
+        return Unit("b", "linear", layout, rows, cols, (part,), quantized=True)
+
+    small = unit("mx_linear", 64)  # read 4096 + out 4096 + scales 128
+    dense = unit("dense", 64)
+    units = [small] * 5 + [dense] + [small] * 2
+    reads = [u.rows * u.cols for u in units]
+    opts = ConvertOptions(model_dtype="bf16", fused=True)
+    one = unit_cost(small, 64, 4096, opts).pool
+    steps, _ = schedule(
+        units, lambda u, a, b: reads[units.index(u)], opts, 6 * one, whole_units=True
+    )
+    assert [(s.first, s.count) for s in steps] == [(0, 3), (3, 2), (5, 1), (6, 2)]
+    unfused = ConvertOptions(model_dtype="bf16", fused=False)
+    steps, _ = schedule(
+        units, lambda u, a, b: reads[units.index(u)], unfused, 6 * one, whole_units=True
+    )
+    assert all(s.count == 1 for s in steps)
 
 
 def test_too_small_budget_names_the_flag_and_chunk_rows_says_none(plans) -> None:

@@ -560,6 +560,84 @@ def test_parts_in_one_launch_match_per_part_reference(name: str, where: str) -> 
     assert torch.equal(ref_s, want_s)
 
 
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("outputs", ["one_storage", "separate"])
+def test_units_of_different_k_in_one_launch_match_per_part_reference(
+    outputs: str, threads: int
+) -> None:
+    """Every UNIT_CASES unit (K = 64, 96, 160) in one call, the loader's step: with the
+    outputs carved from one storage (payloads first, then scales, as the loader's stage
+    lease) the kernel takes them in one launch and deals their work items, of unequal
+    size, over the threads; in separate storages it launches once per unit. Same bytes as
+    the reference per part either way, and nothing outside each unit's columns written."""
+    torch.set_num_threads(threads)
+    names = sorted(UNIT_CASES)
+    cases = [_unit_case(name) for name in names]
+    all_parts = _one_lease([p for _, parts in cases for p in parts], scales_too=True)
+    units_in = []
+    at = 0
+    for k, parts in cases:
+        units_in.append((k, all_parts[at : at + len(parts)]))
+        at += len(parts)
+    shapes = []
+    for k, parts in units_in:
+        n_total = sum(w.shape[0] for w, *_ in parts) + 8  # 8 columns no part writes
+        shapes.append(((k, n_total), ((k // 32 + 1) // 2, n_total, 2)))
+    if outputs == "one_storage":
+        sizes = [a * b for (a, b), _ in shapes] + [a * b * c for _, (a, b, c) in shapes]
+        store = torch.full((sum(sizes) + 5,), 0xEE, dtype=torch.uint8)  # + a tail no one writes
+        pieces = store[: sum(sizes)].split_with_sizes(sizes)
+        outs = [
+            (
+                pieces[i]
+                .copy_(torch.full_like(pieces[i], 0xA5))
+                .view(torch.float8_e4m3fn)
+                .view(sw),
+                pieces[len(shapes) + i]
+                .copy_(torch.full_like(pieces[len(shapes) + i], 0x5A))
+                .view(ss),
+            )
+            for i, (sw, ss) in enumerate(shapes)
+        ]
+    else:
+        outs = [
+            (
+                torch.full(sw, 0xA5, dtype=torch.uint8).view(torch.float8_e4m3fn),
+                torch.full(ss, 0x5A, dtype=torch.uint8),
+            )
+            for sw, ss in shapes
+        ]
+    fast.convert_units_to_mx_packed(
+        [(parts, ow, os_) for (_, parts), (ow, os_) in zip(units_in, outs, strict=True)],
+        block_n=128, block_k=128, dtype=torch.bfloat16,
+    )  # fmt: skip
+    for name, (k, parts), (ow, os_) in zip(names, units_in, outs, strict=True):
+        want_w, want_s = _reference_stage(k, parts, ow.shape[1], torch.bfloat16)
+        _assert_same_payload(ow, want_w, f"{name} payload ({outputs}, {threads} threads)")
+        assert torch.equal(os_, want_s), f"{name} scales ({outputs}, {threads} threads)"
+    if outputs == "one_storage":
+        assert bool((store[-5:] == 0xEE).all())
+    # the reference backend (one call per part) agrees through the same interface
+    cpu_ref = backend.select_backend("cpu", prefer_fast=False)
+    ref_outs = [
+        (
+            torch.empty_like(ow).view(torch.uint8).fill_(0xA5).view(torch.float8_e4m3fn),
+            torch.full_like(os_, 0x5A),
+        )
+        for ow, os_ in outs
+    ]
+    cpu_ref.convert_units_to_mx_packed(
+        [
+            backend.PackedUnit([backend.PackedPart(*p) for p in parts], rw, rs)
+            for (_, parts), (rw, rs) in zip(units_in, ref_outs, strict=True)
+        ],
+        block_n=128, block_k=128, dtype=torch.bfloat16,
+    )  # fmt: skip
+    for (ow, os_), (rw, rs) in zip(outs, ref_outs, strict=True):
+        _assert_same_payload(rw, ow, "reference backend")
+        assert torch.equal(rs, os_)
+
+
 # --- bad input ----------------------------------------------------------------------------------
 
 

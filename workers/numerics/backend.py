@@ -47,6 +47,15 @@ class PackedPart(NamedTuple):
     out_row0: int
 
 
+class PackedUnit(NamedTuple):
+    """One unit for :meth:`Backend.convert_units_to_mx_packed`: its parts (one K) and
+    the kernel-layout outputs they are written into."""
+
+    parts: Sequence[PackedPart]
+    out_weight: torch.Tensor
+    out_scale: torch.Tensor
+
+
 class Backend:
     """A place to compute, with the numerics of SPEC §2 bound to it.
 
@@ -65,7 +74,7 @@ class Backend:
         quantize_fn: QuantizeFn | None = None,
         convert_fn: ConvertFn | None = None,
         packed_fn: Callable[..., None] | None = None,
-        parts_fn: Callable[..., None] | None = None,
+        units_fn: Callable[..., None] | None = None,
     ) -> None:
         self.name = name
         self.device = device
@@ -74,7 +83,7 @@ class Backend:
         self._quantize_fn: QuantizeFn = quantize_fn or reference.mx_quantize
         self._convert_fn: ConvertFn | None = convert_fn
         self._packed_fn = packed_fn
-        self._parts_fn = parts_fn
+        self._units_fn = units_fn
         self._on_cpu = device.type == "cpu"
 
     def __repr__(self) -> str:
@@ -187,33 +196,60 @@ class Backend:
         out_weight: torch.Tensor,
         out_scale: torch.Tensor,
     ) -> None:
-        """:meth:`convert_block_to_mx_packed` of every part of a unit (one K), byte for
-        byte: one kernel launch on ``cpu-fast`` (a call had about 0.1 ms of fixed cost
-        on 2 cores, a third of a tp = 8 expert half's conversion), one call per part
-        elsewhere."""
-        if self._parts_fn is not None:
-            self._parts_fn(
-                [(self.to_device(p.w_fp8), self.to_device(p.scale_inv_f32), *p[2:]) for p in parts],
+        """:meth:`convert_block_to_mx_packed` of every part of one unit (one K), byte
+        for byte: :meth:`convert_units_to_mx_packed` of that one unit."""
+        self.convert_units_to_mx_packed(
+            [PackedUnit(parts, out_weight, out_scale)],
+            block_n=block_n,
+            block_k=block_k,
+            dtype=dtype,
+        )
+
+    def convert_units_to_mx_packed(
+        self,
+        units: Sequence[PackedUnit],
+        *,
+        block_n: int,
+        block_k: int,
+        dtype: torch.dtype,
+    ) -> None:
+        """:meth:`convert_block_to_mx_packed` of every part of every unit (each its own
+        K and outputs), byte for byte. One kernel launch on ``cpu-fast`` when the
+        outputs are views of one storage (a launch and its argument checks cost about
+        0.2 ms on 2 cores, as much as converting a tp = 8 expert half); one call per
+        part elsewhere."""
+        if self._units_fn is not None:
+            self._units_fn(
+                [
+                    (
+                        [
+                            (self.to_device(p.w_fp8), self.to_device(p.scale_inv_f32), *p[2:])
+                            for p in u.parts
+                        ],
+                        u.out_weight,
+                        u.out_scale,
+                    )
+                    for u in units
+                ],
                 block_n=block_n,
                 block_k=block_k,
                 dtype=dtype,
-                out_weight=out_weight,
-                out_scale=out_scale,
             )
             return
-        for p in parts:
-            self.convert_block_to_mx_packed(
-                p.w_fp8,
-                p.scale_inv_f32,
-                row0=p.row0,
-                col0=p.col0,
-                block_n=block_n,
-                block_k=block_k,
-                dtype=dtype,
-                out_weight=out_weight,
-                out_scale=out_scale,
-                out_row0=p.out_row0,
-            )
+        for u in units:
+            for p in u.parts:
+                self.convert_block_to_mx_packed(
+                    p.w_fp8,
+                    p.scale_inv_f32,
+                    row0=p.row0,
+                    col0=p.col0,
+                    block_n=block_n,
+                    block_k=block_k,
+                    dtype=dtype,
+                    out_weight=u.out_weight,
+                    out_scale=u.out_scale,
+                    out_row0=p.out_row0,
+                )
 
     # --- device plumbing ----------------------------------------------------------------
 
@@ -299,7 +335,7 @@ def _cpu_backend(prefer_fast: bool, why: str) -> Backend:
                 quantize_fn=fast.mx_quantize,
                 convert_fn=fast.convert_block_to_mx,
                 packed_fn=getattr(fast, "convert_block_to_mx_packed", None),
-                parts_fn=getattr(fast, "convert_parts_to_mx_packed", None),
+                units_fn=getattr(fast, "convert_units_to_mx_packed", None),
             )
     return Backend("cpu-reference", cpu, f"cpu: {why}; reference path, {fast_why}")
 

@@ -35,6 +35,7 @@ __all__ = [
     "convert_block_to_mx",
     "convert_block_to_mx_packed",
     "convert_parts_to_mx_packed",
+    "convert_units_to_mx_packed",
     "fast_available",
     "mx_quantize",
     "resolve_block",
@@ -233,8 +234,12 @@ def convert_block_to_mx_packed(
     )
 
 
+Part = tuple[torch.Tensor, torch.Tensor, int, int, int]
+"""``(w_fp8, scale_inv_f32, row0, col0, out_row0)``: one slice of a unit."""
+
+
 def convert_parts_to_mx_packed(
-    parts: Sequence[tuple[torch.Tensor, torch.Tensor, int, int, int]],
+    parts: Sequence[Part],
     *,
     block_n: int,
     block_k: int,
@@ -244,14 +249,97 @@ def convert_parts_to_mx_packed(
     what: str = "convert_parts_to_mx_packed",
 ) -> None:
     """:func:`convert_block_to_mx_packed` of every ``(w_fp8, scale_inv_f32, row0, col0,
-    out_row0)`` part (one K for all) in one kernel launch: what the loader calls for a
-    unit, such as an expert's gate and up. Byte for byte the same as one call per part.
+    out_row0)`` part of one unit (one K) in one kernel launch, such as an expert's gate
+    and up. Byte for byte the same as one call per part."""
+    convert_units_to_mx_packed(
+        [(parts, out_weight, out_scale)], block_n=block_n, block_k=block_k, dtype=dtype, what=what
+    )
+
+
+def convert_units_to_mx_packed(
+    units: Sequence[tuple[Sequence[Part], torch.Tensor, torch.Tensor]],
+    *,
+    block_n: int,
+    block_k: int,
+    dtype: torch.dtype,
+    what: str = "convert_units_to_mx_packed",
+) -> None:
+    """:func:`convert_parts_to_mx_packed` of several units, each ``(parts, out_weight,
+    out_scale)`` with its own K, in one kernel launch when every output is a view of one
+    storage (the loader's staging lease for a step), else one launch per unit. Byte for
+    byte the same as one call per unit: what the loader calls for a step of small units
+    (a tp = 8 expert's halves are 0.2-0.4 MB; a launch and its checks cost ~0.2 ms).
 
     The payloads are read in place when they are views of one buffer at offsets that are
     multiples of 8 (a staging lease split per part); otherwise they are copied once into
     an aligned buffer first."""
     kernels.require()
     mode = _mode(dtype, what)
+    outs: list[torch.Tensor] = []
+    for _, out_weight, out_scale in units:
+        _check_out(out_weight, out_scale, what)
+        outs += (out_weight, out_scale)
+    if not units:
+        return
+    base = outs[0].untyped_storage().data_ptr()
+    if len(units) > 1 and any(t.untyped_storage().data_ptr() != base for t in outs):
+        for u in units:  # outputs in separate storages: one launch each
+            convert_units_to_mx_packed(
+                [u], block_n=block_n, block_k=block_k, dtype=dtype, what=what
+            )
+        return
+    n_parts = sum(len(u[0]) for u in units)
+    table = np.empty((n_parts, kernels.PART_FIELDS), dtype=np.int64)
+    payloads: list[torch.Tensor] = []
+    scales: list[np.ndarray] = []
+    sb0 = 0
+    p = 0
+    if len(units) == 1:  # its own two arrays, wherever they live
+        q_np = units[0][1].view(torch.uint8).view(-1).numpy()
+        s_np = units[0][2].view(-1).numpy()
+        out_base = (units[0][1].data_ptr(), units[0][2].data_ptr())
+    else:  # one array over the storage all outputs are views of
+        q_np = s_np = _whole(outs[0])
+        out_base = (base, base)
+    for parts, out_weight, out_scale in units:
+        k, n_total = out_weight.shape
+        q_off = out_weight.data_ptr() - out_base[0]
+        s_off = out_scale.data_ptr() - out_base[1]
+        for w, sc, row0, col0, out_row0 in parts:
+            ti, tj = _check_slice(w, sc, row0, col0, block_n, block_k, f"{what}: part {p}")
+            n = w.shape[0]
+            if w.shape[1] != k:
+                raise NumericsError(
+                    f"{what}: part {p}: w_fp8 has {w.shape[1]} columns, out_weight's K is {k}"
+                )
+            if out_row0 < 0 or out_row0 + n > n_total:
+                raise NumericsError(
+                    f"{what}: a [{n}, {k}] block at column {out_row0} does not fit out_weight "
+                    f"{tuple(out_weight.shape)} ([K, N_total])"
+                )
+            # the last column holds the unit's rows: run_convert_parts makes it the rows
+            # per work item
+            table[p] = (0, n, row0, col0, out_row0, sb0, ti, tj, k, q_off, s_off, n_total, n_total)
+            sb0 += ti * tj
+            payloads.append(w if w.is_contiguous() else w.contiguous())
+            scales.append(sc.contiguous().view(torch.int32).numpy().reshape(-1))
+            p += 1
+    if not n_parts:
+        return
+    src = _payload_source(payloads, table)
+    sbits = (scales[0] if len(scales) == 1 else np.concatenate(scales)).view(np.uint32)
+    kernels.run_convert_parts(src, table, sbits, block_n, block_k, mode, q_np, s_np, _threads())
+    for parts, out_weight, out_scale in units:
+        g = out_weight.shape[0] // MX_GROUP
+        if g % MX_PAIR:
+            s3 = out_scale.numpy()
+            for w, *_, out_row0 in parts:
+                s3[-1, out_row0 : out_row0 + w.shape[0], 1] = 0  # SPEC §2.3: odd g pads with 0
+
+
+def _check_out(out_weight: torch.Tensor, out_scale: torch.Tensor, what: str) -> None:
+    """A packed output pair: ``[K, N]`` fp8/uint8 payload, ``[ceil(g/2), N, 2]`` uint8
+    scales, both contiguous CPU tensors, K a multiple of 32."""
     if out_weight.dtype not in (torch.float8_e4m3fn, torch.uint8) or out_weight.dim() != 2:
         raise NumericsError(
             f"{what}: out_weight must be a 2-D float8_e4m3fn or uint8 tensor, got "
@@ -260,8 +348,7 @@ def convert_parts_to_mx_packed(
     k, n_total = out_weight.shape
     if k % MX_GROUP != 0:
         raise NumericsError(f"{what}: K = {k} is not a multiple of {MX_GROUP} (SPEC §2.2)")
-    g = k // MX_GROUP
-    want_scale = (ceil_div(g, MX_PAIR), n_total, MX_PAIR)
+    want_scale = (ceil_div(k // MX_GROUP, MX_PAIR), n_total, MX_PAIR)
     if out_scale.dtype != torch.uint8 or tuple(out_scale.shape) != want_scale:
         raise NumericsError(
             f"{what}: out_scale must be uint8 {want_scale}, got {out_scale.dtype} "
@@ -270,39 +357,11 @@ def convert_parts_to_mx_packed(
     for name, t in (("out_weight", out_weight), ("out_scale", out_scale)):
         if not t.is_cpu or not t.is_contiguous():
             raise NumericsError(f"{what}: {name} must be a contiguous CPU tensor")
-    table = np.empty((len(parts), kernels.PART_FIELDS), dtype=np.int64)
-    payloads: list[torch.Tensor] = []
-    scales: list[np.ndarray] = []
-    sb0 = 0
-    for p, (w, sc, row0, col0, out_row0) in enumerate(parts):
-        ti, tj = _check_slice(w, sc, row0, col0, block_n, block_k, f"{what}: part {p}")
-        n = w.shape[0]
-        if w.shape[1] != k:
-            raise NumericsError(
-                f"{what}: part {p}: w_fp8 has {w.shape[1]} columns, out_weight's K is {k}"
-            )
-        if out_row0 < 0 or out_row0 + n > n_total:
-            raise NumericsError(
-                f"{what}: a [{n}, {k}] block at column {out_row0} does not fit out_weight "
-                f"{tuple(out_weight.shape)} ([K, N_total])"
-            )
-        table[p] = (0, n, row0, col0, out_row0, sb0, ti, tj)
-        sb0 += ti * tj
-        payloads.append(w if w.is_contiguous() else w.contiguous())
-        scales.append(sc.contiguous().view(torch.int32).numpy().reshape(-1))
-    if not parts:
-        return
-    src = _payload_source(payloads, table)
-    sbits = (scales[0] if len(scales) == 1 else np.concatenate(scales)).view(np.uint32)
-    s_np = out_scale.numpy()
-    kernels.run_convert_parts(
-        src, k, table, sbits, block_n, block_k, mode,
-        out_weight.view(torch.uint8).view(-1).numpy(), s_np.reshape(-1), n_total,
-        int(table[:, 1].sum()), _threads(),
-    )  # fmt: skip
-    if g % MX_PAIR:
-        for _, n, _, _, out_row0, *_ in table.tolist():
-            s_np[-1, out_row0 : out_row0 + n, 1] = 0  # SPEC §2.3: odd g pads with 0
+
+
+def _whole(t: torch.Tensor) -> np.ndarray:
+    """The whole storage ``t`` is a view of, as a flat uint8 numpy array."""
+    return torch.empty(0, dtype=torch.uint8).set_(t.untyped_storage()).numpy()
 
 
 def _payload_source(payloads: Sequence[torch.Tensor], table: np.ndarray) -> np.ndarray:
@@ -316,8 +375,7 @@ def _payload_source(payloads: Sequence[torch.Tensor], table: np.ndarray) -> np.n
     if same and base % 8 == 0 and all(o % 8 == 0 for o in offsets):
         end = max(o + w.numel() for o, w in zip(offsets, payloads, strict=True))
         table[:, 0] = offsets
-        whole = torch.empty(0, dtype=torch.uint8).set_(storage)
-        return whole[:end].numpy()
+        return _whole(payloads[0])[:end]
     # K is a multiple of 32, so back-to-back payloads keep 8-byte offsets
     src = np.empty(sum(w.numel() for w in payloads), dtype=np.uint64).view(np.uint8)
     at = 0

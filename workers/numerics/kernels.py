@@ -728,17 +728,19 @@ def _convert_item(
             s_out[base + 2 * i] = s_loc[i, g]
 
 
-PART_FIELDS = 8
+PART_FIELDS = 13
 """Columns of a parts table (:func:`run_convert_parts`): payload offset in ``src``,
 rows, first source row, first source column, first output column (packed), offset of
-the part's tiles in ``sbits``, tile rows, tile columns."""
+the part's tiles in ``sbits``, tile rows, tile columns, K, offset of the part's payload
+output in ``q_out``, offset of its scale output in ``s_out``, the output's columns
+(packed: ``N_total`` of its ``[K, N_total]``), rows per work item. Parts of different
+units (their own K and outputs) run in one launch."""
 
 
 @njit(**_PJIT)
 def _convert_kernel(
     src: np.ndarray,  # uint8 flat: every part's [n, k] payload, row-major, k % 32 == 0
     src64: np.ndarray,  # uint64 view of src (part offsets are multiples of 8)
-    k: int,
     parts: np.ndarray,  # int64 [P, PART_FIELDS]
     sbits: np.ndarray,  # uint32 flat: every part's [TI, TJ] covering tiles (f32 bits)
     sf: np.ndarray,  # float32 view of the same
@@ -746,29 +748,34 @@ def _convert_kernel(
     bk: int,
     mode: int,
     packed: bool,
-    q_out: np.ndarray,  # uint8 flat: [n, k] row-major (one part), or (packed) [k, n_total]
-    q64: np.ndarray,  # (packed) uint64 view of q_out when 8-byte aligned with n_total % 8 == 0
-    n_total: int,
+    q_out: np.ndarray,  # uint8 flat: each part's [n, k] row-major, or (packed) [k, n_total]
+    q64: np.ndarray,  # uint64 view of q_out's first whole words (empty: not aligned)
     s_out: np.ndarray,  # uint8 flat: [n, g] row-major, or (packed) [ceil(g/2), n_total, 2]
-    rows_per_item: int,
+    n_threads: int,
 ) -> None:
-    """Every part of a unit in one launch: its tables first (serially, they are small),
-    then one parallel loop over the work items of all parts, so a unit of several small
-    parts (an expert's gate and up at tp = 8) pays one launch and its items balance
-    over the threads together."""
+    """Every part of one or more units in one launch: their tables first (serially, they
+    are small), then one parallel loop over the work items of all parts, so a step of
+    several small parts (experts' gate, up and down halves at tp = 8) pays one launch.
+
+    Items are dealt to the ``n_threads`` threads by their work (rows x K), largest first,
+    each to the least loaded thread: a parallel loop over the items themselves would
+    hand each thread an equal count of them, and with parts of different K in one launch
+    (a K = 2048 gate/up and a K = 96 down) one thread got most of the work (the launch
+    ran 20 % longer than one launch per unit)."""
     n_parts = parts.shape[0]
-    ng = k // 32
+    max_ng = 0
     tile0 = np.empty(n_parts + 1, dtype=np.int64)
     tile0[0] = 0
     n_items = 0
     for p in range(n_parts):
         tile0[p + 1] = tile0[p] + parts[p, 6] * parts[p, 7]
-        n_items += _row_chunks(parts[p, 1], parts[p, 2], bn, rows_per_item).shape[0]
+        n_items += _row_chunks(parts[p, 1], parts[p, 2], bn, parts[p, 12]).shape[0]
+        max_ng = max(max_ng, parts[p, 8] // 32)
     r32 = np.empty((tile0[n_parts], 128), dtype=np.int64)
     s_tab = np.empty((tile0[n_parts], 128), dtype=np.uint8)
     # Column tile of each group (by its first column) and whether it straddles two tiles.
-    g_tile = np.empty((n_parts, ng), dtype=np.int64)
-    g_split = np.empty((n_parts, ng), dtype=np.bool_)
+    g_tile = np.empty((n_parts, max_ng), dtype=np.int64)
+    g_split = np.empty((n_parts, max_ng), dtype=np.bool_)
     items = np.empty((n_items, 3), dtype=np.int64)  # (part, first row, end row)
     j = 0
     for p in range(n_parts):
@@ -780,28 +787,94 @@ def _convert_kernel(
             mode, r32[tile0[p] : tile0[p + 1]], s_tab[tile0[p] : tile0[p + 1]],
         )  # fmt: skip
         t_c0 = col0 // bk
-        for g in range(ng):
+        for g in range(parts[p, 8] // 32):
             c = col0 + 32 * g
             g_tile[p, g] = c // bk - t_c0
             g_split[p, g] = (c + 31) // bk != c // bk
-        chunks = _row_chunks(n, row0, bn, rows_per_item)
+        chunks = _row_chunks(n, row0, bn, parts[p, 12])
         for c in range(chunks.shape[0]):
             items[j, 0] = p
             items[j, 1] = chunks[c, 0]
             items[j, 2] = chunks[c, 1]
             j += 1
-    for it in prange(n_items):
-        p = items[it, 0]
-        r_lo = items[it, 1]
-        w0, n, row0, col0 = parts[p, 0], parts[p, 1], parts[p, 2], parts[p, 3]
-        sb0, ti_n, tj_n = parts[p, 5], parts[p, 6], parts[p, 7]
-        _convert_item(
-            src[w0 : w0 + n * k], src64[w0 >> 3 : (w0 + n * k) >> 3], k, r_lo, items[it, 2],
-            (row0 + r_lo) // bn - row0 // bn,
-            sbits[sb0 : sb0 + ti_n * tj_n].reshape((ti_n, tj_n)), col0, bk,
-            r32[tile0[p] : tile0[p + 1]], s_tab[tile0[p] : tile0[p + 1]],
-            g_tile[p], g_split[p], packed, q_out, q64, n_total, parts[p, 4], s_out,
-        )  # fmt: skip
+    # Longest-processing-time-first: items by work, descending, each to the least loaded
+    # thread; then each thread's items as one slice of ``order``.
+    work = np.empty(n_items, dtype=np.int64)
+    for it in range(n_items):
+        work[it] = (items[it, 2] - items[it, 1]) * parts[items[it, 0], 8]
+    by_work = np.argsort(-work, kind="mergesort")
+    n_t = max(1, min(n_threads, n_items))
+    load = np.zeros(n_t, dtype=np.int64)
+    owner = np.empty(n_items, dtype=np.int64)
+    count = np.zeros(n_t + 1, dtype=np.int64)
+    for it in by_work:
+        t = np.argmin(load)
+        load[t] += work[it]
+        owner[it] = t
+        count[t + 1] += 1
+    for t in range(n_t):
+        count[t + 1] += count[t]
+    order = np.empty(n_items, dtype=np.int64)
+    fill = count[:n_t].copy()
+    for it in by_work:
+        order[fill[owner[it]]] = it
+        fill[owner[it]] += 1
+    for t in prange(n_t):
+        for o in range(count[t], count[t + 1]):
+            _convert_one(
+                parts, items, order[o], src, src64, sbits, bn, bk, packed, q_out, q64, s_out,
+                r32, s_tab, tile0, g_tile, g_split,
+            )  # fmt: skip
+
+
+@njit(**_JIT)
+def _convert_one(
+    parts: np.ndarray,
+    items: np.ndarray,
+    it: int,
+    src: np.ndarray,
+    src64: np.ndarray,
+    sbits: np.ndarray,
+    bn: int,
+    bk: int,
+    packed: bool,
+    q_out: np.ndarray,
+    q64: np.ndarray,
+    s_out: np.ndarray,
+    r32: np.ndarray,
+    s_tab: np.ndarray,
+    tile0: np.ndarray,
+    g_tile: np.ndarray,
+    g_split: np.ndarray,
+) -> None:
+    """Work item ``it`` of :func:`_convert_kernel`: its part's slices of the inputs,
+    tables and outputs, handed to :func:`_convert_item`."""
+    p = items[it, 0]
+    r_lo = items[it, 1]
+    w0, n, row0, col0 = parts[p, 0], parts[p, 1], parts[p, 2], parts[p, 3]
+    sb0, ti_n, tj_n, k = parts[p, 5], parts[p, 6], parts[p, 7], parts[p, 8]
+    qb, sb, n_total = parts[p, 9], parts[p, 10], parts[p, 11]
+    ng = k // 32
+    if packed:
+        q_len = k * n_total
+        s_len = ((ng + 1) // 2) * n_total * 2
+    else:
+        q_len = n * k
+        s_len = n * ng
+    # this part's words of q_out, when its output starts on a word and its rows are
+    # whole words (else the item copies bytes)
+    if q64.shape[0] > 0 and qb % 8 == 0 and n_total % 8 == 0 and (qb + q_len) // 8 <= q64.shape[0]:
+        q64_p = q64[qb >> 3 : (qb + q_len) >> 3]
+    else:
+        q64_p = q64[0:0]
+    _convert_item(
+        src[w0 : w0 + n * k], src64[w0 >> 3 : (w0 + n * k) >> 3], k, r_lo, items[it, 2],
+        (row0 + r_lo) // bn - row0 // bn,
+        sbits[sb0 : sb0 + ti_n * tj_n].reshape((ti_n, tj_n)), col0, bk,
+        r32[tile0[p] : tile0[p + 1]], s_tab[tile0[p] : tile0[p + 1]],
+        g_tile[p, :ng], g_split[p, :ng], packed, q_out[qb : qb + q_len], q64_p, n_total,
+        parts[p, 4], s_out[sb : sb + s_len],
+    )  # fmt: skip
 
 
 @njit(inline="always", **_JIT)
@@ -968,14 +1041,12 @@ def make_block(w: np.ndarray, n: int, k: int, sbits: np.ndarray) -> Block:
     return Block(w, w64, n, k, sbits, sbits.view(np.float32))
 
 
-def words(q_np: np.ndarray, n_total: int) -> np.ndarray:
-    """uint64 view of a packed payload buffer, or an empty array where rows of the
-    kernel layout are not all 8-byte aligned (then the kernel copies bytes)."""
-    if n_total % 8 == 0 and q_np.size % 8 == 0:
-        q64 = q_np.view(np.uint64)  # numpy flags a misaligned view (cheaper than .ctypes)
-        if q64.flags.aligned:
-            return q64
-    return np.zeros(0, dtype=np.uint64)
+def words(q_np: np.ndarray) -> np.ndarray:
+    """uint64 view of the whole words at the start of a flat uint8 output buffer, or an
+    empty array when it is not 8-byte aligned (the kernel then copies bytes)."""
+    q64 = q_np[: q_np.size - q_np.size % 8].view(np.uint64)
+    # numpy flags a misaligned view (cheaper than .ctypes)
+    return q64 if q64.flags.aligned else np.zeros(0, dtype=np.uint64)
 
 
 def run_resolve(
@@ -1010,18 +1081,21 @@ def run_convert(
     if b.n == 0 or b.k == 0:
         return
     ti, tj = b.sbits.shape
-    parts = np.array([[0, b.n, row0, col0, out_row0, 0, ti, tj]], dtype=np.int64)
+    n_out = n_total if packed else b.n
+    parts = np.array(
+        [[0, b.n, row0, col0, out_row0, 0, ti, tj, b.k, 0, 0, n_out, rows_per_item(b.n, b.k)]],
+        dtype=np.int64,
+    )
     with LOCK:
         set_threads(threads)
         _convert_kernel(
-            b.w, b.w64, b.k, parts, b.sbits.reshape(-1), b.sf.reshape(-1), bn, bk, mode,
-            packed, q_np, words(q_np, n_total), n_total, s_np, rows_per_item(b.n, b.k),
+            b.w, b.w64, parts, b.sbits.reshape(-1), b.sf.reshape(-1), bn, bk, mode,
+            packed, q_np, words(q_np), s_np, _TLS.threads,
         )  # fmt: skip
 
 
 def run_convert_parts(
     src: np.ndarray,
-    k: int,
     parts: np.ndarray,
     sbits: np.ndarray,
     bn: int,
@@ -1029,27 +1103,29 @@ def run_convert_parts(
     mode: int,
     q_np: np.ndarray,
     s_np: np.ndarray,
-    n_total: int,
-    rows: int,
     threads: int,
 ) -> None:
-    """Several parts of one unit into the kernel layout (SPEC §2.3) in one launch.
+    """Parts of one or more units into the kernel layout (SPEC §2.3) in one launch.
 
     ``src``: 8-byte aligned uint8 holding every part's row-major ``[n, k]`` payload at an
-    offset that is a multiple of 8; ``parts``: int64 ``[P, PART_FIELDS]`` whose rows add
-    up to ``rows`` (at most ``n_total``, the packed output's columns); ``sbits``:
-    uint32, every part's covering tiles row-major at its offset. The caller validates
-    the geometry (``fast.convert_parts_to_mx_packed``)."""
-    if rows == 0 or k == 0:
+    offset that is a multiple of 8; ``parts``: int64 ``[P, PART_FIELDS]`` whose last column
+    holds the rows of the part's unit on entry (replaced here by :func:`rows_per_item` of
+    them, once the thread count is set); ``sbits``:
+    uint32, every part's covering tiles row-major at its offset; ``q_np``/``s_np``: flat
+    uint8 outputs (one array may hold both) the part offsets point into. The caller
+    validates the geometry (``fast.convert_units_to_mx_packed``)."""
+    if parts.shape[0] == 0:
         return
-    src64 = src.view(np.uint64)
+    src64 = src[: src.size - src.size % 8].view(np.uint64)
     if not src64.flags.aligned:
         raise NumericsError("run_convert_parts: src is not 8-byte aligned")
     with LOCK:
         set_threads(threads)
+        for p in range(parts.shape[0]):
+            parts[p, 12] = rows_per_item(int(parts[p, 12]), int(parts[p, 8]))
         _convert_kernel(
-            src, src64, k, parts, sbits, sbits.view(np.float32), bn, bk, mode,
-            True, q_np, words(q_np, n_total), n_total, s_np, rows_per_item(rows, k),
+            src, src64, parts, sbits, sbits.view(np.float32), bn, bk, mode,
+            True, q_np, words(q_np), s_np, _TLS.threads,
         )  # fmt: skip
 
 
