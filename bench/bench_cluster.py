@@ -41,6 +41,7 @@ one ``.md``/``.json`` pair per section there (default ``bench/results``): ``clus
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import shutil
@@ -467,6 +468,11 @@ def experts_section(work: Path, *, quick: bool) -> dict[str, Any]:
         own seconds (between the progress calls around each) and read bytes."""
         plan = plans[tp]
         out = dict.fromkeys(("seconds", "bytes", "read_seconds", "expert_s", "expert_bytes"), 0.0)
+        # A full collection walks this process's ~250K torch and numba objects (0.2 s);
+        # the bench's own leftovers set one off now and then, inside some sample. Collect
+        # before each sample, as timeit does, so none lands in the timed loads (a worker
+        # freezes those objects, RankWorker.__init__).
+        gc.collect()
         for rp in plan.ranks:
             ldr = RankLoader(rp, model_dtype=plan.model["dtype"], backend=select_backend("cpu"))
             stamps = [time.perf_counter()]

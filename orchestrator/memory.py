@@ -13,10 +13,10 @@ its measured staging high-water mark can be held against the prediction:
   the source tile height where possible so scale tiles are not read twice. Reloads keep
   units whole (a buffer never holds a half-written unit), so chunking is load-only.
 * Consecutive small MX units that one launch of the fused CPU kernel converts (TP-sharded
-  experts' halves, 0.2-0.4 MB at tp = 8) share a *step* while their staging together
-  stays within half the budget: read together, converted in one launch, written unit by
-  unit once all are converted. A step holds the sum of its units' staging. Every other
-  unit is a step of its own.
+  experts' halves, 0.4-0.8 MB of staging at tp = 8) share a *step*: read together,
+  converted in one launch, written unit by unit once all are converted. A step holds the
+  sum of its units' staging and grows only while every read-ahead the one-unit schedule
+  would make is still made (``_steps``). Every other unit is a step of its own.
 * While step ``i`` converts, the reads of step ``i+1`` are issued if
   ``staging(i) + read(i+1)`` fits the budget (prefetch). The decision is taken from
   sizes alone, before any timing, so the peak is a deterministic function of the plan.
@@ -188,25 +188,28 @@ def batchable(unit: Unit, cost: UnitCost, opts: ConvertOptions) -> bool:
 def _steps(
     units: Sequence[Unit], whole: Sequence[UnitCost], opts: ConvertOptions, budget: int
 ) -> list[tuple[int, int]]:
-    """(first, count) of each step: runs of consecutive batchable units whose staging
-    together stays within half the budget share a step, any other unit is a step alone.
-    Half, so that a step and the next step's reads always fit together: batching never
-    costs a read-ahead."""
-    cap = budget // 2
-    i = 0
+    """(first, count) of each step. A run of consecutive batchable units is cut into steps
+    greedily: a unit joins the step while the step's staging, with the reads of the unit
+    after it, fits the budget, and (when the previous step could read this one ahead) the
+    step's reads still fit beside the previous step's staging. So every read-ahead of
+    the one-unit-a-step schedule is still made: batching never serializes a read."""
     out: list[tuple[int, int]] = []
+    prev_pool = 0
+    i = 0
     while i < len(units):
         j = i + 1
-        if batchable(units[i], whole[i], opts) and whole[i].pool <= cap:
-            total = whole[i].pool
-            while (
-                j < len(units)
-                and batchable(units[j], whole[j], opts)
-                and total + whole[j].pool <= cap
-            ):
-                total += whole[j].pool
+        pool, read = whole[i].pool, whole[i].read
+        if batchable(units[i], whole[i], opts):
+            into = prev_pool + read <= budget  # the previous step reads this one ahead
+            while j < len(units) and batchable(units[j], whole[j], opts):
+                p2, r2 = pool + whole[j].pool, read + whole[j].read
+                after = whole[j + 1].read if j + 1 < len(units) else 0
+                if p2 + after > budget or (into and prev_pool + r2 > budget):
+                    break
+                pool, read = p2, r2
                 j += 1
         out.append((i, j - i))
+        prev_pool = pool
         i = j
     return out
 
