@@ -26,8 +26,9 @@ load time; and what page-aware local reads do for experts TP-sharded without EP.
   predicts without request terms (it was recorded before they existed).
 * **TP-sharded experts**: one ``RankLoader`` per rank in this process, Qwen3-30B-A3B expert
   dims (K-split ``down_proj`` rows of 96 bytes at tp=8), rank-seconds per byte at tp=8
-  without EP against tp=1: the default, and one ablation per change (every read on the
-  reader thread, one pread per row), each patched in for its own measurement only
+  without EP against tp=1: the default, and one ablation per change (one unit a step,
+  every read on the reader thread, one pread per row), each patched in for its own
+  measurement only
   (``EXPERT_CANDIDATES``); then where tp=8's extra seconds go, with the MX conversion
   call and/or the storage read replaced by a no-op (``STUBS``).
 
@@ -430,7 +431,8 @@ def timemodel_section(work: Path, *, quick: bool, bandwidth: float) -> dict[str,
 
 
 EXPERT_CANDIDATES: dict[str, str] = {
-    "tp8": "tp=8 (default: page-aware reads, small local units inline)",
+    "tp8": "tp=8 (default: page-aware reads, small local units inline, steps of small units)",
+    "tp8-unit": "tp=8, one unit a step (the schedule before steps of several units)",
     "tp8-thread": "tp=8, every read on the reader thread (INLINE_READ_BYTES=0)",
     "tp8-rows": "tp=8, one pread per row (the policy before issue 13)",
 }
@@ -440,6 +442,7 @@ for its measurement only."""
 
 def experts_section(work: Path, *, quick: bool) -> dict[str, Any]:
     """Rank-seconds per byte of experts TP-sharded at tp=8 without EP, against tp=1."""
+    import mxload.orchestrator.memory as memory_mod
     import mxload.workers.loader as loader_mod
     import mxload.workers.storage as storage_mod
     from mxload.orchestrator.catalog import open_checkpoint
@@ -455,6 +458,11 @@ def experts_section(work: Path, *, quick: bool) -> dict[str, Any]:
     source = SourceInfo(root=src, quant=q.kind, block_n=q.block_n, block_k=q.block_k)
     plans = {tp: build_plan(meta.config, ParallelLayout(tp=tp), checkpoint=meta) for tp in (1, 8)}
     patches: dict[str, tuple[Any, str, Any]] = {
+        "tp8-unit": (
+            memory_mod,
+            "_steps",
+            lambda units, whole, opts, budget: [(i, 1) for i in range(len(units))],
+        ),
         "tp8-thread": (loader_mod, "INLINE_READ_BYTES", 0),
         "tp8-rows": (
             storage_mod,
@@ -695,7 +703,8 @@ def render(res: dict[str, Any], command: str) -> str:
             "ranks of seconds per byte, against a tp=1 load measured just before each "
             "candidate's. Expert units: the time between the progress calls around each "
             "expert unit, over those units' read bytes (a unit's interval also holds the "
-            "inline read-ahead of the next). Whole layer: attention and vocab blocks too, "
+            "inline read-ahead of the next; the units of one step report together, so the "
+            "step's time falls on its first). Whole layer: attention and vocab blocks too, "
             "load seconds over bytes needed. Read share: `RunStats.read_seconds` (waiting "
             "for the reader thread, or reading inline) over rank seconds.",
             "",

@@ -47,7 +47,7 @@ from mxload.orchestrator.memory import (
     sub_reads,
     sub_unit,
 )
-from mxload.orchestrator.plantypes import BufferSpec, PartRead, RankPlan, Unit, UnitReads
+from mxload.orchestrator.plantypes import BufferSpec, Part, PartRead, RankPlan, Unit, UnitReads
 from mxload.orchestrator.ranges import ByteRange
 from mxload.workers.numerics.backend import PackedPart, PackedUnit
 from mxload.workers.numerics.reference import MODEL_TORCH_DTYPE
@@ -55,11 +55,12 @@ from mxload.workers.safetensors_io import SAFETENSORS_TO_TORCH
 from mxload.workers.staging import Lease, StagingPool
 
 _Leased = list[tuple[str, list[tuple[int, str, ByteRange]], Lease]]
+"""A read's pool leases, one per file, with the (part, weight-or-scale, range) items each
+lease holds in order."""
+
 _Member = tuple[Unit, UnitReads, list[tuple[torch.Tensor, "torch.Tensor | None"]], int]
 """One unit of a step as converted: the unit (or a row chunk of it), its reads, its
 per-part (weight bytes, scale bytes) views, and the buffer row it starts at."""
-"""A read's pool leases, one per file, with the (part, weight-or-scale, range) items each
-lease holds in order."""
 
 TORCH_DTYPES: dict[str, torch.dtype] = {
     "float8_e4m3fn": torch.float8_e4m3fn,
@@ -183,6 +184,20 @@ class _StepRead:
     @property
     def from_peer(self) -> bool:
         return any(p is not None for _, _, p, _ in self.groups)
+
+
+def _zero_uncovered(unit: Unit, row_base: int, w_buf: torch.Tensor) -> list[Callable[[], None]]:
+    """Writes that zero the rows of a plain unit no part covers (vocab padding past V,
+    SPEC §3), also in a buffer the host handed in with other contents."""
+    covered = sorted((p.dst_row, p.dst_row + p.nrows) for p in unit.parts)
+    writes: list[Callable[[], None]] = []
+    start = 0
+    for lo, hi in [*covered, (unit.rows, unit.rows)]:
+        if lo > start:
+            a, b = row_base + start, row_base + lo
+            writes.append(lambda a=a, b=b: w_buf[a:b].zero_())
+        start = max(start, hi)
+    return writes
 
 
 def _typed(flat: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
@@ -521,16 +536,13 @@ class RankLoader:
         copy them into the units' buffers. The writes run only once every unit of the
         step is converted, so a buffer never holds a half-converted unit (SPEC §4
         "Reload"). Units the fused kernel converts into their kernel layout in staging
-        go through one backend call together."""
+        go through one backend call together (:meth:`_convert_staged`); any other part
+        is converted on its own (:meth:`_convert_part`)."""
         from mxload.orchestrator.memory import unit_cost
-        from mxload.workers.numerics.reference import check_block_scales, resolve_mx
-        from mxload.workers.numerics.repack import write_rows
 
         reservations: list[Lease] = []
         writes: list[Callable[[], None]] = []
-        staged: list[tuple[Unit, int, list[PackedPart], torch.Tensor, torch.Tensor | None]] = []
-        dtype = MODEL_TORCH_DTYPE[self.model_dtype]
-        be = self.backend
+        staged: list[tuple[Unit, int, list[PackedPart], torch.Tensor, torch.Tensor]] = []
         try:
             for unit, reads, raw, row_base in members:
                 cost = unit_cost(unit, unit.rows, reads.nbytes, opts)
@@ -540,123 +552,167 @@ class RankLoader:
                 # (the mxload layout). An engine holding [N, K]-ordered storage (vllm-ascend's
                 # MoE) gets the row-major MX result instead, whose write is then a copy in
                 # storage order.
-                staged_packed = (
-                    mx and unit.quantized and source.quant == "block_fp8" and w_buf.is_contiguous()
-                )
-                if cost.out and not staged_packed:
+                packed = mx and unit.quantized and source.quant == "block_fp8"
+                packed = packed and w_buf.is_contiguous() and s_buf is not None
+                if cost.out and not packed:
                     reservations.append(pool.reserve(cost.out, tag=f"out {unit.buffer}"))
                 if cost.scratch:
                     reservations.append(pool.reserve(cost.scratch, tag=f"resolve {unit.buffer}"))
                 packed_parts: list[PackedPart] = []
                 for part, pr, (wb, sb) in zip(unit.parts, reads.parts, raw, strict=True):
-                    nr, nc = part.nrows, part.ncols
-                    row = row_base + part.dst_row
-                    w = _typed(wb, SAFETENSORS_TO_TORCH[pr.weight_dtype], (nr, nc))
-                    scale_src: torch.Tensor | None = None
-                    if unit.quantized and sb is not None:
-                        if source.quant == "block_fp8":
-                            tr = pr.tile_rows[1] - pr.tile_rows[0]
-                            tc = pr.tile_cols[1] - pr.tile_cols[0]
-                            scale_src = _typed(sb, torch.float32, (tr, tc))
-                            check_block_scales(
-                                scale_src,
-                                tensor=f"{part.module}.weight_scale_inv",
-                                file=pr.scale_file or pr.file,
-                                tile_row0=pr.tile_rows[0],
-                                tile_col0=pr.tile_cols[0],
-                                allow_nonfinite=source.allow_nonfinite,
-                            )
-                        else:
-                            scale_src = _typed(sb, torch.uint8, (nr, nc // MX_GROUP))
-                    if staged_packed:
-                        assert scale_src is not None
+                    w, scale = self._source_part(unit, part, pr, wb, sb, source)
+                    if packed:
+                        assert scale is not None
                         packed_parts.append(
-                            PackedPart(w, scale_src, part.rows[0], part.cols[0], part.dst_row)
-                        )
-                    elif mx:
-                        if unit.quantized and source.quant == "block_fp8":
-                            payload, scale = be.convert_block_to_mx(
-                                be.to_device(w),
-                                be.to_device(scale_src),
-                                row0=part.rows[0],
-                                col0=part.cols[0],
-                                block_n=source.block_n,
-                                block_k=source.block_k,
-                                dtype=dtype,
-                            )
-                        elif unit.quantized:  # already MXFP8: repack only (SPEC §1.2)
-                            assert scale_src is not None
-                            payload, scale = be.to_device(w), be.to_device(scale_src)
-                        else:  # a BF16 (RL trainer) checkpoint into MX buffers: quantize directly
-                            payload, scale = be.mx_quantize(be.to_device(w))
-                        assert s_buf is not None
-                        writes.append(
-                            lambda p=payload, s=scale, r=row, wb=w_buf, sb=s_buf: write_rows(
-                                wb, sb, p, s, r
-                            )
+                            PackedPart(w, scale, part.rows[0], part.cols[0], part.dst_row)
                         )
                     else:
-                        if unit.quantized and source.quant == "block_fp8":
-                            x = be.resolve_block(
-                                be.to_device(w),
-                                be.to_device(scale_src),
-                                row0=part.rows[0],
-                                col0=part.cols[0],
-                                block_n=source.block_n,
-                                block_k=source.block_k,
-                                dtype=dtype,
+                        writes.append(
+                            self._convert_part(
+                                unit, part, w, scale, row_base + part.dst_row, w_buf, s_buf, source
                             )
-                        elif unit.quantized:
-                            x = resolve_mx(be.to_device(w), be.to_device(scale_src), dtype)
-                        else:
-                            x = be.to_device(w)
-                        writes.append(lambda x=x, r=row, n=nr, wb=w_buf: wb[r : r + n].copy_(x))
-                if staged_packed:
+                        )
+                if packed:
+                    assert s_buf is not None
                     staged.append((unit, row_base, packed_parts, w_buf, s_buf))
                 if not mx:
-                    # Rows no part covers (vocab padding past V) are zeros (SPEC §3), also
-                    # in a buffer the host handed in with other contents.
-                    covered = sorted((p.dst_row, p.dst_row + p.nrows) for p in unit.parts)
-                    start = 0
-                    for lo, hi in [*covered, (unit.rows, unit.rows)]:
-                        if lo > start:
-                            writes.append(
-                                lambda a=row_base + start, b=row_base + lo, wb=w_buf: wb[
-                                    a:b
-                                ].zero_()
-                            )
-                        start = max(start, hi)
+                    writes.extend(_zero_uncovered(unit, row_base, w_buf))
             if staged:
-                # Every staged unit of the step in one call: one kernel launch on cpu-fast.
-                lease, stages = self._packed_stages([u for u, *_ in staged], pool)
+                lease, staged_writes = self._convert_staged(staged, source, pool)
                 reservations.append(lease)
-                be.convert_units_to_mx_packed(
-                    [
-                        PackedUnit(parts, stage_w, stage_s)
-                        for (_, _, parts, _, _), (stage_w, stage_s) in zip(
-                            staged, stages, strict=True
-                        )
-                    ],
-                    block_n=source.block_n,
-                    block_k=source.block_k,
-                    dtype=dtype,
-                )
-                for (unit, row_base, _, w_buf, s_buf), (stage_w, stage_s) in zip(
-                    staged, stages, strict=True
-                ):
-                    # The unit, converted straight into its kernel layout in staging, is
-                    # copied into its buffer's columns in one go (contiguous when whole).
-                    writes.append(
-                        lambda a=row_base, b=row_base + unit.rows, wb=w_buf, sb=s_buf, q=stage_w, sc=stage_s: (
-                            wb.view(torch.uint8)[:, a:b].copy_(q.view(torch.uint8)),
-                            sb[:, a:b, :].copy_(sc),  # type: ignore[index]
-                        )
-                    )
+                writes.extend(staged_writes)
         except BaseException:
             for lease in reservations:
                 pool.release(lease)
             raise
         return reservations, writes
+
+    def _source_part(
+        self,
+        unit: Unit,
+        part: Part,
+        pr: PartRead,
+        wb: torch.Tensor,
+        sb: torch.Tensor | None,
+        source: SourceInfo,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One part's read bytes as its weight ``[rows, cols]`` and scale tensors (block
+        scales checked, SPEC §1.1)."""
+        from mxload.workers.numerics.reference import check_block_scales
+
+        nr, nc = part.nrows, part.ncols
+        w = _typed(wb, SAFETENSORS_TO_TORCH[pr.weight_dtype], (nr, nc))
+        if not unit.quantized or sb is None:
+            return w, None
+        if source.quant != "block_fp8":
+            return w, _typed(sb, torch.uint8, (nr, nc // MX_GROUP))
+        tr = pr.tile_rows[1] - pr.tile_rows[0]
+        tc = pr.tile_cols[1] - pr.tile_cols[0]
+        scale = _typed(sb, torch.float32, (tr, tc))
+        check_block_scales(
+            scale,
+            tensor=f"{part.module}.weight_scale_inv",
+            file=pr.scale_file or pr.file,
+            tile_row0=pr.tile_rows[0],
+            tile_col0=pr.tile_cols[0],
+            allow_nonfinite=source.allow_nonfinite,
+        )
+        return w, scale
+
+    def _convert_part(
+        self,
+        unit: Unit,
+        part: Part,
+        w: torch.Tensor,
+        scale: torch.Tensor | None,
+        row: int,
+        w_buf: torch.Tensor,
+        s_buf: torch.Tensor | None,
+        source: SourceInfo,
+    ) -> Callable[[], None]:
+        """Convert one part on its own; returns the write of its rows at buffer row
+        ``row``: MX payload and scales through ``repack.write_rows``, or the resolved
+        (or plain) rows in the model dtype."""
+        from mxload.workers.numerics.reference import resolve_mx
+        from mxload.workers.numerics.repack import write_rows
+
+        be = self.backend
+        dtype = MODEL_TORCH_DTYPE[self.model_dtype]
+        block = dict(
+            row0=part.rows[0],
+            col0=part.cols[0],
+            block_n=source.block_n,
+            block_k=source.block_k,
+            dtype=dtype,
+        )
+        if unit.layout in ("mx_linear", "mx_moe"):
+            if unit.quantized and source.quant == "block_fp8":
+                payload, mx_scale = be.convert_block_to_mx(
+                    be.to_device(w),
+                    be.to_device(scale),
+                    **block,
+                )
+            elif unit.quantized:  # already MXFP8: repack only (SPEC §1.2)
+                assert scale is not None
+                payload, mx_scale = be.to_device(w), be.to_device(scale)
+            else:  # a BF16 (RL trainer) checkpoint into MX buffers: quantize directly
+                payload, mx_scale = be.mx_quantize(be.to_device(w))
+            assert s_buf is not None
+            return lambda: write_rows(w_buf, s_buf, payload, mx_scale, row)
+        if unit.quantized and source.quant == "block_fp8":
+            x = be.resolve_block(
+                be.to_device(w),
+                be.to_device(scale),
+                **block,
+            )
+        elif unit.quantized:
+            x = resolve_mx(be.to_device(w), be.to_device(scale), dtype)
+        else:
+            x = be.to_device(w)
+        n = part.nrows
+        return lambda: w_buf[row : row + n].copy_(x)
+
+    def _convert_staged(
+        self,
+        staged: Sequence[tuple[Unit, int, list[PackedPart], torch.Tensor, torch.Tensor]],
+        source: SourceInfo,
+        pool: StagingPool,
+    ) -> tuple[Lease, list[Callable[[], None]]]:
+        """The units of a step that the fused kernel writes in their kernel layout: every
+        one converted into one staging lease by one backend call (one kernel launch on
+        cpu-fast), then each copied into its buffer's columns in one go (contiguous when
+        the unit is whole). Returns the lease and the writes."""
+        lease, stages = self._packed_stages([u for u, *_ in staged], pool)
+        try:
+            self.backend.convert_units_to_mx_packed(
+                [
+                    PackedUnit(parts, q, sc)
+                    for (_, _, parts, _, _), (q, sc) in zip(staged, stages, strict=True)
+                ],
+                block_n=source.block_n,
+                block_k=source.block_k,
+                dtype=MODEL_TORCH_DTYPE[self.model_dtype],
+            )
+        except BaseException:
+            pool.release(lease)
+            raise
+        writes: list[Callable[[], None]] = []
+        for (unit, a, _, w_buf, s_buf), (q, sc) in zip(staged, stages, strict=True):
+            b = a + unit.rows
+
+            def write(
+                w_buf: torch.Tensor = w_buf,
+                s_buf: torch.Tensor = s_buf,
+                q: torch.Tensor = q,
+                sc: torch.Tensor = sc,
+                a: int = a,
+                b: int = b,
+            ) -> None:
+                w_buf.view(torch.uint8)[:, a:b].copy_(q.view(torch.uint8))
+                s_buf[:, a:b, :].copy_(sc)
+
+            writes.append(write)
+        return lease, writes
 
     def _packed_stages(
         self, units: Sequence[Unit], pool: StagingPool
