@@ -459,12 +459,15 @@ class RankLoader:
         units: Sequence[Unit],
         reads: Sequence[UnitReads],
         peers: Mapping[int, PeerUnit],
+        *,
+        merge: bool,
     ) -> _StepRead:
         """How the units ``members`` of one step are read: all together (one lease and
-        one batch of requests per file), or unit by unit when one of them comes from a
-        peer (its bytes are published per unit)."""
+        one storage call per file) when ``merge``, or unit by unit: when the storage
+        would coalesce across units (remote: the plan predicts requests per unit) or one
+        of them comes from a peer (its bytes are published per unit)."""
         counts = [len(reads[i].parts) for i in members]
-        if len(members) > 1 and not any(i in peers for i in members):
+        if merge and len(members) > 1 and not any(i in peers for i in members):
             merged = UnitReads(parts=tuple(p for i in members for p in reads[i].parts))
             label = f"{units[members[0]].buffer} and {len(members) - 1} more units"
             return _StepRead([(units[members[0]], merged, None, label)], counts)
@@ -842,7 +845,13 @@ class RankLoader:
         # without a fingerprint is never taken to be what a unit holds.
         todo = [not source.fingerprint or self.unit_ids[i] != target for i in range(len(units))]
         try:
-            local = any(todo) and bool(getattr(self._storage(source), "is_local", False))
+            storage = self._storage(source) if any(todo) else None
+            local = bool(getattr(storage, "is_local", False))
+            # One storage call for a whole step only where it requests exactly the bytes
+            # and requests of one call per unit (local files, no gap bridged): remote
+            # reads coalesce within a call, and the plan predicts their bytes and
+            # requests unit by unit.
+            merge = local and getattr(getattr(storage, "policy", None), "max_gap_bytes", 1) == 0
 
             def inline(r: _StepRead) -> bool:  # read on this thread (INLINE_READ_BYTES)
                 return local and not r.from_peer and r.nbytes <= INLINE_READ_BYTES
@@ -856,7 +865,7 @@ class RankLoader:
                         fault_hook(i)
                 if len(step.chunks) == 1:
                     t_r = time.perf_counter()
-                    plan = self._step_read(members, units, reads, peers)
+                    plan = self._step_read(members, units, reads, peers, merge=merge)
                     fut = pending or (
                         _done(self._read_step, plan, source, pool)
                         if inline(plan)
@@ -877,7 +886,7 @@ class RankLoader:
                         # schedule's peak); a small local read fills them on this thread
                         # after it (an accelerator converts meanwhile), any other on the
                         # reader thread now.
-                        nxt = self._step_read(ahead_members, units, reads, peers)
+                        nxt = self._step_read(ahead_members, units, reads, peers, merge=merge)
                         ahead = self._take_step(nxt, pool)
                         if inline(nxt):
                             later = (nxt, ahead)
