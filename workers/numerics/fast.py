@@ -269,6 +269,7 @@ def convert_units_to_mx_packed(
     storage (the loader's staging lease for a step), else one launch per unit. Byte for
     byte the same as one call per unit: what the loader calls for a step of small units
     (a tp = 8 expert's halves are 0.2-0.4 MB; a launch and its checks cost ~0.2 ms).
+    The units' outputs must not overlap (each is written only in its parts' columns).
 
     The payloads are read in place when they are views of one buffer at offsets that are
     multiples of 8 (a staging lease split per part); otherwise they are copied once into
