@@ -185,6 +185,16 @@ def batchable(unit: Unit, cost: UnitCost, opts: ConvertOptions) -> bool:
     )
 
 
+def _sum_costs(costs: Sequence[UnitCost]) -> UnitCost:
+    """The staging of a step: the sums over its units."""
+    return UnitCost(
+        read=sum(c.read for c in costs),
+        out=sum(c.out for c in costs),
+        scratch=sum(c.scratch for c in costs),
+        transient=sum(c.transient for c in costs),
+    )
+
+
 def _steps(
     units: Sequence[Unit], whole: Sequence[UnitCost], opts: ConvertOptions, budget: int
 ) -> list[tuple[int, int]]:
@@ -233,18 +243,7 @@ def schedule(
     any_prefetch = False
     whole = [unit_cost(u, u.rows, read_fn(u, 0, u.rows), opts) for u in units]
     spans = _steps(units, whole, opts, budget)
-    # a step's staging and reads: the sums over its units
-    step_cost = [
-        UnitCost(
-            read=sum(whole[i].read for i in range(f, f + n)),
-            out=sum(whole[i].out for i in range(f, f + n)),
-            scratch=sum(whole[i].scratch for i in range(f, f + n)),
-            transient=sum(whole[i].transient for i in range(f, f + n)),
-        )
-        if n > 1
-        else whole[f]
-        for f, n in spans
-    ]
+    step_cost = [whole[f] if n == 1 else _sum_costs(whole[f : f + n]) for f, n in spans]
     for s, (first, count) in enumerate(spans):
         unit = units[first]
         if step_cost[s].pool <= budget:

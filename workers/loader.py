@@ -38,7 +38,7 @@ from mxload.orchestrator.errors import (
     RunError,
     StorageError,
 )
-from mxload.orchestrator.formats import MX_GROUP
+from mxload.orchestrator.formats import MX_GROUP, ceil_div
 from mxload.orchestrator.memory import (
     ConvertOptions,
     StepPlan,
@@ -724,22 +724,22 @@ class RankLoader:
         unit a payload ``[K, rows]`` and paired scales ``[ceil(g/2), rows, 2]``. Payloads
         first (each a multiple of 32 bytes, so every one starts 8-byte aligned for the
         kernel's word writes), then the scales."""
-        sizes = [(u.cols * u.rows, -(-(u.cols // MX_GROUP) // 2) * u.rows * 2) for u in units]
-        total = sum(q + sc for q, sc in sizes)
+        pairs = [ceil_div(u.cols // MX_GROUP, 2) for u in units]
+        q_total = sum(u.cols * u.rows for u in units)
+        s_total = sum(g2 * u.rows * 2 for u, g2 in zip(units, pairs, strict=True))
         tag = units[0].buffer if len(units) == 1 else f"{units[0].buffer} +{len(units) - 1}"
-        lease = pool.take(total, device=self.backend.device, tag=f"out {tag}")
+        lease = pool.take(q_total + s_total, device=self.backend.device, tag=f"out {tag}")
         out = []
-        q_at = 0
-        s_at = sum(q for q, _ in sizes)
-        for u, (q, sc) in zip(units, sizes, strict=True):
+        q_at, s_at = 0, q_total
+        for u, g2 in zip(units, pairs, strict=True):
             k, n = u.cols, u.rows
-            stage_w = lease.tensor[q_at : q_at + q].view(torch.float8_e4m3fn).view(k, n)
-            stage_s = lease.tensor[s_at : s_at + sc].view(-(-(k // MX_GROUP) // 2), n, 2)
+            stage_w = lease.tensor[q_at : q_at + k * n].view(torch.float8_e4m3fn).view(k, n)
+            stage_s = lease.tensor[s_at : s_at + g2 * n * 2].view(g2, n, 2)
             if (k // MX_GROUP) % 2:
                 stage_s[-1, :, 1].zero_()
             out.append((stage_w, stage_s))
-            q_at += q
-            s_at += sc
+            q_at += k * n
+            s_at += g2 * n * 2
         return lease, out
 
     # --- the run -------------------------------------------------------------------------------
@@ -847,11 +847,10 @@ class RankLoader:
         try:
             storage = self._storage(source) if any(todo) else None
             local = bool(getattr(storage, "is_local", False))
-            # One storage call for a whole step only where it requests exactly the bytes
-            # and requests of one call per unit (local files, no gap bridged): remote
-            # reads coalesce within a call, and the plan predicts their bytes and
-            # requests unit by unit.
-            merge = local and getattr(getattr(storage, "policy", None), "max_gap_bytes", 1) == 0
+            # One storage call for a whole step only where that fetches what one call per
+            # unit would (Storage.reads_ranges_apart): remote reads coalesce within a
+            # call, and the plan predicts their bytes and requests unit by unit.
+            merge = bool(getattr(storage, "reads_ranges_apart", False))
 
             def inline(r: _StepRead) -> bool:  # read on this thread (INLINE_READ_BYTES)
                 return local and not r.from_peer and r.nbytes <= INLINE_READ_BYTES

@@ -634,6 +634,14 @@ class Storage:
             )
         return relpath
 
+    @property
+    def reads_ranges_apart(self) -> bool:
+        """Whether :meth:`read_ranges_into` reads every range on its own, bridging no gap
+        (local files under a policy with ``max_gap_bytes == 0``): then one call for
+        several units' ranges fetches exactly the bytes and requests of one call per
+        unit, which the loader relies on to read a step's units together."""
+        return self.is_local and self.policy.max_gap_bytes == 0
+
     def url(self, relpath: str) -> str:
         """The full URL (or path) of ``relpath``, as messages name it."""
         self._check_relpath(relpath)
@@ -853,7 +861,7 @@ class Storage:
         if total == 0:
             return 0
         path = self._path(relpath)
-        if self.is_local and self.policy.max_gap_bytes == 0:
+        if self.reads_ranges_apart:
             # No per-segment bookkeeping here: a K-split expert slice is thousands of
             # segments, and listing them cost more than reading them (issue 13 bench).
             return self._run_local_exact(relpath, path, ranges, view)
