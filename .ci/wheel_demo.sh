@@ -21,7 +21,7 @@ if [ -n "${MXLOAD_WHEEL_DEPS_FROM:-}" ]; then
   python -m pip wheel -q --no-deps "$repo" -w "$work/dist"
   "${pip[@]}" install -q --no-deps "$work"/dist/mxload-*.whl
   "${pip[@]}" check
-  "$work/venv/bin/python" -c 'import sys, mxload.orchestrator.cli as m; assert m.__file__.startswith(sys.prefix), m.__file__'
+  "$work/venv/bin/python" -c 'import sys, mxload.orchestrator.cli.commands as m; assert m.__file__.startswith(sys.prefix), m.__file__'
 else
   python3 -m venv "$work/venv"
   "$work/venv/bin/pip" install -q torch==2.13.0

@@ -1,7 +1,7 @@
 """Benchmark 8: read once per cluster, the time model, and TP-sharded experts.
 
 Purpose (issue 13): what sharing replicated reads through Ray's object store saves when
-storage is the bottleneck, and whether ``mxload.orchestrator.timemodel`` predicts the
+storage is the bottleneck, and whether ``mxload.orchestrator.plan.timemodel`` predicts the
 load time; and what page-aware local reads do for experts TP-sharded without EP.
 
 * **Sharing**: a simulated two-node cluster (``ray.cluster_utils.Cluster``, both nodes on
@@ -100,7 +100,7 @@ def _median(xs: list[float]) -> float:
 
 
 def make(work: Path, name: str, preset: str, overrides: dict[str, Any]) -> str:
-    from mxload.workers.synth import make_checkpoint
+    from mxload.workers.tools.synth import make_checkpoint
 
     path = work / name
     make_checkpoint(str(path), preset, seed=13, shards=2, overrides=overrides)
@@ -109,11 +109,11 @@ def make(work: Path, name: str, preset: str, overrides: dict[str, Any]) -> str:
 
 def convert_rate(src: str) -> float:
     """Source bytes per second one fused CPU rank converts (tp=1, local disk, warm)."""
-    from mxload.orchestrator.catalog import open_checkpoint
-    from mxload.orchestrator.planner import build_plan
-    from mxload.orchestrator.plantypes import ParallelLayout
-    from mxload.workers.loader import RankLoader, SourceInfo
+    from mxload.orchestrator.plan.planner import build_plan
+    from mxload.orchestrator.plan.types import ParallelLayout
+    from mxload.orchestrator.runtime.catalog import open_checkpoint
     from mxload.workers.numerics.backend import select_backend
+    from mxload.workers.rank.loader import RankLoader, SourceInfo
 
     meta = open_checkpoint(src)
     plan = build_plan(meta.config, ParallelLayout(), checkpoint=meta)
@@ -191,8 +191,8 @@ def checkpoints(root: Path) -> tuple[dict[str, str], dict[str, float]]:
 def predicted(manifest: dict[str, Any], rates: Any, *, requests: bool) -> list[Any]:
     """The time model's per-rank prediction for a load's manifest (its predicted traffic
     and, with ``requests``, its predicted storage requests)."""
-    from mxload.orchestrator.sharing import RankTraffic
-    from mxload.orchestrator.timemodel import predict
+    from mxload.orchestrator.plan.sharing import RankTraffic
+    from mxload.orchestrator.plan.timemodel import predict
 
     sh, ranks = manifest["sharing"], manifest["ranks"]
     return predict(
@@ -205,9 +205,9 @@ def predicted(manifest: dict[str, Any], rates: Any, *, requests: bool) -> list[A
 
 
 def sharing_section(work: Path, *, quick: bool, bandwidth: float) -> dict[str, Any]:
-    from mxload.orchestrator.driver import LoadRequest, load
-    from mxload.orchestrator.plantypes import ParallelLayout
-    from mxload.orchestrator.timemodel import Rates
+    from mxload.orchestrator.plan.timemodel import Rates
+    from mxload.orchestrator.plan.types import ParallelLayout
+    from mxload.orchestrator.runtime.driver import LoadRequest, load
 
     from tests.servers import RangeHTTPServer
 
@@ -301,7 +301,7 @@ def sharing_section(work: Path, *, quick: bool, bandwidth: float) -> dict[str, A
 
 PROBE = r"""
 import json, statistics, sys, time
-from mxload.orchestrator.ranges import ByteRange
+from mxload.orchestrator.plan.ranges import ByteRange
 from mxload.workers.storage import Storage
 
 url, name, rows = sys.argv[1], sys.argv[2], int(sys.argv[3])
@@ -354,9 +354,9 @@ def probe_requests(url: str, name: str, *, clients: int = 4, rows: int = 1000) -
 
 def timemodel_section(work: Path, *, quick: bool, bandwidth: float) -> dict[str, Any]:
     """Predicted against measured data-phase time, three layouts, one and two nodes."""
-    from mxload.orchestrator.driver import LoadRequest, load
-    from mxload.orchestrator.plantypes import ParallelLayout
-    from mxload.orchestrator.timemodel import Rates
+    from mxload.orchestrator.plan.timemodel import Rates
+    from mxload.orchestrator.plan.types import ParallelLayout
+    from mxload.orchestrator.runtime.driver import LoadRequest, load
 
     from tests.servers import RangeHTTPServer
 
@@ -442,15 +442,15 @@ for its measurement only."""
 
 def experts_section(work: Path, *, quick: bool) -> dict[str, Any]:
     """Rank-seconds per byte of experts TP-sharded at tp=8 without EP, against tp=1."""
-    import mxload.orchestrator.memory as memory_mod
-    import mxload.workers.loader as loader_mod
+    import mxload.orchestrator.plan.memory as memory_mod
+    import mxload.workers.rank.loader as loader_mod
     import mxload.workers.storage as storage_mod
-    from mxload.orchestrator.catalog import open_checkpoint
-    from mxload.orchestrator.planner import build_plan
-    from mxload.orchestrator.plantypes import ParallelLayout
-    from mxload.orchestrator.ranges import CoalescePolicy
-    from mxload.workers.loader import RankLoader, SourceInfo
+    from mxload.orchestrator.plan.planner import build_plan
+    from mxload.orchestrator.plan.ranges import CoalescePolicy
+    from mxload.orchestrator.plan.types import ParallelLayout
+    from mxload.orchestrator.runtime.catalog import open_checkpoint
     from mxload.workers.numerics.backend import select_backend
+    from mxload.workers.rank.loader import RankLoader, SourceInfo
 
     src = make(work, "experts", "qwen3-moe-tiny", EXPERTS)
     meta = open_checkpoint(src)
@@ -657,7 +657,7 @@ def render(res: dict[str, Any], command: str) -> str:
     if tm:
         probe = tm["probe"]
         lines += [
-            "Time model (`mxload.orchestrator.timemodel.predict`) against the measured data "
+            "Time model (`mxload.orchestrator.plan.timemodel.predict`) against the measured data "
             "phase (`manifest.sharing.run_seconds`: shared fetch + load), four ranks on one "
             "node and on two simulated nodes (127.0.0.1), storage a loopback HTTP server "
             f"throttled to {tm['bandwidth'] / 1e6:.0f} MB/s in all. Inputs measured in this "

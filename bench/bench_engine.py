@@ -13,12 +13,12 @@ import statistics
 import sys
 import tempfile
 
-from mxload.orchestrator.catalog import open_checkpoint
-from mxload.orchestrator.driver import source_info
-from mxload.orchestrator.planner import build_plan
-from mxload.orchestrator.plantypes import ParallelLayout
-from mxload.workers.loader import RankLoader
-from mxload.workers.synth import make_checkpoint
+from mxload.orchestrator.plan.planner import build_plan
+from mxload.orchestrator.plan.types import ParallelLayout
+from mxload.orchestrator.runtime.catalog import open_checkpoint
+from mxload.orchestrator.runtime.driver import source_info
+from mxload.workers.rank.loader import RankLoader
+from mxload.workers.tools.synth import make_checkpoint
 
 OVERRIDES = {
     "hidden_size": 1024,

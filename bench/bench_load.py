@@ -3,7 +3,7 @@ reload vs cold load. Every headline is a ratio against a baseline timed in the s
 
 Purpose: tell the truth about where a load's time goes on the CPU path, on checkpoints
 with the real shapes of Qwen3-30B-A3B-FP8 (hidden 2048, 32 q / 4 kv heads of 128,
-experts of 768, 128x128 block scales), made by ``mxload.workers.synth.make_checkpoint`` with
+experts of 768, 128x128 block scales), made by ``mxload.workers.tools.synth.make_checkpoint`` with
 fewer layers (and, for the small size, fewer experts) and a smaller vocabulary so the
 files are ~2 GB (``--quick``: ~200 MB). What each benchmark measures and against what:
 
@@ -29,7 +29,7 @@ files are ~2 GB (``--quick``: ~200 MB). What each benchmark measures and against
 
 Limits: CPU only (``device="cpu"``); the page cache is warm except where a row says
 "cold" (evicted with posix_fadvise); synthetic weights have the value distribution of
-``mxload.workers.synth`` (six binades of row magnitude, tile scales over ten binades), which the
+``mxload.workers.tools.synth`` (six binades of row magnitude, tile scales over ten binades), which the
 fast kernel's speed depends on a little (tables per tile and scale). No timing is
 asserted anywhere.
 
@@ -148,7 +148,7 @@ def _tmpfs_dir(need: int) -> Path | None:
 
 
 def make_ckpt(path: Path, label: str, *, preset: str, seed: int, size: Size | None) -> Checkpoint:
-    from mxload.workers.synth import make_checkpoint
+    from mxload.workers.tools.synth import make_checkpoint
 
     t0 = time.perf_counter()
     summary = make_checkpoint(
@@ -174,7 +174,7 @@ def _same_mx(a: tuple[torch.Tensor, torch.Tensor], b: tuple[torch.Tensor, torch.
 
 
 def block_fp8(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """A block-FP8 weight with ``mxload.workers.synth``'s value distribution: Gaussian rows whose
+    """A block-FP8 weight with ``mxload.workers.tools.synth``'s value distribution: Gaussian rows whose
     magnitudes span six binades, saturated to +-448; tile scales log-uniform in 2^-14..2^-4."""
     g = torch.Generator().manual_seed(seed)
     row = torch.exp2(-6.0 * torch.rand(n, 1, generator=g)) * 150.0
@@ -727,14 +727,14 @@ class Suite:
     # --- 3. load vs read (tp=1, no Ray) --------------------------------------------------------
 
     def _open(self, name: str) -> tuple[Any, Any]:
-        from mxload.orchestrator.catalog import open_checkpoint
-        from mxload.orchestrator.driver import source_info
+        from mxload.orchestrator.runtime.catalog import open_checkpoint
+        from mxload.orchestrator.runtime.driver import source_info
 
         meta = open_checkpoint(self.ckpts[name].path)
         return meta, source_info(meta, False, self.ckpts[name].path, None)
 
     def _plan(self, meta: Any, layout: Any, *, budget: int | None = None) -> Any:
-        from mxload.orchestrator.planner import build_plan
+        from mxload.orchestrator.plan.planner import build_plan
         from mxload.workers.numerics.backend import select_backend
 
         fused = select_backend("cpu").fused
@@ -750,9 +750,9 @@ class Suite:
         storage_factory: Callable[..., Any] | None = None,
     ) -> tuple[Any, float, float]:
         """One rank's load through RankLoader (no Ray): (stats, alloc seconds, load seconds)."""
-        from mxload.orchestrator.driver import staging_budget_of
-        from mxload.workers.loader import RankLoader
+        from mxload.orchestrator.runtime.driver import staging_budget_of
         from mxload.workers.numerics.backend import select_backend
+        from mxload.workers.rank.loader import RankLoader
 
         rp = plan.ranks[rank]
         t0 = time.perf_counter()
@@ -772,7 +772,7 @@ class Suite:
         return stats, t1 - t0, t2 - t1
 
     def load(self) -> dict[str, Any]:
-        from mxload.orchestrator.plantypes import ParallelLayout
+        from mxload.orchestrator.plan.types import ParallelLayout
         from mxload.workers.storage import Storage
 
         ck = self.ckpts["big_v1"]
@@ -946,7 +946,7 @@ class Suite:
     # --- 4. read amplification -------------------------------------------------------------------
 
     def amplification(self) -> dict[str, Any]:
-        from mxload.orchestrator.plantypes import ParallelLayout
+        from mxload.orchestrator.plan.types import ParallelLayout
 
         ck = self.ckpts["big_v1"]
         meta, source = self._open("big_v1")
@@ -1122,7 +1122,7 @@ class Suite:
     @staticmethod
     def _expert_unit_staging(plan: Any) -> int:
         """Whole-unit staging of the first expert-w13 unit of ``plan`` (the memory model)."""
-        from mxload.orchestrator.memory import ConvertOptions, unit_cost
+        from mxload.orchestrator.plan.memory import ConvertOptions, unit_cost
 
         rp = plan.ranks[0]
         for u, r in zip(rp.units, rp.reads, strict=True):
@@ -1131,7 +1131,7 @@ class Suite:
         raise ValueError("no expert unit in the plan")
 
     def staging(self) -> dict[str, Any]:
-        from mxload.orchestrator.plantypes import ParallelLayout
+        from mxload.orchestrator.plan.types import ParallelLayout
 
         meta, source = self._open("big_v1")
         default_plan = self._plan(meta, ParallelLayout())
@@ -1345,9 +1345,9 @@ class Suite:
         """Benchmark 6, and the Ray rows of benchmark 3 (returned as a second section)."""
         import ray
         from mxload.cluster.local import start_embedded
-        from mxload.orchestrator.driver import LoadRequest, plan_load
-        from mxload.orchestrator.plantypes import ParallelLayout
-        from mxload.orchestrator.session import Session
+        from mxload.orchestrator.plan.types import ParallelLayout
+        from mxload.orchestrator.runtime.driver import LoadRequest, plan_load
+        from mxload.orchestrator.runtime.session import Session
         from mxload.workers.storage import Storage
 
         layout = ParallelLayout(tp=2, dp=2, enable_expert_parallel=True)
@@ -1597,7 +1597,7 @@ class Suite:
             "3b. End-to-end Ray load (tp 2 x dp 2, EP) vs raw read",
             (
                 f"The cold loads of benchmark 6 on {ck['label']} ({fmt_bytes(ck['bytes'])}): "
-                "`Session.load` = `mxload.orchestrator.driver.load(keep=True)` on the embedded Ray, 4 "
+                "`Session.load` = `mxload.orchestrator.runtime.driver.load(keep=True)` on the embedded Ray, 4 "
                 "actor processes on 2 cores. Baseline: reading every rank's planned byte "
                 "ranges through the storage seam in this process. Per-rank read and convert "
                 "seconds come from each actor's `RunStats` (`read_seconds` is time spent "

@@ -1,7 +1,7 @@
 """Benchmark 7: planning time from config alone (SPEC §4: "a DeepSeek-V3-sized plan for 256
 ranks in seconds").
 
-Purpose: how long ``mxload.orchestrator.planner.build_plan`` takes for the real configs in
+Purpose: how long ``mxload.orchestrator.plan.planner.build_plan`` takes for the real configs in
 the packaged configs (orchestrator/configs) at production layouts, measured two ways:
 
 * in-process: ``parse_config`` + ``build_plan`` repeated after one warm-up call (imports
@@ -10,7 +10,7 @@ the packaged configs (orchestrator/configs) at production layouts, measured two 
   operator waits for: interpreter start, imports, planning, JSON on stdout).
 
 Baseline in the same run: the interpreter alone (``python -c pass``) and the import of
-the planner (``python -c "import mxload.orchestrator.planner"``), so the share of the command
+the planner (``python -c "import mxload.orchestrator.plan.planner"``), so the share of the command
 that is planning is visible. Also reported: the size of the plan JSON (``plan_to_json``)
 and of the ranks' byte ranges (none: config-only plans have no reads).
 
@@ -32,7 +32,7 @@ from typing import Any
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from mxload.orchestrator.models import model_config_path
+from mxload.orchestrator.runtime.models import model_config_path
 
 from bench.common import (
     Timing,
@@ -72,9 +72,9 @@ CASES = (
 
 
 def _plan_once(case: PlanCase) -> Any:
-    from mxload.orchestrator.config import parse_config
-    from mxload.orchestrator.planner import build_plan
-    from mxload.orchestrator.plantypes import ParallelLayout
+    from mxload.orchestrator.plan.config import parse_config
+    from mxload.orchestrator.plan.planner import build_plan
+    from mxload.orchestrator.plan.types import ParallelLayout
 
     raw = json.loads(case.config.read_text())
     cfg = parse_config(raw, str(case.config))
@@ -84,7 +84,7 @@ def _plan_once(case: PlanCase) -> Any:
 
 def bench_plan(*, quick: bool) -> dict[str, Any]:
     """Run benchmark 7; returns a section (see ``bench/run.py``)."""
-    from mxload.orchestrator.planner import plan_to_json
+    from mxload.orchestrator.plan.planner import plan_to_json
 
     repeats = 3 if quick else 7
     cli_repeats = 2 if quick else 5
@@ -112,7 +112,7 @@ def bench_plan(*, quick: bool) -> dict[str, Any]:
         for _ in range(cli_repeats):
             # The three processes take turns, so background load hits them alike.
             interp.append(run_timed([py, "-c", "pass"])[0])
-            imports.append(run_timed([py, "-c", "import mxload.orchestrator.planner"])[0])
+            imports.append(run_timed([py, "-c", "import mxload.orchestrator.plan.planner"])[0])
             wall, out = run_timed(cmd)
             cli.append(wall)
             if json.loads(out).get("parallel", {}).get("world") != case.world:
@@ -168,7 +168,7 @@ def bench_plan(*, quick: bool) -> dict[str, Any]:
                     "build_plan in-process",
                     "`mxload plan --json` process",
                     "python -c pass",
-                    "import mxload.orchestrator.planner",
+                    "import mxload.orchestrator.plan.planner",
                     "plan JSON",
                     "plan size",
                 ],

@@ -13,7 +13,7 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 @pytest.fixture(scope="session")
 def ckpt_factory(tmp_path_factory: pytest.TempPathFactory):
     """make(preset, seed, **kw) -> path of a synthetic checkpoint (cached per arguments)."""
-    from mxload.workers.synth import make_checkpoint
+    from mxload.workers.tools.synth import make_checkpoint
 
     cache: dict[tuple, str] = {}
 

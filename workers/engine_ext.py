@@ -42,9 +42,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from mxload.orchestrator.engines import EngineProfile, engine_profile
 from mxload.orchestrator.errors import AddressMoved, AdoptionError, RunError
-from mxload.orchestrator.plantypes import ParallelLayout, Plan
+from mxload.orchestrator.plan.engines import EngineProfile, engine_profile
+from mxload.orchestrator.plan.types import ParallelLayout, Plan
 
 
 @dataclass(frozen=True)
@@ -56,7 +56,7 @@ class EngineFacts:
     pp_rank: int
     dp_rank: int
     engine: str
-    """Engine profile name (``mxload.orchestrator.engines.ENGINES``)."""
+    """Engine profile name (``mxload.orchestrator.plan.engines.ENGINES``)."""
     env: Mapping[str, str]
     """The engine settings a profile may refuse (e.g. VLLM_ASCEND_ENABLE_NZ), as strings."""
 
@@ -91,9 +91,9 @@ class Attachment:
         storage_options: Mapping[str, Any] | None = None,
         device: str | None = None,
     ) -> None:
-        from mxload.orchestrator.catalog import open_checkpoint
-        from mxload.orchestrator.planner import build_plan
-        from mxload.workers.loader import RankLoader
+        from mxload.orchestrator.plan.planner import build_plan
+        from mxload.orchestrator.runtime.catalog import open_checkpoint
+        from mxload.workers.rank.loader import RankLoader
 
         self.profile = engine_profile(facts.engine)
         check_engine_settings(self.profile, facts.env)
@@ -136,7 +136,7 @@ class Attachment:
     ) -> dict[str, Any]:
         """Preflight ``src`` against the plan (ReloadMismatch, nothing touched) and rewrite
         every adopted tensor in place; raises AddressMoved if any address changed."""
-        from mxload.orchestrator.session import reload_inputs
+        from mxload.orchestrator.runtime.session import reload_inputs
 
         r = self.facts.rank
         inputs = reload_inputs(

@@ -39,7 +39,7 @@ from typing import Any
 
 import fsspec
 import numpy as np
-from mxload.orchestrator.formats import SAFETENSORS_ITEMSIZE
+from mxload.orchestrator.plan.formats import SAFETENSORS_ITEMSIZE
 
 if sys.byteorder != "little":  # pragma: no cover - safetensors is little-endian only
     raise ImportError("mxload's safetensors I/O assumes a little-endian host")

@@ -47,12 +47,12 @@ from typing import Any
 
 import pytest
 import torch
-from mxload.orchestrator.catalog import open_checkpoint
-from mxload.orchestrator.planner import build_plan
-from mxload.orchestrator.plantypes import ParallelLayout
-from mxload.orchestrator.session import reload_inputs
-from mxload.workers.convert import convert_checkpoint
-from mxload.workers.loader import RankLoader
+from mxload.orchestrator.plan.planner import build_plan
+from mxload.orchestrator.plan.types import ParallelLayout
+from mxload.orchestrator.runtime.catalog import open_checkpoint
+from mxload.orchestrator.runtime.session import reload_inputs
+from mxload.workers.rank.loader import RankLoader
+from mxload.workers.tools.convert import convert_checkpoint
 from safetensors.torch import load_file
 
 from tests.reference_model import Layout, coords, experts_of, stage_layers
@@ -470,8 +470,8 @@ def test_adopts_vllm_ascend_parameters_and_reloads_to_its_own_values(
 def test_main_profile_names_routed_experts_with_the_same_views() -> None:
     """vllm-ascend main (no release to download): same post-load views as 0.23, MoE
     parameters under ``mlp.experts.routed_experts.`` (vLLM main's MoERunner)."""
-    from mxload.orchestrator.config import parse_config
-    from mxload.workers.synth import preset_config
+    from mxload.orchestrator.plan.config import parse_config
+    from mxload.workers.tools.synth import preset_config
 
     config = parse_config(preset_config("qwen3-moe-tiny", OVERRIDES))
     layout = ParallelLayout(tp=2, dp=2, enable_expert_parallel=True)

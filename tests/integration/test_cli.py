@@ -27,7 +27,7 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
-from mxload.orchestrator.models import model_config_path
+from mxload.orchestrator.runtime.models import model_config_path
 from safetensors.torch import load_file, save_file
 
 from tests.hostile import ATTACKS

@@ -12,8 +12,8 @@ import json
 import os
 
 import pytest
-from mxload.orchestrator.driver import LoadRequest, load
-from mxload.orchestrator.plantypes import ParallelLayout
+from mxload.orchestrator.plan.types import ParallelLayout
+from mxload.orchestrator.runtime.driver import LoadRequest, load
 from safetensors.torch import load_file
 
 from tests.reference_model import Layout, RefCheckpoint, compare_rank, expected_rank
@@ -99,7 +99,7 @@ def test_awkward_checkpoint_tp2(local_ray, ckpt_factory, tmp_path) -> None:
 
 def test_dense_model_tp2_small_staging_budget(local_ray, ckpt_factory, tmp_path) -> None:
     """A budget below one unit converts in row chunks and still matches, within budget."""
-    from mxload.orchestrator.driver import plan_load
+    from mxload.orchestrator.runtime.driver import plan_load
 
     src = ckpt_factory("qwen3-dense-tiny", 5)
     layout = ParallelLayout(tp=2)

@@ -28,9 +28,9 @@ from typing import Any
 
 import psutil
 import pytest
-from mxload.orchestrator.driver import LoadRequest, load
 from mxload.orchestrator.errors import InputError, RunError
-from mxload.orchestrator.plantypes import ParallelLayout
+from mxload.orchestrator.plan.types import ParallelLayout
+from mxload.orchestrator.runtime.driver import LoadRequest, load
 from safetensors.torch import load_file
 
 from tests.reference_model import Layout, RefCheckpoint, as_bytes, compare_rank, expected_rank

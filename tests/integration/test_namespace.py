@@ -17,10 +17,10 @@ import pytest
 
 SCRIPT = """
 import json
-from mxload.orchestrator.catalog import open_checkpoint
-from mxload.orchestrator.plantypes import ParallelLayout
-from mxload.orchestrator.planner import build_plan, plan_to_json
-from mxload.workers.synth import make_checkpoint
+from mxload.orchestrator.runtime.catalog import open_checkpoint
+from mxload.orchestrator.plan.types import ParallelLayout
+from mxload.orchestrator.plan.planner import build_plan, plan_to_json
+from mxload.workers.tools.synth import make_checkpoint
 import mxload.cluster.local
 
 make_checkpoint("ckpt", "qwen3-moe-tiny", seed=3)

@@ -15,10 +15,10 @@ import time
 import pytest
 import ray
 import torch
-from mxload.orchestrator.driver import LoadRequest, load
 from mxload.orchestrator.errors import ReloadMismatch, StorageError, WorkerLost
-from mxload.orchestrator.plantypes import ParallelLayout
-from mxload.orchestrator.session import Session
+from mxload.orchestrator.plan.types import ParallelLayout
+from mxload.orchestrator.runtime.driver import LoadRequest, load
+from mxload.orchestrator.runtime.session import Session
 
 from tests.reference_model import Layout, RefCheckpoint, compare_rank, expected_rank
 from tests.servers import Faults, RangeHTTPServer
@@ -128,7 +128,7 @@ def test_storage_error_that_never_clears(local_ray, ckpt_factory) -> None:
     src = ckpt_factory("qwen3-moe-tiny", 1)
     with RangeHTTPServer(src) as server:
         # Headers are read by the coordinator first; then storage goes away for good.
-        from mxload.orchestrator.driver import RayRun, plan_load, source_info
+        from mxload.orchestrator.runtime.driver import RayRun, plan_load, source_info
 
         req = LoadRequest(src=server.url, layout=LAYOUT, device="cpu")
         meta, plan = plan_load(req)

@@ -177,7 +177,7 @@ def test_reload_refused_while_another_holds_the_session(work: Path, ckpts) -> No
     naming the holder, and touches nothing."""
     import ray
     from mxload.cluster.local import connect, read_head_record
-    from mxload.orchestrator.detached import NAMESPACE, session_lease
+    from mxload.orchestrator.runtime.detached import NAMESPACE, session_lease
 
     saved = {k: os.environ.get(k) for k in ("MXLOAD_HOME", "RAY_AUTH_MODE", "RAY_AUTH_TOKEN")}
     os.environ["MXLOAD_HOME"] = str(work / "home")
@@ -255,8 +255,8 @@ UNSAFE_NAMES = ["", "/", "..", ".", "a b", "x\x01y", "a/keeper", ".hidden", "t\n
 def test_unsafe_session_names_are_refused(work: Path, ckpts) -> None:
     """Every unsafe name is refused by the library (the CLI's path) before anything starts;
     one per command through the CLI (exit 2, naming --session, no traceback)."""
-    from mxload.orchestrator.detached import check_session_name
     from mxload.orchestrator.errors import SessionError
+    from mxload.orchestrator.runtime.detached import check_session_name
 
     for name in UNSAFE_NAMES:
         with pytest.raises(SessionError, match="--session"):

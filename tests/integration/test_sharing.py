@@ -17,9 +17,9 @@ from collections import Counter
 
 import numpy as np
 import pytest
-from mxload.orchestrator.driver import LoadRequest, load, plan_load
-from mxload.orchestrator.plantypes import ParallelLayout
-from mxload.orchestrator.ranges import REMOTE_POLICY, coalesce
+from mxload.orchestrator.plan.ranges import REMOTE_POLICY, coalesce
+from mxload.orchestrator.plan.types import ParallelLayout
+from mxload.orchestrator.runtime.driver import LoadRequest, load, plan_load
 from safetensors.torch import load_file
 
 from tests.reference_model import Layout, RefCheckpoint, compare_rank, expected_rank
@@ -165,10 +165,10 @@ def test_http_dp2_serves_each_needed_byte_once(
 
 def fetched_reads(plan, manifest, share: str) -> list:
     """The unit reads storage was asked for: each rank's own unshared reads, and each
-    shared read once (the plan of ``mxload.orchestrator.sharing`` rebuilt from the
+    shared read once (the plan of ``mxload.orchestrator.plan.sharing`` rebuilt from the
     manifest's node ids, which is what the driver did)."""
-    from mxload.orchestrator.readplan import predicted_read_bytes
-    from mxload.orchestrator.sharing import plan_sharing, read_items
+    from mxload.orchestrator.plan.readplan import predicted_read_bytes
+    from mxload.orchestrator.plan.sharing import plan_sharing, read_items
 
     nodes = [r["node_id"] for r in manifest["ranks"]]
     items = [

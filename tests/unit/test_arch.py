@@ -9,11 +9,11 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
-from mxload.orchestrator.arch import ARCHITECTURES, LAYER_KINDS, architecture_for
-from mxload.orchestrator.config import SUPPORTED_ARCHITECTURES
 from mxload.orchestrator.errors import UnsupportedError
-from mxload.orchestrator.planner import plan_rank
-from mxload.orchestrator.plantypes import ParallelLayout
+from mxload.orchestrator.plan.arch import ARCHITECTURES, LAYER_KINDS, architecture_for
+from mxload.orchestrator.plan.config import SUPPORTED_ARCHITECTURES
+from mxload.orchestrator.plan.planner import plan_rank
+from mxload.orchestrator.plan.types import ParallelLayout
 
 from tests.unit.test_planner import real, synthetic
 

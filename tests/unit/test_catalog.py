@@ -1,4 +1,4 @@
-"""mxload.orchestrator.catalog: what it reads (and does not), errors, describe()."""
+"""mxload.orchestrator.runtime.catalog: what it reads (and does not), errors, describe()."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from mxload.orchestrator.catalog import describe, open_checkpoint
 from mxload.orchestrator.errors import (
     CheckpointError,
     ConfigError,
@@ -21,6 +20,7 @@ from mxload.orchestrator.errors import (
     TruncatedFile,
     UnsupportedError,
 )
+from mxload.orchestrator.runtime.catalog import describe, open_checkpoint
 
 from tests.hostile import build_safetensors, raw_file
 

@@ -1,4 +1,4 @@
-"""mxload.orchestrator.checkpoint: the index, index/shard agreement and weight/scale pairing
+"""mxload.orchestrator.plan.checkpoint: the index, index/shard agreement and weight/scale pairing
 (SPEC §1.1, §1.2, §1.4)."""
 
 from __future__ import annotations
@@ -11,13 +11,6 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import pytest
-from mxload.orchestrator.checkpoint import (
-    CheckpointMeta,
-    ModuleWeights,
-    build_meta,
-    parse_index,
-)
-from mxload.orchestrator.config import ModelConfig, parse_config
 from mxload.orchestrator.errors import (
     CheckpointError,
     DuplicateTensor,
@@ -26,7 +19,18 @@ from mxload.orchestrator.errors import (
     MissingTensor,
     UnpairedTensor,
 )
-from mxload.orchestrator.safetensors_header import FileHeader, parse_header, parse_header_length
+from mxload.orchestrator.plan.checkpoint import (
+    CheckpointMeta,
+    ModuleWeights,
+    build_meta,
+    parse_index,
+)
+from mxload.orchestrator.plan.config import ModelConfig, parse_config
+from mxload.orchestrator.plan.safetensors_header import (
+    FileHeader,
+    parse_header,
+    parse_header_length,
+)
 
 from tests.hostile import build_safetensors
 
@@ -445,8 +449,8 @@ def test_meta_pickles() -> None:
 
 def test_pure_modules_import_nothing_heavy() -> None:
     code = (
-        "import sys, orchestrator.checkpoint, orchestrator.safetensors_header;"
-        "bad = [m for m in ('torch', 'numpy', 'ray', 'fsspec', 'safetensors', 'workers')"
+        "import sys, mxload.orchestrator.plan.checkpoint, mxload.orchestrator.plan.safetensors_header;"
+        "bad = [m for m in ('torch', 'numpy', 'ray', 'fsspec', 'safetensors', 'mxload.workers')"
         " if m in sys.modules]; print(','.join(bad))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

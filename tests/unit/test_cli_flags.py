@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 
 import pytest
-from mxload.orchestrator import cli
+from mxload.orchestrator.cli import commands as cli
 from mxload.orchestrator.errors import UsageError
 
 
@@ -107,6 +107,6 @@ def test_sizes_need_a_unit() -> None:
 
 
 def test_presets_named_in_help_are_the_writers_presets() -> None:
-    from mxload.workers.synth import PRESETS
+    from mxload.workers.tools.synth import PRESETS
 
     assert cli._preset_names() == sorted(PRESETS)

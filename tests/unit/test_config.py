@@ -1,4 +1,4 @@
-"""mxload.orchestrator.config against SPEC §1.1's validation table, §1.2, §1.4 and the real configs."""
+"""mxload.orchestrator.plan.config against SPEC §1.1's validation table, §1.2, §1.4 and the real configs."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import pickle
 from typing import Any
 
 import pytest
-from mxload.orchestrator.config import QuantConfig, parse_config
 from mxload.orchestrator.errors import ConfigError, InputError, UnsupportedError
-from mxload.orchestrator.models import model_config_path
+from mxload.orchestrator.plan.config import QuantConfig, parse_config
+from mxload.orchestrator.runtime.models import model_config_path
 
 CONFIGS = model_config_path("deepseek-v3").parent  # the packaged configs
 SRC = "/ckpt/qwen3-tiny/config.json"

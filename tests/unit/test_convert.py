@@ -18,9 +18,9 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from mxload.orchestrator.catalog import open_checkpoint
 from mxload.orchestrator.errors import UnsupportedError
-from mxload.workers.convert import convert_checkpoint
+from mxload.orchestrator.runtime.catalog import open_checkpoint
+from mxload.workers.tools.convert import convert_checkpoint
 from safetensors import safe_open
 from safetensors.torch import load_file
 
@@ -220,8 +220,8 @@ def test_every_output_tensor_matches_the_independent_reference(converted, case, 
 def test_fallback_case_really_has_excluded_modules(converted) -> None:
     """What convert writes, plan and load accept (one validator): the output of the
     K-not-multiple-of-32 case plans at the layout where the loader is strictest."""
-    from mxload.orchestrator.planner import build_plan
-    from mxload.orchestrator.plantypes import ParallelLayout
+    from mxload.orchestrator.plan.planner import build_plan
+    from mxload.orchestrator.plan.types import ParallelLayout
 
     _, dst, _ = converted("awkward-k")
     config, got, _ = read_all(dst)
@@ -298,10 +298,10 @@ def test_output_opens_as_mxfp8_with_mxloads_catalog(converted, case) -> None:
 def test_converted_checkpoint_loads_to_the_same_bytes(converted) -> None:
     """The short route (MXFP8, repack only) gives every rank the bytes the long route
     (block-FP8 -> resolve -> quantize) must give, per the independent reference."""
-    from mxload.orchestrator.planner import build_plan
-    from mxload.orchestrator.plantypes import ParallelLayout
-    from mxload.workers.loader import RankLoader, SourceInfo
+    from mxload.orchestrator.plan.planner import build_plan
+    from mxload.orchestrator.plan.types import ParallelLayout
     from mxload.workers.numerics.backend import select_backend
+    from mxload.workers.rank.loader import RankLoader, SourceInfo
 
     from tests.reference_model import Layout, RefCheckpoint, compare_rank, expected_rank
 
@@ -439,7 +439,7 @@ def test_storage_failure_mid_run_names_the_range_and_leaves_no_shard(
     file and byte range, and no output shard left behind -- neither the one being
     written nor the one finished before the failure."""
     from mxload.orchestrator.errors import StorageError
-    from mxload.workers import convert as convert_mod
+    from mxload.workers.tools import convert as convert_mod
 
     from tests.servers import Faults, RangeHTTPServer
 
@@ -482,7 +482,7 @@ def test_failed_convert_leaves_an_earlier_conversion_byte_for_byte(
     read; with it, the run fails and DST is still the earlier conversion, byte for byte,
     with nothing beside it."""
     from mxload.orchestrator.errors import OutputError, StorageError
-    from mxload.workers import convert as convert_mod
+    from mxload.workers.tools import convert as convert_mod
 
     from tests.servers import Faults, RangeHTTPServer
 
@@ -557,7 +557,7 @@ def test_convert_process_never_imports_torch(ckpt_factory, tmp_path) -> None:
     src = ckpt_factory("qwen3-moe-tiny", 5)
     code = (
         "import sys, json\n"
-        "from mxload.workers.convert import convert_checkpoint\n"
+        "from mxload.workers.tools.convert import convert_checkpoint\n"
         "s = convert_checkpoint(sys.argv[1], sys.argv[2], numerics='fast')\n"
         "print(json.dumps([s['backend'], 'torch' in sys.modules]))\n"
     )
@@ -616,8 +616,8 @@ def test_convert_refuses_what_plan_refuses(ckpt_factory, tmp_path, case) -> None
     """One validator: each defect is refused by plan (the planner over the catalog) and
     by convert, with the same error, and convert writes nothing."""
     from mxload.orchestrator.errors import InputError
-    from mxload.orchestrator.planner import build_plan
-    from mxload.orchestrator.plantypes import ParallelLayout
+    from mxload.orchestrator.plan.planner import build_plan
+    from mxload.orchestrator.plan.types import ParallelLayout
 
     src = _patched_checkpoint(ckpt_factory("qwen3-dense-tiny", 5), tmp_path / "src", case)
     with pytest.raises(InputError) as by_plan:

@@ -16,13 +16,13 @@ from typing import Any
 
 import pytest
 import torch
-from mxload.orchestrator.catalog import open_checkpoint
 from mxload.orchestrator.errors import AdoptionError, LayoutError
-from mxload.orchestrator.planner import build_plan
-from mxload.orchestrator.plantypes import ParallelLayout
-from mxload.orchestrator.session import reload_inputs
+from mxload.orchestrator.plan.planner import build_plan
+from mxload.orchestrator.plan.types import ParallelLayout
+from mxload.orchestrator.runtime.catalog import open_checkpoint
+from mxload.orchestrator.runtime.session import reload_inputs
 from mxload.workers.engine_ext import EngineReloader, MxloadWorkerExtension
-from mxload.workers.loader import RankLoader
+from mxload.workers.rank.loader import RankLoader
 
 OVERRIDES = {"moe_intermediate_size": 256}
 LAYOUT = ParallelLayout(tp=2, dp=2, enable_expert_parallel=True)

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from mxload.orchestrator.catalog import open_checkpoint
-from mxload.orchestrator.config import parse_config
-from mxload.orchestrator.engines import BUFFER_KINDS, ENGINES, engine_profile
 from mxload.orchestrator.errors import LayoutError, UsageError
-from mxload.orchestrator.planner import build_plan
-from mxload.orchestrator.plantypes import ParallelLayout
-from mxload.workers.loader import RankLoader
-from mxload.workers.synth import preset_config
+from mxload.orchestrator.plan.config import parse_config
+from mxload.orchestrator.plan.engines import BUFFER_KINDS, ENGINES, engine_profile
+from mxload.orchestrator.plan.planner import build_plan
+from mxload.orchestrator.plan.types import ParallelLayout
+from mxload.orchestrator.runtime.catalog import open_checkpoint
+from mxload.workers.rank.loader import RankLoader
+from mxload.workers.tools.synth import preset_config
 
 ASCEND = ("vllm-ascend-0.23", "vllm-ascend-main")
 
@@ -94,14 +94,14 @@ def test_fallback_moe_is_held_as_vllm_ascend_holds_it(ckpt_factory) -> None:
 
 
 def _source(meta, src):
-    from mxload.orchestrator.driver import source_info
+    from mxload.orchestrator.runtime.driver import source_info
 
     return source_info(meta, False, src, None)
 
 
 def test_a_session_keeps_the_engine_it_was_loaded_for() -> None:
-    from mxload.orchestrator.detached import _check_engine
     from mxload.orchestrator.errors import SessionError
+    from mxload.orchestrator.runtime.detached import _check_engine
 
     config = parse_config(preset_config("qwen3-moe-tiny"))
     held = build_plan(config, ParallelLayout(tp=2), engine="vllm-ascend-0.23")

@@ -11,9 +11,9 @@ import json
 from typing import Any
 
 import pytest
-from mxload.orchestrator.config import ModelConfig, parse_config
 from mxload.orchestrator.errors import LayoutError
-from mxload.orchestrator.layout import (
+from mxload.orchestrator.plan.config import ModelConfig, parse_config
+from mxload.orchestrator.plan.layout import (
     experts_for_rank,
     kv_head_rows,
     padded_vocab,
@@ -21,8 +21,8 @@ from mxload.orchestrator.layout import (
     rank_coords,
     validate_layout,
 )
-from mxload.orchestrator.models import model_config_path
-from mxload.orchestrator.plantypes import ParallelLayout
+from mxload.orchestrator.plan.types import ParallelLayout
+from mxload.orchestrator.runtime.models import model_config_path
 
 CONFIGS = model_config_path("deepseek-v3").parent  # the packaged configs
 

@@ -1,6 +1,6 @@
 """The rank loader used without Ray (SPEC §4 "The per-rank loader is a plain class").
 
-Every rank of a plan is loaded in this process by ``mxload.workers.loader.RankLoader`` and its
+Every rank of a plan is loaded in this process by ``mxload.workers.rank.loader.RankLoader`` and its
 buffers are compared byte for byte with ``tests.reference_model.expected_rank``, which
 reads the checkpoint with the official safetensors library and converts it with the
 independent numpy reference: nothing expected here comes from the code under test.
@@ -24,12 +24,12 @@ import threading
 import numpy as np
 import pytest
 import torch
-from mxload.orchestrator.catalog import open_checkpoint
 from mxload.orchestrator.errors import AdoptionError, InputError, NonFiniteScale, RunError
-from mxload.orchestrator.planner import build_plan
-from mxload.orchestrator.plantypes import ParallelLayout, Plan, RankPlan
-from mxload.workers.loader import TORCH_DTYPES, RankLoader, SourceInfo
+from mxload.orchestrator.plan.planner import build_plan
+from mxload.orchestrator.plan.types import ParallelLayout, Plan, RankPlan
+from mxload.orchestrator.runtime.catalog import open_checkpoint
 from mxload.workers.numerics.backend import select_backend
+from mxload.workers.rank.loader import TORCH_DTYPES, RankLoader, SourceInfo
 
 from tests.reference_model import Layout, RefCheckpoint, compare_rank, expected_rank
 
@@ -538,7 +538,7 @@ def test_interrupted_reload_reports_current_bytes_and_completes(ckpt_factory) ->
     """A reload that fails part-way leaves finished units at the new version and the
     rest at the old one (consistent: false); the report's checksums are those of the
     bytes held now; running the reload again completes it (SPEC §4 "Reload")."""
-    from mxload.workers.loader import checksum
+    from mxload.workers.rank.loader import checksum
 
     v1, v2 = ckpt_factory("qwen3-moe-tiny", 1), ckpt_factory("qwen3-moe-tiny", 2)
     layout = ParallelLayout(tp=2)
@@ -587,7 +587,7 @@ def test_a_step_of_several_units_is_converted_in_one_launch_and_written_all_or_n
     second unit of such a step leaves the step's first unit at the old version too (no
     unit of the step was written), the units of earlier steps at the new one; running it
     again completes it, byte for byte the reference, at the same addresses."""
-    from mxload.orchestrator.memory import ConvertOptions, read_fn_from_reads, schedule
+    from mxload.orchestrator.plan.memory import ConvertOptions, read_fn_from_reads, schedule
     from mxload.workers.numerics.backend import Backend
 
     v1, v2 = ckpt_factory("qwen3-moe-tiny", 1), ckpt_factory("qwen3-moe-tiny", 2)
@@ -682,7 +682,7 @@ def test_a_failed_reload_then_another_checkpoint_rewrites_every_unit(ckpt_factor
 def test_a_checkpoint_rewritten_at_the_same_url_is_another_identity(tmp_path) -> None:
     """Same path, new contents (a trainer overwriting step-N): a new fingerprint, so an
     interrupted reload run again rewrites every unit from the new bytes."""
-    from mxload.workers.synth import make_checkpoint
+    from mxload.workers.tools.synth import make_checkpoint
 
     v1, same = str(tmp_path / "v1"), str(tmp_path / "step")
     make_checkpoint(v1, "qwen3-dense-tiny", seed=1)
@@ -748,7 +748,7 @@ def test_small_local_reads_run_on_the_converting_thread(ckpt_factory, monkeypatc
     prediction held, either way."""
     import threading
 
-    import mxload.workers.loader as loader_mod
+    import mxload.workers.rank.loader as loader_mod
     from mxload.workers.storage import Storage
 
     monkeypatch.setattr(loader_mod, "INLINE_READ_BYTES", 1 << 40 if inline else 0)
@@ -787,8 +787,8 @@ def test_staging_peak_does_not_depend_on_reader_timing(
     out at half the prediction: seen in CI). Every fill is delayed here."""
     import time as _time
 
-    import mxload.workers.loader as loader_mod
-    from mxload.workers.loader import RankLoader
+    import mxload.workers.rank.loader as loader_mod
+    from mxload.workers.rank.loader import RankLoader
 
     monkeypatch.setattr(loader_mod, "INLINE_READ_BYTES", 1 << 40 if inline else 0)
 
@@ -814,7 +814,7 @@ def test_a_worker_takes_its_startup_objects_out_of_the_cyclic_collector(ckpt_fac
     otherwise costs ~0.2 s inside a load."""
     import gc
 
-    from mxload.workers.actor import RankWorker
+    from mxload.workers.rank.actor import RankWorker
 
     src = ckpt_factory("qwen3-dense-tiny", 1)
     meta, plan = plan_of(src, ParallelLayout(tp=1))

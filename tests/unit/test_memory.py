@@ -20,9 +20,8 @@ from __future__ import annotations
 from collections import Counter
 
 import pytest
-from mxload.orchestrator.catalog import open_checkpoint
 from mxload.orchestrator.errors import StagingBudgetError
-from mxload.orchestrator.memory import (
+from mxload.orchestrator.plan.memory import (
     BATCH_UNIT_BYTES,
     MIN_CHUNK_ROWS,
     Chunk,
@@ -37,9 +36,10 @@ from mxload.orchestrator.memory import (
     sub_unit,
     unit_cost,
 )
-from mxload.orchestrator.planner import build_plan
-from mxload.orchestrator.plantypes import ParallelLayout, RankPlan, Unit
-from mxload.orchestrator.ranges import ByteRange
+from mxload.orchestrator.plan.planner import build_plan
+from mxload.orchestrator.plan.ranges import ByteRange
+from mxload.orchestrator.plan.types import ParallelLayout, RankPlan, Unit
+from mxload.orchestrator.runtime.catalog import open_checkpoint
 
 CASES = {
     # partial tiles (hidden 160, q rows 96 per rank at tp=2 start mid-tile), odd groups
@@ -65,7 +65,7 @@ def plans(ckpt_factory, tmp_path_factory):
             preset, layout = CASES[case]
             src = ckpt_factory(preset.removeprefix("mxfp8:"), 3)
             if preset.startswith("mxfp8:"):
-                from mxload.workers.convert import convert_checkpoint
+                from mxload.workers.tools.convert import convert_checkpoint
 
                 dst = str(tmp_path_factory.mktemp("mxfp8") / "ckpt")
                 convert_checkpoint(src, dst)
@@ -388,7 +388,7 @@ def test_batching_takes_every_small_mx_unit_that_fits() -> None:
     the next unit's reads, fits the budget, and the next step while its reads fit beside
     the step before (read-ahead kept); a unit that is not batchable (dense, or too large)
     is a step of its own and splits the run."""
-    from mxload.orchestrator.plantypes import Part
+    from mxload.orchestrator.plan.types import Part
 
     def unit(layout: str, rows: int, cols: int = 64) -> Unit:
         part = Part(module="m", rows=(0, rows), cols=(0, cols), dst_row=0)

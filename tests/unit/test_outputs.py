@@ -1,4 +1,4 @@
-"""orchestrator/outputs.py: output paths checked before work, folders replaced whole.
+"""orchestrator/runtime/outputs.py: output paths checked before work, folders replaced whole.
 
 Real file systems only (a temp folder, fsspec's memory://); a full disk is exercised
 for real in tests/integration/test_cli.py (a private tmpfs).
@@ -12,7 +12,7 @@ import stat
 import fsspec
 import pytest
 from mxload.orchestrator.errors import OutputError
-from mxload.orchestrator.outputs import (
+from mxload.orchestrator.runtime.outputs import (
     OutputDir,
     check_disjoint,
     check_file_target,

@@ -7,7 +7,7 @@ Invariants, in the spirit of vLLM's ``ep_weight_filter`` and Run:ai's partition 
   heads when tp > kv, once for a routed expert), and the gathered parts rebuild the
   tensor's whole index space;
 * the checkpoint tensors the plan reads are exactly those SPEC §3 lists for the model
-  (enumerated here independently of ``mxload.orchestrator.arch``);
+  (enumerated here independently of ``mxload.orchestrator.plan.arch``);
 * each rank's persistent bytes equal a count made here from the SPEC §2.3 formulas;
 * buffers and units agree with each other (names, shapes, layouts, expert indices).
 """
@@ -23,8 +23,6 @@ from dataclasses import replace
 from typing import Any
 
 import pytest
-from mxload.orchestrator.checkpoint import CheckpointMeta
-from mxload.orchestrator.config import ModelConfig, parse_config
 from mxload.orchestrator.errors import (
     CheckpointError,
     LayoutError,
@@ -32,11 +30,13 @@ from mxload.orchestrator.errors import (
     MixedQuantization,
     StagingBudgetError,
 )
-from mxload.orchestrator.formats import SAFETENSORS_ITEMSIZE
-from mxload.orchestrator.models import model_config_path
-from mxload.orchestrator.planner import build_plan, plan_rank, plan_to_json
-from mxload.orchestrator.plantypes import ParallelLayout, Plan, RankPlan
-from mxload.orchestrator.safetensors_header import TensorInfo
+from mxload.orchestrator.plan.checkpoint import CheckpointMeta
+from mxload.orchestrator.plan.config import ModelConfig, parse_config
+from mxload.orchestrator.plan.formats import SAFETENSORS_ITEMSIZE
+from mxload.orchestrator.plan.planner import build_plan, plan_rank, plan_to_json
+from mxload.orchestrator.plan.safetensors_header import TensorInfo
+from mxload.orchestrator.plan.types import ParallelLayout, Plan, RankPlan
+from mxload.orchestrator.runtime.models import model_config_path
 
 CONFIGS = model_config_path("deepseek-v3").parent  # the packaged configs
 FP8 = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}  # fmt: skip
@@ -810,7 +810,7 @@ def test_bytes_needed_counts_slices_and_covering_tiles() -> None:
     o = next(u for u in rp.units if u.buffer == "model.layers.0.self_attn.o_proj.weight")
     assert o.parts[0].cols == (64, 128)
     # o_proj [256, 256] F8: 256 x 64 bytes, plus tile rows 0..1 x tile column 0: 2 x 4 bytes
-    from mxload.orchestrator.readplan import needed_bytes
+    from mxload.orchestrator.plan.readplan import needed_bytes
 
     assert needed_bytes(o, cfg) == 256 * 64 + 2 * 4
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import io
 
-from mxload.orchestrator.progress import RankProgress
+from mxload.orchestrator.cli.progress import RankProgress
 
 
 def lines(text: str) -> list[str]:

@@ -14,25 +14,25 @@ import sys
 from pathlib import Path
 
 import pytest
-from mxload.orchestrator.models import model_config_path
+from mxload.orchestrator.runtime.models import model_config_path
 
 PURE_MODULES = (
     "mxload.orchestrator.errors",
-    "mxload.orchestrator.formats",
-    "mxload.orchestrator.sizes",
-    "mxload.orchestrator.config",
-    "mxload.orchestrator.ranges",
-    "mxload.orchestrator.plantypes",
-    "mxload.orchestrator.arch",
-    "mxload.orchestrator.engines",
-    "mxload.orchestrator.layout",
-    "mxload.orchestrator.planner",
-    "mxload.orchestrator.readplan",
-    "mxload.orchestrator.memory",
-    "mxload.orchestrator.safetensors_header",
-    "mxload.orchestrator.checkpoint",
-    "mxload.orchestrator.sharing",
-    "mxload.orchestrator.timemodel",
+    "mxload.orchestrator.plan.formats",
+    "mxload.orchestrator.plan.sizes",
+    "mxload.orchestrator.plan.config",
+    "mxload.orchestrator.plan.ranges",
+    "mxload.orchestrator.plan.types",
+    "mxload.orchestrator.plan.arch",
+    "mxload.orchestrator.plan.engines",
+    "mxload.orchestrator.plan.layout",
+    "mxload.orchestrator.plan.planner",
+    "mxload.orchestrator.plan.readplan",
+    "mxload.orchestrator.plan.memory",
+    "mxload.orchestrator.plan.safetensors_header",
+    "mxload.orchestrator.plan.checkpoint",
+    "mxload.orchestrator.plan.sharing",
+    "mxload.orchestrator.plan.timemodel",
 )
 HEAVY = ("torch", "ray", "numpy", "fsspec")
 ROOT = Path(__file__).resolve().parents[2]
@@ -43,9 +43,9 @@ mods = {mods!r}
 for m in mods:
     __import__(m)
 if {plan!r}:
-    from mxload.orchestrator.config import parse_config
-    from mxload.orchestrator.plantypes import ParallelLayout
-    from mxload.orchestrator.planner import build_plan, plan_to_json
+    from mxload.orchestrator.plan.config import parse_config
+    from mxload.orchestrator.plan.types import ParallelLayout
+    from mxload.orchestrator.plan.planner import build_plan, plan_to_json
     cfg = parse_config(json.load(open({config!r})), "config.json")
     plan_to_json(build_plan(cfg, ParallelLayout(tp=2, dp=2, enable_expert_parallel=True)))
 heavy = sorted(h for h in {heavy!r} if h in sys.modules or any(k.startswith(h + ".") for k in sys.modules))
@@ -79,4 +79,4 @@ def test_planning_from_a_config_stays_pure() -> None:
 
 def test_the_probe_can_see_a_heavy_import() -> None:
     # The check is only worth something if it notices a heavy import when there is one.
-    assert probe(("mxload.orchestrator.config", "numpy")) == ["numpy"]
+    assert probe(("mxload.orchestrator.plan.config", "numpy")) == ["numpy"]

@@ -2,7 +2,7 @@
 
 Hand-computed expectations for misaligned slices (floor-based tile coverage, never ceil
 of the offset), compactness (one strided range per row-split part, not one per row), the
-fast coalescing count against ``mxload.orchestrator.ranges.requested_bytes`` on random range
+fast coalescing count against ``mxload.orchestrator.plan.ranges.requested_bytes`` on random range
 sets, and an end-to-end check that the planned ranges of a real synthetic checkpoint hold
 exactly the bytes of each part's rectangle.
 """
@@ -13,12 +13,11 @@ import random
 from pathlib import Path
 
 import pytest
-from mxload.orchestrator.checkpoint import CheckpointMeta
-from mxload.orchestrator.config import ModelConfig, parse_config
-from mxload.orchestrator.formats import SAFETENSORS_ITEMSIZE
-from mxload.orchestrator.planner import build_plan
-from mxload.orchestrator.plantypes import ParallelLayout, Part, PartRead, Unit, UnitReads
-from mxload.orchestrator.ranges import (
+from mxload.orchestrator.plan.checkpoint import CheckpointMeta
+from mxload.orchestrator.plan.config import ModelConfig, parse_config
+from mxload.orchestrator.plan.formats import SAFETENSORS_ITEMSIZE
+from mxload.orchestrator.plan.planner import build_plan
+from mxload.orchestrator.plan.ranges import (
     LOCAL_POLICY,
     REMOTE_POLICY,
     ByteRange,
@@ -27,7 +26,7 @@ from mxload.orchestrator.ranges import (
     contiguous,
     requested_bytes,
 )
-from mxload.orchestrator.readplan import (
+from mxload.orchestrator.plan.readplan import (
     coalesced_fast,
     needed_bytes,
     predicted_read_bytes,
@@ -36,7 +35,8 @@ from mxload.orchestrator.readplan import (
     tile_span,
     unit_reads,
 )
-from mxload.orchestrator.safetensors_header import TensorInfo
+from mxload.orchestrator.plan.safetensors_header import TensorInfo
+from mxload.orchestrator.plan.types import ParallelLayout, Part, PartRead, Unit, UnitReads
 
 from tests.unit.test_planner import fake_meta, real, synthetic
 
@@ -354,7 +354,7 @@ def range_bytes(path: Path, rng: ByteRange) -> bytes:
 def test_planned_ranges_hold_the_rectangles(
     ckpt_factory, preset: str, layout: ParallelLayout
 ) -> None:  # type: ignore[no-untyped-def]
-    from mxload.orchestrator.catalog import open_checkpoint
+    from mxload.orchestrator.runtime.catalog import open_checkpoint
 
     root = Path(ckpt_factory(preset))
     ck = open_checkpoint(str(root))

@@ -1,4 +1,4 @@
-"""mxload.orchestrator.safetensors_header: hostile files (SPEC §1.3) and agreement with safetensors."""
+"""mxload.orchestrator.plan.safetensors_header: hostile files (SPEC §1.3) and agreement with safetensors."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from mxload.orchestrator.errors import (
     TruncatedFile,
     UnknownDtype,
 )
-from mxload.orchestrator.safetensors_header import (
+from mxload.orchestrator.plan.safetensors_header import (
     FileHeader,
     TensorInfo,
     parse_header,

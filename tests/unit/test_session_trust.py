@@ -19,8 +19,11 @@ from pathlib import Path
 import psutil
 import pytest
 from mxload.cluster import local
-from mxload.orchestrator.catalog import open_checkpoint
-from mxload.orchestrator.detached import (
+from mxload.orchestrator.errors import HeadStopped, SessionError
+from mxload.orchestrator.plan.planner import build_plan
+from mxload.orchestrator.plan.types import ParallelLayout
+from mxload.orchestrator.runtime.catalog import open_checkpoint
+from mxload.orchestrator.runtime.detached import (
     SessionKeeper,
     check_recorded_head,
     check_session_name,
@@ -28,9 +31,6 @@ from mxload.orchestrator.detached import (
     same_address,
     verdict,
 )
-from mxload.orchestrator.errors import HeadStopped, SessionError
-from mxload.orchestrator.planner import build_plan
-from mxload.orchestrator.plantypes import ParallelLayout
 
 # --- verdict ---------------------------------------------------------------------------------
 

@@ -1,4 +1,4 @@
-"""Read once per cluster (``mxload.orchestrator.sharing``): every rank simulated in one loop.
+"""Read once per cluster (``mxload.orchestrator.plan.sharing``): every rank simulated in one loop.
 
 Invariants, as Run:ai's partition tests state them: every (rank, unit) read is served by
 exactly one fetch of its scope (its own, or one shared read's owner), a shared read's
@@ -15,23 +15,23 @@ from __future__ import annotations
 from collections import Counter
 
 import pytest
-from mxload.orchestrator.catalog import open_checkpoint
-from mxload.orchestrator.planner import build_plan
-from mxload.orchestrator.plantypes import ParallelLayout
-from mxload.orchestrator.ranges import LOCAL_POLICY, CoalescePolicy
-from mxload.orchestrator.readplan import predicted_read_bytes
-from mxload.orchestrator.sharing import (
+from mxload.orchestrator.plan.planner import build_plan
+from mxload.orchestrator.plan.ranges import LOCAL_POLICY, CoalescePolicy
+from mxload.orchestrator.plan.readplan import predicted_read_bytes
+from mxload.orchestrator.plan.sharing import (
     plan_sharing as _plan_sharing,
 )
-from mxload.orchestrator.sharing import (
+from mxload.orchestrator.plan.sharing import (
     rank_traffic as _rank_traffic,
 )
-from mxload.orchestrator.sharing import (
+from mxload.orchestrator.plan.sharing import (
     read_items,
     unique_bytes,
 )
-from mxload.workers.loader import PeerUnit, RankLoader, SourceInfo
+from mxload.orchestrator.plan.types import ParallelLayout
+from mxload.orchestrator.runtime.catalog import open_checkpoint
 from mxload.workers.numerics.backend import select_backend
+from mxload.workers.rank.loader import PeerUnit, RankLoader, SourceInfo
 
 
 def fetch_bytes(r) -> int:

@@ -1,4 +1,4 @@
-"""The storage seam (workers/storage.py): ranged reads over every back end, coalescing,
+"""The storage seam (workers/storage/__init__.py): ranged reads over every back end, coalescing,
 retries and the errors of SPEC §4 "Streaming" / "Faults".
 
 Expected bytes always come from slicing the source file in the test, never from the code
@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 import torch
 from mxload.orchestrator.errors import CheckpointError, StorageError, UsageError
-from mxload.orchestrator.ranges import (
+from mxload.orchestrator.plan.ranges import (
     LOCAL_POLICY,
     REMOTE_POLICY,
     ByteRange,

@@ -1,4 +1,4 @@
-"""The time model (``mxload.orchestrator.timemodel``): processor sharing worked by hand, the
+"""The time model (``mxload.orchestrator.plan.timemodel``): processor sharing worked by hand, the
 two phases, and ``mxload plan``'s predicted seconds. No timing is measured here (the
 model is checked against measured loads in ``bench/bench_cluster.py``)."""
 
@@ -7,13 +7,13 @@ from __future__ import annotations
 import json
 
 import pytest
-from mxload.orchestrator.cli import main
-from mxload.orchestrator.config import parse_config
-from mxload.orchestrator.models import model_config, model_config_path
-from mxload.orchestrator.planner import build_plan
-from mxload.orchestrator.plantypes import ParallelLayout
-from mxload.orchestrator.sharing import RankTraffic
-from mxload.orchestrator.timemodel import Rates, plan_times, predict, shared_link
+from mxload.orchestrator.cli.commands import main
+from mxload.orchestrator.plan.config import parse_config
+from mxload.orchestrator.plan.planner import build_plan
+from mxload.orchestrator.plan.sharing import RankTraffic
+from mxload.orchestrator.plan.timemodel import Rates, plan_times, predict, shared_link
+from mxload.orchestrator.plan.types import ParallelLayout
+from mxload.orchestrator.runtime.models import model_config, model_config_path
 
 
 def test_shared_link_by_hand() -> None:
@@ -142,7 +142,7 @@ def test_store_request_rate_is_shared_like_its_bandwidth() -> None:
 
 
 def test_rank_requests_charge_the_owner_only() -> None:
-    from mxload.orchestrator.sharing import SharedRead, SharePlan, rank_requests
+    from mxload.orchestrator.plan.sharing import SharedRead, SharePlan, rank_requests
 
     # rank 0 owns unit 1 (shared with rank 1's unit 0); rank 1 also reads unit 1 alone
     share = SharePlan(
@@ -155,7 +155,7 @@ def test_rank_requests_charge_the_owner_only() -> None:
 
 
 def test_config_plan_counts_k_split_rows_as_requests() -> None:
-    from mxload.orchestrator.readplan import estimated_requests
+    from mxload.orchestrator.plan.readplan import estimated_requests
 
     cfg, plan = qwen_plan(ParallelLayout(tp=2))
     o_proj = next(u for u in plan.ranks[0].units if ".o_proj." in u.buffer)

@@ -26,7 +26,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 from mxload.orchestrator.errors import NumericsError
-from mxload.orchestrator.formats import MX_GROUP, MX_PAIR, ceil_div
+from mxload.orchestrator.plan.formats import MX_GROUP, MX_PAIR, ceil_div
 from mxload.workers.numerics import kernels
 from mxload.workers.numerics.kernels import MODE_FP32
 from mxload.workers.numerics.reference import MODEL_TORCH_DTYPE

@@ -5,7 +5,7 @@ Purpose
     MXFP8 in one pass, SPEC §2), with a numpy-level API: :func:`convert` and
     :func:`resolve` take the raw uint8 payload and float32 tile scales of a checkpoint
     tensor and return new arrays. Nothing here imports torch, so ``mxload convert``
-    (:mod:`mxload.workers.convert`) starts in a fraction of the time a torch import takes (about
+    (:mod:`mxload.workers.tools.convert`) starts in a fraction of the time a torch import takes (about
     1.4 s of a 2-3 s conversion on the benchmark machine). :mod:`mxload.workers.numerics.fast`
     wraps the same kernels for torch tensors (the loader's calls) and
     ``tests/unit/test_numerics_fast.py`` holds both to the reference and the named case
@@ -86,7 +86,7 @@ from typing import Any
 
 import numpy as np
 from mxload.orchestrator.errors import NumericsError
-from mxload.orchestrator.formats import MX_GROUP, ceil_div
+from mxload.orchestrator.plan.formats import MX_GROUP, ceil_div
 
 # OpenMP worker threads that spin after each parallel region (the default) burn a core
 # between the many short launches of a load or a convert, taking it from the reader and
@@ -119,7 +119,7 @@ MODE_BF16 = 0
 MODE_FP16 = 1
 MODE_FP32 = 2
 MODE_OF: dict[str, int] = {"bf16": MODE_BF16, "fp16": MODE_FP16, "fp32": MODE_FP32}
-"""Model dtype name (config.json's ``torch_dtype``, as ``mxload.orchestrator.config`` names it)
+"""Model dtype name (config.json's ``torch_dtype``, as ``mxload.orchestrator.plan.config`` names it)
 -> kernel mode."""
 
 

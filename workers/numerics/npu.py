@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 from mxload.orchestrator.errors import ConversionError, NumericsError
-from mxload.orchestrator.formats import E8M0_NAN, MX_GROUP, MX_PAIR, ceil_div
+from mxload.orchestrator.plan.formats import E8M0_NAN, MX_GROUP, MX_PAIR, ceil_div
 from mxload.workers.numerics import reference
 from mxload.workers.numerics.backend import Backend
 

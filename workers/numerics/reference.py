@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 from mxload.orchestrator.errors import NumericsError
-from mxload.orchestrator.formats import E4M3_EMAX, E4M3_MAX, E8M0_BIAS, E8M0_NAN, MX_GROUP
+from mxload.orchestrator.plan.formats import E4M3_EMAX, E4M3_MAX, E8M0_BIAS, E8M0_NAN, MX_GROUP
 from mxload.workers.numerics import scales as _scales
 
 MODEL_TORCH_DTYPE: dict[str, torch.dtype] = {
@@ -31,7 +31,7 @@ MODEL_TORCH_DTYPE: dict[str, torch.dtype] = {
     "fp16": torch.float16,
     "fp32": torch.float32,
 }
-"""Model dtype name (``mxload.orchestrator.config``'s ``model_dtype``) -> torch dtype."""
+"""Model dtype name (``mxload.orchestrator.plan.config``'s ``model_dtype``) -> torch dtype."""
 
 MODEL_TORCH_DTYPES: tuple[torch.dtype, ...] = tuple(MODEL_TORCH_DTYPE.values())
 """Dtypes a resolved tensor can have, and that mx_quantize accepts (SPEC §1.4, §2.2)."""

@@ -1,0 +1,408 @@
+"""Architectures as tables: which checkpoint tensors make which device tensor, how. Pure.
+
+SPEC §3 asks for architectures described as *tables of name patterns -> parallel style*,
+not as code branches; adding an architecture is adding a table here (and its name to
+``mxload.orchestrator.plan.config.SUPPORTED_ARCHITECTURES``). The planner (``mxload.orchestrator.plan.planner``)
+and the layout checks (``mxload.orchestrator.plan.layout``) read nothing else about a model.
+
+A table row (:class:`TensorRule`) names one device tensor (vLLM/vllm-ascend's parameter
+name), the checkpoint modules merged into it in order (q, k, v; gate, up), where it lives
+(stage 0, every decoder layer of a kind, the last stage), its parallel style, and whether
+the checkpoint may hold it quantized (``linear``) and the device may hold it as MXFP8
+(``mx``). Shapes are symbolic: each source names its dimensions (``("Q", "H")``), and the
+architecture's :class:`Dim` table turns a name into a size from the config, together with
+the config key an error should name when a layout cannot split that dimension.
+
+Parallel styles (SPEC §3):
+
+* ``column`` - output rows N split over tp, part by part (each merged part is split on its
+  own, then the local slices are concatenated); a source with ``split="kv_heads"`` follows
+  the kv-head rule (split when ``kv % tp == 0``, else each head replicated on ``tp / kv``
+  ranks);
+* ``row`` - reduction columns K split over tp (o_proj, down_proj);
+* ``replicated`` - every rank holds all of it (norms, the MoE router, DeepSeek's
+  ``fused_qkv_a_proj``);
+* ``vocab`` - vocab-parallel rows: V padded to a multiple of 64, split in tp equal parts;
+* ``moe`` - routed experts (sources gate, up, down, with ``{e}`` in the module name):
+  ``w13`` = gate then up, ``w2`` = down; TP-sharded over dp*tp, or whole experts under EP.
+
+What stays in which dtype, and why:
+
+* Every ``linear`` row may become MXFP8 (``mx_linear``/``mx_moe``) when its checkpoint
+  weight is quantized and its local K is a multiple of 32 (SPEC §2.2); otherwise it is
+  held resolved in the model dtype (quantized source) or as the checkpoint stores it.
+* DeepSeek's ``self_attn.kv_b_proj`` has ``mx=False``: vllm-ascend keeps it dense in the
+  model dtype because MLA absorbs it into the q and o projections at load time (it is
+  split into W_UK / W_UV and multiplied, which needs real values, not MX payloads).
+* Norms, embeddings, lm_head and the router (``mlp.gate.weight``) are not linears the
+  checkpoint quantizes: they are copied in their checkpoint dtype (the model dtype when
+  planning from the config alone).
+* DeepSeek's ``mlp.gate.e_score_correction_bias`` is float32 (``float32=True``): vLLM
+  creates that parameter in float32 and DeepSeek-V3 ships it in F32, since the
+  bias-corrected top-k routing is sensitive to its small values.
+
+Limits: MTP layers (DeepSeek ``num_nextn_predict_layers``, index >= num_hidden_layers)
+are not in any table, so they are never planned or read. DeepSeek-V3 is planning-only
+(``mxload.orchestrator.plan.config.LOADABLE_ARCHITECTURES``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Literal
+
+from mxload.orchestrator.errors import UnsupportedError
+from mxload.orchestrator.plan.config import ModelConfig
+
+Style = Literal["column", "row", "replicated", "vocab", "moe"]
+Place = Literal["first", "layer", "last"]
+"""first: pipeline stage 0 only; layer: each decoder layer of the rule's kind; last: the
+last pipeline stage only (SPEC §3 "Pipeline")."""
+LayerKind = Literal["all", "dense_mlp", "moe", "shared_experts", "q_lora", "no_q_lora"]
+Split = Literal["tp", "kv_heads"]
+
+LAYER_PREFIX = "model.layers.{i}"
+"""Checkpoint and device prefix of decoder layer ``i`` (``P`` in SPEC §3)."""
+
+EXPERT_PLACEHOLDER = "{e}"
+"""Stands for the global expert id inside a ``moe`` source's module name."""
+
+W13_BUFFER = "w13_weight"
+W2_BUFFER = "w2_weight"
+"""Fused MoE buffer names under the rule's name (``P.mlp.experts.w13_weight``, SPEC §3)."""
+
+SCALE_SUFFIX = "_scale"
+"""A weight buffer ``X`` of MX layout has its scale buffer ``X + '_scale'`` (SPEC §3)."""
+
+
+def _one(config: ModelConfig) -> int:
+    return 1
+
+
+@dataclass(frozen=True)
+class Dim:
+    """A symbolic dimension: ``count(config) * per_unit(config)`` elements.
+
+    A split divides ``count`` (heads, features), never ``per_unit`` (head_dim), so a
+    shard boundary never cuts an attention head in two.
+    """
+
+    key: str
+    """What a refused layout names: the config key (or expression) to blame."""
+    count: Callable[[ModelConfig], int]
+    per_unit: Callable[[ModelConfig], int] = _one
+
+    def size(self, config: ModelConfig) -> int:
+        return self.count(config) * self.per_unit(config)
+
+
+@dataclass(frozen=True)
+class SourceSpec:
+    """One checkpoint tensor feeding a device tensor."""
+
+    module: str
+    """Module name: relative to ``model.layers.{i}.`` for layer rules, absolute otherwise;
+    ``{e}`` stands for the expert id in ``moe`` rules."""
+    dims: tuple[str, ...]
+    """Dim names of its checkpoint shape: ``(N, K)`` for 2-D, ``(n,)`` for 1-D."""
+    tensor: str = "weight"
+    """Tensor name under the module (``weight``, ``e_score_correction_bias``)."""
+    split: Split = "tp"
+    """How a ``column`` rule splits its rows: plainly over tp, or by the kv-head rule."""
+
+
+@dataclass(frozen=True)
+class TensorRule:
+    """One device tensor: its sources, where it lives, how it is sharded and stored."""
+
+    name: str
+    """Device module name (relative to the layer prefix for layer rules). The weight
+    buffer is ``name + '.' + sources[0].tensor``; ``moe`` rules hold ``name.w13_weight``
+    and ``name.w2_weight``."""
+    style: Style
+    sources: tuple[SourceSpec, ...]
+    place: Place = "layer"
+    when: LayerKind = "all"
+    """Which decoder layers have it (see ``LAYER_KINDS``)."""
+    linear: bool = False
+    """A linear weight the checkpoint may quantize (F8_E4M3 + scale)."""
+    mx: bool = True
+    """The device may hold it MXFP8 when its source is quantized (False: resolved, model dtype)."""
+    float32: bool = False
+    """Planned as float32 when no checkpoint says its dtype (else the model dtype)."""
+    tied_source: str = ""
+    """With ``tie_word_embeddings``: the module it is built from instead of its own."""
+
+
+LAYER_KINDS: Mapping[str, Callable[[ModelConfig, int], bool]] = {
+    "all": lambda c, i: True,
+    "dense_mlp": lambda c, i: not c.is_moe_layer(i),
+    "moe": lambda c, i: c.is_moe_layer(i),
+    "shared_experts": lambda c, i: c.is_moe_layer(i) and c.n_shared_experts > 0,
+    "q_lora": lambda c, i: c.q_lora_rank > 0,
+    "no_q_lora": lambda c, i: c.q_lora_rank == 0,
+}
+"""Which decoder layers a rule applies to (SPEC §3 gives the MoE-layer rule per model)."""
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """A model family: its dimension table and its tensor table, in plan order."""
+
+    name: str
+    dims: Mapping[str, Dim]
+    rules: tuple[TensorRule, ...]
+
+    def size(self, dim: str, config: ModelConfig) -> int:
+        return self.dims[dim].size(config)
+
+    def layer_rules(self, config: ModelConfig, layer: int) -> tuple[int, ...]:
+        """Indices (into ``rules``) of the layer rules decoder layer ``layer`` has."""
+        return tuple(
+            i
+            for i, r in enumerate(self.rules)
+            if r.place == "layer" and LAYER_KINDS[r.when](config, layer)
+        )
+
+    def rules_at(self, place: Place) -> tuple[int, ...]:
+        return tuple(i for i, r in enumerate(self.rules) if r.place == place)
+
+
+def _S(module: str, *dims: str, tensor: str = "weight", split: Split = "tp") -> SourceSpec:
+    return SourceSpec(module=module, dims=tuple(dims), tensor=tensor, split=split)
+
+
+# --- shared rows ---------------------------------------------------------------------------
+
+_EMBED = TensorRule(
+    "model.embed_tokens", "vocab", (_S("model.embed_tokens", "V", "H"),), place="first"
+)
+_FINAL_NORM = TensorRule("model.norm", "replicated", (_S("model.norm", "H"),), place="last")
+_LM_HEAD = TensorRule(
+    "lm_head",
+    "vocab",
+    (_S("lm_head", "V", "H"),),
+    place="last",
+    tied_source="model.embed_tokens",
+)
+_INPUT_NORM = TensorRule("input_layernorm", "replicated", (_S("input_layernorm", "H"),))
+_POST_NORM = TensorRule(
+    "post_attention_layernorm", "replicated", (_S("post_attention_layernorm", "H"),)
+)
+_DENSE_MLP = (
+    TensorRule(
+        "mlp.gate_up_proj",
+        "column",
+        (_S("mlp.gate_proj", "I", "H"), _S("mlp.up_proj", "I", "H")),
+        when="dense_mlp",
+        linear=True,
+    ),
+    TensorRule(
+        "mlp.down_proj", "row", (_S("mlp.down_proj", "H", "I"),), when="dense_mlp", linear=True
+    ),
+)
+_ROUTER = TensorRule("mlp.gate", "replicated", (_S("mlp.gate", "E", "H"),), when="moe")
+_EXPERTS = TensorRule(
+    "mlp.experts",
+    "moe",
+    (
+        _S("mlp.experts.{e}.gate_proj", "MI", "H"),
+        _S("mlp.experts.{e}.up_proj", "MI", "H"),
+        _S("mlp.experts.{e}.down_proj", "H", "MI"),
+    ),
+    when="moe",
+    linear=True,
+)
+
+# --- Qwen3 (dense) and Qwen3-MoE ---------------------------------------------------------------
+
+_QWEN3_DIMS: Mapping[str, Dim] = {
+    "H": Dim("hidden_size", lambda c: c.hidden_size),
+    "Q": Dim("num_attention_heads", lambda c: c.num_attention_heads, lambda c: c.head_dim),
+    "KV": Dim("num_key_value_heads", lambda c: c.num_key_value_heads, lambda c: c.head_dim),
+    "D": Dim("head_dim", lambda c: c.head_dim),
+    "I": Dim("intermediate_size", lambda c: c.intermediate_size),
+    "MI": Dim("moe_intermediate_size", lambda c: c.moe_intermediate_size),
+    "E": Dim("num_experts", lambda c: c.num_experts),
+    "V": Dim("vocab_size", lambda c: c.vocab_size),
+}
+
+_QWEN3_ATTENTION = (
+    _INPUT_NORM,
+    TensorRule(
+        "self_attn.qkv_proj",
+        "column",
+        (
+            _S("self_attn.q_proj", "Q", "H"),
+            _S("self_attn.k_proj", "KV", "H", split="kv_heads"),
+            _S("self_attn.v_proj", "KV", "H", split="kv_heads"),
+        ),
+        linear=True,
+    ),
+    TensorRule("self_attn.q_norm", "replicated", (_S("self_attn.q_norm", "D"),)),
+    TensorRule("self_attn.k_norm", "replicated", (_S("self_attn.k_norm", "D"),)),
+    TensorRule("self_attn.o_proj", "row", (_S("self_attn.o_proj", "H", "Q"),), linear=True),
+    _POST_NORM,
+)
+
+QWEN3 = Architecture(
+    name="Qwen3ForCausalLM",
+    dims=_QWEN3_DIMS,
+    rules=(_EMBED, *_QWEN3_ATTENTION, *_DENSE_MLP, _FINAL_NORM, _LM_HEAD),
+)
+
+QWEN3_MOE = Architecture(
+    name="Qwen3MoeForCausalLM",
+    dims=_QWEN3_DIMS,
+    rules=(_EMBED, *_QWEN3_ATTENTION, *_DENSE_MLP, _ROUTER, _EXPERTS, _FINAL_NORM, _LM_HEAD),
+)
+
+# --- DeepSeek-V3 (MLA + shared experts), planning only --------------------------------------
+
+_DEEPSEEK_DIMS: Mapping[str, Dim] = {
+    "H": Dim("hidden_size", lambda c: c.hidden_size),
+    "QA": Dim("q_lora_rank", lambda c: c.q_lora_rank),
+    "KVA": Dim("kv_lora_rank + qk_rope_head_dim", lambda c: c.kv_lora_rank + c.qk_rope_head_dim),
+    "KVL": Dim("kv_lora_rank", lambda c: c.kv_lora_rank),
+    "QB": Dim(
+        "num_attention_heads",
+        lambda c: c.num_attention_heads,
+        lambda c: c.qk_nope_head_dim + c.qk_rope_head_dim,
+    ),
+    "KVB": Dim(
+        "num_attention_heads",
+        lambda c: c.num_attention_heads,
+        lambda c: c.qk_nope_head_dim + c.v_head_dim,
+    ),
+    "O": Dim("num_attention_heads", lambda c: c.num_attention_heads, lambda c: c.v_head_dim),
+    "I": Dim("intermediate_size", lambda c: c.intermediate_size),
+    "MI": Dim("moe_intermediate_size", lambda c: c.moe_intermediate_size),
+    "SI": Dim(
+        "moe_intermediate_size * n_shared_experts",
+        lambda c: c.moe_intermediate_size * c.n_shared_experts,
+    ),
+    "E": Dim("n_routed_experts", lambda c: c.num_experts),
+    "V": Dim("vocab_size", lambda c: c.vocab_size),
+}
+
+DEEPSEEK_V3 = Architecture(
+    name="DeepseekV3ForCausalLM",
+    dims=_DEEPSEEK_DIMS,
+    rules=(
+        _EMBED,
+        _INPUT_NORM,
+        # vLLM merges q_a_proj and kv_a_proj_with_mqa into one replicated GEMM.
+        TensorRule(
+            "self_attn.fused_qkv_a_proj",
+            "replicated",
+            (_S("self_attn.q_a_proj", "QA", "H"), _S("self_attn.kv_a_proj_with_mqa", "KVA", "H")),
+            when="q_lora",
+            linear=True,
+        ),
+        TensorRule(
+            "self_attn.q_a_layernorm",
+            "replicated",
+            (_S("self_attn.q_a_layernorm", "QA"),),
+            when="q_lora",
+        ),
+        TensorRule(
+            "self_attn.q_b_proj",
+            "column",
+            (_S("self_attn.q_b_proj", "QB", "QA"),),
+            when="q_lora",
+            linear=True,
+        ),
+        # Without q LoRA (V2-Lite style) vLLM has a plain column q_proj and a replicated
+        # kv_a_proj_with_mqa.
+        TensorRule(
+            "self_attn.q_proj",
+            "column",
+            (_S("self_attn.q_proj", "QB", "H"),),
+            when="no_q_lora",
+            linear=True,
+        ),
+        TensorRule(
+            "self_attn.kv_a_proj_with_mqa",
+            "replicated",
+            (_S("self_attn.kv_a_proj_with_mqa", "KVA", "H"),),
+            when="no_q_lora",
+            linear=True,
+        ),
+        TensorRule(
+            "self_attn.kv_a_layernorm", "replicated", (_S("self_attn.kv_a_layernorm", "KVL"),)
+        ),
+        # Kept dense in the model dtype: MLA absorbs it (see the module docstring).
+        TensorRule(
+            "self_attn.kv_b_proj",
+            "column",
+            (_S("self_attn.kv_b_proj", "KVB", "KVL"),),
+            linear=True,
+            mx=False,
+        ),
+        TensorRule("self_attn.o_proj", "row", (_S("self_attn.o_proj", "H", "O"),), linear=True),
+        _POST_NORM,
+        *_DENSE_MLP,
+        _ROUTER,
+        TensorRule(
+            "mlp.gate",
+            "replicated",
+            (_S("mlp.gate", "E", tensor="e_score_correction_bias"),),
+            when="moe",
+            float32=True,
+        ),
+        TensorRule(
+            "mlp.shared_experts.gate_up_proj",
+            "column",
+            (
+                _S("mlp.shared_experts.gate_proj", "SI", "H"),
+                _S("mlp.shared_experts.up_proj", "SI", "H"),
+            ),
+            when="shared_experts",
+            linear=True,
+        ),
+        TensorRule(
+            "mlp.shared_experts.down_proj",
+            "row",
+            (_S("mlp.shared_experts.down_proj", "H", "SI"),),
+            when="shared_experts",
+            linear=True,
+        ),
+        _EXPERTS,
+        _FINAL_NORM,
+        _LM_HEAD,
+    ),
+)
+
+ARCHITECTURES: Mapping[str, Architecture] = {a.name: a for a in (QWEN3, QWEN3_MOE, DEEPSEEK_V3)}
+"""Every architecture mxload can plan, by ``architectures[0]`` of config.json."""
+
+
+def architecture_for(config: ModelConfig) -> Architecture:
+    """The table of ``config.architecture``; UnsupportedError listing the known ones."""
+    arch = ARCHITECTURES.get(config.architecture)
+    if arch is None:
+        raise UnsupportedError(
+            f"{config.source}: unknown architecture {config.architecture!r}; supported: "
+            + ", ".join(ARCHITECTURES),
+            file=config.source,
+            key="architectures",
+        )
+    return arch
+
+
+def source_module(rule: TensorRule, source: SourceSpec, layer: int, expert: int = -1) -> str:
+    """Full checkpoint module name of ``source`` in layer ``layer`` (and expert)."""
+    module = source.module
+    if expert >= 0:
+        module = module.replace(EXPERT_PLACEHOLDER, str(expert))
+    if rule.place == "layer":
+        return f"{LAYER_PREFIX.format(i=layer)}.{module}"
+    return module
+
+
+def device_name(rule: TensorRule, layer: int) -> str:
+    """Full device module name of ``rule`` in layer ``layer``."""
+    if rule.place == "layer":
+        return f"{LAYER_PREFIX.format(i=layer)}.{rule.name}"
+    return rule.name

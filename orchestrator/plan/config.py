@@ -1,0 +1,333 @@
+"""Hugging Face ``config.json`` -> a validated :class:`ModelConfig`. Pure.
+
+SPEC §1.1 (block-FP8 quantization_config), §1.2 (already-MXFP8), §1.4 (ignored modules,
+model dtype), §3 (architectures). A bad config gets an error that names the key and the
+file; a valid config mxload does not implement gets an :class:`UnsupportedError`.
+
+The parser takes the already-decoded JSON object: reading the file is the caller's job
+(``mxload.orchestrator.runtime.catalog``), so the planner can run on a config alone with no I/O here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from mxload.orchestrator.errors import ConfigError, UnsupportedError
+from mxload.orchestrator.plan.formats import MODEL_DTYPES, TORCH_DTYPE_ALIASES
+
+QuantKind = Literal["block_fp8", "mxfp8", "none"]
+
+SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
+    "Qwen3ForCausalLM",
+    "Qwen3MoeForCausalLM",
+    "DeepseekV3ForCausalLM",
+)
+"""Architectures mxload can plan. See ``LOADABLE_ARCHITECTURES`` for those it can load."""
+
+LOADABLE_ARCHITECTURES: tuple[str, ...] = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+"""Architectures mxload can load from weights; DeepSeek-V3 is planning-only (SPEC §3)."""
+
+_MX_METHODS = ("mxfp8", "modelopt_mxfp8")
+
+
+@dataclass(frozen=True)
+class QuantConfig:
+    """How the checkpoint's linears are quantized."""
+
+    kind: QuantKind
+    """``block_fp8`` (E4M3 + F32 tile scales), ``mxfp8`` (E4M3 + E8M0 per 32), ``none`` (BF16 etc.)."""
+    block_n: int = 0
+    """Tile height B_N of ``weight_scale_inv`` (block_fp8 only)."""
+    block_k: int = 0
+    """Tile width B_K of ``weight_scale_inv`` (block_fp8 only)."""
+    not_converted: tuple[str, ...] = ()
+    """Module patterns kept unquantized (modules_to_not_convert / ignored_layers / exclude_modules)."""
+
+    def is_excluded(self, module: str) -> bool:
+        """SPEC §1.4: a pattern matches a module when equal to it, a dotted prefix of it,
+        or its last component. Patterns ending in ``*`` (ModelOpt style) match by prefix."""
+        last = module.rsplit(".", 1)[-1]
+        for pattern in self.not_converted:
+            if pattern.endswith("*"):
+                if module.startswith(pattern[:-1]):
+                    return True
+                continue
+            if module == pattern or module.startswith(pattern + ".") or last == pattern:
+                return True
+        return False
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The fields of config.json mxload plans with, validated."""
+
+    architecture: str
+    """``architectures[0]``; one of SUPPORTED_ARCHITECTURES."""
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    """Dense MLP width."""
+    vocab_size: int
+    tie_word_embeddings: bool
+    model_dtype: str
+    """``bf16`` | ``fp16`` | ``fp32``: what resolved tensors are stored as (SPEC §1.4)."""
+    quant: QuantConfig
+    num_experts: int = 0
+    """Routed experts per MoE layer; 0 for a dense model."""
+    moe_intermediate_size: int = 0
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+    # DeepSeek-V3 (MLA) fields; zero elsewhere.
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    first_k_dense_replace: int = 0
+    n_shared_experts: int = 0
+    moe_layer_freq: int = 1
+    source: str = field(default="config.json", compare=False)
+    """Where the config came from, for error messages."""
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    def is_moe_layer(self, i: int) -> bool:
+        """SPEC §3: which decoder layers have routed experts."""
+        if self.num_experts <= 0:
+            return False
+        if self.architecture == "DeepseekV3ForCausalLM":
+            return i >= self.first_k_dense_replace and i % max(self.moe_layer_freq, 1) == 0
+        return i not in self.mlp_only_layers and (i + 1) % self.decoder_sparse_step == 0
+
+    def summary(self) -> dict[str, Any]:
+        """The ``model`` object of plan and dump JSON."""
+        out: dict[str, Any] = {
+            "architecture": self.architecture,
+            "hidden_size": self.hidden_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "intermediate_size": self.intermediate_size,
+            "vocab_size": self.vocab_size,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "dtype": self.model_dtype,
+            "quantization": self.quant.kind,
+            "num_experts": self.num_experts,
+            "moe_intermediate_size": self.moe_intermediate_size,
+        }
+        if self.quant.kind == "block_fp8":
+            out["weight_block_size"] = [self.quant.block_n, self.quant.block_k]
+        return out
+
+
+def _int(cfg: Mapping[str, Any], key: str, source: str, *, default: int | None = None) -> int:
+    value = cfg.get(key, default)
+    if value is None:
+        raise ConfigError(f"{source}: missing key {key!r}", file=source, key=key)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(
+            f"{source}: key {key!r} must be an integer, got {value!r}", file=source, key=key
+        )
+    if value < 0:
+        raise ConfigError(f"{source}: key {key!r} must be >= 0, got {value}", file=source, key=key)
+    return value
+
+
+def _positive(cfg: Mapping[str, Any], key: str, source: str, **kw: Any) -> int:
+    value = _int(cfg, key, source, **kw)
+    if value <= 0:
+        raise ConfigError(f"{source}: key {key!r} must be > 0, got {value}", file=source, key=key)
+    return value
+
+
+def model_dtype_of(cfg: Mapping[str, Any], override: str | None = None) -> str:
+    """SPEC §1.4: torch_dtype when bf16/fp16/fp32, else bf16; ``--dtype`` overrides."""
+    if override is not None:
+        if override not in MODEL_DTYPES:
+            raise ConfigError(
+                f"--dtype: {override!r} is not one of {', '.join(MODEL_DTYPES)}", key="--dtype"
+            )
+        return override
+    raw = cfg.get("torch_dtype", cfg.get("dtype"))
+    if isinstance(raw, str):
+        return TORCH_DTYPE_ALIASES.get(raw.lower(), "bf16")
+    return "bf16"
+
+
+def parse_quant_config(cfg: Mapping[str, Any], source: str = "config.json") -> QuantConfig:
+    """SPEC §1.1 validation table and §1.2 MXFP8 recognition."""
+    qc = cfg.get("quantization_config")
+    if qc is None:
+        return QuantConfig(kind="none")
+    if not isinstance(qc, Mapping):
+        raise ConfigError(
+            f"{source}: key 'quantization_config' must be an object",
+            file=source,
+            key="quantization_config",
+        )
+    key = "quantization_config.quant_method"
+    method = qc.get("quant_method")
+    if not isinstance(method, str):
+        raise ConfigError(f"{source}: missing or non-string key {key!r}", file=source, key=key)
+    method_l = method.lower()
+    algo = str(qc.get("quant_algo", "")).upper()
+    excluded = _string_list(
+        qc, ("modules_to_not_convert", "ignored_layers", "exclude_modules"), source
+    )
+
+    if method_l in _MX_METHODS or (method_l == "modelopt" and algo == "MXFP8"):
+        return QuantConfig(kind="mxfp8", not_converted=excluded)
+    if "fp8" not in method_l:
+        detail = f" with quant_algo {algo!r}" if algo else ""
+        raise UnsupportedError(
+            f"{source}: unsupported quantization {method!r}{detail} at key {key!r}; "
+            "mxload reads block-wise FP8 ('fp8' with weight_block_size) and MXFP8 "
+            "('modelopt' + quant_algo MXFP8, 'mxfp8')",
+            file=source,
+            key=key,
+        )
+    fmt = qc.get("fmt", "e4m3")
+    if not isinstance(fmt, str) or fmt.lower() != "e4m3":
+        raise UnsupportedError(
+            f"{source}: key 'quantization_config.fmt' is {fmt!r}; only 'e4m3' weights are supported",
+            file=source,
+            key="quantization_config.fmt",
+        )
+    if "weight_block_size" not in qc or qc["weight_block_size"] is None:
+        raise UnsupportedError(
+            f"{source}: key 'quantization_config.weight_block_size' is missing: this is per-tensor "
+            "or per-channel FP8, and mxload converts block-wise FP8 only",
+            file=source,
+            key="quantization_config.weight_block_size",
+        )
+    block = qc["weight_block_size"]
+    if (
+        not isinstance(block, list | tuple)
+        or len(block) != 2
+        or any(isinstance(b, bool) or not isinstance(b, int) or b <= 0 for b in block)
+    ):
+        raise ConfigError(
+            f"{source}: key 'quantization_config.weight_block_size' must be two positive "
+            f"integers [B_N, B_K], got {block!r}",
+            file=source,
+            key="quantization_config.weight_block_size",
+        )
+    scheme = qc.get("activation_scheme")
+    if scheme != "dynamic":
+        raise UnsupportedError(
+            f"{source}: key 'quantization_config.activation_scheme' is {scheme!r}; only "
+            "'dynamic' activation scaling is supported (MXFP8 quantizes activations per group)",
+            file=source,
+            key="quantization_config.activation_scheme",
+        )
+    return QuantConfig(
+        kind="block_fp8", block_n=int(block[0]), block_k=int(block[1]), not_converted=excluded
+    )
+
+
+def _string_list(qc: Mapping[str, Any], keys: tuple[str, ...], source: str) -> tuple[str, ...]:
+    out: list[str] = []
+    for key in keys:
+        value = qc.get(key)
+        if value is None:
+            continue
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise ConfigError(
+                f"{source}: key 'quantization_config.{key}' must be a list of strings",
+                file=source,
+                key=f"quantization_config.{key}",
+            )
+        out.extend(value)
+    return tuple(out)
+
+
+def parse_config(
+    cfg: Mapping[str, Any], source: str = "config.json", *, dtype: str | None = None
+) -> ModelConfig:
+    """Validate a decoded config.json. ``dtype`` is the ``--dtype`` override."""
+    if not isinstance(cfg, Mapping):
+        raise ConfigError(f"{source}: not a JSON object", file=source)
+    archs = cfg.get("architectures")
+    if not isinstance(archs, list) or not archs or not isinstance(archs[0], str):
+        raise ConfigError(
+            f"{source}: key 'architectures' must be a non-empty list; supported: "
+            + ", ".join(SUPPORTED_ARCHITECTURES),
+            file=source,
+            key="architectures",
+        )
+    arch = archs[0]
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise UnsupportedError(
+            f"{source}: unknown architecture {arch!r} at key 'architectures'; supported: "
+            + ", ".join(SUPPORTED_ARCHITECTURES),
+            file=source,
+            key="architectures",
+        )
+    quant = parse_quant_config(cfg, source)
+    hidden = _positive(cfg, "hidden_size", source)
+    heads = _positive(cfg, "num_attention_heads", source)
+    kv_heads = _positive(cfg, "num_key_value_heads", source, default=heads)
+    head_dim_default = hidden // heads if hidden % heads == 0 else None
+    common: dict[str, Any] = dict(
+        architecture=arch,
+        hidden_size=hidden,
+        num_hidden_layers=_positive(cfg, "num_hidden_layers", source),
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        intermediate_size=_positive(cfg, "intermediate_size", source),
+        vocab_size=_positive(cfg, "vocab_size", source),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        model_dtype=model_dtype_of(cfg, dtype),
+        quant=quant,
+        source=source,
+    )
+    if arch == "DeepseekV3ForCausalLM":
+        return ModelConfig(
+            head_dim=_positive(cfg, "v_head_dim", source),
+            num_experts=_int(cfg, "n_routed_experts", source, default=0),
+            moe_intermediate_size=_int(cfg, "moe_intermediate_size", source, default=0),
+            q_lora_rank=_int(cfg, "q_lora_rank", source, default=0),
+            kv_lora_rank=_positive(cfg, "kv_lora_rank", source),
+            qk_nope_head_dim=_positive(cfg, "qk_nope_head_dim", source),
+            qk_rope_head_dim=_positive(cfg, "qk_rope_head_dim", source),
+            v_head_dim=_positive(cfg, "v_head_dim", source),
+            first_k_dense_replace=_int(cfg, "first_k_dense_replace", source, default=0),
+            n_shared_experts=_int(cfg, "n_shared_experts", source, default=0),
+            moe_layer_freq=_positive(cfg, "moe_layer_freq", source, default=1),
+            **common,
+        )
+    head_dim = _positive(cfg, "head_dim", source, default=head_dim_default)
+    num_experts = 0
+    moe_inter = 0
+    step = 1
+    mlp_only: tuple[int, ...] = ()
+    if arch == "Qwen3MoeForCausalLM":
+        num_experts = _int(cfg, "num_experts", source, default=0)
+        moe_inter = _positive(cfg, "moe_intermediate_size", source) if num_experts else 0
+        step = _positive(cfg, "decoder_sparse_step", source, default=1)
+        raw = cfg.get("mlp_only_layers", []) or []
+        if not isinstance(raw, list) or not all(
+            isinstance(v, int) and not isinstance(v, bool) for v in raw
+        ):
+            raise ConfigError(
+                f"{source}: key 'mlp_only_layers' must be a list of layer indices",
+                file=source,
+                key="mlp_only_layers",
+            )
+        mlp_only = tuple(sorted(set(raw)))
+    return ModelConfig(
+        head_dim=head_dim,
+        num_experts=num_experts,
+        moe_intermediate_size=moe_inter,
+        decoder_sparse_step=step,
+        mlp_only_layers=mlp_only,
+        **common,
+    )

@@ -1,0 +1,333 @@
+"""Engine profiles: how an inference engine holds each buffer, as data. Pure.
+
+A captured ACL/CUDA graph points at the *engine's* parameters, so a hot reload is only
+worth anything if mxload writes exactly those tensors, laid out exactly as the engine
+holds them after its own post-load step. An :class:`EngineProfile` says, for one engine
+version, everything that differs from mxload's own layout (the ``mxload`` profile, the
+default):
+
+* parameter names (``moe_infix``: vLLM main registers the routed experts of a FusedMoE
+  under ``mlp.experts.routed_experts.``);
+* for each buffer kind (:data:`BUFFER_KINDS`), the view the engine holds and the order of
+  its storage (:class:`BufferView`), which gives shape, stride and storage offset;
+* which layouts the engine cannot hold (an odd K-group count in MX MoE) and what the
+  planner must refuse because the engine would silently do something else
+  (``round_robin`` expert placement, weight-format casts that reallocate);
+* which modules stay in the model dtype (``mxload convert`` lists them in
+  ``exclude_modules`` so the engine does not quantize them);
+* which pipeline-placed tensors the engine builds on every stage.
+
+A new engine version is a new table in :data:`ENGINES`, never a new branch in the planner
+or the loader. Each table names the source lines it was read from.
+
+Buffer kinds and their canonical (mxload) dimension order, which the planner's units use:
+
+==================  ==========================  ===============================
+kind                canonical shape             what
+==================  ==========================  ===============================
+``mx_linear``       ``[K, N]``                  MX linear weight
+``mx_linear_scale`` ``[ceil(g/2), N, 2]``       its paired E8M0 scales
+``mx_moe``          ``[E, K, N]``               MX fused-MoE weight (w13 / w2)
+``mx_moe_scale``    ``[E, ceil(g/2), N, 2]``    its paired scales
+``dense_moe``       ``[E, N, K]``               fallback fused-MoE weight
+==================  ==========================  ===============================
+
+Everything else (dense linears ``[N, K]``, norms, embeddings, the router) is plain
+row-major in every profile read so far.
+
+Limits: profiles describe ND (plain strided) tensors only. A weight-format cast that
+reallocates (Ascend FRACTAL_NZ via ``npu_format_cast``) cannot be described as a view and
+is refused instead (``refuse_env``). Expert placement is judged per profile, not per
+engine backend: where the engine's effective placement depends on something mxload
+cannot see (its all2all backend), the profile refuses rather than guess.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from mxload.orchestrator.errors import LayoutError, UsageError
+
+BUFFER_KINDS = ("mx_linear", "mx_linear_scale", "mx_moe", "mx_moe_scale", "dense_moe")
+"""Buffer kinds a profile may lay out differently (canonical shapes in the module doc)."""
+
+
+@dataclass(frozen=True)
+class BufferView:
+    """How an engine holds one buffer kind, relative to mxload's canonical dimensions.
+
+    ``view[i]`` is the canonical dimension that the engine's dimension ``i`` is (the engine
+    tensor is ``canonical.permute(view)``); ``storage`` lists the engine's dimensions from
+    the outermost in memory to the innermost (row-major storage of the view is
+    ``tuple(range(ndim))``). The stride follows from the two and the shape."""
+
+    view: tuple[int, ...]
+    storage: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        n = len(self.view)
+        if sorted(self.view) != list(range(n)) or sorted(self.storage) != list(range(n)):
+            raise ValueError(f"BufferView {self}: view and storage must be permutations")
+
+
+@dataclass(frozen=True)
+class SourceRef:
+    """Where a fact of a profile was read: file and lines of the engine's source."""
+
+    what: str
+    where: str
+
+
+@dataclass(frozen=True)
+class EngineProfile:
+    """Everything one engine version does differently from mxload's layout."""
+
+    name: str
+    description: str
+    moe_infix: str = ""
+    """Inserted after the MoE rule's module name: ``mlp.experts`` + infix + ``.w13_weight``."""
+    views: Mapping[str, BufferView] = field(default_factory=dict)
+    """Per buffer kind (BUFFER_KINDS); a kind not listed is held row-major, canonical."""
+    moe_odd_groups: str = ""
+    """Non-empty: the engine cannot hold an MX MoE buffer with an odd K-group count (K/32);
+    the text says why. mxload pads such a group (the kernel's ceil(K/64) contract) and
+    plans it under profiles that can hold it."""
+    round_robin: str = ""
+    """Non-empty: ``--expert-placement round_robin`` is refused, with this reason."""
+    every_stage: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    """Per architecture: module names of stage-0 / last-stage rows that the engine builds
+    (and loads) on every pipeline stage."""
+    model_dtype_modules: tuple[str, ...] = ("lm_head",)
+    """Module patterns (ModelOpt ``exclude_modules`` wildcards) the engine must keep in the
+    model dtype because mxload holds them so: without them in ``exclude_modules`` the engine
+    quantizes ``lm_head`` (a ModelOpt config quantizes ParallelLMHead unless excluded)."""
+    refuse_env: Mapping[str, str] = field(default_factory=dict)
+    """Environment variable -> reason: the engine worker must run with it set to ``0``
+    (checked by the worker extension, which sees the engine's environment)."""
+    sources: tuple[SourceRef, ...] = ()
+
+    def view_of(self, kind: str) -> BufferView | None:
+        return self.views.get(kind)
+
+
+def _identity(n: int) -> BufferView:
+    return BufferView(tuple(range(n)), tuple(range(n)))
+
+
+# --- the tables ------------------------------------------------------------------------------
+
+MXLOAD = EngineProfile(
+    name="mxload",
+    description="mxload's own layout: every buffer row-major in the kernel layout",
+)
+
+# vllm-ascend's MXFP8 fused-MoE post-load does not copy: it re-views the [E, N, K]
+# parameters that the weight loaders filled (w8a8_mxfp8.py, process_weights_after_loading):
+# weight [E, N, K] -> transpose(1, 2) = [E, K, N] with stride [N*K, 1, K]; scale
+# [E, N, g] -> reshape [E, N, g/2, 2] -> transpose(1, 2) = [E, g/2, N, 2] with stride
+# [N*g, 2, g, 1]. The views are what its kernels (and graphs) read.
+_ASCEND_MX_MOE = BufferView(view=(0, 1, 2), storage=(0, 2, 1))
+_ASCEND_MX_MOE_SCALE = BufferView(view=(0, 1, 2, 3), storage=(0, 2, 1, 3))
+# The unquantized fused MoE makes new contiguous parameters in post-load:
+# w13 [E, 2I, H] -> [E, H, 2I], w2 [E, H, I] -> [E, I, H] (transpose(1, 2).contiguous()).
+_ASCEND_DENSE_MOE = BufferView(view=(0, 2, 1), storage=(0, 1, 2))
+
+_ASCEND_ODD_GROUPS = (
+    "vllm-ascend's MXFP8 MoE post-load reshapes the scales to [E, N, g//2, 2], which "
+    "raises for an odd group count g = K/32 (and it allocates MoE scales with K//32, "
+    "dropping a partial group); mxload would pad the last pair as the kernel's ceil(K/64) "
+    "contract asks, but the engine has no such buffer to write"
+)
+_ASCEND_ROUND_ROBIN = (
+    "vLLM honours round_robin expert placement only for models with expert groups "
+    "(num_expert_group > 1; Qwen3-MoE has none) and no redundant experts, and with "
+    "dp > 1 only on the DeepEP low-latency or NIXL all2all backend; otherwise it falls back "
+    "to linear placement, and mxload cannot see the engine's backend. Writing round_robin "
+    "experts into the engine's buffers would put the wrong experts there; use "
+    "--expert-placement linear (what the engine does)"
+)
+_ASCEND_NZ = (
+    "with VLLM_ASCEND_ENABLE_NZ (weight_nz_mode) on, vllm-ascend may cast weights to "
+    "FRACTAL_NZ with npu_format_cast, which reallocates (addresses move; a view cannot "
+    "describe it), and its own start_weight_update refuses to run; start the engine with "
+    "VLLM_ASCEND_ENABLE_NZ=0 or additional_config.rl_config.enabled=true"
+)
+# vLLM's Qwen3-MoE builds embed_tokens, the final norm and lm_head unconditionally, so
+# every pipeline stage holds (and loads) them.
+_QWEN3_MOE_EVERY_STAGE = {"Qwen3MoeForCausalLM": ("model.embed_tokens", "model.norm", "lm_head")}
+
+VLLM_ASCEND_0_23 = EngineProfile(
+    name="vllm-ascend-0.23",
+    description="vllm-ascend 0.23.0.post1 on vLLM 0.23.0: W8A8_MXFP8 post-load parameters",
+    views={
+        "mx_moe": _ASCEND_MX_MOE,
+        "mx_moe_scale": _ASCEND_MX_MOE_SCALE,
+        "dense_moe": _ASCEND_DENSE_MOE,
+    },
+    moe_odd_groups=_ASCEND_ODD_GROUPS,
+    round_robin=_ASCEND_ROUND_ROBIN,
+    every_stage=_QWEN3_MOE_EVERY_STAGE,
+    refuse_env={"VLLM_ASCEND_ENABLE_NZ": _ASCEND_NZ},
+    sources=(
+        SourceRef(
+            "pinned vLLM", "vllm-ascend 0.23.0.post1 docs/source/conf.py:78,86 (vLLM 0.23.0)"
+        ),
+        SourceRef(
+            "MoE names mlp.experts.w13_weight (AscendFusedMoE of fused_moe_0_23_0)",
+            "vllm_ascend/utils.py:763-766, vllm_ascend/ops/fused_moe/fused_moe.py:291",
+        ),
+        SourceRef(
+            "MX linear: contiguous [K, N] and [ceil(g/2), N, 2] (odd g padded), persistent",
+            "vllm_ascend/quantization/methods/w8a8_mxfp8.py:59-67, 109-162",
+        ),
+        SourceRef(
+            "MX MoE: [E, N, K] / [E, N, K//32] created, post-load transposed views",
+            "vllm_ascend/quantization/methods/w8a8_mxfp8.py:232-255, 356-395 (reshape/transpose 386-392)",
+        ),
+        SourceRef(
+            "fallback MoE: [E, H, 2I] and [E, I, H] contiguous, new parameters",
+            "vllm_ascend/ops/fused_moe/fused_moe.py:112-119",
+        ),
+        SourceRef(
+            "NZ: weight_nz_mode from VLLM_ASCEND_ENABLE_NZ (default 1); updates refuse it",
+            "vllm_ascend/envs.py:92, ascend_config.py:249-253, worker/worker.py:295-312",
+        ),
+        SourceRef(
+            "round_robin falls back to linear without expert groups / DeepEP-LL",
+            "vllm 0.23.0 model_executor/layers/fused_moe/expert_map_manager.py:116-147",
+        ),
+        SourceRef(
+            "Qwen3-MoE: embed_tokens, norm, lm_head built on every PP stage",
+            "vllm 0.23.0 model_executor/models/qwen3_moe.py:459,470,692",
+        ),
+        SourceRef(
+            "ModelOpt config quantizes ParallelLMHead unless excluded",
+            "vllm 0.23.0 model_executor/layers/quantization/modelopt.py:139-203",
+        ),
+    ),
+)
+
+VLLM_ASCEND_MAIN = EngineProfile(
+    name="vllm-ascend-main",
+    description=(
+        "vllm-ascend main (read at 182b75ea, 2026-08-22) on vLLM main / 0.33: routed experts "
+        "under mlp.experts.routed_experts."
+    ),
+    moe_infix=".routed_experts",
+    views=VLLM_ASCEND_0_23.views,
+    moe_odd_groups=_ASCEND_ODD_GROUPS,
+    round_robin=_ASCEND_ROUND_ROBIN,
+    every_stage=_QWEN3_MOE_EVERY_STAGE,
+    refuse_env={"VLLM_ASCEND_ENABLE_NZ": _ASCEND_NZ},
+    sources=(
+        SourceRef(
+            "MoE names mlp.experts.routed_experts.w13_weight (MoERunner -> routed_experts)",
+            "vllm 0.33.0 model_executor/layers/fused_moe/layer.py:415-470,480; "
+            "vllm-ascend main vllm_ascend/ops/fused_moe/fused_moe.py:39-71, xlite/xlite.py:370",
+        ),
+        SourceRef(
+            "MX linear and MX MoE post-load: as 0.23 (transposed MoE views)",
+            "vllm-ascend main vllm_ascend/quantization/methods/w8a8_mxfp8.py:68-77, 122-175, "
+            "244-267, 319-358",
+        ),
+        SourceRef(
+            "fallback MoE: [E, H, 2I] and [E, I, H] contiguous, new parameters",
+            "vllm-ascend main vllm_ascend/ops/fused_moe/routed_experts.py:75-83",
+        ),
+        SourceRef(
+            "NZ: VLLM_ASCEND_ENABLE_NZ default 1; rl_config.enabled forces 0; updates refuse NZ",
+            "vllm-ascend main vllm_ascend/envs.py:80, ascend_config.py:240-244, 583-588, "
+            "worker/worker.py:288-306",
+        ),
+        SourceRef(
+            "round_robin falls back to linear without expert groups / DeepEP-LL",
+            "vllm 0.33.0 model_executor/layers/fused_moe/expert_map_manager.py:116-147, 411-432",
+        ),
+        SourceRef(
+            "Qwen3-MoE: embed_tokens, norm, lm_head built on every PP stage",
+            "vllm 0.33.0 model_executor/models/qwen3_moe.py:468-479,580-585",
+        ),
+        SourceRef(
+            "ModelOpt config quantizes ParallelLMHead unless excluded",
+            "vllm 0.33.0 model_executor/layers/quantization/modelopt.py:191-254",
+        ),
+    ),
+)
+
+ENGINES: Mapping[str, EngineProfile] = {
+    p.name: p for p in (MXLOAD, VLLM_ASCEND_0_23, VLLM_ASCEND_MAIN)
+}
+"""Every engine profile, by ``--engine`` name."""
+
+DEFAULT_ENGINE = MXLOAD.name
+
+
+def engine_profile(name: str | EngineProfile) -> EngineProfile:
+    """The profile called ``name``; UsageError naming ``--engine`` and the known ones."""
+    if isinstance(name, EngineProfile):
+        return name
+    found = ENGINES.get(name)
+    if found is None:
+        raise UsageError(
+            f"--engine {name!r} is not a known engine; known: {', '.join(ENGINES)}",
+            key="--engine",
+        )
+    return found
+
+
+# --- what the planner asks -----------------------------------------------------------------------
+
+
+def contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """Row-major strides (elements) of ``shape``."""
+    stride = [1] * len(shape)
+    for i in range(len(shape) - 2, -1, -1):
+        stride[i] = stride[i + 1] * max(shape[i + 1], 1)
+    return tuple(stride)
+
+
+@dataclass(frozen=True)
+class HeldAs:
+    """One buffer as the engine holds it: the view's shape, the storage order, and how the
+    view maps back to mxload's canonical dimensions."""
+
+    shape: tuple[int, ...]
+    storage_order: tuple[int, ...]
+    """Engine dims from the outermost in memory; () means row-major."""
+    canonical_of_view: tuple[int, ...]
+    """``canonical_of_view[i]`` = canonical dim of engine dim ``i``; () means identity."""
+
+
+def held_as(profile: EngineProfile, kind: str, canonical: tuple[int, ...]) -> HeldAs:
+    """The engine's view of a buffer of ``kind`` whose canonical shape is ``canonical``."""
+    bv = profile.view_of(kind)
+    if bv is None or bv == _identity(len(canonical)):
+        return HeldAs(canonical, (), ())
+    if len(bv.view) != len(canonical):
+        raise ValueError(f"profile {profile.name}: {kind} view {bv} for shape {canonical}")
+    shape = tuple(canonical[d] for d in bv.view)
+    storage = () if bv.storage == tuple(range(len(shape))) else bv.storage
+    view = () if bv.view == tuple(range(len(shape))) else bv.view
+    return HeldAs(shape, storage, view)
+
+
+def check_expert_placement(profile: EngineProfile, placement: str, uses_ep: bool) -> None:
+    """Refuse an expert placement the engine would not honour (LayoutError with the reason)."""
+    if uses_ep and placement == "round_robin" and profile.round_robin:
+        raise LayoutError(
+            f"--expert-placement round_robin with --engine {profile.name}: " + profile.round_robin,
+            key="--expert-placement",
+        )
+
+
+def check_moe_groups(profile: EngineProfile, buffer: str, k: int, group: int) -> None:
+    """Refuse an MX MoE buffer with an odd group count where the engine cannot hold one."""
+    if profile.moe_odd_groups and (k // group) % 2:
+        raise LayoutError(
+            f"--engine {profile.name} cannot hold {buffer}: its K = {k} gives {k // group} "
+            f"MX groups (odd); " + profile.moe_odd_groups + "; change the layout (tp, EP) so "
+            "the local K/32 is even, or use --engine mxload",
+            key="--engine",
+            tensor=buffer,
+        )

@@ -1,0 +1,956 @@
+"""The planner: per rank, the persistent buffers, the units that fill them, the reads. Pure.
+
+From a :class:`ModelConfig` (and, when there are weights, the checkpoint's headers) and a
+:class:`ParallelLayout`, it says for every rank (SPEC §3, §5, §6):
+
+* which buffers it holds (names of SPEC §3, shapes and dtypes of SPEC §2.3), exactly, so
+  ``persistent_bytes`` is their sum and not an estimate;
+* which units it converts, each with its parts' rectangles in the source tensors;
+* with a checkpoint, the byte ranges of each unit (``mxload.orchestrator.plan.readplan``);
+* its staging (``mxload.orchestrator.plan.memory``) and whether it fits a device.
+
+How a tensor is sharded comes from the architecture table (``mxload.orchestrator.plan.arch``); how a
+layout maps ranks to shards from ``mxload.orchestrator.plan.layout``. The planner only composes them.
+
+Which buffers are MXFP8 (SPEC §2.2/§2.3):
+
+* with a checkpoint, a part is quantized iff its weight is ``F8_E4M3`` (with its scale);
+  without one, iff the config declares a quantization, the table says the tensor is a
+  linear, and the config does not exclude the module;
+* a quantized (merged) linear whose local K is a multiple of 32, and whose table row
+  allows MX, is held ``mx_linear``; else resolved in the model dtype, ``dense``;
+* a MoE layer is ``mx_moe`` when its experts are quantized and both H and I_local are
+  multiples of 32; else the whole layer is ``dense`` (SPEC §2.2);
+* everything else keeps its checkpoint dtype (the model dtype from a config alone; the
+  table may say float32 instead).
+
+Speed: ranks that share a shard share the objects that describe it. A block (one table
+row in one layer for one shard) is built once and cached by ``(row, layer, shard key)``,
+where the shard key is what the row depends on: the tp rank for column/row/vocab styles,
+the MoE rank for experts, nothing for replicated rows. A 256-rank DeepSeek-V3 plan builds
+a few thousand blocks, not 256 copies of every layer. The memory model is run once per
+distinct unit geometry (and once per distinct sequence of them, for a rank's staging),
+and the cyclic garbage collector is paused while the (acyclic) plan objects are built.
+
+Limits: a plan without expert parallel on a very large MoE world still builds every
+rank's unit list (one unit per expert half per layer per rank; tens of millions for
+DeepSeek-V3 on 256 ranks without EP), which is slow; layouts that real deployments use
+(EP for large expert counts) stay fast.
+"""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from mxload.orchestrator.errors import (
+    CheckpointError,
+    MissingTensor,
+    MixedQuantization,
+    StagingBudgetError,
+)
+from mxload.orchestrator.plan.arch import (
+    EXPERT_PLACEHOLDER,
+    SCALE_SUFFIX,
+    W2_BUFFER,
+    W13_BUFFER,
+    Architecture,
+    TensorRule,
+    architecture_for,
+    device_name,
+    source_module,
+)
+from mxload.orchestrator.plan.checkpoint import CheckpointMeta
+from mxload.orchestrator.plan.config import ModelConfig
+from mxload.orchestrator.plan.engines import (
+    DEFAULT_ENGINE,
+    EngineProfile,
+    check_expert_placement,
+    check_moe_groups,
+    engine_profile,
+    held_as,
+)
+from mxload.orchestrator.plan.formats import (
+    LAYOUT_DENSE,
+    LAYOUT_MX_LINEAR,
+    LAYOUT_MX_MOE,
+    MODEL_DTYPES,
+    MX_GROUP,
+    MX_PAIR,
+    PLAN_FORMAT,
+    QUANT_WEIGHT_DTYPE,
+    SAFETENSORS_ITEMSIZE,
+    SAFETENSORS_TO_BUFFER,
+    ceil_div,
+)
+from mxload.orchestrator.plan.layout import (
+    ep_rank_of,
+    ep_size,
+    even_split,
+    experts_for_rank,
+    kv_head_rows,
+    padded_vocab,
+    pipeline_layers,
+    rank_coords,
+    uses_expert_parallel,
+    validate_layout,
+)
+from mxload.orchestrator.plan.ranges import LOCAL_POLICY, REMOTE_POLICY
+from mxload.orchestrator.plan.readplan import needed_bytes, predicted_read_bytes, unit_reads
+from mxload.orchestrator.plan.types import (
+    BufferSpec,
+    ParallelLayout,
+    Part,
+    Plan,
+    RankPlan,
+    StagingEstimate,
+    Unit,
+    UnitKind,
+    UnitReads,
+)
+
+FP8_BUFFER = SAFETENSORS_TO_BUFFER[QUANT_WEIGHT_DTYPE]
+SCALE_BUFFER = "uint8"
+
+COPY_UNIT_FALLBACK_BYTES = 64 << 20
+"""Row-block size of vocab-parallel buffers in a model with no linear units at all."""
+
+
+@dataclass(frozen=True)
+class _Facts:
+    """What one table row's sources are in one layer (the same on every rank)."""
+
+    quantized: bool
+    """Source weights are F8_E4M3 with scales."""
+    dtype: str
+    """safetensors dtype of the sources when not quantized (what a copy keeps)."""
+
+
+@dataclass(frozen=True)
+class _Block:
+    """One table row in one layer for one shard: its buffers and units."""
+
+    buffers: tuple[BufferSpec, ...]
+    units: tuple[Unit, ...]
+    needed: tuple[int, ...]
+    """Config-only needed bytes per unit (empty when planning from a checkpoint)."""
+
+
+@dataclass(frozen=True)
+class RankCoords:
+    """Where a rank sits in the layout, and what that gives it."""
+
+    rank: int
+    dp_rank: int
+    pp_rank: int
+    tp_rank: int
+    ep_rank: int
+    """dp_rank*tp + tp_rank with expert parallel on a MoE model, else 0 (vLLM)."""
+    moe_rank: int
+    """Position in the dp*tp MoE group: whose expert slice (no EP) or which experts (EP)."""
+    layers: tuple[int, ...]
+    experts: tuple[int, ...]
+
+
+def _held(
+    engine: EngineProfile, kind: str, name: str, canonical: tuple[int, ...], dtype: str, layout: str
+) -> BufferSpec:
+    """A buffer of ``kind`` as ``engine`` holds it (view shape, storage order)."""
+    h = held_as(engine, kind, canonical)
+    return BufferSpec(name, h.shape, dtype, layout, h.storage_order, h.canonical_of_view)
+
+
+def _mx_linear_buffers(engine: EngineProfile, name: str, n: int, k: int) -> tuple[BufferSpec, ...]:
+    # SPEC §2.3: weight [K, N] fp8; scale [ceil(g/2), N, 2] u8 with g = K/32.
+    g = k // MX_GROUP
+    return (
+        _held(engine, "mx_linear", name, (k, n), FP8_BUFFER, LAYOUT_MX_LINEAR),
+        _held(
+            engine,
+            "mx_linear_scale",
+            name + SCALE_SUFFIX,
+            (ceil_div(g, MX_PAIR), n, MX_PAIR),
+            SCALE_BUFFER,
+            LAYOUT_MX_LINEAR,
+        ),
+    )
+
+
+class _Planner:
+    """Builds rank plans for one (config, layout, checkpoint), sharing blocks across ranks."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        layout: ParallelLayout,
+        checkpoint: CheckpointMeta | None,
+        engine: str | EngineProfile = DEFAULT_ENGINE,
+    ) -> None:
+        validate_layout(config, layout)
+        self.config = config
+        self.layout = layout
+        self.checkpoint = checkpoint
+        self.engine = engine_profile(engine)
+        self.arch: Architecture = architecture_for(config)
+        self.size = {name: dim.size(config) for name, dim in self.arch.dims.items()}
+        self.ep = uses_expert_parallel(config, layout)
+        self.model_st = MODEL_DTYPES[config.model_dtype]
+        self.model_buffer_dtype = SAFETENSORS_TO_BUFFER[self.model_st]
+        self.layer_rules = [
+            self.arch.layer_rules(config, i) for i in range(config.num_hidden_layers)
+        ]
+        self.first_rules = self.arch.rules_at("first")
+        self.last_rules = self.arch.rules_at("last")
+        # Rows the engine builds (and loads) on every pipeline stage, not only on the
+        # first or last one (vLLM's Qwen3-MoE: embed_tokens, norm, lm_head).
+        every = set(self.engine.every_stage.get(self.arch.name, ()))
+        self.every_stage = {i for i, r in enumerate(self.arch.rules) if r.name in every}
+        check_expert_placement(self.engine, layout.expert_placement, self.ep)
+        self._facts: dict[tuple[int, int], _Facts] = {}
+        self._blocks: dict[tuple[int, int, int], _Block] = {}
+        self._moe_buffers: dict[tuple[int, int, int], tuple[BufferSpec, ...]] = {}
+        self._copy_cap: int | None = None
+
+    # --- coordinates ---------------------------------------------------------------------
+
+    def coords(self, rank: int) -> RankCoords:
+        layout, config = self.layout, self.config
+        dp_rank, pp_rank, tp_rank = rank_coords(layout, rank)
+        moe_rank = ep_rank_of(layout, dp_rank, tp_rank)
+        if not config.is_moe:
+            experts: tuple[int, ...] = ()
+        elif self.ep:
+            experts = experts_for_rank(
+                config.num_experts, ep_size(layout), moe_rank, layout.expert_placement
+            )
+        else:
+            experts = tuple(range(config.num_experts))
+        return RankCoords(
+            rank=rank,
+            dp_rank=dp_rank,
+            pp_rank=pp_rank,
+            tp_rank=tp_rank,
+            ep_rank=moe_rank if self.ep else 0,
+            moe_rank=moe_rank,
+            layers=pipeline_layers(config.num_hidden_layers, layout.pp, pp_rank),
+            experts=experts,
+        )
+
+    def blocks(self, c: RankCoords) -> list[_Block]:
+        """The rank's blocks in plan order: stage-0 rows, each layer's rows, last-stage rows."""
+        out: list[_Block] = []
+        first, last = c.pp_rank == 0, c.pp_rank == self.layout.pp - 1
+        out.extend(
+            self._block(i, -1, c) for i in self.first_rules if first or i in self.every_stage
+        )
+        for layer in c.layers:
+            out.extend(self._block(i, layer, c) for i in self.layer_rules[layer])
+        out.extend(self._block(i, -1, c) for i in self.last_rules if last or i in self.every_stage)
+        return out
+
+    def _block(self, idx: int, layer: int, c: RankCoords) -> _Block:
+        rule = self.arch.rules[idx]
+        if rule.style == "moe":
+            shard = c.moe_rank
+        elif rule.style == "replicated":
+            shard = 0
+        else:
+            shard = c.tp_rank
+        key = (idx, layer, shard)
+        block = self._blocks.get(key)
+        if block is None:
+            if rule.style == "moe":
+                block = self._moe_block(idx, layer, c)
+            elif rule.style == "vocab":
+                block = self._vocab_block(idx, c.tp_rank)
+            else:
+                block = self._dense_block(idx, layer, c.tp_rank)
+            self._blocks[key] = block
+        return block
+
+    # --- what the sources are ---------------------------------------------------------------
+
+    def _source_modules(self, rule: TensorRule, layer: int) -> list[list[str]]:
+        """Per source of ``rule``: the checkpoint modules it reads (every expert for MoE)."""
+        if rule.tied_source and self.config.tie_word_embeddings:
+            return [[rule.tied_source]]
+        experts = range(self.config.num_experts) if rule.style == "moe" else (-1,)
+        return [[source_module(rule, src, layer, e) for e in experts] for src in rule.sources]
+
+    def facts(self, idx: int, layer: int) -> _Facts:
+        key = (idx, layer)
+        found = self._facts.get(key)
+        if found is None:
+            found = self._compute_facts(self.arch.rules[idx], layer)
+            self._facts[key] = found
+        return found
+
+    def _compute_facts(self, rule: TensorRule, layer: int) -> _Facts:
+        modules = self._source_modules(rule, layer)
+        specs = rule.sources[:1] if len(modules) == 1 and rule.tied_source else rule.sources
+        quantized: dict[bool, list[str]] = {True: [], False: []}
+        dtypes: dict[str, str] = {}
+        ckpt = self.checkpoint
+        for src, names in zip(specs, modules, strict=True):
+            shape = tuple(self.size[d] for d in src.dims)
+            for module in names:
+                tensor = f"{module}.{src.tensor}"
+                if ckpt is None:
+                    q = (
+                        rule.linear
+                        and self.config.quant.kind != "none"
+                        and not self.config.quant.is_excluded(module)
+                    )
+                    quantized[q].append(module)
+                    continue
+                info = ckpt.tensors.get(tensor)
+                if info is None:
+                    raise MissingTensor(
+                        f"{ckpt.root}: tensor {tensor!r} is not in the checkpoint, but "
+                        f"{self.config.architecture} needs it for {device_name(rule, layer)}",
+                        tensor=tensor,
+                        file=ckpt.root,
+                    )
+                if tuple(info.shape) != shape:
+                    raise CheckpointError(
+                        f"{info.file}: tensor {tensor!r} has shape {list(info.shape)}, but "
+                        f"{self.config.source} gives {list(shape)} "
+                        f"({', '.join(self.arch.dims[d].key for d in src.dims)})",
+                        tensor=tensor,
+                        file=info.file,
+                    )
+                q = info.dtype == QUANT_WEIGHT_DTYPE
+                if q and not rule.linear:
+                    raise CheckpointError(
+                        f"{info.file}: tensor {tensor!r} is {QUANT_WEIGHT_DTYPE}; mxload expects "
+                        f"{device_name(rule, layer)} unquantized (it is not a linear)",
+                        tensor=tensor,
+                        file=info.file,
+                    )
+                quantized[q].append(tensor)
+                if not q:
+                    dtypes.setdefault(info.dtype, tensor)
+        if quantized[True] and quantized[False]:
+            q_names, plain = quantized[True], quantized[False]
+            raise MixedQuantization(
+                f"parts of {device_name(rule, layer)} disagree on being quantized: "
+                f"{_few(q_names)} quantized, {_few(plain)} not (SPEC §1.4)",
+                tensor=plain[0],
+            )
+        if len(dtypes) > 1:
+            listed = ", ".join(f"{t} is {d}" for d, t in dtypes.items())
+            raise CheckpointError(
+                f"parts of {device_name(rule, layer)} disagree on dtype: {listed}",
+                tensor=next(iter(dtypes.values())),
+            )
+        if dtypes:
+            dtype = next(iter(dtypes))
+            if dtype not in SAFETENSORS_TO_BUFFER:
+                tensor = dtypes[dtype]
+                raise CheckpointError(
+                    f"tensor {tensor!r} is {dtype}; mxload holds tensors as "
+                    + ", ".join(SAFETENSORS_TO_BUFFER),
+                    tensor=tensor,
+                )
+        else:
+            dtype = "F32" if rule.float32 else self.model_st
+        return _Facts(quantized=bool(quantized[True]), dtype=dtype)
+
+    def _needed(self, units: Sequence[Unit], facts: _Facts) -> tuple[int, ...]:
+        if self.checkpoint is not None:
+            return ()
+        return tuple(needed_bytes(u, self.config, source_dtype=facts.dtype) for u in units)
+
+    # --- blocks --------------------------------------------------------------------------------
+
+    def _dense_block(self, idx: int, layer: int, tp_rank: int) -> _Block:
+        """A column, row or replicated row: one unit, one (or two, MX) buffers."""
+        rule = self.arch.rules[idx]
+        facts = self.facts(idx, layer)
+        tp = self.layout.tp
+        tied = bool(rule.tied_source and self.config.tie_word_embeddings)
+        parts: list[Part] = []
+        n_local = 0
+        k_local = 0
+        one_d = False
+        for src in rule.sources:
+            shape = tuple(self.size[d] for d in src.dims)
+            one_d = len(shape) == 1
+            n, k = (1, shape[0]) if one_d else shape
+            rows, cols = (0, n), (0, k)
+            if rule.style == "column":
+                dim = self.arch.dims[src.dims[0]]
+                count, per = dim.count(self.config), dim.per_unit(self.config)
+                if src.split == "kv_heads":
+                    rows = kv_head_rows(count, per, tp, tp_rank)
+                else:
+                    rows = even_split(count, per, tp, tp_rank)
+            elif rule.style == "row":
+                dim = self.arch.dims[src.dims[1]]
+                cols = even_split(dim.count(self.config), dim.per_unit(self.config), tp, tp_rank)
+            module = rule.tied_source if tied else source_module(rule, src, layer)
+            tensor = "" if src.tensor == "weight" else f"{module}.{src.tensor}"
+            parts.append(Part(module, rows, cols, n_local, tensor, shape))
+            n_local += rows[1] - rows[0]
+            k_local = cols[1] - cols[0]
+        name = f"{device_name(rule, layer)}.{rule.sources[0].tensor}"
+        kind: UnitKind = "linear" if rule.linear else "copy"
+        if facts.quantized and rule.mx and k_local % MX_GROUP == 0:
+            layout = LAYOUT_MX_LINEAR
+            buffers = _mx_linear_buffers(self.engine, name, n_local, k_local)
+        else:
+            layout = LAYOUT_DENSE
+            dtype = (
+                self.model_buffer_dtype if facts.quantized else SAFETENSORS_TO_BUFFER[facts.dtype]
+            )
+            shape_l = (k_local,) if one_d else (n_local, k_local)
+            buffers = (BufferSpec(name, shape_l, dtype, layout),)
+        unit = Unit(
+            buffer=name,
+            kind=kind,
+            layout=layout,
+            rows=n_local,
+            cols=k_local,
+            parts=tuple(parts),
+            quantized=facts.quantized,
+        )
+        return _Block(buffers, (unit,), self._needed((unit,), facts))
+
+    def copy_unit_bytes(self) -> int:
+        """Largest row block of a vocab-parallel buffer (embedding, lm_head): the FP8
+        payload bytes (rows x K) of the largest linear or expert-half unit any rank holds.
+
+        Why: a unit is written atomically from staging (SPEC §4, §6), and the default
+        staging budget is the largest unit. Whole, a vocab shard (622 MB of Qwen3-30B-A3B
+        at tp=1) would set that budget, 30-100x an expert's. Cut into blocks no larger
+        than the largest converted unit's source, it never does; each block is a unit
+        with its own version, so a reload stays atomic per block. The size depends on
+        geometry only (not on the source dtype), so a BF16 or MXFP8 checkpoint of the same
+        model gets the same units and passes reload preflight."""
+        if self._copy_cap is None:
+            cap = 0
+            seen_stages: set[int] = set()
+            for rank in range(self.layout.world):
+                c = self.coords(rank)
+                if c.pp_rank in seen_stages:
+                    continue
+                seen_stages.add(c.pp_rank)
+                for layer in c.layers:
+                    for i in self.layer_rules[layer]:
+                        for u in self._block(i, layer, c).units:
+                            if u.kind != "copy":
+                                cap = max(cap, u.rows * u.cols)
+                if len(seen_stages) == self.layout.pp:
+                    break
+            self._copy_cap = cap or COPY_UNIT_FALLBACK_BYTES
+        return self._copy_cap
+
+    def _vocab_block(self, idx: int, tp_rank: int) -> _Block:
+        """Vocab-parallel rows (SPEC §3): the rank's slice of V padded to 64; rows past V
+        are covered by no part and stay zero. The slice is written as row blocks of at most
+        :meth:`copy_unit_bytes`, each a unit of its own (see there)."""
+        rule = self.arch.rules[idx]
+        facts = self.facts(idx, -1)
+        src = rule.sources[0]
+        vocab, hidden = self.size[src.dims[0]], self.size[src.dims[1]]
+        per = padded_vocab(vocab) // self.layout.tp
+        lo = tp_rank * per
+        tied = bool(rule.tied_source and self.config.tie_word_embeddings)
+        module = rule.tied_source if tied else src.module
+        # A tied lm_head names the embedding tensor it is built from (SPEC §3).
+        tensor = f"{module}.{src.tensor}" if tied else ""
+        name = f"{rule.name}.{src.tensor}"
+        buffer = BufferSpec(name, (per, hidden), SAFETENSORS_TO_BUFFER[facts.dtype], LAYOUT_DENSE)
+        itemsize = SAFETENSORS_ITEMSIZE[facts.dtype]
+        step = max(1, self.copy_unit_bytes() // max(1, hidden * itemsize))
+        units = []
+        for b0 in range(0, per, step):
+            b1 = min(b0 + step, per)
+            s0, s1 = lo + b0, min(lo + b1, vocab)  # source rows; none past V (padding)
+            parts: tuple[Part, ...] = ()
+            if s0 < s1:
+                parts = (Part(module, (s0, s1), (0, hidden), 0, tensor, (vocab, hidden)),)
+            units.append(
+                Unit(
+                    buffer=name,
+                    kind="copy",
+                    layout=LAYOUT_DENSE,
+                    rows=b1 - b0,
+                    cols=hidden,
+                    parts=parts,
+                    quantized=False,
+                    row0=b0,
+                )
+            )
+        return _Block((buffer,), tuple(units), self._needed(tuple(units), facts))
+
+    def _moe_block(self, idx: int, layer: int, c: RankCoords) -> _Block:
+        """Routed experts of one layer on one MoE rank: four (MX) or two (dense) fused
+        buffers and two units per local expert, in local order (SPEC §2.3, §3)."""
+        rule = self.arch.rules[idx]
+        facts = self.facts(idx, layer)
+        gate, up, down = rule.sources
+        inter = self.size[gate.dims[0]]
+        hidden = self.size[gate.dims[1]]
+        if self.ep:
+            i_local, lo = inter, 0
+        else:
+            i_local = inter // ep_size(self.layout)
+            lo = c.moe_rank * i_local
+        mx = facts.quantized and rule.mx and hidden % MX_GROUP == 0 and i_local % MX_GROUP == 0
+        layout = LAYOUT_MX_MOE if mx else LAYOUT_DENSE
+        prefix = device_name(rule, layer) + self.engine.moe_infix
+        w13, w2 = f"{prefix}.{W13_BUFFER}", f"{prefix}.{W2_BUFFER}"
+        e_local = len(c.experts)
+        bkey = (idx, layer, e_local)
+        buffers = self._moe_buffers.get(bkey)
+        if buffers is None:
+            eng = self.engine
+            if mx:
+                check_moe_groups(eng, w13, hidden, MX_GROUP)
+                check_moe_groups(eng, w2, i_local, MX_GROUP)
+                g13, g2 = hidden // MX_GROUP, i_local // MX_GROUP
+                buffers = (
+                    _held(eng, "mx_moe", w13, (e_local, hidden, 2 * i_local), FP8_BUFFER, layout),
+                    _held(
+                        eng,
+                        "mx_moe_scale",
+                        w13 + SCALE_SUFFIX,
+                        (e_local, ceil_div(g13, MX_PAIR), 2 * i_local, MX_PAIR),
+                        SCALE_BUFFER,
+                        layout,
+                    ),
+                    _held(eng, "mx_moe", w2, (e_local, i_local, hidden), FP8_BUFFER, layout),
+                    _held(
+                        eng,
+                        "mx_moe_scale",
+                        w2 + SCALE_SUFFIX,
+                        (e_local, ceil_div(g2, MX_PAIR), hidden, MX_PAIR),
+                        SCALE_BUFFER,
+                        layout,
+                    ),
+                )
+            else:
+                dtype = (
+                    self.model_buffer_dtype
+                    if facts.quantized
+                    else SAFETENSORS_TO_BUFFER[facts.dtype]
+                )
+                buffers = (
+                    _held(eng, "dense_moe", w13, (e_local, 2 * i_local, hidden), dtype, layout),
+                    _held(eng, "dense_moe", w2, (e_local, hidden, i_local), dtype, layout),
+                )
+            self._moe_buffers[bkey] = buffers
+        units: list[Unit] = []
+        rows13 = (lo, lo + i_local)
+        all_cols = (0, hidden)
+        shape13, shape2 = (inter, hidden), (hidden, inter)
+        quantized = facts.quantized
+        # Module names are built by concatenation around the expert id: this loop runs
+        # once per local expert per layer per MoE rank, the planner's hottest path.
+        names = [
+            source_module(rule, src, layer).split(EXPERT_PLACEHOLDER, 1) for src in (gate, up, down)
+        ]
+        (g0, g1), (u0, u1), (d0, d1) = names
+        for j, e in enumerate(c.experts):
+            tag = str(e)
+            units.append(
+                Unit(
+                    w13,
+                    "moe_w13",
+                    layout,
+                    2 * i_local,
+                    hidden,
+                    (
+                        Part(g0 + tag + g1, rows13, all_cols, 0, "", shape13),
+                        Part(u0 + tag + u1, rows13, all_cols, i_local, "", shape13),
+                    ),
+                    quantized,
+                    j,
+                    e,
+                )
+            )
+            units.append(
+                Unit(
+                    w2,
+                    "moe_w2",
+                    layout,
+                    hidden,
+                    i_local,
+                    (Part(d0 + tag + d1, all_cols, rows13, 0, "", shape2),),
+                    quantized,
+                    j,
+                    e,
+                )
+            )
+        needed: tuple[int, ...] = ()
+        if units and self.checkpoint is None:
+            # Every expert's halves have the same geometry, hence the same needed bytes.
+            pair = self._needed(units[:2], facts)
+            needed = pair * len(c.experts)
+        return _Block(buffers, tuple(units), needed)
+
+
+@dataclass(frozen=True)
+class _Staged:
+    """One rank between the two passes of build_plan (sizes first, then staging)."""
+
+    coords: RankCoords
+    buffers: tuple[BufferSpec, ...]
+    units: tuple[Unit, ...]
+    read_fn: Callable[[Unit, int, int], int]
+    needed: int
+    to_read: int
+    reads: tuple[UnitReads, ...] | None
+    signature: tuple[int, ...]
+    """Geometry ids of its units in order: equal signatures, equal staging."""
+
+
+def _geometry(unit: Unit, reads: UnitReads | int, align: int) -> tuple[Any, ...]:
+    """Everything the memory model sees of a unit: its shape, layout, quantization, and
+    its parts' rectangles with the sizes of their reads (not names, files or offsets)."""
+    # Absolute offsets matter only through tile alignment (a chunk's covering tiles).
+    parts = tuple((p.nrows, p.ncols, p.dst_row, p.rows[0] % align) for p in unit.parts)
+    if isinstance(reads, int):
+        read_shape: Any = reads
+    else:
+        read_shape = tuple(
+            (
+                r.weight.length,
+                r.weight.count,
+                r.weight_dtype,
+                None if r.scale is None else (r.scale.length, r.scale.count),
+                r.tile_rows[1] - r.tile_rows[0],
+                r.tile_cols[1] - r.tile_cols[0],
+            )
+            for r in reads.parts
+        )
+    return (unit.kind, unit.layout, unit.quantized, unit.rows, unit.cols, parts, read_shape)
+
+
+@contextmanager
+def _gc_paused() -> Iterator[None]:
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _few(names: Sequence[str], limit: int = 3) -> str:
+    shown = ", ".join(names[:limit])
+    return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
+
+
+def _flatten(blocks: Sequence[_Block]) -> tuple[tuple[BufferSpec, ...], tuple[Unit, ...]]:
+    buffers: list[BufferSpec] = []
+    units: list[Unit] = []
+    for b in blocks:
+        buffers.extend(b.buffers)
+        units.extend(b.units)
+    return tuple(buffers), tuple(units)
+
+
+# --- public API -----------------------------------------------------------------------------
+
+
+def plan_rank(
+    config: ModelConfig,
+    layout: ParallelLayout,
+    rank: int,
+    *,
+    checkpoint: CheckpointMeta | None = None,
+    engine: str | EngineProfile = DEFAULT_ENGINE,
+) -> tuple[tuple[BufferSpec, ...], tuple[Unit, ...]]:
+    """The buffers and units of one rank, in plan order (SPEC §3).
+
+    Refuses a layout the model cannot take (LayoutError), a checkpoint that disagrees
+    with the config (CheckpointError naming the tensor) and merged parts that disagree on
+    being quantized (MixedQuantization)."""
+    planner = _Planner(config, layout, checkpoint, engine)
+    return _flatten(planner.blocks(planner.coords(rank)))
+
+
+def check_checkpoint(checkpoint: CheckpointMeta) -> None:
+    """Every check a plan makes of a checkpoint that does not depend on the layout: each
+    tensor the architecture needs is there with the config's shape, merged parts agree on
+    being quantized and on dtype, and non-linears are not FP8 (raises what
+    :func:`build_plan` raises).
+
+    ``mxload convert`` runs it, so that no command writes a checkpoint that ``plan`` and
+    ``load`` refuse; the planner runs the same code for every layout (at tp=dp=pp=1 every
+    block of the model is visited once)."""
+    planner = _Planner(checkpoint.config, ParallelLayout(), checkpoint)
+    with _gc_paused():
+        planner.blocks(planner.coords(0))
+
+
+def quantization_groups(config: ModelConfig) -> list[tuple[str, ...]]:
+    """Checkpoint modules that must agree on being quantized, because they fill one
+    device tensor (merged q/k/v, gate/up) or one MoE block whose buffers share a layout
+    (every expert's gate, up and down of a layer). ``mxload convert`` falls back to the
+    model dtype for a whole group when one member must (K not a multiple of 32), so that
+    what it writes plans and loads."""
+    planner = _Planner(config, ParallelLayout(), None)
+    groups: list[tuple[str, ...]] = []
+    placed = [(i, -1) for i in (*planner.first_rules, *planner.last_rules)]
+    placed += [
+        (i, layer) for layer in range(config.num_hidden_layers) for i in planner.layer_rules[layer]
+    ]
+    for idx, layer in placed:
+        rule = planner.arch.rules[idx]
+        if rule.linear:
+            modules = planner._source_modules(rule, layer)
+            groups.append(tuple(m for names in modules for m in names))
+    return groups
+
+
+def build_plan(
+    config: ModelConfig,
+    layout: ParallelLayout,
+    *,
+    checkpoint: CheckpointMeta | None = None,
+    staging_budget: int | None = None,
+    device_memory: int | None = None,
+    device: str = "cpu",
+    remote: bool = False,
+    fused: bool = True,
+    engine: str | EngineProfile = DEFAULT_ENGINE,
+) -> Plan:
+    """Every rank's plan, with reads (when there is a checkpoint) and staging (SPEC §6).
+
+    ``staging_budget`` None means the default of SPEC §6: the reload minimum of the whole
+    plan (the largest unit of any rank), the same budget on every rank; a budget below
+    the load minimum is refused (StagingBudgetError stating the minimum). ``fused``: the
+    workers convert with the fused CPU kernel (no resolve scratch). ``remote``
+    picks the coalescing policy the predicted ``bytes_to_read`` assumes; it sums each
+    unit's coalesced requests, as the loader issues them unit by unit. A config-only plan
+    has no byte ranges: it predicts ``bytes_to_read`` = ``bytes_needed``."""
+    # A large plan creates hundreds of thousands of small acyclic objects; the cyclic
+    # collector would rescan the growing heap over and over while they are built.
+    with _gc_paused():
+        return _build_plan(
+            config,
+            layout,
+            checkpoint=checkpoint,
+            staging_budget=staging_budget,
+            device_memory=device_memory,
+            device=device,
+            remote=remote,
+            fused=fused,
+            engine=engine,
+        )
+
+
+def _build_plan(
+    config: ModelConfig,
+    layout: ParallelLayout,
+    *,
+    checkpoint: CheckpointMeta | None,
+    staging_budget: int | None,
+    device_memory: int | None,
+    device: str,
+    remote: bool,
+    fused: bool = True,
+    engine: str | EngineProfile = DEFAULT_ENGINE,
+) -> Plan:
+    from mxload.orchestrator.plan.memory import (
+        ConvertOptions,
+        min_budgets,
+        proportional_read_fn,
+        rank_staging,
+        read_fn_from_reads,
+    )
+
+    planner = _Planner(config, layout, checkpoint, engine)
+    policy = REMOTE_POLICY if remote else LOCAL_POLICY
+    quant = config.quant.kind
+    block_n = config.quant.block_n if quant == "block_fp8" else (1 if quant == "mxfp8" else 128)
+    opts = ConvertOptions(
+        model_dtype=config.model_dtype,
+        source_quant=quant,
+        device=device,
+        block_n=block_n,
+        fused=fused,
+    )
+    reads_of: dict[int, UnitReads] = {}
+    # The loader requests each unit's ranges on their own (per file, coalesced under the
+    # policy), so a rank fetches the sum of its units' requests: a tensor two units share
+    # (a tied embedding on a one-stage rank) is fetched twice, and no gap between two
+    # units' ranges is ever bridged.
+    fetch_of: dict[int, int] = {}
+    # Sizing is the slow part (min_budgets walks every 16-row chunk of a unit), and it
+    # depends only on a unit's geometry and read sizes, never on its name or layer: units
+    # of equal geometry are sized once, and ranks whose units have equal geometries, in
+    # the same order, share one staging estimate.
+    geometry_ids: dict[tuple[Any, ...], int] = {}
+    mins_of_geometry: list[tuple[int, int]] = []
+    gids_of_block: dict[int, tuple[int, ...]] = {}
+
+    staged: list[_Staged] = []
+    load_min = reload_min = 0
+    for rank in range(layout.world):
+        c = planner.coords(rank)
+        blocks = planner.blocks(c)
+        buffers, units = _flatten(blocks)
+        reads: tuple[UnitReads, ...] | None = None
+        if checkpoint is not None:
+            rank_reads: list[UnitReads] = []
+            to_read = 0
+            for u in units:
+                r = reads_of.get(id(u))
+                if r is None:
+                    r = reads_of[id(u)] = unit_reads(u, checkpoint)
+                    fetch_of[id(u)] = predicted_read_bytes((r,), policy)
+                rank_reads.append(r)
+                to_read += fetch_of[id(u)]
+            reads = tuple(rank_reads)
+            needed = sum(r.nbytes for r in reads)
+            read_fn = read_fn_from_reads(units, reads, block_n=block_n, source_quant=quant)
+        else:
+            unit_needed = [n for b in blocks for n in b.needed]
+            needed = to_read = sum(unit_needed)
+            read_fn = proportional_read_fn(units, unit_needed)
+        signature: list[int] = []
+        pos = 0
+        for block in blocks:
+            gids = gids_of_block.get(id(block))
+            if gids is None:
+                # Every expert of a MoE block has the same geometry: size its first pair.
+                moe = bool(block.units) and block.units[0].kind == "moe_w13"
+                sample = block.units[:2] if moe else block.units
+                ids = []
+                for i, u in enumerate(sample, start=pos):
+                    if reads is not None:
+                        key = _geometry(u, reads[i], block_n)
+                    else:  # a proportional read size does not depend on tile alignment
+                        key = _geometry(u, unit_needed[i], 1)
+                    gid = geometry_ids.get(key)
+                    if gid is None:
+                        gid = geometry_ids[key] = len(mins_of_geometry)
+                        mins_of_geometry.append(min_budgets((u,), read_fn, opts))
+                        load_min = max(load_min, mins_of_geometry[gid][0])
+                        reload_min = max(reload_min, mins_of_geometry[gid][1])
+                    ids.append(gid)
+                gids = gids_of_block[id(block)] = (
+                    tuple(ids) * (len(block.units) // len(sample)) if sample else ()
+                )
+            signature.extend(gids)
+            pos += len(block.units)
+        staged.append(_Staged(c, buffers, units, read_fn, needed, to_read, reads, tuple(signature)))
+
+    budget = staging_budget if staging_budget is not None else reload_min
+    if budget < load_min:
+        raise StagingBudgetError(
+            f"--staging-budget {budget} bytes is below the minimum a load can run under "
+            f"({load_min} bytes; a reload needs {reload_min}); raise --staging-budget",
+            key="--staging-budget",
+        )
+    ranks: list[RankPlan] = []
+    staging_of: dict[tuple[int, ...], StagingEstimate] = {}
+    for s in staged:
+        c = s.coords
+        staging = staging_of.get(s.signature)
+        if staging is None:
+            staging = staging_of[s.signature] = rank_staging(
+                s.units,
+                s.read_fn,
+                config.model_dtype,
+                budget,
+                device,
+                source_quant=quant,
+                block_n=block_n,
+                fused=fused,
+            )
+        ranks.append(
+            RankPlan(
+                rank=c.rank,
+                tp_rank=c.tp_rank,
+                dp_rank=c.dp_rank,
+                pp_rank=c.pp_rank,
+                ep_rank=c.ep_rank,
+                layers=c.layers,
+                experts=c.experts,
+                buffers=s.buffers,
+                units=s.units,
+                bytes_needed=s.needed,
+                bytes_to_read=s.to_read,
+                reads=s.reads,
+                staging=staging,
+            )
+        )
+    return Plan(
+        model=config.summary(),
+        layout=layout,
+        ranks=tuple(ranks),
+        min_staging_load=load_min,
+        min_staging_reload=reload_min,
+        device_memory_bytes=device_memory,
+        extra={
+            "staging_budget_bytes": budget,
+            "device": device,
+            "coalescing": {
+                "remote": remote,
+                "max_gap_bytes": policy.max_gap_bytes,
+                "max_overread_ratio": policy.max_overread_ratio,
+            },
+            "from_checkpoint": checkpoint is not None,
+        },
+        engine=planner.engine.name,
+    )
+
+
+def plan_to_json(plan: Plan) -> dict[str, Any]:
+    """The ``mxload plan --json`` object of SPEC §5, plus itemised staging and headroom."""
+    ranks = []
+    for r in plan.ranks:
+        staging = r.staging
+        entry: dict[str, Any] = {
+            "rank": r.rank,
+            "tp_rank": r.tp_rank,
+            "dp_rank": r.dp_rank,
+            "pp_rank": r.pp_rank,
+            "ep_rank": r.ep_rank,
+            "layers": list(r.layers),
+            "experts": list(r.experts),
+            "persistent_bytes": r.persistent_bytes,
+            "staging_bytes": staging.staging_bytes if staging else 0,
+            "peak_bytes": r.peak_bytes,
+            "bytes_needed": r.bytes_needed,
+            "bytes_to_read": r.bytes_to_read,
+            # extras
+            "buffers": len(r.buffers),
+            "units": len(r.units),
+            "read_amplification": (r.bytes_to_read / r.bytes_needed) if r.bytes_needed else 1.0,
+        }
+        if staging is not None:
+            entry["staging"] = {
+                "budget_bytes": staging.budget_bytes,
+                "read_bytes": staging.read_bytes,
+                "scratch_bytes": staging.scratch_bytes,
+                "device_bytes": staging.device_bytes,
+                "host_bytes": staging.host_bytes,
+                "chunk_rows": staging.chunk_rows,
+                "prefetch": staging.prefetch,
+            }
+        if plan.device_memory_bytes is not None:
+            entry["headroom_bytes"] = plan.device_memory_bytes - r.peak_bytes
+        ranks.append(entry)
+    out: dict[str, Any] = {
+        "format": PLAN_FORMAT,
+        "model": dict(plan.model),
+        "parallel": plan.layout.to_json(),
+        "engine": plan.engine,
+        "ranks": ranks,
+        "min_staging_bytes": {"load": plan.min_staging_load, "reload": plan.min_staging_reload},
+        "device_memory_bytes": plan.device_memory_bytes,
+        "fits": plan.fits,
+    }
+    if "staging_budget_bytes" in plan.extra:
+        out["staging_budget_bytes"] = plan.extra["staging_budget_bytes"]
+    return out

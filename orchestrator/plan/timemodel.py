@@ -1,0 +1,307 @@
+"""How long a load (and a reload) takes, predicted from bytes and bandwidths. Pure.
+
+An operator asks the planner "how long?", not only "how much memory?". The answer is a
+function of what each rank moves (``mxload.orchestrator.plan.sharing.RankTraffic``: bytes
+from storage, from peers on other nodes) and converts (its ``bytes_needed``), and of
+four rates:
+
+* storage bandwidth **per node** (a node's link to the store) and **aggregate** (what the
+  store serves the whole cluster at once);
+* node **network** bandwidth (what a node takes in from peers' object stores);
+* the **conversion** rate of one rank (source bytes per second through resolve, MX
+  quantize and repack; on CPU measured by ``bench/``, on NPU an estimate until measured).
+
+The run has the two phases the driver runs: first the owners of shared reads fetch them
+(nobody converts yet), then every rank loads, reading its unshared units, copying shared
+ones from peers and converting, with reads overlapping conversion (SPEC §4). Concurrent
+transfers share a link equally (processor sharing): ``n`` flows on a link of capacity
+``C`` each get ``C / n`` until the smallest finishes, and so on. A rank's transfer is
+bounded by its node's link and by the store's aggregate, whichever finishes it later.
+Phase 2 of a rank ends when the slowest of its storage reads, network pulls and
+conversion ends (they overlap).
+
+Requests cost time of their own, which bytes alone miss: a K-split slice (``o_proj``,
+``down_proj`` at tp >= 2) read from an object store is one request per row, since no
+gap is bridged that would read more than 1.25x what is needed (``REMOTE_POLICY``); a
+dense layer at tp 2 then sends about 80x the requests of tp 1. Two terms: every rank
+waits ``request_latency`` per request, ``request_concurrency`` requests in flight; and a
+store that serves at most ``storage_requests`` requests/s shares that rate among ranks
+like its bandwidth (the two are separate resources: a transfer ends when both its bytes
+and its requests are through). Request counts come from the same coalescing the loader does
+(``mxload.orchestrator.plan.readplan.predicted_reads``).
+
+A reload moves and converts the same bytes as a load (whole units, same reads), so it is
+predicted the same; what a first load adds (starting Ray and the workers, allocating
+buffers) is not modelled: the figures are from the first byte requested to the last unit
+written.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from mxload.orchestrator.plan.config import ModelConfig
+from mxload.orchestrator.plan.ranges import LOCAL_POLICY, REMOTE_POLICY
+from mxload.orchestrator.plan.readplan import estimated_requests, needed_bytes, predicted_reads
+from mxload.orchestrator.plan.sharing import (
+    RankTraffic,
+    ReadItem,
+    plan_sharing,
+    rank_requests,
+    rank_traffic,
+)
+from mxload.orchestrator.plan.types import Plan
+
+GB = 1e9
+
+CPU_CONVERT_BYTES_PER_S = 0.45 * GB
+"""One CPU core of the fused path, source bytes/s: ``RankLoader`` tp=1 on 2 threads
+loads 0.90 GB/s from warm cache in ``bench/`` (bench/results/full, section load)."""
+
+NPU_CONVERT_BYTES_PER_S = 20 * GB
+"""One Ascend NPU, an estimate until measured: the host-to-device copy of the FP8
+source over PCIe 5 x16 (~50 GB/s peak, ~25 in practice) bounds it, and the eager
+resolve/quantize ops make a few passes over HBM (1.6 TB/s) each."""
+
+STORAGE_NODE_BYTES_PER_S = 5 * GB
+"""A node's link to the checkpoint store: a 100 GbE-class front end, as parallel file
+systems and object stores give one client node."""
+
+STORAGE_AGGREGATE_BYTES_PER_S = 40 * GB
+"""What the store serves the whole cluster at once (a mid-size parallel file system or
+object store deployment)."""
+
+NETWORK_NODE_BYTES_PER_S = 25 * GB
+"""A node's inbound network for peer objects: 200 Gb/s RoCE/InfiniBand."""
+
+REMOTE_REQUEST_LATENCY_S = 0.010
+"""One request to an object store (S3, HTTP): time to first byte, ~10 ms."""
+
+LOCAL_REQUEST_LATENCY_S = 0.0001
+"""One pread of a local or NFS-cached file: ~0.1 ms."""
+
+REQUEST_CONCURRENCY = 16
+"""Requests one rank keeps in flight (``Storage``'s ``max_concurrency``)."""
+
+MAX_REQUEST_BYTES = 32 << 20
+"""Longest remote request ``Storage`` sends; a longer coalesced range is split."""
+
+
+@dataclass(frozen=True)
+class Rates:
+    """The time model's inputs (bytes per second; 0 = unlimited)."""
+
+    storage_node: float = STORAGE_NODE_BYTES_PER_S
+    storage_aggregate: float = STORAGE_AGGREGATE_BYTES_PER_S
+    network_node: float = NETWORK_NODE_BYTES_PER_S
+    convert: float = CPU_CONVERT_BYTES_PER_S
+    """Per rank."""
+    request_latency: float = REMOTE_REQUEST_LATENCY_S
+    """Seconds one request waits (first byte), per rank, before concurrency."""
+    request_concurrency: int = REQUEST_CONCURRENCY
+    storage_requests: float = 0.0
+    """Requests per second the store serves the whole cluster (0 = unlimited)."""
+
+    def __post_init__(self) -> None:
+        if self.request_concurrency < 1:
+            raise ValueError(f"request concurrency must be >= 1, got {self.request_concurrency}")
+        for name in (
+            "storage_node",
+            "storage_aggregate",
+            "network_node",
+            "convert",
+            "request_latency",
+            "storage_requests",
+        ):
+            if getattr(self, name) < 0:
+                raise ValueError(f"rate {name} must be >= 0, got {getattr(self, name)}")
+
+
+@dataclass(frozen=True)
+class RankTime:
+    """Predicted seconds of one rank."""
+
+    fetch_seconds: float
+    """Phase 1: the whole cluster fetching shared reads (every rank waits for it)."""
+    storage_seconds: float
+    network_seconds: float
+    convert_seconds: float
+    load_seconds: float
+    """fetch + max(storage, network, convert)."""
+    requests: int = 0
+    """Storage requests the rank sends (its own reads and the shared reads it owns)."""
+
+    @property
+    def reload_seconds(self) -> float:
+        return self.load_seconds
+
+
+def shared_link(sizes: Sequence[float], capacity: float) -> list[float]:
+    """Finish time of each of ``sizes`` bytes started together on one link of
+    ``capacity`` bytes/s, shared equally among unfinished transfers; 0 = unlimited."""
+    n = len(sizes)
+    out = [0.0] * n
+    if capacity <= 0:
+        return out
+    t = prev = 0.0
+    order = sorted(range(n), key=lambda i: sizes[i])
+    for k, i in enumerate(order):
+        t += (sizes[i] - prev) * (n - k) / capacity
+        prev = sizes[i]
+        out[i] = t
+    return out
+
+
+def _storage_finish(
+    sizes: Sequence[float], requests: Sequence[int], nodes: Sequence[str], rates: Rates
+) -> list[float]:
+    """When each rank's storage transfer ends, all starting together: the latest of its
+    node's link (bytes), the store's aggregate bandwidth (bytes), the store's request
+    handling (requests) and its own request pacing (latency x requests / concurrency).
+
+    The store's bandwidth and its request handling are two resources, each shared
+    equally among the ranks using it, working at the same time: a transfer ends when
+    both its bytes and its requests are through (the larger, not the sum; the sum
+    predicted 1.03-1.56x the measured time of request-bound loads in bench/)."""
+    agg = shared_link(sizes, rates.storage_aggregate)
+    handled = shared_link([float(r) for r in requests], rates.storage_requests)
+    per_node = _per_node(sizes, nodes, rates.storage_node)
+    pace = [r * rates.request_latency / rates.request_concurrency for r in requests]
+    return [max(v) for v in zip(agg, handled, per_node, pace, strict=True)]
+
+
+def _per_node(sizes: Sequence[float], nodes: Sequence[str], capacity: float) -> list[float]:
+    """Finish times of transfers sharing their own node's link of ``capacity`` (0 =
+    unlimited)."""
+    out = [0.0] * len(sizes)
+    if capacity <= 0:
+        return out
+    for node in set(nodes):
+        idx = [i for i, x in enumerate(nodes) if x == node]
+        for i, t in zip(idx, shared_link([sizes[i] for i in idx], capacity), strict=True):
+            out[i] = t
+    return out
+
+
+def predict(
+    traffic: Sequence[RankTraffic],
+    convert_bytes: Sequence[int],
+    node_of_rank: Sequence[str],
+    rates: Rates,
+    requests: Sequence[tuple[int, int]] | None = None,
+) -> list[RankTime]:
+    """Per rank: predicted load (and reload) seconds, itemised. ``requests``: per rank,
+    (requests of its own reads, requests of the shared reads it owns), from
+    :func:`mxload.orchestrator.plan.sharing.rank_requests`; None: requests cost nothing."""
+    nodes = list(node_of_rank)
+    reqs = list(requests) if requests is not None else [(0, 0)] * len(traffic)
+    fetch = [float(t.bytes_fetched_for_sharing) for t in traffic]
+    phase1 = max(_storage_finish(fetch, [r[1] for r in reqs], nodes, rates), default=0.0)
+    own = [float(t.bytes_from_storage - t.bytes_fetched_for_sharing) for t in traffic]
+    storage = _storage_finish(own, [r[0] for r in reqs], nodes, rates)
+    remote = [float(t.bytes_from_other_nodes) for t in traffic]
+    network = _per_node(remote, nodes, rates.network_node)
+    out = []
+    for i in range(len(traffic)):
+        conv = convert_bytes[i] / rates.convert if rates.convert > 0 else 0.0
+        out.append(
+            RankTime(
+                fetch_seconds=phase1,
+                storage_seconds=storage[i],
+                network_seconds=network[i],
+                convert_seconds=conv,
+                load_seconds=phase1 + max(storage[i], network[i], conv),
+                requests=reqs[i][0] + reqs[i][1],
+            )
+        )
+    return out
+
+
+def plan_times(
+    plan: Plan,
+    config: ModelConfig,
+    *,
+    rates: Rates,
+    scope: str,
+    devices_per_node: int,
+    local: bool | None = None,
+) -> dict[str, Any]:
+    """Predicted traffic and times of every rank of ``plan``, for ``mxload plan``.
+
+    Ranks are placed as the driver packs them: consecutive ranks on a node,
+    ``devices_per_node`` per node. A plan with byte ranges shares its identical unit
+    reads and counts what storage is asked for (coalescing included); a config-only plan
+    shares equal units and counts their ``bytes_needed``.
+
+    Requests: a plan with byte ranges counts them as the loader will send them; a
+    config-only plan estimates them (:func:`mxload.orchestrator.plan.readplan.estimated_requests`),
+    for an object store unless ``local``."""
+    if devices_per_node < 1:
+        raise ValueError(f"devices per node must be >= 1, got {devices_per_node}")
+    world = len(plan.ranks)
+    nodes = [f"node{r // devices_per_node}" for r in range(world)]
+    coalescing = plan.extra.get("coalescing", {})
+    remote = bool(coalescing.get("remote")) if local is None else not local
+    policy = REMOTE_POLICY if remote else LOCAL_POLICY
+    max_request = MAX_REQUEST_BYTES if remote else 0
+    # Replicas share their unit (and reads) objects: each object is hashed by value and
+    # sized once, then known by a small int (a 256-rank plan has ~300k units).
+    canon: dict[Hashable, int] = {}
+    item_of: dict[int, ReadItem] = {}
+    requests_of_key: dict[Hashable, int] = {}
+
+    def items_of(rank: int) -> list[ReadItem]:
+        rp = plan.ranks[rank]
+        objs: Sequence[Any] = rp.reads if rp.reads is not None else rp.units
+        out: list[ReadItem] = []
+        for o in objs:
+            item = item_of.get(id(o))
+            if item is None:
+                if rp.reads is not None:
+                    nbytes = o.nbytes
+                    fetch, requests = predicted_reads((o,), policy, max_request)
+                else:
+                    nbytes = fetch = needed_bytes(o, config)
+                    requests = estimated_requests(o, config, remote=remote)
+                key = canon.setdefault(o, len(canon))
+                item = item_of[id(o)] = (key, nbytes, fetch)
+                requests_of_key[key] = requests
+            out.append(item)
+        return out
+
+    cache = [items_of(r) for r in range(world)]
+    share = plan_sharing(nodes, scope, cache.__getitem__)
+    traffic = rank_traffic(share, cache.__getitem__)
+    requests = rank_requests(share, lambda r: [requests_of_key[k] for k, _, _ in cache[r]])
+    times = predict(traffic, [rp.bytes_needed for rp in plan.ranks], nodes, rates, requests)
+    distinct: dict[Hashable, int] = {}
+    for its in cache:
+        for key, _, fetch in its:
+            distinct[key] = fetch
+    return {
+        "share": scope,
+        "devices_per_node": devices_per_node,
+        "nodes": -(-world // devices_per_node),
+        "rates_bytes_per_s": {
+            "storage_node": rates.storage_node,
+            "storage_aggregate": rates.storage_aggregate,
+            "network_node": rates.network_node,
+            "convert": rates.convert,
+        },
+        "request_latency_s": rates.request_latency,
+        "request_concurrency": rates.request_concurrency,
+        "storage_requests_per_s": rates.storage_requests,
+        "requests_to_storage": sum(a + b for a, b in requests),
+        "slowest_request_seconds": max(
+            (t.requests * rates.request_latency / rates.request_concurrency for t in times),
+            default=0.0,
+        ),
+        "traffic": traffic,
+        "times": times,
+        "bytes_from_storage": sum(t.bytes_from_storage for t in traffic),
+        "distinct_read_bytes": sum(distinct.values()),
+        "predicted_load_seconds": max((t.load_seconds for t in times), default=0.0),
+        "predicted_reload_seconds": max((t.reload_seconds for t in times), default=0.0),
+    }

@@ -1,0 +1,278 @@
+"""The plan's data types: what each rank holds, converts and reads. Pure.
+
+These frozen dataclasses are the contract between the planner (``mxload.orchestrator.plan.planner``),
+the memory model (``mxload.orchestrator.plan.memory``) and the rank loader (``mxload.workers.rank.loader``). They
+are plain data: picklable for shipping to Ray workers and JSON-able through ``to_json``.
+
+Vocabulary (SPEC §6):
+
+* a **buffer** is one persistent device tensor (``BufferSpec``), allocated once;
+* a **unit** is what is converted and written as one piece: one (merged) linear, one
+  expert's w13 or w2, or one non-quantized tensor copied as is (``Unit``);
+* a **part** is one checkpoint module's rectangle inside a unit (``Part``): q, k and v
+  are three parts of the qkv unit, gate and up two parts of a w13 unit.
+
+Shapes inside units are the *source orientation* ``[N, K]`` (rows = output features),
+before the kernel transpose of SPEC §2.3. 1-D tensors (norms, biases) are viewed as
+``[1, n]``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from mxload.orchestrator.plan.formats import BUFFER_ITEMSIZE
+from mxload.orchestrator.plan.ranges import ByteRange
+
+UnitKind = Literal["linear", "moe_w13", "moe_w2", "copy"]
+"""linear: a (merged) quantized-or-not linear; moe_w13/moe_w2: one expert's half;
+copy: a non-quantized tensor (norm, embedding, router) copied in its checkpoint dtype."""
+
+
+@dataclass(frozen=True)
+class BufferSpec:
+    """One persistent buffer a rank holds (names of SPEC §3, layouts of §2.3)."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    """torch dtype name: float8_e4m3fn, uint8, bfloat16, float16, float32."""
+    layout: str
+    """mx_linear | mx_moe | dense."""
+    storage_order: tuple[int, ...] = ()
+    """Dims of ``shape`` from the outermost in memory to the innermost; () = row-major.
+    An engine profile (``mxload.orchestrator.plan.engines``) may hold a buffer as a transposed
+    view of its storage; ``shape`` is always the view's (what the engine reads)."""
+    canonical_of_view: tuple[int, ...] = ()
+    """``canonical_of_view[i]`` = mxload's canonical dim that view dim ``i`` is (the units
+    write canonical rows); () = the view is canonical."""
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def storage_shape(self) -> tuple[int, ...]:
+        """Shape of the row-major storage the view is taken from."""
+        order = self.storage_order or tuple(range(len(self.shape)))
+        return tuple(self.shape[d] for d in order)
+
+    @property
+    def stride(self) -> tuple[int, ...]:
+        """Strides (elements) of the view over its storage."""
+        order = self.storage_order or tuple(range(len(self.shape)))
+        stride = [0] * len(self.shape)
+        step = 1
+        for d in reversed(order):
+            stride[d] = step
+            step *= max(self.shape[d], 1)
+        return tuple(stride)
+
+    @property
+    def storage_offset(self) -> int:
+        """Offset (elements) of the view into its storage: 0, every buffer owns its storage."""
+        return 0
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * BUFFER_ITEMSIZE[self.dtype]
+
+
+@dataclass(frozen=True)
+class Part:
+    """One checkpoint module's rectangle inside a unit.
+
+    ``rows``/``cols`` are half-open ranges of the module's source ``[N, K]`` weight; the
+    rectangle lands at output rows ``[dst_row, dst_row + rows[1] - rows[0])`` of the unit.
+    Rows of the unit covered by no part (vocab padding) stay zero.
+    """
+
+    module: str
+    """Checkpoint module name; the tensor is ``module + '.weight'`` (or ``tensor``)."""
+    rows: tuple[int, int]
+    cols: tuple[int, int]
+    dst_row: int
+    tensor: str = ""
+    """Checkpoint tensor name when it is not ``module.weight`` (norms: ``X.weight`` too;
+    the DeepSeek router bias: ``X.e_score_correction_bias``). Empty means ``module.weight``."""
+    source_shape: tuple[int, ...] = ()
+    """Full shape of the source tensor as the config predicts it (checked against headers)."""
+
+    @property
+    def tensor_name(self) -> str:
+        return self.tensor or f"{self.module}.weight"
+
+    @property
+    def nrows(self) -> int:
+        return self.rows[1] - self.rows[0]
+
+    @property
+    def ncols(self) -> int:
+        return self.cols[1] - self.cols[0]
+
+
+@dataclass(frozen=True)
+class Unit:
+    """What is converted and written as one piece (SPEC §6)."""
+
+    buffer: str
+    """Name of the weight buffer written (its scale buffer, if any, is ``buffer + '_scale'``)."""
+    kind: UnitKind
+    layout: str
+    """Layout of the buffer written: mx_linear | mx_moe | dense."""
+    rows: int
+    """N of the unit in source orientation (sum of parts' rows, plus padding)."""
+    cols: int
+    """K of the unit (every part has the same column count)."""
+    parts: tuple[Part, ...]
+    quantized: bool
+    """Whether the source parts are quantized (F8_E4M3 with a scale)."""
+    expert: int = -1
+    """Local expert index for moe_w13/moe_w2 (position in the rank's expert list)."""
+    global_expert: int = -1
+    """Global expert id for moe units."""
+    row0: int = 0
+    """First row of the buffer this unit writes (source orientation). Non-zero only for
+    the row blocks a vocab-parallel buffer is cut into (``_Planner.copy_unit_bytes``)."""
+
+    @property
+    def numel(self) -> int:
+        return self.rows * self.cols
+
+
+@dataclass(frozen=True)
+class PartRead:
+    """Where one part's bytes are: the weight rectangle and the scale tiles covering it."""
+
+    file: str
+    """Shard file (relative to the checkpoint root) holding the weight."""
+    weight: ByteRange
+    """Segments concatenated = the rectangle, row-major."""
+    weight_dtype: str
+    """safetensors dtype string of the source weight (F8_E4M3, BF16, ...)."""
+    scale_file: str = ""
+    scale: ByteRange | None = None
+    """Block-FP8: the F32 tiles ``[t0, t1) x [u0, u1)`` covering the rectangle; MXFP8: the
+    U8 scale rectangle ``rows x cols/32``. None for non-quantized parts."""
+    scale_dtype: str = ""
+    tile_rows: tuple[int, int] = (0, 0)
+    """Block-FP8: tile-row range of ``scale`` (floor of first and last row / B_N)."""
+    tile_cols: tuple[int, int] = (0, 0)
+
+
+@dataclass(frozen=True)
+class UnitReads:
+    """The reads of one unit, part by part (same order as ``Unit.parts``)."""
+
+    parts: tuple[PartRead, ...]
+
+    @property
+    def nbytes(self) -> int:
+        total = 0
+        for p in self.parts:
+            total += p.weight.nbytes + (p.scale.nbytes if p.scale is not None else 0)
+        return total
+
+
+@dataclass(frozen=True)
+class StagingEstimate:
+    """Staging memory of one rank, itemised (SPEC §6)."""
+
+    budget_bytes: int
+    """The staging budget the rank runs under."""
+    read_bytes: int
+    """Peak bytes of read buffers held at once."""
+    scratch_bytes: int
+    """Peak conversion scratch (resolved tensor, MX payload and scales of one unit/chunk)."""
+    staging_bytes: int
+    """Peak of read + scratch at the same moment (not the sum of the two peaks)."""
+    device_bytes: int
+    """Part of staging_bytes that lives on the device (scratch on npu/cuda; 0 on cpu)."""
+    host_bytes: int
+    """Part of staging_bytes that lives in host memory (read buffers; all of it on cpu)."""
+    chunk_rows: int
+    """Rows per conversion chunk of the largest unit (its full N when it fits)."""
+    prefetch: bool
+    """Whether the next unit's reads are issued while the current unit converts."""
+
+
+@dataclass(frozen=True)
+class RankPlan:
+    """Everything one rank holds and does."""
+
+    rank: int
+    tp_rank: int
+    dp_rank: int
+    pp_rank: int
+    ep_rank: int
+    layers: tuple[int, ...]
+    experts: tuple[int, ...]
+    """Global expert ids held, in local order; all of them without EP; () on dense models."""
+    buffers: tuple[BufferSpec, ...]
+    units: tuple[Unit, ...]
+    bytes_needed: int
+    """Checkpoint bytes of the held elements plus covering scale tiles (SPEC §6)."""
+    bytes_to_read: int
+    """Bytes the coalesced requests fetch (predicted)."""
+    reads: tuple[UnitReads, ...] | None = None
+    """Byte ranges per unit, same order as ``units``; None for a config-only plan."""
+    staging: StagingEstimate | None = None
+
+    @property
+    def persistent_bytes(self) -> int:
+        return sum(b.nbytes for b in self.buffers)
+
+    @property
+    def peak_bytes(self) -> int:
+        return self.persistent_bytes + (self.staging.staging_bytes if self.staging else 0)
+
+
+@dataclass(frozen=True)
+class ParallelLayout:
+    """tp x dp x pp with vLLM's expert-parallel switches (SPEC §3)."""
+
+    tp: int = 1
+    dp: int = 1
+    pp: int = 1
+    enable_expert_parallel: bool = False
+    expert_placement: Literal["linear", "round_robin"] = "linear"
+
+    @property
+    def world(self) -> int:
+        return self.tp * self.dp * self.pp
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "tp": self.tp,
+            "dp": self.dp,
+            "pp": self.pp,
+            "enable_expert_parallel": self.enable_expert_parallel,
+            "expert_placement": self.expert_placement,
+            "world": self.world,
+        }
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A whole plan: every rank of a layout for one model."""
+
+    model: dict[str, Any]
+    """ModelConfig.summary()."""
+    layout: ParallelLayout
+    ranks: tuple[RankPlan, ...]
+    min_staging_load: int
+    """Smallest staging budget a load can run under (row-chunked conversion)."""
+    min_staging_reload: int
+    """Smallest staging budget a reload can run under (whole units, SPEC §6)."""
+    device_memory_bytes: int | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+    engine: str = "mxload"
+    """Engine profile the buffers are laid out for (``mxload.orchestrator.plan.engines``)."""
+
+    @property
+    def fits(self) -> bool:
+        if self.device_memory_bytes is None:
+            return True
+        return all(r.peak_bytes <= self.device_memory_bytes for r in self.ranks)

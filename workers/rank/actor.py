@@ -1,0 +1,238 @@
+"""The Ray actor around :class:`mxload.workers.rank.loader.RankLoader`: a thin wrapper.
+
+One actor per rank, pinned by its placement bundle to one accelerator (Ray sets
+``ASCEND_RT_VISIBLE_DEVICES`` / ``CUDA_VISIBLE_DEVICES``). The actor reserves no CPU
+(SPEC §4) and sets its torch threads to its share of the node's cores. It is threaded
+(``max_concurrency=2``) so the driver can poll progress while a load runs.
+
+Everything here is the loader's behaviour plus what only a process can say: its node,
+its visible devices, its pid (tests kill it to inject faults).
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import socket
+import threading
+from typing import Any
+
+import torch
+from mxload.orchestrator.plan.types import RankPlan, Unit, UnitReads
+from mxload.workers.rank.loader import PeerUnit, RankLoader, RunStats, SourceInfo
+
+VISIBLE_DEVICE_VARS = {
+    "NPU": "ASCEND_RT_VISIBLE_DEVICES",
+    "GPU": "CUDA_VISIBLE_DEVICES",
+}
+
+
+class RankWorker:
+    """Actor body: a plain class (tests can use it without Ray)."""
+
+    def __init__(
+        self,
+        plan: RankPlan,
+        *,
+        model_dtype: str,
+        device: str,
+        resource: str,
+        threads: int,
+        incarnation_note: str = "",
+    ) -> None:
+        from mxload.cluster.local import tighten_own_temp_dir
+
+        tighten_own_temp_dir()  # this process's start made Ray's folders 0777 again
+        torch.set_num_threads(max(1, threads))
+        self.resource = resource
+        var = VISIBLE_DEVICE_VARS.get(resource, "")
+        self.visible_devices = os.environ.get(var, "") if var else ""
+        from mxload.workers.numerics.backend import select_backend
+
+        self.backend = select_backend(device, visible_devices=self.visible_devices or None)
+        self.loader = RankLoader(plan, model_dtype=model_dtype, backend=self.backend)
+        self._progress = (0, len(plan.units), 0)
+        self._lock = threading.Lock()
+        self.fault_at_unit: int | None = None
+        # torch, numba's kernels and the rank's plan are loaded for good: take them out of
+        # the cyclic collector's walk. A full collection otherwise visits their ~250K
+        # objects, 0.2 s on 2 cores, and one lands inside a load now and then (the
+        # experts bench caught one: a sample 2x its neighbours).
+        gc.freeze()
+
+    # --- identity ---------------------------------------------------------------------
+
+    def info(self) -> dict[str, Any]:
+        node_id = ""
+        try:
+            import ray
+
+            node_id = ray.get_runtime_context().get_node_id()
+        except Exception:
+            node_id = socket.gethostname()
+        return {
+            "rank": self.loader.rank,
+            "node_id": node_id,
+            "hostname": socket.gethostname(),
+            "pid": os.getpid(),
+            "visible_devices": self.visible_devices,
+            "device": str(self.backend.device),
+            "backend": self.backend.name,
+            "backend_note": getattr(self.backend, "note", ""),
+            "threads": torch.get_num_threads(),
+            "addresses": dict(self.loader.addresses),
+        }
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def node_id(self) -> str:
+        """The Ray node this rank runs on (what read-once sharing groups ranks by)."""
+        try:
+            import ray
+
+            return str(ray.get_runtime_context().get_node_id())
+        except Exception:
+            return socket.gethostname()
+
+    # --- work -------------------------------------------------------------------------
+
+    def _set_progress(self, done: int, total: int, nbytes: int) -> None:
+        with self._lock:
+            self._progress = (done, total, nbytes)
+
+    def progress(self) -> tuple[int, int, int]:
+        with self._lock:
+            return self._progress
+
+    def set_fault(self, unit_index: int | None) -> None:
+        """Test hook: the process exits hard when it reaches this unit (a real death)."""
+        self.fault_at_unit = unit_index
+
+    def _fault_hook(self, i: int) -> None:
+        if self.fault_at_unit is not None and i == self.fault_at_unit:
+            os._exit(17)
+
+    def load(
+        self,
+        reads: list[UnitReads],
+        source: SourceInfo,
+        version: int,
+        staging_budget: int,
+        whole_units: bool,
+        units: list[Unit] | None = None,
+        peers: dict[int, PeerUnit] | None = None,
+    ) -> dict[str, Any]:
+        """Load (or reload) this rank; ``peers``: the shared units other ranks (or this
+        one) published, as ObjectRefs of raw bytes (never pickled tensors)."""
+        peer_get = None
+        if peers:
+            import ray
+
+            peer_get = ray.get
+        stats = self.loader.load(
+            reads,
+            source,
+            units=units,
+            version=version,
+            staging_budget=staging_budget,
+            whole_units=whole_units,
+            progress=self._set_progress,
+            fault_hook=self._fault_hook,
+            peers=peers,
+            peer_get=peer_get,
+        )
+        return self.report(stats)
+
+    def fetch_shared(
+        self, items: list[tuple[int, Unit, UnitReads]], source: SourceInfo, staging_budget: int
+    ) -> dict[str, Any]:
+        """Fetch the shared reads this rank owns from storage and ``ray.put`` their raw
+        bytes (uint8 arrays: plasma shares them within a node, the object manager moves
+        them to other nodes). The refs go back to the driver, which hands them to the
+        users; this process owns the objects while it lives."""
+        import ray
+
+        got = self.loader.fetch_for_peers(
+            items, source, staging_budget=staging_budget, publish=ray.put
+        )
+        return {
+            "handles": got.handles,
+            "fetched": got.bytes_from_storage,
+            "published": got.published_bytes,
+            "peak": got.peak_staging_bytes,
+            "seconds": round(got.seconds, 4),
+        }
+
+    def report(self, stats: RunStats | None = None) -> dict[str, Any]:
+        stats = stats or self.loader.last_stats
+        out = self.info()
+        out.update(
+            {
+                "version": self.loader.version,
+                "consistent": self.loader.consistent,
+                "identity": list(self.loader.identity) if self.loader.identity else None,
+                "units": self.loader.unit_status(),
+                "tensors": self.loader.tensor_report(),
+                "bytes_read": stats.bytes_read,
+                "bytes_needed": stats.bytes_needed,
+                "predicted_peak_staging_bytes": stats.predicted_peak_staging_bytes,
+                "measured_peak_staging_bytes": stats.measured_peak_staging_bytes,
+                "device_peak_staging_bytes": stats.device_peak_bytes,
+                "rss_growth_bytes": stats.rss_growth_bytes,
+                "bytes_from_storage": stats.bytes_from_storage,
+                "bytes_from_peers": stats.bytes_from_peers,
+                "peer_fallbacks": stats.peer_fallbacks,
+                "seconds": round(stats.seconds, 4),
+                "read_seconds": round(stats.read_seconds, 4),
+                "convert_seconds": round(stats.convert_seconds, 4),
+            }
+        )
+        return out
+
+    def host_tensors(self) -> dict[str, tuple[str, list[int], Any]]:
+        """name -> (torch dtype name, shape, raw bytes as a numpy uint8 array).
+
+        Raw bytes, not tensors: Ray would pickle tensors through torch.load, which mxload
+        never uses (and which fails for float8 storages)."""
+        out = {}
+        for name, t in self.loader.host_tensors().items():
+            raw = t.contiguous().reshape(-1).view(torch.uint8).numpy()
+            out[name] = (str(t.dtype).removeprefix("torch."), list(t.shape), raw)
+        return out
+
+    def checksums(self) -> dict[str, str]:
+        return self.loader.checksums()
+
+
+def probe_device(device: str, resource: str) -> str:
+    """Whether this process can compute on ``device``: "" if it can, else the reason (one
+    line, naming the node). Run by the driver as a small task on every node of the
+    placement group before any worker starts, so a node without torch_npu or CUDA is a
+    refusal in seconds rather than workers failing, restarting and failing again."""
+    from mxload.orchestrator.errors import MxloadError
+    from mxload.workers.numerics.backend import select_backend
+
+    var = VISIBLE_DEVICE_VARS.get(resource, "")
+    visible = os.environ.get(var, "") if var else ""
+    try:
+        select_backend(device, visible_devices=visible or None)
+    except MxloadError as err:
+        return f"node {socket.gethostname()} ({_node_ip()}): {err.message}"
+    return ""
+
+
+def _node_ip() -> str:
+    try:
+        import ray
+
+        return str(ray.util.get_node_ip_address())
+    except Exception:  # outside Ray: the name alone says where
+        return "?"
+
+
+def remote_class() -> Any:
+    """The Ray actor class (built lazily so importing this module needs no Ray)."""
+    import ray
+
+    return ray.remote(num_cpus=0, max_concurrency=2)(RankWorker)

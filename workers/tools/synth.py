@@ -1,0 +1,514 @@
+"""Synthetic block-FP8 checkpoints in the real Hugging Face layout (``mxload make-checkpoint``).
+
+Why: every test, the demo and the benchmarks need checkpoints, and none may be downloaded
+(STYLE "tests ... built by fixtures (seeded), never downloaded"). A synthetic checkpoint
+has the exact file layout, tensor names, dtypes and shapes of a Qwen3 / Qwen3-MoE FP8
+release (SPEC §1.1): ``config.json``, ``model-0000X-of-0000Y.safetensors`` shards and
+``model.safetensors.index.json`` (or one ``model.safetensors``), only smaller.
+
+What is in it:
+
+* quantized linears (``q/k/v/o_proj``, dense ``gate/up/down_proj`` and per-expert
+  ``mlp.experts.{e}.{gate,up,down}_proj``): ``F8_E4M3`` ``weight`` ``[N, K]`` plus ``F32``
+  ``weight_scale_inv`` ``[ceil(N/B_N), ceil(K/B_K)]``. Weights are normal samples with a
+  per-row magnitude drawn over six binades (so MX groups get different exponents,
+  subnormal FP8 codes included), saturated to ±448 and rounded to E4M3. Tile scales are
+  log-uniform over ``tile_scale_range`` (several binades, finite, positive);
+* with ``special_tiles``: one all-zero weight tile (``layers.0.self_attn.q_proj``, tile
+  (0, 0)) and one tile whose scale is ``2**-120`` (the first MLP linear of layer 0, tile
+  (0, last)), whose resolved values fall below the ``2**-118`` threshold where the MX
+  rule of SPEC §2.2 departs from torchao's;
+* everything else (``embed_tokens``, ``lm_head`` unless tied, norms, the MoE router
+  ``mlp.gate.weight``) in the config's model dtype (BF16 by default);
+* with ``bf16=True``: the *same* model as a plain BF16 checkpoint (what an RL trainer
+  writes for a reload, SPEC §4): no ``quantization_config``, each linear stored as its
+  resolved value ``bf16(f32(W) * S)`` (SPEC §2.1), every other tensor byte-identical.
+  Modules listed in ``modules_to_not_convert`` / ``ignored_layers`` are written that way
+  in a quantized checkpoint too.
+
+Determinism: each tensor is generated from its own generator seeded by ``(seed, name)``,
+so the same seed gives identical bytes whatever the shard count or write order, and the
+BF16 twin of a checkpoint resolves the same FP8 tensors.
+
+Sharding is by bytes in Hugging Face's module order, with the cuts nudged so that at
+least one decoder layer straddles two shards (real releases do that, and readers must
+not assume a layer lives in one file). Files are written with the streaming
+:class:`~workers.safetensors_io.SafetensorsWriter`, through fsspec for URLs.
+
+Limits: Qwen3 and Qwen3-MoE only (DeepSeek-V3 is planning-only in mxload); block-FP8
+and BF16 outputs only (MXFP8 checkpoints come from ``mxload convert``).
+"""
+
+from __future__ import annotations
+
+import bisect
+import copy
+import hashlib
+import itertools
+import json
+import math
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import fsspec
+import torch
+from mxload.orchestrator.errors import UnsupportedError, UsageError
+from mxload.orchestrator.plan.config import LOADABLE_ARCHITECTURES, ModelConfig, parse_config
+from mxload.orchestrator.plan.formats import (
+    BLOCK_SCALE_DTYPE,
+    BLOCK_SCALE_SUFFIX,
+    CONFIG_FILE,
+    E4M3_MAX,
+    INDEX_FILE,
+    MODEL_DTYPES,
+    QUANT_WEIGHT_DTYPE,
+    SAFETENSORS_ITEMSIZE,
+    SINGLE_FILE,
+    ceil_div,
+)
+from mxload.workers.safetensors_io import SAFETENSORS_TO_TORCH, SafetensorsWriter
+
+_FP8_BLOCK_QUANT: dict[str, Any] = {
+    "quant_method": "fp8",
+    "fmt": "e4m3",
+    "activation_scheme": "dynamic",
+    "weight_block_size": [128, 128],
+}
+
+PRESETS: dict[str, dict[str, Any]] = {
+    # Qwen3-30B-A3B-FP8 in miniature: every layer MoE except layer 2 (mlp_only_layers),
+    # so a dense MLP layer exists too. vocab 1000 is not a multiple of 64 (vLLM pads it).
+    "qwen3-moe-tiny": {
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "model_type": "qwen3_moe",
+        "attention_bias": False,
+        "decoder_sparse_step": 1,
+        "head_dim": 64,
+        "hidden_act": "silu",
+        "hidden_size": 256,
+        "intermediate_size": 512,
+        "max_position_embeddings": 4096,
+        "mlp_only_layers": [2],
+        "moe_intermediate_size": 128,
+        "norm_topk_prob": True,
+        "num_attention_heads": 4,
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        "num_hidden_layers": 4,
+        "num_key_value_heads": 2,
+        "rms_norm_eps": 1e-06,
+        "rope_theta": 1000000.0,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+        "vocab_size": 1000,
+        "quantization_config": _FP8_BLOCK_QUANT,
+    },
+    # Qwen3-32B-FP8 in miniature.
+    "qwen3-dense-tiny": {
+        "architectures": ["Qwen3ForCausalLM"],
+        "model_type": "qwen3",
+        "attention_bias": False,
+        "head_dim": 64,
+        "hidden_act": "silu",
+        "hidden_size": 256,
+        "intermediate_size": 512,
+        "max_position_embeddings": 4096,
+        "num_attention_heads": 4,
+        "num_hidden_layers": 2,
+        "num_key_value_heads": 2,
+        "rms_norm_eps": 1e-06,
+        "rope_theta": 1000000.0,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+        "vocab_size": 1024,
+        "quantization_config": _FP8_BLOCK_QUANT,
+    },
+    # Edges on purpose: hidden 160 = 1.25 tiles and 5 MX groups (odd); q_proj N = 192 and
+    # o_proj K = 192 (1.5 tiles); experts 96 wide (a partial tile, 3 groups: odd; 48 per
+    # rank at tp=2, so the MoE falls back); dense MLP 224 (7 groups); MoE only on layers
+    # 1 and 3 (decoder_sparse_step 2); 6 experts (uneven over 4 EP ranks); vocab 997
+    # (prime); tied embeddings (no lm_head.weight in the files).
+    "qwen3-moe-awkward": {
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "model_type": "qwen3_moe",
+        "attention_bias": False,
+        "decoder_sparse_step": 2,
+        "head_dim": 48,
+        "hidden_act": "silu",
+        "hidden_size": 160,
+        "intermediate_size": 224,
+        "max_position_embeddings": 2048,
+        "mlp_only_layers": [],
+        "moe_intermediate_size": 96,
+        "norm_topk_prob": True,
+        "num_attention_heads": 4,
+        "num_experts": 6,
+        "num_experts_per_tok": 2,
+        "num_hidden_layers": 4,
+        "num_key_value_heads": 2,
+        "rms_norm_eps": 1e-06,
+        "rope_theta": 1000000.0,
+        "tie_word_embeddings": True,
+        "torch_dtype": "bfloat16",
+        "vocab_size": 997,
+        "quantization_config": _FP8_BLOCK_QUANT,
+    },
+}
+"""config.json of each preset (``mxload make-checkpoint --preset NAME``)."""
+
+DEFAULT_TILE_SCALE_RANGE: tuple[float, float] = (2.0**-14, 2.0**-4)
+"""Tile scales are log-uniform in this range: ten binades, like real FP8 releases' 1e-4..1e-2."""
+
+TINY_SCALE = 2.0**-120
+"""The special tile's scale: resolved magnitudes <= 448 * 2**-120 < 2**-111, and small
+codes land below 2**-118 (SPEC §2.2's torchao divergence) and in bf16 subnormals."""
+
+_ROW_BINADES = 6.0
+_ROW_PEAK = 150.0  # row std before saturation: a few samples per row reach the ±448 clamp
+
+
+@dataclass(frozen=True)
+class _Tensor:
+    """One checkpoint tensor to generate."""
+
+    name: str
+    dtype: str
+    """safetensors dtype string."""
+    shape: tuple[int, ...]
+    role: str
+    """qweight | qscale | resolved (a linear written in the model dtype) | embed | norm | router"""
+    module: str = ""
+    """For linears: the module (``...q_proj``)."""
+
+
+def preset_config(preset: str, overrides: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """A preset's config.json dict with ``overrides`` applied (shallow; a ``None`` value
+    removes the key, e.g. ``{"quantization_config": None}`` for a BF16 model)."""
+    if preset not in PRESETS:
+        raise UsageError(
+            f"--preset: unknown preset {preset!r}; choose one of {', '.join(sorted(PRESETS))}",
+            key="--preset",
+        )
+    cfg = copy.deepcopy(PRESETS[preset])
+    for key, value in (overrides or {}).items():
+        if value is None:
+            cfg.pop(key, None)
+        else:
+            cfg[key] = copy.deepcopy(value)
+    return cfg
+
+
+def _linear_modules(cfg: ModelConfig, i: int) -> list[tuple[str, int, int]]:
+    """(module, N, K) of layer ``i``'s linears, in Hugging Face's module order."""
+    p = f"model.layers.{i}"
+    h, hd = cfg.hidden_size, cfg.head_dim
+    q, kv = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
+    out = [
+        (f"{p}.self_attn.q_proj", q, h),
+        (f"{p}.self_attn.k_proj", kv, h),
+        (f"{p}.self_attn.v_proj", kv, h),
+        (f"{p}.self_attn.o_proj", h, q),
+    ]
+    if cfg.is_moe_layer(i):
+        inter = cfg.moe_intermediate_size
+        for e in range(cfg.num_experts):
+            pe = f"{p}.mlp.experts.{e}"
+            out += [(f"{pe}.gate_proj", inter, h), (f"{pe}.up_proj", inter, h)]
+            out.append((f"{pe}.down_proj", h, inter))
+    else:
+        inter = cfg.intermediate_size
+        out += [(f"{p}.mlp.gate_proj", inter, h), (f"{p}.mlp.up_proj", inter, h)]
+        out.append((f"{p}.mlp.down_proj", h, inter))
+    return out
+
+
+def _tensors(cfg: ModelConfig, quantized: bool) -> list[_Tensor]:
+    """Every tensor of the checkpoint, in Hugging Face's state-dict order."""
+    plain = MODEL_DTYPES[cfg.model_dtype]
+    h = cfg.hidden_size
+    bn, bk = cfg.quant.block_n, cfg.quant.block_k
+    out = [_Tensor("model.embed_tokens.weight", plain, (cfg.vocab_size, h), "embed")]
+    for i in range(cfg.num_hidden_layers):
+        p = f"model.layers.{i}"
+        linears = _linear_modules(cfg, i)
+        attn, mlp = linears[:4], linears[4:]
+
+        def emit(mods: list[tuple[str, int, int]]) -> None:
+            for module, n, k in mods:
+                if quantized and not cfg.quant.is_excluded(module):
+                    out.append(
+                        _Tensor(f"{module}.weight", QUANT_WEIGHT_DTYPE, (n, k), "qweight", module)
+                    )
+                    scale_shape = (ceil_div(n, bn), ceil_div(k, bk))
+                    out.append(
+                        _Tensor(
+                            f"{module}.{BLOCK_SCALE_SUFFIX}",
+                            BLOCK_SCALE_DTYPE,
+                            scale_shape,
+                            "qscale",
+                            module,
+                        )
+                    )
+                else:
+                    out.append(_Tensor(f"{module}.weight", plain, (n, k), "resolved", module))
+
+        emit(attn)
+        out.append(_Tensor(f"{p}.self_attn.q_norm.weight", plain, (cfg.head_dim,), "norm"))
+        out.append(_Tensor(f"{p}.self_attn.k_norm.weight", plain, (cfg.head_dim,), "norm"))
+        if cfg.is_moe_layer(i):
+            out.append(_Tensor(f"{p}.mlp.gate.weight", plain, (cfg.num_experts, h), "router"))
+        emit(mlp)
+        out.append(_Tensor(f"{p}.input_layernorm.weight", plain, (h,), "norm"))
+        out.append(_Tensor(f"{p}.post_attention_layernorm.weight", plain, (h,), "norm"))
+    out.append(_Tensor("model.norm.weight", plain, (h,), "norm"))
+    if not cfg.tie_word_embeddings:
+        out.append(_Tensor("lm_head.weight", plain, (cfg.vocab_size, h), "embed"))
+    return out
+
+
+# --- generation ------------------------------------------------------------------------------
+
+
+def _generator(seed: int, name: str) -> torch.Generator:
+    digest = hashlib.sha256(f"{seed}\x00{name}".encode()).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1)
+
+
+@dataclass(frozen=True)
+class _Special:
+    zero_tile: str
+    """Module whose weight tile (0, 0) is all zeros."""
+    tiny_scale: str
+    """Module whose scale tile (0, last) is TINY_SCALE."""
+
+
+def _special(cfg: ModelConfig) -> _Special:
+    mlp = "mlp.experts.0.gate_proj" if cfg.is_moe_layer(0) else "mlp.gate_proj"
+    return _Special("model.layers.0.self_attn.q_proj", f"model.layers.0.{mlp}")
+
+
+class _Generator:
+    """Deterministic tensor values for one checkpoint (seed, scale range, specials)."""
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        seed: int,
+        scale_range: tuple[float, float],
+        special: _Special | None,
+    ) -> None:
+        self.cfg = cfg
+        self.seed = seed
+        self.log_lo, self.log_hi = math.log2(scale_range[0]), math.log2(scale_range[1])
+        self.special = special
+        self.bn = cfg.quant.block_n or 128
+        self.bk = cfg.quant.block_k or 128
+
+    def weight_fp8(self, module: str, n: int, k: int) -> torch.Tensor:
+        g = _generator(self.seed, f"{module}.weight")
+        row_mag = torch.exp2(-_ROW_BINADES * torch.rand(n, 1, generator=g)) * _ROW_PEAK
+        w = (torch.randn(n, k, generator=g) * row_mag).clamp_(-E4M3_MAX, E4M3_MAX)
+        if self.special is not None and module == self.special.zero_tile:
+            w[: self.bn, : self.bk] = 0.0
+        return w.to(torch.float8_e4m3fn)
+
+    def scale_inv_f32(self, module: str, n: int, k: int) -> torch.Tensor:
+        g = _generator(self.seed, f"{module}.{BLOCK_SCALE_SUFFIX}")
+        shape = (ceil_div(n, self.bn), ceil_div(k, self.bk))
+        u = torch.rand(shape, generator=g, dtype=torch.float64)
+        s = torch.exp2(self.log_lo + (self.log_hi - self.log_lo) * u).to(torch.float32)
+        if self.special is not None and module == self.special.tiny_scale:
+            s[0, -1] = TINY_SCALE
+        return s
+
+    def resolved(self, module: str, n: int, k: int, dtype: torch.dtype) -> torch.Tensor:
+        """SPEC §2.1: ``to_model_dtype(f32(W) * S[r // B_N, c // B_K])``, one rounding."""
+        w = self.weight_fp8(module, n, k).to(torch.float32)
+        s = self.scale_inv_f32(module, n, k)
+        s_full = s.repeat_interleave(self.bn, 0)[:n].repeat_interleave(self.bk, 1)[:, :k]
+        return (w * s_full).to(dtype)
+
+    def tensor(self, t: _Tensor) -> torch.Tensor:
+        tdtype = SAFETENSORS_TO_TORCH[t.dtype]
+        if t.role == "qweight":
+            return self.weight_fp8(t.module, *t.shape)
+        if t.role == "qscale":
+            n, k = self._linear_shape(t.module)
+            return self.scale_inv_f32(t.module, n, k)
+        if t.role == "resolved":
+            return self.resolved(t.module, t.shape[0], t.shape[1], tdtype)
+        g = _generator(self.seed, t.name)
+        if t.role == "norm":
+            return (1.0 + 0.1 * torch.randn(t.shape, generator=g)).to(tdtype)
+        return (0.02 * torch.randn(t.shape, generator=g)).to(tdtype)  # embed, router
+
+    def _linear_shape(self, module: str) -> tuple[int, int]:
+        layer = int(module.split(".")[2])
+        for m, n, k in _linear_modules(self.cfg, layer):
+            if m == module:
+                return n, k
+        raise KeyError(module)  # pragma: no cover - modules come from _linear_modules
+
+
+# --- sharding ---------------------------------------------------------------------------------
+
+
+def _layer_of(name: str) -> int | None:
+    parts = name.split(".")
+    if len(parts) > 2 and parts[0] == "model" and parts[1] == "layers":
+        return int(parts[2])
+    return None
+
+
+def _shard(tensors: list[_Tensor], shards: int) -> list[list[_Tensor]]:
+    """Contiguous groups of about equal bytes; a cut between two layers moves one tensor
+    so that a layer straddles two files, as in real releases."""
+    cum = list(
+        itertools.accumulate(math.prod(t.shape) * SAFETENSORS_ITEMSIZE[t.dtype] for t in tensors)
+    )
+    cuts: list[int] = []
+    for j in range(1, shards):
+        cut = bisect.bisect_left(cum, cum[-1] * j / shards) + 1  # tensors[:cut] reach the target
+        if 0 < cut < len(tensors) - 1:
+            before, after = _layer_of(tensors[cut - 1].name), _layer_of(tensors[cut].name)
+            if before != after and after is not None:
+                cut += 1
+        cuts.append(cut)
+    bounds = [0, *cuts, len(tensors)]
+    if any(b <= a for a, b in itertools.pairwise(bounds)):
+        raise UsageError(
+            f"--shards: cannot split {len(tensors)} tensors into {shards} non-empty shards",
+            key="--shards",
+        )
+    return [tensors[a:b] for a, b in itertools.pairwise(bounds)]
+
+
+# --- writing ----------------------------------------------------------------------------------
+
+
+def _join(out: str, name: str) -> str:
+    return out.rstrip("/") + "/" + name if "://" in out else os.path.join(out, name)
+
+
+def _write_text(path: str, text: str, storage_options: Mapping[str, Any]) -> None:
+    with fsspec.open(path, "w", encoding="utf-8", **storage_options) as f:
+        f.write(text)
+
+
+def make_checkpoint(
+    out: str,
+    preset: str,
+    *,
+    seed: int = 0,
+    shards: int = 2,
+    storage_options: Mapping[str, Any] | None = None,
+    bf16: bool = False,
+    overrides: Mapping[str, Any] | None = None,
+    tile_scale_range: tuple[float, float] = DEFAULT_TILE_SCALE_RANGE,
+    special_tiles: bool = True,
+) -> dict[str, Any]:
+    """Write a synthetic checkpoint of ``preset`` to ``out`` (a local path or fsspec URL).
+
+    Returns a summary: ``out``, ``preset``, ``seed``, ``quantized``, ``files`` (file names
+    relative to ``out``, config and index included), ``shards``, ``tensors`` (count),
+    ``bytes`` (tensor bytes, the index's ``total_size``) and ``special_tiles`` (which
+    tensors and tiles got the special values).
+    """
+    if isinstance(shards, bool) or not isinstance(shards, int) or shards < 1:
+        raise UsageError(f"--shards must be a positive integer, got {shards!r}", key="--shards")
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise UsageError(f"--seed must be an integer, got {seed!r}", key="--seed")
+    lo, hi = tile_scale_range
+    if not (0.0 < lo <= hi and math.isfinite(hi)):
+        raise UsageError(
+            f"tile_scale_range must be 0 < lo <= hi < inf, got {tile_scale_range!r}",
+            key="tile_scale_range",
+        )
+    cfg_dict = preset_config(preset, overrides)
+    if bf16:
+        cfg_dict.pop("quantization_config", None)
+    source = f"preset {preset}"
+    cfg = parse_config(cfg_dict, source)
+    if cfg.architecture not in LOADABLE_ARCHITECTURES:
+        raise UnsupportedError(
+            f"{source}: make-checkpoint writes {', '.join(LOADABLE_ARCHITECTURES)} only, "
+            f"not {cfg.architecture}",
+            key="architectures",
+        )
+    if cfg.quant.kind == "mxfp8":
+        raise UnsupportedError(
+            f"{source}: make-checkpoint writes block-FP8 or BF16; MXFP8 comes from mxload convert",
+            key="quantization_config",
+        )
+    quantized = cfg.quant.kind == "block_fp8"
+    tensors = _tensors(cfg, quantized)
+
+    special = _special(cfg) if special_tiles else None
+    gen = _Generator(cfg, seed, (lo, hi), special)
+    options = dict(storage_options or {})
+    if "://" not in out or out.startswith("file://"):
+        os.makedirs(out[len("file://") :] if out.startswith("file://") else out, exist_ok=True)
+
+    groups = _shard(tensors, shards)
+    names = (
+        [SINGLE_FILE]
+        if shards == 1
+        else [f"model-{i + 1:05d}-of-{shards:05d}.safetensors" for i in range(shards)]
+    )
+    weight_map: dict[str, str] = {}
+    total = 0
+    meta = {"format": "pt"}
+    for fname, group in zip(names, groups, strict=True):
+        specs = [(t.name, t.dtype, t.shape) for t in group]
+        by_name = {t.name: t for t in group}
+        with SafetensorsWriter(_join(out, fname), specs, meta, storage_options=options) as w:
+            for name in w.order:  # data order: the stream never buffers a tensor
+                w.write(name, gen.tensor(by_name[name]).contiguous())
+        for t in group:
+            weight_map[t.name] = fname
+            total += math.prod(t.shape) * SAFETENSORS_ITEMSIZE[t.dtype]
+
+    files = list(names)
+    _write_text(_join(out, CONFIG_FILE), json.dumps(cfg_dict, indent=2) + "\n", options)
+    files.insert(0, CONFIG_FILE)
+    if shards > 1:
+        index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+        _write_text(_join(out, INDEX_FILE), json.dumps(index, indent=2) + "\n", options)
+        files.insert(1, INDEX_FILE)
+
+    specials: list[dict[str, Any]] = []
+    if special is not None:
+        present = {t.name: t for t in tensors}
+        zero_w = f"{special.zero_tile}.weight"
+        if zero_w in present:
+            kind = "zero_weights" if present[zero_w].role == "qweight" else "zero_values"
+            specials.append({"tensor": zero_w, "tile": [0, 0], "kind": kind})
+        tiny = f"{special.tiny_scale}.{BLOCK_SCALE_SUFFIX}"
+        if tiny in present:
+            cols = present[tiny].shape[1]
+            specials.append(
+                {"tensor": tiny, "tile": [0, cols - 1], "kind": "tiny_scale", "value": TINY_SCALE}
+            )
+        elif f"{special.tiny_scale}.weight" in present:
+            k = present[f"{special.tiny_scale}.weight"].shape[1]
+            specials.append(
+                {
+                    "tensor": f"{special.tiny_scale}.weight",
+                    "tile": [0, ceil_div(k, gen.bk) - 1],
+                    "kind": "tiny_values",
+                    "value": TINY_SCALE,
+                }
+            )
+    return {
+        "out": out,
+        "preset": preset,
+        "seed": seed,
+        "quantized": quantized,
+        "files": files,
+        "shards": shards,
+        "tensors": len(tensors),
+        "bytes": total,
+        "special_tiles": specials,
+    }
