@@ -281,8 +281,26 @@ def test_deepseek_layouts() -> None:
 
 
 def test_expert_parallel_on_a_dense_model_is_a_no_op() -> None:
-    # Documented decision (orchestrator.layout): accepted, nothing to place.
-    validate_layout(real("qwen3-32b-fp8"), ParallelLayout(tp=8, dp=2, enable_expert_parallel=True))
+    """Accepted on a dense model and changes nothing: every rank plans exactly what the
+    layout without EP plans (expert rank 0, no experts, `docs/contract.md` experts list
+    ``[]`` for dense models). The same comparison on an MoE model does see the flag."""
+    from mxload.orchestrator.plan.planner import build_plan
+
+    dense = real("qwen3-32b-fp8")
+    with_ep = ParallelLayout(tp=8, dp=2, enable_expert_parallel=True)
+    validate_layout(dense, with_ep)
+    on = build_plan(dense, with_ep).ranks
+    off = build_plan(dense, ParallelLayout(tp=8, dp=2)).ranks
+    assert len(on) == len(off) == 16
+    for a, b in zip(on, off, strict=True):
+        assert a == b, f"rank {a.rank}: EP changed a dense model's plan"
+        assert a.ep_rank == 0 and a.experts == ()
+    moe = qwen3(architectures=["Qwen3MoeForCausalLM"], num_experts=8, moe_intermediate_size=256)
+    moe_on = build_plan(moe, ParallelLayout(tp=2, dp=2, enable_expert_parallel=True)).ranks
+    moe_off = build_plan(moe, ParallelLayout(tp=2, dp=2)).ranks
+    assert [r.experts for r in moe_on] == [(0, 1), (2, 3), (4, 5), (6, 7)]
+    assert [r.ep_rank for r in moe_on] == [0, 1, 2, 3]
+    assert all(r.experts == tuple(range(8)) and r.ep_rank == 0 for r in moe_off)
 
 
 def test_every_reason_is_listed() -> None:
