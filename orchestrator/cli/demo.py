@@ -73,7 +73,7 @@ def _progress(json_out: bool, label: str) -> Iterator[Any]:
 
 
 def run_demo(workdir: str | None = None, json_out: bool = False) -> int:
-    from mxload.orchestrator.cli.commands import render_load_table
+    from mxload.orchestrator.cli.rendering import render_load_table
     from mxload.orchestrator.runtime.session import Session
     from mxload.workers.tools.synth import make_checkpoint
 

@@ -50,7 +50,7 @@ class RankProgress:
         clock: Callable[[], float] = time.monotonic,
         ncols: int | None = None,
     ) -> None:
-        from tqdm import tqdm
+        from tqdm import tqdm  # type: ignore[import-untyped]
 
         self.stall_s = stall_s
         self.clock = clock

@@ -300,7 +300,7 @@ class OutputDir:
 
     def _filesystem(self) -> Any:
         if self._fs is None:
-            import fsspec
+            import fsspec  # type: ignore[import-untyped]
 
             self._fs, _ = fsspec.core.url_to_fs(self.target, **self.storage_options)
         return self._fs

@@ -10,7 +10,8 @@ from __future__ import annotations
 import argparse
 
 import pytest
-from mxload.orchestrator.cli import commands as cli
+from mxload.orchestrator.cli import flags as cli
+from mxload.orchestrator.cli.commands import COMMANDS
 from mxload.orchestrator.errors import UsageError
 
 
@@ -26,7 +27,7 @@ def options(p: argparse.ArgumentParser) -> dict[str, argparse.Action]:
 
 def test_every_command_is_listed_and_every_flag_has_help() -> None:
     subs = subparsers()
-    assert sorted(subs) == sorted(cli.COMMANDS) == sorted(cli.ALL)
+    assert sorted(subs) == sorted(COMMANDS) == sorted(cli.ALL)
     missing = [
         f"{name} {a.dest}"
         for name, p in subs.items()
@@ -62,8 +63,8 @@ PRESENT = {
     "--storage-options": ["inspect", "plan", "load", "reload", "convert", "make-checkpoint"],
     "--tp": ["plan", "load"],
     "--address": ["load", "reload", "status", "release"],
-    "--json": list(cli.COMMANDS),
-    "--debug": list(cli.COMMANDS),
+    "--json": list(COMMANDS),
+    "--debug": list(COMMANDS),
 }
 
 
@@ -80,13 +81,11 @@ def test_flags_appear_only_where_they_act(flag: str) -> None:
 def test_flag_table_names_only_real_commands() -> None:
     for flag in cli.FLAGS:
         assert flag.help.strip(), flag.names
-        assert set(flag.commands) <= set(cli.COMMANDS), (flag.names, flag.commands)
+        assert set(flag.commands) <= set(COMMANDS), (flag.names, flag.commands)
 
 
 def parse(*argv: str) -> argparse.Namespace:
-    args = cli.build_parser().parse_args(list(argv))
-    cli._apply_defaults(args)
-    return args
+    return cli.parse_args(argv)
 
 
 def test_defaults_used_are_recorded() -> None:
@@ -109,4 +108,4 @@ def test_sizes_need_a_unit() -> None:
 def test_presets_named_in_help_are_the_writers_presets() -> None:
     from mxload.workers.tools.synth import PRESETS
 
-    assert cli._preset_names() == sorted(PRESETS)
+    assert cli.preset_names() == sorted(PRESETS)

@@ -1,0 +1,644 @@
+"""The ``mxload`` command line's flags: declared once, parsed, checked, given defaults.
+
+What a command receives is an ``argparse.Namespace`` whose values are already checked and
+converted (sizes in bytes, defaults filled in and recorded in ``args.defaults_used``), so
+the commands in ``commands.py`` only call the library. Every mistake here is a
+:class:`UsageError` (exit 2, one line naming the flag); a mistyped flag or command gets a
+"did you mean" suggestion, and no parser accepts an abbreviation of a flag.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import json
+import os
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from mxload.cluster.local import mxload_home
+from mxload.orchestrator.errors import UsageError
+from mxload.orchestrator.plan.engines import DEFAULT_ENGINE, ENGINES
+from mxload.orchestrator.plan.sizes import parse_size
+from mxload.orchestrator.plan.types import ParallelLayout
+from mxload.orchestrator.runtime.models import model_names, resolve_model
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse without abbreviations, whose errors are UsageErrors with a suggestion."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs["allow_abbrev"] = False
+        super().__init__(*args, **kwargs)
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        bad = re.search(r"invalid choice: '([^']*)' \(choose from (.*)\)", message)
+        if bad:
+            choices = re.findall(r"'([^']*)'", bad.group(2))
+            message += did_you_mean(bad.group(1), choices)
+        raise UsageError(message)
+
+
+def did_you_mean(word: str, known: Sequence[str]) -> str:
+    """``"; did you mean --x?"`` for the closest known spelling, or nothing."""
+    close = difflib.get_close_matches(word, known, n=1, cutoff=0.6)
+    return f"; did you mean {close[0]}?" if close else ""
+
+
+def option_strings(parser: argparse.ArgumentParser) -> list[str]:
+    return [s for a in parser._actions for s in a.option_strings]
+
+
+ALL = ("demo", "make-checkpoint", "inspect", "plan", "load", "reload", "status", "release", "convert")  # fmt: skip
+LAYOUT = ("plan", "load")
+"""Commands that take a parallel layout."""
+SESSION = ("load", "reload", "status", "release")
+"""Commands that reach a detached session or a Ray cluster."""
+READS = ("make-checkpoint", "inspect", "plan", "load", "reload", "convert")
+"""Commands that open a checkpoint URL through fsspec."""
+SOURCE = ("inspect", "plan", "load", "reload", "convert")
+"""Commands that read a checkpoint's files (the rules of the storage seam apply)."""
+
+SIZE_HELP = (
+    "SIZE with its unit: 64GiB = 64 x 2^30 bytes, 2GB = 2 x 10^9 bytes, 512MiB, 1048576B; "
+    "a bare number and the ambiguous 64G are refused"
+)
+
+
+@dataclass(frozen=True)
+class Flag:
+    """One command-line flag: its names, the commands it acts on, argparse keywords.
+
+    ``default`` is applied after parsing (argparse sees None) so the command knows which
+    defaults were used (``args.defaults_used``); ``size`` flags are parsed with a unit."""
+
+    names: tuple[str, ...]
+    commands: tuple[str, ...]
+    help: str
+    default: Any = None
+    size: bool = False
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def dest(self) -> str:
+        long = [n for n in self.names if n.startswith("--")]
+        return (long or list(self.names))[0].lstrip("-").replace("-", "_")
+
+
+FLAGS: tuple[Flag, ...] = (
+    # layout
+    Flag(("--tp",), LAYOUT, "tensor-parallel size", 1, kwargs={"type": int, "metavar": "N"}),
+    Flag(("--dp",), LAYOUT, "data-parallel size", 1, kwargs={"type": int, "metavar": "N"}),
+    Flag(("--pp",), LAYOUT, "pipeline-parallel size", 1, kwargs={"type": int, "metavar": "N"}),
+    Flag(
+        ("--enable-expert-parallel",),
+        LAYOUT,
+        "shard MoE experts over tp x dp ranks (vLLM's EP) instead of TP-sharding each expert",
+        kwargs={"action": "store_true"},
+    ),
+    Flag(
+        ("--expert-placement",),
+        LAYOUT,
+        "how experts map to EP ranks: linear (contiguous blocks) or round_robin",
+        "linear",
+        kwargs={"choices": ["linear", "round_robin"]},
+    ),
+    # engine
+    Flag(
+        ("--engine",),
+        ("plan", "load", "convert"),
+        "lay buffers out as this engine holds them after its own post-load (names, views, "
+        "placement): " + ", ".join(ENGINES),
+        DEFAULT_ENGINE,
+        kwargs={"choices": list(ENGINES)},
+    ),
+    Flag(
+        ("--engine",),
+        ("reload", "status"),
+        "the engine the session was loaded for (refused when it differs; default: the session's)",
+        kwargs={"choices": list(ENGINES)},
+    ),
+    # memory
+    Flag(
+        ("--device-memory",),
+        ("plan", "load"),
+        f"memory of one device; plans that do not fit exit 3 ({SIZE_HELP})",
+        size=True,
+        kwargs={"metavar": "SIZE"},
+    ),
+    Flag(
+        ("--staging-budget",),
+        ("plan", "load", "reload"),
+        f"host staging memory per rank (default: the largest unit; {SIZE_HELP})",
+        size=True,
+        kwargs={"metavar": "SIZE"},
+    ),
+    # devices and placement
+    Flag(
+        ("--device",),
+        ("load",),
+        "where buffers live: npu, cuda, cpu, or auto (npu where torch_npu imports, else cpu)",
+        "auto",
+        kwargs={"choices": ["auto", "npu", "cuda", "cpu"]},
+    ),
+    Flag(
+        ("--device",),
+        ("plan",),
+        "device the plan is for (its kernels' scratch differs): npu, cuda, cpu, auto",
+        "cpu",
+        kwargs={"choices": ["auto", "npu", "cuda", "cpu"]},
+    ),
+    Flag(
+        ("--devices-per-node",),
+        ("plan",),
+        "devices per node for the per-node headroom summary (ranks packed in order)",
+        16,
+        kwargs={"type": int, "metavar": "N"},
+    ),
+    Flag(
+        ("--resource",),
+        ("load",),
+        "Ray resource each rank asks one unit of (default NPU; GPU with --device cuda)",
+        kwargs={"metavar": "NAME"},
+    ),
+    Flag(
+        ("--placement",),
+        ("load",),
+        "Ray placement-group strategy for the ranks' bundles",
+        "pack",
+        kwargs={"choices": ["pack", "spread", "strict_pack", "strict_spread"]},
+    ),
+    Flag(
+        ("--max-restarts",),
+        ("load",),
+        "times a lost worker process is restarted and its rank redone before the load fails",
+        1,
+        kwargs={"type": int, "metavar": "N"},
+    ),
+    # read once per cluster, and the time model
+    Flag(
+        ("--share",),
+        ("plan", "load"),
+        "read-once scope: each replicated read is fetched from storage once per cluster, "
+        "once per node, or by every rank (none) and shared through Ray's object store",
+        "cluster",
+        kwargs={"choices": ["none", "node", "cluster"]},
+    ),
+    Flag(
+        ("--storage-bandwidth",),
+        ("plan",),
+        "time model: one node's bandwidth to the checkpoint store, per second",
+        "5GB",
+        size=True,
+        kwargs={"metavar": "SIZE"},
+    ),
+    Flag(
+        ("--storage-aggregate-bandwidth",),
+        ("plan",),
+        "time model: what the store serves the whole cluster at once, per second",
+        "40GB",
+        size=True,
+        kwargs={"metavar": "SIZE"},
+    ),
+    Flag(
+        ("--network-bandwidth",),
+        ("plan",),
+        "time model: one node's inbound network for peers' shared bytes, per second",
+        "25GB",
+        size=True,
+        kwargs={"metavar": "SIZE"},
+    ),
+    Flag(
+        ("--convert-rate",),
+        ("plan",),
+        "time model: source bytes one rank converts per second (default: 450MB on cpu, "
+        "measured by bench/; 20GB on npu/cuda/auto, an estimate until measured)",
+        size=True,
+        kwargs={"metavar": "SIZE"},
+    ),
+    Flag(
+        ("--request-latency",),
+        ("plan",),
+        "time model: seconds one storage request waits for its first byte (default: "
+        "0.01 for an object store or a config-only plan, 0.0001 for a local checkpoint)",
+        kwargs={"type": float, "metavar": "SECONDS"},
+    ),
+    Flag(
+        ("--storage-request-rate",),
+        ("plan",),
+        "time model: requests per second the store serves the whole cluster (0: unlimited)",
+        0.0,
+        kwargs={"type": float, "metavar": "N"},
+    ),
+    # cluster and session
+    Flag(
+        ("--address",),
+        SESSION,
+        "Ray head to join, HOST:PORT (default: the head recorded in $MXLOAD_HOME, "
+        f"here {mxload_home()}; for load, a new local one)",
+        kwargs={"metavar": "HOST:PORT"},
+    ),
+    Flag(
+        ("--session",),
+        SESSION,
+        "detached session name (load: only with --detach)",
+        "default",
+        kwargs={"metavar": "NAME"},
+    ),
+    Flag(
+        ("--force",),
+        ("release",),
+        "end the head mxload started and every session on it by pid, without asking Ray "
+        "(for a head that is up but does not answer; a dead head is cleaned up without it)",
+        kwargs={"action": "store_true"},
+    ),
+    Flag(
+        ("--detach",),
+        ("load",),
+        "keep the workers and their buffers alive after the command (then: status, "
+        "reload, release)",
+        kwargs={"action": "store_true"},
+    ),
+    # sources and numerics
+    Flag(
+        ("--storage-options",),
+        READS,
+        "JSON object passed to fsspec for s3:// or http(s):// URLs, e.g. "
+        '\'{"endpoint_url": "http://host:9000"}\'',
+        kwargs={"metavar": "JSON"},
+    ),
+    Flag(
+        ("--dtype",),
+        ("inspect", "plan", "load", "convert"),
+        "model dtype of unquantized tensors, instead of config.json's torch_dtype",
+        kwargs={"choices": ["bf16", "fp16", "fp32"]},
+    ),
+    Flag(
+        ("--allow-nonfinite",),
+        ("load", "convert"),
+        "let NaN/Inf block scales through (they are refused by default, naming the tensor)",
+        kwargs={"action": "store_true"},
+    ),
+    Flag(
+        ("--allow-outside-links",),
+        SOURCE,
+        "read checkpoint files whose links resolve outside the checkpoint folder (refused "
+        "by default: a checkpoint is a folder)",
+        kwargs={"action": "store_true"},
+    ),
+    Flag(
+        ("--connect-timeout",),
+        SOURCE,
+        "seconds to wait for a remote connection before the attempt fails and is retried "
+        "(default 10, at most 60)",
+        kwargs={"type": float, "metavar": "S"},
+    ),
+    Flag(
+        ("--read-timeout",),
+        SOURCE,
+        "seconds to wait for the next bytes of a remote answer before the attempt fails and "
+        "is retried (default 30, at most 60)",
+        kwargs={"type": float, "metavar": "S"},
+    ),
+    # outputs
+    Flag(
+        ("--overwrite",),
+        ("load", "status", "convert", "make-checkpoint"),
+        "replace a non-empty output folder (--dump DIR, convert's DST, make-checkpoint's OUT) "
+        "whole; refused by default",
+        kwargs={"action": "store_true"},
+    ),
+    Flag(
+        ("--dump",),
+        ("load", "status"),
+        "write what every rank holds to DIR/rank-NNNNN.safetensors",
+        kwargs={"metavar": "DIR"},
+    ),
+    Flag(
+        ("--report",),
+        ("load", "reload"),
+        "write the run's manifest (JSON) to FILE",
+        kwargs={"metavar": "FILE"},
+    ),
+    Flag(
+        ("--json",),
+        ALL,
+        "machine-readable JSON on stdout (no progress, no table)",
+        kwargs={"action": "store_true"},
+    ),
+    Flag(
+        ("-v", "--verbose"),
+        ALL,
+        "log what the library does (INFO) on stderr",
+        kwargs={"action": "store_true"},
+    ),
+    Flag(
+        ("--debug",),
+        ALL,
+        "show tracebacks and every library log (DEBUG)",
+        kwargs={"action": "store_true"},
+    ),
+)
+
+
+def _add_flags(p: argparse.ArgumentParser, command: str) -> None:
+    for flag in FLAGS:
+        if command in flag.commands:
+            shown = flag.help if flag.default is None else f"{flag.help} (default: {flag.default})"
+            p.add_argument(*flag.names, dest=flag.dest, default=None, help=shown, **flag.kwargs)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from mxload import __version__
+
+    parser = Parser(
+        prog="mxload",
+        description="Load block-FP8 checkpoints into Ascend MXFP8 kernel layouts, sharded "
+        "over Ray workers, reload them in place, and plan device memory.",
+        epilog="Exit status: 0 ok; 2 bad input or a refusal; 3 the plan does not fit; 1 a "
+        f"failed run; 4 status: the session is inconsistent. Detached sessions are recorded "
+        f"under $MXLOAD_HOME (here: {mxload_home()}; default ~/.mxload). 'mxload COMMAND "
+        "--help' for a command's flags.",
+    )
+    parser.add_argument("--version", action="version", version=f"mxload {__version__}")
+    sub = parser.add_subparsers(dest="command", parser_class=Parser, metavar="COMMAND")
+
+    def command(name: str, help: str) -> argparse.ArgumentParser:
+        return sub.add_parser(name, help=help, description=help)
+
+    p = command("demo", "make a tiny checkpoint, load it on local Ray, reload it in place")
+    p.add_argument("--workdir", default=None, metavar="DIR", help="keep the demo's files here")
+
+    p = command("make-checkpoint", "write a synthetic block-FP8 checkpoint in the HF layout")
+    p.add_argument("out", metavar="OUT", help="new folder or fsspec URL to write")
+    p.add_argument("--preset", required=True, help="model shape: " + ", ".join(preset_names()))
+    p.add_argument("--seed", type=int, default=0, metavar="N", help="random seed (default 0)")
+    p.add_argument(
+        "--shards", type=int, default=2, metavar="N", help="safetensors files (default 2)"
+    )
+    p.add_argument("--bf16", action="store_true", help="write the same model as plain BF16")
+
+    p = command("inspect", "what a checkpoint is: architecture, quantization, tensors, bytes")
+    p.add_argument("src", metavar="SRC", help="checkpoint folder or fsspec URL")
+
+    p = command("plan", "per-rank plan and memory table, from a checkpoint or a config alone")
+    p.add_argument("src", nargs="?", metavar="SRC", help="checkpoint folder or fsspec URL")
+    what = p.add_mutually_exclusive_group()
+    what.add_argument(
+        "--config", default=None, metavar="FILE", help="plan from this config.json alone"
+    )
+    what.add_argument(
+        "--model",
+        default=None,
+        metavar="NAME",
+        help="plan a packaged model from its published config: " + ", ".join(model_names()),
+    )
+
+    p = command("load", "distributed load on Ray (a local head unless --address)")
+    p.add_argument("src", metavar="SRC", help="checkpoint folder or fsspec URL")
+
+    p = command("reload", "in-place reload of a detached session (checked first)")
+    p.add_argument("src", metavar="SRC", help="the new checkpoint (same model)")
+
+    command("status", "a detached session's ranks, versions, addresses, memory")
+    command("release", "end a detached session (and the head 'load --detach' started)")
+
+    p = command("convert", "offline block-FP8 -> ModelOpt-style MXFP8 checkpoint")
+    p.add_argument("src", metavar="SRC", help="block-FP8 checkpoint folder or fsspec URL")
+    p.add_argument("dst", metavar="DST", help="output folder")
+    p.add_argument(
+        "--numerics",
+        choices=("auto", "fast", "reference"),
+        default="auto",
+        help="conversion path: fast (numba kernels), reference (eager torch, the naive "
+        "path), auto = fast where numba works (default)",
+    )
+    for name, p in sub.choices.items():
+        _add_flags(p, name)
+    return parser
+
+
+def preset_names() -> list[str]:
+    # The preset table lives with the synthetic writer; listing it must not import torch.
+    return ["qwen3-dense-tiny", "qwen3-moe-awkward", "qwen3-moe-tiny"]
+
+
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    """Parse, check and complete ``argv`` (UsageError on any mistake)."""
+    parser = build_parser()
+    args, extra = parser.parse_known_args(list(argv))
+    if not args.command:
+        raise UsageError("a command is required: " + ", ".join(ALL))
+    if extra:
+        _refuse_unknown(parser, args.command, extra)
+    _check_combinations(args)
+    apply_defaults(args)
+    return args
+
+
+def _refuse_unknown(parser: argparse.ArgumentParser, command: str, extra: list[str]) -> None:
+    (sub,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    word = extra[0]
+    hint = ""
+    if word.startswith("-"):
+        hint = did_you_mean(word.split("=", 1)[0], option_strings(sub.choices[command]))
+    raise UsageError(f"{command}: unrecognized argument {word}{hint}", key=word)
+
+
+def _check_combinations(args: argparse.Namespace) -> None:
+    """Flags that parse on their own but contradict each other (before defaults fill in,
+    so a flag the user gave is told apart from a default)."""
+    if args.command == "plan" and args.src and (args.model or args.config):
+        flag = f"--model {args.model}" if args.model else f"--config {args.config}"
+        raise UsageError(
+            f"plan: both SRC {args.src} and {flag} given; a plan reads one: drop SRC to "
+            f"plan from {flag}, or drop {flag.split()[0]} to plan the checkpoint",
+            key=flag.split()[0],
+        )
+    if args.command == "load" and args.session is not None and not args.detach:
+        raise UsageError(
+            f"--session {args.session} names a detached session: give --detach too (without "
+            "it the workers end when load returns, and no session is kept)",
+            key="--session",
+        )
+    if getattr(args, "address", None) is not None:
+        check_address(args.address)
+    if args.command in ("inspect", "load", "reload", "convert"):
+        check_source_folder(args.src)
+
+
+def apply_defaults(args: argparse.Namespace) -> None:
+    """Fill in the defaults the user did not give, record them (``args.defaults_used``,
+    shown by the tables), and parse sizes."""
+    used: list[str] = []
+    for flag in FLAGS:
+        if args.command not in flag.commands:
+            continue
+        value = getattr(args, flag.dest, None)
+        if flag.kwargs.get("action") == "store_true":
+            setattr(args, flag.dest, bool(value))
+            continue
+        if value is None and flag.default is not None:
+            default = flag.default
+            if flag.size and isinstance(default, str):  # "5GB": written as a user would
+                default = parse_size(default, flag.names[0], require_unit=True)
+            setattr(args, flag.dest, default)
+            used.append(f"{flag.names[0]} {flag.default}")
+        elif value is not None and flag.size:
+            setattr(args, flag.dest, size_flag(value, flag.names[0]))
+    args.defaults_used = used
+
+
+def size_flag(text: str, flag: str) -> int:
+    """A size flag in bytes. ``G``, ``M``, ``K`` and ``T`` alone are refused: some read
+    them as powers of 1024, others of 1000, and a plan off by 7% is a wrong verdict."""
+    unit = re.fullmatch(r"\s*[0-9.]+\s*([A-Za-z]*)\s*", text)
+    if unit and unit.group(1).upper() in ("K", "M", "G", "T"):
+        number = text.strip()[: -len(unit.group(1))].strip()
+        letter = unit.group(1).upper()
+        power = "KMGT".index(letter) + 1
+        raise UsageError(
+            f"{flag}: {text!r} is ambiguous; write {number}{letter}iB ({number} x "
+            f"2^{10 * power} bytes) or {number}{letter}B ({number} x 10^{3 * power} bytes)",
+            key=flag,
+        )
+    return parse_size(text, flag, require_unit=True)
+
+
+def check_address(address: str) -> None:
+    """``--address`` is HOST:PORT (or a Ray URL such as ``ray://HOST:PORT``, or ``auto``)."""
+    if address == "auto" or "://" in address:
+        return
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise UsageError(
+            f"--address {address}: not HOST:PORT (e.g. 127.0.0.1:6379, the port of the Ray "
+            "head's GCS)",
+            key="--address",
+        )
+
+
+def check_source_folder(src: str) -> None:
+    """A checkpoint is a folder: a local SRC that is a file (often its config.json) is
+    refused naming the folder meant."""
+    if "://" in src and not src.startswith("file://"):
+        return
+    path = src.removeprefix("file://")
+    if os.path.isfile(path):
+        folder = os.path.dirname(path) or "."
+        raise UsageError(
+            f"SRC {src} is a file, not a checkpoint folder; give its folder ({folder})",
+            file=src,
+        )
+
+
+def check_plan_source(src: str) -> None:
+    """``plan path/config.json`` (or a model name) where a checkpoint folder belongs: say
+    which flag was meant instead of failing on a file that is not a folder."""
+    if "://" in src and not src.startswith("file://"):
+        return
+    path = src.removeprefix("file://")
+    if os.path.isfile(path):
+        raise UsageError(
+            f"plan: {src} is a file, not a checkpoint folder; to plan from a config.json "
+            f"alone use --config {src}",
+            file=src,
+            key="--config",
+        )
+    if not os.path.exists(path):
+        try:
+            name = resolve_model(src)
+        except UsageError:
+            return
+        raise UsageError(
+            f"plan: {src} is not a checkpoint folder; for the packaged model use --model {name}",
+            key="--model",
+        )
+
+
+# --- values the commands pass to the library ---------------------------------------------------
+
+
+def storage_options(args: argparse.Namespace) -> dict[str, Any] | None:
+    from mxload.workers.storage import ALLOW_OUTSIDE_LINKS, CONNECT_TIMEOUT, READ_TIMEOUT
+
+    raw = getattr(args, "storage_options", None)
+    value: dict[str, Any] = {}
+    if raw:
+        try:
+            value = json.loads(raw)
+        except ValueError as err:
+            raise UsageError(
+                f"--storage-options: not valid JSON ({err})", key="--storage-options"
+            ) from None
+        if not isinstance(value, dict):
+            raise UsageError("--storage-options: must be a JSON object", key="--storage-options")
+    # The source flags travel as storage options: every worker then reads under them.
+    if getattr(args, "allow_outside_links", False):
+        value[ALLOW_OUTSIDE_LINKS] = True
+    for flag, key in (("connect_timeout", CONNECT_TIMEOUT), ("read_timeout", READ_TIMEOUT)):
+        if getattr(args, flag, None) is not None:
+            value[key] = getattr(args, flag)
+    return value or None
+
+
+def layout(args: argparse.Namespace) -> ParallelLayout:
+    for flag in ("tp", "dp", "pp"):
+        if getattr(args, flag) < 1:
+            raise UsageError(f"--{flag} must be >= 1, got {getattr(args, flag)}", key=f"--{flag}")
+    return ParallelLayout(
+        tp=args.tp,
+        dp=args.dp,
+        pp=args.pp,
+        enable_expert_parallel=args.enable_expert_parallel,
+        expert_placement=args.expert_placement,
+    )
+
+
+def size(args: argparse.Namespace, name: str) -> int | None:
+    """A size flag's value in bytes (parsed, with its unit, by ``apply_defaults``)."""
+    value = getattr(args, name, None)
+    return None if value is None else int(value)
+
+
+def is_remote(src: str | None) -> bool:
+    return bool(src) and "://" in str(src) and not str(src).startswith("file://")
+
+
+def time_model_rates(args: argparse.Namespace) -> Any:
+    """The time model's rates from ``plan``'s flags (``timemodel.Rates``), checked."""
+    from mxload.orchestrator.plan.timemodel import (
+        CPU_CONVERT_BYTES_PER_S,
+        LOCAL_REQUEST_LATENCY_S,
+        NPU_CONVERT_BYTES_PER_S,
+        REMOTE_REQUEST_LATENCY_S,
+        Rates,
+    )
+
+    convert = size(args, "convert_rate")
+    if convert is None:
+        convert = int(CPU_CONVERT_BYTES_PER_S if args.device == "cpu" else NPU_CONVERT_BYTES_PER_S)
+    for name in ("storage_bandwidth", "storage_aggregate_bandwidth", "network_bandwidth"):
+        if (size(args, name) or 0) <= 0:
+            raise UsageError(f"--{name.replace('_', '-')} must be > 0", key=name)
+    if convert <= 0 or args.devices_per_node < 1:
+        raise UsageError("--convert-rate and --devices-per-node must be > 0", key="--convert-rate")
+    latency = args.request_latency
+    if latency is None:
+        # A config-only plan is for a cluster, whose checkpoint sits in shared storage.
+        local = bool(args.src) and not is_remote(args.src)
+        latency = LOCAL_REQUEST_LATENCY_S if local else REMOTE_REQUEST_LATENCY_S
+    if latency < 0 or args.storage_request_rate < 0:
+        raise UsageError(
+            "--request-latency and --storage-request-rate must be >= 0", key="--request-latency"
+        )
+    return Rates(
+        storage_node=float(size(args, "storage_bandwidth") or 0),
+        storage_aggregate=float(size(args, "storage_aggregate_bandwidth") or 0),
+        network_node=float(size(args, "network_bandwidth") or 0),
+        convert=float(convert),
+        request_latency=float(latency),
+        storage_requests=float(args.storage_request_rate),
+    )

@@ -1,0 +1,335 @@
+"""What the ``mxload`` commands print: tables and one-line summaries for people, one JSON
+object on stdout with ``--json``, and refusals condensed to the line that matters.
+
+Pure functions of the library's results (dicts as they become JSON): no I/O here except
+:func:`emit`, so each text can be checked without running a command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from mxload.orchestrator.plan.sizes import format_size
+
+STATUS_INCONSISTENT = 4
+"""``mxload status`` exit status while the session does not hold one checkpoint everywhere
+(a failed or running reload, ranks or replicas that disagree, moved buffers)."""
+
+MISMATCHES_SHOWN = 3
+"""Items of a listing error (a refused reload's mismatches) kept on its one line; the
+whole list is in the error itself (``--debug``)."""
+
+
+def emit(args: argparse.Namespace, obj: Any, human: str) -> None:
+    """``obj`` as one JSON object on stdout under ``--json``, else the human text."""
+    if getattr(args, "json", False):
+        json.dump(obj, sys.stdout, indent=1)
+        sys.stdout.write("\n")
+    else:
+        print(human)
+
+
+def progress(args: argparse.Namespace, label: str) -> Any:
+    """A progress bar for a long run when stderr is a terminal and --json is off; None
+    otherwise (pipes and scripts see no control characters)."""
+    if args.json or not sys.stderr.isatty():
+        return None
+    from mxload.orchestrator.cli.progress import RankProgress
+
+    return RankProgress(label)
+
+
+def render_made(summary: dict[str, Any], *, bf16: bool) -> str:
+    """``make-checkpoint``'s one-line summary (the details are in ``--json``)."""
+    kind = "BF16" if bf16 else "block-FP8"
+    return (
+        f"wrote {kind} {summary['preset']} (seed {summary['seed']}) to {summary['out']}: "
+        f"{summary['tensors']} tensors in {summary['shards']} shard(s), "
+        f"{format_size(summary['bytes'])}, {len(summary.get('special_tiles', []))} special "
+        "tile(s) (--json lists them)"
+    )
+
+
+def render_convert(src: str, dst: str, summary: dict[str, Any]) -> str:
+    """``convert``'s human summary: what was written, how fast, what stayed unconverted."""
+    rate = summary.get("source_gb_per_s")
+    lines = [
+        f"converted {src} -> {dst}: {summary['tensors']} tensors in {summary['files']} "
+        f"file(s), {format_size(summary['source_bytes'])} read in {summary['seconds']:.2f} s"
+        + (f" ({rate:.3f} GB/s)" if rate else "")
+        + f" on {summary['backend']}"
+    ]
+    excluded = summary.get("excluded_modules") or []
+    if excluded:
+        shown = ", ".join(excluded[:4]) + (f" and {len(excluded) - 4} more" if len(excluded) > 4 else "")  # fmt: skip
+        lines.append(f"  kept unquantized (not converted): {shown}")
+    return "\n".join(lines)
+
+
+def render_release(info: dict[str, Any], session: str) -> str:
+    if "processes_ended" in info:
+        why = f"its head was down ({'; '.join(info['head_down'])})" if info["head_down"] else "--force"  # fmt: skip
+        return (
+            f"released session {session!r}: {why}; ended {len(info['processes_ended'])} "
+            f"process(es), removed the head's record and temp dir and the records of "
+            f"sessions {info['sessions_removed']}"
+        )
+    return (
+        f"released session {session!r}: {info['workers_ended']} worker(s) ended; "
+        f"head stopped: {info['head_stopped']}"
+    )
+
+
+def render_reloaded(manifest: dict[str, Any]) -> str:
+    moved = manifest.get("addresses_moved", [])
+    return (
+        render_load_table(manifest)
+        + f"\nreloaded to version {manifest['ranks'][0]['version']}; addresses moved: {len(moved)}"
+    )
+
+
+def render_status(manifest: dict[str, Any]) -> str:
+    versions = sorted({r["version"] for r in manifest["ranks"]})
+    return "\n".join(
+        [
+            *status_headline(manifest),
+            render_load_table(manifest),
+            f"versions {versions}; consistent: {bool(manifest['consistent'])}",
+        ]
+    )
+
+
+def condense_error(text: str) -> str:
+    """An error's text as the one line ``mxload: error:`` shows: a message that lists
+    many mismatches (a refused reload) keeps its first line and first causes, capped."""
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    if len(lines) <= 1:
+        return text.strip()
+    head, items = lines[0], [ln for ln in lines[1:] if not ln.startswith("... and ")]
+    total = len(items) + sum(int(ln.split()[2]) for ln in lines[1:] if ln.startswith("... and "))
+    shown = "; ".join(items[:MISMATCHES_SHOWN])
+    more = f"; ... and {total - MISMATCHES_SHOWN} more (--debug lists them)" if total > MISMATCHES_SHOWN else ""  # fmt: skip
+    return f"{head.rstrip(':')}: {shown}{more}"
+
+
+def render_inspect(src: str, info: dict[str, Any]) -> str:
+    """``inspect``'s human summary: the model, its quantization, bytes per kind, files."""
+    quant = info["quantization"]
+    if "weight_block_size" in info:
+        quant += " (blocks " + "x".join(str(b) for b in info["weight_block_size"]) + ")"
+    experts = f", {info['experts']} experts in {info['moe_layers']} MoE layers" if info["experts"] else ""  # fmt: skip
+    lines = [
+        src,
+        f"  model         {info['architecture']}: {info['layers']} layers{experts}, "
+        f"hidden {info['hidden_size']}, vocab {info['vocab_size']}, dtype {info['dtype']}",
+        f"  quantization  {quant}; {info['quantized_linears']} quantized linears"
+        + (
+            f"; not converted: {', '.join(info['not_converted'])}"
+            if info.get("not_converted")
+            else ""
+        ),
+        f"  tensors       {info['num_tensors']} in {info['num_files']} file(s), "
+        f"{format_size(info['tensor_bytes'])}",
+        "  bytes by kind "
+        + ", ".join(f"{kind} {format_size(n)}" for kind, n in info["tensor_bytes_by_kind"].items()),
+        "  bytes by dtype "
+        + ", ".join(
+            f"{dt} {format_size(n)} ({info['tensors_by_dtype'][dt]} tensors)"
+            for dt, n in info["tensor_bytes_by_dtype"].items()
+        ),
+        "  files",
+    ]
+    for f in info["files"]:
+        lines.append(f"    {f['file']}  {format_size(f['bytes'])}, {f['tensors']} tensors")
+    return "\n".join(lines)
+
+
+def layout_header(par: dict[str, Any], defaults_used: Sequence[str] = ()) -> list[str]:
+    """The layout a table is for, and the defaults that filled in what was not given."""
+    lines = [
+        f"layout: tp={par['tp']} dp={par['dp']} pp={par['pp']} "
+        f"ep={'on' if par['enable_expert_parallel'] else 'off'} "
+        f"expert_placement={par.get('expert_placement', 'linear')} world={par['world']}"
+    ]
+    if defaults_used:
+        lines.append("defaults used: " + ", ".join(defaults_used))
+    return lines
+
+
+def render_plan_table(
+    obj: dict[str, Any], devices_per_node: int = 16, defaults_used: Sequence[str] = ()
+) -> str:
+    """``plan``'s human output: what it is for (model, device, layout), a row per rank,
+    the time model, and the verdict as the last line."""
+    device = obj.get("device", "cpu")
+    lines = [
+        f"model: {obj['model'].get('architecture')}, planned for device {device}"
+        + (" (--device npu for Ascend)" if device == "cpu" else ""),
+        *layout_header(obj["parallel"], defaults_used),
+        *_plan_rows(obj),
+        *_time_model_lines(obj.get("time_model")),
+        "minimum staging budget: load "
+        f"{format_size(obj['min_staging_bytes']['load'])}, reload "
+        f"{format_size(obj['min_staging_bytes']['reload'])}",
+        *_per_node_lines(obj, devices_per_node),
+        plan_verdict(obj),
+    ]
+    return "\n".join(lines)
+
+
+def plan_verdict(obj: dict[str, Any]) -> str:
+    """One line: whether every rank's peak fits the device memory, or that it was not
+    checked (no ``--device-memory``)."""
+    dev = obj.get("device_memory_bytes")
+    if dev is None:
+        return "fit not checked: give --device-memory SIZE to check each rank's peak against it"
+    worst = max(obj["ranks"], key=lambda r: r["peak_bytes"])
+    peak = worst["peak_bytes"]
+    if obj["fits"]:
+        return (
+            f"FITS: every rank's peak fits {format_size(dev)} of device memory (tightest: "
+            f"rank {worst['rank']}, peak {format_size(peak)}, headroom {format_size(dev - peak)})"
+        )
+    over = sum(r["peak_bytes"] > dev for r in obj["ranks"])
+    return (
+        f"DOES NOT FIT: {over} of {len(obj['ranks'])} ranks need more than "
+        f"{format_size(dev)} of device memory (worst: rank {worst['rank']}, peak "
+        f"{format_size(peak)}, short by {format_size(peak - dev)})"
+    )
+
+
+def _plan_rows(obj: dict[str, Any]) -> list[str]:
+    lines = [
+        f"{'rank':>5} {'tp':>3} {'dp':>3} {'pp':>3} {'ep':>3} {'layers':>9} {'experts':>8} "
+        f"{'persistent':>12} {'staging':>11} {'peak':>12} {'read':>11} {'amp':>6} {'headroom':>12}"
+        f" {'load s':>7}",
+    ]
+    dev = obj.get("device_memory_bytes")
+    ranks = obj["ranks"]
+    # Many ranks: the first 32 and the last 8, the note standing where rows are left out.
+    gap = 32 if len(ranks) > 64 else len(ranks)
+    shown = ranks if len(ranks) <= 64 else ranks[:32] + ranks[-8:]
+    for i, r in enumerate(shown):
+        if i == gap:
+            lines.append(f"  ... {len(ranks) - len(shown)} more ranks (see --json)")
+        layers = f"{r['layers'][0]}-{r['layers'][-1]}" if r["layers"] else "-"
+        amp = r["bytes_to_read"] / r["bytes_needed"] if r["bytes_needed"] else 0.0
+        head = format_size(dev - r["peak_bytes"]) if dev is not None else "-"
+        lines.append(
+            f"{r['rank']:>5} {r['tp_rank']:>3} {r['dp_rank']:>3} {r['pp_rank']:>3} {r['ep_rank']:>3} "
+            f"{layers:>9} {len(r['experts']):>8} {format_size(r['persistent_bytes']):>12} "
+            f"{format_size(r['staging_bytes']):>11} {format_size(r['peak_bytes']):>12} "
+            f"{format_size(r['bytes_to_read']):>11} {amp:>6.3f} {head:>12}"
+            f" {r.get('predicted_load_seconds', 0.0):>7.2f}"
+        )
+    return lines
+
+
+def _time_model_lines(tm: dict[str, Any] | None) -> list[str]:
+    if not tm:
+        return []
+    rates = tm["rates_bytes_per_s"]
+    slow = tm.get("slowest_request_seconds", 0) > 0.5 * tm["predicted_load_seconds"]
+    return [
+        f"predicted load {tm['predicted_load_seconds']:.2f} s, reload "
+        f"{tm['predicted_reload_seconds']:.2f} s (--share {tm['share']}: "
+        f"{format_size(tm['bytes_from_storage'])} from storage, distinct reads "
+        f"{format_size(tm['distinct_read_bytes'])}; storage {format_size(int(rates['storage_node']))}/s "
+        f"per node, {format_size(int(rates['storage_aggregate']))}/s aggregate, network "
+        f"{format_size(int(rates['network_node']))}/s per node, convert "
+        f"{format_size(int(rates['convert']))}/s per rank; {tm['nodes']} nodes of "
+        f"{tm['devices_per_node']})",
+        f"storage requests: {tm['requests_to_storage']} in all, "
+        f"{tm['request_latency_s'] * 1000:g} ms each, {tm['request_concurrency']} in "
+        "flight per rank"
+        + (
+            f", store serves {tm['storage_requests_per_s']:g}/s"
+            if tm["storage_requests_per_s"]
+            else ""
+        )
+        + (
+            f"; the slowest rank waits {tm['slowest_request_seconds']:.1f} s on requests "
+            "(K-split slices are one request per row from an object store)"
+            if slow
+            else ""
+        ),
+    ]
+
+
+def _per_node_lines(obj: dict[str, Any], devices_per_node: int) -> list[str]:
+    dev = obj.get("device_memory_bytes")
+    if dev is None:
+        return []
+    ranks = obj["ranks"]
+    nodes = [ranks[i : i + devices_per_node] for i in range(0, len(ranks), devices_per_node)]
+    lines = [f"per node ({devices_per_node} devices each, ranks packed in order):"]
+    for n, group in enumerate(nodes[:16]):
+        worst = max(group, key=lambda r: r["peak_bytes"])
+        lines.append(
+            f"  node {n}: ranks {group[0]['rank']}-{group[-1]['rank']}, tightest rank "
+            f"{worst['rank']} headroom {format_size(dev - worst['peak_bytes'])}"
+        )
+    if len(nodes) > 16:
+        lines.append(f"  ... {len(nodes) - 16} more nodes")
+    return lines
+
+
+def render_load_table(manifest: dict[str, Any]) -> str:
+    lines = [
+        f"{'rank':>5} {'node':>10} {'dev':>4} {'backend':>14} {'tensors':>8} {'GB':>8} "
+        f"{'read amp':>8} {'staging pred':>13} {'measured':>11} {'seconds':>8} {'version':>7}"
+    ]
+    for r in manifest["ranks"]:
+        gb = sum(t["nbytes"] for t in r["tensors"].values()) / 1e9
+        amp = r.get("read_amplification") or 0.0
+        lines.append(
+            f"{r['rank']:>5} {str(r['node_id'])[:10]:>10} {r['visible_devices'] or '-':>4} "
+            f"{r.get('backend', ''):>14} {len(r['tensors']):>8} {gb:>8.4f} {amp:>8.3f} "
+            f"{format_size(r['predicted_peak_staging_bytes'] or 0):>13} "
+            f"{format_size(r['measured_peak_staging_bytes'] or 0):>11} {r['seconds'] or 0:>8.2f} "
+            f"{r['version']!s:>7}"
+        )
+    for note in sorted({r.get("backend_note", "") for r in manifest["ranks"]} - {""}):
+        lines.append(f"compute: {note}")
+    return "\n".join(lines)
+
+
+def detach_note(manifest: dict[str, Any], session: str, home: object) -> str:
+    """What a detached load leaves behind (recorded under ``home``, $MXLOAD_HOME) and the
+    commands that come next."""
+    flag = "" if session == "default" else f" --session {session}"
+    return "\n".join(
+        [
+            f"session {session!r} is loaded and detached: {len(manifest['ranks'])} workers "
+            f"hold the weights on the Ray head at {manifest.get('address')} "
+            f"(recorded in {home})",
+            "next:",
+            f"  mxload status{flag}            versions, consistency, addresses",
+            f"  mxload reload NEW_SRC{flag}    rewrite the weights in place",
+            f"  mxload release{flag}           end the session and free the devices",
+        ]
+    )
+
+
+def status_headline(manifest: dict[str, Any]) -> list[str]:
+    """First lines of human ``status``: the verdict, then each reason and notice."""
+    ident = manifest["identity"]
+    world = len(manifest["ranks"])
+    if manifest["consistent"]:
+        lines = [
+            f"CONSISTENT: all {world} ranks hold version {ident['version']} of "
+            f"{ident['src']} (checkpoint {ident['fingerprint'][:12]}); replicated buffers agree"
+        ]
+    else:
+        lines = [f"INCONSISTENT: {manifest['problems'][0]}"]
+        lines += [f"  also: {p}" for p in manifest["problems"][1:]]
+        lines.append(
+            f"  the session records version {ident['version']} of {ident['src']}; "
+            "`mxload reload SRC` rewrites every unit not at its checkpoint"
+        )
+    lines += [f"note: {n}" for n in manifest.get("notices", [])]
+    return lines
