@@ -1,4 +1,4 @@
-"""The storage seam (workers/storage/__init__.py): ranged reads over every back end, coalescing,
+"""The storage seam (workers/storage/): ranged reads over every back end, coalescing,
 retries and the errors of SPEC §4 "Streaming" / "Faults".
 
 Expected bytes always come from slicing the source file in the test, never from the code
@@ -141,9 +141,9 @@ def test_local_reads_span_rows_under_a_page(ckpt_dir, data):
 def test_local_spans_gather_rows_off_page_boundaries(ckpt_dir, data, monkeypatch):
     """Spans starting off a page boundary and ending near the file's end: the right
     bytes, the span counted, one request per block of whole strides."""
-    import mxload.workers.storage as storage_mod
+    import mxload.workers.storage.local as storage_local
 
-    monkeypatch.setattr(storage_mod, "_GATHER_BYTES", 1000)  # 1 and 5 rows a block
+    monkeypatch.setattr(storage_local, "GATHER_BYTES", 1000)  # 1 and 5 rows a block
     st = Storage(ckpt_dir)
     ranges = [ByteRange(5, 96, 768, 7), ByteRange(SIZE - 3 - 40 * 200 - 40, 40, 200, 41)]
     out = bytearray(sum(r.nbytes for r in ranges))
@@ -162,9 +162,9 @@ def test_local_span_past_the_end_of_file_is_a_short_read(ckpt_dir):
 
 
 def test_local_span_reads_in_blocks_and_wide_gaps_row_by_row(ckpt_dir, data, monkeypatch):
-    import mxload.workers.storage as storage_mod
+    import mxload.workers.storage.local as storage_local
 
-    monkeypatch.setattr(storage_mod, "_GATHER_BYTES", 1000)  # 3 rows of 300 per block
+    monkeypatch.setattr(storage_local, "GATHER_BYTES", 1000)  # 3 rows of 300 per block
     st = Storage(ckpt_dir)
     spanned = ByteRange(64, 100, 300, 10)
     wide = ByteRange(3000, 16, 16 + 4096, 5)

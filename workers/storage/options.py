@@ -1,0 +1,108 @@
+"""Storage options: the keys mxload reads itself, and what fsspec is given.
+
+``storage_options`` (the CLI's ``--storage-options JSON``) go to fsspec unchanged
+(``endpoint_url``, ``key``/``secret``, ``client_kwargs``...), except the keys of
+:data:`MXLOAD_OPTIONS`, which mxload reads and removes. They travel with the other
+options to every worker, so a setting given once holds for the catalog, the planner and
+every rank:
+
+* timeouts of remote requests: a connect timeout and a read timeout (the longest wait
+  for the next bytes of an answer), each at most :data:`MAX_TIMEOUT_S`, so a server
+  that accepts and never answers costs at most ``attempts x (connect + read timeout)
+  + backoff`` and then fails naming the URL. A ``client_kwargs.timeout`` (HTTP) or
+  ``config_kwargs`` timeout (S3) of the caller's own wins;
+* ``mxload_allow_outside_links``: follow links out of a local checkpoint folder.
+
+Back ends that retry on their own (s3fs, botocore) are set to one attempt, unless the
+caller's options say otherwise: attempts are counted in :mod:`.retry` and nowhere else.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from mxload.orchestrator.errors import UsageError
+from mxload.workers.storage.urls import S3_PROTOCOLS, protocol
+
+CONNECT_TIMEOUT = "mxload_connect_timeout_s"
+READ_TIMEOUT = "mxload_read_timeout_s"
+ALLOW_OUTSIDE_LINKS = "mxload_allow_outside_links"
+MXLOAD_OPTIONS = (CONNECT_TIMEOUT, READ_TIMEOUT, ALLOW_OUTSIDE_LINKS)
+"""Storage-option keys mxload reads itself and removes before calling fsspec."""
+
+DEFAULT_CONNECT_TIMEOUT_S = 10.0
+"""Seconds to wait for a remote connection (TCP and TLS) before the attempt fails."""
+DEFAULT_READ_TIMEOUT_S = 30.0
+"""Seconds to wait for the next bytes of a remote answer before the attempt fails."""
+MAX_TIMEOUT_S = 60.0
+"""Upper bound of either timeout: a bigger one would let one silent server stall a run."""
+
+
+@dataclass(frozen=True)
+class MxloadOptions:
+    """The storage options mxload reads itself, checked."""
+
+    connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S
+    read_timeout_s: float = DEFAULT_READ_TIMEOUT_S
+    allow_outside_links: bool = False
+
+    @classmethod
+    def parse(cls, options: Mapping[str, Any]) -> MxloadOptions:
+        """Read mxload's keys from ``options`` (UsageError naming the flag if one is bad)."""
+        return cls(
+            connect_timeout_s=_timeout(options, CONNECT_TIMEOUT, DEFAULT_CONNECT_TIMEOUT_S),
+            read_timeout_s=_timeout(options, READ_TIMEOUT, DEFAULT_READ_TIMEOUT_S),
+            allow_outside_links=bool(options.get(ALLOW_OUTSIDE_LINKS, False)),
+        )
+
+
+def _timeout(options: Mapping[str, Any], key: str, default: float) -> float:
+    value = options.get(key, default)
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or not (0 < value <= MAX_TIMEOUT_S)
+    ):
+        flag = "--" + key.removeprefix("mxload_").removesuffix("_s").replace("_", "-")
+        raise UsageError(
+            f"{flag} (storage option {key}): must be a number of seconds in (0, "
+            f"{MAX_TIMEOUT_S:g}], got {value!r}",
+            key=flag,
+        )
+    return float(value)
+
+
+def fsspec_options(
+    root_url: str, options: Mapping[str, Any], mine: MxloadOptions = MxloadOptions()
+) -> dict[str, Any]:
+    """The caller's options without mxload's own keys, plus: botocore makes one attempt
+    per request, and remote requests time out, unless the caller's options say
+    otherwise."""
+    out = {k: v for k, v in options.items() if k not in MXLOAD_OPTIONS}
+    scheme = protocol(root_url)
+    if scheme in ("http", "https"):
+        import aiohttp
+
+        client_kwargs = dict(out.get("client_kwargs") or {})
+        client_kwargs.setdefault(
+            "timeout",
+            aiohttp.ClientTimeout(
+                total=None,
+                connect=mine.connect_timeout_s,
+                sock_connect=mine.connect_timeout_s,
+                sock_read=mine.read_timeout_s,
+            ),
+        )
+        out["client_kwargs"] = client_kwargs
+    if scheme in S3_PROTOCOLS:
+        config_kwargs = dict(out.get("config_kwargs") or {})
+        config_kwargs.setdefault("retries", {"total_max_attempts": 1})
+        config_kwargs.setdefault("connect_timeout", mine.connect_timeout_s)
+        config_kwargs.setdefault("read_timeout", mine.read_timeout_s)
+        out["config_kwargs"] = config_kwargs
+        # A private instance: its retry count is set after opening, and must not leak
+        # into other users of fsspec's instance cache.
+        out.setdefault("skip_instance_cache", True)
+    return out

@@ -1,0 +1,119 @@
+"""Reads through fsspec (HTTP(S), S3, GCS, Azure, memory://...).
+
+Ranged requests run concurrently on a small thread pool and their bytes are scattered
+into the caller's buffer: one copy, from the response body (fsspec's ``cat`` returns
+``bytes``). A response of the wrong length is an error: short is transient (a cut
+stream), long is fatal (a server that ignores ``Range``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
+from typing import Any
+
+import fsspec  # type: ignore[import-untyped]
+from fsspec.implementations.local import LocalFileSystem  # type: ignore[import-untyped]
+from mxload.orchestrator.errors import UsageError
+from mxload.workers.storage.faults import OverlongRead, ShortRead
+from mxload.workers.storage.jobs import Job
+from mxload.workers.storage.local import Runner
+from mxload.workers.storage.stats import StorageStats
+from mxload.workers.storage.urls import S3_PROTOCOLS, protocol
+
+
+def open_fs(root_url: str, fs_options: Mapping[str, Any], given: Mapping[str, Any]) -> Any:
+    """The fsspec file system and root path of ``root_url``, opened with ``fs_options``
+    (``given``: the caller's options, named in errors). UsageError when fsspec cannot
+    open it: an unknown protocol, a missing back end (s3fs...), options it rejects are
+    bad input, not a failed run."""
+    try:
+        fs, root_path = fsspec.core.url_to_fs(root_url, **fs_options)
+    except (ValueError, TypeError, ImportError) as exc:
+        keys = ", ".join(sorted(given)) or "none"
+        raise UsageError(
+            f"{root_url}: fsspec cannot open this URL ({type(exc).__name__}: {exc}); "
+            f"--storage-options keys given: {keys}",
+            key="--storage-options",
+            file=root_url,
+        ) from exc
+    if protocol(root_url) in S3_PROTOCOLS and hasattr(fs, "retries"):
+        fs.retries = 1  # s3fs's own retry loop (a class attribute, not an option)
+    return fs, str(root_path)
+
+
+def is_local_fs(fs: Any) -> bool:
+    """Whether fsspec opened the local file system (then reads bypass fsspec)."""
+    return isinstance(fs, LocalFileSystem)
+
+
+def cat_checked(fs: Any, path: str, start: int, end: int) -> bytes:
+    """Bytes ``[start, end)`` of ``path``, exactly (ShortRead / OverlongRead otherwise)."""
+    data = fs.cat_file(path, start=start, end=end)
+    want = end - start
+    if len(data) < want:
+        raise ShortRead(f"short read: got {len(data)} of {want} bytes")
+    if len(data) > want:
+        raise OverlongRead(
+            f"got {len(data)} bytes for a request of {want}: the server does not honour "
+            "HTTP Range requests"
+        )
+    return data if isinstance(data, bytes) else bytes(data)
+
+
+def size(fs: Any, path: str, url: str) -> int:
+    value = fs.size(path)
+    if value is None:
+        raise OverlongRead(f"{url}: storage reports no size")
+    return int(value)
+
+
+def version_tag(fs: Any, path: str) -> str:
+    """The store's ETag, else modification time, of ``path`` ("" if it says neither)."""
+    info = fs.info(path)
+    for key in ("ETag", "etag", "LastModified", "last_modified", "mtime", "Last-Modified"):
+        value = info.get(key)
+        if value:
+            return f"{key}={value}"
+    return ""
+
+
+def read_jobs(
+    fs: Any,
+    path: str,
+    jobs: Sequence[Job],
+    view: memoryview,
+    run: Runner,
+    stats: StorageStats,
+    pool: Callable[[], ThreadPoolExecutor],
+) -> int:
+    """Run requests ``jobs`` into ``view``, concurrently on ``pool()`` when several.
+    Fails with the first failure in request order, and never returns while a request
+    may still write into ``view``."""
+
+    def one(job: Job) -> int:
+        def fetch() -> int:
+            data = cat_checked(fs, path, job.start, job.end)
+            stats.add(bytes_fetched=len(data))
+            direct = job.direct_offset()
+            if direct is not None:
+                view[direct : direct + job.nbytes] = memoryview(data)
+            else:
+                job.scatter(memoryview(data), view)
+            return job.nbytes
+
+        return run((job.start, job.nbytes), fetch)
+
+    if len(jobs) == 1:
+        return one(jobs[0])
+    futures: list[Future[int]] = [pool().submit(one, job) for job in jobs]
+    done, pending = wait(futures, return_when=FIRST_EXCEPTION)
+    if pending and any(f.exception() is not None for f in done):
+        for f in pending:
+            f.cancel()
+        wait(pending)
+    for f in futures:
+        error = None if f.cancelled() else f.exception()
+        if error is not None:
+            raise error
+    return sum(f.result() for f in futures)
