@@ -40,6 +40,7 @@ from typing import Any
 import fsspec
 import numpy as np
 from mxload.orchestrator.plan.formats import SAFETENSORS_ITEMSIZE
+from mxload.workers.storage.urls import is_remote, local_path
 
 if sys.byteorder != "little":  # pragma: no cover - safetensors is little-endian only
     raise ImportError("mxload's safetensors I/O assumes a little-endian host")
@@ -84,10 +85,6 @@ def data_order(specs: Sequence[tuple[str, str, Sequence[int]]]) -> list[str]:
 
 
 _ALIGN = 8
-
-
-def _is_url(path: str) -> bool:
-    return "://" in path and not path.startswith("file://")
 
 
 class SafetensorsWriter:
@@ -158,9 +155,9 @@ class SafetensorsWriter:
         self._pending: dict[str, bytes] = {}
         self._next = 0  # sequential mode: index into _order of the next tensor to write
         self._closed = False
-        self._local = not _is_url(path)
+        self._local = not is_remote(path)
         if self._local:
-            local = path[len("file://") :] if path.startswith("file://") else path
+            local = local_path(path)
             self._final = local
             self._partial = local + ".partial"
             self._fh: Any = open(self._partial, "wb")  # closed in close() / abort()

@@ -24,6 +24,7 @@ from mxload.orchestrator.plan.engines import DEFAULT_ENGINE, ENGINES
 from mxload.orchestrator.plan.sizes import parse_size
 from mxload.orchestrator.plan.types import ParallelLayout
 from mxload.orchestrator.runtime.models import model_names, resolve_model
+from mxload.workers.storage.urls import is_remote as is_remote_url
 
 
 class Parser(argparse.ArgumentParser):
@@ -523,7 +524,7 @@ def check_address(address: str) -> None:
 def check_source_folder(src: str) -> None:
     """A checkpoint is a folder: a local SRC that is a file (often its config.json) is
     refused naming the folder meant."""
-    if "://" in src and not src.startswith("file://"):
+    if is_remote_url(src):
         return
     path = src.removeprefix("file://")
     if os.path.isfile(path):
@@ -537,7 +538,7 @@ def check_source_folder(src: str) -> None:
 def check_plan_source(src: str) -> None:
     """``plan path/config.json`` (or a model name) where a checkpoint folder belongs: say
     which flag was meant instead of failing on a file that is not a folder."""
-    if "://" in src and not src.startswith("file://"):
+    if is_remote_url(src):
         return
     path = src.removeprefix("file://")
     if os.path.isfile(path):
@@ -604,7 +605,7 @@ def size(args: argparse.Namespace, name: str) -> int | None:
 
 
 def is_remote(src: str | None) -> bool:
-    return bool(src) and "://" in str(src) and not str(src).startswith("file://")
+    return bool(src) and is_remote_url(str(src))
 
 
 def time_model_rates(args: argparse.Namespace) -> Any:

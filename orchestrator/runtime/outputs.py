@@ -44,6 +44,8 @@ from types import TracebackType
 from typing import Any
 
 from mxload.orchestrator.errors import OutputError
+from mxload.workers.storage.urls import is_remote
+from mxload.workers.storage.urls import local_path as storage_local_path
 
 _DISK_ERRNOS = {
     errno.ENOSPC: "no space left on the device",
@@ -61,12 +63,12 @@ _OLD_TAG = ".mxload-old-"
 
 def is_url(path: str) -> bool:
     """Whether ``path`` is an fsspec URL other than ``file://`` (a local path otherwise)."""
-    return "://" in path and not path.startswith("file://")
+    return is_remote(path)
 
 
 def local_path(path: str) -> str:
     """``path`` without a ``file://`` prefix."""
-    return path[len("file://") :] if path.startswith("file://") else path
+    return storage_local_path(path)
 
 
 def output_error(exc: OSError, path: str, flag: str, *, doing: str = "writing") -> OutputError:

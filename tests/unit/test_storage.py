@@ -703,3 +703,26 @@ def test_s3_reads_through_storage_options(s3, ckpt_dir, data):
     assert info.value.file == f"{url}/nope.json" and info.value.attempts == 1
     # s3fs and botocore make one attempt each: retrying is the seam's job only
     assert st.fs.retries == 1
+
+
+@pytest.mark.parametrize(
+    "location,remote,path",
+    [
+        ("/ckpt/m", False, "/ckpt/m"),
+        ("rel/m", False, "rel/m"),
+        ("file:///ckpt/m", False, "/ckpt/m"),
+        ("local:///ckpt/m", False, "/ckpt/m"),
+        ("memory://ckpt/m", True, "memory://ckpt/m"),
+        ("s3://bucket/m", True, "s3://bucket/m"),
+        ("https://host/m", True, "https://host/m"),
+    ],
+)
+def test_one_answer_to_is_this_location_remote(location, remote, path):
+    """The one is-remote test every caller uses (CLI checks, planner inputs, outputs,
+    the writer); it agrees with what Storage opens: fsspec's local file system or not."""
+    from mxload.workers.storage import is_remote, local_path
+
+    assert is_remote(location) is remote
+    assert local_path(location) == path
+    if not location.startswith(("s3", "https")):  # no connection needed to open these
+        assert Storage(location).is_local is not remote

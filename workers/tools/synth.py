@@ -69,6 +69,7 @@ from mxload.orchestrator.plan.formats import (
     ceil_div,
 )
 from mxload.workers.safetensors_io import SAFETENSORS_TO_TORCH, SafetensorsWriter
+from mxload.workers.storage.urls import is_remote, local_path
 
 _FP8_BLOCK_QUANT: dict[str, Any] = {
     "quant_method": "fp8",
@@ -389,7 +390,7 @@ def _shard(tensors: list[_Tensor], shards: int) -> list[list[_Tensor]]:
 
 
 def _join(out: str, name: str) -> str:
-    return out.rstrip("/") + "/" + name if "://" in out else os.path.join(out, name)
+    return out.rstrip("/") + "/" + name if is_remote(out) else os.path.join(out, name)
 
 
 def _write_text(path: str, text: str, storage_options: Mapping[str, Any]) -> None:
@@ -448,8 +449,8 @@ def make_checkpoint(
     special = _special(cfg) if special_tiles else None
     gen = _Generator(cfg, seed, (lo, hi), special)
     options = dict(storage_options or {})
-    if "://" not in out or out.startswith("file://"):
-        os.makedirs(out[len("file://") :] if out.startswith("file://") else out, exist_ok=True)
+    if not is_remote(out):
+        os.makedirs(local_path(out), exist_ok=True)
 
     groups = _shard(tensors, shards)
     names = (
