@@ -430,22 +430,22 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     """Parse, check and complete ``argv`` (UsageError on any mistake)."""
     parser = build_parser()
     args, extra = parser.parse_known_args(list(argv))
-    if not args.command:
-        raise UsageError("a command is required: " + ", ".join(ALL))
     if extra:
         _refuse_unknown(parser, args.command, extra)
+    if not args.command:
+        raise UsageError("a command is required: " + ", ".join(ALL))
     _check_combinations(args)
     apply_defaults(args)
     return args
 
 
-def _refuse_unknown(parser: argparse.ArgumentParser, command: str, extra: list[str]) -> None:
+def _refuse_unknown(parser: argparse.ArgumentParser, command: str | None, extra: list[str]) -> None:
+    """An argument no parser took: named, with the closest flag of its command."""
     (sub,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    known = option_strings(sub.choices[command] if command else parser)
     word = extra[0]
-    hint = ""
-    if word.startswith("-"):
-        hint = did_you_mean(word.split("=", 1)[0], option_strings(sub.choices[command]))
-    raise UsageError(f"{command}: unrecognized argument {word}{hint}", key=word)
+    hint = did_you_mean(word.split("=", 1)[0], known) if word.startswith("-") else ""
+    raise UsageError(f"{command or 'mxload'}: unrecognized argument {word}{hint}", key=word)
 
 
 def _check_combinations(args: argparse.Namespace) -> None:

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
+from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
@@ -104,16 +106,54 @@ def render_status(manifest: dict[str, Any]) -> str:
 
 
 def condense_error(text: str) -> str:
-    """An error's text as the one line ``mxload: error:`` shows: a message that lists
-    many mismatches (a refused reload) keeps its first line and first causes, capped."""
+    """An error's text as the one line ``mxload: error:`` shows. A message that lists many
+    mismatches (a refused reload) keeps its first line, then its root cause: the lines
+    about the whole model before those of one rank's buffer, and the dimension that
+    differs in most shapes; then the first items, capped."""
     lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
     if len(lines) <= 1:
         return text.strip()
-    head, items = lines[0], [ln for ln in lines[1:] if not ln.startswith("... and ")]
+    head = lines[0].rstrip(":")
+    items = [ln for ln in lines[1:] if not ln.startswith("... and ")]
     total = len(items) + sum(int(ln.split()[2]) for ln in lines[1:] if ln.startswith("... and "))
-    shown = "; ".join(items[:MISMATCHES_SHOWN])
-    more = f"; ... and {total - MISMATCHES_SHOWN} more (--debug lists them)" if total > MISMATCHES_SHOWN else ""  # fmt: skip
-    return f"{head.rstrip(':')}: {shown}{more}"
+    model_wide = [ln for ln in items if not ln.startswith("rank ")]
+    first = [
+        *model_wide,
+        *_common_dimension(items),
+        *(ln for ln in items if ln.startswith("rank ")),
+    ]
+    shown = first[:MISMATCHES_SHOWN]
+    left = total - sum(line in items for line in shown)
+    return f"{head}: {'; '.join(shown)}" + (
+        f"; ... and {left} more (--debug lists them)" if left > 0 else ""
+    )
+
+
+_SHAPES = re.compile(r": shape \(([^)]*)\) in the new checkpoint, \(([^)]*)\) held")
+
+
+def _common_dimension(items: Sequence[str]) -> list[str]:
+    """``["most shapes differ in one size: 160 in the new checkpoint, 256 held"]`` when
+    one (new, held) pair of sizes is behind most shape mismatches, else nothing."""
+    pairs: Counter[tuple[str, str]] = Counter()
+    shapes = 0
+    for item in items:
+        found = _SHAPES.search(item)
+        if not found:
+            continue
+        new, held = (part.split(",") for part in found.groups())
+        shapes += 1
+        if len(new) == len(held):
+            pairs.update({(a.strip(), b.strip()) for a, b in zip(new, held, strict=True) if a != b})
+    if not pairs:
+        return []
+    (new_size, held_size), count = pairs.most_common(1)[0]
+    if count * 2 <= shapes:
+        return []
+    return [
+        f"most shape mismatches listed ({count} of {shapes}) are a size {new_size} in the new "
+        f"checkpoint where {held_size} is held (another model?)"
+    ]
 
 
 def render_inspect(src: str, info: dict[str, Any]) -> str:

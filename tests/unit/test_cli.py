@@ -1,0 +1,624 @@
+"""The ``mxload`` command line in-process: ``main(argv)``'s exit status and what it prints.
+
+* Refusals exit 2 (3 for a load that does not fit) with one line on stderr beginning
+  ``mxload: error:``, naming the file, key, tensor or flag, without traceback or colour
+  codes; and they start nothing: the ``guard`` fixture makes ``ray.init`` and
+  ``subprocess.Popen`` fail (and records the attempt), so a refusal that reached either
+  shows up as a failed test.
+* What a new user meets: outputs that do not overwrite, a file where a folder belongs,
+  a flag without its port or unit, contradicting flags, a mistyped or abbreviated flag,
+  ``--version``, the device and the verdict of a plan, ``convert``'s summary, a refused
+  reload's root cause.
+
+The same behaviour as a real process (exit status, no traceback, the console script) is
+in tests/integration/test_cli.py.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import subprocess
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from mxload.orchestrator.cli import main
+from mxload.orchestrator.runtime.models import model_config_path
+
+from tests.hostile import ATTACKS
+
+CONFIGS = model_config_path("deepseek-v3").parent  # the packaged configs
+SHARD2 = "model-00002-of-00002.safetensors"
+SECRET = b"\x07\x00\x00\x00\x00\x00\x00\x00SECRET-hash-$6$rounds"
+"""The target of the outside link: a small header length then bytes nobody may see."""
+
+
+# --- fixtures ------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def guard(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> list[str]:
+    """What the command tried to start (must stay empty for a refusal): ``ray.init`` and
+    ``subprocess.Popen`` fail and are recorded. Also an empty $MXLOAD_HOME of the test's
+    own, so no command can reach a recorded session."""
+    import ray
+
+    started: list[str] = []
+
+    def refuse(what: str) -> Callable[..., Any]:
+        def start(*args: Any, **kwargs: Any) -> Any:
+            started.append(what)
+            raise AssertionError(f"a refusal must start nothing; {what} was called")
+
+        return start
+
+    monkeypatch.setattr(ray, "init", refuse("ray.init"))
+    monkeypatch.setattr(subprocess, "Popen", refuse("subprocess.Popen"))
+    monkeypatch.setenv("MXLOAD_HOME", str(tmp_path / "home-empty"))
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    return started
+
+
+@pytest.fixture
+def mxload(
+    guard: list[str], capsys: pytest.CaptureFixture[str]
+) -> Callable[..., tuple[int, str, str]]:
+    """``mxload(*argv)`` -> (exit status, stdout, stderr), in this process."""
+    level = logging.getLogger("mxload").level
+
+    def run(*argv: str) -> tuple[int, str, str]:
+        capsys.readouterr()
+        code = main(list(argv))
+        out, err = capsys.readouterr()
+        return code, out, err
+
+    yield run
+    logging.getLogger("mxload").setLevel(level)
+
+
+def build_inputs(work: Path, ckpt_factory: Callable[..., str]) -> dict[str, str]:
+    """Checkpoints and configs for the refusals: two versions, a BF16 model, broken
+    variants (config edits, a shard that is a folder, a shard linked outside), a folder of
+    someone's that must never be written into."""
+    out = {
+        "v1": ckpt_factory("qwen3-moe-tiny", 1),
+        "v2": ckpt_factory("qwen3-moe-tiny", 2),
+        "bf16": ckpt_factory("qwen3-dense-tiny", 1, bf16=True),
+    }
+    with open(os.path.join(out["v1"], "config.json")) as f:
+        config = json.load(f)
+
+    def variant(name: str, change: Callable[[dict[str, Any]], Any]) -> None:
+        cfg = json.loads(json.dumps(config))
+        change(cfg)
+        path = work / f"config-{name}.json"
+        path.write_text(json.dumps(cfg))
+        out[f"config-{name}"] = str(path)
+        ck = work / f"ckpt-{name}"
+        shutil.copytree(out["v1"], ck)
+        (ck / "config.json").write_text(json.dumps(cfg))
+        out[f"ckpt-{name}"] = str(ck)
+
+    variant("per-tensor", lambda c: c["quantization_config"].pop("weight_block_size"))
+    variant("static", lambda c: c["quantization_config"].update(activation_scheme="static"))
+    variant("arch", lambda c: c.update(architectures=["LlamaForCausalLM"]))
+    variant("huge", lambda c: c.update(hidden_size=10**12))
+    folder = work / "shard-folder"  # a directory where a shard file should be
+    shutil.copytree(out["v1"], folder)
+    (folder / SHARD2).unlink()
+    (folder / SHARD2).mkdir()
+    out["shard-folder"] = str(folder)
+    used = work / "used"  # someone's folder: never to be written into without --overwrite
+    used.mkdir()
+    (used / "keep.txt").write_text("mine")
+    out["used"] = str(used)
+    link = work / "outside-link"  # a shard linked to a file outside the checkpoint
+    shutil.copytree(out["v1"], link)
+    (work / "secret").write_bytes(SECRET)
+    (link / SHARD2).unlink()
+    (link / SHARD2).symlink_to(work / "secret")
+    out["outside-link"] = str(link)
+    return out
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("cli-unit")
+
+
+@pytest.fixture(scope="module")
+def ckpts(work: Path, ckpt_factory: Callable[..., str]) -> dict[str, str]:
+    return build_inputs(work, ckpt_factory)
+
+
+def assert_refused(got: tuple[int, str, str], *names: str, code: int = 2) -> str:
+    """Exit ``code``, one line on stderr ``mxload: error: ...`` naming ``names``; the line."""
+    rc, out, err = got
+    shown = f"rc={rc}\nstderr: {err[-3000:]}\nstdout: {out[-1000:]}"
+    assert rc == code, shown
+    assert err.startswith("mxload: error:"), shown
+    assert len(err.strip().splitlines()) == 1, shown
+    assert "Traceback" not in err + out and "\x1b[" not in err, shown
+    for name in names:
+        assert name in err, f"{name!r} not named\n{shown}"
+    return err.strip()
+
+
+# --- refusals: exit 2, `mxload: error:`, names what is wrong, starts nothing -------------------
+
+REFUSALS: dict[str, tuple[Callable[[Path, dict[str, str]], list[str]], list[str]]] = {
+    "unknown-preset": (
+        lambda w, c: ["make-checkpoint", str(w / "x"), "--preset", "nope"],
+        ["--preset", "nope", "qwen3-moe-tiny"],
+    ),
+    "bad-storage-options": (
+        lambda w, c: ["inspect", c["v1"], "--storage-options", "{bad"],
+        ["--storage-options"],
+    ),
+    "storage-options-not-object": (
+        lambda w, c: ["inspect", c["v1"], "--storage-options", "[1]"],
+        ["--storage-options"],
+    ),
+    "missing-dir": (lambda w, c: ["inspect", str(w / "nowhere")], [str(Path("nowhere"))]),
+    "per-tensor-fp8": (
+        lambda w, c: ["plan", "--config", c["config-per-tensor"]],
+        ["weight_block_size", "config-per-tensor.json"],
+    ),
+    "per-tensor-fp8-ckpt": (
+        lambda w, c: ["inspect", c["ckpt-per-tensor"]],
+        ["weight_block_size", "ckpt-per-tensor/config.json"],
+    ),
+    "static-activations": (
+        lambda w, c: ["plan", "--config", c["config-static"]],
+        ["activation_scheme", "config-static.json"],
+    ),
+    "static-activations-load": (
+        lambda w, c: ["load", c["ckpt-static"], "--device", "cpu"],
+        ["activation_scheme", "ckpt-static/config.json"],
+    ),
+    "unknown-architecture": (
+        lambda w, c: ["plan", "--config", c["config-arch"]],
+        ["LlamaForCausalLM", "architectures", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM"],
+    ),
+    "bad-layout": (lambda w, c: ["plan", c["v1"], "--tp", "3"], ["--tp"]),
+    "bad-layout-load": (
+        lambda w, c: ["load", c["v1"], "--tp", "3", "--device", "cpu"],
+        ["--tp"],
+    ),
+    "zero-tp": (lambda w, c: ["plan", c["v1"], "--tp", "0"], ["--tp"]),
+    "budget-below-minimum": (
+        lambda w, c: ["plan", c["v1"], "--staging-budget", "1000B"],
+        ["--staging-budget"],
+    ),
+    "budget-below-minimum-load": (
+        lambda w, c: ["load", c["v1"], "--staging-budget", "1000B", "--device", "cpu"],
+        ["--staging-budget"],
+    ),
+    "bad-size": (lambda w, c: ["plan", c["v1"], "--device-memory", "lots"], ["--device-memory"]),
+    "reload-no-session": (
+        lambda w, c: ["reload", c["v2"], "--session", "nosuch"],
+        ["--address"],
+    ),
+    "status-no-session": (lambda w, c: ["status"], ["--address", "home-empty"]),
+    "release-no-session": (lambda w, c: ["release"], ["--address"]),
+    "convert-bf16": (
+        lambda w, c: ["convert", c["bf16"], str(w / "never")],
+        ["quantization_config"],
+    ),
+    "no-command": (lambda w, c: [], ["command"]),
+    "config-file-missing": (
+        lambda w, c: ["plan", "--config", str(w / "absent.json")],
+        ["--config", "absent.json"],
+    ),
+    "unknown-flag": (lambda w, c: ["plan", c["v1"], "--frobnicate"], ["--frobnicate"]),
+    "config-file-as-src": (
+        lambda w, c: ["plan", c["config-static"]],
+        ["--config", "config-static.json", "is a file"],
+    ),
+    "model-name-as-src": (lambda w, c: ["plan", "deepseek-v3"], ["--model deepseek-v3"]),
+    "unknown-model": (
+        lambda w, c: ["plan", "--model", "llama-3"],
+        ["--model", "llama-3", "deepseek-v3", "qwen3-235b-a22b-fp8", "--config"],
+    ),
+    "npu-without-torch-npu": (
+        lambda w, c: ["load", c["v1"], "--tp", "2", "--device", "npu"],
+        ["--device npu", "torch_npu", "--device cpu"],
+    ),
+    "cuda-without-cuda": (
+        lambda w, c: ["load", c["v1"], "--device", "cuda"],
+        ["--device cuda", "CUDA"],
+    ),
+    "unreachable-address-load": (
+        lambda w, c: ["load", c["v1"], "--device", "cpu", "--address", "127.0.0.1:1"],
+        ["--address 127.0.0.1:1", "refused"],
+    ),
+    "unreachable-address-status": (
+        lambda w, c: ["status", "--address", "127.0.0.1:1"],
+        ["--address 127.0.0.1:1"],
+    ),
+    "size-without-unit": (
+        lambda w, c: ["plan", c["v1"], "--device-memory", "64"],
+        ["--device-memory", "'64'", "64GiB", "64B"],
+    ),
+    "max-restarts-negative": (
+        lambda w, c: ["load", c["v1"], "--max-restarts", "-5", "--device", "cpu"],
+        ["--max-restarts", "-5"],
+    ),
+    "inspect-empty-location": (lambda w, c: ["inspect", ""], ["empty path"]),
+    "shard-is-a-folder": (
+        lambda w, c: ["inspect", c["shard-folder"]],
+        [f"shard-folder/{SHARD2}", "is a folder"],
+    ),
+    "unsupported-protocol": (lambda w, c: ["inspect", "ftp://x"], ["ftp://x", "unsupported"]),
+    "timeout-above-cap": (
+        lambda w, c: ["inspect", c["v1"], "--read-timeout", "600"],
+        ["--read-timeout", "600"],
+    ),
+    "report-parent-missing": (
+        lambda w, c: ["load", c["v1"], "--device", "cpu", "--report", str(w / "nodir" / "r.json")],
+        ["--report", "nodir", "does not exist"],
+    ),
+    "report-is-a-folder": (
+        lambda w, c: ["load", c["v1"], "--device", "cpu", "--report", str(w)],
+        ["--report", "is a folder"],
+    ),
+    "report-unwritable-reload": (
+        lambda w, c: ["reload", c["v2"], "--report", str(w / "nodir" / "r.json")],
+        ["--report", "nodir"],
+    ),
+    "dump-into-a-used-folder": (
+        lambda w, c: ["load", c["v1"], "--device", "cpu", "--dump", c["used"]],
+        ["--dump", "used", "not empty", "--overwrite"],
+    ),
+    "status-dump-into-a-used-folder": (
+        lambda w, c: ["status", "--dump", c["used"]],
+        ["--dump", "used", "--overwrite"],
+    ),
+    "convert-onto-itself": (
+        lambda w, c: ["convert", c["v1"], c["v1"], "--overwrite"],
+        ["same location"],
+    ),
+    "convert-into-itself": (
+        lambda w, c: ["convert", c["v1"], c["v1"] + "/out"],
+        ["inside"],
+    ),
+    "convert-into-a-used-folder": (
+        lambda w, c: ["convert", c["v1"], c["used"]],
+        ["DST", "used", "--overwrite"],
+    ),
+    "convert-hidden-size-1e12": (
+        lambda w, c: ["convert", c["ckpt-huge"], str(w / "never")],
+        ["hidden_size", "1000000000000"],
+    ),
+    "outside-link": (
+        lambda w, c: ["inspect", c["outside-link"]],
+        [f"outside-link/{SHARD2}", "outside the checkpoint folder", "--allow-outside-links"],
+    ),
+    "outside-link-convert": (
+        lambda w, c: ["convert", c["outside-link"], str(w / "never")],
+        [f"outside-link/{SHARD2}", "--allow-outside-links"],
+    ),
+    "flag-where-it-does-not-act": (
+        lambda w, c: ["inspect", c["v1"], "--max-restarts", "3"],
+        ["--max-restarts"],
+    ),
+    # What a new user met (each once exit 1 with a raw Python exception, or silent):
+    "make-checkpoint-over-a-file": (
+        lambda w, c: ["make-checkpoint", c["v1"] + "/config.json", "--preset", "qwen3-moe-tiny"],
+        ["OUT", "config.json", "not a folder"],
+    ),
+    "make-checkpoint-over-a-used-folder": (
+        lambda w, c: ["make-checkpoint", c["used"], "--preset", "qwen3-moe-tiny"],
+        ["OUT", "used", "not empty", "--overwrite"],
+    ),
+    "make-checkpoint-parent-missing": (
+        lambda w, c: ["make-checkpoint", str(w / "nodir" / "ck"), "--preset", "qwen3-moe-tiny"],
+        ["OUT", "nodir", "does not exist"],
+    ),
+    "inspect-a-file": (
+        lambda w, c: ["inspect", c["v1"] + "/config.json"],
+        ["config.json", "is a file", "not a checkpoint folder", "give its folder ("],
+    ),
+    "load-a-file": (
+        lambda w, c: ["load", c["v1"] + "/config.json", "--device", "cpu"],
+        ["config.json", "is a file"],
+    ),
+    "address-without-port": (
+        lambda w, c: ["status", "--address", "localhost"],
+        ["--address localhost", "HOST:PORT"],
+    ),
+    "address-without-port-load": (
+        lambda w, c: ["load", c["v1"], "--device", "cpu", "--address", "localhost"],
+        ["--address localhost", "HOST:PORT"],
+    ),
+    "plan-src-and-model": (
+        lambda w, c: ["plan", "--model", "deepseek-v3", c["v1"]],
+        ["SRC", "--model deepseek-v3", "drop SRC"],
+    ),
+    "plan-src-and-config": (
+        lambda w, c: ["plan", "--config", c["config-static"], c["v1"]],
+        ["SRC", "--config", "drop SRC"],
+    ),
+    "session-without-detach": (
+        lambda w, c: ["load", c["v1"], "--device", "cpu", "--session", "mine"],
+        ["--session mine", "--detach"],
+    ),
+    "ambiguous-size-unit": (
+        lambda w, c: ["plan", "--model", "deepseek-v3", "--device-memory", "64G"],
+        ["--device-memory", "'64G'", "64GiB", "2^30", "64GB", "10^9"],
+    ),
+    "mistyped-flag": (
+        lambda w, c: ["plan", "--model", "deepseek-v3", "--device-memroy", "64GiB"],
+        ["--device-memroy", "did you mean --device-memory?"],
+    ),
+    "abbreviated-flag": (
+        lambda w, c: ["plan", "--model", "deepseek-v3", "--device-mem", "64GiB"],
+        ["--device-mem", "did you mean --device-memory?"],
+    ),
+    "abbreviated-flag-top-level": (lambda w, c: ["--vers"], ["--vers", "--version?"]),
+    "mistyped-command": (lambda w, c: ["plna", "--model", "deepseek-v3"], ["plna", "plan?"]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(REFUSALS))
+def test_refusals(
+    mxload: Callable[..., tuple[int, str, str]],
+    guard: list[str],
+    work: Path,
+    ckpts: dict[str, str],
+    case: str,
+) -> None:
+    build, names = REFUSALS[case]
+    got = mxload(*build(work, ckpts))
+    assert guard == [], "a refusal must start nothing"
+    assert_refused(got, *names)
+    assert not (work / "never").exists() and not (work / "nodir").exists()
+    assert "SECRET" not in got[1] + got[2]
+    assert sorted(os.listdir(ckpts["used"])) == ["keep.txt"]
+    assert (Path(ckpts["used"]) / "keep.txt").read_text() == "mine"
+    assert not list(work.rglob("*mxload-tmp*")), "a refusal leaves no temporary files"
+
+
+HOSTILE = ["oversized_header_length", "overlapping_tensors", "unknown_dtype", "header_nested_too_deep"]  # fmt: skip
+
+
+@pytest.mark.parametrize("attack", HOSTILE)
+def test_hostile_header_is_refused(
+    mxload: Callable[..., tuple[int, str, str]],
+    guard: list[str],
+    work: Path,
+    ckpts: dict[str, str],
+    attack: str,
+) -> None:
+    spec = {a.name: a for a in ATTACKS}[attack]
+    ck = work / f"hostile-{attack}"
+    shutil.copytree(ckpts["v1"], ck)
+    (ck / SHARD2).write_bytes(spec.build())
+    names = [SHARD2] + ([spec.tensor] if spec.tensor else [])
+    assert_refused(mxload("inspect", str(ck)), *names)
+    assert_refused(mxload("plan", str(ck), "--tp", "2"), *names)
+    assert guard == []
+
+
+def test_a_silent_listener_is_not_taken_for_a_ray_head(
+    mxload: Callable[..., tuple[int, str, str]], guard: list[str]
+) -> None:
+    """A port that accepts connections but never speaks gRPC: refused in seconds, naming
+    the address (Ray itself would retry for a minute and more)."""
+    import socket
+    import threading
+
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(8)
+    held: list[socket.socket] = []
+    stop = threading.Event()
+
+    def accept() -> None:
+        server.settimeout(0.2)
+        while not stop.is_set():
+            try:
+                held.append(server.accept()[0])
+            except OSError:
+                continue
+
+    thread = threading.Thread(target=accept, daemon=True)
+    thread.start()
+    address = f"127.0.0.1:{server.getsockname()[1]}"
+    try:
+        got = mxload("status", "--address", address)
+    finally:
+        stop.set()
+        thread.join()
+        for conn in held:
+            conn.close()
+        server.close()
+    line = assert_refused(got, f"--address {address}", "no answer")
+    assert "Failed to connect" not in line
+    assert guard == []
+
+
+def test_load_that_does_not_fit_exits_3_before_starting_anything(
+    mxload: Callable[..., tuple[int, str, str]], guard: list[str], ckpts: dict[str, str]
+) -> None:
+    got = mxload("load", ckpts["v1"], "--tp", "2", "--device", "cpu", "--device-memory", "1MiB")
+    assert_refused(got, "--device-memory", code=3)
+    assert guard == []
+
+
+def test_debug_raises_the_error_itself(
+    mxload: Callable[..., tuple[int, str, str]], ckpts: dict[str, str]
+) -> None:
+    """No traceback unless --debug: with it the error propagates (a process prints its
+    traceback), without it exit 2 and one line."""
+    from mxload.orchestrator.errors import UnsupportedError
+
+    assert_refused(mxload("plan", "--config", ckpts["config-static"]), "activation_scheme")
+    with pytest.raises(UnsupportedError, match="activation_scheme"):
+        mxload("plan", "--config", ckpts["config-static"], "--debug")
+
+
+# --- outputs: make-checkpoint follows the outputs rule ------------------------------------------
+
+
+def test_make_checkpoint_replaces_a_checkpoint_only_with_overwrite(
+    mxload: Callable[..., tuple[int, str, str]], tmp_path: Path
+) -> None:
+    out = tmp_path / "ck"
+    rc, first, _ = mxload("make-checkpoint", str(out), "--preset", "qwen3-dense-tiny", "--json")
+    assert rc == 0
+    made = json.loads(first)
+    assert made["out"] == str(out)
+    assert sorted(os.listdir(out)) == sorted(made["files"])
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    again = ["make-checkpoint", str(out), "--preset", "qwen3-dense-tiny", "--seed", "5"]
+    assert_refused(mxload(*again), f"OUT {out}", "--overwrite")
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before  # untouched
+    rc, line, _ = mxload(*again, "--overwrite")
+    assert rc == 0 and line.startswith(f"wrote block-FP8 qwen3-dense-tiny (seed 5) to {out}:")
+    after = {p.name: p.read_bytes() for p in out.iterdir()}
+    assert sorted(after) == sorted(before) and after != before  # replaced whole
+    assert sorted(os.listdir(tmp_path)) == ["ck"], "no temporary folder left beside it"
+
+
+# --- what the commands print ---------------------------------------------------------------------
+
+
+def test_version_is_the_package_version(mxload: Callable[..., tuple[int, str, str]]) -> None:
+    import mxload as package
+
+    rc, out, err = mxload("--version")
+    assert rc == 0 and err == ""
+    assert out.strip() == f"mxload {package.__version__}"
+    assert package.__version__.count(".") == 2  # a release number, not a placeholder
+
+
+def test_size_help_says_which_unit_is_binary(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plan", "--help"]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "64GiB = 64 x 2^30 bytes" in text and "2GB = 2 x 10^9 bytes" in text
+    assert "64G are refused" in text
+
+
+PLAN_30B = ["plan", "--config", str(CONFIGS / "qwen3-30b-a3b-fp8.json"), "--tp", "4", "--dp", "2", "--enable-expert-parallel"]  # fmt: skip
+
+
+def test_plan_heading_names_the_device(mxload: Callable[..., tuple[int, str, str]]) -> None:
+    rc, out, _ = mxload(*PLAN_30B)
+    assert rc == 0
+    assert out.splitlines()[0] == (
+        "model: Qwen3MoeForCausalLM, planned for device cpu (--device npu for Ascend)"
+    )
+    rc, out, _ = mxload(*PLAN_30B, "--device", "npu")
+    assert rc == 0
+    assert out.splitlines()[0] == "model: Qwen3MoeForCausalLM, planned for device npu"
+    rc, out, _ = mxload(*PLAN_30B, "--device", "npu", "--json")
+    assert json.loads(out)["device"] == "npu"
+
+
+def test_plan_verdict_is_the_last_line(mxload: Callable[..., tuple[int, str, str]]) -> None:
+    rc, out, _ = mxload(*PLAN_30B, "--device-memory", "1GiB")
+    assert rc == 3
+    lines = out.strip().splitlines()
+    assert lines[-1].startswith("DOES NOT FIT: 8 of 8 ranks need more than 1.00 GiB"), lines[-1]
+    assert not any("FIT" in ln for ln in lines[:-1]), "the verdict appears once, last"
+    rc, out, _ = mxload(*PLAN_30B, "--device-memory", "1TiB")
+    assert rc == 0
+    assert (
+        out.strip()
+        .splitlines()[-1]
+        .startswith("FITS: every rank's peak fits 1.00 TiB of device memory")
+    )
+    rc, out, _ = mxload(*PLAN_30B)
+    assert rc == 0
+    assert out.strip().splitlines()[-1].startswith("fit not checked: give --device-memory")
+
+
+def test_plan_json_fits_is_null_when_not_checked(
+    mxload: Callable[..., tuple[int, str, str]],
+) -> None:
+    rc, out, _ = mxload(*PLAN_30B, "--json")
+    doc = json.loads(out)
+    assert rc == 0 and doc["device_memory_bytes"] is None and doc["fits"] is None
+    rc, out, _ = mxload(*PLAN_30B, "--json", "--device-memory", "1GiB")
+    doc = json.loads(out)
+    assert rc == 3 and doc["device_memory_bytes"] == 2**30 and doc["fits"] is False
+    assert all(r["peak_bytes"] > 2**30 for r in doc["ranks"])
+    rc, out, _ = mxload(*PLAN_30B, "--json", "--device-memory", "1TiB")
+    assert rc == 0 and json.loads(out)["fits"] is True
+
+
+def test_convert_prints_a_short_summary(
+    mxload: Callable[..., tuple[int, str, str]], ckpts: dict[str, str], tmp_path: Path
+) -> None:
+    rc, out, _ = mxload("convert", ckpts["v1"], str(tmp_path / "a"), "--json")
+    assert rc == 0
+    summary = json.loads(out)
+    rc, text, _ = mxload("convert", ckpts["v1"], str(tmp_path / "b"))
+    assert rc == 0
+    assert "{" not in text and "[" not in text, text
+    lines = text.strip().splitlines()
+    assert lines[0].startswith(f"converted {ckpts['v1']} -> {tmp_path / 'b'}: ")
+    assert f"{summary['tensors']} tensors in {summary['files']} file(s)" in lines[0]
+    assert lines[1].startswith("  kept unquantized (not converted): lm_head, ")
+    assert len(lines) == 2
+
+
+def test_verbose_and_debug_set_the_log_level(
+    mxload: Callable[..., tuple[int, str, str]],
+) -> None:
+    args = ["plan", "--model", "qwen3-32b-fp8", "--json"]
+    assert mxload(*args)[0] == 0
+    assert logging.getLogger("mxload").level == logging.WARNING
+    assert mxload(*args, "-v")[0] == 0
+    assert logging.getLogger("mxload").level == logging.INFO
+    assert mxload(*args, "--debug")[0] == 0
+    assert logging.getLogger("mxload").level == logging.DEBUG
+
+
+def test_a_refused_reload_shows_its_root_cause_first_on_one_line(
+    ckpt_factory: Callable[..., str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A reload against another model (hidden 160, held 256): the refusal's one line
+    names the size behind the mismatches first and is capped; the error itself lists
+    every buffer (--debug shows it)."""
+    from mxload import ParallelLayout, build_plan, open_checkpoint, reload_inputs
+    from mxload.orchestrator.cli.commands import report_error
+    from mxload.orchestrator.errors import ReloadMismatch
+
+    held_src = ckpt_factory("qwen3-moe-tiny", 1)
+    other = ckpt_factory("qwen3-moe-tiny", 3, overrides={"hidden_size": 160})
+    meta = open_checkpoint(held_src)
+    held = build_plan(
+        meta.config, ParallelLayout(tp=2, enable_expert_parallel=True), checkpoint=meta
+    )
+    with pytest.raises(ReloadMismatch) as refused:
+        reload_inputs(held, other)
+    listed = str(refused.value).splitlines()
+    assert len(listed) > 50  # the whole list is in the error
+    capsys.readouterr()
+    assert report_error(refused.value, 2, ["reload", other]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert err.startswith(f"mxload: error: reload from {other} refused, nothing was touched; ")
+    shapes = [ln for ln in listed if ": shape (" in ln]
+    by_hidden = [
+        ln
+        for ln in shapes
+        if "160" in ln.split(" in the new")[0] and "256" in ln.split("checkpoint, ")[1]
+    ]
+    cause = (
+        f"most shape mismatches listed ({len(by_hidden)} of {len(shapes)}) are a size 160 in "
+        "the new checkpoint where 256 is held"
+    )
+    assert len(by_hidden) > len(shapes) / 2
+    assert cause in err and err.index(cause) < err.index("rank 0:"), err
+    total = int(listed[0].split("; ")[1].split()[0])
+    # Shown: the cause (not itself a mismatch) and the first two mismatches.
+    assert err.count("rank 0:") == 2
+    assert err.endswith(f"... and {total - 2} more (--debug lists them)"), err
+    assert len(err) < 700
