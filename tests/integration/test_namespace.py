@@ -17,16 +17,49 @@ import pytest
 
 SCRIPT = """
 import json
-from mxload.orchestrator.runtime.catalog import open_checkpoint
-from mxload.orchestrator.plan.types import ParallelLayout
-from mxload.orchestrator.plan.planner import build_plan, plan_to_json
+from mxload import ParallelLayout, build_plan, open_checkpoint
 from mxload.workers.tools.synth import make_checkpoint
 import mxload.cluster.local
 
 make_checkpoint("ckpt", "qwen3-moe-tiny", seed=3)
 meta = open_checkpoint("ckpt")
-plan = plan_to_json(build_plan(meta.config, ParallelLayout(tp=2, enable_expert_parallel=True), checkpoint=meta))
-print(json.dumps({"world": plan["parallel"]["world"], "arch": plan["model"]["architecture"]}))
+plan = build_plan(meta.config, ParallelLayout(tp=2, enable_expert_parallel=True), checkpoint=meta)
+print(json.dumps({"world": plan.layout.world, "arch": plan.model["architecture"]}))
+"""
+
+PUBLIC = [
+    "EngineReloader", "MxloadError", "MxloadWorkerExtension", "ParallelLayout", "Plan",
+    "RankLoader", "Session", "__version__", "build_plan", "convert_checkpoint", "load",
+    "open_checkpoint", "reload_inputs",
+]  # fmt: skip
+"""The names README.md and docs/adoption.md import from ``mxload``."""
+
+PUBLIC_SCRIPT = """
+import importlib, json, sys
+import mxload
+light = not ({"torch", "ray"} & set(sys.modules))
+from mxload import (
+    EngineReloader, MxloadError, MxloadWorkerExtension, ParallelLayout, Plan, RankLoader,
+    Session, __version__, build_plan, convert_checkpoint, load, open_checkpoint,
+    reload_inputs,
+)
+names = {n: getattr(mxload, n) for n in mxload.__all__ if n != "__version__"}
+
+def resolve(qualname):  # how vLLM resolves worker_extension_cls
+    module, name = qualname.rsplit(".", 1)
+    return getattr(importlib.import_module(module), name)
+
+print(json.dumps({
+    "all": sorted(mxload.__all__),
+    "dir": sorted(dir(mxload)),
+    "light": light,
+    "homes": sorted({n: v.__module__.split(".")[0] for n, v in names.items()}.values()),
+    "callable": all(callable(v) for v in names.values()),
+    "error": issubclass(MxloadError, Exception),
+    "version": __version__,
+    "extension": resolve("mxload.MxloadWorkerExtension")
+    is resolve("mxload.workers.engine_ext.MxloadWorkerExtension"),
+}))
 """
 
 
@@ -75,3 +108,26 @@ def test_python_api_from_a_folder_with_its_own_packages(crowded: Path) -> None:
         "world": 2,
         "arch": "Qwen3MoeForCausalLM",
     }
+
+
+def test_public_names_import_from_mxload(crowded: Path) -> None:
+    """``from mxload import ...`` gives every documented name (without importing torch or
+    Ray until one is used); ``mxload.MxloadWorkerExtension`` resolves, as vLLM resolves
+    ``worker_extension_cls``, to the class docs/contract.md names by its module path."""
+    done = run([sys.executable, "-c", PUBLIC_SCRIPT], crowded)
+    assert done.returncode == 0, done.stderr[-2000:]
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    assert got["all"] == sorted(PUBLIC) and got["dir"] == sorted(PUBLIC)
+    assert got["light"] is True, "import mxload imported torch or Ray"
+    assert got["homes"] == ["mxload"] and got["callable"] is True and got["error"] is True
+    assert got["extension"] is True
+    assert got["version"] == _pyproject_version()
+
+
+def _pyproject_version() -> str:
+    import tomllib
+
+    root = Path(__file__).resolve().parents[2]
+    with open(root / "pyproject.toml", "rb") as f:
+        version: str = tomllib.load(f)["project"]["version"]
+    return version
