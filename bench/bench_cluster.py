@@ -544,7 +544,7 @@ STUBS: dict[str, tuple[bool, bool]] = {
     "both stubbed": (True, True),
 }
 """Where the tp=8 experts' extra seconds go: the default load with the MX conversion
-call (``Backend.convert_units_to_mx_packed``) and/or the storage read
+call (``Backend.convert``) and/or the storage read
 (``Storage.read_ranges_into``) replaced by a no-op (the scale check is off when reads
 are stubbed: the staging bytes are then garbage). Instrumentation, not a configuration:
 what is left when both are stubbed is the loader's own per-unit cost."""
@@ -558,13 +558,13 @@ def _experts_decomposition(rank_seconds: Any, *, repeats: int) -> dict[str, dict
     import mxload.workers.storage as storage_mod
 
     real = (
-        backend_mod.Backend.convert_units_to_mx_packed,
+        backend_mod.Backend.convert,
         storage_mod.Storage.read_ranges_into,
         reference_mod.check_block_scales,
     )
 
-    def no_convert(self: Any, units: Any, **kw: Any) -> None:
-        return None
+    def no_convert(self: Any, parts: Any, **kw: Any) -> list[Any]:
+        return []
 
     def no_read(self: Any, relpath: str, ranges: Any, view: Any) -> int:
         return sum(r.nbytes for r in ranges)
@@ -576,7 +576,7 @@ def _experts_decomposition(rank_seconds: Any, *, repeats: int) -> dict[str, dict
     try:
         for _ in range(repeats):
             for variant, (kernel, reads) in STUBS.items():
-                backend_mod.Backend.convert_units_to_mx_packed = (  # type: ignore[method-assign]
+                backend_mod.Backend.convert = (  # type: ignore[method-assign]
                     no_convert if kernel else real[0]
                 )
                 storage_mod.Storage.read_ranges_into = (  # type: ignore[method-assign]
@@ -586,7 +586,7 @@ def _experts_decomposition(rank_seconds: Any, *, repeats: int) -> dict[str, dict
                 for tp in (1, 8):
                     samples[variant][tp].append(rank_seconds(tp)["seconds"])
     finally:
-        backend_mod.Backend.convert_units_to_mx_packed = real[0]  # type: ignore[method-assign]
+        backend_mod.Backend.convert = real[0]  # type: ignore[method-assign]
         storage_mod.Storage.read_ranges_into = real[1]  # type: ignore[method-assign]
         reference_mod.check_block_scales = real[2]
     return {

@@ -15,8 +15,8 @@ Paths (throughput is GB/s of FP8 source bytes, n * k per call):
 - ``torch-lut``: the best torch rearrangement tried -- resolve by one 256-entry table per
   tile and a gather, then the reference MX steps -- kept here as the evidence that
   rearranged torch ops stay memory-bound;
-- ``fast``: ``fast.convert_block_to_mx`` (new tensors); ``fast+write_rows``: that plus
-  ``repack.write_rows``; ``fast-packed``: ``fast.convert_block_to_mx_packed`` straight
+- ``fast``: ``fast.convert`` (new tensors); ``fast+write_rows``: that plus
+  ``repack.write_rows``; ``fast-packed``: ``fast.convert(..., into=...)`` straight
   into the persistent buffers (the loader's path);
 - ``naive-mxq`` / ``fast-mxq``: ``mx_quantize`` of the bf16 resolved tensor (a reload
   from a BF16 checkpoint); GB/s there is of bf16 input bytes (2 per element).
@@ -55,6 +55,7 @@ if str(ROOT) not in sys.path:
 
 from mxload.workers.numerics import fast, repack  # noqa: E402
 from mxload.workers.numerics import reference as ref  # noqa: E402
+from mxload.workers.numerics.backend import ConvertPart, PackedOut  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
 
@@ -203,13 +204,21 @@ def _bench_workload(
 
     # Correctness first, untimed.
     want_p, want_s = ref.mx_quantize(ref.resolve_block(w, scale, **kw))
-    got_p, got_s = fast.convert_block_to_mx(w, scale, **kw)
+    part = [ConvertPart(w, scale)]
+
+    def fast_convert(
+        into: list[PackedOut] | None = None,
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return fast.convert(part, block_n=BLOCK, block_k=BLOCK, dtype=dtype, into=into)
+
+    [(got_p, got_s)] = fast_convert()
     lut_p, lut_s = _torch_lut_convert(w, scale, dtype)
     buf_w = torch.empty((k, n), dtype=torch.float8_e4m3fn)
     buf_s = torch.empty(((g + 1) // 2, n, 2), dtype=torch.uint8)
     ref_w, ref_s = buf_w.clone(), buf_s.clone()
     repack.write_rows(ref_w, ref_s, want_p, want_s, 0)
-    fast.convert_block_to_mx_packed(w, scale, **kw, out_weight=buf_w, out_scale=buf_s, out_row0=0)
+    into = [PackedOut(buf_w, buf_s)]
+    fast_convert(into)
     resolved = ref.resolve_block(w, scale, **kw)
     mxq_p, mxq_s = fast.mx_quantize(resolved)
     checks = {
@@ -233,15 +242,13 @@ def _bench_workload(
         "naive": (lambda: ref.mx_quantize(ref.resolve_block(w, scale, **kw)), nbytes),
         "naive+pack": (naive_pack, nbytes),
         "torch-lut": (lambda: _torch_lut_convert(w, scale, dtype), nbytes),
-        "fast": (lambda: fast.convert_block_to_mx(w, scale, **kw), nbytes),
+        "fast": (lambda: fast_convert(), nbytes),
         "fast+write_rows": (
-            lambda: repack.write_rows(buf_w, buf_s, *fast.convert_block_to_mx(w, scale, **kw), 0),
+            lambda: repack.write_rows(buf_w, buf_s, *fast_convert()[0], 0),
             nbytes,
         ),
         "fast-packed": (
-            lambda: fast.convert_block_to_mx_packed(
-                w, scale, **kw, out_weight=buf_w, out_scale=buf_s, out_row0=0
-            ),
+            lambda: fast_convert(into),
             nbytes,
         ),
         "naive-mxq": (lambda: ref.mx_quantize(resolved), 2 * nbytes),

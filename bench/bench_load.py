@@ -8,7 +8,7 @@ fewer layers (and, for the small size, fewer experts) and a smaller vocabulary s
 files are ~2 GB (``--quick``: ~200 MB). What each benchmark measures and against what:
 
 1. ``kernels``: GB/s of FP8 source through ``select_backend("cpu", prefer_fast=...)
-   .convert_block_to_mx`` (the call the loader makes) on one decoder layer's linears
+   .convert`` (the call the loader makes) on one decoder layer's linears
    (attention + experts: 128 in the full run, 8 with --quick), reference vs fast vs a
    torch memcpy of the same bytes; plus ``bench/bench_convert.py`` (another engineer's
    per-shape benchmark, delegated to, results under ``OUT/suite-convert/``).
@@ -297,7 +297,7 @@ class Suite:
     # --- 1. conversion kernels -------------------------------------------------------------
 
     def kernels(self) -> dict[str, Any]:
-        from mxload.workers.numerics.backend import select_backend
+        from mxload.workers.numerics.backend import ConvertPart, PackedOut, select_backend
 
         ref = select_backend("cpu", prefer_fast=False)
         fast = select_backend("cpu", prefer_fast=True)
@@ -314,9 +314,7 @@ class Suite:
         log(f"kernels: generating one layer ({len(shapes)} linears)")
         tensors = [block_fp8(n, k, seed=i) for i, (_, n, k) in enumerate(shapes)]
         nbytes = sum(w.numel() for w, _ in tensors)
-        kw: dict[str, Any] = dict(
-            row0=0, col0=0, block_n=BLOCK, block_k=BLOCK, dtype=torch.bfloat16
-        )
+        kw: dict[str, Any] = dict(block_n=BLOCK, block_k=BLOCK, dtype=torch.bfloat16)
         notes: list[str] = []
         if fast.name != "cpu-fast":
             notes.append(f"fast path unavailable here: {fast.note}; 'fast' is the reference")
@@ -328,43 +326,38 @@ class Suite:
             )
             for w, _ in tensors
         ]
-        has_packed = hasattr(fast, "convert_block_to_mx_packed")
+        has_packed = True  # Backend.convert(into=...) on every backend
         # Correctness before speed: a benchmark of a wrong kernel is worthless.
         from mxload.workers.numerics.repack import write_rows
 
         for i in (0, 3, 4, 6):
             w, s = tensors[i]
-            want = ref.convert_block_to_mx(w, s, **kw)
-            if not _same_mx(want, fast.convert_block_to_mx(w, s, **kw)):
+            [want] = ref.convert([ConvertPart(w, s)], **kw)
+            if not _same_mx(want, fast.convert([ConvertPart(w, s)], **kw)[0]):
                 raise RuntimeError(f"fast and reference differ on {shapes[i][0]} {tuple(w.shape)}")
-            if has_packed:
-                ow, os_ = torch.zeros_like(outs[i][0]), torch.zeros_like(outs[i][1])
-                write_rows(ow, os_, want[0], want[1], 0)
-                fast.convert_block_to_mx_packed(
-                    w, s, **kw, out_weight=outs[i][0], out_scale=outs[i][1], out_row0=0
-                )
-                if not _same_mx((outs[i][0], outs[i][1]), (ow, os_)):
-                    raise RuntimeError(f"fast packed and reference+repack differ on {shapes[i][0]}")
+            ow, os_ = torch.zeros_like(outs[i][0]), torch.zeros_like(outs[i][1])
+            write_rows(ow, os_, want[0], want[1], 0)
+            fast.convert([ConvertPart(w, s)], **kw, into=[PackedOut(*outs[i])])
+            if not _same_mx((outs[i][0], outs[i][1]), (ow, os_)):
+                raise RuntimeError(f"fast packed and reference+repack differ on {shapes[i][0]}")
 
         def run(backend: Any) -> Callable[[], None]:
             def go() -> None:
                 for w, s in tensors:
-                    backend.convert_block_to_mx(w, s, **kw)
+                    backend.convert([ConvertPart(w, s)], **kw)
 
             return go
 
         def run_packed() -> None:
             for (w, s), (ow, os_) in zip(tensors, outs, strict=True):
-                fast.convert_block_to_mx_packed(
-                    w, s, **kw, out_weight=ow, out_scale=os_, out_row0=0
-                )
+                fast.convert([ConvertPart(w, s)], **kw, into=[PackedOut(ow, os_)])
 
         memcpy = memcpy_fn([w for w, _ in tensors])
 
         # Warm-up on one expert only (a whole reference pass is tens of seconds).
         for be in (ref, fast):
             w, s = tensors[4]
-            be.convert_block_to_mx(w, s, **kw)
+            be.convert([ConvertPart(w, s)], **kw)
         candidates: dict[str, Callable[[], object]] = {
             "memcpy": memcpy,
             "reference": run(ref),
@@ -409,7 +402,7 @@ class Suite:
         if has_packed:
             rows.append(
                 [
-                    f"fast packed ({fast.name} `convert_block_to_mx_packed` into kernel-layout "
+                    f"fast packed ({fast.name} `convert(..., into=...)` into kernel-layout "
                     "buffers: the loader's call)",
                     rates["fast packed"].text(3),
                     t["fast packed"].text(3),
@@ -442,9 +435,9 @@ class Suite:
             "kernels",
             "1. Conversion throughput: reference vs fast vs memcpy",
             (
-                '`select_backend("cpu", prefer_fast=False/True).convert_block_to_mx` (resolve + '
+                '`select_backend("cpu", prefer_fast=False/True).convert` (resolve + '
                 "MX quantize, SPEC §2.1-2.2; no repack) over every linear of one layer, and the "
-                "fast backend's `convert_block_to_mx_packed` (the same plus the kernel layout of "
+                "fast backend's `convert(..., into=...)` (the same plus the kernel layout of "
                 "SPEC §2.3, written into preallocated buffers: what the loader calls), the paths "
                 "taking turns within each repeat; outputs checked byte for byte against the "
                 "reference (and reference + `repack.write_rows`) on four of the tensors first. "

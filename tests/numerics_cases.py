@@ -585,8 +585,9 @@ def _random_inputs(seed: int) -> list[tuple[str, torch.Tensor]]:
 def random_conformance(backend: object, seed: int = 2024) -> list[str]:
     """Compare ``backend`` (any device) with the CPU reference, byte for byte, on seeded
     random data; returns mismatch descriptions naming the input. Runs ``mx_quantize``,
-    ``resolve_block`` and ``convert_block_to_mx`` (tile-misaligned slices)."""
+    ``resolve_block`` and ``convert`` (tile-misaligned slices)."""
     from mxload.workers.numerics import reference
+    from mxload.workers.numerics.backend import ConvertPart
 
     problems: list[str] = []
     for label, x in _random_inputs(seed):
@@ -616,7 +617,9 @@ def random_conformance(backend: object, seed: int = 2024) -> list[str]:
             if got_cpu.dtype != dtype or not bool(same.all()):
                 problems.append(f"{label}: differs from the CPU reference")
             want_p, want_s = reference.mx_quantize(want)
-            got_p, got_s = backend.convert_block_to_mx(w[r0:r1, c0:c1], tiles, **kw)  # type: ignore[attr-defined]
+            [(got_p, got_s)] = backend.convert(  # type: ignore[attr-defined]
+                [ConvertPart(w[r0:r1, c0:c1], tiles, r0, c0)], block_n=128, block_k=128, dtype=dtype
+            )
             problems += compare_mx(
                 "convert-" + label,
                 got_p,

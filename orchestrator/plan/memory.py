@@ -77,6 +77,28 @@ class ConvertOptions:
     """The fused CPU kernel resolves and quantizes in one pass: no resolved intermediate."""
     device: str = "cpu"
     block_n: int = 128
+    """Row alignment of chunks: the source's tile height for block-FP8, else 1."""
+
+    @classmethod
+    def for_source(
+        cls,
+        model_dtype: str,
+        source_quant: str,
+        source_block_n: int,
+        *,
+        fused: bool = True,
+        device: str = "cpu",
+    ) -> ConvertOptions:
+        """The options of a run reading a ``source_quant`` checkpoint whose block-FP8
+        tiles are ``source_block_n`` rows high. The planner, a session and every rank
+        build theirs here, so the plan's estimate and the rank's schedule chunk alike."""
+        return cls(
+            model_dtype=model_dtype,
+            source_quant=source_quant,
+            fused=fused,
+            device=device,
+            block_n=source_block_n if source_quant == "block_fp8" else 1,
+        )
 
 
 def unit_cost(unit: Unit, rows: int, read_bytes: int, opts: ConvertOptions) -> UnitCost:
@@ -380,13 +402,9 @@ def proportional_read_fn(units: Sequence[Unit], unit_read_bytes: Sequence[int]) 
 def rank_staging(
     units: Sequence[Unit],
     unit_read_bytes: Sequence[int] | ReadBytesFn,
-    model_dtype: str,
+    opts: ConvertOptions,
     budget: int | None,
-    device: str = "cpu",
     *,
-    source_quant: str = "block_fp8",
-    fused: bool = True,
-    block_n: int = 128,
     whole_units: bool = False,
 ) -> StagingEstimate:
     """Staging of one rank under ``budget`` (default: the reload minimum)."""
@@ -394,13 +412,6 @@ def rank_staging(
         unit_read_bytes
         if callable(unit_read_bytes)
         else proportional_read_fn(units, unit_read_bytes)
-    )
-    opts = ConvertOptions(
-        model_dtype=model_dtype,
-        source_quant=source_quant,
-        fused=fused,
-        device=device,
-        block_n=block_n,
     )
     if budget is None:
         budget = min_budgets(units, read_fn, opts)[1]

@@ -770,14 +770,10 @@ def _build_plan(
     planner = _Planner(config, layout, checkpoint, engine)
     policy = REMOTE_POLICY if remote else LOCAL_POLICY
     quant = config.quant.kind
-    block_n = config.quant.block_n if quant == "block_fp8" else (1 if quant == "mxfp8" else 128)
-    opts = ConvertOptions(
-        model_dtype=config.model_dtype,
-        source_quant=quant,
-        device=device,
-        block_n=block_n,
-        fused=fused,
+    opts = ConvertOptions.for_source(
+        config.model_dtype, quant, config.quant.block_n, fused=fused, device=device
     )
+    block_n = opts.block_n
     reads_of: dict[int, UnitReads] = {}
     # The loader requests each unit's ranges on their own (per file, coalesced under the
     # policy), so a rank fetches the sum of its units' requests: a tensor two units share
@@ -857,16 +853,7 @@ def _build_plan(
         c = s.coords
         staging = staging_of.get(s.signature)
         if staging is None:
-            staging = staging_of[s.signature] = rank_staging(
-                s.units,
-                s.read_fn,
-                config.model_dtype,
-                budget,
-                device,
-                source_quant=quant,
-                block_n=block_n,
-                fused=fused,
-            )
+            staging = staging_of[s.signature] = rank_staging(s.units, s.read_fn, opts, budget)
         ranks.append(
             RankPlan(
                 rank=c.rank,

@@ -428,3 +428,13 @@ def test_too_small_budget_names_the_flag_and_chunk_rows_says_none(plans) -> None
     with pytest.raises(StagingBudgetError) as err:
         schedule(rp.units, read_fn, opts, 1, whole_units=False)
     assert "--staging-budget" in str(err.value)
+
+
+def test_options_for_a_source_align_chunks_to_its_tiles_only_for_block_fp8() -> None:
+    # One factory for the planner, sessions and ranks: block-FP8 chunks align to the
+    # tile height (a chunk reads whole tile rows), other sources to single rows.
+    assert ConvertOptions.for_source("bf16", "block_fp8", 64).block_n == 64
+    assert ConvertOptions.for_source("bf16", "mxfp8", 0).block_n == 1
+    assert ConvertOptions.for_source("fp16", "none", 0).block_n == 1
+    o = ConvertOptions.for_source("fp16", "block_fp8", 128, fused=False, device="npu")
+    assert (o.model_dtype, o.source_quant, o.fused, o.device) == ("fp16", "block_fp8", False, "npu")

@@ -11,6 +11,7 @@ tests/device/test_npu_conformance.py.
 from __future__ import annotations
 
 import importlib.util
+import os
 import sys
 import types
 from typing import Any
@@ -20,6 +21,7 @@ import pytest
 import torch
 from mxload.orchestrator.errors import ConversionError, MxloadError, UsageError
 from mxload.workers.numerics import Backend, reference, select_backend
+from mxload.workers.numerics.backend import ConvertPart, PackedOut
 from mxload.workers.numerics.npu import NpuBackend, apply_group_rules, normalise_mx_scale
 
 from tests import independent_ref as ir
@@ -68,8 +70,11 @@ def test_cpu_backend_convert_matches_reference(prefer_fast: bool) -> None:
     scale_full = scale_full.float()
     kwargs: dict[str, Any] = {"row0": 5, "col0": 64, "block_n": 16, "block_k": 128}
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
-        payload, scale = b.convert_block_to_mx(
-            w[5:, 64:], scale_full[0:3, 0:3], dtype=dtype, **kwargs
+        [(payload, scale)] = b.convert(
+            [ConvertPart(w[5:, 64:], scale_full[0:3, 0:3], 5, 64)],
+            block_n=16,
+            block_k=128,
+            dtype=dtype,
         )
         resolved = reference.resolve_block(w[5:, 64:], scale_full, dtype=dtype, **kwargs)
         want_p, want_s = ir.mx_quantize_ref(resolved.to(torch.float64).numpy())
@@ -127,14 +132,14 @@ def _fake_fast(available: Any) -> tuple[types.ModuleType, list[str]]:
         calls.append("mx_quantize")
         return reference.mx_quantize(x)
 
-    def convert_block_to_mx(*args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        calls.append("convert_block_to_mx")
-        return reference.mx_quantize(reference.resolve_block(*args, **kwargs))
+    def convert(parts: Any, **kwargs: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        calls.append("convert")
+        return [(torch.zeros(0), torch.zeros(0))]
 
     mod.fast_available = fast_available  # type: ignore[attr-defined]
     mod.resolve_block = resolve_block  # type: ignore[attr-defined]
     mod.mx_quantize = mx_quantize  # type: ignore[attr-defined]
-    mod.convert_block_to_mx = convert_block_to_mx  # type: ignore[attr-defined]
+    mod.convert = convert  # type: ignore[attr-defined]
     return mod, calls
 
 
@@ -147,8 +152,9 @@ def test_fast_module_used_when_available(monkeypatch: pytest.MonkeyPatch) -> Non
     s = torch.ones(1, 1)
     b.resolve_block(w, s, row0=0, col0=0, block_n=128, block_k=128, dtype=torch.bfloat16)
     b.mx_quantize(torch.zeros(32))
-    b.convert_block_to_mx(w, s, row0=0, col0=0, block_n=128, block_k=128, dtype=torch.bfloat16)
-    assert calls == ["resolve_block", "mx_quantize", "convert_block_to_mx"]
+    got = b.convert([ConvertPart(w, s)], block_n=128, block_k=128, dtype=torch.bfloat16)
+    assert calls == ["resolve_block", "mx_quantize", "convert"]
+    assert b.fused and len(got) == 1 and got[0][0].numel() == 0  # the fast module's answer
     assert select_backend("cpu", prefer_fast=False).name == "cpu-reference"
 
 
@@ -169,13 +175,23 @@ def test_fast_module_missing(monkeypatch: pytest.MonkeyPatch) -> None:
     assert b.name == "cpu-reference" and "no fast CPU path" in b.note
 
 
-def test_backend_module_imports_no_accelerator_stack() -> None:
-    # Importing the numerics package must not pull in torch_npu (SPEC §4: lazy imports).
+def test_backend_module_imports_no_accelerator_stack(tmp_path: Any) -> None:
+    # Importing the backend module must import neither torch_npu nor the fast CPU path
+    # (numba): they are looked up when a backend is selected. A stand-in torch_npu on the
+    # path makes an eager import visible even where the real one is not installed.
     import subprocess
 
-    code = "import sys, workers.numerics; print('torch_npu' in sys.modules)"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "False"
+    (tmp_path / "torch_npu.py").write_text("")
+    code = (
+        "import sys, mxload.workers.numerics.backend\n"
+        "print(sorted(m for m in ('mxload.workers.numerics.backend', 'torch_npu', "
+        "'mxload.workers.numerics.fast', 'numba') if m in sys.modules))"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path])}
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env
+    )
+    assert out.stdout.strip() == "['mxload.workers.numerics.backend']"
 
 
 # --- the NPU backend through a stand-in torch_npu ----------------------------------------
@@ -280,3 +296,20 @@ def test_random_conformance_helper_on_cpu_and_stand_in_npu() -> None:
             return p, torch.where(s == 0, s, s - 1)  # off by one in the scale byte
 
     assert nc.random_conformance(Broken("broken", torch.device("cpu"))) != []
+
+
+@pytest.mark.parametrize("prefer_fast", [True, False])
+def test_convert_refuses_outputs_that_do_not_match_the_parts(prefer_fast: bool) -> None:
+    b = select_backend("cpu", prefer_fast=prefer_fast)
+    w = torch.zeros((4, 64), dtype=torch.uint8).view(torch.float8_e4m3fn)
+    out = PackedOut(
+        torch.zeros((64, 4), dtype=torch.uint8), torch.zeros((1, 4, 2), dtype=torch.uint8)
+    )
+    with pytest.raises(MxloadError, match="2 parts but 1 outputs"):
+        b.convert(
+            [ConvertPart(w, torch.ones(1, 1))] * 2,
+            block_n=128,
+            block_k=128,
+            dtype=torch.bfloat16,
+            into=[out],
+        )

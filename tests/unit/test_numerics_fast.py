@@ -22,6 +22,7 @@ import torch
 from mxload.orchestrator.errors import NumericsError
 from mxload.workers.numerics import backend, fast, kernels, repack
 from mxload.workers.numerics import reference as ref
+from mxload.workers.numerics.backend import ConvertPart, PackedOut
 
 from tests import numerics_cases as nc
 
@@ -75,6 +76,54 @@ def _assert_same_resolved(got: torch.Tensor, want: torch.Tensor, label: str) -> 
     assert bad.numel() == 0, f"{label}: {bad.shape[0]} values differ"
 
 
+def _convert(
+    w: torch.Tensor,
+    scale: torch.Tensor,
+    *,
+    row0: int,
+    col0: int,
+    block_n: int,
+    block_k: int,
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``fast.convert`` of one part, row-major."""
+    [got] = fast.convert(
+        [ConvertPart(w, scale, row0, col0)], block_n=block_n, block_k=block_k, dtype=dtype
+    )
+    return got
+
+
+def _convert_packed(
+    w: torch.Tensor,
+    scale: torch.Tensor,
+    *,
+    row0: int,
+    col0: int,
+    block_n: int,
+    block_k: int,
+    dtype: torch.dtype,
+    out_weight: torch.Tensor,
+    out_scale: torch.Tensor,
+    out_row0: int,
+) -> None:
+    """``fast.convert`` of one part into a kernel-layout output."""
+    got = fast.convert(
+        [ConvertPart(w, scale, row0, col0, out_row0)],
+        block_n=block_n,
+        block_k=block_k,
+        dtype=dtype,
+        into=[PackedOut(out_weight, out_scale)],
+    )
+    assert got == []
+
+
+def _flat(units: list) -> dict[str, list]:  # type: ignore[type-arg]
+    """``(parts, out_weight, out_scale)`` units as the parts and outputs of one call."""
+    parts = [ConvertPart(*p) for ps, _, _ in units for p in ps]
+    into = [PackedOut(ow, os_) for ps, ow, os_ in units for _ in ps]
+    return {"parts": parts, "into": into}
+
+
 def _check_block(
     w: torch.Tensor,
     scale: torch.Tensor,
@@ -86,7 +135,7 @@ def _check_block(
     dtype: torch.dtype,
     label: str,
 ) -> None:
-    """resolve_block, convert_block_to_mx and the packed write against the reference."""
+    """resolve_block, convert and the packed convert against the reference."""
     kw = dict(row0=row0, col0=col0, block_n=block_n, block_k=block_k, dtype=dtype)
     want_r = ref.resolve_block(w, scale, **kw)
     _assert_same_resolved(fast.resolve_block(w, scale, **kw), want_r, f"{label} resolve")
@@ -97,7 +146,7 @@ def _check_block(
     if w.shape[1] % 32:
         return
     want_p, want_s = ref.mx_quantize(want_r)
-    got_p, got_s = fast.convert_block_to_mx(w, scale, **kw)
+    got_p, got_s = _convert(w, scale, **kw)
     assert got_s.dtype == torch.uint8
     assert torch.equal(got_s, want_s), f"{label} convert scale"
     _assert_same_payload(got_p, want_p, f"{label} convert payload")
@@ -222,7 +271,7 @@ def test_fused_cases(case: tuple) -> None:  # type: ignore[type-arg]
     name, w, scale, dtype, want_s, want_p = case
     s = torch.tensor([[scale]], dtype=torch.float32)
     kw = dict(row0=0, col0=0, block_n=128, block_k=128, dtype=dtype)
-    for fn_name, fn in (("fast", fast.convert_block_to_mx), ("reference", _ref_convert)):
+    for fn_name, fn in (("fast", _convert), ("reference", _ref_convert)):
         payload, scale_u8 = fn(w, s, **kw)
         assert nc.compare_mx(f"{name} ({fn_name})", payload, scale_u8, want_p, want_s) == []
     payload, scale_u8 = _np_convert(w, s, 128, 128, dtype)
@@ -263,7 +312,7 @@ def test_tables_with_flush_denormal() -> None:
         ]
         m_out = [fast.mx_quantize(x) for _, x in m_inputs]
         f_out = [
-            fast.convert_block_to_mx(c[1], s, row0=0, col0=0, block_n=1, block_k=32, dtype=c[3])
+            _convert(c[1], s, row0=0, col0=0, block_n=1, block_k=32, dtype=c[3])
             for c, s in f_inputs
         ]
     finally:
@@ -359,11 +408,11 @@ def test_sharding_commutes() -> None:
     w = _random_weight(gen, n, k, "weights")
     full_scale = _random_scales(gen, 3, 5, special=False)
     kw = dict(block_n=bn, block_k=bk, dtype=torch.bfloat16)
-    whole_p, whole_s = fast.convert_block_to_mx(w, full_scale, row0=0, col0=0, **kw)
+    whole_p, whole_s = _convert(w, full_scale, row0=0, col0=0, **kw)
     for r0, r1, c0, c1 in [(0, 100, 0, 640), (100, 300, 0, 320), (100, 300, 320, 640),
                            (37, 211, 96, 544)]:  # fmt: skip
         s = _covering(r0 // bn, (r1 - 1) // bn + 1, c0 // bk, (c1 - 1) // bk + 1, full_scale)
-        p, sc = fast.convert_block_to_mx(w[r0:r1, c0:c1], s, row0=r0, col0=c0, **kw)
+        p, sc = _convert(w[r0:r1, c0:c1], s, row0=r0, col0=c0, **kw)
         _assert_same_payload(p, whole_p[r0:r1, c0:c1], f"slice {(r0, r1, c0, c1)}")
         assert torch.equal(sc, whole_s[r0:r1, c0 // 32 : c1 // 32])
 
@@ -440,9 +489,7 @@ def test_packed_matches_write_rows(n: int, k: int, n_total: int, out_row0: int, 
     got_w, got_s = want_w.clone(), want_s.clone()
     payload, scale_u8 = ref.mx_quantize(ref.resolve_block(w, scale, **kw))
     repack.write_rows(want_w, want_s, payload, scale_u8, out_row0)
-    fast.convert_block_to_mx_packed(
-        w, scale, **kw, out_weight=got_w, out_scale=got_s, out_row0=out_row0
-    )
+    _convert_packed(w, scale, **kw, out_weight=got_w, out_scale=got_s, out_row0=out_row0)
     _assert_same_payload(got_w, want_w, "packed weight")
     assert torch.equal(got_s, want_s)
     if out_row0 == 0 and n == n_total:
@@ -462,9 +509,7 @@ def test_packed_into_uint8_view_of_moe_stack() -> None:
     w = _random_weight(gen, n, k, "weights")
     scale = _random_scales(gen, 1, 1, special=False)
     kw = dict(row0=0, col0=0, block_n=128, block_k=128, dtype=torch.float16)
-    fast.convert_block_to_mx_packed(
-        w, scale, **kw, out_weight=buf_w[1], out_scale=buf_s[1], out_row0=0
-    )
+    _convert_packed(w, scale, **kw, out_weight=buf_w[1], out_scale=buf_s[1], out_row0=0)
     pw, ps = repack.pack_linear(*ref.mx_quantize(ref.resolve_block(w, scale, **kw)))
     _assert_same_payload(buf_w[1].view(torch.float8_e4m3fn), pw, "expert 1")
     assert torch.equal(buf_s[1], ps)
@@ -543,19 +588,16 @@ def test_parts_in_one_launch_match_per_part_reference(name: str, where: str) -> 
     want_w, want_s = _reference_stage(k, parts, n_total, torch.bfloat16)
     got_w = torch.full((k, n_total), 0xA5, dtype=torch.uint8).view(torch.float8_e4m3fn)
     got_s = torch.full(want_s.shape, 0x5A, dtype=torch.uint8)
-    fast.convert_parts_to_mx_packed(
-        parts, block_n=128, block_k=128, dtype=torch.bfloat16, out_weight=got_w, out_scale=got_s
-    )
+    fast.convert(**_flat([(parts, got_w, got_s)]), block_n=128, block_k=128, dtype=torch.bfloat16)
     _assert_same_payload(got_w, want_w, f"{name} parts payload")
     assert torch.equal(got_s, want_s), f"{name} parts scales"
     # the reference backend (one call per part) agrees through the same interface
     ref_w = torch.full((k, n_total), 0xA5, dtype=torch.uint8).view(torch.float8_e4m3fn)
     ref_s = torch.full(want_s.shape, 0x5A, dtype=torch.uint8)
     cpu_ref = backend.select_backend("cpu", prefer_fast=False)
-    cpu_ref.convert_parts_to_mx_packed(
-        [backend.PackedPart(*p) for p in parts], block_n=128, block_k=128,
-        dtype=torch.bfloat16, out_weight=ref_w, out_scale=ref_s,
-    )  # fmt: skip
+    cpu_ref.convert(
+        **_flat([(parts, ref_w, ref_s)]), block_n=128, block_k=128, dtype=torch.bfloat16
+    )
     _assert_same_payload(ref_w, want_w, f"{name} reference backend payload")
     assert torch.equal(ref_s, want_s)
 
@@ -607,8 +649,8 @@ def test_units_of_different_k_in_one_launch_match_per_part_reference(
             )
             for sw, ss in shapes
         ]
-    fast.convert_units_to_mx_packed(
-        [(parts, ow, os_) for (_, parts), (ow, os_) in zip(units_in, outs, strict=True)],
+    fast.convert(
+        **_flat([(parts, ow, os_) for (_, parts), (ow, os_) in zip(units_in, outs, strict=True)]),
         block_n=128, block_k=128, dtype=torch.bfloat16,
     )  # fmt: skip
     for name, (k, parts), (ow, os_) in zip(names, units_in, outs, strict=True):
@@ -626,11 +668,8 @@ def test_units_of_different_k_in_one_launch_match_per_part_reference(
         )
         for ow, os_ in outs
     ]
-    cpu_ref.convert_units_to_mx_packed(
-        [
-            backend.PackedUnit([backend.PackedPart(*p) for p in parts], rw, rs)
-            for (_, parts), (rw, rs) in zip(units_in, ref_outs, strict=True)
-        ],
+    cpu_ref.convert(
+        **_flat([(parts, rw, rs) for (_, parts), (rw, rs) in zip(units_in, ref_outs, strict=True)]),
         block_n=128, block_k=128, dtype=torch.bfloat16,
     )  # fmt: skip
     for (ow, os_), (rw, rs) in zip(outs, ref_outs, strict=True):
@@ -646,7 +685,7 @@ def test_refusals() -> None:
     s = torch.ones((1, 1), dtype=torch.float32)
     kw = dict(row0=0, col0=0, block_n=128, block_k=128, dtype=torch.bfloat16)
     with pytest.raises(NumericsError, match="multiple of 32"):
-        fast.convert_block_to_mx(w, s, **kw)
+        _convert(w, s, **kw)
     with pytest.raises(NumericsError, match="multiple of 32"):
         fast.mx_quantize(torch.zeros(4, 48, dtype=torch.bfloat16))
     with pytest.raises(NumericsError, match="dtype"):
@@ -659,12 +698,12 @@ def test_refusals() -> None:
         fast.resolve_block(w, s, **{**kw, "dtype": torch.float64})
     w64 = torch.zeros((4, 64), dtype=torch.uint8).view(torch.float8_e4m3fn)
     with pytest.raises(NumericsError, match="out_scale"):
-        fast.convert_block_to_mx_packed(
+        _convert_packed(
             w64, s, **kw, out_weight=torch.zeros((64, 4), dtype=torch.uint8),
             out_scale=torch.zeros((2, 4, 2), dtype=torch.uint8), out_row0=0,
         )  # fmt: skip
     with pytest.raises(NumericsError, match="does not fit"):
-        fast.convert_block_to_mx_packed(
+        _convert_packed(
             w64, s, **kw, out_weight=torch.zeros((64, 4), dtype=torch.uint8),
             out_scale=torch.zeros((1, 4, 2), dtype=torch.uint8), out_row0=1,
         )  # fmt: skip
@@ -675,7 +714,7 @@ def test_empty_blocks() -> None:
     s = torch.ones((0, 1), dtype=torch.float32)
     kw = dict(row0=0, col0=0, block_n=128, block_k=128, dtype=torch.bfloat16)
     assert fast.resolve_block(w, s, **kw).shape == (0, 64)
-    p, sc = fast.convert_block_to_mx(w, s, **kw)
+    p, sc = _convert(w, s, **kw)
     assert p.shape == (0, 64) and sc.shape == (0, 2)
 
 
@@ -694,7 +733,7 @@ def test_concurrent_calls_from_threads() -> None:
 
     def work(i: int) -> None:
         for _ in range(3):
-            got[i] = fast.convert_block_to_mx(blocks[i], scale, **kw)
+            got[i] = _convert(blocks[i], scale, **kw)
 
     threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
     for t in threads:

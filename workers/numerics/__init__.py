@@ -17,6 +17,8 @@ from typing import Any
 _EXPORTS = {
     "DEVICE_CHOICES": "backend",
     "Backend": "backend",
+    "ConvertPart": "backend",
+    "PackedOut": "backend",
     "CudaBackend": "backend",
     "select_backend": "backend",
     "MODEL_TORCH_DTYPE": "reference",

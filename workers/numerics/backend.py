@@ -1,20 +1,16 @@
 """Where a worker computes: one interface over the CPU reference, a fast CPU path, CUDA
-and the NPU (SPEC §4 "Devices vs placement", STYLE practice 3).
+and the NPU (docs/contract.md §4 "Devices vs placement").
 
-Purpose: the conversion loop calls ``backend.convert_block_to_mx`` and friends and never
-asks which device it is on. ``select_backend`` turns ``--device`` into a backend and says
-in ``note`` why it chose what it chose (``"cpu: torch_npu is not installed"``).
+The conversion loop calls :meth:`Backend.convert` and never asks which device it is on.
+:func:`select_backend` turns ``--device`` into a backend and says in ``note`` why it chose
+what it chose (``"cpu: torch_npu is not installed"``). torch_npu, the CUDA runtime and
+the fused CPU kernel (:mod:`.fast`) are imported only when a backend is selected, so the
+planner, the CLI and CPU-only tests import this module on any machine; where the fast
+path is missing or unavailable, the reference is used.
 
-Why lazy imports: torch_npu and the CUDA runtime are imported only inside
-``select_backend`` and the device backends, never at module import, so the planner, the
-CLI and CPU-only tests import this module on any machine. The optional fused CPU kernel
-(``mxload.workers.numerics.fast``) is also looked up lazily; if it is missing or says it is not
-available, the reference is used.
-
-Limits: every backend must match the reference byte for byte (NaN bytes 0x7F and 0xFF
-equal); the device tests in ``tests/device/`` check that with the named case table.
-Memory queries return ``None`` on CPU: there the staging pool's high-water mark is the
-measure (SPEC §6).
+Every backend must match the reference byte for byte (NaN bytes 0x7F and 0xFF equal);
+``tests/device/`` checks the device backends with the named case table. Memory queries
+return ``None`` on CPU, where the staging pool's high-water mark is the measure (§6).
 """
 
 from __future__ import annotations
@@ -22,42 +18,57 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable, Sequence
 from types import ModuleType
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import torch
-from mxload.orchestrator.errors import UsageError
+from mxload.orchestrator.errors import NumericsError, UsageError
 from mxload.workers.numerics import reference
 
 ResolveFn = Callable[..., torch.Tensor]
 QuantizeFn = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
-ConvertFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
 DEVICE_CHOICES: tuple[str, ...] = ("auto", "npu", "cuda", "cpu")
-"""Values of ``--device`` (SPEC §5)."""
+"""Values of ``--device`` (docs/contract.md §5)."""
 
 
-class PackedPart(NamedTuple):
-    """One part of a unit for :meth:`Backend.convert_parts_to_mx_packed`: the arguments
-    :meth:`Backend.convert_block_to_mx_packed` takes per part."""
+class ConvertPart(NamedTuple):
+    """One slice of a block-FP8 weight for :meth:`Backend.convert`: rows
+    ``[row0, row0 + n)`` and columns ``[col0, col0 + k)`` of the source in ``w_fp8``
+    ``[n, k]``, exactly the tiles covering them in ``scale_inv_f32`` (docs/contract.md
+    §2.1), and the output column its first row becomes when packed."""
 
     w_fp8: torch.Tensor
     scale_inv_f32: torch.Tensor
-    row0: int
-    col0: int
-    out_row0: int
+    row0: int = 0
+    col0: int = 0
+    out_row0: int = 0
 
 
-class PackedUnit(NamedTuple):
-    """One unit for :meth:`Backend.convert_units_to_mx_packed`: its parts (one K) and
-    the kernel-layout outputs they are written into."""
+class PackedOut(NamedTuple):
+    """Kernel-layout outputs (docs/contract.md §2.3) a part is written into: payload
+    ``weight [K, N]`` (float8_e4m3fn or its uint8 view) and ``scale [ceil(g/2), N, 2]``
+    uint8. The parts of one unit share one."""
 
-    parts: Sequence[PackedPart]
-    out_weight: torch.Tensor
-    out_scale: torch.Tensor
+    weight: torch.Tensor
+    scale: torch.Tensor
+
+
+class ConvertFn(Protocol):
+    """The signature of :meth:`Backend.convert` (what a fused path provides)."""
+
+    def __call__(
+        self,
+        parts: Sequence[ConvertPart],
+        *,
+        block_n: int,
+        block_k: int,
+        dtype: torch.dtype,
+        into: Sequence[PackedOut] | None = None,
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]: ...
 
 
 class Backend:
-    """A place to compute, with the numerics of SPEC §2 bound to it.
+    """A place to compute, with the numerics of docs/contract.md §2 bound to it.
 
     Attributes: ``name`` (``"cpu-reference"``, ``"cpu-fast"``, ``"npu"``, ``"cuda"``),
     ``device`` (where results live), ``note`` (why this backend was chosen). The base
@@ -73,17 +84,13 @@ class Backend:
         resolve_fn: ResolveFn | None = None,
         quantize_fn: QuantizeFn | None = None,
         convert_fn: ConvertFn | None = None,
-        packed_fn: Callable[..., None] | None = None,
-        units_fn: Callable[..., None] | None = None,
     ) -> None:
         self.name = name
         self.device = device
         self.note = note
         self._resolve_fn: ResolveFn = resolve_fn or reference.resolve_block
         self._quantize_fn: QuantizeFn = quantize_fn or reference.mx_quantize
-        self._convert_fn: ConvertFn | None = convert_fn
-        self._packed_fn = packed_fn
-        self._units_fn = units_fn
+        self._convert_fn = convert_fn
         self._on_cpu = device.type == "cpu"
 
     def __repr__(self) -> str:
@@ -104,7 +111,7 @@ class Backend:
         block_k: int,
         dtype: torch.dtype,
     ) -> torch.Tensor:
-        """SPEC §2.1 on this backend's device (see ``reference.resolve_block``)."""
+        """docs/contract.md §2.1 on this backend's device (see ``reference.resolve_block``)."""
         return self._resolve_fn(
             self.to_device(w_fp8),
             self.to_device(scale_inv_f32),
@@ -116,140 +123,57 @@ class Backend:
         )
 
     def mx_quantize(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """SPEC §2.2; the scale comes back as ``uint8`` ``[..., K/32]`` on every backend."""
+        """docs/contract.md §2.2; the scale comes back as ``uint8`` ``[..., K/32]``."""
         return self._quantize_fn(self.to_device(x))
 
-    def convert_block_to_mx(
+    def convert(
         self,
-        w_fp8: torch.Tensor,
-        scale_inv_f32: torch.Tensor,
+        parts: Sequence[ConvertPart],
         *,
-        row0: int,
-        col0: int,
         block_n: int,
         block_k: int,
         dtype: torch.dtype,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Resolve then MX-quantize one block slice: ``(payload [r, c], scale [r, c/32])``."""
-        if self._convert_fn is not None:
-            return self._convert_fn(
-                self.to_device(w_fp8),
-                self.to_device(scale_inv_f32),
-                row0=row0,
-                col0=col0,
-                block_n=block_n,
-                block_k=block_k,
-                dtype=dtype,
-            )
-        resolved = self.resolve_block(
-            w_fp8,
-            scale_inv_f32,
-            row0=row0,
-            col0=col0,
-            block_n=block_n,
-            block_k=block_k,
-            dtype=dtype,
-        )
-        return self.mx_quantize(resolved)
+        into: Sequence[PackedOut] | None = None,
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Resolve then MX-quantize every part (docs/contract.md §2.1-2.2).
 
-    def convert_block_to_mx_packed(
-        self,
-        w_fp8: torch.Tensor,
-        scale_inv_f32: torch.Tensor,
-        *,
-        row0: int,
-        col0: int,
-        block_n: int,
-        block_k: int,
-        dtype: torch.dtype,
-        out_weight: torch.Tensor,
-        out_scale: torch.Tensor,
-        out_row0: int,
-    ) -> None:
-        """Resolve, quantize and write the kernel layout (SPEC §2.3) in one step: rows of
-        the slice become columns ``out_row0 + i`` of ``out_weight [K, N]`` and
-        ``out_scale [ceil(g/2), N, 2]``. Fused on ``cpu-fast``; elsewhere convert then
+        Without ``into``: each part's ``(payload [n, k] float8_e4m3fn, scale [n, k/32]
+        uint8)``. With ``into`` (one :class:`PackedOut` per part): each part's rows are
+        written as columns ``out_row0 ..`` of its output's kernel layout (§2.3) and ``[]``
+        is returned. The fused CPU path does it all in one kernel launch; elsewhere each
+        part is resolved, quantized and, when packed, put in place by
         ``repack.write_rows``. Byte-identical either way."""
-        kwargs = dict(row0=row0, col0=col0, block_n=block_n, block_k=block_k, dtype=dtype)
-        if self._packed_fn is not None:
-            self._packed_fn(
-                self.to_device(w_fp8),
-                self.to_device(scale_inv_f32),
-                out_weight=out_weight,
-                out_scale=out_scale,
-                out_row0=out_row0,
-                **kwargs,
+        if into is not None and len(into) != len(parts):
+            raise NumericsError(f"convert: {len(parts)} parts but {len(into)} outputs")
+        if self._convert_fn is not None:
+            on_device = [
+                p._replace(
+                    w_fp8=self.to_device(p.w_fp8), scale_inv_f32=self.to_device(p.scale_inv_f32)
+                )
+                for p in parts
+            ]
+            return self._convert_fn(
+                on_device, block_n=block_n, block_k=block_k, dtype=dtype, into=into
             )
-            return
         from mxload.workers.numerics.repack import write_rows
 
-        payload, scale = self.convert_block_to_mx(w_fp8, scale_inv_f32, **kwargs)  # type: ignore[arg-type]
-        write_rows(out_weight, out_scale, payload, scale, out_row0)
-
-    def convert_parts_to_mx_packed(
-        self,
-        parts: Sequence[PackedPart],
-        *,
-        block_n: int,
-        block_k: int,
-        dtype: torch.dtype,
-        out_weight: torch.Tensor,
-        out_scale: torch.Tensor,
-    ) -> None:
-        """:meth:`convert_block_to_mx_packed` of every part of one unit (one K), byte
-        for byte: :meth:`convert_units_to_mx_packed` of that one unit."""
-        self.convert_units_to_mx_packed(
-            [PackedUnit(parts, out_weight, out_scale)],
-            block_n=block_n,
-            block_k=block_k,
-            dtype=dtype,
-        )
-
-    def convert_units_to_mx_packed(
-        self,
-        units: Sequence[PackedUnit],
-        *,
-        block_n: int,
-        block_k: int,
-        dtype: torch.dtype,
-    ) -> None:
-        """:meth:`convert_block_to_mx_packed` of every part of every unit (each its own
-        K and outputs), byte for byte. One kernel launch on ``cpu-fast`` when the
-        outputs are views of one storage (a launch and its argument checks cost about
-        0.2 ms on 2 cores, as much as converting a tp = 8 expert half); one call per
-        part elsewhere."""
-        if self._units_fn is not None:
-            self._units_fn(
-                [
-                    (
-                        [
-                            (self.to_device(p.w_fp8), self.to_device(p.scale_inv_f32), *p[2:])
-                            for p in u.parts
-                        ],
-                        u.out_weight,
-                        u.out_scale,
-                    )
-                    for u in units
-                ],
+        results: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for i, p in enumerate(parts):
+            resolved = self.resolve_block(
+                p.w_fp8,
+                p.scale_inv_f32,
+                row0=p.row0,
+                col0=p.col0,
                 block_n=block_n,
                 block_k=block_k,
                 dtype=dtype,
             )
-            return
-        for u in units:
-            for p in u.parts:
-                self.convert_block_to_mx_packed(
-                    p.w_fp8,
-                    p.scale_inv_f32,
-                    row0=p.row0,
-                    col0=p.col0,
-                    block_n=block_n,
-                    block_k=block_k,
-                    dtype=dtype,
-                    out_weight=u.out_weight,
-                    out_scale=u.out_scale,
-                    out_row0=p.out_row0,
-                )
+            payload, scale = self.mx_quantize(resolved)
+            if into is None:
+                results.append((payload, scale))
+            else:
+                write_rows(into[i].weight, into[i].scale, payload, scale, p.out_row0)
+        return results
 
     # --- device plumbing ----------------------------------------------------------------
 
@@ -333,9 +257,7 @@ def _cpu_backend(prefer_fast: bool, why: str) -> Backend:
                 f"cpu: {why}; fast path",
                 resolve_fn=fast.resolve_block,
                 quantize_fn=fast.mx_quantize,
-                convert_fn=fast.convert_block_to_mx,
-                packed_fn=getattr(fast, "convert_block_to_mx_packed", None),
-                units_fn=getattr(fast, "convert_units_to_mx_packed", None),
+                convert_fn=fast.convert,
             )
     return Backend("cpu-reference", cpu, f"cpu: {why}; reference path, {fast_why}")
 
@@ -367,7 +289,7 @@ def _npu_visible(visible_devices: str | None) -> tuple[bool, str]:
 def select_backend(
     device: str = "auto", *, visible_devices: str | None = None, prefer_fast: bool = True
 ) -> Backend:
-    """Turn ``--device`` into a :class:`Backend` (SPEC §4).
+    """Turn ``--device`` into a :class:`Backend` (docs/contract.md §4).
 
     - ``"cpu"``: the CPU backend (``"cpu-fast"`` if ``mxload.workers.numerics.fast`` is there and
       available and ``prefer_fast``, else ``"cpu-reference"``).

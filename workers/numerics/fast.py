@@ -1,22 +1,16 @@
-"""Fast CPU conversion path for torch tensors: block-FP8 -> resolve -> MXFP8 in one pass.
+"""Fast CPU conversion for torch tensors: block-FP8 -> resolve -> MXFP8 in one pass.
 
-Purpose
-    The functions of :mod:`mxload.workers.numerics.reference` with the same signatures and
-    byte-identical results (SPEC §2; NaN payload bytes 0x7F and 0xFF count as equal), fast
-    enough that CPU conversion stops being the bottleneck of a load, plus
-    :func:`convert_block_to_mx_packed`, which writes the kernel layout of SPEC §2.3 in
-    place (what ``repack.write_rows`` does after the reference, without the transpose
-    pass). The kernels, and why they are numba and tables, are in
-    :mod:`mxload.workers.numerics.kernels` (torch-free, so ``mxload convert`` can skip the torch
-    import); this module validates torch arguments and launches them with
-    ``torch.get_num_threads()`` threads. ``tests/unit/test_numerics_fast.py`` holds it to
-    the reference and to the named case table; ``bench/bench_convert.py`` measures it.
+:func:`convert` is the CPU backend's ``Backend.convert`` (:mod:`.backend`): the same
+arguments and, byte for byte, the reference's results (docs/contract.md §2; NaN payload
+bytes 0x7F and 0xFF count as equal), writing the kernel layout of §2.3 in place when asked.
+:func:`resolve_block` and :func:`mx_quantize` mirror :mod:`.reference`. The kernels are
+in :mod:`.kernels` (numpy only, so ``mxload convert`` can skip the torch import); this
+module validates torch arguments and launches them with ``torch.get_num_threads()``
+threads.
 
-Limits
-    CPU tensors only; non-contiguous inputs are copied first. ``mx_quantize`` and the
-    convert functions need ``K % 32 == 0`` (SPEC §2.2: such a linear is never
-    MX-quantized). A group that straddles two scale tiles (a slice starting mid-tile)
-    takes a slow per-element path; tile-aligned slices never have one.
+Limits: CPU tensors only; non-contiguous inputs are copied first. MX quantization needs
+``K % 32 == 0`` (§2.2: such a linear is never MX-quantized). A group that straddles two
+scale tiles (a slice starting mid-tile) takes a slow per-element path.
 """
 
 from __future__ import annotations
@@ -28,14 +22,12 @@ import torch
 from mxload.orchestrator.errors import NumericsError
 from mxload.orchestrator.plan.formats import MX_GROUP, MX_PAIR, ceil_div
 from mxload.workers.numerics import kernels
+from mxload.workers.numerics.backend import ConvertPart, PackedOut
 from mxload.workers.numerics.kernels import MODE_FP32
 from mxload.workers.numerics.reference import MODEL_TORCH_DTYPE
 
 __all__ = [
-    "convert_block_to_mx",
-    "convert_block_to_mx_packed",
-    "convert_parts_to_mx_packed",
-    "convert_units_to_mx_packed",
+    "convert",
     "fast_available",
     "mx_quantize",
     "resolve_block",
@@ -73,7 +65,7 @@ def _check_slice(
 ) -> tuple[int, int]:
     """Validate a slice exactly as ``reference.resolve_block`` does: ``scale_inv_f32``
     holds the tiles covering the slice, its ``[0, 0]`` being tile
-    ``(row0 // block_n, col0 // block_k)`` (SPEC §2.1: floor of the first index).
+    ``(row0 // block_n, col0 // block_k)`` (docs/contract.md §2.1: floor of the first index).
     Returns the covering tiles' (rows, columns)."""
     if w_fp8.dtype != torch.float8_e4m3fn or w_fp8.dim() != 2:
         raise NumericsError(
@@ -118,11 +110,6 @@ def _mode(dtype: torch.dtype, what: str) -> int:
     return _MODES[dtype]
 
 
-# =========================================================================================
-# Public API (same signatures and semantics as workers.numerics.reference)
-# =========================================================================================
-
-
 def resolve_block(
     w_fp8: torch.Tensor,
     scale_inv_f32: torch.Tensor,
@@ -133,7 +120,7 @@ def resolve_block(
     block_k: int,
     dtype: torch.dtype,
 ) -> torch.Tensor:
-    """SPEC §2.1, as ``reference.resolve_block``: ``w_fp8`` ``[n, k]`` holds rows
+    """docs/contract.md §2.1, as ``reference.resolve_block``: ``w_fp8`` ``[n, k]`` holds rows
     ``[row0, row0 + n)`` and cols ``[col0, col0 + k)`` of the source weight and
     ``scale_inv_f32`` exactly the tiles covering them; returns ``[n, k]`` in ``dtype``."""
     kernels.require()
@@ -147,7 +134,7 @@ def resolve_block(
 
 
 def mx_quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """SPEC §2.2, as ``reference.mx_quantize``: ``[..., K]`` bf16/fp16/fp32 ->
+    """docs/contract.md §2.2, as ``reference.mx_quantize``: ``[..., K]`` bf16/fp16/fp32 ->
     (float8_e4m3fn ``[..., K]``, uint8 ``[..., K // 32]``); K must be a multiple of 32."""
     kernels.require()
     if x.dtype not in _MODES:
@@ -155,7 +142,7 @@ def mx_quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if x.dim() == 0 or x.shape[-1] % MX_GROUP != 0:
         raise NumericsError(
             f"mx_quantize: last dimension must be a multiple of {MX_GROUP}, got shape "
-            f"{tuple(x.shape)} (SPEC §2.2: such a linear stays resolved in the model dtype)"
+            f"{tuple(x.shape)} (docs/contract.md §2.2: such a linear stays resolved in the model dtype)"
         )
     if x.device.type != "cpu":
         raise NumericsError("mx_quantize: the fast CPU path takes CPU tensors only")
@@ -166,32 +153,75 @@ def mx_quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         bits = x.contiguous().view(torch.int16).reshape(-1).numpy().view(np.uint16)
         is_bf16 = True
     else:
-        # fp16 widens exactly to fp32, and SPEC §2.2 takes fp16's Emax from that f32.
+        # fp16 widens exactly to fp32, and docs/contract.md §2.2 takes fp16's Emax from that f32.
         bits = x.contiguous().float().view(torch.int32).reshape(-1).numpy().view(np.uint32)
         is_bf16 = False
     kernels.run_mx(bits, is_bf16, q.view(-1).numpy(), s.view(-1).numpy(), _threads())
     return q.view(torch.float8_e4m3fn), s
 
 
-def convert_block_to_mx(
-    w_fp8: torch.Tensor,
-    scale_inv_f32: torch.Tensor,
+def convert(
+    parts: Sequence[ConvertPart],
     *,
-    row0: int,
-    col0: int,
     block_n: int,
     block_k: int,
     dtype: torch.dtype,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``mx_quantize(resolve_block(...))`` fused in one pass over the source:
-    (float8_e4m3fn ``[n, k]``, uint8 ``[n, k // 32]``); k must be a multiple of 32."""
+    into: Sequence[PackedOut] | None = None,
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """:meth:`mxload.workers.numerics.backend.Backend.convert` on the CPU: resolve and
+    MX-quantize every part in one pass over its source, byte for byte the reference.
+
+    Without ``into``: each part's (float8_e4m3fn ``[n, k]``, uint8 ``[n, k // 32]``).
+    With ``into`` (one :class:`PackedOut` per part): row ``i`` of a part becomes column
+    ``out_row0 + i`` of its ``weight [K, N]`` and ``scale [ceil(g/2), N, 2]``
+    (docs/contract.md §2.3; an odd ``g`` writes the last pair's second byte 0); nothing
+    else is touched, so the outputs may be views of persistent buffers. All parts go in
+    one kernel launch when every output is a view of one storage (the loader's staging
+    lease for a step: a launch and its checks cost as much as converting a small expert
+    half), else one launch per output pair. Returns ``[]`` then.
+
+    The payloads are read in place when they are views of one buffer at offsets that are
+    multiples of 8 (a staging lease split per part); otherwise they are copied once into
+    an aligned buffer first."""
     kernels.require()
-    mode = _mode(dtype, "convert_block_to_mx")
-    _check_slice(w_fp8, scale_inv_f32, row0, col0, block_n, block_k, "convert_block_to_mx")
+    mode = _mode(dtype, "convert")
+    if into is None:
+        return [_convert_rows(p, block_n, block_k, mode) for p in parts]
+    if len(into) != len(parts):
+        raise NumericsError(f"convert: {len(parts)} parts but {len(into)} outputs")
+    pairs: dict[tuple[int, int], PackedOut] = {}
+    for o in into:
+        pairs.setdefault(_key(o), o)
+    for o in pairs.values():
+        _check_out(o.weight, o.scale)
+    if not parts:
+        return []
+    storages = {t.untyped_storage().data_ptr() for o in pairs.values() for t in o}
+    if len(pairs) > 1 and len(storages) > 1:  # outputs in separate storages: one launch each
+        for key in pairs:
+            mine = [i for i, o in enumerate(into) if _key(o) == key]
+            _convert_packed(
+                [parts[i] for i in mine], [into[i] for i in mine], block_n, block_k, mode
+            )
+        return []
+    _convert_packed(parts, into, block_n, block_k, mode)
+    return []
+
+
+def _key(o: PackedOut) -> tuple[int, int]:
+    return o.weight.data_ptr(), o.scale.data_ptr()
+
+
+def _convert_rows(
+    part: ConvertPart, block_n: int, block_k: int, mode: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One part, row-major."""
+    w_fp8, scale_inv_f32, row0, col0, _ = part
+    _check_slice(w_fp8, scale_inv_f32, row0, col0, block_n, block_k, "convert")
     b = _as_block(w_fp8, scale_inv_f32)
     if b.k % MX_GROUP != 0:
         raise NumericsError(
-            f"convert_block_to_mx: K = {b.k} is not a multiple of {MX_GROUP} (SPEC §2.2: "
+            f"convert: K = {b.k} is not a multiple of {MX_GROUP} (docs/contract.md §2.2: "
             "such a linear stays resolved in the model dtype)"
         )
     q = torch.empty((b.n, b.k), dtype=torch.uint8)
@@ -201,163 +231,80 @@ def convert_block_to_mx(
     return q.view(torch.float8_e4m3fn), s
 
 
-def convert_block_to_mx_packed(
-    w_fp8: torch.Tensor,
-    scale_inv_f32: torch.Tensor,
-    *,
-    row0: int,
-    col0: int,
+def _convert_packed(
+    parts: Sequence[ConvertPart],
+    into: Sequence[PackedOut],
     block_n: int,
     block_k: int,
-    dtype: torch.dtype,
-    out_weight: torch.Tensor,
-    out_scale: torch.Tensor,
-    out_row0: int,
+    mode: int,
 ) -> None:
-    """The fused conversion written in place into the kernel layout (SPEC §2.3).
-
-    Row ``i`` of the block becomes column ``out_row0 + i`` of ``out_weight`` ``[K, N_total]``
-    (float8_e4m3fn, or its uint8 view) and of ``out_scale`` ``[ceil(g/2), N_total, 2]``
-    uint8; with an odd ``g`` the last pair's second byte of those columns is written 0.
-    Nothing else is touched, so the buffers can be persistent (views of a MoE stack
-    included, as long as they are contiguous). Equals ``repack.write_rows`` of
-    :func:`convert_block_to_mx`'s result, byte for byte.
-    """
-    convert_parts_to_mx_packed(
-        [(w_fp8, scale_inv_f32, row0, col0, out_row0)],
-        block_n=block_n,
-        block_k=block_k,
-        dtype=dtype,
-        out_weight=out_weight,
-        out_scale=out_scale,
-        what="convert_block_to_mx_packed",
-    )
-
-
-Part = tuple[torch.Tensor, torch.Tensor, int, int, int]
-"""``(w_fp8, scale_inv_f32, row0, col0, out_row0)``: one slice of a unit."""
-
-
-def convert_parts_to_mx_packed(
-    parts: Sequence[Part],
-    *,
-    block_n: int,
-    block_k: int,
-    dtype: torch.dtype,
-    out_weight: torch.Tensor,
-    out_scale: torch.Tensor,
-    what: str = "convert_parts_to_mx_packed",
-) -> None:
-    """:func:`convert_block_to_mx_packed` of every ``(w_fp8, scale_inv_f32, row0, col0,
-    out_row0)`` part of one unit (one K) in one kernel launch, such as an expert's gate
-    and up. Byte for byte the same as one call per part."""
-    convert_units_to_mx_packed(
-        [(parts, out_weight, out_scale)], block_n=block_n, block_k=block_k, dtype=dtype, what=what
-    )
-
-
-def convert_units_to_mx_packed(
-    units: Sequence[tuple[Sequence[Part], torch.Tensor, torch.Tensor]],
-    *,
-    block_n: int,
-    block_k: int,
-    dtype: torch.dtype,
-    what: str = "convert_units_to_mx_packed",
-) -> None:
-    """:func:`convert_parts_to_mx_packed` of several units, each ``(parts, out_weight,
-    out_scale)`` with its own K, in one kernel launch when every output is a view of one
-    storage (the loader's staging lease for a step), else one launch per unit. Byte for
-    byte the same as one call per unit: what the loader calls for a step of small units
-    (a tp = 8 expert's halves are 0.2-0.4 MB; a launch and its checks cost ~0.2 ms).
-    The units' outputs must not overlap (each is written only in its parts' columns).
-
-    The payloads are read in place when they are views of one buffer at offsets that are
-    multiples of 8 (a staging lease split per part); otherwise they are copied once into
-    an aligned buffer first."""
-    kernels.require()
-    mode = _mode(dtype, what)
-    outs: list[torch.Tensor] = []
-    for _, out_weight, out_scale in units:
-        _check_out(out_weight, out_scale, what)
-        outs += (out_weight, out_scale)
-    if not units:
-        return
-    base = outs[0].untyped_storage().data_ptr()
-    if len(units) > 1 and any(t.untyped_storage().data_ptr() != base for t in outs):
-        for u in units:  # outputs in separate storages: one launch each
-            convert_units_to_mx_packed(
-                [u], block_n=block_n, block_k=block_k, dtype=dtype, what=what
-            )
-        return
-    n_parts = sum(len(u[0]) for u in units)
-    table = np.empty((n_parts, kernels.PART_FIELDS), dtype=np.int64)
+    """Every part into its output pair in one launch; the outputs are one pair, or all
+    views of one storage."""
+    first = into[0]
+    if all(_key(o) == _key(first) for o in into):  # one pair: its own two arrays
+        q_np = first.weight.view(torch.uint8).view(-1).numpy()
+        s_np = first.scale.view(-1).numpy()
+        out_base = _key(first)
+    else:  # one array over the storage every output is a view of
+        q_np = s_np = _whole(first.weight)
+        base = first.weight.untyped_storage().data_ptr()
+        out_base = (base, base)
+    table = np.empty((len(parts), kernels.PART_FIELDS), dtype=np.int64)
     payloads: list[torch.Tensor] = []
     scales: list[np.ndarray] = []
     sb0 = 0
-    p = 0
-    if len(units) == 1:  # its own two arrays, wherever they live
-        q_np = units[0][1].view(torch.uint8).view(-1).numpy()
-        s_np = units[0][2].view(-1).numpy()
-        out_base = (units[0][1].data_ptr(), units[0][2].data_ptr())
-    else:  # one array over the storage all outputs are views of
-        q_np = s_np = _whole(outs[0])
-        out_base = (base, base)
-    for parts, out_weight, out_scale in units:
-        k, n_total = out_weight.shape
-        q_off = out_weight.data_ptr() - out_base[0]
-        s_off = out_scale.data_ptr() - out_base[1]
-        for w, sc, row0, col0, out_row0 in parts:
-            ti, tj = _check_slice(w, sc, row0, col0, block_n, block_k, f"{what}: part {p}")
-            n = w.shape[0]
-            if w.shape[1] != k:
-                raise NumericsError(
-                    f"{what}: part {p}: w_fp8 has {w.shape[1]} columns, out_weight's K is {k}"
-                )
-            if out_row0 < 0 or out_row0 + n > n_total:
-                raise NumericsError(
-                    f"{what}: a [{n}, {k}] block at column {out_row0} does not fit out_weight "
-                    f"{tuple(out_weight.shape)} ([K, N_total])"
-                )
-            # the last column holds the unit's rows: run_convert_parts makes it the rows
-            # per work item
-            table[p] = (0, n, row0, col0, out_row0, sb0, ti, tj, k, q_off, s_off, n_total, n_total)
-            sb0 += ti * tj
-            payloads.append(w if w.is_contiguous() else w.contiguous())
-            scales.append(sc.contiguous().view(torch.int32).numpy().reshape(-1))
-            p += 1
-    if not n_parts:
-        return
+    for p, ((w, sc, row0, col0, out_row0), o) in enumerate(zip(parts, into, strict=True)):
+        k, n_total = o.weight.shape
+        ti, tj = _check_slice(w, sc, row0, col0, block_n, block_k, f"convert: part {p}")
+        n = w.shape[0]
+        if w.shape[1] != k:
+            raise NumericsError(
+                f"convert: part {p}: w_fp8 has {w.shape[1]} columns, its output's K is {k}"
+            )
+        if out_row0 < 0 or out_row0 + n > n_total:
+            raise NumericsError(
+                f"convert: a [{n}, {k}] block at column {out_row0} does not fit the output "
+                f"{tuple(o.weight.shape)} ([K, N_total])"
+            )
+        q_off = o.weight.data_ptr() - out_base[0]
+        s_off = o.scale.data_ptr() - out_base[1]
+        # the last column holds the output's columns: run_convert_parts turns it into
+        # the rows per work item
+        table[p] = (0, n, row0, col0, out_row0, sb0, ti, tj, k, q_off, s_off, n_total, n_total)
+        sb0 += ti * tj
+        payloads.append(w if w.is_contiguous() else w.contiguous())
+        scales.append(sc.contiguous().view(torch.int32).numpy().reshape(-1))
     src = _payload_source(payloads, table)
     sbits = (scales[0] if len(scales) == 1 else np.concatenate(scales)).view(np.uint32)
     kernels.run_convert_parts(src, table, sbits, block_n, block_k, mode, q_np, s_np, _threads())
-    for parts, out_weight, out_scale in units:
-        g = out_weight.shape[0] // MX_GROUP
-        if g % MX_PAIR:
-            s3 = out_scale.numpy()
-            for w, *_, out_row0 in parts:
-                s3[-1, out_row0 : out_row0 + w.shape[0], 1] = 0  # SPEC §2.3: odd g pads with 0
+    for (w, *_, out_row0), o in zip(parts, into, strict=True):
+        if (o.weight.shape[0] // MX_GROUP) % MX_PAIR:
+            # docs/contract.md §2.3: an odd g pads the last pair with 0
+            o.scale.numpy()[-1, out_row0 : out_row0 + w.shape[0], 1] = 0
 
 
-def _check_out(out_weight: torch.Tensor, out_scale: torch.Tensor, what: str) -> None:
+def _check_out(out_weight: torch.Tensor, out_scale: torch.Tensor) -> None:
     """A packed output pair: ``[K, N]`` fp8/uint8 payload, ``[ceil(g/2), N, 2]`` uint8
     scales, both contiguous CPU tensors, K a multiple of 32."""
     if out_weight.dtype not in (torch.float8_e4m3fn, torch.uint8) or out_weight.dim() != 2:
         raise NumericsError(
-            f"{what}: out_weight must be a 2-D float8_e4m3fn or uint8 tensor, got "
+            f"convert: out_weight must be a 2-D float8_e4m3fn or uint8 tensor, got "
             f"{out_weight.dtype} {tuple(out_weight.shape)}"
         )
     k, n_total = out_weight.shape
     if k % MX_GROUP != 0:
-        raise NumericsError(f"{what}: K = {k} is not a multiple of {MX_GROUP} (SPEC §2.2)")
+        raise NumericsError(
+            f"convert: K = {k} is not a multiple of {MX_GROUP} (docs/contract.md §2.2)"
+        )
     want_scale = (ceil_div(k // MX_GROUP, MX_PAIR), n_total, MX_PAIR)
     if out_scale.dtype != torch.uint8 or tuple(out_scale.shape) != want_scale:
         raise NumericsError(
-            f"{what}: out_scale must be uint8 {want_scale}, got {out_scale.dtype} "
+            f"convert: out_scale must be uint8 {want_scale}, got {out_scale.dtype} "
             f"{tuple(out_scale.shape)}"
         )
     for name, t in (("out_weight", out_weight), ("out_scale", out_scale)):
         if not t.is_cpu or not t.is_contiguous():
-            raise NumericsError(f"{what}: {name} must be a contiguous CPU tensor")
+            raise NumericsError(f"convert: {name} must be a contiguous CPU tensor")
 
 
 def _whole(t: torch.Tensor) -> np.ndarray:

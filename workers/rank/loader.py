@@ -49,7 +49,7 @@ from mxload.orchestrator.plan.memory import (
 )
 from mxload.orchestrator.plan.ranges import ByteRange
 from mxload.orchestrator.plan.types import BufferSpec, Part, PartRead, RankPlan, Unit, UnitReads
-from mxload.workers.numerics.backend import PackedPart, PackedUnit
+from mxload.workers.numerics.backend import ConvertPart, PackedOut
 from mxload.workers.numerics.reference import MODEL_TORCH_DTYPE
 from mxload.workers.rank.staging import Lease, StagingPool
 from mxload.workers.safetensors_io import SAFETENSORS_TO_TORCH
@@ -545,7 +545,7 @@ class RankLoader:
 
         reservations: list[Lease] = []
         writes: list[Callable[[], None]] = []
-        staged: list[tuple[Unit, int, list[PackedPart], torch.Tensor, torch.Tensor]] = []
+        staged: list[tuple[Unit, int, list[ConvertPart], torch.Tensor, torch.Tensor]] = []
         try:
             for unit, reads, raw, row_base in members:
                 cost = unit_cost(unit, unit.rows, reads.nbytes, opts)
@@ -561,13 +561,13 @@ class RankLoader:
                     reservations.append(pool.reserve(cost.out, tag=f"out {unit.buffer}"))
                 if cost.scratch:
                     reservations.append(pool.reserve(cost.scratch, tag=f"resolve {unit.buffer}"))
-                packed_parts: list[PackedPart] = []
+                packed_parts: list[ConvertPart] = []
                 for part, pr, (wb, sb) in zip(unit.parts, reads.parts, raw, strict=True):
                     w, scale = self._source_part(unit, part, pr, wb, sb, source)
                     if packed:
                         assert scale is not None
                         packed_parts.append(
-                            PackedPart(w, scale, part.rows[0], part.cols[0], part.dst_row)
+                            ConvertPart(w, scale, part.rows[0], part.cols[0], part.dst_row)
                         )
                     else:
                         writes.append(
@@ -650,10 +650,12 @@ class RankLoader:
         )
         if unit.layout in ("mx_linear", "mx_moe"):
             if unit.quantized and source.quant == "block_fp8":
-                payload, mx_scale = be.convert_block_to_mx(
-                    be.to_device(w),
-                    be.to_device(scale),
-                    **block,
+                assert scale is not None
+                [(payload, mx_scale)] = be.convert(
+                    [ConvertPart(w, scale, part.rows[0], part.cols[0])],
+                    block_n=source.block_n,
+                    block_k=source.block_k,
+                    dtype=dtype,
                 )
             elif unit.quantized:  # already MXFP8: repack only (SPEC §1.2)
                 assert scale is not None
@@ -677,7 +679,7 @@ class RankLoader:
 
     def _convert_staged(
         self,
-        staged: Sequence[tuple[Unit, int, list[PackedPart], torch.Tensor, torch.Tensor]],
+        staged: Sequence[tuple[Unit, int, list[ConvertPart], torch.Tensor, torch.Tensor]],
         source: SourceInfo,
         pool: StagingPool,
     ) -> tuple[Lease, list[Callable[[], None]]]:
@@ -687,11 +689,14 @@ class RankLoader:
         the unit is whole). Returns the lease and the writes."""
         lease, stages = self._packed_stages([u for u, *_ in staged], pool)
         try:
-            self.backend.convert_units_to_mx_packed(
-                [
-                    PackedUnit(parts, q, sc)
-                    for (_, _, parts, _, _), (q, sc) in zip(staged, stages, strict=True)
-                ],
+            pairs = [
+                (part, PackedOut(q, sc))
+                for (_, _, parts, _, _), (q, sc) in zip(staged, stages, strict=True)
+                for part in parts
+            ]
+            self.backend.convert(
+                [part for part, _ in pairs],
+                into=[out for _, out in pairs],
                 block_n=source.block_n,
                 block_k=source.block_k,
                 dtype=MODEL_TORCH_DTYPE[self.model_dtype],
@@ -816,12 +821,12 @@ class RankLoader:
             raise RunError(
                 f"rank {self.rank}: {len(reads)} read plans for {len(units)} units", rank=self.rank
             )
-        opts = ConvertOptions(
-            model_dtype=self.model_dtype,
-            source_quant=source.quant,
+        opts = ConvertOptions.for_source(
+            self.model_dtype,
+            source.quant,
+            source.block_n,
             fused=bool(getattr(self.backend, "fused", False)),
             device=torch.device(self.backend.device).type,
-            block_n=source.block_n,
         )
         read_fn = read_fn_from_reads(
             units, reads, block_n=source.block_n, source_quant=source.quant

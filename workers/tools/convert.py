@@ -390,27 +390,27 @@ def _fast_converters(
 def _reference_converters(
     model_dtype: str, block_n: int, block_k: int
 ) -> tuple[Converter, Converter]:
-    """The naive eager-torch path (``mxload.workers.numerics.reference``) on the same arrays."""
+    """The reference backend (eager torch, ``select_backend("cpu", prefer_fast=False)``)
+    on the same arrays."""
     import torch
-    from mxload.workers.numerics import reference
+    from mxload.workers.numerics.backend import ConvertPart, select_backend
+    from mxload.workers.numerics.reference import MODEL_TORCH_DTYPE
 
-    kw = dict(
-        row0=0,
-        col0=0,
-        block_n=block_n,
-        block_k=block_k,
-        dtype=reference.MODEL_TORCH_DTYPE[model_dtype],
-    )
+    backend = select_backend("cpu", prefer_fast=False)
+    dtype = MODEL_TORCH_DTYPE[model_dtype]
 
-    def tensors(w: np.ndarray, s: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-        return torch.from_numpy(w).view(torch.float8_e4m3fn), torch.from_numpy(s)
+    def part(w: np.ndarray, s: np.ndarray) -> ConvertPart:
+        return ConvertPart(torch.from_numpy(w).view(torch.float8_e4m3fn), torch.from_numpy(s))
 
     def mx(w: np.ndarray, s: np.ndarray) -> tuple[np.ndarray, ...]:
-        q, e = reference.mx_quantize(reference.resolve_block(*tensors(w, s), **kw))
+        [(q, e)] = backend.convert([part(w, s)], block_n=block_n, block_k=block_k, dtype=dtype)
         return q.view(torch.uint8).numpy(), e.numpy()
 
     def resolved(w: np.ndarray, s: np.ndarray) -> tuple[np.ndarray, ...]:
-        r = reference.resolve_block(*tensors(w, s), **kw)
+        p = part(w, s)
+        r = backend.resolve_block(
+            p.w_fp8, p.scale_inv_f32, row0=0, col0=0, block_n=block_n, block_k=block_k, dtype=dtype
+        )
         return (r.view(torch.uint8).numpy(),)
 
     return mx, resolved
