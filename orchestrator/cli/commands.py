@@ -204,7 +204,7 @@ def _outputs(args: argparse.Namespace) -> Any:
 def cmd_load(args: argparse.Namespace) -> int:
     req = _load_request(args)
     dump = _outputs(args)
-    bar = show.progress(args, "load")
+    bar = show.progress(args.json, "load")
     try:
         if args.detach:
             from mxload.orchestrator.runtime.detached import detached_load
@@ -231,7 +231,7 @@ def cmd_reload(args: argparse.Namespace) -> int:
     from mxload.orchestrator.runtime.detached import detached_reload
 
     _outputs(args)
-    bar = show.progress(args, "reload")
+    bar = show.progress(args.json, "reload")
     try:
         manifest = detached_reload(
             args.src,

@@ -13,7 +13,7 @@ import json
 import shutil
 import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -45,7 +45,9 @@ def reference_checksums(src: str, layout: ParallelLayout, rank: int) -> dict[str
     return loader.checksums()
 
 
-def _verify(src: str, layout: ParallelLayout, manifest: dict[str, Any]) -> int:
+def _verify(
+    src: str, layout: ParallelLayout, manifest: dict[str, Any], out: Callable[[str], None]
+) -> int:
     bad = 0
     for r in manifest["ranks"]:
         want = reference_checksums(src, layout, r["rank"])
@@ -53,23 +55,21 @@ def _verify(src: str, layout: ParallelLayout, manifest: dict[str, Any]) -> int:
         if got != want:
             bad += 1
             diff = sorted(n for n in set(want) | set(got) if want.get(n) != got.get(n))
-            print(f"  rank {r['rank']}: MISMATCH in {diff[:5]}")
+            out(f"  rank {r['rank']}: MISMATCH in {diff[:5]}")
     return bad
 
 
 @contextmanager
 def _progress(json_out: bool, label: str) -> Iterator[Any]:
     """A progress bar on a terminal (None in a pipe or with --json), closed afterwards."""
-    if json_out or not sys.stderr.isatty():
-        yield None
-        return
-    from mxload.orchestrator.cli.progress import RankProgress
+    from mxload.orchestrator.cli.rendering import progress
 
-    bar = RankProgress(label)
+    bar = progress(json_out, label)
     try:
         yield bar
     finally:
-        bar.close()
+        if bar is not None:
+            bar.close()
 
 
 def run_demo(workdir: str | None = None, json_out: bool = False) -> int:
@@ -96,13 +96,13 @@ def run_demo(workdir: str | None = None, json_out: bool = False) -> int:
             devs = [r["visible_devices"] for r in m1["ranks"]]
             out(f"      ASCEND_RT_VISIBLE_DEVICES per rank: {devs}")
             out("[3/5] checking every rank against the CPU reference conversion")
-            bad = _verify(v1, layout, m1)
+            bad = _verify(v1, layout, m1, out)
             out(f"      {'all ranks match' if not bad else f'{bad} rank(s) differ'}")
             out("[4/5] reloading step-2 in place")
             with _progress(json_out, "reload") as show:
                 m2 = session.reload(v2, on_progress=show)
             out(render_load_table(m2))
-            bad2 = _verify(v2, layout, m2)
+            bad2 = _verify(v2, layout, m2, out)
             moved = m2.get("addresses_moved", [])
             total = sum(len(r["tensors"]) for r in m2["ranks"])
             out(

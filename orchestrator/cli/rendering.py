@@ -35,10 +35,10 @@ def emit(args: argparse.Namespace, obj: Any, human: str) -> None:
         print(human)
 
 
-def progress(args: argparse.Namespace, label: str) -> Any:
+def progress(json_out: bool, label: str) -> Any:
     """A progress bar for a long run when stderr is a terminal and --json is off; None
     otherwise (pipes and scripts see no control characters)."""
-    if args.json or not sys.stderr.isatty():
+    if json_out or not sys.stderr.isatty():
         return None
     from mxload.orchestrator.cli.progress import RankProgress
 
