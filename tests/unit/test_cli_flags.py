@@ -56,6 +56,7 @@ ABSENT = {
     "--detach": ["plan", "reload", "status", "release", "demo"],
     "--address": ["demo", "make-checkpoint", "inspect", "plan", "convert"],
     "--device-memory": ["inspect", "reload", "status", "release", "convert", "demo"],
+    "--overwrite": ["demo", "inspect", "plan", "reload", "release"],
 }
 PRESENT = {
     "--max-restarts": ["load"],
@@ -65,6 +66,9 @@ PRESENT = {
     "--address": ["load", "reload", "status", "release"],
     "--json": list(COMMANDS),
     "--debug": list(COMMANDS),
+    "--verbose": list(COMMANDS),
+    "-v": list(COMMANDS),
+    "--overwrite": ["load", "status", "convert", "make-checkpoint"],
 }
 
 
@@ -96,11 +100,17 @@ def test_defaults_used_are_recorded() -> None:
     assert args.enable_expert_parallel is False
 
 
+def test_no_parser_takes_an_abbreviation() -> None:
+    parser = cli.build_parser()
+    assert parser.allow_abbrev is False
+    assert all(p.allow_abbrev is False for p in subparsers().values())
+
+
 def test_sizes_need_a_unit() -> None:
     assert parse("plan", "--device-memory", "64GiB").device_memory == 64 * 2**30
     assert parse("plan", "--device-memory", "2GB").device_memory == 2 * 10**9
     assert parse("plan", "--staging-budget", "4096B").staging_budget == 4096
-    for bad in ("64", "lots", "12XB", "-1GiB"):
+    for bad in ("64", "lots", "12XB", "-1GiB", "64G", "64m", "1T", "2 K"):
         with pytest.raises(UsageError, match="--device-memory"):
             parse("plan", "--device-memory", bad)
 
