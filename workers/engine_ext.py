@@ -16,7 +16,7 @@ as the engine holds them after its post-load. This module lets the engine host m
     dtype, device, stride and storage are checked, every difference listed);
   - ``mxload_reload(src)``: preflight, then rewrite the adopted tensors in place from a new
     checkpoint (block-FP8, MXFP8 or the BF16 an RL trainer writes); verifies no address
-    moved;
+    moved (the reload of every session host: ``mxload.orchestrator.runtime.reload``);
   - ``mxload_status()``: rank coordinates, engine, version, consistency, per-tensor
     addresses, strides and checksums.
 
@@ -39,12 +39,17 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal, cast
 
 import torch
 from mxload.orchestrator.errors import AddressMoved, AdoptionError, RunError
 from mxload.orchestrator.plan.engines import EngineProfile, engine_profile
 from mxload.orchestrator.plan.types import ParallelLayout, Plan
+from mxload.orchestrator.runtime.reload import Progress, ReloadInputs, reload
+from mxload.orchestrator.runtime.state import Report, SessionState
+from mxload.workers.rank.loader import RankLoader, RunStats
+
+ExpertPlacement = Literal["linear", "round_robin"]
 
 
 @dataclass(frozen=True)
@@ -79,6 +84,35 @@ def check_engine_settings(profile: EngineProfile, env: Mapping[str, str]) -> Non
         )
 
 
+class _OneRank:
+    """How an :class:`Attachment` runs its ranks: the one rank this worker hosts, with
+    its own loader, in this process (:class:`mxload.orchestrator.runtime.reload.Ranks`)."""
+
+    def __init__(self, rank: int, loader: RankLoader) -> None:
+        self.rank = rank
+        self.loader = loader
+        self.last_stats: RunStats | None = None
+
+    @property
+    def fused(self) -> bool:
+        return bool(getattr(self.loader.backend, "fused", False))
+
+    def run_ranks(
+        self, inputs: ReloadInputs, version: int, on_progress: Progress | None
+    ) -> list[Report]:
+        r = self.rank
+        self.last_stats = self.loader.reload(
+            list(inputs.reads[r]),
+            inputs.source,
+            version=version,
+            staging_budget=inputs.budgets[r],
+            units=list(inputs.units[r]),
+        )
+        self.loader.backend.synchronize()
+        tensors = {n: {"data_ptr": t.data_ptr()} for n, t in self.loader.buffers.items()}
+        return [{"rank": r, "pid": os.getpid(), "tensors": tensors}]
+
+
 class Attachment:
     """One worker's plan, its adopted parameters and the loader that writes them."""
 
@@ -93,16 +127,13 @@ class Attachment:
     ) -> None:
         from mxload.orchestrator.plan.planner import build_plan
         from mxload.orchestrator.runtime.catalog import open_checkpoint
-        from mxload.workers.rank.loader import RankLoader
 
         self.profile = engine_profile(facts.engine)
         check_engine_settings(self.profile, facts.env)
         self.facts = facts
         meta = open_checkpoint(src, storage_options=storage_options)
-        self.plan: Plan = build_plan(
-            meta.config, facts.layout, checkpoint=meta, engine=self.profile
-        )
-        rp = self.plan.ranks[facts.rank]
+        plan: Plan = build_plan(meta.config, facts.layout, checkpoint=meta, engine=self.profile)
+        rp = plan.ranks[facts.rank]
         missing = [b.name for b in rp.buffers if b.name not in params]
         if missing:
             raise AdoptionError(
@@ -118,9 +149,26 @@ class Attachment:
         self.loader = RankLoader(
             rp, model_dtype=meta.config.model_dtype, device=device, buffers=mine
         )
-        self.src = src
-        self.addresses = dict(self.loader.addresses)
-        self.version = 0
+        self._ranks = _OneRank(facts.rank, self.loader)
+        # Version 0 of the attached checkpoint: the parameters hold what the engine
+        # loaded (or nothing yet); the first reload (or ``load``) writes version 1.
+        self.state = SessionState(
+            plan=plan,
+            src=src,
+            fingerprint="",
+            addresses={facts.rank: dict(self.loader.addresses)},
+            pids={facts.rank: os.getpid()},
+            version=0,
+            storage_options=storage_options,
+        )
+
+    @property
+    def plan(self) -> Plan:
+        return self.state.plan
+
+    @property
+    def src(self) -> str:
+        return self.state.src
 
     def load(self, src: str | None = None, **kw: Any) -> dict[str, Any]:
         """Fill the adopted parameters from ``src`` (default: the attached checkpoint)."""
@@ -136,32 +184,19 @@ class Attachment:
     ) -> dict[str, Any]:
         """Preflight ``src`` against the plan (ReloadMismatch, nothing touched) and rewrite
         every adopted tensor in place; raises AddressMoved if any address changed."""
-        from mxload.orchestrator.runtime.session import reload_inputs
-
-        r = self.facts.rank
-        inputs = reload_inputs(
-            self.plan,
+        reload(
+            self._ranks,
+            self.state,
+            lambda _: None,  # the state is this object's attribute
             src,
             storage_options=storage_options,
             staging_budget=staging_budget,
-            fused=bool(getattr(self.loader.backend, "fused", False)),
             allow_nonfinite=allow_nonfinite,
         )
-        target = self.version + 1
-        stats = self.loader.reload(
-            list(inputs.reads[r]),
-            inputs.source,
-            version=target,
-            staging_budget=inputs.budgets[r],
-            units=list(inputs.units[r]),
-        )
-        self.loader.backend.synchronize()
-        self.version = target
-        moved = [n for n, t in self.loader.buffers.items() if t.data_ptr() != self.addresses[n]]
-        if moved:
-            raise AddressMoved(f"rank {r}: parameters moved: {', '.join(moved)}", rank=r)
+        stats = self._ranks.last_stats
+        assert stats is not None
         return {
-            "rank": r,
+            "rank": self.facts.rank,
             "src": src,
             "version": self.loader.version,
             "consistent": self.loader.consistent,
@@ -170,7 +205,7 @@ class Attachment:
             "bytes_needed": stats.bytes_needed,
             "measured_peak_staging_bytes": stats.measured_peak_staging_bytes,
             "predicted_peak_staging_bytes": stats.predicted_peak_staging_bytes,
-            "addresses_moved": moved,
+            "addresses_moved": [],
         }
 
     def status(self, *, checksums: bool = True) -> dict[str, Any]:
@@ -195,10 +230,8 @@ class Attachment:
 
 def installed_engine() -> str:
     """The profile of the installed engine: vllm-ascend's release, else mxload's own."""
-    try:
-        from importlib.metadata import PackageNotFoundError, version
-    except ImportError:  # pragma: no cover - Python < 3.8
-        return "mxload"
+    from importlib.metadata import PackageNotFoundError, version
+
     try:
         v = version("vllm-ascend")
     except PackageNotFoundError:
@@ -213,7 +246,9 @@ def _engine_env() -> dict[str, str]:
     """The settings engine profiles may refuse, as the engine resolved them."""
     env = {k: v for k, v in os.environ.items() if k.startswith("VLLM_ASCEND_")}
     try:  # vllm-ascend resolves NZ from additional_config / rl_config / the environment
-        from vllm_ascend.ascend_config import get_ascend_config
+        from vllm_ascend.ascend_config import (  # type: ignore[import-not-found]
+            get_ascend_config,
+        )
 
         env["VLLM_ASCEND_ENABLE_NZ"] = str(int(get_ascend_config().weight_nz_mode))
     except Exception:  # not vllm-ascend, or its config is not initialised: the env decides
@@ -223,10 +258,16 @@ def _engine_env() -> dict[str, str]:
 
 def vllm_facts(worker: Any, engine: str | None = None) -> EngineFacts:
     """Layout and ranks from the worker's own vLLM configuration and process groups."""
-    from vllm.distributed import get_pp_group, get_tensor_model_parallel_rank
+    from vllm.distributed import (  # type: ignore[import-not-found]
+        get_pp_group,
+        get_tensor_model_parallel_rank,
+    )
 
     pc = worker.vllm_config.parallel_config
-    placement = getattr(pc, "expert_placement_strategy", "linear") or "linear"
+    # Any other name vLLM may grow is refused by the planner (LayoutError), naming it.
+    placement = cast(
+        ExpertPlacement, str(getattr(pc, "expert_placement_strategy", "linear") or "linear")
+    )
     layout = ParallelLayout(
         tp=int(pc.tensor_parallel_size),
         dp=int(pc.data_parallel_size),

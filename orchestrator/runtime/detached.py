@@ -1,4 +1,5 @@
-"""Detached sessions: workers that outlive the command that loaded them (SPEC §4).
+"""Detached sessions: workers that outlive the command that loaded them
+(docs/contract.md §4).
 
 ``mxload load --detach`` leaves, in the Ray namespace ``mxload``, under the session
 name (``--session``, default ``default``):
@@ -6,9 +7,10 @@ name (``--session``, default ``default``):
 * ``<session>/rank-NNNNN`` — one named, ``lifetime="detached"`` worker actor per rank,
   holding its buffers;
 * ``<session>/pg`` — the placement group pinning them;
-* ``<session>/keeper`` — a small detached actor holding what later commands need: the
-  plan, the request, the current version and source, and every buffer's address as
-  first loaded (the addresses a captured graph points at).
+* ``<session>/keeper`` — a small detached actor holding the session's
+  :class:`~mxload.orchestrator.runtime.state.SessionState` (the plan, the request, the
+  current version and source, every buffer's address as first loaded: the addresses a
+  captured graph points at) and the lease that serialises reloads.
 
 On the embedded default, ``load --detach`` first starts a local Ray head as its own
 background process and records its address under ``$MXLOAD_HOME``
@@ -21,7 +23,7 @@ empty buffers at new addresses: ``status`` and ``reload`` notice it (its pid cha
 reload it to the session's version from the current source, and report
 ``addresses_changed: true`` for it — the graph on that device must be recaptured.
 
-A version is an identity (SPEC §4 "Reload"): the keeper records the version number *and*
+A version is an identity (docs/contract.md §4 "Reload"): the keeper records the version number *and*
 the fingerprint of the checkpoint it came from (``catalog.fingerprint``), every unit on
 every rank records the identity that wrote it, and ``status`` calls the session
 consistent only when every unit of every rank holds the recorded identity, replicated
@@ -33,19 +35,21 @@ its holder's process is gone or it expired); a second reload is refused naming t
 
 from __future__ import annotations
 
+import json
+import logging
 import os
 import re
 import secrets
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 from mxload.orchestrator.errors import (
-    AddressMoved,
     HeadDown,
     HeadStopped,
     SessionBusy,
@@ -59,10 +63,13 @@ from mxload.orchestrator.runtime.driver import (
     build_manifest,
     first_load,
     plan_load,
-    source_info,
     write_dump,
 )
 from mxload.orchestrator.runtime.outputs import OutputDir
+from mxload.orchestrator.runtime.reload import Progress, RayRanks, reload, repair
+from mxload.orchestrator.runtime.state import SessionState, verdict
+
+log = logging.getLogger(__name__)
 
 NAMESPACE = "mxload"
 VIRTUAL_DEVICES_PER_HEAD = 16
@@ -74,25 +81,26 @@ LEASE_TTL_S = 60.0
 
 
 class SessionKeeper:
-    """Actor body holding a detached session's state (plain data, pickled by Ray), and the
-    lease that serialises reloads. Ray runs one call of this actor at a time, so taking the
-    lease is atomic across every process that reaches the session."""
+    """Actor body holding a detached session's state (pickled by Ray), and the lease that
+    serialises reloads. Ray runs one call of this actor at a time, so taking the lease is
+    atomic across every process that reaches the session."""
 
-    def __init__(self, state: dict[str, Any]) -> None:
+    def __init__(self, state: SessionState) -> None:
         from mxload.cluster.local import tighten_own_temp_dir
 
         tighten_own_temp_dir()  # this process's start made Ray's folders 0777 again
         self.state = state
         self.lease: dict[str, Any] | None = None
 
-    def get(self) -> dict[str, Any]:
+    def get(self) -> SessionState:
         return self.state
+
+    def put(self, state: SessionState) -> None:
+        """Replace the state (by the lease holder, or at the end of a reload it ran)."""
+        self.state = state
 
     def pid(self) -> int:
         return os.getpid()
-
-    def update(self, changes: dict[str, Any]) -> None:
-        self.state.update(changes)
 
     def acquire(self, holder: dict[str, Any], ttl_s: float) -> dict[str, Any] | None:
         """Take the lease for ``holder`` (None), or return the live holder that has it."""
@@ -128,7 +136,7 @@ def _holder_alive(holder: dict[str, Any]) -> bool:
     if holder.get("host") != socket.gethostname():
         return True
     try:
-        import psutil
+        import psutil  # type: ignore[import-untyped]
         from mxload.cluster.local import same_process
 
         return same_process(psutil.Process(holder["pid"]), holder)
@@ -296,17 +304,15 @@ def _connect(address: str | None) -> tuple[str, bool]:
 # --- what a session leaves on this machine (for release when its head is gone) -------------
 
 
-def _session_file(session: str) -> Any:
+def _session_file(session: str) -> Path:
     from mxload.cluster.local import mxload_home
 
     return mxload_home() / "sessions" / f"{check_session_name(session)}.json"
 
 
-def _record_session(session: str, address: str, pids: list[int]) -> None:
+def _record_session(session: str, address: str, pids: list[int | None]) -> None:
     """$MXLOAD_HOME/sessions/<session>.json: the session's worker and keeper processes on
     this machine (pid and start time), so `release` can end them when Ray cannot."""
-    import json
-
     from mxload.cluster.local import describe_processes
 
     try:
@@ -314,6 +320,8 @@ def _record_session(session: str, address: str, pids: list[int]) -> None:
 
         procs = []
         for pid in pids:
+            if pid is None:
+                continue
             try:
                 procs.append(psutil.Process(pid))
             except psutil.NoSuchProcess:
@@ -330,8 +338,6 @@ def _record_session(session: str, address: str, pids: list[int]) -> None:
 
 def _recorded_sessions(address: str) -> dict[str, dict[str, Any]]:
     """Every session file recorded for the head at ``address``: path -> contents."""
-    import json
-
     from mxload.cluster.local import mxload_home
 
     out = {}
@@ -379,7 +385,7 @@ def detached_load(
     *,
     session: str = "default",
     dump: str | OutputDir | None = None,
-    on_progress: Callable[[list[tuple[int, int, int]]], None] | None = None,
+    on_progress: Progress | None = None,
 ) -> dict[str, Any]:
     """Load and leave the workers running under ``session``; returns the manifest."""
     import ray
@@ -420,46 +426,41 @@ def detached_load(
         if run.pg is not None:
             ray.util.remove_placement_group(run.pg)
         raise
-    reports = manifest["ranks"]
     manifest["session"] = session
     manifest["address"] = req.address
-    state = {
-        "session": session,
-        "request": replace(req, fault_at={}),
-        "plan": plan,
-        "version": 1,
-        "fingerprint": meta.fingerprint,
-        "src": req.src,
-        "storage_options": req.storage_options,
-        "addresses": {
-            r["rank"]: {n: t["data_ptr"] for n, t in r["tensors"].items()} for r in reports
-        },
-        "pids": {r["rank"]: r["pid"] for r in reports},
-        "started_head": started_head,
-        "created": time.time(),
-    }
+    state = SessionState.from_reports(
+        plan,
+        manifest["ranks"],
+        src=req.src,
+        fingerprint=meta.fingerprint,
+        storage_options=req.storage_options,
+        request=req,
+        session=session,
+        started_head=started_head,
+    )
     keeper_cls = ray.remote(num_cpus=0)(SessionKeeper)
-    keeper = keeper_cls.options(
+    keeper: Any = keeper_cls.options(
         name=_keeper_name(session), namespace=NAMESPACE, lifetime="detached"
     ).remote(state)
     keeper_pid = ray.get(keeper.pid.remote())
     if _recorded_head(req.address) is not None:
-        _record_session(session, str(req.address), [*state["pids"].values(), keeper_pid])
+        _record_session(session, str(req.address), [*state.pids.values(), keeper_pid])
     if dump:
         write_dump(run, manifest, dump)
     ray.shutdown()
     return manifest
 
 
-def _attach(session: str, address: str | None) -> tuple[Any, dict[str, Any], RayRun]:
+def _attach(session: str, address: str | None) -> tuple[Any, SessionState, RayRun]:
     import ray
 
     check_session_name(session)
     _connect(address)
     keeper = _keeper(session)
-    state = ray.get(keeper.get.remote())
-    plan: Plan = state["plan"]
-    run = RayRun(state["request"], plan, detached_name=session)
+    state: SessionState = ray.get(keeper.get.remote())
+    plan = state.plan
+    assert state.request is not None, "a detached session records its request"
+    run = RayRun(state.request, plan, detached_name=session)
     try:
         run.actors = [
             ray.get_actor(_rank_name(session, r), namespace=NAMESPACE)
@@ -470,70 +471,33 @@ def _attach(session: str, address: str | None) -> tuple[Any, dict[str, Any], Ray
     return keeper, state, run
 
 
-def _repair(keeper: Any, state: dict[str, Any], run: RayRun) -> list[int]:
-    """Reload ranks whose worker was restarted (fresh process, empty buffers) to the
-    session's version from its current source. Returns those ranks."""
+def _saver(keeper: Any, state: SessionState) -> Callable[[SessionState], None]:
+    """Where a detached session's state lives: its keeper. When its processes changed
+    since ``state`` (a restarted rank), the session's file is re-recorded too."""
     import ray
-    from ray.exceptions import RayActorError
 
-    infos: list[dict[str, Any] | None] = []
-    for a in run.actors:
-        try:
-            infos.append(ray.get(a.info.remote(), timeout=120))
-        except RayActorError:
-            infos.append(None)
-    lost = [r for r, info in enumerate(infos) if info is None or info["pid"] != state["pids"][r]]
-    if not lost:
-        return []
-    from mxload.orchestrator.runtime.catalog import open_checkpoint
+    recorded = dict(state.pids)
 
-    req: LoadRequest = state["request"]
-    meta = open_checkpoint(state["src"], storage_options=state["storage_options"])
-    source = source_info(meta, req.allow_nonfinite, state["src"], state["storage_options"])
-    _, fresh = plan_load(replace(req, src=state["src"], storage_options=state["storage_options"]))
-    from mxload.orchestrator.runtime.session import reload_units
+    def save(state: SessionState) -> None:
+        ray.get(keeper.put.remote(state), timeout=60)
+        if recorded != state.pids:
+            _refresh_session_file(keeper, state)
+            recorded.clear()
+            recorded.update(state.pids)
 
-    for rank in lost:
-        ray.get(
-            run.actors[rank].load.remote(
-                list(fresh.ranks[rank].reads or ()),
-                source,
-                state["version"],
-                _budget(state["plan"], rank),
-                False,
-                reload_units(state["plan"], fresh, rank),
-            )
-        )
-        info = ray.get(run.actors[rank].info.remote())
-        state["pids"][rank] = info["pid"]
-        state["addresses"][rank] = info["addresses"]
-    state.setdefault("restarted_ranks", [])
-    state["restarted_ranks"] = sorted(set(state["restarted_ranks"]) | set(lost))
-    ray.get(keeper.update.remote({k: state[k] for k in ("pids", "addresses", "restarted_ranks")}))
-    _refresh_session_file(keeper, state)
-    return lost
+    return save
 
 
-def _refresh_session_file(keeper: Any, state: dict[str, Any]) -> None:
+def _refresh_session_file(keeper: Any, state: SessionState) -> None:
     """Re-record a session's processes after some of its workers were restarted."""
-    import json
-
     import ray
 
     try:
-        path = _session_file(state["session"])
+        path = _session_file(state.session)
         address = json.loads(path.read_text())["address"]
     except (OSError, ValueError, KeyError):
         return  # not a session on a head recorded here
-    _record_session(
-        state["session"], address, [*state["pids"].values(), ray.get(keeper.pid.remote())]
-    )
-
-
-def _budget(plan: Plan, rank: int) -> int:
-    from mxload.orchestrator.runtime.driver import staging_budget_of
-
-    return staging_budget_of(plan, plan.ranks[rank])
+    _record_session(state.session, address, [*state.pids.values(), ray.get(keeper.pid.remote())])
 
 
 def _check_engine(session: str, held: Plan, engine: str | None) -> None:
@@ -554,29 +518,32 @@ def detached_status(
     dump: str | OutputDir | None = None,
     engine: str | None = None,
 ) -> dict[str, Any]:
-    """Per-rank versions, consistency, addresses, memory of a detached session."""
+    """Per-rank versions, consistency, addresses, memory of a detached session. Ranks
+    whose worker was restarted are first reloaded to the session's version, under the
+    session's lease (not while a reload holds it)."""
     import ray
 
     try:
         keeper, state, run = _attach(session, address)
-        _check_engine(session, state["plan"], engine)
+        _check_engine(session, state.plan, engine)
         busy = ray.get(keeper.holder.remote())
         repaired: list[int] = []
         if busy is None:
             try:
                 with session_lease(keeper, session, "status repairing restarted ranks"):
-                    repaired = _repair(keeper, state, run)
+                    state = ray.get(keeper.get.remote())
+                    repaired = repair(run, state, _saver(keeper, state))
             except SessionBusy:
                 busy = ray.get(keeper.holder.remote())
         reports = ray.get([a.report.remote() for a in run.actors])
-        for r in reports:
-            r["addresses_changed"] = r["rank"] in state.get("restarted_ranks", [])
-        manifest = build_manifest(state["plan"], reports)
+        state.observe(reports)
+        manifest = build_manifest(state.plan, reports)
         manifest["session"] = session
-        manifest["src"] = state["src"]
+        manifest["src"] = state.src
         manifest["repaired_ranks"] = repaired
         manifest["reload_in_progress"] = busy
-        manifest["last_reload"] = state.get("last_reload")
+        last = state.last_reload
+        manifest["last_reload"] = last.to_json() if last is not None else None
         verdict(state, manifest, busy=busy)
         if dump:
             write_dump(run, manifest, dump)
@@ -585,249 +552,43 @@ def detached_status(
         ray.shutdown()
 
 
-def verdict(state: dict[str, Any], manifest: dict[str, Any], *, busy: Any = None) -> None:
-    """Decide, from what the ranks report, whether the session holds one checkpoint, and
-    say why not (SPEC §4). Sets ``consistent``, ``problems`` (each a reason it is not),
-    ``notices`` (true but not inconsistent: restarted ranks, a failed reload that wrote
-    nothing), ``identity``, ``replicated_tensors_agree`` and ``replica_mismatches``."""
-    plan: Plan = state["plan"]
-    want = (state["version"], state.get("fingerprint", ""))
-    problems: list[str] = []
-    notices: list[str] = []
-    held: dict[tuple[int, str], list[int]] = {}
-    for r in manifest["ranks"]:
-        ident = r.get("identity")
-        if ident is None:
-            by = (r.get("units") or {}).get("units_by_identity", {})
-            mix = ", ".join(f"{n} at version {_short(k)}" for k, n in by.items())
-            problems.append(f"rank {r['rank']}: its units hold different versions ({mix})")
-            continue
-        held.setdefault((int(ident[0]), str(ident[1])), []).append(r["rank"])
-    if len(held) > 1:
-        parts = [
-            f"ranks {_ranks(rs)} at version {v} of checkpoint {fp[:12]}"
-            for (v, fp), rs in sorted(held.items())
-        ]
-        problems.append("ranks hold different checkpoints: " + "; ".join(parts))
-    for (v, fp), rs in sorted(held.items()):
-        if (v, fp) != want:
-            problems.append(
-                f"ranks {_ranks(rs)} hold version {v} of checkpoint {fp[:12]}, not the "
-                f"session's version {want[0]} of {state['src']} ({want[1][:12]})"
-            )
-    mismatches = replica_mismatches(plan, manifest)
-    manifest["replicated_tensors_agree"] = not mismatches
-    manifest["replica_mismatches"] = mismatches[:50]
-    if mismatches:
-        problems.append(
-            f"{len(mismatches)} replicated buffer(s) differ between ranks that must hold the "
-            f"same bytes, e.g. {mismatches[0]}"
-        )
-    moved = []
-    for r in manifest["ranks"]:
-        first = state["addresses"].get(r["rank"], {})
-        if r.get("addresses_changed"):
-            notices.append(
-                f"rank {r['rank']} was lost and restarted (pid now {r.get('pid')}): its "
-                "buffers are at new addresses; graphs captured on that device must be recaptured"
-            )
-            continue
-        moved += [
-            f"rank {r['rank']}: {n}"
-            for n, t in r["tensors"].items()
-            if first.get(n) not in (None, t["data_ptr"])
-        ]
-    manifest["addresses_moved"] = moved
-    if moved:
-        problems.append(f"{len(moved)} buffer(s) moved: {', '.join(moved[:5])}")
-    if manifest.get("repaired_ranks"):
-        notices.append(
-            f"ranks {_ranks(manifest['repaired_ranks'])} were reloaded by this status call "
-            f"after a restart, from {state['src']}"
-        )
-    if busy:
-        problems.append(
-            f"a reload is running: {busy['what']} from {busy['src'] or '-'} by pid "
-            f"{busy['pid']} on {busy['host']}"
-        )
-    last = state.get("last_reload")
-    if last and not last.get("ok"):
-        notices.append(f"the last reload, from {last['src']}, failed: {last['error']}")
-    manifest["identity"] = {"version": want[0], "fingerprint": want[1], "src": state["src"]}
-    manifest["consistent"] = not problems
-    manifest["problems"] = problems
-    manifest["notices"] = notices
-
-
-def _short(key: str) -> str:
-    v, _, fp = key.partition(":")
-    return f"{v} of {fp[:12] or 'nothing'}" if v != "0" else "none (never written whole)"
-
-
-def _ranks(ranks: list[int]) -> str:
-    return ",".join(str(r) for r in ranks)
-
-
-def replica_mismatches(plan: Plan, manifest: dict[str, Any]) -> list[str]:
-    """Buffers that ranks should hold byte for byte alike (the same buffer filled from the
-    same slices of the checkpoint: dp replicas of attention, the norms, experts replicated
-    without EP) but whose checksums differ: a check on the bytes themselves, independent
-    of the version bookkeeping."""
-    groups: dict[tuple[Any, ...], list[tuple[int, str]]] = {}
-    for rp, r in zip(plan.ranks, manifest["ranks"], strict=True):
-        units: dict[str, list[tuple[Any, ...]]] = {}
-        for u in rp.units:
-            units.setdefault(u.buffer, []).append(
-                (
-                    u.global_expert,
-                    u.row0,
-                    u.rows,
-                    u.cols,
-                    tuple((p.tensor_name, p.rows, p.cols, p.dst_row) for p in u.parts),
-                )
-            )
-        for name, keys in units.items():
-            for buf in (name, name + "_scale"):
-                t = r["tensors"].get(buf)
-                if t is not None:
-                    groups.setdefault((buf, tuple(keys)), []).append((r["rank"], t["checksum"]))
-    out = []
-    for (buf, _), held in sorted(groups.items(), key=lambda kv: kv[0][0]):
-        if len({c for _, c in held}) > 1:
-            out.append(
-                f"{buf} on ranks {_ranks([r for r, _ in held])}: "
-                + ", ".join(f"rank {r} {c[:8]}" for r, c in held)
-            )
-    return out
-
-
 def detached_reload(
     src: str,
     *,
     session: str = "default",
     address: str | None = None,
-    storage_options: Any = None,
+    storage_options: Mapping[str, Any] | None = None,
     staging_budget: int | None = None,
-    on_progress: Callable[[list[tuple[int, int, int]]], None] | None = None,
+    on_progress: Progress | None = None,
     engine: str | None = None,
 ) -> dict[str, Any]:
-    """In-place reload of a detached session from ``src`` (SPEC §4 "Reload"), holding the
-    session's lease (SessionBusy when another command holds it)."""
+    """In-place reload of a detached session from ``src`` (docs/contract.md §4 "Reload"),
+    holding the session's lease (SessionBusy when another command holds it)."""
     import ray
 
     try:
         keeper, _, run = _attach(session, address)
         with session_lease(keeper, session, "reload", src):
             # Read under the lease: a reload that finished meanwhile moved the version.
-            state = ray.get(keeper.get.remote())
-            _check_engine(session, state["plan"], engine)
-            return _reload_locked(
-                keeper, state, run, src, session, storage_options, staging_budget, on_progress
+            state: SessionState = ray.get(keeper.get.remote())
+            _check_engine(session, state.plan, engine)
+            done = reload(
+                RayRanks(run),
+                state,
+                _saver(keeper, state),
+                src,
+                storage_options=storage_options,
+                staging_budget=staging_budget,
+                allow_nonfinite=run.req.allow_nonfinite,
+                on_progress=on_progress,
             )
+        manifest = build_manifest(state.plan, done.reports)
+        manifest["seconds"] = done.seconds
+        manifest["session"] = session
+        manifest["addresses_moved"] = []
+        return manifest
     finally:
         ray.shutdown()
-
-
-def _reload_locked(
-    keeper: Any,
-    state: dict[str, Any],
-    run: RayRun,
-    src: str,
-    session: str,
-    storage_options: Any,
-    staging_budget: int | None,
-    on_progress: Callable[[list[tuple[int, int, int]]], None] | None,
-) -> dict[str, Any]:
-    import ray
-    from mxload.orchestrator.runtime.driver import workers_fused
-    from mxload.orchestrator.runtime.session import plan_reload, reload_budgets, reload_units
-
-    held: Plan = state["plan"]
-    req = replace(
-        state["request"],
-        src=src,
-        storage_options=storage_options,
-        staging_budget=staging_budget,
-    )
-    meta, new_plan = plan_reload(held, req)  # refuses, touching nothing, on mismatch
-    budgets = reload_budgets(held, new_plan, meta.config, staging_budget, workers_fused(req.device))
-    _repair(keeper, state, run)
-    source = source_info(meta, req.allow_nonfinite, src, storage_options)
-    target = state["version"] + 1
-    outcome: dict[str, Any] = {
-        "src": src,
-        "version": target,
-        "fingerprint": meta.fingerprint,
-        "at": time.time(),
-        "ok": False,
-        "error": "interrupted",
-    }
-    try:
-        # Units already at (target, this fingerprint) are skipped: an interrupted reload
-        # from this same checkpoint run again. Any other unit is rewritten.
-        t0 = time.perf_counter()
-        reports = run.run_all(
-            lambda r: (list(new_plan.ranks[r].reads or ()), reload_units(held, new_plan, r)),
-            source,
-            version=target,
-            whole_units=True,
-            on_progress=on_progress,
-            budgets=budgets,
-        )
-        restarted = [r["rank"] for r in reports if r.get("restarts")]
-        if restarted:
-            # run_all already redid them from this checkpoint; only their new processes'
-            # pids and addresses are recorded (a repair here would load the old version).
-            for rank in restarted:
-                info = ray.get(run.actors[rank].info.remote())
-                state["pids"][rank] = info["pid"]
-                state["addresses"][rank] = info["addresses"]
-            state["restarted_ranks"] = sorted(
-                set(state.get("restarted_ranks", [])) | set(restarted)
-            )
-            ray.get(
-                keeper.update.remote(
-                    {k: state[k] for k in ("pids", "addresses", "restarted_ranks")}
-                )
-            )
-            _refresh_session_file(keeper, state)
-        moved = []
-        changed = set(state.get("restarted_ranks", [])) | set(restarted)
-        for r in reports:
-            r["addresses_changed"] = r["rank"] in changed
-            if r["rank"] in changed:
-                continue
-            for name, t in r["tensors"].items():
-                if state["addresses"][r["rank"]].get(name) != t["data_ptr"]:
-                    moved.append(f"rank {r['rank']}: {name}")
-        manifest = build_manifest(held, reports)
-        manifest["seconds"] = round(time.perf_counter() - t0, 3)
-        manifest["session"] = session
-        manifest["addresses_moved"] = moved
-        if moved:
-            raise AddressMoved("buffers moved during reload: " + ", ".join(moved[:20]))
-    except BaseException as err:
-        # Recorded for status ("the last reload failed: ..."); the ranks' unit identities
-        # say what each device holds now.
-        outcome["error"] = f"{type(err).__name__}: {err}"[:400]
-        try:
-            ray.get(keeper.update.remote({"last_reload": outcome}), timeout=30)
-        except Exception:
-            pass
-        raise
-    outcome.update(ok=True, error="")
-    ray.get(
-        keeper.update.remote(
-            {
-                "version": target,
-                "fingerprint": meta.fingerprint,
-                "src": src,
-                "storage_options": storage_options,
-                "last_reload": outcome,
-            }
-        )
-    )
-    return manifest
 
 
 def detached_release(
@@ -852,9 +613,9 @@ def detached_release(
     own_head = record is not None
     _connect(address)
     keeper = _keeper(session)
-    state = ray.get(keeper.get.remote())
+    state: SessionState = ray.get(keeper.get.remote())
     killed = 0
-    for r in range(state["plan"].layout.world):
+    for r in range(state.plan.layout.world):
         try:
             ray.kill(ray.get_actor(_rank_name(session, r), namespace=NAMESPACE))
             killed += 1
@@ -875,7 +636,7 @@ def detached_release(
     ]
     ray.shutdown()
     stopped = False
-    if own_head and state.get("started_head") and not others:
+    if own_head and state.started_head and not others:
         stopped = stop_detached_head(read_head_record())
     try:
         _session_file(session).unlink(missing_ok=True)

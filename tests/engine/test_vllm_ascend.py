@@ -50,7 +50,7 @@ import torch
 from mxload.orchestrator.plan.planner import build_plan
 from mxload.orchestrator.plan.types import ParallelLayout
 from mxload.orchestrator.runtime.catalog import open_checkpoint
-from mxload.orchestrator.runtime.session import reload_inputs
+from mxload.orchestrator.runtime.reload import reload_inputs
 from mxload.workers.rank.loader import RankLoader
 from mxload.workers.tools.convert import convert_checkpoint
 from safetensors.torch import load_file

@@ -1,8 +1,10 @@
-"""Hot reload in place and faults, on a real local Ray (SPEC §4 Reload, Faults).
+"""Hot reload in place and faults, on a real local Ray (docs/contract.md §4 Reload,
+Faults).
 
 One session per test, all sharing the module's Ray. Every check reads the devices'
 bytes back and compares them with the independent reference of the version that should
-be there; addresses are compared with the first load's.
+be there; addresses are compared with the first load's. A worker process dies for real
+(``os._exit``) in a test-only subclass of the worker (:func:`dying_worker`).
 """
 
 from __future__ import annotations
@@ -17,8 +19,17 @@ import ray
 import torch
 from mxload.orchestrator.errors import ReloadMismatch, StorageError, WorkerLost
 from mxload.orchestrator.plan.types import ParallelLayout
-from mxload.orchestrator.runtime.driver import LoadRequest, load
+from mxload.orchestrator.runtime.driver import (
+    LoadRequest,
+    RayRun,
+    first_load,
+    load,
+    plan_load,
+    source_info,
+    write_dump,
+)
 from mxload.orchestrator.runtime.session import Session
+from mxload.workers.rank.actor import RankWorker
 
 from tests.reference_model import Layout, RefCheckpoint, compare_rank, expected_rank
 from tests.servers import Faults, RangeHTTPServer
@@ -47,6 +58,36 @@ def assert_holds(session: Session, src: str, like: str | None = None) -> None:
     for rank in range(LAYOUT.world):
         problems = compare_rank(expected_rank(ref, LAY, rank, like=like_ref), held(session, rank))
         assert problems == [], f"rank {rank}: {problems[:8]}"
+
+
+def dying_worker(exit_after: dict[int, int]) -> type[RankWorker]:
+    """A worker whose process exits hard (a real death, no exception) once rank N has
+    written ``exit_after[N]`` units, in its first process only: Ray's restart of it
+    loads normally. Defined in a function so Ray ships the class by value."""
+
+    class DyingRankWorker(RankWorker):
+        def _set_progress(self, done: int, total: int, nbytes: int) -> None:
+            super()._set_progress(done, total, nbytes)
+            at = exit_after.get(self.loader.rank)
+            if at is not None and done >= at:
+                if not ray.get_runtime_context().was_current_actor_reconstructed:
+                    os._exit(17)
+
+    return DyingRankWorker
+
+
+def load_with(req: LoadRequest, worker: type[RankWorker], dump: str | None = None) -> dict:
+    """``driver.load`` with another worker class: plan, start, first load, dump."""
+    meta, plan = plan_load(req)
+    run = RayRun(req, plan, worker=worker)
+    try:
+        run.start()
+        manifest = first_load(run, meta)
+        if dump:
+            write_dump(run, manifest, dump)
+        return manifest
+    finally:
+        run.shutdown()
 
 
 def addresses(manifest: dict) -> dict:
@@ -128,8 +169,6 @@ def test_storage_error_that_never_clears(local_ray, ckpt_factory) -> None:
     src = ckpt_factory("qwen3-moe-tiny", 1)
     with RangeHTTPServer(src) as server:
         # Headers are read by the coordinator first; then storage goes away for good.
-        from mxload.orchestrator.runtime.driver import RayRun, plan_load, source_info
-
         req = LoadRequest(src=server.url, layout=LAYOUT, device="cpu")
         meta, plan = plan_load(req)
         server.faults = Faults(broken=True)
@@ -140,7 +179,7 @@ def test_storage_error_that_never_clears(local_ray, ckpt_factory) -> None:
             run.spawn()
             with pytest.raises(StorageError) as err:
                 run.run_all(
-                    lambda r: list(plan.ranks[r].reads or ()),
+                    [list(r.reads or ()) for r in plan.ranks],
                     source_info(meta, False, req.src, None),
                     version=1,
                     whole_units=False,
@@ -155,12 +194,14 @@ def test_storage_error_that_never_clears(local_ray, ckpt_factory) -> None:
 def test_worker_killed_mid_load_is_restarted_and_redone(local_ray, ckpt_factory, tmp_path) -> None:
     src = ckpt_factory("qwen3-moe-tiny", 1)
     dump = str(tmp_path / "dump")
-    manifest, _ = load(
-        LoadRequest(src=src, layout=LAYOUT, device="cpu", max_restarts=1, fault_at={1: 5}),
-        dump=dump,
+    manifest = load_with(
+        LoadRequest(src=src, layout=LAYOUT, device="cpu", max_restarts=1),
+        dying_worker({1: 5}),
+        dump,
     )
     r1 = manifest["ranks"][1]
     assert r1["restarts"] == 1 and r1["addresses_changed"] is True
+    assert [r["restarts"] for r in manifest["ranks"] if r["rank"] != 1] == [0, 0, 0]
     from safetensors.torch import load_file
 
     ref = RefCheckpoint(src)
@@ -172,7 +213,10 @@ def test_worker_killed_mid_load_is_restarted_and_redone(local_ray, ckpt_factory,
 def test_worker_lost_beyond_restarts(local_ray, ckpt_factory) -> None:
     src = ckpt_factory("qwen3-moe-tiny", 1)
     with pytest.raises(WorkerLost) as err:
-        load(LoadRequest(src=src, layout=LAYOUT, device="cpu", max_restarts=0, fault_at={2: 3}))
+        load_with(
+            LoadRequest(src=src, layout=LAYOUT, device="cpu", max_restarts=0),
+            dying_worker({2: 3}),
+        )
     assert "rank 2" in str(err.value)
 
 
@@ -238,11 +282,11 @@ def test_two_sessions_side_by_side(local_ray, ckpt_factory) -> None:
 def test_failed_reload_on_one_rank_then_another_checkpoint_in_process(
     local_ray, ckpt_factory, tmp_path
 ) -> None:
-    """The Python API's view of a version as an identity (SPEC §4): a reload that fails on
-    rank 3 only (a NaN block scale in expert 7, rank 3's alone under EP), then a reload
-    from another checkpoint at the same version number: every rank ends with that
-    checkpoint's bytes, and ``status`` says inconsistent in between. A second reload from
-    another thread while one runs is refused."""
+    """The Python API's view of a version as an identity (docs/contract.md §4): a reload
+    that fails on rank 3 only (a NaN block scale in expert 7, rank 3's alone under EP),
+    then a reload from another checkpoint at the same version number: every rank ends
+    with that checkpoint's bytes, and ``status`` says inconsistent in between. A second
+    reload from another thread while one runs is refused."""
     import shutil
     import threading
 

@@ -1,5 +1,5 @@
 """A detached session you can trust: versions are identities, failures never hide, and a
-crashed head is found and cleaned up (SPEC §4 "Reload", "Detached sessions").
+crashed head is found and cleaned up (docs/contract.md §4 "Reload", "Detached sessions").
 
 Run as a user runs it: one ``mxload`` subprocess per command against a background head
 that ``load --detach`` starts (real Ray, real processes). Every claim ``status`` makes

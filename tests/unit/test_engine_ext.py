@@ -3,7 +3,8 @@
 vLLM cannot run here, so the only stand-ins are the worker object (its ``vllm_config``
 and ``model_runner.model``), ``vllm.distributed``'s rank functions (in ``sys.modules``)
 and ``collective_rpc`` (a loop over the workers). Everything of mxload is real: the
-plan, adoption of the model's parameters, reloads from real checkpoints.
+plan, adoption of the model's parameters, reloads from real checkpoints. What the
+parameters must hold comes from ``tests/reference_model.py`` (no mxload code).
 """
 
 from __future__ import annotations
@@ -20,12 +21,13 @@ from mxload.orchestrator.errors import AdoptionError, LayoutError
 from mxload.orchestrator.plan.planner import build_plan
 from mxload.orchestrator.plan.types import ParallelLayout
 from mxload.orchestrator.runtime.catalog import open_checkpoint
-from mxload.orchestrator.runtime.session import reload_inputs
 from mxload.workers.engine_ext import EngineReloader, MxloadWorkerExtension
-from mxload.workers.rank.loader import RankLoader
+
+from tests.reference_model import Layout, RefCheckpoint, compare_rank, expected_rank
 
 OVERRIDES = {"moe_intermediate_size": 256}
 LAYOUT = ParallelLayout(tp=2, dp=2, enable_expert_parallel=True)
+LAY = Layout(2, 2, 1, True, "linear")
 
 
 def _set(model: torch.nn.Module, name: str, t: torch.Tensor) -> None:
@@ -119,31 +121,22 @@ def test_attach_reload_status_through_collective_rpc(ckpt_factory, fake_vllm, mo
     names = set(status[0]["tensors"])
     assert "model.layers.0.mlp.experts.routed_experts.w13_weight" in names
 
-    # What each rank must hold: a standalone load of the same checkpoint, same profile.
-    meta = open_checkpoint(src1)
-    plan = build_plan(meta.config, LAYOUT, checkpoint=meta, engine=engine)
+    # What each rank must hold, from the independent reference: the profile's parameters
+    # are the contract's buffers under vLLM's MoE name (routed_experts), their logical
+    # views (the transposed MoE views, made contiguous) byte for byte the same.
+    def held(w: _Worker) -> dict[str, torch.Tensor]:
+        return {
+            n.replace(".mlp.experts.routed_experts.", ".mlp.experts."): p.data.contiguous()
+            for n, p in w.model_runner.model.named_parameters()
+        }
 
-    def expected(src: str) -> list[dict[str, torch.Tensor]]:
-        inp = reload_inputs(plan, src)
-        out = []
-        for r, rp in enumerate(plan.ranks):
-            alone = RankLoader(rp, model_dtype=meta.config.model_dtype)
-            alone.load(list(inp.reads[r]), inp.source, version=1, staging_budget=inp.budgets[r])
-            out.append(alone.host_tensors())
-        return out
-
-    want = {src1: expected(src1), src2: expected(src2)}
+    refs = {src: RefCheckpoint(src) for src in (src1, src2)}
     for i, src in enumerate((src2, src1, src2), start=1):
         reports = mx.reload(src)
         assert {r["version"] for r in reports} == {i}
         assert all(r["addresses_moved"] == [] for r in reports)
         for w, r in zip(workers, reports, strict=True):
-            got = dict(w.model_runner.model.named_parameters())
-            bad = [
-                n
-                for n, t in want[src][r["rank"]].items()
-                if not torch.equal(got[n].data.contiguous().view(torch.uint8), t.view(torch.uint8))
-            ]
+            bad = compare_rank(expected_rank(refs[src], LAY, r["rank"]), held(w))
             assert bad == [], f"reload {i} rank {r['rank']}: {bad[:5]}"
     status = mx.status()
     w13 = status[1]["tensors"]["model.layers.0.mlp.experts.routed_experts.w13_weight"]

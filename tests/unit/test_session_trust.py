@@ -27,8 +27,12 @@ from mxload.orchestrator.runtime.detached import (
     SessionKeeper,
     check_recorded_head,
     check_session_name,
-    replica_mismatches,
     same_address,
+)
+from mxload.orchestrator.runtime.state import (
+    ReloadRecord,
+    SessionState,
+    replica_mismatches,
     verdict,
 )
 
@@ -62,14 +66,15 @@ def manifest_of(plan, identity=(1, "f1"), sums=None) -> dict:
     return {"ranks": ranks}
 
 
-def state_of(plan, version=1, fp="f1") -> dict:
-    return {
-        "plan": plan,
-        "version": version,
-        "fingerprint": fp,
-        "src": "/ckpt/v1",
-        "addresses": {rp.rank: {b.name: 1000 for b in rp.buffers} for rp in plan.ranks},
-    }
+def state_of(plan, version=1, fp="f1") -> SessionState:
+    return SessionState(
+        plan=plan,
+        version=version,
+        fingerprint=fp,
+        src="/ckpt/v1",
+        addresses={rp.rank: {b.name: 1000 for b in rp.buffers} for rp in plan.ranks},
+        pids={rp.rank: 10 + rp.rank for rp in plan.ranks},
+    )
 
 
 def test_healthy_session_is_consistent(plan) -> None:
@@ -136,7 +141,8 @@ def test_moved_buffers_and_restarted_ranks_are_shown(plan) -> None:
 def test_a_running_reload_and_a_failed_one_are_said(plan) -> None:
     m = manifest_of(plan)
     busy = {"what": "reload", "src": "/ckpt/v9", "pid": 42, "host": "h"}
-    state = dict(state_of(plan), last_reload={"ok": False, "src": "/x", "error": "boom"})
+    state = state_of(plan)
+    state.last_reload = ReloadRecord("/x", 2, "fX", ok=False, error="boom")
     verdict(state, m, busy=busy)
     assert not m["consistent"] and "a reload is running" in m["problems"][0]
     assert any("failed: boom" in n for n in m["notices"])
@@ -157,8 +163,8 @@ def holder(pid: int | None = None, **kw) -> dict:
     }
 
 
-def test_lease_one_holder_at_a_time() -> None:
-    k = SessionKeeper({})
+def test_lease_one_holder_at_a_time(plan) -> None:
+    k = SessionKeeper(state_of(plan))
     assert k.acquire(holder(), 60) is None
     busy = k.acquire(holder(token="t2", src="/b"), 60)
     assert busy is not None and busy["src"] == "/a" and busy["pid"] == os.getpid()
@@ -169,10 +175,10 @@ def test_lease_one_holder_at_a_time() -> None:
     assert k.holder() is None and k.acquire(holder(token="t2"), 60) is None
 
 
-def test_lease_of_a_dead_holder_or_expired_is_taken_over() -> None:
+def test_lease_of_a_dead_holder_or_expired_is_taken_over(plan) -> None:
     proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
-        k = SessionKeeper({})
+        k = SessionKeeper(state_of(plan))
         assert k.acquire(holder(proc.pid, src="/dead"), 60) is None
         assert k.acquire(holder(token="t2"), 60) is not None  # its holder is alive
     finally:
@@ -181,10 +187,10 @@ def test_lease_of_a_dead_holder_or_expired_is_taken_over() -> None:
     assert k.acquire(holder(token="t2"), 60) is None  # killed with -9: taken over
     assert k.lease["took_over_from"]["src"] == "/dead"
     # A holder on another host is trusted until its lease expires.
-    k = SessionKeeper({})
+    k = SessionKeeper(state_of(plan))
     assert k.acquire(holder(host="elsewhere"), 60) is None
     assert k.acquire(holder(token="t2"), 60) is not None
-    k = SessionKeeper({})
+    k = SessionKeeper(state_of(plan))
     assert k.acquire(holder(host="elsewhere"), 0) is None  # a lease that has expired
     assert k.acquire(holder(token="t2"), 60) is None
 
@@ -347,3 +353,76 @@ def test_own_temp_dirs_are_private(tmp_path) -> None:
         import shutil
 
         shutil.rmtree(root)
+
+
+# --- restarts and the reload every host runs ------------------------------------------------
+
+
+def test_restarts_are_counted_from_the_recorded_processes(plan) -> None:
+    """One rule for every host: a report from another process than the one recorded is a
+    restart; its new addresses become the recorded ones, and it stays marked."""
+    state = state_of(plan)
+    m = manifest_of(plan)
+    m["ranks"][2]["pid"] = 99
+    for t in m["ranks"][2]["tensors"].values():
+        t["data_ptr"] = 3000
+    assert state.observe(m["ranks"]) == [2]
+    assert [r.get("restarts", 0) for r in m["ranks"]] == [0, 0, 1, 0]
+    assert [r["addresses_changed"] for r in m["ranks"]] == [False, False, True, False]
+    assert state.pids[2] == 99 and set(state.addresses[2].values()) == {3000}
+    assert state.restarted == {2}
+    again = manifest_of(plan)
+    again["ranks"][2]["pid"] = 99
+    assert state.observe(again["ranks"]) == []  # the same process: not counted twice
+    assert again["ranks"][2]["addresses_changed"] is True and "restarts" not in again["ranks"][2]
+    lost_in_run = manifest_of(plan)
+    lost_in_run["ranks"][0]["restarts"] = 1  # the run itself saw rank 0's process lost
+    lost_in_run["ranks"][2]["pid"] = 99
+    assert state.observe(lost_in_run["ranks"]) == [0]
+
+
+class _FakeRanks:
+    """Ranks that report what they are told to (the reload sequence without workers)."""
+
+    fused = False
+
+    def __init__(self, reports) -> None:
+        self.reports = reports
+        self.ran: list[int] = []
+
+    def run_ranks(self, inputs, version, on_progress):
+        self.ran.append(version)
+        return self.reports
+
+
+def test_reload_records_the_new_identity_or_the_failure(plan, ckpt_factory) -> None:
+    from mxload.orchestrator.errors import AddressMoved, ReloadMismatch
+    from mxload.orchestrator.runtime.catalog import open_checkpoint
+    from mxload.orchestrator.runtime.reload import reload
+
+    v2 = ckpt_factory("qwen3-moe-tiny", 2)
+    saved: list[tuple[int, bool]] = []
+
+    def save(s: SessionState) -> None:
+        saved.append((s.version, s.last_reload.ok))
+
+    state = state_of(plan)
+    ok = _FakeRanks(manifest_of(plan)["ranks"])
+    done = reload(ok, state, save, v2)
+    assert ok.ran == [2] and saved == [(2, True)]
+    assert state.identity == (2, open_checkpoint(v2).fingerprint) and state.src == v2
+    assert done.restarted == [] and state.last_reload.ok
+
+    moved = manifest_of(plan)["ranks"]
+    name = next(iter(moved[1]["tensors"]))
+    moved[1]["tensors"][name]["data_ptr"] = 2000
+    with pytest.raises(AddressMoved, match=f"rank 1: {name}"):
+        reload(_FakeRanks(moved), state, save, v2)
+    assert state.version == 2 and saved[-1] == (2, False)
+    assert state.last_reload.version == 3 and "AddressMoved" in state.last_reload.error
+
+    other = ckpt_factory("qwen3-moe-tiny", 7, overrides={"moe_intermediate_size": 96})
+    refused = _FakeRanks(manifest_of(plan)["ranks"])
+    with pytest.raises(ReloadMismatch):
+        reload(refused, state, save, other)
+    assert refused.ran == [] and len(saved) == 2, "refused before running or recording"

@@ -2,11 +2,11 @@
 
 One actor per rank, pinned by its placement bundle to one accelerator (Ray sets
 ``ASCEND_RT_VISIBLE_DEVICES`` / ``CUDA_VISIBLE_DEVICES``). The actor reserves no CPU
-(SPEC §4) and sets its torch threads to its share of the node's cores. It is threaded
+(docs/contract.md §4) and sets its torch threads to its share of the node's cores. It is threaded
 (``max_concurrency=2``) so the driver can poll progress while a load runs.
 
 Everything here is the loader's behaviour plus what only a process can say: its node,
-its visible devices, its pid (tests kill it to inject faults).
+its visible devices, its pid.
 """
 
 from __future__ import annotations
@@ -53,7 +53,6 @@ class RankWorker:
         self.loader = RankLoader(plan, model_dtype=model_dtype, backend=self.backend)
         self._progress = (0, len(plan.units), 0)
         self._lock = threading.Lock()
-        self.fault_at_unit: int | None = None
         # torch, numba's kernels and the rank's plan are loaded for good: take them out of
         # the cyclic collector's walk. A full collection otherwise visits their ~250K
         # objects, 0.2 s on 2 cores, and one lands inside a load now and then (the
@@ -105,14 +104,6 @@ class RankWorker:
         with self._lock:
             return self._progress
 
-    def set_fault(self, unit_index: int | None) -> None:
-        """Test hook: the process exits hard when it reaches this unit (a real death)."""
-        self.fault_at_unit = unit_index
-
-    def _fault_hook(self, i: int) -> None:
-        if self.fault_at_unit is not None and i == self.fault_at_unit:
-            os._exit(17)
-
     def load(
         self,
         reads: list[UnitReads],
@@ -138,7 +129,6 @@ class RankWorker:
             staging_budget=staging_budget,
             whole_units=whole_units,
             progress=self._set_progress,
-            fault_hook=self._fault_hook,
             peers=peers,
             peer_get=peer_get,
         )
@@ -226,13 +216,15 @@ def _node_ip() -> str:
     try:
         import ray
 
-        return str(ray.util.get_node_ip_address())
+        return str(ray.util.get_node_ip_address())  # type: ignore[no-untyped-call]
     except Exception:  # outside Ray: the name alone says where
         return "?"
 
 
-def remote_class() -> Any:
-    """The Ray actor class (built lazily so importing this module needs no Ray)."""
+def remote_class(worker: type[RankWorker] = RankWorker) -> Any:
+    """The Ray actor class of ``worker`` (built lazily so importing this module needs no
+    Ray). Threaded, so the driver can poll progress while a load runs."""
     import ray
 
-    return ray.remote(num_cpus=0, max_concurrency=2)(RankWorker)
+    # Ray's stubs leave max_concurrency out of ray.remote's overloads.
+    return ray.remote(num_cpus=0, max_concurrency=2)(worker)  # type: ignore[call-overload]

@@ -1,0 +1,249 @@
+"""A run on Ray: the started (or joined) cluster, the placement group, one worker actor
+per rank, and every rank loading concurrently, a rank whose process dies restarted and
+redone up to ``--max-restarts`` (docs/contract.md §4 "Faults").
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+from mxload.orchestrator.errors import MxloadError, WorkerLost
+from mxload.orchestrator.plan.types import Plan, Unit, UnitReads
+from mxload.orchestrator.runtime import placement, shared_reads
+from mxload.orchestrator.runtime.reports import first_line, plain, rank_error
+from mxload.orchestrator.runtime.request import LoadRequest, staging_budget_of
+from mxload.orchestrator.runtime.state import Report
+
+if TYPE_CHECKING:
+    from mxload.workers.rank.actor import RankWorker
+    from mxload.workers.rank.loader import SourceInfo
+
+Progress = Callable[[list[tuple[int, int, int]]], None]
+
+
+class RayRun:
+    """A started (or joined) Ray, the placement group and the rank actors.
+
+    ``worker`` is the actor body (default ``RankWorker``); a detached session names its
+    placement group and actors after ``detached_name``."""
+
+    def __init__(
+        self,
+        req: LoadRequest,
+        plan: Plan,
+        *,
+        detached_name: str | None = None,
+        worker: type[RankWorker] | None = None,
+    ) -> None:
+        self.req = req
+        self.plan = plan
+        self.detached_name = detached_name
+        self.worker = worker
+        self.temp_dir: str | None = None
+        self.started_ray = False
+        self.placed: placement.Placement | None = None
+        self.actors: list[Any] = []
+        self.last_sharing: dict[str, Any] = {}
+        """What the last run's read-once sharing planned and measured (manifest "sharing")."""
+
+    # --- cluster ------------------------------------------------------------------------
+
+    @property
+    def pg(self) -> Any:
+        return self.placed.pg if self.placed is not None else None
+
+    @property
+    def split_tp_groups(self) -> list[int]:
+        return self.placed.split_tp_groups if self.placed is not None else []
+
+    def start(self) -> None:
+        import ray
+
+        if ray.is_initialized():
+            return
+        self.temp_dir = placement.start_ray(self.req, self.plan.layout.world)
+        self.started_ray = self.temp_dir is not None
+
+    def place(self) -> None:
+        self.placed = placement.place(self.req, self.plan, name=self.detached_name)
+
+    def check_devices(self) -> None:
+        assert self.placed is not None, "place() first"
+        placement.check_devices(self.req, self.placed)
+
+    def spawn(self) -> None:
+        from mxload.workers.rank.actor import RankWorker
+
+        assert self.placed is not None, "place() first"
+        self.actors = placement.spawn(
+            self.req, self.plan, self.placed, self.worker or RankWorker, name=self.detached_name
+        )
+
+    def shutdown(self) -> None:
+        import ray
+
+        for a in self.actors:
+            try:
+                ray.kill(a)
+            except Exception:  # already gone
+                pass
+        if self.pg is not None:
+            try:
+                ray.util.remove_placement_group(self.pg)
+            except Exception:  # already removed
+                pass
+        if self.started_ray:
+            ray.shutdown()
+            if self.temp_dir:
+                shutil.rmtree(self.temp_dir, ignore_errors=True)
+
+    # --- running ---------------------------------------------------------------------------
+
+    def run_all(
+        self,
+        reads: Sequence[Sequence[UnitReads]],
+        source: SourceInfo,
+        *,
+        version: int,
+        whole_units: bool,
+        units: Sequence[Sequence[Unit]] | None = None,
+        on_progress: Progress | None = None,
+        budgets: Sequence[int] | None = None,
+    ) -> list[Report]:
+        """Every rank loads (or reloads) concurrently; a dead rank is redone.
+
+        ``reads``/``units``: per rank, the byte ranges and the units they fill (default:
+        the plan's units). ``budgets``: staging budget per rank (default: the plan's); a
+        reload passes its own (a BF16 checkpoint stages more bytes per unit than the FP8
+        one loaded first). Each report's ``restarts`` counts how often the rank's process
+        was lost during this run."""
+        if budgets is None:
+            budgets = [staging_budget_of(self.plan, r) for r in self.plan.ranks]
+        units_all = units or [r.units for r in self.plan.ranks]
+        pids = self.pids()
+        t_run = time.perf_counter()
+        share, self.last_sharing = shared_reads.plan_shares(
+            self.plan,
+            shared_reads.node_ids(self.actors, self.req.placement_timeout_s),
+            self.req.share,
+            reads,
+            source,
+            budgets,
+            whole_units,
+        )
+        shared = shared_reads.fetch_shares(self.actors, share, units_all, reads, source, budgets)
+        t_fetched = time.perf_counter()
+
+        def submit(rank: int) -> Any:
+            return self.actors[rank].load.remote(
+                list(reads[rank]),
+                source,
+                version,
+                budgets[rank],
+                whole_units,
+                None if units is None else list(units[rank]),
+                shared.peers_of.get(rank),
+            )
+
+        reports, attempts = self._wait_all(submit, on_progress)
+        for rank, rep in enumerate(reports):
+            rep["restarts"] = max(attempts[rank], int(rep["pid"] != pids[rank]))
+            rep["addresses_changed"] = rep["restarts"] > 0
+        shared_reads.add_fetched(reports, shared)
+        shared_reads.sharing_totals(self.last_sharing, reports)
+        if self.last_sharing:
+            # the data phases the time model predicts (mxload.orchestrator.plan.timemodel)
+            self.last_sharing["fetch_seconds"] = round(t_fetched - t_run, 4)
+            self.last_sharing["run_seconds"] = round(time.perf_counter() - t_run, 4)
+        return reports
+
+    def _wait_all(
+        self, submit: Callable[[int], Any], on_progress: Progress | None
+    ) -> tuple[list[Report], list[int]]:
+        """Run ``submit`` for every rank and wait for them all, resubmitting a rank whose
+        process was lost (up to ``--max-restarts``) or is being restarted. Returns the
+        reports and how often each rank's process was lost; raises the first rank's error
+        naming every rank that failed.
+
+        Every rank is waited for even after one failed: a rank still writing must not be
+        handed the next load, and the error names every rank that failed."""
+        import ray
+        from ray.exceptions import RayActorError
+
+        world = len(self.actors)
+        attempts = [0] * world
+        refs = {submit(r): r for r in range(world)}
+        reports: list[Report | None] = [None] * world
+        failures: dict[int, MxloadError] = {}
+        unavailable_since: dict[int, float] = {}
+        while refs:
+            done, _ = ray.wait(list(refs), num_returns=1, timeout=0.5)
+            if on_progress is not None:
+                on_progress(self._poll_progress())
+            for ref in done:
+                rank = refs.pop(ref)
+                try:
+                    reports[rank] = ray.get(ref)
+                    unavailable_since.pop(rank, None)
+                except ray.exceptions.ActorUnavailableError:
+                    # The process is being restarted (already counted): try again shortly.
+                    since = unavailable_since.setdefault(rank, time.monotonic())
+                    if time.monotonic() - since > self.req.placement_timeout_s:
+                        failures[rank] = WorkerLost(
+                            f"rank {rank}: worker did not come back after a restart", rank=rank
+                        )
+                        continue
+                    time.sleep(0.5)
+                    refs[submit(rank)] = rank
+                except RayActorError as err:
+                    unavailable_since.pop(rank, None)
+                    attempts[rank] += 1
+                    if attempts[rank] > self.req.max_restarts:
+                        failures[rank] = WorkerLost(
+                            f"rank {rank}: worker process lost {attempts[rank]} time(s) "
+                            f"(--max-restarts {self.req.max_restarts}): {first_line(err)}",
+                            rank=rank,
+                            details=plain(str(err)),
+                        )
+                        continue
+                    refs[submit(rank)] = rank
+                except ray.exceptions.RayTaskError as err:
+                    # Say which rank failed (a bad scale in an expert only it holds).
+                    failures[rank] = rank_error(rank, err)
+        if failures:
+            raise _first_failure(failures)
+        return [r for r in reports if r is not None], attempts
+
+    def pids(self) -> list[int | None]:
+        """Each rank's worker pid now (None for one that does not answer)."""
+        import ray
+
+        out: list[int | None] = []
+        for a in self.actors:
+            try:
+                out.append(ray.get(a.pid.remote(), timeout=self.req.placement_timeout_s))
+            except ray.exceptions.RayActorError:
+                out.append(None)
+        return out
+
+    def _poll_progress(self) -> list[tuple[int, int, int]]:
+        import ray
+
+        refs = [a.progress.remote() for a in self.actors]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0.2)
+        got = {r: ray.get(r) for r in ready}
+        return [got.get(r, (0, 0, 0)) for r in refs]
+
+
+def _first_failure(failures: dict[int, MxloadError]) -> MxloadError:
+    """The lowest rank's error, naming the other ranks that failed."""
+    first = min(failures)
+    err = failures[first]
+    if len(failures) > 1:
+        others = ", ".join(str(r) for r in sorted(failures) if r != first)
+        err.message = f"{err.message} (ranks {others} failed too)"
+        err.args = (err.message,)
+    return err

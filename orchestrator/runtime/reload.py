@@ -1,0 +1,343 @@
+"""Reload in place, once for every host of a session (docs/contract.md §4 "Reload").
+
+Reload = preflight (the new checkpoint must give every rank exactly the buffers it holds:
+names, shapes, dtypes, layouts; otherwise refuse, listing every mismatch, before touching
+anything) -> byte ranges planned from the new checkpoint's own headers -> every rank
+converts whole units into staging and copies each into its buffer -> every data_ptr
+checked against the recorded one -> the new identity (version, fingerprint) recorded.
+
+:func:`reload` is that sequence. A host supplies only how its ranks run (:class:`Ranks`:
+Ray actors for ``Session`` and detached sessions, one in-process loader for the engine
+extension) and where the :class:`SessionState` lives (``save``: an attribute, the
+detached session's keeper actor).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any, Protocol
+
+from mxload.orchestrator.errors import AddressMoved, ReloadMismatch, StagingBudgetError
+from mxload.orchestrator.plan.types import Plan, Unit, UnitReads
+from mxload.orchestrator.runtime.request import (
+    is_local,
+    source_info,
+    staging_budget_of,
+    workers_fused,
+)
+from mxload.orchestrator.runtime.state import ReloadRecord, Report, SessionState
+
+if TYPE_CHECKING:
+    from mxload.orchestrator.runtime.ray_run import RayRun
+    from mxload.workers.rank.loader import SourceInfo
+
+log = logging.getLogger(__name__)
+
+Progress = Callable[[list[tuple[int, int, int]]], None]
+"""Called while ranks run with each rank's (units done, units, bytes read)."""
+
+
+# --- planning and preflight ---------------------------------------------------------------
+
+
+def _unit_key(u: Unit) -> tuple[Any, ...]:
+    parts = tuple((p.tensor_name, p.rows, p.cols, p.dst_row) for p in u.parts)
+    return (u.buffer, u.kind, u.expert, u.global_expert, u.row0, u.rows, u.cols, parts)
+
+
+def preflight(held: Plan, new: Plan) -> list[str]:
+    """Every difference between the buffers the held plan has and those the new
+    checkpoint would give each rank (empty = reloadable).
+
+    Buffers must agree in name, shape, dtype and layout. One difference is not a
+    mismatch: a linear the new checkpoint stores unquantized (a BF16 checkpoint from an
+    RL trainer) where the session holds MX buffers: its units are quantized straight
+    into the same buffers, so for those only the unit geometry must agree."""
+    problems: list[str] = []
+    if held.layout != new.layout:
+        return [f"layout {new.layout} != held {held.layout}"]
+    for ro, rn in zip(held.ranks, new.ranks, strict=True):
+        a = {b.name: b for b in ro.buffers}
+        b = {x.name: x for x in rn.buffers}
+        relaid = {u.buffer for u in rn.units if not u.quantized and u.layout == "dense"}
+        for name in sorted(set(a) - set(b)):
+            if name.endswith("_scale") and name[: -len("_scale")] in relaid:
+                continue
+            problems.append(f"rank {ro.rank}: {name}: held but not in the new checkpoint")
+        for name in sorted(set(b) - set(a)):
+            problems.append(f"rank {ro.rank}: {name}: in the new checkpoint but not held")
+        for name in sorted(set(a) & set(b)):
+            x, y = a[name], b[name]
+            if name in relaid and x.layout != y.layout:
+                continue
+            for attr in ("shape", "stride", "dtype", "layout"):
+                if getattr(x, attr) != getattr(y, attr):
+                    problems.append(
+                        f"rank {ro.rank}: {name}: {attr} {getattr(y, attr)} in the new "
+                        f"checkpoint, {getattr(x, attr)} held"
+                    )
+        if ro.experts != rn.experts:
+            problems.append(f"rank {ro.rank}: experts {rn.experts} != held {ro.experts}")
+        if len(ro.units) != len(rn.units):
+            problems.append(f"rank {ro.rank}: {len(rn.units)} units != held {len(ro.units)}")
+            continue
+        for uo, un in zip(ro.units, rn.units, strict=True):
+            if _unit_key(uo) != _unit_key(un):
+                where = (
+                    f"[{uo.expert}]" if uo.expert >= 0 else f"[rows {uo.row0}:{uo.row0 + uo.rows}]"
+                )
+                problems.append(f"rank {ro.rank}: unit {uo.buffer}{where} differs")
+    return problems
+
+
+def reload_units(held: Plan, new: Plan, rank: int) -> list[Unit]:
+    """The held units with the new checkpoint's quantized flags (how to convert)."""
+    return [
+        replace(uo, quantized=un.quantized)
+        for uo, un in zip(held.ranks[rank].units, new.ranks[rank].units, strict=True)
+    ]
+
+
+def reload_budgets(
+    held: Plan, new: Plan, config: Any, staging_budget: int | None, fused: bool
+) -> list[int]:
+    """Staging budget of every rank for a reload: the given one, else the largest whole
+    unit of any rank as the reload will convert it (held layouts, new source)."""
+    from mxload.orchestrator.plan.memory import ConvertOptions, min_budgets, read_fn_from_reads
+
+    quant = config.quant.kind
+    block_n = config.quant.block_n if quant == "block_fp8" else 1
+    opts = ConvertOptions.for_source(held.model["dtype"], quant, config.quant.block_n, fused=fused)
+    need = 0
+    for rank in range(held.layout.world):
+        units = reload_units(held, new, rank)
+        reads = list(new.ranks[rank].reads or ())
+        read_fn = read_fn_from_reads(units, reads, block_n=block_n, source_quant=quant)
+        need = max(need, min_budgets(units, read_fn, opts)[1])
+    if staging_budget is not None and staging_budget < need:
+        raise StagingBudgetError(
+            f"--staging-budget {staging_budget} bytes is below what this reload needs "
+            f"({need} bytes: its largest unit, kept whole)",
+            key="--staging-budget",
+        )
+    return [staging_budget if staging_budget is not None else need] * held.layout.world
+
+
+def plan_reload(
+    held: Plan, src: str, storage_options: Mapping[str, Any] | None, *, fused: bool
+) -> tuple[Any, Plan]:
+    """Open ``src`` and plan it for the held layout; ReloadMismatch (nothing touched)
+    listing every difference from what the ranks hold. Returns (checkpoint, plan)."""
+    from mxload.orchestrator.plan.planner import build_plan
+    from mxload.orchestrator.runtime.catalog import open_checkpoint
+
+    meta = open_checkpoint(src, storage_options=storage_options, dtype=held.model["dtype"])
+    problems: list[str] = []
+    block_old = held.model.get("weight_block_size")
+    q = meta.config.quant
+    if (
+        q.kind == "block_fp8"
+        and block_old is not None
+        and [q.block_n, q.block_k] != list(block_old)
+    ):
+        problems.append(f"weight_block_size {[q.block_n, q.block_k]} != held {block_old}")
+    new = build_plan(
+        meta.config,
+        held.layout,
+        checkpoint=meta,
+        staging_budget=None,
+        device="cpu",
+        remote=not is_local(src),
+        fused=fused,
+        engine=held.engine,
+    )
+    problems += preflight(held, new)
+    if problems:
+        shown = problems[:60]
+        more = f"\n  ... and {len(problems) - 60} more" if len(problems) > 60 else ""
+        raise ReloadMismatch(
+            f"reload from {src} refused, nothing was touched; {len(problems)} mismatch(es):\n  "
+            + "\n  ".join(shown)
+            + more,
+            file=src,
+        )
+    return meta, new
+
+
+@dataclass(frozen=True)
+class ReloadInputs:
+    """Everything a rank loader needs to reload from a new checkpoint, for every rank:
+    what an inference engine hosting ``RankLoader`` itself calls (docs/adoption.md)."""
+
+    source: SourceInfo
+    """The new checkpoint as the loaders read it."""
+    reads: tuple[tuple[UnitReads, ...], ...]
+    """Per rank: the new checkpoint's byte ranges for each held unit."""
+    units: tuple[tuple[Unit, ...], ...]
+    """Per rank: the held units with the new source's quantized flags."""
+    budgets: tuple[int, ...]
+    """Per rank: the staging budget the reload runs under."""
+
+
+def reload_inputs(
+    held: Plan,
+    src: str,
+    *,
+    storage_options: Mapping[str, Any] | None = None,
+    staging_budget: int | None = None,
+    fused: bool = True,
+    allow_nonfinite: bool = False,
+) -> ReloadInputs:
+    """Preflight ``src`` against ``held`` (raises ReloadMismatch, touching nothing) and
+    plan its reads for every rank."""
+    meta, new = plan_reload(held, src, storage_options, fused=fused)
+    budgets = reload_budgets(held, new, meta.config, staging_budget, fused)
+    world = held.layout.world
+    return ReloadInputs(
+        source=source_info(meta, allow_nonfinite, src, storage_options),
+        reads=tuple(tuple(new.ranks[r].reads or ()) for r in range(world)),
+        units=tuple(tuple(reload_units(held, new, r)) for r in range(world)),
+        budgets=tuple(budgets),
+    )
+
+
+# --- running ------------------------------------------------------------------------------
+
+
+class Ranks(Protocol):
+    """How a host runs its ranks."""
+
+    @property
+    def fused(self) -> bool:
+        """Whether the ranks convert with the fused CPU kernel (it sizes the budgets)."""
+        ...
+
+    def run_ranks(
+        self, inputs: ReloadInputs, version: int, on_progress: Progress | None
+    ) -> list[Report]:
+        """Every rank the host runs writes ``inputs`` whole unit by whole unit, as
+        ``version``; a unit already at (version, the source's fingerprint) is skipped.
+        Returns their reports (raises what the first failed rank raised)."""
+        ...
+
+
+@dataclass(frozen=True)
+class ReloadResult:
+    reports: list[Report]
+    """The ranks' reports, marked by :meth:`SessionState.observe`."""
+    restarted: list[int]
+    """Ranks whose process was found restarted by this reload."""
+    seconds: float
+
+
+def reload(
+    ranks: Ranks,
+    state: SessionState,
+    save: Callable[[SessionState], None],
+    src: str,
+    *,
+    storage_options: Mapping[str, Any] | None = None,
+    staging_budget: int | None = None,
+    allow_nonfinite: bool = False,
+    on_progress: Progress | None = None,
+) -> ReloadResult:
+    """Reload ``state``'s session from ``src`` in place; ``save`` is called with the
+    state once the reload ended, failed or not (a failure is recorded for ``status``).
+
+    The caller serialises reloads of one session. Running it again after a failure
+    completes the interrupted reload (from ``src``) or rewrites every unit not at the new
+    checkpoint (from another). ``storage_options`` default to the session's."""
+    options = storage_options if storage_options is not None else state.storage_options
+    inputs = reload_inputs(
+        state.plan,
+        src,
+        storage_options=options,
+        staging_budget=staging_budget,
+        fused=ranks.fused,
+        allow_nonfinite=allow_nonfinite,
+    )
+    target = state.version + 1
+    fingerprint = inputs.source.fingerprint
+    t0 = time.perf_counter()
+    try:
+        reports = ranks.run_ranks(inputs, target, on_progress)
+        restarted = state.observe(reports)
+        moved = state.moved(reports)
+        if moved:
+            raise AddressMoved("buffers moved during reload: " + ", ".join(moved[:20]))
+    except BaseException as err:
+        state.last_reload = ReloadRecord(
+            src, target, fingerprint, ok=False, error=f"{type(err).__name__}: {err}"[:400]
+        )
+        try:
+            save(state)
+        except Exception:  # the reload's own error is the one to raise
+            log.warning("could not record the failed reload from %s", src, exc_info=True)
+        raise
+    state.version = target
+    state.fingerprint = fingerprint
+    state.src = src
+    state.storage_options = options
+    state.last_reload = ReloadRecord(src, target, fingerprint, ok=True)
+    save(state)
+    return ReloadResult(reports, restarted, round(time.perf_counter() - t0, 3))
+
+
+class RayRanks:
+    """:class:`Ranks` of a session whose ranks are Ray actors (``RayRun``)."""
+
+    def __init__(self, run: RayRun) -> None:
+        self.ray_run = run
+
+    @property
+    def fused(self) -> bool:
+        return workers_fused(self.ray_run.req.device)
+
+    def run_ranks(
+        self, inputs: ReloadInputs, version: int, on_progress: Progress | None
+    ) -> list[Report]:
+        return self.ray_run.run_all(
+            [list(r) for r in inputs.reads],
+            inputs.source,
+            units=[list(u) for u in inputs.units],
+            version=version,
+            whole_units=True,
+            on_progress=on_progress,
+            budgets=list(inputs.budgets),
+        )
+
+
+def repair(run: RayRun, state: SessionState, save: Callable[[SessionState], None]) -> list[int]:
+    """Reload every rank whose worker was restarted (a fresh process, empty buffers) to
+    the session's version from its current source; returns those ranks."""
+    import ray
+
+    pids = run.pids()
+    lost = [r for r, pid in enumerate(pids) if pid is None or pid != state.pids.get(r)]
+    if not lost:
+        return []
+    inputs = reload_inputs(
+        state.plan,
+        state.src,
+        storage_options=state.storage_options,
+        fused=workers_fused(run.req.device),
+        allow_nonfinite=run.req.allow_nonfinite,
+    )
+    reports = []
+    for rank in lost:
+        budget = staging_budget_of(state.plan, state.plan.ranks[rank])
+        ref = run.actors[rank].load.remote(
+            list(inputs.reads[rank]),
+            inputs.source,
+            state.version,
+            budget,
+            False,
+            list(inputs.units[rank]),
+        )
+        reports.append(ray.get(ref))
+    state.observe(reports)
+    save(state)
+    return lost

@@ -1,0 +1,93 @@
+"""What a load asks for (:class:`LoadRequest`, docs/contract.md §5) and the small facts
+derived from it that the run, the sessions and reloads share: whether workers convert
+fused, the staging budget a rank runs under, the checkpoint as the rank loaders read it.
+No Ray here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from mxload.orchestrator.plan.types import ParallelLayout, Plan, RankPlan
+from mxload.workers.storage.urls import is_remote
+
+if TYPE_CHECKING:
+    from mxload.workers.rank.loader import SourceInfo
+
+
+@dataclass
+class LoadRequest:
+    """Everything ``mxload load`` takes (docs/contract.md §5)."""
+
+    src: str
+    layout: ParallelLayout
+    storage_options: Mapping[str, Any] | None = None
+    device: str = "auto"
+    resource: str | None = None
+    """Accelerator resource each rank asks for; default NPU (GPU with --device cuda)."""
+    placement: str = "pack"
+    address: str | None = None
+    staging_budget: int | None = None
+    device_memory: int | None = None
+    dtype: str | None = None
+    allow_nonfinite: bool = False
+    max_restarts: int = 1
+    placement_timeout_s: float = 120.0
+    num_cpus: int | None = None
+    """CPUs the embedded head declares (default: this machine's, capped at 2 in tests)."""
+    threads_per_worker: int | None = None
+    engine: str = "mxload"
+    """Engine profile the buffers are laid out for (``mxload.orchestrator.plan.engines``)."""
+    share: str = "cluster"
+    """Read-once scope (``mxload.orchestrator.plan.sharing``): none | node | cluster."""
+
+    @property
+    def accelerator(self) -> str:
+        if self.resource:
+            return self.resource
+        return "GPU" if self.device == "cuda" else "NPU"
+
+
+def workers_fused(device: str) -> bool:
+    """Whether workers will convert with the fused CPU kernel (plans no resolve
+    scratch). Device paths (npu, cuda) resolve with eager torch ops: unfused."""
+    if device not in ("cpu", "auto"):
+        return False
+    try:
+        from mxload.workers.numerics.fast import fast_available
+
+        return bool(fast_available())
+    except ImportError:
+        return False
+
+
+def is_local(src: str) -> bool:
+    """Whether ``src`` is a path on this machine (not a URL of remote storage)."""
+    return not is_remote(src)
+
+
+def staging_budget_of(plan: Plan, rank: RankPlan) -> int:
+    """The budget a rank runs under: what the plan's estimate was computed for."""
+    if rank.staging is not None:
+        return rank.staging.budget_bytes
+    return plan.min_staging_reload
+
+
+def source_info(
+    meta: Any, allow_nonfinite: bool, src: str, storage_options: Mapping[str, Any] | None
+) -> SourceInfo:
+    """The checkpoint ``meta`` (opened from ``src``) as the rank loaders read it."""
+    from mxload.workers.rank.loader import SourceInfo
+
+    q = meta.config.quant
+    return SourceInfo(
+        root=src,
+        storage_options=dict(storage_options) if storage_options else None,
+        quant=q.kind,
+        block_n=q.block_n,
+        block_k=q.block_k,
+        allow_nonfinite=allow_nonfinite,
+        fingerprint=meta.fingerprint,
+    )

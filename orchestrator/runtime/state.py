@@ -1,0 +1,239 @@
+"""What a session holds, typed: its plan, the identity of its version, every buffer's
+address as first loaded, its ranks' processes; and the verdict over what the ranks
+report (docs/contract.md §4 "Reload").
+
+One :class:`SessionState` serves every host of a session: the in-process ``Session``
+keeps it as an attribute, a detached session's keeper actor holds it (pickled by Ray),
+an engine extension's ``Attachment`` keeps the one rank it hosts. It becomes JSON only
+in a manifest (:meth:`ReloadRecord.to_json`, :func:`verdict`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from mxload.orchestrator.plan.types import Plan
+
+if TYPE_CHECKING:
+    from mxload.orchestrator.runtime.request import LoadRequest
+
+Report = dict[str, Any]
+"""A rank's report as its worker sends it: a manifest entry (docs/contract.md §5) in the
+making. The keys read here: ``rank``, ``pid``, ``tensors`` (name -> ``data_ptr``,
+``checksum``), ``identity``, ``units``, ``restarts``, ``addresses_changed``."""
+
+
+def addresses_of(report: Report) -> dict[str, int]:
+    """Buffer name -> data_ptr, from a rank's report."""
+    return {n: int(t["data_ptr"]) for n, t in report["tensors"].items()}
+
+
+@dataclass(frozen=True)
+class ReloadRecord:
+    """How the last reload of a session ended (``status`` says when it failed)."""
+
+    src: str
+    version: int
+    fingerprint: str
+    ok: bool
+    error: str = ""
+    at: float = field(default_factory=time.time)
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class SessionState:
+    """A session's state, wherever it lives (see the module docstring)."""
+
+    plan: Plan
+    src: str
+    """Where the session's current version was read from."""
+    fingerprint: str
+    """Fingerprint of that checkpoint (``catalog.fingerprint``): with ``version``, the
+    identity every unit of every rank must hold."""
+    addresses: dict[int, dict[str, int]]
+    """rank -> buffer -> data_ptr: what captured graphs point at (re-recorded for a rank
+    whose process was restarted)."""
+    pids: dict[int, int | None]
+    """rank -> the pid of the process holding its buffers."""
+    version: int = 1
+    storage_options: Mapping[str, Any] | None = None
+    restarted: set[int] = field(default_factory=set)
+    """Ranks whose process was lost and restarted since the first load: their buffers
+    are at new addresses."""
+    last_reload: ReloadRecord | None = None
+    request: LoadRequest | None = None
+    """The load request (a detached session starts its run from it)."""
+    session: str = ""
+    """The detached session's name ("" in-process)."""
+    started_head: bool = False
+    """Whether the detached load started the Ray head (release stops it with the last
+    session)."""
+    created: float = field(default_factory=time.time)
+
+    @classmethod
+    def from_reports(
+        cls, plan: Plan, reports: Sequence[Report], *, src: str, fingerprint: str, **kw: Any
+    ) -> SessionState:
+        """The state after a first load, from its ranks' reports."""
+        return cls(
+            plan=plan,
+            src=src,
+            fingerprint=fingerprint,
+            addresses={r["rank"]: addresses_of(r) for r in reports},
+            pids={r["rank"]: r.get("pid") for r in reports},
+            **kw,
+        )
+
+    @property
+    def identity(self) -> tuple[int, str]:
+        return self.version, self.fingerprint
+
+    def observe(self, reports: Sequence[Report]) -> list[int]:
+        """Count restarts: a rank whose report comes from another process than the one
+        recorded (or whose run lost its process) was restarted, with new buffers. Records
+        its pid and addresses, and marks every report: ``restarts`` at least 1 for a rank
+        restarted now, ``addresses_changed`` for any rank restarted since the first load.
+        Returns the ranks restarted now."""
+        now = []
+        for rep in reports:
+            rank = int(rep["rank"])
+            if rep.get("restarts", 0) > 0 or rep.get("pid") != self.pids.get(rank):
+                now.append(rank)
+                rep["restarts"] = max(int(rep.get("restarts", 0)), 1)
+                self.pids[rank] = rep.get("pid")
+                self.addresses[rank] = addresses_of(rep)
+                self.restarted.add(rank)
+            rep["addresses_changed"] = rank in self.restarted
+        return now
+
+    def moved(self, reports: Sequence[Report]) -> list[str]:
+        """``rank N: buffer`` for every buffer not at its recorded address. A restarted
+        rank is not asked: its buffers are new, and it says so (``addresses_changed``)."""
+        out = []
+        for rep in reports:
+            if rep.get("addresses_changed"):
+                continue
+            first = self.addresses.get(int(rep["rank"]), {})
+            out += [
+                f"rank {rep['rank']}: {n}"
+                for n, ptr in addresses_of(rep).items()
+                if first.get(n) not in (None, ptr)
+            ]
+        return out
+
+
+def verdict(
+    state: SessionState, manifest: dict[str, Any], *, busy: Mapping[str, Any] | None = None
+) -> None:
+    """Decide, from what the ranks report, whether the session holds one checkpoint, and
+    say why not (docs/contract.md §4). Sets ``consistent``, ``problems`` (each a reason it
+    is not), ``notices`` (true but not inconsistent: restarted ranks, a failed reload
+    that wrote nothing), ``identity``, ``addresses_moved``, ``replicated_tensors_agree``
+    and ``replica_mismatches``. ``busy``: the holder of a running reload's lease."""
+    want = state.identity
+    problems: list[str] = []
+    notices: list[str] = []
+    held: dict[tuple[int, str], list[int]] = {}
+    for r in manifest["ranks"]:
+        ident = r.get("identity")
+        if ident is None:
+            by = (r.get("units") or {}).get("units_by_identity", {})
+            mix = ", ".join(f"{n} at version {_short(k)}" for k, n in by.items())
+            problems.append(f"rank {r['rank']}: its units hold different versions ({mix})")
+            continue
+        held.setdefault((int(ident[0]), str(ident[1])), []).append(r["rank"])
+    if len(held) > 1:
+        parts = [
+            f"ranks {_ranks(rs)} at version {v} of checkpoint {fp[:12]}"
+            for (v, fp), rs in sorted(held.items())
+        ]
+        problems.append("ranks hold different checkpoints: " + "; ".join(parts))
+    for (v, fp), rs in sorted(held.items()):
+        if (v, fp) != want:
+            problems.append(
+                f"ranks {_ranks(rs)} hold version {v} of checkpoint {fp[:12]}, not the "
+                f"session's version {want[0]} of {state.src} ({want[1][:12]})"
+            )
+    mismatches = replica_mismatches(state.plan, manifest)
+    manifest["replicated_tensors_agree"] = not mismatches
+    manifest["replica_mismatches"] = mismatches[:50]
+    if mismatches:
+        problems.append(
+            f"{len(mismatches)} replicated buffer(s) differ between ranks that must hold the "
+            f"same bytes, e.g. {mismatches[0]}"
+        )
+    for r in manifest["ranks"]:
+        if r.get("addresses_changed"):
+            notices.append(
+                f"rank {r['rank']} was lost and restarted (pid now {r.get('pid')}): its "
+                "buffers are at new addresses; graphs captured on that device must be recaptured"
+            )
+    moved = state.moved(manifest["ranks"])
+    manifest["addresses_moved"] = moved
+    if moved:
+        problems.append(f"{len(moved)} buffer(s) moved: {', '.join(moved[:5])}")
+    if manifest.get("repaired_ranks"):
+        notices.append(
+            f"ranks {_ranks(manifest['repaired_ranks'])} were reloaded by this status call "
+            f"after a restart, from {state.src}"
+        )
+    if busy:
+        problems.append(
+            f"a reload is running: {busy['what']} from {busy['src'] or '-'} by pid "
+            f"{busy['pid']} on {busy['host']}"
+        )
+    last = state.last_reload
+    if last is not None and not last.ok:
+        notices.append(f"the last reload, from {last.src}, failed: {last.error}")
+    manifest["identity"] = {"version": want[0], "fingerprint": want[1], "src": state.src}
+    manifest["consistent"] = not problems
+    manifest["problems"] = problems
+    manifest["notices"] = notices
+
+
+def _short(key: str) -> str:
+    v, _, fp = key.partition(":")
+    return f"{v} of {fp[:12] or 'nothing'}" if v != "0" else "none (never written whole)"
+
+
+def _ranks(ranks: Sequence[int]) -> str:
+    return ",".join(str(r) for r in ranks)
+
+
+def replica_mismatches(plan: Plan, manifest: Mapping[str, Any]) -> list[str]:
+    """Buffers that ranks should hold byte for byte alike (the same buffer filled from the
+    same slices of the checkpoint: dp replicas of attention, the norms, experts replicated
+    without EP) but whose checksums differ: a check on the bytes themselves, independent
+    of the version bookkeeping."""
+    groups: dict[tuple[Any, ...], list[tuple[int, str]]] = {}
+    for rp, r in zip(plan.ranks, manifest["ranks"], strict=True):
+        units: dict[str, list[tuple[Any, ...]]] = {}
+        for u in rp.units:
+            units.setdefault(u.buffer, []).append(
+                (
+                    u.global_expert,
+                    u.row0,
+                    u.rows,
+                    u.cols,
+                    tuple((p.tensor_name, p.rows, p.cols, p.dst_row) for p in u.parts),
+                )
+            )
+        for name, keys in units.items():
+            for buf in (name, name + "_scale"):
+                t = r["tensors"].get(buf)
+                if t is not None:
+                    groups.setdefault((buf, tuple(keys)), []).append((r["rank"], t["checksum"]))
+    out = []
+    for (buf, _), held in sorted(groups.items(), key=lambda kv: kv[0][0]):
+        if len({c for _, c in held}) > 1:
+            out.append(
+                f"{buf} on ranks {_ranks([r for r, _ in held])}: "
+                + ", ".join(f"rank {r} {c[:8]}" for r, c in held)
+            )
+    return out
