@@ -25,6 +25,7 @@ from mxload.orchestrator.plan.sizes import parse_size
 from mxload.orchestrator.plan.types import ParallelLayout
 from mxload.orchestrator.runtime.models import model_names, resolve_model
 from mxload.workers.storage.urls import is_remote as is_remote_url
+from mxload.workers.storage.urls import local_path
 
 
 class Parser(argparse.ArgumentParser):
@@ -526,7 +527,7 @@ def check_source_folder(src: str) -> None:
     refused naming the folder meant."""
     if is_remote_url(src):
         return
-    path = src.removeprefix("file://")
+    path = local_path(src)
     if os.path.isfile(path):
         folder = os.path.dirname(path) or "."
         raise UsageError(
@@ -540,7 +541,7 @@ def check_plan_source(src: str) -> None:
     which flag was meant instead of failing on a file that is not a folder."""
     if is_remote_url(src):
         return
-    path = src.removeprefix("file://")
+    path = local_path(src)
     if os.path.isfile(path):
         raise UsageError(
             f"plan: {src} is a file, not a checkpoint folder; to plan from a config.json "
