@@ -443,7 +443,7 @@ for its measurement only."""
 def experts_section(work: Path, *, quick: bool) -> dict[str, Any]:
     """Rank-seconds per byte of experts TP-sharded at tp=8 without EP, against tp=1."""
     import mxload.orchestrator.plan.memory as memory_mod
-    import mxload.workers.rank.loader as loader_mod
+    import mxload.workers.rank.run as loader_mod
     import mxload.workers.storage.store as storage_mod
     from mxload.orchestrator.plan.planner import build_plan
     from mxload.orchestrator.plan.ranges import CoalescePolicy

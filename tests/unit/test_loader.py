@@ -748,10 +748,10 @@ def test_small_local_reads_run_on_the_converting_thread(ckpt_factory, monkeypatc
     prediction held, either way."""
     import threading
 
-    import mxload.workers.rank.loader as loader_mod
+    import mxload.workers.rank.run as run_mod
     from mxload.workers.storage import Storage
 
-    monkeypatch.setattr(loader_mod, "INLINE_READ_BYTES", 1 << 40 if inline else 0)
+    monkeypatch.setattr(run_mod, "INLINE_READ_BYTES", 1 << 40 if inline else 0)
     readers: set[int] = set()
     real = Storage.read_ranges_into
 
@@ -787,18 +787,18 @@ def test_staging_peak_does_not_depend_on_reader_timing(
     out at half the prediction: seen in CI). Every fill is delayed here."""
     import time as _time
 
-    import mxload.workers.rank.loader as loader_mod
-    from mxload.workers.rank.loader import RankLoader
+    import mxload.workers.rank.run as run_mod
+    from mxload.workers.rank.reads import Reader
 
-    monkeypatch.setattr(loader_mod, "INLINE_READ_BYTES", 1 << 40 if inline else 0)
+    monkeypatch.setattr(run_mod, "INLINE_READ_BYTES", 1 << 40 if inline else 0)
 
-    real_fill = RankLoader._fill
+    real_fill = Reader.fill
 
     def late_fill(self, *args, **kwargs):  # type: ignore[no-untyped-def]
         _time.sleep(0.01)
         return real_fill(self, *args, **kwargs)
 
-    monkeypatch.setattr(RankLoader, "_fill", late_fill)
+    monkeypatch.setattr(Reader, "fill", late_fill)
     src = ckpt_factory("qwen3-moe-tiny", 1)
     meta, plan = plan_of(src, layout, fused=True)  # what Ray workers run: vocab blocks peak
     for rp in plan.ranks:

@@ -1,0 +1,269 @@
+"""One load or reload of a rank, step by step, as ``memory.schedule`` planned it.
+
+A step is one unit, several small units converted together, or one unit in row chunks.
+Each step is read (:mod:`.reads`), converted (:mod:`.convert`) and written
+(:mod:`.writes`); the next step's read is issued before the current one converts when
+the schedule allows it (reads overlap conversion, docs/contract.md §4 "Streaming"). A unit
+records the run's identity once its step is written whole (:mod:`.identities`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from mxload.orchestrator.errors import MxloadError, RunError
+from mxload.orchestrator.plan.memory import ConvertOptions, StepPlan, sub_reads, sub_unit
+from mxload.orchestrator.plan.types import Unit, UnitReads
+from mxload.workers.rank.accounting import Meter, RunStats
+from mxload.workers.rank.convert import Converter, Member
+from mxload.workers.rank.identities import NOTHING, Identity, UnitIdentities
+from mxload.workers.rank.reads import (
+    Leased,
+    PeerUnit,
+    Reader,
+    SourceInfo,
+    StepFilled,
+    StepRead,
+    release_all,
+)
+from mxload.workers.rank.staging import Lease, StagingPool
+
+T = TypeVar("T")
+
+INLINE_READ_BYTES = 4 << 20
+"""A step whose bytes come from a local file and total at most this many is read on the
+converting thread instead of the reader thread. From the page cache such a read is a
+fraction of a millisecond, less than handing it to another thread costs: on a busy host
+the handoff and the reader's Python compete with the conversion kernel's threads for the
+cores and the GIL. A read-ahead of such a step runs after the current step is converted
+(its leases are taken before, as the schedule counts), so an accelerator's queued
+conversion overlaps it. Larger local reads and every remote or peer read still go to the
+reader thread."""
+
+
+@dataclass
+class RunInputs:
+    """What one run reads, where, and under which budget and identity."""
+
+    units: Sequence[Unit]
+    reads: Sequence[UnitReads]
+    source: SourceInfo
+    peers: Mapping[int, PeerUnit]
+    opts: ConvertOptions
+    pool: StagingPool
+    target: Identity
+    todo: list[bool]
+    """Per unit, whether this run writes it (units already at the target are skipped)."""
+
+
+class StepRunner:
+    """Runs the steps of one load on this thread, with one reader thread beside it."""
+
+    def __init__(
+        self,
+        rank: int,
+        reader: Reader,
+        converter: Converter,
+        ids: UnitIdentities,
+        run: RunInputs,
+        stats: RunStats,
+        meter: Meter,
+        *,
+        progress: Callable[[int, int, int], None] | None = None,
+        fault_hook: Callable[[int], None] | None = None,
+    ) -> None:
+        self.rank = rank
+        self.reader = reader
+        self.converter = converter
+        self.ids = ids
+        self.run = run
+        self.stats = stats
+        self.meter = meter
+        self.progress = progress
+        self.fault_hook = fault_hook
+        self._pending: Future[StepFilled] | None = None
+        self._executor: ThreadPoolExecutor | None = None
+        self._local = False
+        self._merge = False
+
+    def run_steps(self, steps: Sequence[StepPlan]) -> None:
+        """Every step with a unit to write, in order; then the backend synchronized.
+        Nothing is left leased or running when this returns or raises."""
+        self._executor = ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix=f"mxload-read-{self.rank}"
+        )
+        try:
+            if any(self.run.todo):
+                storage = self.reader.storage(self.run.source)
+                self._local = bool(getattr(storage, "is_local", False))
+                # One storage call for a whole step only where that fetches what one call
+                # per unit would: remote reads coalesce within a call, and the plan
+                # predicts their bytes and requests unit by unit.
+                self._merge = bool(getattr(storage, "reads_ranges_apart", False))
+            for s, step in enumerate(steps):
+                members = [i for i in step.units if self.run.todo[i]]
+                if members:
+                    self._run_step(steps, s, members)
+            self.converter.backend.synchronize()
+        finally:
+            self._drain()
+            self._executor.shutdown(wait=True)
+
+    def _run_step(self, steps: Sequence[StepPlan], s: int, members: list[int]) -> None:
+        if self.fault_hook is not None:
+            for i in members:
+                self.fault_hook(i)
+        if len(steps[s].chunks) == 1:
+            self._whole_step(steps, s, members)
+        else:
+            self._chunked_step(steps[s])
+        for i in members:
+            self.ids.ids[i] = self.run.target
+            self.stats.units += 1
+        self.meter.sample()
+        if self.progress is not None:
+            for i in members:
+                self.progress(i + 1, len(self.run.units), self.stats.bytes_read)
+
+    def _inline(self, r: StepRead) -> bool:
+        """Whether ``r`` is read on this thread (:data:`INLINE_READ_BYTES`)."""
+        return self._local and not r.from_peer and r.nbytes <= INLINE_READ_BYTES
+
+    def _step_read(self, members: Sequence[int]) -> StepRead:
+        run = self.run
+        return self.reader.step_read(members, run.units, run.reads, run.peers, merge=self._merge)
+
+    def _whole_step(self, steps: Sequence[StepPlan], s: int, members: list[int]) -> None:
+        """A step of whole units: read (or collect its read-ahead), take the next step's
+        leases, convert and write, then fill the next step's leases."""
+        run, reader = self.run, self.reader
+        t_r = time.perf_counter()
+        plan = self._step_read(members)
+        fut = self._pending
+        if fut is None:
+            if self._inline(plan):
+                fut = _done(reader.read_step, plan, run.source, run.pool)
+            else:
+                fut = self._submit(reader.read_step, plan, run.source, run.pool)
+        self._pending = None
+        leases, raw, fetched = fut.result()
+        self.stats.read_seconds += time.perf_counter() - t_r
+        self.stats.bytes_read += fetched
+        later = self._read_ahead(steps, s)
+        try:
+            self._convert_and_write(
+                [
+                    (run.units[i], run.reads[i], r, run.units[i].row0)
+                    for i, r in zip(members, raw, strict=True)
+                ],
+                leases,
+            )
+        except BaseException:
+            if later is not None:
+                release_all(run.pool, later[1])
+            raise
+        if later is not None:
+            t_r = time.perf_counter()
+            self._pending = _done(reader.fill_step, later[0], run.source, run.pool, later[1])
+            self.stats.read_seconds += time.perf_counter() - t_r
+
+    def _read_ahead(
+        self, steps: Sequence[StepPlan], s: int
+    ) -> tuple[StepRead, list[Leased]] | None:
+        """The next step's leases, taken before this one converts (the schedule's peak).
+        A small local read is returned, to be filled on this thread after the conversion
+        (an accelerator converts meanwhile); any other is filled on the reader thread
+        now."""
+        if not steps[s].prefetch_next or s + 1 >= len(steps):
+            return None
+        ahead = [j for j in steps[s + 1].units if self.run.todo[j]]
+        if not ahead:
+            return None
+        nxt = self._step_read(ahead)
+        taken = self.reader.take_step(nxt, self.run.pool)
+        if self._inline(nxt):
+            return nxt, taken
+        self._pending = self._submit(
+            self.reader.fill_step, nxt, self.run.source, self.run.pool, taken
+        )
+        return None
+
+    def _chunked_step(self, step: StepPlan) -> None:
+        """One unit in row chunks, each read, converted and written in turn: until the
+        last lands the unit holds no one version."""
+        run = self.run
+        i = step.first
+        unit = run.units[i]
+        self.ids.ids[i] = NOTHING
+        src = run.source
+        for chunk in step.chunks:
+            su = sub_unit(unit, chunk.start, chunk.end)
+            sr = sub_reads(
+                unit,
+                run.reads[i],
+                chunk.start,
+                chunk.end,
+                block_n=src.block_n,
+                source_quant=src.quant,
+            )
+            t_r = time.perf_counter()
+            leases, raw_parts, fetched = self.reader.read(su, sr, src, run.pool)
+            self.stats.read_seconds += time.perf_counter() - t_r
+            self.stats.bytes_read += fetched
+            self._convert_and_write([(su, sr, raw_parts, unit.row0 + chunk.start)], leases)
+
+    def _convert_and_write(self, members: Sequence[Member], leases: list[Lease]) -> None:
+        """Convert a step, then run its writes; every lease of the step is released."""
+        run = self.run
+        reservations: list[Lease] = []
+        try:
+            t_c = time.perf_counter()
+            try:
+                converted = self.converter.convert(members, run.source, run.pool, run.opts)
+            except MxloadError:
+                raise
+            except Exception as err:  # a numerics failure names rank and tensor
+                names = ", ".join(dict.fromkeys(m[0].buffer for m in members))
+                raise RunError(
+                    f"rank {self.rank}: converting {names}: {type(err).__name__}: {err}",
+                    rank=self.rank,
+                    tensor=members[0][0].buffer,
+                ) from err
+            reservations = converted.reservations
+            for write in converted.writes:
+                write()
+            self.stats.convert_seconds += time.perf_counter() - t_c
+        finally:
+            for lease in leases + reservations:
+                run.pool.release(lease)
+
+    def _submit(self, fn: Callable[..., StepFilled], *args: Any) -> Future[StepFilled]:
+        assert self._executor is not None
+        return self._executor.submit(fn, *args)
+
+    def _drain(self) -> None:
+        """Release the leases of a read-ahead the run did not reach (it failed)."""
+        if self._pending is None:
+            return
+        try:
+            leases, _, _ = self._pending.result()
+            for lease in leases:
+                self.run.pool.release(lease)
+        except BaseException:  # the run already failed; keep its error
+            pass
+        self._pending = None
+
+
+def _done(fn: Callable[..., T], *args: Any) -> Future[T]:
+    """``fn(*args)`` run now, on this thread, as a finished future: a failure surfaces
+    when its step is reached, as it would from the reader thread."""
+    fut: Future[T] = Future()
+    try:
+        fut.set_result(fn(*args))
+    except BaseException as exc:  # handed to the step that reads it
+        fut.set_exception(exc)
+    return fut
