@@ -37,7 +37,7 @@ from collections.abc import Mapping, Sequence
 from types import TracebackType
 from typing import Any
 
-import fsspec
+import fsspec  # type: ignore[import-untyped]
 import numpy as np
 from mxload.orchestrator.plan.formats import SAFETENSORS_ITEMSIZE
 from mxload.workers.storage.urls import is_remote, local_path
@@ -87,6 +87,53 @@ def data_order(specs: Sequence[tuple[str, str, Sequence[int]]]) -> list[str]:
 _ALIGN = 8
 
 
+def _checked_specs(
+    path: str, specs: Sequence[tuple[str, str, tuple[int, ...]]]
+) -> list[tuple[str, str, tuple[int, ...]]]:
+    """``specs`` as (name, dtype, shape) with int dims, each checked (ValueError naming
+    ``path`` and the tensor otherwise)."""
+    checked: list[tuple[str, str, tuple[int, ...]]] = []
+    seen: set[str] = set()
+    for spec in specs:
+        if not (isinstance(spec, tuple | list) and len(spec) == 3):
+            raise ValueError(f"{path}: a tensor spec must be (name, dtype, shape), got {spec!r}")
+        name, dtype, shape = spec
+        if not isinstance(name, str) or not name or name == "__metadata__":
+            raise ValueError(f"{path}: invalid tensor name {name!r}")
+        if name in seen:
+            raise ValueError(f"{path}: tensor {name!r} is listed twice")
+        if dtype not in SAFETENSORS_ITEMSIZE:
+            raise ValueError(f"{path}: tensor {name!r} has unknown dtype {dtype!r}")
+        if not isinstance(shape, tuple | list) or any(
+            isinstance(d, bool) or not isinstance(d, int) or d < 0 for d in shape
+        ):
+            raise ValueError(f"{path}: tensor {name!r} has invalid shape {shape!r}")
+        seen.add(name)
+        checked.append((name, dtype, tuple(int(d) for d in shape)))
+    return checked
+
+
+def _header_prefix(
+    path: str,
+    order: Sequence[str],
+    entries: Mapping[str, tuple[str, tuple[int, ...], int, int]],
+    metadata: Mapping[str, str] | None,
+) -> bytes:
+    """The file's first bytes: the header length, then the JSON header padded with
+    spaces so that the data section starts aligned."""
+    header: dict[str, Any] = {}
+    if metadata:
+        if not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
+            raise ValueError(f"{path}: safetensors metadata must map str to str")
+        header["__metadata__"] = dict(metadata)
+    for name in order:
+        dtype, shape, start, end = entries[name]
+        header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [start, end]}
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-(8 + len(raw)) % _ALIGN)
+    return len(raw).to_bytes(8, "little") + raw
+
+
 class SafetensorsWriter:
     """Streams one safetensors file: header first, then tensors in any order.
 
@@ -104,56 +151,27 @@ class SafetensorsWriter:
         storage_options: Mapping[str, Any] | None = None,
     ) -> None:
         self.path = path
-        self._entries: dict[str, tuple[str, tuple[int, ...], int, int]] = {}
-        checked: list[tuple[str, str, tuple[int, ...]]] = []
-        for spec in specs:
-            if not (isinstance(spec, tuple | list) and len(spec) == 3):
-                raise ValueError(
-                    f"{path}: a tensor spec must be (name, dtype, shape), got {spec!r}"
-                )
-            name, dtype, shape = spec
-            if not isinstance(name, str) or not name or name == "__metadata__":
-                raise ValueError(f"{path}: invalid tensor name {name!r}")
-            if name in self._entries:
-                raise ValueError(f"{path}: tensor {name!r} is listed twice")
-            if dtype not in SAFETENSORS_ITEMSIZE:
-                raise ValueError(f"{path}: tensor {name!r} has unknown dtype {dtype!r}")
-            if not isinstance(shape, tuple | list) or any(
-                isinstance(d, bool) or not isinstance(d, int) or d < 0 for d in shape
-            ):
-                raise ValueError(f"{path}: tensor {name!r} has invalid shape {shape!r}")
-            self._entries[name] = (dtype, (), 0, 0)  # placeholder: duplicate detection
-            checked.append((name, dtype, tuple(int(d) for d in shape)))
+        checked = _checked_specs(path, specs)
         # Largest item size first keeps every tensor aligned (see module doc).
         self.order: list[str] = data_order(checked)
         """Tensor names in data order: writing in this order never buffers a tensor."""
-        self._order = self.order
-        by_name = {name: (dtype, shape_t) for name, dtype, shape_t in checked}
+        by_name = {name: (dtype, shape) for name, dtype, shape in checked}
+        self._entries: dict[str, tuple[str, tuple[int, ...], int, int]] = {}
         offset = 0
         for name in self.order:
-            dtype, shape_t = by_name[name]
-            nbytes = math.prod(shape_t) * SAFETENSORS_ITEMSIZE[dtype]
-            self._entries[name] = (dtype, shape_t, offset, offset + nbytes)
+            dtype, shape = by_name[name]
+            nbytes = math.prod(shape) * SAFETENSORS_ITEMSIZE[dtype]
+            self._entries[name] = (dtype, shape, offset, offset + nbytes)
             offset += nbytes
         self.data_bytes = offset
         """Size of the data section."""
-        header: dict[str, Any] = {}
-        if metadata:
-            if not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
-                raise ValueError(f"{path}: safetensors metadata must map str to str")
-            header["__metadata__"] = dict(metadata)
-        for name in self._order:
-            dtype, shape_t, start, end = self._entries[name]
-            header[name] = {"dtype": dtype, "shape": list(shape_t), "data_offsets": [start, end]}
-        raw = json.dumps(header, separators=(",", ":")).encode()
-        raw += b" " * (-(8 + len(raw)) % _ALIGN)
-        self._prefix = len(raw).to_bytes(8, "little") + raw
+        self._prefix = _header_prefix(path, self.order, self._entries, metadata)
         self.data_start = len(self._prefix)
         """File offset of the data section."""
 
         self._written: set[str] = set()
         self._pending: dict[str, bytes] = {}
-        self._next = 0  # sequential mode: index into _order of the next tensor to write
+        self._next = 0  # sequential mode: index into order of the next tensor to write
         self._closed = False
         self._local = not is_remote(path)
         if self._local:
@@ -193,7 +211,7 @@ class SafetensorsWriter:
         self._written.add(name)
         if view.nbytes == 0:
             return  # occupies no bytes; _skip_empty steps over it
-        if self._order[self._next] != name:
+        if self.order[self._next] != name:
             self._pending[name] = bytes(view)  # early: held until its turn (see module doc)
             return
         self._fh.write(view)
@@ -210,7 +228,7 @@ class SafetensorsWriter:
                     f"{self.path}: tensor {name!r} is declared {dtype} {list(shape)}, got a "
                     f"{data.dtype} array of shape {list(data.shape)}"
                 )
-            return memoryview(data.reshape(-1).view(np.uint8)) if data.size else memoryview(b"")
+            return data.reshape(-1).view(np.uint8).data if data.size else memoryview(b"")
         if torch is not None and isinstance(data, torch.Tensor):
             expected = _to_torch().get(dtype)
             if data.dtype != expected:
@@ -237,8 +255,8 @@ class SafetensorsWriter:
 
     def _skip_empty(self) -> None:
         # Zero-byte tensors occupy no bytes: they never block the sequential stream.
-        while self._next < len(self._order):
-            name = self._order[self._next]
+        while self._next < len(self.order):
+            name = self.order[self._next]
             _, _, start, end = self._entries[name]
             if start != end:
                 break
@@ -246,8 +264,8 @@ class SafetensorsWriter:
 
     def _drain(self) -> None:
         self._skip_empty()
-        while self._next < len(self._order) and self._order[self._next] in self._pending:
-            self._fh.write(self._pending.pop(self._order[self._next]))
+        while self._next < len(self.order) and self.order[self._next] in self._pending:
+            self._fh.write(self._pending.pop(self.order[self._next]))
             self._next += 1
             self._skip_empty()
 
@@ -257,7 +275,7 @@ class SafetensorsWriter:
         """Tensors not written yet, in header order."""
         done = self._written
         return [
-            n for n in self._order if n not in done and self._entries[n][2] != self._entries[n][3]
+            n for n in self.order if n not in done and self._entries[n][2] != self._entries[n][3]
         ]
 
     def close(self) -> None:

@@ -279,14 +279,6 @@ def engine_profile(name: str | EngineProfile) -> EngineProfile:
 # --- what the planner asks -----------------------------------------------------------------------
 
 
-def contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
-    """Row-major strides (elements) of ``shape``."""
-    stride = [1] * len(shape)
-    for i in range(len(shape) - 2, -1, -1):
-        stride[i] = stride[i + 1] * max(shape[i + 1], 1)
-    return tuple(stride)
-
-
 @dataclass(frozen=True)
 class HeldAs:
     """One buffer as the engine holds it: the view's shape, the storage order, and how the

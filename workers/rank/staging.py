@@ -2,7 +2,7 @@
 
 The plan (``mxload.orchestrator.plan.memory``) says how many staging bytes a rank may hold at once;
 this pool enforces that number and records the high-water mark the run reports beside the
-prediction (SPEC §6, STYLE "memory is planned, then allocated").
+prediction (docs/contract.md §6: memory is planned, then allocated).
 
 Why an accountant over real allocations rather than one preallocated arena: with
 read-ahead, a unit's reads are taken before the previous unit's output is released, and
