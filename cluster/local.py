@@ -1,16 +1,18 @@
-"""Starting and joining Ray for mxload: the embedded default, detached heads, noise control.
+"""Starting and joining Ray for mxload: the embedded head, detached heads, noise control.
 
-The embedded default (SPEC §4 "Cluster") is a local Ray head bound to loopback that
-declares one virtual accelerator resource (``NPU`` by default) per rank, so the real
-placement path (placement group, one bundle per rank, Ray setting
+The embedded default (docs/contract.md §4 "Cluster") is a local Ray head bound to
+loopback that declares one virtual accelerator resource (``NPU`` by default) per rank, so
+the real placement path (placement group, one bundle per rank, Ray setting
 ``ASCEND_RT_VISIBLE_DEVICES``) runs on a machine without NPUs.
 
-Why the care: on this kind of machine Ray otherwise binds the interface address, sends
-usage statistics, starts a dashboard, attaches to a stale cluster left in its default
-temp folder, and logs a traceback from its probe for Ascend libraries (``import acl``).
-Every start here therefore passes ``address="local"`` (or an explicit address), a
-private short temp dir (Ray's socket paths must stay under 107 bytes), 127.0.0.1, no
-dashboard, no usage stats, and silences the accelerator probe's logger.
+Left to itself, Ray on such a machine binds the interface address, sends usage
+statistics, starts a dashboard, attaches to a stale cluster in its default temp folder,
+and logs a traceback from its probe for Ascend libraries. Every start here therefore
+passes ``address="local"`` (or an explicit address), a private short temp dir (Ray's
+socket paths must stay under 107 bytes), 127.0.0.1 and no dashboard. The environment
+the Ray processes need (:data:`RAY_ENV`, the auth token) is set only while ``ray.init``
+spawns them and given back afterwards; what the workers need (:data:`WORKER_ENV`) goes
+in the job's ``runtime_env``. Importing this module changes nothing.
 """
 
 from __future__ import annotations
@@ -25,11 +27,13 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from mxload.cluster import raycompat
 from mxload.orchestrator.errors import SessionError
 
 NAMESPACE = "mxload"
@@ -40,39 +44,70 @@ RAY_ENV = {
     # Idle workers started ahead of need would make Ray's folders 0777 again and never
     # run mxload's code to set them back (see tighten_own_temp_dir).
     "RAY_prestart_worker_first_driver": "0",
-    # Seen with Ray 2.60: without this, _node_ip_address alone still bound the
-    # interface address on this kind of machine.
+    # Without it, _node_ip_address alone still binds the interface address.
     "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
     "RAY_DEDUP_LOGS": "0",
 }
+"""Environment of the Ray daemons mxload starts (a value the user set wins)."""
+
+WORKER_ENV = {
+    # OpenMP threads that spin after each parallel region (the default) burn a core
+    # between the many short kernel launches of a load, taking it from the reader threads
+    # and from other workers on the node; sleeping ones cost a futex wake per launch.
+    # libgomp reads it once, when loaded (by torch, at import), so it must be there
+    # when the worker process starts.
+    "OMP_WAIT_POLICY": "PASSIVE",
+}
+"""Environment of mxload's Ray workers, given as the job's ``runtime_env`` (a value set
+in the driver's environment wins)."""
 
 
 def prepare_environment() -> None:
-    """Process-wide settings every Ray start here needs (idempotent).
-
-    Ray reads RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER once, when ``ray._private.ray_constants``
-    is first imported; with it on, Ray rewrites 127.0.0.1 in ``ray.init(address=...)`` to
-    the interface address and the driver then dials that. If Ray was imported before
-    these variables were set, the constant is corrected in place."""
+    """For code that starts Ray by other means (Ray's ``cluster_utils`` in tests and
+    benchmarks): put :data:`RAY_ENV` into ``os.environ`` for good, keep loopback
+    addresses and quiet Ray's logging. mxload's own starts never call it."""
     for key, value in RAY_ENV.items():
         os.environ.setdefault(key, value)
-    constants = sys.modules.get("ray._private.ray_constants")
-    if constants is not None and os.environ.get("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER") == "0":
-        constants.ENABLE_RAY_CLUSTER = False  # type: ignore[attr-defined]
+    if os.environ.get("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER") == "0":
+        raycompat.keep_loopback_addresses()
     quiet_ray_logging()
 
 
 def quiet_ray_logging() -> None:
-    """Ray's probe for Ascend libraries logs a traceback when ``acl`` is missing; it is
-    noise for a user (SPEC §5), so its logger is silenced, and Ray's own INFO chatter too."""
-    for name in ("ray._private.accelerators", "ray._private.accelerators.npu"):
+    """Silence the traceback of Ray's Ascend probe (noise for a user, docs/contract.md
+    §5) and Ray's own INFO chatter."""
+    for name in raycompat.ACCELERATOR_PROBE_LOGGERS:
         logging.getLogger(name).setLevel(logging.CRITICAL)
     logging.getLogger("ray").setLevel(logging.ERROR)
 
 
-# Set before anything imports Ray (see prepare_environment).
-for _key, _value in RAY_ENV.items():
-    os.environ.setdefault(_key, _value)
+@contextmanager
+def _start_environment(auth: Mapping[str, str], drop: Iterable[str] = ()) -> Iterator[None]:
+    """``os.environ`` as the Ray processes a start spawns need it (they inherit it):
+    :data:`RAY_ENV` where unset, ``auth`` set and ``drop`` removed; given back as it was
+    on exit. Ray's token cache is re-read inside, so the start uses this token."""
+    want = {k: v for k, v in RAY_ENV.items() if k not in os.environ}
+    want.update(auth)
+    saved = {k: os.environ.get(k) for k in {*want, *drop}}
+    try:
+        for key in drop:
+            os.environ.pop(key, None)
+        os.environ.update(want)
+        if os.environ.get("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER") == "0":
+            raycompat.keep_loopback_addresses()
+        if auth:
+            raycompat.reset_auth_cache()
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def _worker_runtime_env() -> dict[str, Any]:
+    return {"env_vars": {k: v for k, v in WORKER_ENV.items() if k not in os.environ}}
 
 
 def mxload_home() -> Path:
@@ -111,11 +146,8 @@ def tighten_own_temp_dir() -> None:
     up. The 0700 folder around Ray's (``ray_temp_dir``) keeps everything unreachable to
     other users meanwhile. Only a temp dir of mxload's own shape is touched, never the
     folders of a cluster someone else started."""
-    try:
-        import ray
-
-        temp = str(ray._private.worker.global_worker.node.get_temp_dir_path())
-    except Exception:
+    temp = raycompat.worker_temp_dir()
+    if temp is None:
         return
     root = os.path.dirname(temp)
     if os.path.basename(temp) == "r" and os.path.basename(root).startswith(OWN_PREFIXES):
@@ -150,30 +182,30 @@ def start_embedded(
     Returns the temp dir, private to this user (remove it after ``ray.shutdown()``)."""
     import ray
 
-    prepare_environment()
     temp_dir = temp_dir or short_temp_dir()
     os.chmod(temp_dir, 0o700)
-    # A private token for this head: otherwise Ray >= 2.5x writes one to ~/.ray/auth_token.
+    # A private token for this head (otherwise Ray writes one to ~/.ray/auth_token),
+    # unless the environment brings one.
+    auth: dict[str, str] = {}
     if not os.environ.get("RAY_AUTH_TOKEN"):
-        os.environ["RAY_AUTH_MODE"] = "token"
-        os.environ["RAY_AUTH_TOKEN"] = secrets.token_hex(32)
-        os.environ.pop("RAY_AUTH_TOKEN_PATH", None)
-    # Always re-read: Ray caches the token per process, and an earlier connect() in this
-    # process (another head's token) would otherwise be sent to this head's GCS, which
-    # refuses it ("InvalidAuthToken") however the environment looks now.
-    _refresh_ray_auth()
-    ray.init(
-        address="local",
-        num_cpus=num_cpus if num_cpus is not None else min(os.cpu_count() or 1, 2),
-        resources={resource: num_devices},
-        include_dashboard=False,
-        _temp_dir=ray_temp_dir(temp_dir),
-        _node_ip_address=LOOPBACK,
-        namespace=NAMESPACE,
-        logging_level=logging.ERROR,
-        log_to_driver=False,
-        configure_logging=True,
-    )
+        auth = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32)}
+    # The token cache is re-read even with the environment's token: an earlier start in
+    # this process would otherwise send another head's token, which the GCS refuses.
+    with _start_environment(auth, drop=("RAY_AUTH_TOKEN_PATH",) if auth else ()):
+        raycompat.reset_auth_cache()
+        ray.init(
+            address="local",
+            num_cpus=num_cpus if num_cpus is not None else min(os.cpu_count() or 1, 2),
+            resources={resource: num_devices},
+            include_dashboard=False,
+            _temp_dir=ray_temp_dir(temp_dir),
+            _node_ip_address=LOOPBACK,
+            namespace=NAMESPACE,
+            logging_level=logging.ERROR,
+            log_to_driver=False,
+            configure_logging=True,
+            runtime_env=_worker_runtime_env(),
+        )
     quiet_ray_logging()
     make_private(temp_dir)
     return temp_dir
@@ -223,30 +255,30 @@ def check_reachable(address: str, timeout_s: float = 5.0) -> None:
 def connect(address: str, *, token: str | None = None) -> None:
     """Join an existing Ray cluster (``--address``) in mxload's namespace.
 
-    ``token``: the head's authentication token (Ray >= 2.5x enables token auth on new
-    clusters); a head started by ``start_detached_head`` records its own. For a cluster
-    of your own, Ray's usual ``RAY_AUTH_TOKEN``/``~/.ray/auth_token`` apply."""
+    ``token``: the head's authentication token (Ray enables token auth on new clusters);
+    a head started by ``start_detached_head`` records its own. For a cluster of your own,
+    Ray's usual ``RAY_AUTH_TOKEN``/``~/.ray/auth_token`` apply."""
     import ray
 
-    prepare_environment()
+    auth: dict[str, str] = {}
+    drop: tuple[str, ...] = ()
     if token:
-        os.environ["RAY_AUTH_MODE"] = "token"
-        os.environ["RAY_AUTH_TOKEN"] = token
-        os.environ.pop("RAY_AUTH_TOKEN_PATH", None)
-        _refresh_ray_auth()
+        auth = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token}
+        drop = ("RAY_AUTH_TOKEN_PATH",)
     elif "RAY_AUTH_MODE" not in os.environ and _token_available():
         # With an explicit address Ray does not turn token mode on by itself (it does
         # for address="auto"); a token on this machine means the cluster wants it.
-        os.environ["RAY_AUTH_MODE"] = "token"
-        _refresh_ray_auth()
+        auth = {"RAY_AUTH_MODE": "token"}
     check_reachable(address)
     try:
-        ray.init(
-            address=address,
-            namespace=NAMESPACE,
-            logging_level=logging.ERROR,
-            log_to_driver=False,
-        )
+        with _start_environment(auth, drop):
+            ray.init(
+                address=address,
+                namespace=NAMESPACE,
+                logging_level=logging.ERROR,
+                log_to_driver=False,
+                runtime_env=_worker_runtime_env(),
+            )
     except ConnectionError as err:
         raise SessionError(
             f"cannot join the Ray cluster at {address}: {err}. Check --address, and that "
@@ -266,16 +298,8 @@ def _token_available() -> bool:
     return (Path.home() / ".ray" / "auth_token").exists()
 
 
-def _refresh_ray_auth() -> None:
-    """Ray caches its auth mode and token when it is imported; re-read them after the
-    environment changed (Ray's own test utilities do the same)."""
-    try:
-        from ray._raylet import AuthenticationTokenLoader, Config
-
-        Config.initialize("")
-        AuthenticationTokenLoader.instance().reset_cache()
-    except (ImportError, AttributeError):  # an older Ray without token auth
-        pass
+_refresh_ray_auth = raycompat.reset_auth_cache
+"""Kept for tests that start Ray themselves (``cluster_utils``) after changing the token."""
 
 
 @dataclass(frozen=True)
@@ -299,7 +323,7 @@ class HeadRecord:
 def process_role(proc: Any) -> str:
     """What a Ray daemon is: its executable's name, or the Python script it runs."""
     try:
-        cmd = proc.cmdline() or [proc.name()]
+        cmd: list[str] = [str(a) for a in proc.cmdline() or [proc.name()]]
     except Exception:
         return "?"
     name = os.path.basename(cmd[0])
@@ -351,7 +375,7 @@ def same_process(proc: Any, entry: Mapping[str, Any]) -> bool:
         now = start_ticks(proc.pid)
         if now is not None:
             return bool(now == int(recorded))
-    return abs(proc.create_time() - float(entry["created"])) <= CREATED_SLACK_S
+    return abs(float(proc.create_time()) - float(entry["created"])) <= CREATED_SLACK_S
 
 
 def describe_processes(procs: list[Any]) -> tuple[dict[str, Any], ...]:
@@ -367,7 +391,7 @@ def describe_processes(procs: list[Any]) -> tuple[dict[str, Any], ...]:
 def live_process(entry: dict[str, Any]) -> Any | None:
     """The psutil process a record entry names, if that very process is still running
     (same pid *and* start, :func:`same_process`: a reused pid is someone else's)."""
-    import psutil
+    import psutil  # type: ignore[import-untyped]
 
     try:
         proc = psutil.Process(int(entry["pid"]))
@@ -500,12 +524,7 @@ def _end_failed_start(temp_dir: str, address: str) -> None:
 def client_server_port_flags() -> list[str]:
     """``--ray-client-server-port=<free port>`` where Ray's client extras are installed
     (only then does a head run a client server; minimal Ray refuses the flag)."""
-    try:
-        from ray._private.utils import get_ray_client_dependency_error
-
-        if get_ray_client_dependency_error() is not None:
-            return []
-    except ImportError:
+    if not raycompat.ray_client_installed():
         return []
     return [f"--ray-client-server-port={free_port()}"]
 

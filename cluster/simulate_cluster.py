@@ -5,7 +5,7 @@
     mxload load CKPT --address "$RAY_ADDRESS" --tp 2 --dp 4 --enable-expert-parallel --device cpu
     python cluster/simulate_cluster.py --stop                      # ends exactly what it started
 
-Why: SPEC §4 "Cluster" — the multi-node path (placement across nodes, a TP group kept
+Why: docs/contract.md §4 "Cluster" — the multi-node path (placement across nodes, a TP group kept
 on one node, ``--address``, token auth, detached sessions on a cluster mxload did not
 start) should be exercised without NPU nodes. Each simulated node is a real ``ray start``
 raylet declaring ``--resources '{"NPU": k}'``; Ray pins one unit per rank and sets
@@ -77,13 +77,9 @@ DEFAULT_OBJECT_STORE = 256 * 1024 * 1024
 # (see the module docstring): pass the multi-node check, keep 127.0.0.1 as given.
 _WORKER_LAUNCHER = """
 import sys
-import ray._private.ray_constants as constants
-import ray._private.services as services
-from ray._common.network_utils import is_localhost
+from mxload.cluster.raycompat import allow_loopback_worker_node
 
-constants.ENABLE_RAY_CLUSTER = True
-_resolve = services.resolve_ip_for_localhost
-services.resolve_ip_for_localhost = lambda host: host if is_localhost(host) else _resolve(host)
+allow_loopback_worker_node()
 from ray.scripts.scripts import main
 sys.argv = ["ray", "start", *sys.argv[1:]]
 main()
@@ -340,7 +336,7 @@ def cluster_pids(cluster: SimCluster) -> list[int]:
 
 def stop(cluster: SimCluster | None = None, *, grace_s: float = 5.0) -> int:
     """End exactly the recorded cluster's processes; returns how many were ended."""
-    import psutil
+    import psutil  # type: ignore[import-untyped]
 
     cluster = cluster or read_record()
     if cluster is None:

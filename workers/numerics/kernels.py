@@ -81,19 +81,14 @@ from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 from mxload.orchestrator.errors import NumericsError
 from mxload.orchestrator.plan.formats import MX_GROUP, ceil_div
-
-# OpenMP worker threads that spin after each parallel region (the default) burn a core
-# between the many short launches of a load or a convert, taking it from the reader and
-# writer threads and from other workers on the node: measured on `mxload convert` of 2 GB,
-# 1.4 of 4.7 CPU-seconds. Sleeping workers cost a futex wake per launch instead. Read by
-# libgomp when numba first starts its OpenMP pool; a value set by the user wins.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 try:  # numba is a dependency, but the reference must keep working without it.
     import numba
@@ -1189,13 +1184,34 @@ def available() -> bool:
                 _AVAILABLE = False
             else:
                 try:
-                    _self_test()
+                    with _passive_omp():
+                        _self_test()
                     _AVAILABLE = True
                     _UNAVAILABLE_REASON = None
                 except Exception as exc:  # a broken optional kernel must not stop a load
                     _AVAILABLE = False
                     _UNAVAILABLE_REASON = f"{type(exc).__name__}: {exc}"
     return _AVAILABLE
+
+
+@contextmanager
+def _passive_omp() -> Iterator[None]:
+    """``OMP_WAIT_POLICY=PASSIVE`` (unless set) while the first launch loads libgomp.
+
+    OpenMP threads that spin after each parallel region (the default) burn a core between
+    the many short launches of a conversion, taking it from the reader and writer
+    threads; sleeping ones cost a futex wake per launch. libgomp reads the variable once,
+    when it is loaded: here, in a process without torch (``mxload convert``); a process
+    that imported torch loaded it already (Ray workers get it from
+    ``mxload.cluster.local.WORKER_ENV``). The environment is given back afterwards."""
+    if "OMP_WAIT_POLICY" in os.environ:
+        yield
+        return
+    os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+    try:
+        yield
+    finally:
+        os.environ.pop("OMP_WAIT_POLICY", None)
 
 
 def unavailable_reason() -> str | None:

@@ -1,0 +1,44 @@
+"""The environment of the Ray processes mxload starts: set for them, never left in the
+driver's ``os.environ``."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+
+pytestmark = pytest.mark.ray
+
+RAY_OWN = {"PYTHONBREAKPOINT"}
+"""What ``ray.init`` itself sets in the driver (its debugger hook)."""
+
+
+def _ours(env: os._Environ[str]) -> dict[str, str]:
+    return {k: v for k, v in env.items() if k not in RAY_OWN}
+
+
+def test_embedded_head_sets_its_workers_env_and_gives_the_driver_its_own_back() -> None:
+    import ray
+    from mxload.cluster.local import start_embedded
+
+    if ray.is_initialized():
+        ray.shutdown()
+    before = _ours(os.environ)
+    temp = start_embedded(1, num_cpus=1)
+    try:
+        assert _ours(os.environ) == before
+
+        @ray.remote(num_cpus=0)
+        def worker_env() -> dict[str, str | None]:
+            keys = ("OMP_WAIT_POLICY", "RAY_USAGE_STATS_ENABLED", "RAY_AUTH_MODE")
+            return {k: os.environ.get(k) for k in keys}
+
+        got = ray.get(worker_env.remote(), timeout=180)
+        assert got["OMP_WAIT_POLICY"] == before.get("OMP_WAIT_POLICY", "PASSIVE")
+        assert got["RAY_USAGE_STATS_ENABLED"] == before.get("RAY_USAGE_STATS_ENABLED", "0")
+        assert got["RAY_AUTH_MODE"] == before.get("RAY_AUTH_MODE", "token")
+    finally:
+        ray.shutdown()
+        shutil.rmtree(temp, ignore_errors=True)
+    assert _ours(os.environ) == before
