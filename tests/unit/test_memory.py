@@ -333,10 +333,11 @@ def test_min_budgets_are_minimums(plans, case: str) -> None:
 
 
 @pytest.mark.parametrize("fused", [True, False], ids=["fused", "unfused"])
-@pytest.mark.parametrize("case", ["awkward-tp2", "moe-tp2-dp2-ep"])
+@pytest.mark.parametrize("case", ["awkward-tp2", "moe-tp2-dp2-ep", "mxfp8-tp2-ep"])
 def test_schedule_peak_is_the_max_over_steps(plans, case: str, fused: bool) -> None:
-    """The estimate recomputed by hand from the steps: each chunk's pool cost (a step of
-    several units: the sum of theirs) plus the next step's reads when the step
+    """The estimate recomputed by hand from the units' sizes (:func:`_pool_by_hand`,
+    :func:`_read_by_hand`, not the module's cost helpers): each chunk's pool bytes (a
+    step of several units: the sum of theirs) plus the next step's reads when the step
     prefetches; never above the budget. Steps cover the units in order, once."""
     meta, plan = plans(case)
     opts = _opts(meta, fused)
@@ -344,9 +345,11 @@ def test_schedule_peak_is_the_max_over_steps(plans, case: str, fused: bool) -> N
     read_fn = _read_fn(meta, rp)
     load_min, reload_min = min_budgets(rp.units, read_fn, opts)
 
-    def whole(i: int):  # type: ignore[no-untyped-def]
-        u = rp.units[i]
-        return unit_cost(u, u.rows, read_fn(u, 0, u.rows), opts)
+    def read(i: int, start: int, end: int) -> int:
+        return _read_by_hand(meta, rp.units[i], rp.reads[i], start, end)
+
+    def pool(i: int, start: int, end: int) -> int:
+        return _pool_by_hand(meta, rp.units[i], end - start, read(i, start, end), fused)
 
     batched = 0
     for budget in _budgets_between(load_min, 2 * reload_min):
@@ -357,7 +360,7 @@ def test_schedule_peak_is_the_max_over_steps(plans, case: str, fused: bool) -> N
             ahead = 0
             if step.prefetch_next:
                 assert len(step.chunks) == 1 and j + 1 < len(steps)
-                ahead = sum(whole(i).read for i in steps[j + 1].units)
+                ahead = sum(read(i, 0, rp.units[i].rows) for i in steps[j + 1].units)
             if step.count > 1:
                 batched += 1
                 assert step.chunks == (Chunk(0, rp.units[step.first].rows),)
@@ -365,14 +368,13 @@ def test_schedule_peak_is_the_max_over_steps(plans, case: str, fused: bool) -> N
                 if j + 1 < len(steps) and len(steps[j + 1].chunks) == 1:
                     assert step.prefetch_next
                 for i in step.units:
-                    assert whole(i).pool <= BATCH_UNIT_BYTES
-                    assert batchable(rp.units[i], whole(i), opts)
-                peak = max(peak, sum(whole(i).pool for i in step.units) + ahead)
+                    u = rp.units[i]
+                    assert pool(i, 0, u.rows) <= BATCH_UNIT_BYTES
+                    assert batchable(u, unit_cost(u, u.rows, read_fn(u, 0, u.rows), opts), opts)
+                peak = max(peak, sum(pool(i, 0, rp.units[i].rows) for i in step.units) + ahead)
                 continue
-            unit = rp.units[step.first]
             for c in step.chunks:
-                cost = unit_cost(unit, c.end - c.start, read_fn(unit, c.start, c.end), opts)
-                peak = max(peak, cost.pool + ahead)
+                peak = max(peak, pool(step.first, c.start, c.end) + ahead)
         assert est.staging_bytes == peak
         assert peak <= budget
         assert est.budget_bytes == budget
@@ -381,6 +383,53 @@ def test_schedule_peak_is_the_max_over_steps(plans, case: str, fused: bool) -> N
         assert batched == 0
     elif case.startswith("moe"):
         assert batched > 0
+
+
+ITEMSIZE = {"F8_E4M3": 1, "U8": 1, "BF16": 2, "F16": 2, "F32": 4}
+"""Bytes per element of the safetensors dtypes the test checkpoints hold."""
+
+
+def _read_by_hand(meta, unit: Unit, reads, start: int, end: int) -> int:  # type: ignore[no-untyped-def]
+    """Source bytes of rows ``[start, end)`` of ``unit``: each part's weight rows, and
+    its scales: the F32 tiles covering those rows (floor of the first and last source
+    row, docs/contract.md §2.1) for block-FP8, one U8 per 32 columns per row for MXFP8."""
+    q = meta.config.quant
+    total = 0
+    for p, pr in zip(unit.parts, reads.parts, strict=True):
+        lo, hi = max(start, p.dst_row), min(end, p.dst_row + p.nrows)
+        if lo >= hi:
+            continue
+        total += (hi - lo) * p.ncols * ITEMSIZE[pr.weight_dtype]
+        if pr.scale is None:
+            continue
+        if q.kind == "block_fp8":
+            r0, r1 = p.rows[0] + lo - p.dst_row, p.rows[0] + hi - p.dst_row
+            tile_rows = (r1 - 1) // q.block_n - r0 // q.block_n + 1
+            tile_cols = (p.cols[1] - 1) // q.block_k - p.cols[0] // q.block_k + 1
+            total += tile_rows * tile_cols * 4
+        else:
+            total += (hi - lo) * (p.ncols // 32)
+    return total
+
+
+def _pool_by_hand(meta, unit: Unit, rows: int, read: int, fused: bool) -> int:  # type: ignore[no-untyped-def]
+    """Staging-pool bytes of ``rows`` rows of ``unit`` (docs/contract.md §6): the reads,
+    the kernel-layout output of an MX unit (payload ``K x rows`` bytes, scales ``ceil(g/2)
+    x rows x 2`` bytes, g = ceil(K/32); none when an MXFP8 source is only repacked) or
+    the model-dtype rows of a resolved unit, and without the fused kernel the resolved
+    model-dtype intermediate of a block-FP8 MX unit."""
+    k = unit.cols
+    msize = {"bf16": 2, "fp16": 2, "fp32": 4}[meta.config.model_dtype]
+    out = scratch = 0
+    if unit.layout in ("mx_linear", "mx_moe"):
+        if not (unit.quantized and meta.config.quant.kind == "mxfp8"):
+            g = -(-k // 32)
+            out = rows * k + (-(-g // 2)) * rows * 2
+            if unit.quantized and not fused:  # block-FP8 resolved, then quantized
+                scratch = rows * k * msize
+    elif unit.quantized:
+        out = rows * k * msize
+    return read + out + scratch
 
 
 def test_batching_takes_every_small_mx_unit_that_fits() -> None:
