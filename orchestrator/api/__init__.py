@@ -19,7 +19,7 @@ _EXPORTS: dict[str, str] = {
     "open_checkpoint": "mxload.orchestrator.runtime.catalog",
     "load": "mxload.orchestrator.runtime.driver",
     "Session": "mxload.orchestrator.runtime.session",
-    "reload_inputs": "mxload.orchestrator.runtime.session",
+    "reload_inputs": "mxload.orchestrator.runtime.reload",
     "convert_checkpoint": "mxload.workers.tools.convert",
     "RankLoader": "mxload.workers.rank.loader",
     "MxloadWorkerExtension": "mxload.workers.engine_ext",
@@ -49,7 +49,8 @@ if TYPE_CHECKING:
     from mxload.orchestrator.plan.types import ParallelLayout, Plan
     from mxload.orchestrator.runtime.catalog import open_checkpoint
     from mxload.orchestrator.runtime.driver import load
-    from mxload.orchestrator.runtime.session import Session, reload_inputs
+    from mxload.orchestrator.runtime.reload import reload_inputs
+    from mxload.orchestrator.runtime.session import Session
     from mxload.workers.engine_ext import EngineReloader, MxloadWorkerExtension
     from mxload.workers.rank.loader import RankLoader
     from mxload.workers.tools.convert import convert_checkpoint

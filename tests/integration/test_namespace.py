@@ -53,7 +53,7 @@ print(json.dumps({
     "all": sorted(mxload.__all__),
     "dir": sorted(dir(mxload)),
     "light": light,
-    "homes": sorted({n: v.__module__.split(".")[0] for n, v in names.items()}.values()),
+    "homes": sorted({v.__module__.split(".")[0] for v in names.values()}),
     "callable": all(callable(v) for v in names.values()),
     "error": issubclass(MxloadError, Exception),
     "version": __version__,
