@@ -20,6 +20,7 @@ import os
 import shutil
 import struct
 import threading
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -188,8 +189,10 @@ def test_row_chunked_load_equals_whole_unit_load(ckpt_factory, preset, layout, f
         predicted = stats.predicted_peak_staging_bytes
         assert measured <= budget
         assert measured <= predicted <= 1.10 * measured, (rank, measured, predicted)
-        # The plan's prediction is the loader's (same pure function, same inputs).
-        assert small_plan.ranks[rank].staging.staging_bytes == predicted
+        # The plan's own figure (what `mxload plan` reports and capacity is checked with)
+        # holds against the pool's measured high-water mark too.
+        planned = small_plan.ranks[rank].staging.staging_bytes
+        assert measured <= planned <= 1.10 * measured, (rank, measured, planned)
         assert stats.bytes_read >= small_plan.ranks[rank].bytes_needed
     assert chunked_somewhere, "no unit was converted in row chunks"
 
@@ -203,7 +206,8 @@ def test_default_budget_prediction_holds(ckpt_factory) -> None:
         m, p = stats.measured_peak_staging_bytes, stats.predicted_peak_staging_bytes
         assert m <= plan.ranks[rank].staging.budget_bytes
         assert m <= p <= 1.10 * m
-        assert p == plan.ranks[rank].staging.staging_bytes
+        planned = plan.ranks[rank].staging.staging_bytes  # the plan's figure, measured
+        assert m <= planned <= 1.10 * m, (rank, m, planned)
 
 
 # --- reload in place -------------------------------------------------------------------------------
@@ -808,10 +812,23 @@ def test_staging_peak_does_not_depend_on_reader_timing(
         assert 0 < meas <= pred <= 1.10 * meas, (rp.rank, meas, pred)
 
 
-def test_a_worker_takes_its_startup_objects_out_of_the_cyclic_collector(ckpt_factory) -> None:
+@pytest.fixture
+def torch_threads() -> Iterator[None]:
+    """Restores this process's torch thread count, which a RankWorker sets to its share
+    of the node's cores (every later test would otherwise run on that share)."""
+    before = torch.get_num_threads()
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_a_worker_takes_its_startup_objects_out_of_the_cyclic_collector(
+    ckpt_factory, torch_threads
+) -> None:
     """RankWorker (the Ray actor's body, a plain class) freezes what it loaded at start:
     torch, numba's kernels and its plan are never walked by a full collection, which
-    otherwise costs ~0.2 s inside a load."""
+    otherwise pauses a load now and then."""
     import gc
 
     from mxload.workers.rank.actor import RankWorker
