@@ -48,6 +48,22 @@ def _unit_key(u: Unit) -> tuple[Any, ...]:
     return (u.buffer, u.kind, u.expert, u.global_expert, u.row0, u.rows, u.cols, parts)
 
 
+_GEOMETRY = (
+    "architecture",
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "intermediate_size",
+    "moe_intermediate_size",
+    "num_experts",
+    "vocab_size",
+    "tie_word_embeddings",
+)
+"""Keys of a plan's ``model`` whose difference is the root cause of a refused reload."""
+
+
 def preflight(held: Plan, new: Plan) -> list[str]:
     """Every difference between the buffers the held plan has and those the new
     checkpoint would give each rank (empty = reloadable).
@@ -156,6 +172,12 @@ def plan_reload(
     )
     problems += preflight(held, new)
     if problems:
+        # The model's own geometry first: one changed hidden_size explains every buffer.
+        problems[:0] = [
+            f"{key} {new.model.get(key)} in the new checkpoint, {held.model.get(key)} held"
+            for key in _GEOMETRY
+            if held.model.get(key) != new.model.get(key)
+        ]
         shown = problems[:60]
         more = f"\n  ... and {len(problems) - 60} more" if len(problems) > 60 else ""
         raise ReloadMismatch(
