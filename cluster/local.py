@@ -36,6 +36,8 @@ from typing import Any
 from mxload.cluster import raycompat
 from mxload.orchestrator.errors import SessionError
 
+log = logging.getLogger(__name__)
+
 NAMESPACE = "mxload"
 LOOPBACK = "127.0.0.1"
 
@@ -486,6 +488,7 @@ def start_detached_head(
         _end_failed_start(temp_dir, f"{LOOPBACK}:{port}")
         if "port" not in output.lower() or attempt + 1 == HEAD_START_ATTEMPTS:
             raise SessionError("could not start a background Ray head: " + output[-2000:])
+        log.info("ray start --head: a port was taken meanwhile; trying again with new ports")
     make_private(temp_dir)
     record = HeadRecord(
         address=f"{LOOPBACK}:{port}",

@@ -32,7 +32,7 @@ def allow_loopback_worker_node() -> None:
     127.0.0.1 as given (Ray would resolve it to the interface address)."""
     import ray._private.ray_constants as constants
     import ray._private.services as services
-    from ray._common.network_utils import is_localhost
+    from ray._common.network_utils import is_localhost  # type: ignore[attr-defined]
 
     constants.ENABLE_RAY_CLUSTER = True
     resolve = services.resolve_ip_for_localhost

@@ -1,7 +1,7 @@
 """The one exception hierarchy of mxload.
 
 Every error mxload raises on purpose derives from :class:`MxloadError`. Each class
-carries the CLI exit status it maps to (SPEC §5): 2 for bad input or a refusal, 3 for a
+carries the CLI exit status it maps to (docs/contract.md §5): 2 for bad input or a refusal, 3 for a
 plan that does not fit, 1 for a run that failed. Errors cross Ray process boundaries, so
 they must pickle: every class takes one message string plus keyword context, and
 ``__reduce__`` rebuilds it from exactly that.
@@ -72,7 +72,7 @@ class CheckpointError(InputError):
 
 
 class HeaderError(CheckpointError):
-    """A safetensors header is malformed or hostile (SPEC §1.3). Names file and tensor."""
+    """A safetensors header is malformed or hostile (docs/contract.md §1.3). Names file and tensor."""
 
 
 class HeaderTooLarge(HeaderError):
@@ -162,7 +162,7 @@ class SessionError(InputError):
 
 
 class SessionBusy(SessionError):
-    """Another command is reloading (or repairing) this session; names it (SPEC §4)."""
+    """Another command is reloading (or repairing) this session; names it (docs/contract.md §4)."""
 
 
 class ReloadMismatch(InputError):
@@ -193,10 +193,6 @@ class RunError(MxloadError):
 
 class StorageError(RunError):
     """A read failed for good (after retries, or a non-retryable error)."""
-
-
-class RetryableStorageError(StorageError):
-    """A transient read failure (5xx, a cut connection). Only the storage seam sees it."""
 
 
 class WorkerLost(RunError):

@@ -1,6 +1,6 @@
 """Architectures as tables: which checkpoint tensors make which device tensor, how. Pure.
 
-SPEC §3 asks for architectures described as *tables of name patterns -> parallel style*,
+docs/contract.md §3 asks for architectures described as *tables of name patterns -> parallel style*,
 not as code branches; adding an architecture is adding a table here (and its name to
 ``mxload.orchestrator.plan.config.SUPPORTED_ARCHITECTURES``). The planner (``mxload.orchestrator.plan.planner``)
 and the layout checks (``mxload.orchestrator.plan.layout``) read nothing else about a model.
@@ -13,7 +13,7 @@ the checkpoint may hold it quantized (``linear``) and the device may hold it as 
 architecture's :class:`Dim` table turns a name into a size from the config, together with
 the config key an error should name when a layout cannot split that dimension.
 
-Parallel styles (SPEC §3):
+Parallel styles (docs/contract.md §3):
 
 * ``column`` - output rows N split over tp, part by part (each merged part is split on its
   own, then the local slices are concatenated); a source with ``split="kv_heads"`` follows
@@ -29,7 +29,7 @@ Parallel styles (SPEC §3):
 What stays in which dtype, and why:
 
 * Every ``linear`` row may become MXFP8 (``mx_linear``/``mx_moe``) when its checkpoint
-  weight is quantized and its local K is a multiple of 32 (SPEC §2.2); otherwise it is
+  weight is quantized and its local K is a multiple of 32 (docs/contract.md §2.2); otherwise it is
   held resolved in the model dtype (quantized source) or as the checkpoint stores it.
 * DeepSeek's ``self_attn.kv_b_proj`` has ``mx=False``: vllm-ascend keeps it dense in the
   model dtype because MLA absorbs it into the q and o projections at load time (it is
@@ -58,22 +58,22 @@ from mxload.orchestrator.plan.config import ModelConfig
 Style = Literal["column", "row", "replicated", "vocab", "moe"]
 Place = Literal["first", "layer", "last"]
 """first: pipeline stage 0 only; layer: each decoder layer of the rule's kind; last: the
-last pipeline stage only (SPEC §3 "Pipeline")."""
+last pipeline stage only (docs/contract.md §3 "Pipeline")."""
 LayerKind = Literal["all", "dense_mlp", "moe", "shared_experts", "q_lora", "no_q_lora"]
 Split = Literal["tp", "kv_heads"]
 
 LAYER_PREFIX = "model.layers.{i}"
-"""Checkpoint and device prefix of decoder layer ``i`` (``P`` in SPEC §3)."""
+"""Checkpoint and device prefix of decoder layer ``i`` (``P`` in docs/contract.md §3)."""
 
 EXPERT_PLACEHOLDER = "{e}"
 """Stands for the global expert id inside a ``moe`` source's module name."""
 
 W13_BUFFER = "w13_weight"
 W2_BUFFER = "w2_weight"
-"""Fused MoE buffer names under the rule's name (``P.mlp.experts.w13_weight``, SPEC §3)."""
+"""Fused MoE buffer names under the rule's name (``P.mlp.experts.w13_weight``, docs/contract.md §3)."""
 
 SCALE_SUFFIX = "_scale"
-"""A weight buffer ``X`` of MX layout has its scale buffer ``X + '_scale'`` (SPEC §3)."""
+"""A weight buffer ``X`` of MX layout has its scale buffer ``X + '_scale'`` (docs/contract.md §3)."""
 
 
 def _one(config: ModelConfig) -> int:
@@ -143,7 +143,7 @@ LAYER_KINDS: Mapping[str, Callable[[ModelConfig, int], bool]] = {
     "q_lora": lambda c, i: c.q_lora_rank > 0,
     "no_q_lora": lambda c, i: c.q_lora_rank == 0,
 }
-"""Which decoder layers a rule applies to (SPEC §3 gives the MoE-layer rule per model)."""
+"""Which decoder layers a rule applies to (docs/contract.md §3 gives the MoE-layer rule per model)."""
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,7 @@
 The planner works from this object alone: every tensor's file, dtype, shape and absolute
 byte offset, and, per linear module, which weight and scale tensors belong together.
 
-Validation (SPEC §1.1, §1.2, §1.4), each fault with its own error class, naming the
+Validation (docs/contract.md §1.1, §1.2, §1.4), each fault with its own error class, naming the
 tensor and the file:
 
 - the index (``model.safetensors.index.json``): valid UTF-8 JSON object with a
@@ -21,7 +21,7 @@ tensor and the file:
   a checkpoint whose config declares no quantization -> :class:`CheckpointError`.
 
 Limits: scale *values* (non-finite, non-positive) are not visible here; the workers check
-them when they read the bytes (SPEC §1.1). Which modules the config excludes from
+them when they read the bytes (docs/contract.md §1.1). Which modules the config excludes from
 quantization is not cross-checked against the weights' dtypes here: the checkpoint's own
 dtypes say what each module is, and merged-part consistency is the planner's check (§1.4).
 """
@@ -92,7 +92,7 @@ class CheckpointMeta:
     """Shard file name -> its parsed header."""
     fingerprint: str = ""
     """Identity of what was read (``catalog.fingerprint``): with a version number, it names
-    the checkpoint a unit was loaded from (SPEC §4 "Reload"). "" when unknown."""
+    the checkpoint a unit was loaded from (docs/contract.md §4 "Reload"). "" when unknown."""
 
     def has(self, tensor: str) -> bool:
         return tensor in self.tensors
@@ -109,7 +109,7 @@ class CheckpointMeta:
         return info
 
     def module_weights(self, module: str) -> ModuleWeights:
-        """``module.weight`` and its scale (by the config's quantization kind, SPEC §1.1/§1.2).
+        """``module.weight`` and its scale (by the config's quantization kind, docs/contract.md §1.1/§1.2).
 
         ``quant`` is what the checkpoint holds: a module whose weight is not ``F8_E4M3``
         (an excluded module, an embedding) is ``none`` even in a quantized checkpoint.
@@ -282,7 +282,7 @@ def build_meta(
 
 
 def _check_pairs(tensors: Mapping[str, TensorInfo], config: ModelConfig) -> None:
-    """SPEC §1.1/§1.2 tensor validation: weights and scales pair up with the right shapes."""
+    """docs/contract.md §1.1/§1.2 tensor validation: weights and scales pair up with the right shapes."""
     kind = config.quant.kind
     weight_tail = f".{WEIGHT_SUFFIX}"
     if kind == "none":
@@ -364,7 +364,7 @@ def _check_mx_scale(weight: TensorInfo, scale: TensorInfo) -> None:
         raise MismatchedScale(
             f"{weight.file}: MXFP8 weight {weight.name!r} [{n}, {k}] has K not a multiple of "
             f"{MX_GROUP}, so it cannot carry an MX scale ({scale.name!r}); such a linear is "
-            "stored unquantized (SPEC §1.2)",
+            "stored unquantized (docs/contract.md §1.2)",
             file=weight.file,
             tensor=weight.name,
         )

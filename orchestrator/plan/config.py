@@ -1,6 +1,6 @@
 """Hugging Face ``config.json`` -> a validated :class:`ModelConfig`. Pure.
 
-SPEC §1.1 (block-FP8 quantization_config), §1.2 (already-MXFP8), §1.4 (ignored modules,
+docs/contract.md §1.1 (block-FP8 quantization_config), §1.2 (already-MXFP8), §1.4 (ignored modules,
 model dtype), §3 (architectures). A bad config gets an error that names the key and the
 file; a valid config mxload does not implement gets an :class:`UnsupportedError`.
 
@@ -27,7 +27,7 @@ SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
 """Architectures mxload can plan. See ``LOADABLE_ARCHITECTURES`` for those it can load."""
 
 LOADABLE_ARCHITECTURES: tuple[str, ...] = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
-"""Architectures mxload can load from weights; DeepSeek-V3 is planning-only (SPEC §3)."""
+"""Architectures mxload can load from weights; DeepSeek-V3 is planning-only (docs/contract.md §3)."""
 
 _MX_METHODS = ("mxfp8", "modelopt_mxfp8")
 
@@ -46,7 +46,7 @@ class QuantConfig:
     """Module patterns kept unquantized (modules_to_not_convert / ignored_layers / exclude_modules)."""
 
     def is_excluded(self, module: str) -> bool:
-        """SPEC §1.4: a pattern matches a module when equal to it, a dotted prefix of it,
+        """docs/contract.md §1.4: a pattern matches a module when equal to it, a dotted prefix of it,
         or its last component. Patterns ending in ``*`` (ModelOpt style) match by prefix."""
         last = module.rsplit(".", 1)[-1]
         for pattern in self.not_converted:
@@ -75,7 +75,7 @@ class ModelConfig:
     vocab_size: int
     tie_word_embeddings: bool
     model_dtype: str
-    """``bf16`` | ``fp16`` | ``fp32``: what resolved tensors are stored as (SPEC §1.4)."""
+    """``bf16`` | ``fp16`` | ``fp32``: what resolved tensors are stored as (docs/contract.md §1.4)."""
     quant: QuantConfig
     num_experts: int = 0
     """Routed experts per MoE layer; 0 for a dense model."""
@@ -99,7 +99,7 @@ class ModelConfig:
         return self.num_experts > 0
 
     def is_moe_layer(self, i: int) -> bool:
-        """SPEC §3: which decoder layers have routed experts."""
+        """docs/contract.md §3: which decoder layers have routed experts."""
         if self.num_experts <= 0:
             return False
         if self.architecture == "DeepseekV3ForCausalLM":
@@ -149,7 +149,7 @@ def _positive(cfg: Mapping[str, Any], key: str, source: str, **kw: Any) -> int:
 
 
 def model_dtype_of(cfg: Mapping[str, Any], override: str | None = None) -> str:
-    """SPEC §1.4: torch_dtype when bf16/fp16/fp32, else bf16; ``--dtype`` overrides."""
+    """docs/contract.md §1.4: torch_dtype when bf16/fp16/fp32, else bf16; ``--dtype`` overrides."""
     if override is not None:
         if override not in MODEL_DTYPES:
             raise ConfigError(
@@ -163,7 +163,7 @@ def model_dtype_of(cfg: Mapping[str, Any], override: str | None = None) -> str:
 
 
 def parse_quant_config(cfg: Mapping[str, Any], source: str = "config.json") -> QuantConfig:
-    """SPEC §1.1 validation table and §1.2 MXFP8 recognition."""
+    """docs/contract.md §1.1 validation table and §1.2 MXFP8 recognition."""
     qc = cfg.get("quantization_config")
     if qc is None:
         return QuantConfig(kind="none")

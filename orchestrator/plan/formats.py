@@ -11,10 +11,10 @@ from typing import Final
 # --- MX (OCP Microscaling v1.0, as the Ascend npu_dynamic_mx_quant produces it) --------
 
 MX_GROUP: Final = 32
-"""Values along K that share one E8M0 scale byte (SPEC §2.2)."""
+"""Values along K that share one E8M0 scale byte (docs/contract.md §2.2)."""
 
 MX_PAIR: Final = 2
-"""Scale bytes are stored in pairs along K: ``[ceil(g/2), N, 2]`` (SPEC §2.3)."""
+"""Scale bytes are stored in pairs along K: ``[ceil(g/2), N, 2]`` (docs/contract.md §2.3)."""
 
 E8M0_BIAS: Final = 127
 """Exponent bias of an E8M0 scale byte: byte S means 2**(S - 127)."""
@@ -27,9 +27,6 @@ E4M3_MAX: Final = 448.0
 
 E4M3_EMAX: Final = 8
 """floor(log2(448)): the scale byte is max(Emax, 8) - 8, i.e. floor(log2(amax)) - 8 + 127."""
-
-F32_EXP_NONFINITE: Final = 255
-"""Biased exponent field of Inf/NaN in float32 (and bfloat16)."""
 
 # --- safetensors dtypes ------------------------------------------------------------------
 
@@ -102,7 +99,7 @@ SAFETENSORS_TO_BUFFER: Final[dict[str, str]] = {
 }
 BUFFER_TO_SAFETENSORS: Final[dict[str, str]] = {v: k for k, v in SAFETENSORS_TO_BUFFER.items()}
 
-# --- layouts of persistent buffers (SPEC §2.3, §5 manifest) ---------------------------------
+# --- layouts of persistent buffers (docs/contract.md §2.3, §5 manifest) ---------------------------------
 
 LAYOUT_MX_LINEAR: Final = "mx_linear"
 LAYOUT_MX_MOE: Final = "mx_moe"
@@ -115,13 +112,13 @@ CONFIG_FILE: Final = "config.json"
 INDEX_FILE: Final = "model.safetensors.index.json"
 SINGLE_FILE: Final = "model.safetensors"
 HEADER_MAX_BYTES: Final = 100 * 1000 * 1000
-"""SPEC §1.3: a safetensors header longer than 100 MB is refused."""
+"""docs/contract.md §1.3: a safetensors header longer than 100 MB is refused."""
 
 PLAN_FORMAT: Final = "mxload-plan/1"
 DUMP_FORMAT: Final = "mxload-dump/1"
 
 VOCAB_PAD: Final = 64
-"""vLLM pads the vocabulary to a multiple of 64 before splitting it over tp (SPEC §3)."""
+"""vLLM pads the vocabulary to a multiple of 64 before splitting it over tp (docs/contract.md §3)."""
 
 
 def ceil_div(a: int, b: int) -> int:

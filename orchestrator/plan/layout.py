@@ -1,6 +1,6 @@
 """Parallel layouts: rank coordinates, pipeline stages, expert placement, shard ranges. Pure.
 
-Everything here follows vLLM's conventions as SPEC §3 states them, so that a rank's
+Everything here follows vLLM's conventions as docs/contract.md §3 states them, so that a rank's
 buffers are the ones the inference engine's parameters have:
 
 * ``rank = dp_rank * (pp * tp) + pp_rank * tp + tp_rank``;
@@ -59,7 +59,7 @@ def ep_rank_of(layout: ParallelLayout, dp_rank: int, tp_rank: int) -> int:
 
 
 def rank_coords(layout: ParallelLayout, rank: int) -> tuple[int, int, int]:
-    """``(dp_rank, pp_rank, tp_rank)`` of global ``rank`` (vLLM's order, SPEC §3)."""
+    """``(dp_rank, pp_rank, tp_rank)`` of global ``rank`` (vLLM's order, docs/contract.md §3)."""
     _check_degrees(layout)
     if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < layout.world:
         raise LayoutError(
@@ -94,7 +94,7 @@ def pipeline_layers(num_layers: int, pp: int, pp_rank: int) -> tuple[int, ...]:
 
 
 def experts_for_rank(num_experts: int, ep: int, ep_rank: int, placement: str) -> tuple[int, ...]:
-    """Global expert ids held by ``ep_rank`` of ``ep``, in local order (SPEC §3).
+    """Global expert ids held by ``ep_rank`` of ``ep``, in local order (docs/contract.md §3).
 
     ``base = E // ep``, ``rem = E % ep``; rank ``r`` holds ``base + (r < rem)`` experts:
     ``linear`` the contiguous run from ``r*base + min(r, rem)``, ``round_robin``
@@ -122,17 +122,12 @@ def even_split(count: int, per_unit: int, ways: int, index: int) -> tuple[int, i
 
 
 def kv_head_rows(kv_heads: int, head_dim: int, tp: int, tp_rank: int) -> tuple[int, int]:
-    """Rows of the k/v projection held by ``tp_rank`` (SPEC §3): split when
+    """Rows of the k/v projection held by ``tp_rank`` (docs/contract.md §3): split when
     ``kv % tp == 0``, else head ``tp_rank // (tp / kv)``, replicated on ``tp / kv`` ranks."""
     if tp <= kv_heads:
         return even_split(kv_heads, head_dim, tp, tp_rank)
     shard = tp_rank // (tp // kv_heads)
     return shard * head_dim, (shard + 1) * head_dim
-
-
-def kv_replicas(kv_heads: int, tp: int) -> int:
-    """How many tp ranks hold each kv head (1 unless tp > kv)."""
-    return tp // kv_heads if tp > kv_heads else 1
 
 
 def _check_degrees(layout: ParallelLayout) -> None:
@@ -147,7 +142,7 @@ def _check_degrees(layout: ParallelLayout) -> None:
         )
 
 
-def _rule_present(arch: Architecture, rule: TensorRule, config: ModelConfig) -> bool:
+def _rule_present(rule: TensorRule, config: ModelConfig) -> bool:
     if rule.place != "layer":
         return True
     kind = LAYER_KINDS[rule.when]
@@ -207,7 +202,7 @@ def _source_problems(
 
 def validate_layout(config: ModelConfig, layout: ParallelLayout) -> None:
     """Refuse a layout the model cannot take: one LayoutError listing every reason, each
-    with the tensors it concerns (SPEC §5); ``key`` names the flag of the first reason."""
+    with the tensors it concerns (docs/contract.md §5); ``key`` names the flag of the first reason."""
     _check_degrees(layout)
     arch = architecture_for(config)
     problems = _Problems()
@@ -219,7 +214,7 @@ def validate_layout(config: ModelConfig, layout: ParallelLayout) -> None:
         )
     moe_group = ep_size(layout)
     for rule in arch.rules:
-        if not _rule_present(arch, rule, config):
+        if not _rule_present(rule, config):
             continue
         if rule.style == "vocab":
             vp = padded_vocab(config.vocab_size)

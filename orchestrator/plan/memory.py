@@ -1,4 +1,4 @@
-"""The memory model: staging per rank, chunking, minimum budgets (SPEC §6). Pure.
+"""The memory model: staging per rank, chunking, minimum budgets (docs/contract.md §6). Pure.
 
 The rank loader (``mxload.workers.rank.loader``) runs exactly the schedule this module describes, so
 its measured staging high-water mark can be held against the prediction:
@@ -9,7 +9,7 @@ its measured staging high-water mark can be held against the prediction:
   the persistent buffer once the unit is complete) + ``scratch`` (the resolved
   model-dtype intermediate of the unfused reference path; the fused CPU path has none).
 * A unit larger than the budget is converted in row chunks (MX groups run along K, so
-  row chunks are exact, SPEC §6). Chunks are as tall as the budget allows, aligned to
+  row chunks are exact, docs/contract.md §6). Chunks are as tall as the budget allows, aligned to
   the source tile height where possible so scale tiles are not read twice. Reloads keep
   units whole (a buffer never holds a half-written unit), so chunking is load-only.
 * Consecutive small MX units that one launch of the fused CPU kernel converts (TP-sharded
@@ -112,7 +112,7 @@ def unit_cost(unit: Unit, rows: int, read_bytes: int, opts: ConvertOptions) -> U
         if unit.quantized and opts.source_quant == "mxfp8":
             out = 0  # already MX: the read buffer is repacked straight into the buffer
         else:
-            # payload [K, rows] + paired scales [ceil(g/2), rows, 2] (SPEC §2.3 layout)
+            # payload [K, rows] + paired scales [ceil(g/2), rows, 2] (docs/contract.md §2.3 layout)
             out = rows * k + rows * 2 * ceil_div(ceil_div(k, MX_GROUP), 2)
             if unit.quantized and not opts.fused:
                 scratch = rows * k * msize
@@ -332,7 +332,7 @@ def schedule(
 def min_budgets(
     units: Sequence[Unit], read_fn: ReadBytesFn, opts: ConvertOptions
 ) -> tuple[int, int]:
-    """(load minimum, reload minimum) staging budgets in bytes (SPEC §6).
+    """(load minimum, reload minimum) staging budgets in bytes (docs/contract.md §6).
 
     Reload: the largest whole unit. Load: the largest MIN_CHUNK_ROWS-row chunk (row
     chunks are exact; shorter ones would re-read scale tiles many times over)."""
@@ -424,7 +424,7 @@ def sub_reads(
 ) -> UnitReads:
     """The reads of rows ``[start, end)`` of ``unit``, part by part (same order as
     ``sub_unit(unit, start, end).parts``): weight rows sliced, and for block-FP8 the tile
-    rows covering them (floor of first and last row, SPEC §2.1)."""
+    rows covering them (floor of first and last row, docs/contract.md §2.1)."""
     from dataclasses import replace
 
     out = []

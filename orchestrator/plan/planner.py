@@ -1,9 +1,9 @@
 """The planner: per rank, the persistent buffers, the units that fill them, the reads. Pure.
 
 From a :class:`ModelConfig` (and, when there are weights, the checkpoint's headers) and a
-:class:`ParallelLayout`, it says for every rank (SPEC §3, §5, §6):
+:class:`ParallelLayout`, it says for every rank (docs/contract.md §3, §5, §6):
 
-* which buffers it holds (names of SPEC §3, shapes and dtypes of SPEC §2.3), exactly, so
+* which buffers it holds (names of docs/contract.md §3, shapes and dtypes of docs/contract.md §2.3), exactly, so
   ``persistent_bytes`` is their sum and not an estimate;
 * which units it converts, each with its parts' rectangles in the source tensors;
 * with a checkpoint, the byte ranges of each unit (``mxload.orchestrator.plan.readplan``);
@@ -12,7 +12,7 @@ From a :class:`ModelConfig` (and, when there are weights, the checkpoint's heade
 How a tensor is sharded comes from the architecture table (``mxload.orchestrator.plan.arch``); how a
 layout maps ranks to shards from ``mxload.orchestrator.plan.layout``. The planner only composes them.
 
-Which buffers are MXFP8 (SPEC §2.2/§2.3):
+Which buffers are MXFP8 (docs/contract.md §2.2/§2.3):
 
 * with a checkpoint, a part is quantized iff its weight is ``F8_E4M3`` (with its scale);
   without one, iff the config declares a quantization, the table says the tensor is a
@@ -20,7 +20,7 @@ Which buffers are MXFP8 (SPEC §2.2/§2.3):
 * a quantized (merged) linear whose local K is a multiple of 32, and whose table row
   allows MX, is held ``mx_linear``; else resolved in the model dtype, ``dense``;
 * a MoE layer is ``mx_moe`` when its experts are quantized and both H and I_local are
-  multiples of 32; else the whole layer is ``dense`` (SPEC §2.2);
+  multiples of 32; else the whole layer is ``dense`` (docs/contract.md §2.2);
 * everything else keeps its checkpoint dtype (the model dtype from a config alone; the
   table may say float32 instead).
 
@@ -164,7 +164,7 @@ def _held(
 
 
 def _mx_linear_buffers(engine: EngineProfile, name: str, n: int, k: int) -> tuple[BufferSpec, ...]:
-    # SPEC §2.3: weight [K, N] fp8; scale [ceil(g/2), N, 2] u8 with g = K/32.
+    # docs/contract.md §2.3: weight [K, N] fp8; scale [ceil(g/2), N, 2] u8 with g = K/32.
     g = k // MX_GROUP
     return (
         _held(engine, "mx_linear", name, (k, n), FP8_BUFFER, LAYOUT_MX_LINEAR),
@@ -337,7 +337,7 @@ class _Planner:
             q_names, plain = quantized[True], quantized[False]
             raise MixedQuantization(
                 f"parts of {device_name(rule, layer)} disagree on being quantized: "
-                f"{_few(q_names)} quantized, {_few(plain)} not (SPEC §1.4)",
+                f"{_few(q_names)} quantized, {_few(plain)} not (docs/contract.md §1.4)",
                 tensor=plain[0],
             )
         if len(dtypes) > 1:
@@ -423,7 +423,7 @@ class _Planner:
         """Largest row block of a vocab-parallel buffer (embedding, lm_head): the FP8
         payload bytes (rows x K) of the largest linear or expert-half unit any rank holds.
 
-        Why: a unit is written atomically from staging (SPEC §4, §6), and the default
+        Why: a unit is written atomically from staging (docs/contract.md §4, §6), and the default
         staging budget is the largest unit. Whole, a vocab shard (622 MB of Qwen3-30B-A3B
         at tp=1) would set that budget, 30-100x an expert's. Cut into blocks no larger
         than the largest converted unit's source, it never does; each block is a unit
@@ -449,7 +449,7 @@ class _Planner:
         return self._copy_cap
 
     def _vocab_block(self, idx: int, tp_rank: int) -> _Block:
-        """Vocab-parallel rows (SPEC §3): the rank's slice of V padded to 64; rows past V
+        """Vocab-parallel rows (docs/contract.md §3): the rank's slice of V padded to 64; rows past V
         are covered by no part and stay zero. The slice is written as row blocks of at most
         :meth:`copy_unit_bytes`, each a unit of its own (see there)."""
         rule = self.arch.rules[idx]
@@ -460,7 +460,7 @@ class _Planner:
         lo = tp_rank * per
         tied = bool(rule.tied_source and self.config.tie_word_embeddings)
         module = rule.tied_source if tied else src.module
-        # A tied lm_head names the embedding tensor it is built from (SPEC §3).
+        # A tied lm_head names the embedding tensor it is built from (docs/contract.md §3).
         tensor = f"{module}.{src.tensor}" if tied else ""
         name = f"{rule.name}.{src.tensor}"
         buffer = BufferSpec(name, (per, hidden), SAFETENSORS_TO_BUFFER[facts.dtype], LAYOUT_DENSE)
@@ -489,7 +489,7 @@ class _Planner:
 
     def _moe_block(self, idx: int, layer: int, c: RankCoords) -> _Block:
         """Routed experts of one layer on one MoE rank: four (MX) or two (dense) fused
-        buffers and two units per local expert, in local order (SPEC §2.3, §3)."""
+        buffers and two units per local expert, in local order (docs/contract.md §2.3, §3)."""
         rule = self.arch.rules[idx]
         facts = self.facts(idx, layer)
         gate, up, down = rule.sources
@@ -667,7 +667,7 @@ def plan_rank(
     checkpoint: CheckpointMeta | None = None,
     engine: str | EngineProfile = DEFAULT_ENGINE,
 ) -> tuple[tuple[BufferSpec, ...], tuple[Unit, ...]]:
-    """The buffers and units of one rank, in plan order (SPEC §3).
+    """The buffers and units of one rank, in plan order (docs/contract.md §3).
 
     Refuses a layout the model cannot take (LayoutError), a checkpoint that disagrees
     with the config (CheckpointError naming the tensor) and merged parts that disagree on
@@ -722,9 +722,9 @@ def build_plan(
     fused: bool = True,
     engine: str | EngineProfile = DEFAULT_ENGINE,
 ) -> Plan:
-    """Every rank's plan, with reads (when there is a checkpoint) and staging (SPEC §6).
+    """Every rank's plan, with reads (when there is a checkpoint) and staging (docs/contract.md §6).
 
-    ``staging_budget`` None means the default of SPEC §6: the reload minimum of the whole
+    ``staging_budget`` None means the default of docs/contract.md §6: the reload minimum of the whole
     plan (the largest unit of any rank), the same budget on every rank; a budget below
     the load minimum is refused (StagingBudgetError stating the minimum). ``fused``: the
     workers convert with the fused CPU kernel (no resolve scratch). ``remote``
@@ -893,7 +893,7 @@ def _build_plan(
 
 
 def plan_to_json(plan: Plan) -> dict[str, Any]:
-    """The ``mxload plan --json`` object of SPEC §5, plus itemised staging and headroom."""
+    """The ``mxload plan --json`` object of docs/contract.md §5, plus itemised staging and headroom."""
     ranks = []
     for r in plan.ranks:
         staging = r.staging

@@ -3,7 +3,7 @@
 A rank reads row slices of row-major tensors. A slice of ``rows`` rows and a column
 window of a ``[N, K]`` tensor is ``rows`` equal segments at a fixed stride: one
 :class:`ByteRange` ``(start, length, stride, count)`` describes it, so a 256-rank plan
-stays small (SPEC §4 "Streaming").
+stays small (docs/contract.md §4 "Streaming").
 
 Coalescing turns the segments a rank needs into the requests it sends. The policy bounds
 over-read per merged request, so the whole read plan's amplification is bounded too:

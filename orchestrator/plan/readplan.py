@@ -2,20 +2,20 @@
 
 A part is a rectangle ``rows x cols`` of a row-major ``[N, K]`` checkpoint tensor (1-D
 tensors are ``[1, n]``). Its weight bytes are one :class:`ByteRange`: contiguous when the
-rectangle spans whole rows, else ``rows`` segments at the row stride (SPEC §4 "Plans
+rectangle spans whole rows, else ``rows`` segments at the row stride (docs/contract.md §4 "Plans
 describe row-strided ranges compactly"), never one entry per row.
 
-Scales (SPEC §2.1): a block-FP8 part needs the ``weight_scale_inv`` tiles that *cover* it,
+Scales (docs/contract.md §2.1): a block-FP8 part needs the ``weight_scale_inv`` tiles that *cover* it,
 tile rows ``floor(r0 / B_N) .. floor((r1 - 1) / B_N)`` and tile columns likewise, never
 ``ceil`` of the offset: a shard that starts inside a tile still needs that tile. An MXFP8
-source (SPEC §1.2) is the same with tiles of ``1 x 32``: the ``U8`` scale rectangle
+source (docs/contract.md §1.2) is the same with tiles of ``1 x 32``: the ``U8`` scale rectangle
 ``rows x [c0 / 32, ceil(c1 / 32))``.
 
 Which parts carry scales is read from the checkpoint itself (an ``F8_E4M3`` weight), not
 from ``Unit.quantized``, so the reads of a new checkpoint version (a BF16 RL checkpoint,
-SPEC §4) can be planned against the units of the session that loaded the first one.
+docs/contract.md §4) can be planned against the units of the session that loaded the first one.
 
-``bytes_needed`` (SPEC §6) is the sum of these ranges; the bytes actually requested are
+``bytes_needed`` (docs/contract.md §6) is the sum of these ranges; the bytes actually requested are
 the ranges coalesced per file under a :class:`CoalescePolicy` (the planner coalesces each
 unit's reads on their own, as the loader requests them unit by unit). :func:`requested_bytes_fast`
 computes exactly what ``mxload.orchestrator.plan.ranges.requested_bytes`` computes, but walks a
@@ -45,7 +45,7 @@ from mxload.orchestrator.plan.types import Part, PartRead, Unit, UnitReads
 
 def tile_span(lo: int, hi: int, block: int) -> tuple[int, int]:
     """Tiles ``[t0, t1)`` of height ``block`` covering elements ``[lo, hi)``: floor of the
-    first and of the last index (SPEC §2.1)."""
+    first and of the last index (docs/contract.md §2.1)."""
     if hi <= lo:
         return lo // block, lo // block
     return lo // block, (hi - 1) // block + 1
@@ -165,7 +165,7 @@ def needed_bytes(
     *,
     source_dtype: str | None = None,
 ) -> int:
-    """Checkpoint bytes of the unit's elements plus the scale tiles covering them (SPEC §6).
+    """Checkpoint bytes of the unit's elements plus the scale tiles covering them (docs/contract.md §6).
 
     With a checkpoint this is what :func:`unit_reads` reads. With a config alone it is
     predicted: a quantized unit (``unit.quantized``) is ``F8_E4M3`` plus its scales

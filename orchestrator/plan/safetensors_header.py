@@ -1,14 +1,14 @@
 """Safetensors headers, parsed as hostile input: bytes -> metadata. Pure.
 
 Why parse them ourselves: the planner needs every tensor's absolute byte offset to plan
-ranged reads of only a rank's own bytes (SPEC §4), and it must do so from two small reads
+ranged reads of only a rank's own bytes (docs/contract.md §4), and it must do so from two small reads
 per shard (the 8-byte length prefix and the header), never from the whole file.
 
 The file format: ``u64 little-endian N`` | ``N bytes of UTF-8 JSON`` | data section.
 The JSON object maps tensor names to ``{"dtype", "shape", "data_offsets": [start, end]}``
 (offsets relative to the data section) plus an optional ``"__metadata__"`` str -> str map.
 
-SPEC §1.3: every check below has its own error class (``mxload.orchestrator.errors``) and a
+docs/contract.md §1.3: every check below has its own error class (``mxload.orchestrator.errors``) and a
 message naming the file and, where there is one, the tensor:
 
 - ``TruncatedFile``: fewer than 8 bytes, or a well-formed layout whose data runs past the
@@ -108,7 +108,7 @@ class FileHeader:
 
 
 def parse_header_length(prefix8: bytes, *, file: str, file_size: int) -> int:
-    """Decode and bound the header length N from the first 8 bytes (SPEC §1.3).
+    """Decode and bound the header length N from the first 8 bytes (docs/contract.md §1.3).
 
     ``file_size`` is the size of the whole file. Refuses N above 100 MB or beyond the end
     of the file before anyone reads N bytes on its word.

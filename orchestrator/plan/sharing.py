@@ -29,7 +29,7 @@ largest unit) is never shared, since its chunks are read separately.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 
 from mxload.orchestrator.plan.ranges import ByteRange, CoalescePolicy
@@ -155,7 +155,7 @@ class RankTraffic:
 def rank_traffic(
     share: SharePlan, items_of: Callable[[int], Sequence[ReadItem]]
 ) -> list[RankTraffic]:
-    """Per rank: bytes from storage, from peers, and published (SPEC §6's bytes, shared)."""
+    """Per rank: bytes from storage, from peers, and published (docs/contract.md §6's bytes, shared)."""
     out = []
     owned: dict[int, list[SharedRead]] = {}
     used: dict[int, dict[int, SharedRead]] = {}
@@ -215,17 +215,3 @@ def unique_bytes(all_reads: Sequence[Sequence[UnitReads]]) -> int:
                 if p.scale is not None:
                     by_file.setdefault(p.scale_file or p.file, set()).add(p.scale)
     return sum(requested_bytes_fast(rs, _EXACT) for rs in by_file.values())
-
-
-def traffic_summary(
-    traffic: Sequence[RankTraffic], unique: int, bytes_needed: Sequence[int]
-) -> Mapping[str, float | int]:
-    """Cluster totals: storage bytes against the unique bytes needed."""
-    storage = sum(t.bytes_from_storage for t in traffic)
-    return {
-        "bytes_from_storage": storage,
-        "bytes_from_peers": sum(t.bytes_from_peers for t in traffic),
-        "unique_bytes_needed": unique,
-        "sum_bytes_needed": sum(bytes_needed),
-        "storage_over_unique": round(storage / unique, 4) if unique else 1.0,
-    }

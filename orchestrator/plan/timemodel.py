@@ -13,7 +13,7 @@ four rates:
 
 The run has the two phases the driver runs: first the owners of shared reads fetch them
 (nobody converts yet), then every rank loads, reading its unshared units, copying shared
-ones from peers and converting, with reads overlapping conversion (SPEC §4). Concurrent
+ones from peers and converting, with reads overlapping conversion (docs/contract.md §4). Concurrent
 transfers share a link equally (processor sharing): ``n`` flows on a link of capacity
 ``C`` each get ``C / n`` until the smallest finishes, and so on. A rank's transfer is
 bounded by its node's link and by the store's aggregate, whichever finishes it later.

@@ -4,7 +4,7 @@ These frozen dataclasses are the contract between the planner (``mxload.orchestr
 the memory model (``mxload.orchestrator.plan.memory``) and the rank loader (``mxload.workers.rank.loader``). They
 are plain data: picklable for shipping to Ray workers and JSON-able through ``to_json``.
 
-Vocabulary (SPEC §6):
+Vocabulary (docs/contract.md §6):
 
 * a **buffer** is one persistent device tensor (``BufferSpec``), allocated once;
 * a **unit** is what is converted and written as one piece: one (merged) linear, one
@@ -13,7 +13,7 @@ Vocabulary (SPEC §6):
   are three parts of the qkv unit, gate and up two parts of a w13 unit.
 
 Shapes inside units are the *source orientation* ``[N, K]`` (rows = output features),
-before the kernel transpose of SPEC §2.3. 1-D tensors (norms, biases) are viewed as
+before the kernel transpose of docs/contract.md §2.3. 1-D tensors (norms, biases) are viewed as
 ``[1, n]``.
 """
 
@@ -33,7 +33,7 @@ copy: a non-quantized tensor (norm, embedding, router) copied in its checkpoint 
 
 @dataclass(frozen=True)
 class BufferSpec:
-    """One persistent buffer a rank holds (names of SPEC §3, layouts of §2.3)."""
+    """One persistent buffer a rank holds (names of docs/contract.md §3, layouts of §2.3)."""
 
     name: str
     shape: tuple[int, ...]
@@ -115,7 +115,7 @@ class Part:
 
 @dataclass(frozen=True)
 class Unit:
-    """What is converted and written as one piece (SPEC §6)."""
+    """What is converted and written as one piece (docs/contract.md §6)."""
 
     buffer: str
     """Name of the weight buffer written (its scale buffer, if any, is ``buffer + '_scale'``)."""
@@ -178,7 +178,7 @@ class UnitReads:
 
 @dataclass(frozen=True)
 class StagingEstimate:
-    """Staging memory of one rank, itemised (SPEC §6)."""
+    """Staging memory of one rank, itemised (docs/contract.md §6)."""
 
     budget_bytes: int
     """The staging budget the rank runs under."""
@@ -213,7 +213,7 @@ class RankPlan:
     buffers: tuple[BufferSpec, ...]
     units: tuple[Unit, ...]
     bytes_needed: int
-    """Checkpoint bytes of the held elements plus covering scale tiles (SPEC §6)."""
+    """Checkpoint bytes of the held elements plus covering scale tiles (docs/contract.md §6)."""
     bytes_to_read: int
     """Bytes the coalesced requests fetch (predicted)."""
     reads: tuple[UnitReads, ...] | None = None
@@ -231,7 +231,7 @@ class RankPlan:
 
 @dataclass(frozen=True)
 class ParallelLayout:
-    """tp x dp x pp with vLLM's expert-parallel switches (SPEC §3)."""
+    """tp x dp x pp with vLLM's expert-parallel switches (docs/contract.md §3)."""
 
     tp: int = 1
     dp: int = 1
@@ -265,7 +265,7 @@ class Plan:
     min_staging_load: int
     """Smallest staging budget a load can run under (row-chunked conversion)."""
     min_staging_reload: int
-    """Smallest staging budget a reload can run under (whole units, SPEC §6)."""
+    """Smallest staging budget a reload can run under (whole units, docs/contract.md §6)."""
     device_memory_bytes: int | None = None
     extra: dict[str, Any] = field(default_factory=dict)
     engine: str = "mxload"

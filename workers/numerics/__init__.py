@@ -1,4 +1,4 @@
-"""Numerics of SPEC §2: the CPU reference, the fast kernels, the kernel repack, and device
+"""Numerics of docs/contract.md §2: the CPU reference, the fast kernels, the kernel repack, and device
 backends.
 
 ``reference`` is the bit-exact contract in plain torch; ``kernels`` the fast numba path on

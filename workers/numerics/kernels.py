@@ -79,34 +79,45 @@ Limits
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal, TypeVar, cast
 
 import numpy as np
 from mxload.orchestrator.errors import NumericsError
 from mxload.orchestrator.plan.formats import MX_GROUP, ceil_div
 
+log = logging.getLogger(__name__)
+
 try:  # numba is a dependency, but the reference must keep working without it.
     import numba
-    from numba import njit, prange
+    from numba import prange
 
     _NUMBA_IMPORT_ERROR: str | None = None
 except Exception as exc:  # pragma: no cover - exercised by loading a copy without numba
-    numba = None
+    numba = None  # type: ignore[assignment]
     _NUMBA_IMPORT_ERROR = f"{type(exc).__name__}: {exc}"
+    prange = range  # type: ignore[misc]
 
-    def njit(*args: Any, **kwargs: Any) -> Any:  # type: ignore[no-redef]
-        """Stand-in decorator so this module imports without numba (the kernels it leaves
-        undecorated are never called: :func:`available` says False)."""
-        if len(args) == 1 and callable(args[0]) and not kwargs:
-            return args[0]
-        return lambda f: f
+_F = TypeVar("_F", bound=Callable[..., Any])
 
-    prange = range  # type: ignore[assignment]
+
+def _jit(
+    *, parallel: bool = False, inline: Literal["never", "always"] = "never"
+) -> Callable[[_F], _F]:
+    """numba's ``njit`` with the on-disk cache and without the GIL; without numba the
+    function stays plain Python (never called: :func:`available` says False)."""
+
+    def wrap(f: _F) -> _F:
+        if numba is None:
+            return f
+        return cast(_F, numba.njit(cache=True, nogil=True, parallel=parallel, inline=inline)(f))
+
+    return wrap
 
 
 # Output-dtype modes shared by the kernels (ints: numba kernels take no dtypes objects).
@@ -118,15 +129,12 @@ MODE_OF: dict[str, int] = {"bf16": MODE_BF16, "fp16": MODE_FP16, "fp32": MODE_FP
 -> kernel mode."""
 
 
-_JIT = {"cache": True, "nogil": True}
-_PJIT = {"cache": True, "nogil": True, "parallel": True}
-
 # =========================================================================================
 # Scalar integer routines (exact, FTZ/DAZ-proof). All values are int64.
 # =========================================================================================
 
 
-@njit(**_JIT)
+@_jit()
 def _bitlen(v: int) -> int:
     """Number of significant bits of an int in [0, 2**63) (0 for 0); a binary search,
     since the table builders call it per entry."""
@@ -152,7 +160,7 @@ def _bitlen(v: int) -> int:
     return n + v
 
 
-@njit(**_JIT)
+@_jit()
 def _round_pack(sig: int, e2: int, p: int, bias: int, inf_field: int) -> int:
     """Round the non-negative value ``sig * 2**e2`` to nearest-even in a binary format
     with ``p`` significand bits (hidden bit included) and exponent ``bias``, subnormals
@@ -186,7 +194,7 @@ def _round_pack(sig: int, e2: int, p: int, bias: int, inf_field: int) -> int:
     return bits
 
 
-@njit(**_JIT)
+@_jit()
 def _f32_split(b: int) -> tuple[int, int]:
     """Finite f32 magnitude bits -> (sig, e2) with value sig * 2**e2, exactly."""
     e = (b >> 23) & 0xFF
@@ -196,7 +204,7 @@ def _f32_split(b: int) -> tuple[int, int]:
     return m | 0x800000, e - 150
 
 
-@njit(**_JIT)
+@_jit()
 def _f32_to_bf16(b: int) -> int:
     """f32 bits -> bf16 bits, round-to-nearest-even (overflow to Inf), NaN stays NaN."""
     if (b & 0x7FFFFFFF) > 0x7F800000:
@@ -204,7 +212,7 @@ def _f32_to_bf16(b: int) -> int:
     return (b + 0x7FFF + ((b >> 16) & 1)) >> 16
 
 
-@njit(**_JIT)
+@_jit()
 def _f32_to_f16(b: int) -> int:
     """f32 bits -> f16 bits, round-to-nearest-even, overflow to Inf, NaN stays NaN."""
     sign = (b >> 16) & 0x8000
@@ -222,7 +230,7 @@ def _f32_to_f16(b: int) -> int:
     return sign | _round_pack(sig, e2, 11, 15, 31)
 
 
-@njit(**_JIT)
+@_jit()
 def _f16_to_f32(h: int) -> int:
     """f16 bits -> the f32 bits of the same value (exact)."""
     sign = (h & 0x8000) << 16
@@ -237,7 +245,7 @@ def _f16_to_f32(h: int) -> int:
     return sign | ((e + 112) << 23) | (m << 13)
 
 
-@njit(**_JIT)
+@_jit()
 def _product_f32(wb: int, sb: int) -> int:
     """f32 bits of ``f32(w) * s`` as IEEE float32 computes it (RNE, gradual underflow),
     in integer arithmetic. ``wb``: e4m3fn byte; ``sb``: f32 bits of the scale."""
@@ -259,7 +267,7 @@ def _product_f32(wb: int, sb: int) -> int:
     return (sign << 31) | _round_pack(wsig * ssig, we2 + se2, 24, 127, 255)
 
 
-@njit(**_JIT)
+@_jit()
 def _to_mode(r32: int, mode: int) -> int:
     """f32 bits -> model-dtype bits (one RNE rounding, SPEC §2.1)."""
     if mode == 0:
@@ -269,7 +277,7 @@ def _to_mode(r32: int, mode: int) -> int:
     return r32
 
 
-@njit(**_JIT)
+@_jit()
 def _as_f32_bits(r: int, mode: int) -> int:
     """Model-dtype bits -> f32 bits of the same value (exact)."""
     if mode == 0:
@@ -279,7 +287,7 @@ def _as_f32_bits(r: int, mode: int) -> int:
     return r
 
 
-@njit(**_JIT)
+@_jit()
 def _resolve_table(
     sb: int, s_abs: np.float32, mode: int, w_f32: np.ndarray, prod: np.ndarray, out: np.ndarray
 ) -> None:
@@ -300,10 +308,10 @@ def _resolve_table(
         e = (x >> 23) & 0xFF
         if e == 0 or e == 255:
             x = _product_f32(b, mag_sb)
-        out[b] = _to_mode(x, mode)
+        out[b] = _to_mode(x, mode)  # type: ignore[arg-type]
 
 
-@njit(**_JIT)
+@_jit()
 def _scale_byte(emax: int) -> int:
     """SPEC §2.2 step 2."""
     if emax == 255:
@@ -311,7 +319,7 @@ def _scale_byte(emax: int) -> int:
     return (emax if emax > 8 else 8) - 8
 
 
-@njit(**_JIT)
+@_jit()
 def _quant_e4m3(xb: int, s: int) -> int:
     """SPEC §2.2 step 3 for one element: f32 bits ``xb`` and scale byte ``s`` -> e4m3fn
     byte of ``xb * 2**(127 - s)``, RNE, subnormals included, saturating at +-448."""
@@ -330,7 +338,7 @@ def _quant_e4m3(xb: int, s: int) -> int:
     return sign | y
 
 
-@njit(**_JIT)
+@_jit()
 def _payload_table(r32: np.ndarray, s: int, sflip: int, out: np.ndarray) -> None:
     """``out[b]`` = e4m3 byte for source byte ``b`` (0..255) of a tile whose resolved
     magnitudes are ``r32`` (f32 bits) and whose scale has sign bit ``sflip`` (0 or 0x80),
@@ -363,7 +371,7 @@ _SWAR_HI = np.uint64(0x8080808080808080)
 _SWAR_7F = np.uint64(0x7F7F7F7F7F7F7F7F)
 
 
-@njit(inline="always", **_JIT)
+@_jit(inline="always")
 def _swar_max7(a: np.uint64, b: np.uint64) -> np.uint64:
     """Byte-wise max of two words whose bytes are all < 0x80 (a guard bit per byte keeps
     the subtraction from borrowing across bytes)."""
@@ -372,7 +380,7 @@ def _swar_max7(a: np.uint64, b: np.uint64) -> np.uint64:
     return (a & m) | (b & ~m)
 
 
-@njit(inline="always", **_JIT)
+@_jit(inline="always")
 def _group_absmax(w64: np.ndarray, i: int) -> int:
     """max(byte & 0x7F) over the 32 bytes of words ``w64[i : i + 4]``."""
     u = np.uint64(i)
@@ -383,10 +391,10 @@ def _group_absmax(w64: np.ndarray, i: int) -> int:
     x = _swar_max7(x, x >> np.uint64(32))
     x = _swar_max7(x, x >> np.uint64(16))
     x = _swar_max7(x, x >> np.uint64(8))
-    return np.int64(x & np.uint64(0xFF))
+    return np.int64(x & np.uint64(0xFF))  # type: ignore[return-value]
 
 
-@njit(**_JIT)
+@_jit()
 def _tile_range(t: int, base: int, block: int, n: int) -> tuple[int, int]:
     """Local ``[lo, hi)`` of the elements of global tile ``t`` in a slice starting at
     global index ``base`` with ``n`` elements."""
@@ -399,7 +407,7 @@ def _tile_range(t: int, base: int, block: int, n: int) -> tuple[int, int]:
     return lo, hi
 
 
-@njit(**_JIT)
+@_jit()
 def _e4m3_values() -> np.ndarray:
     """float32 values of the E4M3 magnitudes 0..127 (0x7F is NaN)."""
     v = np.empty(128, dtype=np.float32)
@@ -415,7 +423,7 @@ def _e4m3_values() -> np.ndarray:
     return v
 
 
-@njit(**_PJIT)
+@_jit(parallel=True)
 def _tile_tables(
     sbits: np.ndarray, sf: np.ndarray, mode: int, r_bits: np.ndarray, s_tab: np.ndarray
 ) -> None:
@@ -432,7 +440,7 @@ def _tile_tables(
         tj = t % n_tc
         prod = np.empty(128, dtype=np.float32)
         row = r_bits[t]
-        _resolve_table(np.int64(sbits[ti, tj]), abs(sf[ti, tj]), mode, w_f32, prod, row)
+        _resolve_table(np.int64(sbits[ti, tj]), abs(sf[ti, tj]), mode, w_f32, prod, row)  # type: ignore[arg-type]
         if with_emax:
             run = 0
             for b in range(128):
@@ -442,7 +450,7 @@ def _tile_tables(
                 s_tab[t, b] = _scale_byte(run)
 
 
-@njit(**_JIT)
+@_jit()
 def _row_chunks(n: int, row0: int, bn: int, rows_per_item: int) -> np.ndarray:
     """Split local rows [0, n) into chunks of at most ``rows_per_item`` rows that never
     cross a tile-row boundary; returns [n_items, 2] of (lo, hi)."""
@@ -464,7 +472,7 @@ def _row_chunks(n: int, row0: int, bn: int, rows_per_item: int) -> np.ndarray:
     return out
 
 
-@njit(**_PJIT)
+@_jit(parallel=True)
 def _resolve_kernel(
     w: np.ndarray,  # uint8 [n * k], row-major
     n: int,
@@ -506,7 +514,7 @@ def _resolve_kernel(
                     out[uc] = tab[w[uc]]
 
 
-@njit(**_JIT)
+@_jit()
 def _split_group(
     w: np.ndarray,
     base: int,
@@ -534,7 +542,7 @@ def _split_group(
     return _scale_byte(emax)
 
 
-@njit(**_JIT)
+@_jit()
 def _convert_rows(
     w: np.ndarray,
     w64: np.ndarray,
@@ -591,7 +599,7 @@ def _convert_rows(
         for s in range(256):
             off = slot[tj, s] - 1
             if off >= 0:
-                _payload_table(r32[ti * n_tc + tj], s, sflip, pool[off : off + 256])
+                _payload_table(r32[ti * n_tc + tj], s, sflip, pool[off : off + 256])  # type: ignore[arg-type]
     # 3. Payload: unsigned indices, so numba skips its negative-index fix-up.
     for r in range(r_lo, r_hi):
         base = r * k
@@ -617,14 +625,14 @@ _M16 = np.uint64(0x0000FFFF0000FFFF)
 _M32 = np.uint64(0x00000000FFFFFFFF)
 
 
-@njit(inline="always", **_JIT)
+@_jit(inline="always")
 def _swap(a: np.uint64, b: np.uint64, sh: np.uint64, m: np.uint64) -> tuple[np.uint64, np.uint64]:
     """Exchange the ``m``-masked fields of ``b`` with the fields ``sh`` bits up in ``a``."""
     t = ((a >> sh) ^ b) & m
     return a ^ (t << sh), b ^ t
 
 
-@njit(**_JIT)
+@_jit()
 def _transpose_words(
     loc64: np.ndarray, s8: int, nr: int, k: int, q64: np.ndarray, n8: int, col8: int
 ) -> None:
@@ -668,7 +676,7 @@ def _transpose_words(
             q64[o + 7 * n8] = x7
 
 
-@njit(**_JIT)
+@_jit()
 def _convert_item(
     w: np.ndarray,
     w64: np.ndarray,
@@ -732,7 +740,7 @@ output in ``q_out``, offset of its scale output in ``s_out``, the output's colum
 units (their own K and outputs) run in one launch."""
 
 
-@njit(**_PJIT)
+@_jit(parallel=True)
 def _convert_kernel(
     src: np.ndarray,  # uint8 flat: every part's [n, k] payload, row-major, k % 32 == 0
     src64: np.ndarray,  # uint64 view of src (part offsets are multiples of 8)
@@ -803,10 +811,10 @@ def _convert_kernel(
     owner = np.empty(n_items, dtype=np.int64)
     count = np.zeros(n_t + 1, dtype=np.int64)
     for it in by_work:
-        t = np.argmin(load)
-        load[t] += work[it]
-        owner[it] = t
-        count[t + 1] += 1
+        least = np.argmin(load)
+        load[least] += work[it]
+        owner[it] = least
+        count[least + 1] += 1
     for t in range(n_t):
         count[t + 1] += count[t]
     order = np.empty(n_items, dtype=np.int64)
@@ -822,7 +830,7 @@ def _convert_kernel(
             )  # fmt: skip
 
 
-@njit(**_JIT)
+@_jit()
 def _convert_one(
     parts: np.ndarray,
     items: np.ndarray,
@@ -872,7 +880,7 @@ def _convert_one(
     )  # fmt: skip
 
 
-@njit(inline="always", **_JIT)
+@_jit(inline="always")
 def _mx_groups(
     x: np.ndarray, g_lo: int, g_hi: int, ebits: int, q_out: np.ndarray, s_out: np.ndarray
 ) -> None:
@@ -890,8 +898,8 @@ def _mx_groups(
         emin = 255
         for i in range(32):
             mag = np.int64(x[base + np.uint64(i)]) & mag_mask
-            mmax = max(mmax, mag)
-            emin = min(emin, (mag >> ebits) if mag != 0 else 255)
+            mmax = max(mmax, mag)  # type: ignore[assignment]
+            emin = min(emin, (mag >> ebits) if mag != 0 else 255)  # type: ignore[assignment]
         s = _scale_byte(mmax >> ebits)
         s_out[g] = s
         if s == 255:
@@ -912,28 +920,28 @@ def _mx_groups(
                 mag = h & mag_mask
                 v = min(((mag + half + ((mag >> drop) & 1)) >> drop) - reb, 0x7E)
                 v = v if mag != 0 else 0
-                q_out[base + np.uint64(i)] = ((h >> (ebits + 1)) & 0x80) | v
+                q_out[base + np.uint64(i)] = ((h >> (ebits + 1)) & 0x80) | v  # type: ignore[operator]
         else:
             for i in range(32):
                 h = np.int64(x[base + np.uint64(i)])
-                q_out[base + np.uint64(i)] = _quant_e4m3(h << (23 - ebits), s)
+                q_out[base + np.uint64(i)] = _quant_e4m3(h << (23 - ebits), s)  # type: ignore[arg-type]
 
 
-@njit(**_JIT)
+@_jit()
 def _mx_groups_bf16(
     x: np.ndarray, g_lo: int, g_hi: int, q_out: np.ndarray, s_out: np.ndarray
 ) -> None:
     _mx_groups(x, g_lo, g_hi, 7, q_out, s_out)
 
 
-@njit(**_JIT)
+@_jit()
 def _mx_groups_f32(
     x: np.ndarray, g_lo: int, g_hi: int, q_out: np.ndarray, s_out: np.ndarray
 ) -> None:
     _mx_groups(x, g_lo, g_hi, 23, q_out, s_out)
 
 
-@njit(**_PJIT)
+@_jit(parallel=True)
 def _mx_kernel(
     x: np.ndarray,  # uint16 (bf16 bits) or uint32 (fp32 bits), flat, len % 32 == 0
     is_bf16: bool,
@@ -1002,7 +1010,7 @@ def rows_per_item(n: int, k: int) -> int:
 
 def set_threads(want: int) -> None:
     """Launch kernels on ``want`` threads, capped by numba's pool size (call under LOCK)."""
-    want = max(1, min(int(want), int(numba.config.NUMBA_NUM_THREADS)))
+    want = max(1, min(int(want), int(numba.config.NUMBA_NUM_THREADS)))  # type: ignore[attr-defined]
     if getattr(_TLS, "threads", 0) != want:
         numba.set_num_threads(want)
         _TLS.threads = want
@@ -1191,6 +1199,7 @@ def available() -> bool:
                 except Exception as exc:  # a broken optional kernel must not stop a load
                     _AVAILABLE = False
                     _UNAVAILABLE_REASON = f"{type(exc).__name__}: {exc}"
+                    log.info("fast CPU numerics unavailable: %s", _UNAVAILABLE_REASON)
     return _AVAILABLE
 
 

@@ -1,15 +1,15 @@
-"""The Ascend NPU backend: ``torch_npu.npu_dynamic_mx_quant`` for SPEC §2.2.
+"""The Ascend NPU backend: ``torch_npu.npu_dynamic_mx_quant`` for docs/contract.md §2.2.
 
 Purpose: on an Ascend 950 the MX quantize step runs on the device's own operator,
 ``torch_npu.npu_dynamic_mx_quant(x, dst_type=torch.float8_e4m3fn, scale_alg=0)``
 (defaults ``axis=-1``, ``round_mode="rint"``, ``block_size=32``), which returns
-``(y, mxscale)``. Resolve (SPEC §2.1) is plain torch on the device.
+``(y, mxscale)``. Resolve (docs/contract.md §2.1) is plain torch on the device.
 
 Why the post-processing:
 - ``mxscale`` comes back paired, ``[..., ceil(K/64), 2]`` as ``float8_e8m0fnu``, from
   current builds and ``[..., K/32]`` from older ones; :func:`normalise_mx_scale` turns
   either into ``uint8`` ``[..., K/32]`` (an odd group count drops the pad byte).
-- SPEC §2.2 rule 3 pins two kinds of group that the operator's documented formula
+- docs/contract.md §2.2 rule 3 pins two kinds of group that the operator's documented formula
   (``P = V / 2**(floor(log2(amax)) - 8)``) does not: a group whose scale byte is 0 is all
   ±0 (``r = 0``; the formula would divide by ``2**-127`` and keep tiny values), and a
   group whose scale byte is 0xFF is all NaN. :func:`apply_group_rules` enforces both from
@@ -71,7 +71,7 @@ def normalise_mx_scale(
 def apply_group_rules(
     x: torch.Tensor, payload: torch.Tensor, scale_u8: torch.Tensor
 ) -> torch.Tensor:
-    """Enforce SPEC §2.2 rule 3 on whole groups: scale 0 -> ±0 (sign of x), 0xFF -> NaN."""
+    """Enforce docs/contract.md §2.2 rule 3 on whole groups: scale 0 -> ±0 (sign of x), 0xFF -> NaN."""
     groups = scale_u8.shape[-1]
     y_u8 = payload.view(torch.uint8).reshape(*payload.shape[:-1], groups, MX_GROUP)
     signed_zero = torch.signbit(x).reshape(y_u8.shape).to(torch.uint8) << _SIGN_SHIFT
@@ -82,7 +82,7 @@ def apply_group_rules(
 
 
 class NpuBackend(Backend):
-    """SPEC §2 on an Ascend NPU: the device's MX quantize operator, torch for the rest.
+    """docs/contract.md §2 on an Ascend NPU: the device's MX quantize operator, torch for the rest.
 
     ``torch_npu_module`` exists for tests (a stand-in with the operator's contract); in a
     run it is ``None`` and torch_npu is imported here, which also registers ``torch.npu``.
@@ -108,7 +108,7 @@ class NpuBackend(Backend):
         if x.dim() == 0 or x.shape[-1] % MX_GROUP != 0:
             raise NumericsError(
                 f"mx_quantize: last dimension must be a multiple of {MX_GROUP}, got shape "
-                f"{tuple(x.shape)} (SPEC §2.2: such a linear stays resolved in the model dtype)"
+                f"{tuple(x.shape)} (docs/contract.md §2.2: such a linear stays resolved in the model dtype)"
             )
         y, mxscale = self._torch_npu.npu_dynamic_mx_quant(
             x, dst_type=torch.float8_e4m3fn, scale_alg=0

@@ -1,4 +1,4 @@
-"""The CPU reference for every numeric step of SPEC §2 (resolve, MX quantize, dequantize).
+"""The CPU reference for every numeric step of docs/contract.md §2 (resolve, MX quantize, dequantize).
 
 Purpose: one plain-torch implementation of the bit-exact contract, readable against the
 SPEC line by line. Every other path (the fused CPU kernel in ``fast.py``, torch_npu, CUDA)
@@ -7,7 +7,7 @@ is tested against it byte for byte through the named case table in
 
 Why it is written this way:
 - Exponents are read from float32 bit patterns and scale bytes are built as integers; no
-  ``log2`` and no float -> ``float8_e8m0fnu`` cast (that cast rounds, SPEC §2.2 floors).
+  ``log2`` and no float -> ``float8_e8m0fnu`` cast (that cast rounds, docs/contract.md §2.2 floors).
 - Powers of two are built from their bit patterns, so ``2**-127`` (an f32 subnormal) is
   exact whatever the platform's ``exp2`` does.
 - Scaled values are clamped to ±448 before the E4M3 cast because torch versions differ on
@@ -16,7 +16,7 @@ Why it is written this way:
 Limits: pure torch, so it runs on any device the tensors are on; it favours clarity over
 memory but stays bounded: ``mx_quantize`` needs at most 8 scratch bytes per element and
 ``resolve_block`` only per-tile-row temporaries besides its output. Nothing here
-pads a ragged K; callers decide the K % 32 fallback (SPEC §2.2) before calling.
+pads a ragged K; callers decide the K % 32 fallback (docs/contract.md §2.2) before calling.
 """
 
 from __future__ import annotations
@@ -34,11 +34,10 @@ MODEL_TORCH_DTYPE: dict[str, torch.dtype] = {
 """Model dtype name (``mxload.orchestrator.plan.config``'s ``model_dtype``) -> torch dtype."""
 
 MODEL_TORCH_DTYPES: tuple[torch.dtype, ...] = tuple(MODEL_TORCH_DTYPE.values())
-"""Dtypes a resolved tensor can have, and that mx_quantize accepts (SPEC §1.4, §2.2)."""
+"""Dtypes a resolved tensor can have, and that mx_quantize accepts (docs/contract.md §1.4, §2.2)."""
 
 _F32_EXP_SHIFT = 23
 _F32_EXP_MASK = 0xFF
-_F32_QNAN_BITS = 0x7FC00000
 _F32_TWO_POW_M127_BITS = 0x00400000
 """2**-127 is the f32 subnormal with only mantissa bit 22 set; (0 << 23) would be zero."""
 
@@ -47,7 +46,7 @@ def _pow2_f32_from_exponent(e: torch.Tensor) -> torch.Tensor:
     """2**e as float32, built from bits, for integer ``e`` in [-127, 127].
 
     Normal powers have biased exponent field e + 127 and zero mantissa; e = -127 is the
-    one subnormal power needed (SPEC §2.2 note: 2**(127 - 254), 2**(0 - 127)).
+    one subnormal power needed (docs/contract.md §2.2 note: 2**(127 - 254), 2**(0 - 127)).
     """
     e32 = e.to(torch.int32)
     bits = torch.where(
@@ -64,7 +63,7 @@ def _check_dtype(t: torch.Tensor, allowed: tuple[torch.dtype, ...], what: str) -
         raise NumericsError(f"{what} has dtype {t.dtype}; expected one of {names}")
 
 
-# --- SPEC §2.1: resolve ---------------------------------------------------------------
+# --- docs/contract.md §2.1: resolve ---------------------------------------------------------------
 
 
 def resolve_block(
@@ -77,7 +76,7 @@ def resolve_block(
     block_k: int,
     dtype: torch.dtype,
 ) -> torch.Tensor:
-    """Dequantize a slice of a block-FP8 weight into the model dtype (SPEC §2.1).
+    """Dequantize a slice of a block-FP8 weight into the model dtype (docs/contract.md §2.1).
 
     ``w_fp8`` ``[r, c]`` holds rows ``[row0, row0 + r)`` and columns ``[col0, col0 + c)`` of
     the source weight. ``scale_inv_f32`` ``[tr, tc]`` holds exactly the tiles covering that
@@ -138,7 +137,7 @@ def check_block_scales(
     tile_col0: int,
     allow_nonfinite: bool,
 ) -> None:
-    """Refuse NaN, Inf, zero or negative float32 block scales (SPEC §1.1): the torch
+    """Refuse NaN, Inf, zero or negative float32 block scales (docs/contract.md §1.1): the torch
     face of :func:`mxload.workers.numerics.scales.check_block_scales`, which says what passes and
     what the :class:`~orchestrator.errors.NonFiniteScale` it raises names."""
     if scale_inv_f32.dtype != torch.float32:
@@ -157,11 +156,11 @@ def check_block_scales(
     )
 
 
-# --- SPEC §2.2: MX quantize ------------------------------------------------------------
+# --- docs/contract.md §2.2: MX quantize ------------------------------------------------------------
 
 
 def _scale_bytes_of_groups(x32: torch.Tensor) -> torch.Tensor:
-    """Steps 1-2 of SPEC §2.2 on float32 groups ``[..., g, 32]``: int32 ``[..., g]``."""
+    """Steps 1-2 of docs/contract.md §2.2 on float32 groups ``[..., g, 32]``: int32 ``[..., g]``."""
     exp_field = x32.view(torch.int32) >> _F32_EXP_SHIFT
     exp_field.bitwise_and_(_F32_EXP_MASK)
     emax = exp_field.amax(dim=-1)
@@ -175,7 +174,7 @@ def _scale_bytes_of_groups(x32: torch.Tensor) -> torch.Tensor:
 def mx_scale_bytes(x: torch.Tensor) -> torch.Tensor:
     """The E8M0 scale byte of every 32-group of ``x`` ``[..., K]`` as int32 ``[..., K/32]``.
 
-    Step 1-2 of SPEC §2.2: ``Emax`` is the largest biased exponent field of the exact
+    Step 1-2 of docs/contract.md §2.2: ``Emax`` is the largest biased exponent field of the exact
     float32 values (bf16/fp32 subnormals have field 0; fp16 values, subnormals included,
     become normal float32 with their true exponent); ``S = 0xFF`` if ``Emax == 255`` else
     ``max(Emax, 8) - 8``.
@@ -186,7 +185,7 @@ def mx_scale_bytes(x: torch.Tensor) -> torch.Tensor:
 
 
 def mx_quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """MX-quantize ``x`` ``[..., K]`` along K in groups of 32 (SPEC §2.2, ``scale_alg=0``).
+    """MX-quantize ``x`` ``[..., K]`` along K in groups of 32 (docs/contract.md §2.2, ``scale_alg=0``).
 
     Returns ``(payload, scale)``: ``payload`` ``float8_e4m3fn`` ``[..., K]`` and ``scale``
     ``uint8`` ``[..., K/32]`` (E8M0 biased exponents). ``y = e4m3_rne_saturating(x * r)``
@@ -200,7 +199,7 @@ def mx_quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if x.dim() == 0 or x.shape[-1] % MX_GROUP != 0:
         raise NumericsError(
             f"mx_quantize: last dimension must be a multiple of {MX_GROUP}, got shape "
-            f"{tuple(x.shape)} (SPEC §2.2: such a linear stays resolved in the model dtype)"
+            f"{tuple(x.shape)} (docs/contract.md §2.2: such a linear stays resolved in the model dtype)"
         )
     x32 = x.to(torch.float32).reshape(*x.shape[:-1], x.shape[-1] // MX_GROUP, MX_GROUP)
     scale_s = _scale_bytes_of_groups(x32)
@@ -232,7 +231,7 @@ def _check_mx_pair(payload: torch.Tensor, scale: torch.Tensor, what: str) -> tor
 
 
 def mx_dequantize(payload: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """``x' = f32(y) * 2**(S - 127)`` in float32; ``S = 0xFF`` gives NaN (SPEC §2.2).
+    """``x' = f32(y) * 2**(S - 127)`` in float32; ``S = 0xFF`` gives NaN (docs/contract.md §2.2).
 
     The product is exact in float32 except where it overflows (``S`` near 254) or
     underflows below the f32 subnormal range, neither of which a quantized group produces.
@@ -249,7 +248,7 @@ def resolve_mx(payload: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -
     """An MXFP8 source weight in the model dtype: dequantize, then one RNE rounding.
 
     Used where an MXFP8 checkpoint's linear must fall back to the model dtype (its local K
-    is not a multiple of 32 after sharding, SPEC §2.2).
+    is not a multiple of 32 after sharding, docs/contract.md §2.2).
     """
     _check_dtype(torch.empty(0, dtype=dtype), MODEL_TORCH_DTYPES, "resolve_mx: dtype")
     return mx_dequantize(payload, scale).to(dtype)

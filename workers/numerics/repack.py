@@ -1,4 +1,4 @@
-"""Kernel layouts of MX weights (SPEC §2.3): pack, unpack, and in-place row writes.
+"""Kernel layouts of MX weights (docs/contract.md §2.3): pack, unpack, and in-place row writes.
 
 Purpose: turn the row-major MX result of a linear (payload ``[N, K]``, scale ``[N, g]``,
 ``g = K/32``) into what the Ascend 950 quantized matmul reads, and back (for dumps and
@@ -9,8 +9,8 @@ tests):
 Fused MoE stacks those per expert: ``[E, K, N]`` and ``[E, ceil(g/2), N, 2]``.
 
 Why ``write_rows``: conversion runs in row chunks when the staging budget is smaller than
-a unit (SPEC §6), and reloads must write persistent buffers in place (graph stability,
-SPEC §4). Output rows are columns of the transposed buffers, so a chunk's write is a
+a unit (docs/contract.md §6), and reloads must write persistent buffers in place (graph stability,
+docs/contract.md §4). Output rows are columns of the transposed buffers, so a chunk's write is a
 strided ``copy_`` into a view; nothing is ever rebound.
 
 Limits: the pack functions allocate their results (they are for whole tensors and

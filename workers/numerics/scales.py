@@ -1,4 +1,4 @@
-"""Block-scale validation (SPEC §1.1), on numpy arrays so torch-free callers can use it.
+"""Block-scale validation (docs/contract.md §1.1), on numpy arrays so torch-free callers can use it.
 
 :func:`check_block_scales` is the one implementation: ``reference.check_block_scales``
 (torch tensors: the loader's path) hands it a numpy view, and ``mxload convert`` calls it
@@ -25,7 +25,7 @@ def check_block_scales(
     Raises :class:`NonFiniteScale` naming ``tensor``, ``file`` and the global tile index
     ``(tile_row0 + i, tile_col0 + j)`` of the first bad entry in row-major order. With
     ``allow_nonfinite`` (``--allow-nonfinite``), NaN and +Inf pass and follow the NaN
-    semantics of SPEC §2.2 downstream; zero, negative values and -Inf are still refused,
+    semantics of docs/contract.md §2.2 downstream; zero, negative values and -Inf are still refused,
     since no reading of the format gives them a meaning.
     """
     flat = values.reshape(-1)
@@ -47,7 +47,7 @@ def check_block_scales(
     hint = "" if allow_nonfinite else "; --allow-nonfinite lets NaN/Inf through"
     raise NonFiniteScale(
         f"{file}: {tensor}: block scale of tile {tile} is {value!r}; scales must be finite "
-        f"and positive (SPEC §1.1){hint}",
+        f"and positive (docs/contract.md §1.1){hint}",
         file=file,
         tensor=tensor,
         tile=tile,

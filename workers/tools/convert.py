@@ -1,4 +1,4 @@
-"""``mxload convert``: offline block-FP8 -> ModelOpt-style MXFP8 checkpoint (SPEC §1.2).
+"""``mxload convert``: offline block-FP8 -> ModelOpt-style MXFP8 checkpoint (docs/contract.md §1.2).
 
 Unsharded (tp=1) and name-preserving: every tensor keeps its checkpoint name and shard
 file; merged projections stay unmerged, one tensor per expert. Per quantized linear X
@@ -64,7 +64,7 @@ from typing import Any
 
 import numpy as np
 from mxload.orchestrator.errors import UnsupportedError, UsageError
-from mxload.orchestrator.plan.checkpoint import CheckpointMeta, TensorInfo
+from mxload.orchestrator.plan.checkpoint import CheckpointMeta
 from mxload.orchestrator.plan.formats import (
     BLOCK_SCALE_SUFFIX,
     CONFIG_FILE,
@@ -77,6 +77,7 @@ from mxload.orchestrator.plan.formats import (
 )
 from mxload.orchestrator.plan.planner import check_checkpoint, quantization_groups
 from mxload.orchestrator.plan.ranges import contiguous
+from mxload.orchestrator.plan.safetensors_header import TensorInfo
 from mxload.orchestrator.runtime.catalog import open_checkpoint
 from mxload.orchestrator.runtime.outputs import OutputDir, check_disjoint
 from mxload.workers.numerics import kernels
@@ -231,7 +232,7 @@ def _write(
 ) -> int:
     """Every shard, config.json and the index into ``root`` (the temporary folder); the
     source bytes read."""
-    import fsspec
+    import fsspec  # type: ignore[import-untyped]
 
     fs, root_path = fsspec.core.url_to_fs(root, **(dict(dst_storage_options or {})))
     pipe = _Pipeline(
@@ -246,7 +247,7 @@ def _write(
     bar: Any = None
     if progress:
         from mxload.orchestrator.cli.progress import bar_width
-        from tqdm import tqdm
+        from tqdm import tqdm  # type: ignore[import-untyped]
 
         bar = tqdm(
             total=sum(job.in_bytes for job in jobs),
@@ -531,7 +532,7 @@ class _Pipeline:
                     buf = self.arena.get(info.nbytes)
                     if info.nbytes:
                         self.storage.read_ranges_into(
-                            info.file, [contiguous(info.start, info.nbytes)], memoryview(buf)
+                            info.file, [contiguous(info.start, info.nbytes)], buf.data
                         )
                     arrays.append(buf)
                 self.seconds["read"] += time.perf_counter() - t

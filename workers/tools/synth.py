@@ -3,7 +3,7 @@
 Why: every test, the demo and the benchmarks need checkpoints, and none may be downloaded
 (STYLE "tests ... built by fixtures (seeded), never downloaded"). A synthetic checkpoint
 has the exact file layout, tensor names, dtypes and shapes of a Qwen3 / Qwen3-MoE FP8
-release (SPEC §1.1): ``config.json``, ``model-0000X-of-0000Y.safetensors`` shards and
+release (docs/contract.md §1.1): ``config.json``, ``model-0000X-of-0000Y.safetensors`` shards and
 ``model.safetensors.index.json`` (or one ``model.safetensors``), only smaller.
 
 What is in it:
@@ -17,12 +17,12 @@ What is in it:
 * with ``special_tiles``: one all-zero weight tile (``layers.0.self_attn.q_proj``, tile
   (0, 0)) and one tile whose scale is ``2**-120`` (the first MLP linear of layer 0, tile
   (0, last)), whose resolved values fall below the ``2**-118`` threshold where the MX
-  rule of SPEC §2.2 departs from torchao's;
+  rule of docs/contract.md §2.2 departs from torchao's;
 * everything else (``embed_tokens``, ``lm_head`` unless tied, norms, the MoE router
   ``mlp.gate.weight``) in the config's model dtype (BF16 by default);
 * with ``bf16=True``: the *same* model as a plain BF16 checkpoint (what an RL trainer
-  writes for a reload, SPEC §4): no ``quantization_config``, each linear stored as its
-  resolved value ``bf16(f32(W) * S)`` (SPEC §2.1), every other tensor byte-identical.
+  writes for a reload, docs/contract.md §4): no ``quantization_config``, each linear stored as its
+  resolved value ``bf16(f32(W) * S)`` (docs/contract.md §2.1), every other tensor byte-identical.
   Modules listed in ``modules_to_not_convert`` / ``ignored_layers`` are written that way
   in a quantized checkpoint too.
 
@@ -52,7 +52,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import fsspec
+import fsspec  # type: ignore[import-untyped]
 import torch
 from mxload.orchestrator.errors import UnsupportedError, UsageError
 from mxload.orchestrator.plan.config import LOADABLE_ARCHITECTURES, ModelConfig, parse_config
@@ -164,7 +164,7 @@ DEFAULT_TILE_SCALE_RANGE: tuple[float, float] = (2.0**-14, 2.0**-4)
 
 TINY_SCALE = 2.0**-120
 """The special tile's scale: resolved magnitudes <= 448 * 2**-120 < 2**-111, and small
-codes land below 2**-118 (SPEC §2.2's torchao divergence) and in bf16 subnormals."""
+codes land below 2**-118 (docs/contract.md §2.2's torchao divergence) and in bf16 subnormals."""
 
 _ROW_BINADES = 6.0
 _ROW_PEAK = 150.0  # row std before saturation: a few samples per row reach the ±448 clamp
@@ -325,7 +325,7 @@ class _Generator:
         return s
 
     def resolved(self, module: str, n: int, k: int, dtype: torch.dtype) -> torch.Tensor:
-        """SPEC §2.1: ``to_model_dtype(f32(W) * S[r // B_N, c // B_K])``, one rounding."""
+        """docs/contract.md §2.1: ``to_model_dtype(f32(W) * S[r // B_N, c // B_K])``, one rounding."""
         w = self.weight_fp8(module, n, k).to(torch.float32)
         s = self.scale_inv_f32(module, n, k)
         s_full = s.repeat_interleave(self.bn, 0)[:n].repeat_interleave(self.bk, 1)[:, :k]
