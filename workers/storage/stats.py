@@ -26,15 +26,3 @@ class StorageStats:
             self.bytes_fetched += bytes_fetched
             self.requests += requests
             self.retries += retries
-
-    def snapshot(self) -> dict[str, int]:
-        with self._lock:
-            return {
-                "bytes_fetched": self.bytes_fetched,
-                "requests": self.requests,
-                "retries": self.retries,
-            }
-
-    def reset(self) -> None:
-        with self._lock:
-            self.bytes_fetched = self.requests = self.retries = 0
