@@ -132,7 +132,7 @@ def ray_temp_dir(root: str) -> str:
     """The folder Ray is given inside a private ``root``.
 
     Ray makes the temp dir it is given, and its ``session_*``, ``sockets`` and ``logs``,
-    mode 0777 (seen with Ray 2.60), so any local user could replace the raylet's sockets.
+    mode 0777, so any local user could replace the raylet's sockets.
     Ray is therefore given a folder *inside* a 0700 one: nobody else can reach anything
     under it from the moment it exists (no window), and :func:`make_private` then sets
     Ray's own folders back to 0700 too."""
@@ -345,8 +345,7 @@ def start_ticks(pid: int) -> int | None:
 
     psutil's ``create_time`` is that plus ``/proc/stat``'s ``btime``, a whole second the
     kernel recomputes from the wall clock: when the clock is adjusted it can step by one,
-    and a start time compared to 0.01 s then says a live process died (seen in CI: a
-    freshly started head reported down, its GCS port still answering)."""
+    and a start time compared to 0.01 s then says a live process died."""
     try:
         with open(f"/proc/{int(pid)}/stat", "rb") as f:
             data = f.read()
@@ -460,9 +459,8 @@ def start_detached_head(
         raise SessionError("cannot find the `ray` command next to this Python to start a head")
     token = secrets.token_hex(32)
     env = dict(os.environ, **RAY_ENV, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=token)
-    # free_port() can lose its port to another process before Ray binds it (seen on a
-    # busy shared machine: "Failed to start the grpc server. The specified port is ...");
-    # such a start is cleaned up and tried again with new ports.
+    # free_port() can lose its port to another process before Ray binds it ("Failed to
+    # start the grpc server"); such a start is cleaned up and tried again with new ports.
     for attempt in range(HEAD_START_ATTEMPTS):
         temp_dir = short_temp_dir("mxhead-")  # 0700; Ray runs in ray_temp_dir() inside it
         port = free_port()

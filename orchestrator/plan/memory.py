@@ -1,7 +1,7 @@
 """The memory model: staging per rank, chunking, minimum budgets (docs/contract.md §6). Pure.
 
-The rank loader (``mxload.workers.rank.loader``) runs exactly the schedule this module describes, so
-its measured staging high-water mark can be held against the prediction:
+The rank loader (``mxload.workers.rank``) runs exactly the schedule this module
+describes, so its staging high-water mark can be held against the prediction:
 
 * Units are converted one at a time, in plan order. A unit's staging is
   ``read`` (its checkpoint bytes, landed by storage) + ``out`` (the converted MX payload
@@ -185,12 +185,11 @@ class StepPlan:
 
 
 BATCH_UNIT_BYTES = 2 << 20
-"""Largest unit staging (read + out) that shares a step with its neighbours. A step costs
-about 0.3 ms of fixed work on 2 cores (its read call, leases, checks, kernel launch and
-writes), the conversion of about 0.4 MB: a TP-sharded expert half at tp = 8 (0.4-0.8 MB
-of staging) spends as long on it as on converting, a whole expert at tp = 1 (3-6 MB) a
-tenth. Larger units stay alone: batching them saved nothing measurable, and their merged
-reads left the converting thread (``loader.INLINE_READ_BYTES``)."""
+"""Largest unit staging (read + out) that shares a step with its neighbours. A step has a
+fixed cost (its read call, leases, checks, kernel launch and writes) about that of
+converting a TP-sharded expert half, so small units share it; a larger unit's fixed
+cost is small next to its conversion, and its merged reads would leave the converting
+thread (``INLINE_READ_BYTES`` of the rank loader)."""
 
 
 def batchable(unit: Unit, cost: UnitCost, opts: ConvertOptions) -> bool:

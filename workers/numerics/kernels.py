@@ -1,80 +1,59 @@
 """The numba kernels of the fast CPU conversion path, on numpy arrays only (no torch).
 
-Purpose
-    The byte-exact kernels behind :mod:`mxload.workers.numerics.fast` (block-FP8 -> resolve ->
-    MXFP8 in one pass, SPEC §2), with a numpy-level API: :func:`convert` and
-    :func:`resolve` take the raw uint8 payload and float32 tile scales of a checkpoint
-    tensor and return new arrays. Nothing here imports torch, so ``mxload convert``
-    (:mod:`mxload.workers.tools.convert`) starts in a fraction of the time a torch import takes (about
-    1.4 s of a 2-3 s conversion on the benchmark machine). :mod:`mxload.workers.numerics.fast`
-    wraps the same kernels for torch tensors (the loader's calls) and
-    ``tests/unit/test_numerics_fast.py`` holds both to the reference and the named case
-    table; ``bench/bench_convert.py`` measures them (``bench/results/``).
+The byte-exact kernels behind :mod:`.fast` (block-FP8 -> resolve -> MXFP8 in one pass,
+docs/contract.md §2), with a numpy API, :func:`convert` and :func:`resolve`, that
+``mxload convert`` calls without importing torch. Both are held to the reference and the
+named case table by ``tests/unit/test_numerics_fast.py``.
 
-Why numba, and why tables (evidence: ``bench/results/convert.md``)
-    * Rearranged torch ops stay memory-bound: every elementwise op is a pass over 2-4
-      byte temporaries. The best torch arrangement tried (one 256-entry resolved table per
-      tile and a gather, then the reference MX steps: ``torch-lut`` in the bench) ran at
-      about half the naive path's speed, because the gather needs an int index tensor
-      per element. A compiled loop reads each source byte once and keeps the rest in
-      registers: this path runs 7-14x the naive one per core. numba is already a
-      dependency; ``@njit(parallel=True, cache=True, nogil=True)`` gives threads, an
-      on-disk compile cache and GIL-free calls (reads overlap conversion).
+Why numba and tables
+    * Rearranged torch ops stay memory-bound (every elementwise op is a pass over
+      temporaries; a table gather needs an index tensor per element). A compiled loop
+      reads each source byte once and keeps the rest in registers; numba gives threads,
+      an on-disk compile cache and GIL-free calls (reads overlap conversion).
     * The source is FP8: a byte, and one scale per tile. So ``R = to_dtype(f32(w) * s)``
       is a 128-entry table per tile (the sign is ``(w & 0x80) ^ sign(s)``: IEEE products
-      and RNE are sign-symmetric), built once per tile -- a few hundred operations for
-      16k elements. MX quantization is monotone: |R| never decreases as ``w & 0x7F``
-      grows (rounding is monotone, e4m3fn bytes 0x00..0x7E are ordered by magnitude,
-      0x7F is NaN, NaN and Inf have exponent field 255), so a group's Emax is the table's
-      running-max exponent at the group's largest ``w & 0x7F``: a byte max over 32 bytes,
-      done 8 bytes per word (SWAR). The payload then depends only on ``(w, S)``: a
-      256-entry table per (tile, S) that occurs (a tile sees a handful of S values). The
-      hot loop is a word-wise max per group and one table lookup per byte.
+      and RNE are sign-symmetric). MX quantization is monotone: |R| never decreases as
+      ``w & 0x7F`` grows (rounding is monotone, e4m3fn bytes 0x00..0x7E are ordered by
+      magnitude, 0x7F is NaN, NaN and Inf have exponent field 255), so a group's Emax is
+      the table's running-max exponent at the group's largest ``w & 0x7F``: a byte max
+      over 32 bytes, done 8 bytes per word (SWAR). The payload then depends only on
+      ``(w, S)``: a 256-entry table per (tile, S) that occurs. The hot loop is a
+      word-wise max per group and one table lookup per byte.
     * Exactness does not depend on the FPU mode. Table entries come from the hardware
       float32 multiply only where its result is a normal float (then it is the IEEE RNE
       product whatever flush-to-zero / denormals-are-zero say); zero, subnormal and
       non-finite products, and non-normal scales, take an integer routine
       (``_round_pack``), as does every other rounding (bf16/fp16 RNE, e4m3 RNE with
       subnormals and the 448 clamp). No value is ever scaled by 2**(127 - S) in floating
-      point, so 2**(127 - 254) being an f32 subnormal cannot matter. A test runs the
-      named table with torch's flush-denormal mode on.
-    * ``mx_quantize`` of a bf16/fp32 tensor (a BF16 reload, SPEC §4) has too many
-      possible inputs for tables: groups whose non-zero elements all land in the e4m3
-      normal range (nearly all groups of real weights) take a branch-free formula (RNE
-      drop of the low mantissa bits, whose carry bumps the exponent; rebias; clamp),
-      other groups the exact integer routine. fp16 is widened to fp32 first (exact; SPEC
-      §2.2 defines fp16's Emax on that fp32 value).
-    * Loop shapes that mattered, measured: work items walk whole source rows in memory
-      order (tile-column order, rows 4 KiB apart, was 2-3x slower); hot loops index with
-      unsigned integers (numba then drops its negative-index fix-up: 2x on the resolve
-      loop); all payload tables of a work item are built before its lookups, so the hot
-      loop has no branch, allocation or reference counting (a table pool grown inside it
-      cost a third of the time); the packed path converts rows into a buffer whose row
-      stride is padded off 4 KiB, then transposes 8x8 bytes at a time in registers.
+      point, so 2**(127 - 254) being an f32 subnormal cannot matter.
+    * ``mx_quantize`` of a bf16/fp32 tensor (a BF16 reload, §4) has too many possible
+      inputs for tables: groups whose non-zero elements all land in the e4m3 normal range
+      take a branch-free formula (RNE drop of the low mantissa bits, whose carry bumps
+      the exponent; rebias; clamp), other groups the exact integer routine. fp16 is
+      widened to fp32 first (exact; §2.2 defines fp16's Emax on that value).
+    * Loop shapes: work items walk whole source rows in memory order; hot loops index
+      with unsigned integers (numba then drops its negative-index fix-up); a work item
+      builds all its payload tables before its lookups, so the hot loop has no branch,
+      allocation or reference counting; the packed path converts rows into a buffer
+      whose row stride is padded off 4 KiB, then transposes 8x8 bytes in registers.
 
 Threads
-    Each launch names its thread count (capped by ``NUMBA_NUM_THREADS``):
-    :mod:`mxload.workers.numerics.fast` passes ``torch.get_num_threads()``, so a Ray worker given
-    a share of the cores uses that share; ``mxload convert`` passes :func:`cpu_share`. Launches are serialized by a
-    lock: numba's ``workqueue`` threading layer (used where neither TBB nor OpenMP is
-    available) aborts the process on concurrent launches, and a launch already uses all
-    of the worker's threads. (With the OpenMP layer, do not ``fork`` a process after its
-    first launch; Ray starts workers fresh, so the loader never does.)
+    Each launch names its thread count (capped by ``NUMBA_NUM_THREADS``): :mod:`.fast`
+    passes ``torch.get_num_threads()`` (a Ray worker's share of the cores), ``mxload
+    convert`` passes :func:`cpu_share`. Launches are serialized by :data:`LOCK`: numba's
+    ``workqueue`` layer aborts the process on concurrent launches, and a launch already
+    uses all of the worker's threads. With the OpenMP layer a process must not ``fork``
+    after its first launch (Ray starts workers fresh).
 
 Compilation
-    ``cache=True``: the first process compiles (``bench/bench_convert.py`` reports how
-    long: tens of seconds on a small machine) and writes numba's cache next to this file
-    (or under ``NUMBA_CACHE_DIR``); later processes, such as each Ray worker, load it in
-    well under a second. Compilation happens in :func:`available`, which also runs
-    every kernel on a tiny input with bytes derived by hand, and returns False (never
-    raises) when numba is missing or anything fails; callers then use the reference
-    (``backend.select_backend`` does).
+    ``cache=True``: the first process compiles and writes numba's cache next to this file
+    (or under ``NUMBA_CACHE_DIR``); later processes, such as each Ray worker, load it.
+    Compilation happens in :func:`available`, which also runs every kernel on a tiny
+    input with bytes derived by hand and returns False (never raises) when numba is
+    missing or anything fails; callers then use the reference.
 
-Limits
-    CPU memory only. ``mx_quantize`` and the
-    convert functions need ``K % 32 == 0`` (SPEC §2.2: such a linear is never
-    MX-quantized). A group that straddles two scale tiles (a slice starting mid-tile)
-    takes a slow per-element path; tile-aligned slices never have one.
+Limits: CPU memory only; MX quantization needs ``K % 32 == 0`` (§2.2); a group that
+straddles two scale tiles (a slice starting mid-tile) takes a slow per-element path.
 """
 
 from __future__ import annotations
@@ -269,7 +248,7 @@ def _product_f32(wb: int, sb: int) -> int:
 
 @_jit()
 def _to_mode(r32: int, mode: int) -> int:
-    """f32 bits -> model-dtype bits (one RNE rounding, SPEC §2.1)."""
+    """f32 bits -> model-dtype bits (one RNE rounding, docs/contract.md §2.1)."""
     if mode == 0:
         return _f32_to_bf16(r32)
     if mode == 1:
@@ -292,7 +271,7 @@ def _resolve_table(
     sb: int, s_abs: np.float32, mode: int, w_f32: np.ndarray, prod: np.ndarray, out: np.ndarray
 ) -> None:
     """``out[b]`` = model-dtype bits of ``to_dtype(f32(w) * |s|)`` for the 128 E4M3
-    magnitudes ``b`` (SPEC §2.1; the sign is ``(b & 0x80) ^ sign(s)``, see the module
+    magnitudes ``b`` (docs/contract.md §2.1; the sign is ``(b & 0x80) ^ sign(s)``, see the module
     docstring). For a normal scale the hardware float32 multiply is used wherever its
     result is a normal float (exact IEEE RNE under any FTZ/DAZ setting); a zero,
     subnormal or non-finite result, or a non-normal scale, goes to the integer routine.
@@ -313,7 +292,7 @@ def _resolve_table(
 
 @_jit()
 def _scale_byte(emax: int) -> int:
-    """SPEC §2.2 step 2."""
+    """docs/contract.md §2.2 step 2."""
     if emax == 255:
         return 255
     return (emax if emax > 8 else 8) - 8
@@ -321,7 +300,7 @@ def _scale_byte(emax: int) -> int:
 
 @_jit()
 def _quant_e4m3(xb: int, s: int) -> int:
-    """SPEC §2.2 step 3 for one element: f32 bits ``xb`` and scale byte ``s`` -> e4m3fn
+    """docs/contract.md §2.2 step 3 for one element: f32 bits ``xb`` and scale byte ``s`` -> e4m3fn
     byte of ``xb * 2**(127 - s)``, RNE, subnormals included, saturating at +-448."""
     if s == 255:
         return 0x7F
@@ -429,7 +408,7 @@ def _tile_tables(
 ) -> None:
     """Per tile ``t = ti * TJ + tj``: ``r_bits[t, b]`` = model-dtype bits of the resolved
     magnitude ``b`` (0..127) and, when ``s_tab`` has rows, ``r_bits`` is turned into the
-    f32 bits of that value and ``s_tab[t, b]`` is the scale byte (SPEC §2.2 step 2) of
+    f32 bits of that value and ``s_tab[t, b]`` is the scale byte (docs/contract.md §2.2 step 2) of
     the running max of their exponent fields: a group's Emax is that running max at the
     group's largest magnitude byte (module docstring)."""
     n_tc = sbits.shape[1]
@@ -526,7 +505,7 @@ def _split_group(
     r32: np.ndarray,
     xs: np.ndarray,
 ) -> int:
-    """A group that straddles two scale tiles (a slice that starts mid-tile, SPEC §2.1):
+    """A group that straddles two scale tiles (a slice that starts mid-tile, docs/contract.md §2.1):
     the resolved f32 bits of its 32 elements into ``xs``, each from its own tile's
     table; returns the group's scale byte. Rare, so element by element."""
     n_tc = sbits.shape[1]
@@ -707,7 +686,7 @@ def _convert_item(
             q_out[r_lo * k : r_hi * k], k, s_out.reshape(-1, ng)[r_lo:r_hi],
         )  # fmt: skip
         return
-    # Packed (SPEC §2.3): convert the rows row-major into ``loc``, then write them as
+    # Packed (docs/contract.md §2.3): convert the rows row-major into ``loc``, then write them as
     # columns [col, col + nr) of the kernel layout. The row stride is padded by 64 bytes:
     # rows 4 KiB apart would all map to the same cache sets when read column-wise.
     stride = k + 64
@@ -763,8 +742,7 @@ def _convert_kernel(
     Items are dealt to the ``n_threads`` threads by their work (rows x K), largest first,
     each to the least loaded thread: a parallel loop over the items themselves would
     hand each thread an equal count of them, and with parts of different K in one launch
-    (a K = 2048 gate/up and a K = 96 down) one thread got most of the work (the launch
-    ran 20 % longer than one launch per unit)."""
+    (a K = 2048 gate/up and a K = 96 down) one thread would get most of the work."""
     n_parts = parts.shape[0]
     max_ng = 0
     tile0 = np.empty(n_parts + 1, dtype=np.int64)
@@ -968,17 +946,12 @@ _INIT_LOCK = threading.Lock()
 _AVAILABLE: bool | None = None
 _UNAVAILABLE_REASON: str | None = _NUMBA_IMPORT_ERROR
 _MAX_ROWS_PER_ITEM = 128
-"""Rows per parallel work item, at most (an item never crosses a tile row, so with the
-usual 128-row tiles this is a whole tile row): items walk whole rows of the source in
-memory order (walking a 128-row tile column instead, rows k bytes apart, was 2-3x
-slower), and every item builds the payload tables of the (tile column, S) pairs its
-groups use, so a whole tile row builds them once instead of twice. Against 64, timing
-the kernel call of one unit at a time on 2 threads (issue 13): 3-18 % faster on
-Qwen3-30B-A3B experts at tp = 1 and tp = 8 (K = 2048 gate/up, K = 768 and K = 96
-``down_proj``); in whole loads of the experts bench the difference was within noise."""
+"""Rows per parallel work item, at most. An item never crosses a tile row, so with the
+usual 128-row tiles it is a whole tile row: it walks source rows in memory order, and
+builds the payload tables of its (tile column, S) pairs once for the whole tile row."""
 _WIDE_K = 4096
-"""Above this K, items stay at 64 rows: an item's row buffer is rows x (K + 64) bytes,
-and 128 rows of K = 7168 (DeepSeek-V3) were 2-5 % slower than 64."""
+"""Above this K, items stay at :data:`_WIDE_ROWS_PER_ITEM` rows: an item's row buffer is
+rows x (K + 64) bytes, and a smaller one stays in cache."""
 _WIDE_ROWS_PER_ITEM = 64
 
 
@@ -992,15 +965,14 @@ def cpu_share() -> int:
 
 _TLS = threading.local()
 """This thread's numba thread count as last set (numba's setting is per thread, and
-asking numba for it costs tens of microseconds: a visible share of a small launch)."""
+asking numba for it costs a visible share of a small launch)."""
 
 
 def rows_per_item(n: int, k: int) -> int:
     """Rows per work item, a multiple of 8 (so the packed path's transposed writes stay
     word-aligned): :data:`_MAX_ROWS_PER_ITEM` (64 above :data:`_WIDE_K`) while that still
     gives every thread an item, else the block split evenly over the threads (at least 8
-    rows). Quarter-thread items of 16 rows made a TP-sharded expert half (96 x 2048 at
-    tp = 8) 15-40 % slower on 2 threads (issue 13 bench)."""
+    rows; smaller items cost more in per-item table building than they gain)."""
     most = _MAX_ROWS_PER_ITEM if k <= _WIDE_K else _WIDE_ROWS_PER_ITEM
     threads = max(1, getattr(_TLS, "threads", 0) or numba.get_num_threads())
     if ceil_div(n, most) >= threads:
@@ -1080,7 +1052,7 @@ def run_convert(
     threads: int,
 ) -> None:
     """Resolve and MX-quantize ``b``: row-major ``q_np``/``s_np``, or (``packed``) the
-    kernel layout of SPEC §2.3 at column ``out_row0`` of ``n_total``."""
+    kernel layout of docs/contract.md §2.3 at column ``out_row0`` of ``n_total``."""
     if b.n == 0 or b.k == 0:
         return
     ti, tj = b.sbits.shape
@@ -1108,7 +1080,7 @@ def run_convert_parts(
     s_np: np.ndarray,
     threads: int,
 ) -> None:
-    """Parts of one or more units into the kernel layout (SPEC §2.3) in one launch.
+    """Parts of one or more units into the kernel layout (docs/contract.md §2.3) in one launch.
 
     ``src``: 8-byte aligned uint8 holding every part's row-major ``[n, k]`` payload at an
     offset that is a multiple of 8; ``parts``: int64 ``[P, PART_FIELDS]`` whose last column
@@ -1144,7 +1116,7 @@ def run_mx(
 
 
 def _self_test() -> None:
-    """Compile every kernel on tiny inputs and check bytes derived by hand (SPEC §2)."""
+    """Compile every kernel on tiny inputs and check bytes derived by hand (docs/contract.md §2)."""
     # w = [1.0 (0x38), -2.0 (0xC0), 448 (0x7E), 2**-9 (0x01)] * 8, one tile, scale 2**-120:
     # products 2**-120, -2**-119, 1.75 * 2**-112 and 2**-129 (an f32 subnormal).
     w = np.array([0x38, 0xC0, 0x7E, 0x01] * 8, dtype=np.uint8)
@@ -1263,7 +1235,9 @@ def convert(
     require()
     n, k = w.shape
     if k % MX_GROUP:
-        raise NumericsError(f"convert: K = {k} is not a multiple of {MX_GROUP} (SPEC §2.2)")
+        raise NumericsError(
+            f"convert: K = {k} is not a multiple of {MX_GROUP} (docs/contract.md §2.2)"
+        )
     b = make_block(np.ascontiguousarray(w), n, k, scale_inv.view(np.uint32))
     if out is None:
         q = np.empty(n * k, dtype=np.uint8)

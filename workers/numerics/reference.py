@@ -1,13 +1,14 @@
-"""The CPU reference for every numeric step of docs/contract.md §2 (resolve, MX quantize, dequantize).
+"""The CPU reference for every numeric step of docs/contract.md §2 (resolve, MX
+quantize, dequantize).
 
-Purpose: one plain-torch implementation of the bit-exact contract, readable against the
-SPEC line by line. Every other path (the fused CPU kernel in ``fast.py``, torch_npu, CUDA)
+One plain-torch implementation of the bit-exact contract, readable against §2 line by
+line. Every other path (the fused CPU kernel in ``fast.py``, torch_npu, CUDA)
 is tested against it byte for byte through the named case table in
 ``tests/numerics_cases.py``.
 
 Why it is written this way:
 - Exponents are read from float32 bit patterns and scale bytes are built as integers; no
-  ``log2`` and no float -> ``float8_e8m0fnu`` cast (that cast rounds, docs/contract.md §2.2 floors).
+  ``log2`` and no float -> ``float8_e8m0fnu`` cast (that cast rounds; §2.2 floors).
 - Powers of two are built from their bit patterns, so ``2**-127`` (an f32 subnormal) is
   exact whatever the platform's ``exp2`` does.
 - Scaled values are clamped to ±448 before the E4M3 cast because torch versions differ on

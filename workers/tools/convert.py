@@ -38,9 +38,8 @@ How it runs (why it is fast)
     calling thread converts one tensor at a time, a writer streams results into each
     shard's :class:`SafetensorsWriter` (headers are known before any data is read). The
     fast numerics are :mod:`mxload.workers.numerics.kernels` on numpy arrays: with them the
-    process never imports torch (about 1.4 s of start-up on the benchmark machine); the
-    reference path (``numerics="reference"``, or where numba is unavailable) imports it.
-    ``bench/run.py --only convert`` measures the whole process against the reference.
+    process never imports torch (a large share of a small conversion's time); the
+    reference backend (``numerics="reference"``, or where numba is unavailable) imports it.
 
 Memory
     Bytes in flight (read buffers plus results not yet written) stay under

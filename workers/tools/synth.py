@@ -1,10 +1,10 @@
 """Synthetic block-FP8 checkpoints in the real Hugging Face layout (``mxload make-checkpoint``).
 
-Why: every test, the demo and the benchmarks need checkpoints, and none may be downloaded
-(STYLE "tests ... built by fixtures (seeded), never downloaded"). A synthetic checkpoint
-has the exact file layout, tensor names, dtypes and shapes of a Qwen3 / Qwen3-MoE FP8
-release (docs/contract.md §1.1): ``config.json``, ``model-0000X-of-0000Y.safetensors`` shards and
-``model.safetensors.index.json`` (or one ``model.safetensors``), only smaller.
+Every test, the demo and the benchmarks need checkpoints, and none may be downloaded. A
+synthetic checkpoint has the exact file layout, tensor names, dtypes and shapes of a
+Qwen3 / Qwen3-MoE FP8 release (docs/contract.md §1.1): ``config.json``,
+``model-0000X-of-0000Y.safetensors`` shards and ``model.safetensors.index.json`` (or one
+``model.safetensors``), only smaller, seeded.
 
 What is in it:
 
