@@ -12,7 +12,7 @@ on each rank (a rank converts what it holds).
 
 Scopes (``--share``):
 
-* ``none``: every rank reads its own bytes (the old behaviour);
+* ``none``: every rank reads its own bytes;
 * ``node``: one fetch per node that needs the read (peers within a node only: no
   inter-node traffic, storage traffic = nodes x replicated bytes);
 * ``cluster``: one fetch in the whole cluster (storage traffic = unique bytes).

@@ -9,7 +9,7 @@ four rates:
   store serves the whole cluster at once);
 * node **network** bandwidth (what a node takes in from peers' object stores);
 * the **conversion** rate of one rank (source bytes per second through resolve, MX
-  quantize and repack; on CPU measured by ``bench/``, on NPU an estimate until measured).
+  quantize and repack; on CPU calibrated by ``bench/``, on NPU an estimate).
 
 The run has the two phases the driver runs: first the owners of shared reads fetch them
 (nobody converts yet), then every rank loads, reading its unshared units, copying shared
@@ -22,8 +22,8 @@ conversion ends (they overlap).
 
 Requests cost time of their own, which bytes alone miss: a K-split slice (``o_proj``,
 ``down_proj`` at tp >= 2) read from an object store is one request per row, since no
-gap is bridged that would read more than 1.25x what is needed (``REMOTE_POLICY``); a
-dense layer at tp 2 then sends about 80x the requests of tp 1. Two terms: every rank
+gap is bridged that would read more than 1.25x what is needed (``REMOTE_POLICY``), so
+tp >= 2 multiplies a dense layer's requests. Two terms: every rank
 waits ``request_latency`` per request, ``request_concurrency`` requests in flight; and a
 store that serves at most ``storage_requests`` requests/s shares that rate among ranks
 like its bandwidth (the two are separate resources: a transfer ends when both its bytes
@@ -57,8 +57,8 @@ from mxload.orchestrator.plan.types import Plan
 GB = 1e9
 
 CPU_CONVERT_BYTES_PER_S = 0.45 * GB
-"""One CPU core of the fused path, source bytes/s: ``RankLoader`` tp=1 on 2 threads
-loads 0.90 GB/s from warm cache in ``bench/`` (bench/results/full, section load)."""
+"""One CPU core of the fused path, source bytes/s, as ``bench/bench_load.py`` measures a
+rank loading from warm cache."""
 
 NPU_CONVERT_BYTES_PER_S = 20 * GB
 """One Ascend NPU, an estimate until measured: the host-to-device copy of the FP8
@@ -163,8 +163,8 @@ def _storage_finish(
 
     The store's bandwidth and its request handling are two resources, each shared
     equally among the ranks using it, working at the same time: a transfer ends when
-    both its bytes and its requests are through (the larger, not the sum; the sum
-    predicted 1.03-1.56x the measured time of request-bound loads in bench/)."""
+    both its bytes and its requests are through (the larger, not the sum: the two
+    overlap)."""
     agg = shared_link(sizes, rates.storage_aggregate)
     handled = shared_link([float(r) for r in requests], rates.storage_requests)
     per_node = _per_node(sizes, nodes, rates.storage_node)
