@@ -1,13 +1,33 @@
-"""Shared fixtures: seeded tiny checkpoints built on demand (never downloaded)."""
+"""Shared fixtures: seeded tiny checkpoints built on demand (never downloaded).
+
+Before an xdist run starts its workers, the controller compiles the numba kernels once
+in a process of its own, so that numba's on-disk cache is written before anything else
+needs it. Without that, on a fresh clone every process that converts first (both pytest
+workers, each Ray rank worker of the first loads, each ``mxload`` subprocess) compiles
+the same kernels at the same time: tens of CPU-seconds each on a 2-core machine.
+"""
 
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 import pytest
 
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+
+_COMPILE_KERNELS = "from mxload.workers.numerics import kernels; kernels.available()"
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """On the xdist controller only (workers carry ``workerinput``): fill numba's cache.
+
+    In its own process because importing numba here would start its threading layer in
+    the controller; a failure is left to the tests that use the kernels to report."""
+    if getattr(config.option, "numprocesses", None) and not hasattr(config, "workerinput"):
+        subprocess.run([sys.executable, "-c", _COMPILE_KERNELS], check=False, timeout=600)
 
 
 @pytest.fixture(scope="session")
