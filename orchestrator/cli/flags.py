@@ -478,6 +478,8 @@ def apply_defaults(args: argparse.Namespace) -> None:
     for flag in FLAGS:
         if args.command not in flag.commands:
             continue
+        if flag.dest == "session" and args.command == "load" and not args.detach:
+            continue  # a load without --detach keeps no session: no name to default
         value = getattr(args, flag.dest, None)
         if flag.kwargs.get("action") == "store_true":
             setattr(args, flag.dest, bool(value))

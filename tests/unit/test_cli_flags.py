@@ -100,6 +100,13 @@ def test_defaults_used_are_recorded() -> None:
     assert args.enable_expert_parallel is False
 
 
+def test_a_session_name_defaults_only_for_a_detached_load() -> None:
+    assert "--session default" not in parse("load", "ck", "--device", "cpu").defaults_used
+    detached = parse("load", "ck", "--device", "cpu", "--detach")
+    assert detached.session == "default" and "--session default" in detached.defaults_used
+    assert parse("status").session == "default"
+
+
 def test_no_parser_takes_an_abbreviation() -> None:
     parser = cli.build_parser()
     assert parser.allow_abbrev is False
