@@ -23,11 +23,16 @@ so this test runs vllm-ascend's real code, downloaded at test time, on CPU:
    moves. A standalone mxload load (its own allocation, what ``--dump`` writes) holds the
    same views and bytes.
 
+vllm-ascend main has no release to download. Its MXFP8 file (read at 182b75ea) creates
+and post-loads the same parameters as 0.23's; what differs is where vLLM main registers
+a FusedMoE's routed experts (:data:`MAIN_MOE_PREFIX`). So ``--engine vllm-ascend-main``
+runs the same check with 0.23's real schemes, the engine's parameters named under that
+prefix: the main profile is held against vllm-ascend's own code for shapes, strides,
+dtypes, post-load views and values, and against the reading of vLLM main for the names.
+
 Not covered for real (nothing of them imports without vLLM/torch_npu): vLLM's own weight
 loaders and ``method_adapters.create_weights`` (reproduced here), the unquantized
-(fallback) MoE post-load, and vllm-ascend main (no release to download; its MXFP8 file,
-read at 182b75ea, has the same post-load as 0.23 and differs in names, which the planner
-test below checks).
+(fallback) MoE post-load, vllm-ascend main's own file and vLLM main's MoE naming.
 """
 
 from __future__ import annotations
@@ -58,7 +63,12 @@ from safetensors.torch import load_file
 from tests.reference_model import Layout, coords, experts_of, stage_layers
 
 PIN = "0.23.0.post1"
-ENGINE = "vllm-ascend-0.23"
+MOE_PREFIX = "mlp.experts"
+"""Where vLLM 0.23 registers a FusedMoE's parameters (``model.layers.N.mlp.experts.w13_weight``)."""
+MAIN_MOE_PREFIX = "mlp.experts.routed_experts"
+"""Where vLLM main registers them: its FusedMoE hands the routed experts to a MoERunner
+module named ``routed_experts`` (vllm 0.33.0 model_executor/layers/fused_moe/layer.py
+415-470, vllm-ascend main vllm_ascend/ops/fused_moe/fused_moe.py 39-71)."""
 SDIST_DIR = f"vllm_ascend-{PIN}"
 MX_FILE = "vllm_ascend/quantization/methods/w8a8_mxfp8.py"
 
@@ -69,6 +79,12 @@ LAYOUTS = {
     "tp2": ParallelLayout(tp=2),
     "tp2xdp2-ep": ParallelLayout(tp=2, dp=2, enable_expert_parallel=True),
     "tp2xdp2": ParallelLayout(tp=2, dp=2),
+}
+# (layout, --engine, where the engine's MoE parameters live): every layout for 0.23, whose
+# code runs here; the expert-parallel one for main, which differs from 0.23 in names only.
+CASES = {
+    **{name: (name, "vllm-ascend-0.23", MOE_PREFIX) for name in LAYOUTS},
+    "tp2xdp2-ep-main": ("tp2xdp2-ep", "vllm-ascend-main", MAIN_MOE_PREFIX),
 }
 
 _NETWORK_SIGNS = (
@@ -280,10 +296,13 @@ class _Engine:
         }
 
 
-def _loader_values(mx_ckpt: dict[str, torch.Tensor], cfg: dict, layout: Layout, rank: int):
+def _loader_values(
+    mx_ckpt: dict[str, torch.Tensor], cfg: dict, layout: Layout, rank: int, moe_prefix: str
+):
     """Per parameter, the [N, K] payload / [N, K/32] scale a rank's parameters hold after
     vLLM's weight loaders ran on the ModelOpt-MXFP8 checkpoint (vLLM's sharding: qkv with
-    kv-head replication, column/row splits, FusedMoE TP over dp*tp or EP whole experts)."""
+    kv-head replication, column/row splits, FusedMoE TP over dp*tp or EP whole experts),
+    the FusedMoE's under ``layers.N.<moe_prefix>``."""
     dp_rank, pp_rank, tp_rank = coords(layout, rank)
     tp = layout.tp
     hd = cfg["head_dim"]
@@ -349,7 +368,7 @@ def _loader_values(mx_ckpt: dict[str, torch.Tensor], cfg: dict, layout: Layout, 
             s13.append(torch.cat([gs, us]))
             w2.append(dp_)
             s2.append(ds)
-        x = f"{p}.mlp.experts"
+        x = f"{p}.{moe_prefix}"
         out[f"{x}.w13_weight"] = torch.stack(w13).view(torch.float8_e4m3fn)
         out[f"{x}.w13_weight_scale"] = torch.stack(s13)
         out[f"{x}.w2_weight"] = torch.stack(w2).view(torch.float8_e4m3fn)
@@ -383,30 +402,46 @@ def checkpoints(ckpt_factory, tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", sorted(LAYOUTS))
+@pytest.mark.parametrize("name", sorted(CASES))
 def test_adopts_vllm_ascend_parameters_and_reloads_to_its_own_values(
     name, schemes, checkpoints
 ) -> None:
     import json
 
-    layout = LAYOUTS[name]
+    layout_name, engine_name, moe_prefix = CASES[name]
+    layout = LAYOUTS[layout_name]
     ref_layout = Layout(tp=layout.tp, dp=layout.dp, pp=layout.pp, ep=layout.enable_expert_parallel)
     src1, mx1 = checkpoints[1]
     src2, mx2 = checkpoints[2]
     with open(os.path.join(src1, "config.json")) as f:
         cfg = json.load(f)
     meta = open_checkpoint(src1)
-    held = build_plan(meta.config, layout, checkpoint=meta, engine=ENGINE)
+    held = build_plan(meta.config, layout, checkpoint=meta, engine=engine_name)
+    # What the engine holds as plain tensors (norms, embeddings, the router) is planned
+    # row-major under the same names as mxload's own layout.
+    own = build_plan(meta.config, layout, checkpoint=meta, engine="mxload")
+    for rp, mine in zip(held.ranks, own.ranks, strict=True):
+        plain = [(b.name, b.shape, b.stride, b.dtype) for b in rp.buffers if b.layout == "dense"]
+        assert plain == [
+            (b.name, b.shape, b.stride, b.dtype) for b in mine.buffers if b.layout == "dense"
+        ]
     dtype = torch.bfloat16
     inputs = {1: reload_inputs(held, src1), 2: reload_inputs(held, src2)}
     for rank, rp in enumerate(held.ranks):
-        values = {v: _loader_values(mx, cfg, ref_layout, rank) for v, mx in ((1, mx1), (2, mx2))}
+        values = {
+            v: _loader_values(mx, cfg, ref_layout, rank, moe_prefix)
+            for v, mx in ((1, mx1), (2, mx2))
+        }
         # What vllm-ascend holds after loading version 1 (its engine start-up).
         engine = _Engine(schemes, rp, dtype)
+        # 0. The plan names every MX parameter as the engine does: the schemes' own
+        #    parameter names under the modules vLLM's loaders fill (above).
+        names = set(engine.params())
+        assert names == set(values[1]), f"rank {rank}: {sorted(names ^ set(values[1]))}"
+        assert any(f".{moe_prefix}.w13_weight_scale" in n for n in names), sorted(names)
         engine.load(values[1])
         engine.post_load()
         params = engine.params()
-        assert params, f"rank {rank}: no MX parameters"
 
         # 1. mxload's plan names exactly those views: shape, stride, dtype, storage offset.
         specs = {b.name: b for b in rp.buffers}
@@ -465,20 +500,3 @@ def test_adopts_vllm_ascend_parameters_and_reloads_to_its_own_values(
                 0,
             ), pname
             assert torch.equal(_bytes(dumped[pname]), want[2][pname]), f"rank {rank} {pname}"
-
-
-def test_main_profile_names_routed_experts_with_the_same_views() -> None:
-    """vllm-ascend main (no release to download): same post-load views as 0.23, MoE
-    parameters under ``mlp.experts.routed_experts.`` (vLLM main's MoERunner)."""
-    from mxload.orchestrator.plan.config import parse_config
-    from mxload.workers.tools.synth import preset_config
-
-    config = parse_config(preset_config("qwen3-moe-tiny", OVERRIDES))
-    layout = ParallelLayout(tp=2, dp=2, enable_expert_parallel=True)
-    a = build_plan(config, layout, engine="vllm-ascend-0.23").ranks[1].buffers
-    b = build_plan(config, layout, engine="vllm-ascend-main").ranks[1].buffers
-    assert len(a) == len(b)
-    for x, y in zip(a, b, strict=True):
-        assert y.name == x.name.replace("mlp.experts.", "mlp.experts.routed_experts."), y.name
-        assert (x.shape, x.stride, x.dtype) == (y.shape, y.stride, y.dtype)
-    assert any(".routed_experts.w13_weight_scale" in y.name for y in b)
