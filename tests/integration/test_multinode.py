@@ -8,7 +8,8 @@ under ``spread`` too — and leave every rank holding exactly what the independe
 reference (``tests/reference_model.py``) says, byte for byte the same as the single-node
 load (the embedded default, ``mxload load`` in its own process). A layout asking more
 accelerators than the cluster has is refused with an error naming the resource, and
-every socket of every process of the cluster is bound to loopback.
+every socket of every process of the cluster is bound to loopback (checked while the
+pack load's workers are alive).
 
 ``cluster/simulate_cluster.py`` (the ``ray start`` route an operator uses) is checked
 once too, with the CLI joining it by ``--address`` and the recorded token.
@@ -216,6 +217,15 @@ def _check_same_bytes(dump: str, other: str, world: int) -> None:
         assert sums == {n: t["checksum"] for n, t in other_ranks[rank]["tensors"].items()}
 
 
+def _live_placement_groups() -> set[str]:
+    """Ids of the cluster's placement groups not removed."""
+    import ray
+
+    return {
+        pg_id for pg_id, pg in ray.util.placement_group_table().items() if pg["state"] != "REMOVED"
+    }
+
+
 def _alive_nodes() -> set[str]:
     import ray
 
@@ -254,10 +264,17 @@ def test_simulate_cluster_script_joined_by_address(
 def test_pack_spans_nodes_keeps_tp_groups_and_matches_reference(
     two_nodes, src, reference, single_node_dump, tmp_path
 ) -> None:
+    """Also, while its rank workers are alive: GCS, raylets, agents, workers and this
+    driver bind 127.0.0.1 only (the equivalent of ``ss -tlnp`` filtered to our processes)."""
     dump = str(tmp_path / "dump")
-    manifest, _ = load(
-        LoadRequest(src=src, layout=LAYOUT, device="cpu", placement="pack"), dump=dump
+    manifest, run = load(
+        LoadRequest(src=src, layout=LAYOUT, device="cpu", placement="pack"), dump=dump, keep=True
     )
+    assert run is not None
+    try:
+        _check_loopback_only(two_nodes, manifest)
+    finally:
+        run.shutdown()
     _check_placement(manifest, _alive_nodes())
     lay = Layout(LAYOUT.tp, LAYOUT.dp, LAYOUT.pp, LAYOUT.enable_expert_parallel)
     for r in manifest["ranks"]:
@@ -292,17 +309,14 @@ def test_spread_spans_nodes_with_identical_bytes(
 def test_more_ranks_than_accelerators_is_refused(
     two_nodes, src, layout: ParallelLayout, resource: str | None, needs: int, have: int
 ) -> None:
-    import ray
-
+    before = _live_placement_groups()
     with pytest.raises(InputError) as info:
         load(LoadRequest(src=src, layout=layout, device="cpu", resource=resource))
     name = resource or "NPU"
     msg = str(info.value)
     assert f"has {have} {name} resources" in msg and f"needs {needs}" in msg, msg
     assert info.value.key == "--resource"
-    assert ray.util.placement_group_table() == {} or all(
-        pg["state"] == "REMOVED" for pg in ray.util.placement_group_table().values()
-    ), "a refused layout must not leave a placement group behind"
+    assert _live_placement_groups() <= before, "a refused layout left a placement group behind"
 
 
 def test_strict_spread_wider_than_the_cluster_fails_naming_the_strategy(two_nodes, src) -> None:
@@ -320,36 +334,28 @@ def test_strict_spread_wider_than_the_cluster_fails_naming_the_strategy(two_node
     assert "STRICT_SPREAD" in str(info.value) and "NPU" in str(info.value)
 
 
-def test_every_cluster_socket_is_loopback(two_nodes, src) -> None:
-    """While rank workers are alive: GCS, raylets, agents, workers and this driver bind
-    127.0.0.1 only (the equivalent of ``ss -tlnp`` filtered to our processes)."""
-    manifest, run = load(LoadRequest(src=src, layout=LAYOUT, device="cpu"), keep=True)
-    assert run is not None
-    try:
-        from mxload.cluster.local import processes_under
+def _check_loopback_only(cluster: Any, manifest: dict[str, Any]) -> None:
+    """Every listening or bound socket of the cluster's processes (rank workers among
+    them) and of this driver is on loopback."""
+    from mxload.cluster.local import processes_under
 
-        procs = [*processes_under(two_nodes.temp_dir), psutil.Process()]
-        pids = {p.pid for p in procs}
-        assert {r["pid"] for r in manifest["ranks"]} <= pids, "rank workers not found"
-        bound = _bound_addresses(procs)
-        raylets = {p.pid for p in procs if _name(p) == "raylet"}
-        assert len(raylets) == 2 and raylets <= {pid for pid, _, _ in bound}
-        assert {ip for _, ip, _ in bound} <= LOOPBACK_IPS, [b for b in bound]
-    finally:
-        run.shutdown()
+    procs = [*processes_under(cluster.temp_dir), psutil.Process()]
+    pids = {p.pid for p in procs}
+    assert {r["pid"] for r in manifest["ranks"]} <= pids, "rank workers not found"
+    bound = _bound_addresses(procs)
+    raylets = {p.pid for p in procs if _name(p) == "raylet"}
+    assert len(raylets) == 2 and raylets <= {pid for pid, _, _ in bound}
+    assert {ip for _, ip, _ in bound} <= LOOPBACK_IPS, [b for b in bound]
 
 
 def test_a_node_without_the_device_runtime_is_refused_before_any_worker(two_nodes, src) -> None:
     """``--device npu`` on nodes without torch_npu: each node of the placement group is
     asked first (a small task in one of its bundles); the refusal names the node and the
     flag, is an input error (exit 2), and starts no worker (nothing to restart)."""
-    import ray
-
+    before = _live_placement_groups()
     with pytest.raises(InputError) as info:
         load(LoadRequest(src=src, layout=LAYOUT, device="npu", placement="spread"))
     msg = str(info.value)
     assert msg.startswith("node ") and "--device npu" in msg and "torch_npu" in msg, msg
     assert info.value.key == "--device" and info.value.exit_code == 2
-    assert ray.util.placement_group_table() == {} or all(
-        pg["state"] == "REMOVED" for pg in ray.util.placement_group_table().values()
-    )
+    assert _live_placement_groups() <= before, "a refused layout left a placement group behind"
