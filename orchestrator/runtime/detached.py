@@ -67,7 +67,7 @@ from mxload.orchestrator.runtime.driver import (
 )
 from mxload.orchestrator.runtime.outputs import OutputDir
 from mxload.orchestrator.runtime.reload import Progress, RayRanks, reload, repair
-from mxload.orchestrator.runtime.state import SessionState, verdict
+from mxload.orchestrator.runtime.state import Lease, LeaseHolder, SessionState, verdict
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +90,7 @@ class SessionKeeper:
 
         tighten_own_temp_dir()  # this process's start made Ray's folders 0777 again
         self.state = state
-        self.lease: dict[str, Any] | None = None
+        self.lease: Lease | None = None
 
     def get(self) -> SessionState:
         return self.state
@@ -102,70 +102,75 @@ class SessionKeeper:
     def pid(self) -> int:
         return os.getpid()
 
-    def acquire(self, holder: dict[str, Any], ttl_s: float) -> dict[str, Any] | None:
-        """Take the lease for ``holder`` (None), or return the live holder that has it."""
+    def acquire(self, holder: LeaseHolder, ttl_s: float) -> Lease | None:
+        """Take the lease for ``holder`` (None), or return the live lease that has it."""
         now = time.time()
         cur = self.lease
-        if cur is not None and cur["expires"] > now and _holder_alive(cur):
-            return dict(cur)
-        self.lease = dict(holder, since=now, expires=now + ttl_s)
-        if cur is not None:
-            self.lease["took_over_from"] = {k: cur[k] for k in ("pid", "host", "src", "what")}
+        if cur is not None and cur.expires > now and _holder_alive(cur.holder):
+            return cur
+        self.lease = Lease(
+            holder, since=now, expires=now + ttl_s, took_over_from=cur.holder if cur else None
+        )
         return None
 
     def renew(self, token: str, ttl_s: float) -> bool:
-        if self.lease is None or self.lease["token"] != token:
+        if self.lease is None or self.lease.holder.token != token:
             return False
-        self.lease["expires"] = time.time() + ttl_s
+        self.lease = replace(self.lease, expires=time.time() + ttl_s)
         return True
 
     def release(self, token: str) -> None:
-        if self.lease is not None and self.lease["token"] == token:
+        if self.lease is not None and self.lease.holder.token == token:
             self.lease = None
 
-    def holder(self) -> dict[str, Any] | None:
+    def holder(self) -> Lease | None:
+        """The lease, while its holder lives and it has not expired."""
         cur = self.lease
-        if cur is None or cur["expires"] <= time.time() or not _holder_alive(cur):
+        if cur is None or cur.expires <= time.time() or not _holder_alive(cur.holder):
             return None
-        return dict(cur)
+        return cur
 
 
-def _holder_alive(holder: dict[str, Any]) -> bool:
+def _holder_alive(holder: LeaseHolder) -> bool:
     """A lease holder on this host whose process is gone holds nothing (a reload killed
     with -9); on another host only the lease's expiry can tell."""
-    if holder.get("host") != socket.gethostname():
+    if holder.host != socket.gethostname():
         return True
     try:
         import psutil  # type: ignore[import-untyped]
         from mxload.cluster.local import same_process
 
-        return same_process(psutil.Process(holder["pid"]), holder)
-    except Exception:
+        return same_process(psutil.Process(holder.pid), holder.process())
+    except Exception:  # no such process, or not ours to inspect
         return False
 
 
 @contextmanager
-def session_lease(keeper: Any, session: str, what: str, src: str = "") -> Iterator[dict[str, Any]]:
+def session_lease(keeper: Any, session: str, what: str, src: str = "") -> Iterator[LeaseHolder]:
     """Hold the session's lease while the block runs, or refuse (SessionBusy) naming the
     command that holds it. Renewed from a thread, so a long reload keeps it."""
     import psutil
     import ray
     from mxload.cluster.local import process_identity
 
-    holder = {
-        "token": secrets.token_hex(8),
-        **process_identity(psutil.Process(os.getpid())),
-        "host": socket.gethostname(),
-        "what": what,
-        "src": src,
-    }
-    cur = ray.get(keeper.acquire.remote(holder, LEASE_TTL_S))
+    me = process_identity(psutil.Process(os.getpid()))
+    holder = LeaseHolder(
+        token=secrets.token_hex(8),
+        pid=int(me["pid"]),
+        created=float(me["created"]),
+        start_ticks=me["start_ticks"],
+        host=socket.gethostname(),
+        what=what,
+        src=src,
+    )
+    cur: Lease | None = ray.get(keeper.acquire.remote(holder, LEASE_TTL_S))
     if cur is not None:
-        since = time.strftime("%H:%M:%S", time.localtime(cur["since"]))
+        h = cur.holder
+        since = time.strftime("%H:%M:%S", time.localtime(cur.since))
         raise SessionBusy(
-            f"session {session!r} is busy: {cur['what']} from {cur['src'] or '-'} by pid "
-            f"{cur['pid']} on {cur['host']} since {since}; nothing was started (run it again "
-            "once that has finished)",
+            f"session {session!r} is busy: {h.what} from {h.src or '-'} by pid {h.pid} on "
+            f"{h.host} since {since}; nothing was started (run it again once that has "
+            "finished)",
             key="--session",
         )
     stop = threading.Event()
@@ -173,7 +178,7 @@ def session_lease(keeper: Any, session: str, what: str, src: str = "") -> Iterat
     def renew() -> None:
         while not stop.wait(LEASE_TTL_S / 4):
             try:
-                ray.get(keeper.renew.remote(holder["token"], LEASE_TTL_S), timeout=10)
+                ray.get(keeper.renew.remote(holder.token, LEASE_TTL_S), timeout=10)
             except Exception:  # the keeper unreachable: the run itself will fail too
                 pass
 
@@ -185,7 +190,7 @@ def session_lease(keeper: Any, session: str, what: str, src: str = "") -> Iterat
         stop.set()
         thread.join(timeout=5)
         try:
-            ray.get(keeper.release.remote(holder["token"]), timeout=10)
+            ray.get(keeper.release.remote(holder.token), timeout=10)
         except Exception:  # expires on its own
             pass
 
@@ -541,7 +546,7 @@ def detached_status(
         manifest["session"] = session
         manifest["src"] = state.src
         manifest["repaired_ranks"] = repaired
-        manifest["reload_in_progress"] = busy
+        manifest["reload_in_progress"] = busy.to_json() if busy is not None else None
         last = state.last_reload
         manifest["last_reload"] = last.to_json() if last is not None else None
         verdict(state, manifest, busy=busy)

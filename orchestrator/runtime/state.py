@@ -46,6 +46,50 @@ class ReloadRecord:
         return asdict(self)
 
 
+@dataclass(frozen=True)
+class LeaseHolder:
+    """A command that holds (or asks for) a session's lease: its process, told from a
+    later one with the same pid (``cluster.local.process_identity``), and what it runs."""
+
+    token: str
+    pid: int
+    created: float
+    host: str
+    what: str
+    src: str = ""
+    start_ticks: int | None = None
+
+    def process(self) -> dict[str, Any]:
+        """The process as ``cluster.local.same_process`` compares it."""
+        return {"pid": self.pid, "created": self.created, "start_ticks": self.start_ticks}
+
+
+@dataclass(frozen=True)
+class Lease:
+    """A session's lease: one holder at a time, until it is released or expires."""
+
+    holder: LeaseHolder
+    since: float
+    expires: float
+    took_over_from: LeaseHolder | None = None
+    """The holder whose lease this one took over (its process gone, or it expired)."""
+
+    def to_json(self) -> dict[str, Any]:
+        h = self.holder
+        out: dict[str, Any] = {
+            "what": h.what,
+            "src": h.src,
+            "pid": h.pid,
+            "host": h.host,
+            "since": self.since,
+            "expires": self.expires,
+        }
+        if self.took_over_from is not None:
+            t = self.took_over_from
+            out["took_over_from"] = {"what": t.what, "src": t.src, "pid": t.pid, "host": t.host}
+        return out
+
+
 @dataclass
 class SessionState:
     """A session's state, wherever it lives (see the module docstring)."""
@@ -128,9 +172,7 @@ class SessionState:
         return out
 
 
-def verdict(
-    state: SessionState, manifest: dict[str, Any], *, busy: Mapping[str, Any] | None = None
-) -> None:
+def verdict(state: SessionState, manifest: dict[str, Any], *, busy: Lease | None = None) -> None:
     """Decide, from what the ranks report, whether the session holds one checkpoint, and
     say why not (docs/contract.md §4). Sets ``consistent``, ``problems`` (each a reason it
     is not), ``notices`` (true but not inconsistent: restarted ranks, a failed reload
@@ -183,10 +225,10 @@ def verdict(
             f"ranks {_ranks(manifest['repaired_ranks'])} were reloaded by this status call "
             f"after a restart, from {state.src}"
         )
-    if busy:
+    if busy is not None:
+        h = busy.holder
         problems.append(
-            f"a reload is running: {busy['what']} from {busy['src'] or '-'} by pid "
-            f"{busy['pid']} on {busy['host']}"
+            f"a reload is running: {h.what} from {h.src or '-'} by pid {h.pid} on {h.host}"
         )
     last = state.last_reload
     if last is not None and not last.ok:

@@ -30,6 +30,8 @@ from mxload.orchestrator.runtime.detached import (
     same_address,
 )
 from mxload.orchestrator.runtime.state import (
+    Lease,
+    LeaseHolder,
     ReloadRecord,
     SessionState,
     replica_mismatches,
@@ -140,7 +142,7 @@ def test_moved_buffers_and_restarted_ranks_are_shown(plan) -> None:
 
 def test_a_running_reload_and_a_failed_one_are_said(plan) -> None:
     m = manifest_of(plan)
-    busy = {"what": "reload", "src": "/ckpt/v9", "pid": 42, "host": "h"}
+    busy = Lease(LeaseHolder("t", 42, 1.0, "h", "reload", "/ckpt/v9"), since=1.0, expires=2.0)
     state = state_of(plan)
     state.last_reload = ReloadRecord("/x", 2, "fX", ok=False, error="boom")
     verdict(state, m, busy=busy)
@@ -151,23 +153,23 @@ def test_a_running_reload_and_a_failed_one_are_said(plan) -> None:
 # --- the lease ---------------------------------------------------------------------------------
 
 
-def holder(pid: int | None = None, **kw) -> dict:
+def holder(pid: int | None = None, **kw) -> LeaseHolder:
     proc = psutil.Process(pid or os.getpid())
-    return {
-        "token": kw.pop("token", "t1"),
-        "pid": proc.pid,
-        "created": proc.create_time(),
-        "host": kw.pop("host", socket.gethostname()),
-        "what": "reload",
-        "src": kw.pop("src", "/a"),
-    }
+    return LeaseHolder(
+        token=kw.pop("token", "t1"),
+        pid=proc.pid,
+        created=proc.create_time(),
+        host=kw.pop("host", socket.gethostname()),
+        what="reload",
+        src=kw.pop("src", "/a"),
+    )
 
 
 def test_lease_one_holder_at_a_time(plan) -> None:
     k = SessionKeeper(state_of(plan))
     assert k.acquire(holder(), 60) is None
     busy = k.acquire(holder(token="t2", src="/b"), 60)
-    assert busy is not None and busy["src"] == "/a" and busy["pid"] == os.getpid()
+    assert busy is not None and busy.holder.src == "/a" and busy.holder.pid == os.getpid()
     assert k.renew("t2", 60) is False and k.renew("t1", 60) is True
     k.release("t2")  # not the holder: no effect
     assert k.holder() is not None
@@ -185,7 +187,10 @@ def test_lease_of_a_dead_holder_or_expired_is_taken_over(plan) -> None:
         proc.kill()
         proc.wait()
     assert k.acquire(holder(token="t2"), 60) is None  # killed with -9: taken over
-    assert k.lease["took_over_from"]["src"] == "/dead"
+    assert k.lease.took_over_from.src == "/dead"
+    shown = k.lease.to_json()  # what status --json says of a running reload
+    assert shown["took_over_from"]["src"] == "/dead" and shown["src"] == "/a"
+    assert "token" not in shown, "the token renews and releases the lease: not shown"
     # A holder on another host is trusted until its lease expires.
     k = SessionKeeper(state_of(plan))
     assert k.acquire(holder(host="elsewhere"), 60) is None
