@@ -30,6 +30,17 @@ def pytest_configure(config: pytest.Config) -> None:
         subprocess.run([sys.executable, "-c", _COMPILE_KERNELS], check=False, timeout=600)
 
 
+SLOW_TIMEOUT_S = 300
+"""Per-test limit of a test marked ``slow`` (Ray clusters, ``mxload`` subprocesses) that
+names no limit of its own; every other test has pyproject's default."""
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.get_closest_marker("slow") and not item.get_closest_marker("timeout"):
+            item.add_marker(pytest.mark.timeout(SLOW_TIMEOUT_S))
+
+
 @pytest.fixture(scope="session")
 def ckpt_factory(tmp_path_factory: pytest.TempPathFactory):
     """make(preset, seed, **kw) -> path of a synthetic checkpoint (cached per arguments)."""
