@@ -182,12 +182,12 @@ class RankLoader:
         progress: Callable[[int, int, int], None] | None,
         fault_hook: Callable[[int], None] | None,
     ) -> RunStats:
-        opts = ConvertOptions(
-            model_dtype=self.model_dtype,
-            source_quant=source.quant,
+        opts = ConvertOptions.for_source(
+            self.model_dtype,
+            source.quant,
+            source.block_n,
             fused=bool(getattr(self.backend, "fused", False)),
             device=torch.device(self.backend.device).type,
-            block_n=source.block_n,
         )
         read_fn = read_fn_from_reads(
             units, reads, block_n=source.block_n, source_quant=source.quant
