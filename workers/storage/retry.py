@@ -11,7 +11,7 @@ attempts made and the last cause.
 
 from __future__ import annotations
 
-import sys
+import logging
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -23,6 +23,7 @@ from mxload.workers.storage.stats import StorageStats
 from tenacity import RetryCallState, Retrying, retry_if_exception, stop_after_attempt
 
 T = TypeVar("T")
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -124,16 +125,7 @@ def storage_error(exc: Exception, url: str, where: str, attempts: int) -> Storag
 
 
 def _report_stall(exc: BaseException | None, url: str, attempt: int, attempts: int) -> None:
-    """On a terminal, say that a request timed out and will be tried again (a stall
-    must not look like a hang); quiet in pipes and logs, where the final error says it."""
-    if not is_timeout(exc):
-        return
-    try:
-        if not sys.stderr.isatty():
-            return
-        sys.stderr.write(
-            f"\nmxload: {url}: no answer in time (attempt {attempt} of {attempts}); retrying\n"
-        )
-        sys.stderr.flush()
-    except (OSError, ValueError):  # stderr closed: nothing to tell
-        pass
+    """Say that a request timed out and will be tried again: a stall must not look like a
+    hang. A warning, so the command line shows it at its default level."""
+    if is_timeout(exc):
+        logger.warning("%s: no answer in time (attempt %d of %d); retrying", url, attempt, attempts)
