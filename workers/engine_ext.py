@@ -45,8 +45,8 @@ import torch
 from mxload.orchestrator.errors import AddressMoved, AdoptionError, RunError
 from mxload.orchestrator.plan.engines import EngineProfile, engine_profile
 from mxload.orchestrator.plan.types import ParallelLayout, Plan
-from mxload.orchestrator.runtime.reload import Progress, ReloadInputs, reload
-from mxload.orchestrator.runtime.state import Report, SessionState
+from mxload.orchestrator.runtime.reload import ReloadInputs, reload
+from mxload.orchestrator.runtime.state import Progress, Report, SessionState
 from mxload.workers.rank.loader import RankLoader, RunStats
 
 ExpertPlacement = Literal["linear", "round_robin"]

@@ -66,8 +66,8 @@ from mxload.orchestrator.runtime.driver import (
     write_dump,
 )
 from mxload.orchestrator.runtime.outputs import OutputDir
-from mxload.orchestrator.runtime.reload import Progress, RayRanks, reload, repair
-from mxload.orchestrator.runtime.state import Lease, LeaseHolder, SessionState, verdict
+from mxload.orchestrator.runtime.reload import RayRanks, reload, repair
+from mxload.orchestrator.runtime.state import Lease, LeaseHolder, Progress, SessionState, verdict
 
 log = logging.getLogger(__name__)
 

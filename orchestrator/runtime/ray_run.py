@@ -15,13 +15,11 @@ from mxload.orchestrator.plan.types import Plan, Unit, UnitReads
 from mxload.orchestrator.runtime import placement, shared_reads
 from mxload.orchestrator.runtime.reports import first_line, plain, rank_error
 from mxload.orchestrator.runtime.request import LoadRequest, staging_budget_of
-from mxload.orchestrator.runtime.state import Report
+from mxload.orchestrator.runtime.state import Progress, Report
 
 if TYPE_CHECKING:
     from mxload.workers.rank.actor import RankWorker
     from mxload.workers.rank.loader import SourceInfo
-
-Progress = Callable[[list[tuple[int, int, int]]], None]
 
 
 class RayRun:

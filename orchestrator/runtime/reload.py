@@ -28,16 +28,13 @@ from mxload.orchestrator.runtime.request import (
     staging_budget_of,
     workers_fused,
 )
-from mxload.orchestrator.runtime.state import ReloadRecord, Report, SessionState
+from mxload.orchestrator.runtime.state import Progress, ReloadRecord, Report, SessionState
 
 if TYPE_CHECKING:
     from mxload.orchestrator.runtime.ray_run import RayRun
     from mxload.workers.rank.loader import SourceInfo
 
 log = logging.getLogger(__name__)
-
-Progress = Callable[[list[tuple[int, int, int]]], None]
-"""Called while ranks run with each rank's (units done, units, bytes read)."""
 
 
 # --- planning and preflight ---------------------------------------------------------------
@@ -248,6 +245,8 @@ class Ranks(Protocol):
 
 @dataclass(frozen=True)
 class ReloadResult:
+    """What a reload that ended well did."""
+
     reports: list[Report]
     """The ranks' reports, marked by :meth:`SessionState.observe`."""
     restarted: list[int]
@@ -338,7 +337,7 @@ def repair(run: RayRun, state: SessionState, save: Callable[[SessionState], None
     import ray
 
     pids = run.pids()
-    lost = [r for r, pid in enumerate(pids) if pid is None or pid != state.pids.get(r)]
+    lost = [r for r, pid in enumerate(pids) if state.lost(r, pid)]
     if not lost:
         return []
     inputs = reload_inputs(

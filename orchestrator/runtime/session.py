@@ -27,8 +27,8 @@ from mxload.orchestrator.errors import SessionBusy
 from mxload.orchestrator.plan.types import ParallelLayout
 from mxload.orchestrator.runtime.driver import LoadRequest, RayRun, build_manifest
 from mxload.orchestrator.runtime.driver import load as driver_load
-from mxload.orchestrator.runtime.reload import Progress, RayRanks, reload
-from mxload.orchestrator.runtime.state import SessionState, verdict
+from mxload.orchestrator.runtime.reload import RayRanks, reload
+from mxload.orchestrator.runtime.state import Progress, SessionState, verdict
 
 
 class Session:

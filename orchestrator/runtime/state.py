@@ -11,7 +11,7 @@ in a manifest (:meth:`ReloadRecord.to_json`, :func:`verdict`).
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -24,6 +24,10 @@ Report = dict[str, Any]
 """A rank's report as its worker sends it: a manifest entry (docs/contract.md §5) in the
 making. The keys read here: ``rank``, ``pid``, ``tensors`` (name -> ``data_ptr``,
 ``checksum``), ``identity``, ``units``, ``restarts``, ``addresses_changed``."""
+
+
+Progress = Callable[[list[tuple[int, int, int]]], None]
+"""Called while ranks run with each rank's (units done, units, bytes read)."""
 
 
 def addresses_of(report: Report) -> dict[str, int]:
@@ -138,6 +142,10 @@ class SessionState:
     def identity(self) -> tuple[int, str]:
         return self.version, self.fingerprint
 
+    def lost(self, rank: int, pid: int | None) -> bool:
+        """Whether ``rank``'s process is not the recorded one (None: it does not answer)."""
+        return pid is None or pid != self.pids.get(rank)
+
     def observe(self, reports: Sequence[Report]) -> list[int]:
         """Count restarts: a rank whose report comes from another process than the one
         recorded (or whose run lost its process) was restarted, with new buffers. Records
@@ -147,7 +155,7 @@ class SessionState:
         now = []
         for rep in reports:
             rank = int(rep["rank"])
-            if rep.get("restarts", 0) > 0 or rep.get("pid") != self.pids.get(rank):
+            if rep.get("restarts", 0) > 0 or self.lost(rank, rep.get("pid")):
                 now.append(rank)
                 rep["restarts"] = max(int(rep.get("restarts", 0)), 1)
                 self.pids[rank] = rep.get("pid")
