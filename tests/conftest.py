@@ -35,7 +35,19 @@ SLOW_TIMEOUT_S = 300
 names no limit of its own; every other test has pyproject's default."""
 
 
+def _heavy(item: pytest.Item) -> bool:
+    return any(item.get_closest_marker(m) for m in ("slow", "ray"))
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Slow tests get :data:`SLOW_TIMEOUT_S`; files with a slow or Ray test run first.
+
+    xdist's loadfile hands whole files to its workers in collection order (pyproject
+    turns off its reordering by test count, which put the few-test Ray files last): the
+    long files first, the many short ones after them fill in, so that both workers
+    finish at about the same time."""
+    heavy_files = {item.path for item in items if _heavy(item)}
+    items.sort(key=lambda item: item.path not in heavy_files)  # stable: files stay whole
     for item in items:
         if item.get_closest_marker("slow") and not item.get_closest_marker("timeout"):
             item.add_marker(pytest.mark.timeout(SLOW_TIMEOUT_S))
