@@ -3,7 +3,7 @@
 Each layout loads a synthetic checkpoint through the real placement path (placement
 group, one bundle per virtual NPU, Ray setting ASCEND_RT_VISIBLE_DEVICES), dumps what
 every device holds, and compares it byte for byte with ``tests/reference_model.py`` (an
-independent implementation of SPEC §2-§3).
+independent implementation of docs/contract.md §2-§3).
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ def _check_dump(
             assert key in r, key
         devices.add((r["node_id"], r["visible_devices"]))
         assert r["consistent"] is True
-        # SPEC §6: bytes read as the plan predicts (local files: strided rows under a
+        # docs/contract.md §6: bytes read as the plan predicts (local files: strided rows under a
         # page apart read as one span), and staging prediction
         if chunked:  # row chunks re-read the scale tiles they share
             assert r["bytes_read"] >= r["bytes_needed"]

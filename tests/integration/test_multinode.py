@@ -1,4 +1,4 @@
-"""The distributed load across several Ray nodes, simulated on one machine (SPEC §4).
+"""The distributed load across several Ray nodes, simulated on one machine (docs/contract.md §4).
 
 One two-node cluster (``ray.cluster_utils.Cluster``: a head and one added node, each its
 own raylet on 127.0.0.1 declaring ``{"NPU": 2}`` and one CPU, token auth on) serves the

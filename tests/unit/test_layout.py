@@ -1,4 +1,4 @@
-"""Parallel layouts (SPEC §3): rank order, pipeline stages, expert placement, refusals.
+"""Parallel layouts (docs/contract.md §3): rank order, pipeline stages, expert placement, refusals.
 
 Every rank of a layout is simulated in one loop (the vLLM ``ep_weight_filter`` test
 style): coordinates are distinct and complete, stages partition the layers, expert
@@ -57,7 +57,7 @@ def test_rank_coords_are_vllm_order_and_a_bijection(tp: int, dp: int, pp: int) -
     for rank in range(layout.world):
         d, p, t = rank_coords(layout, rank)
         assert 0 <= d < dp and 0 <= p < pp and 0 <= t < tp
-        # SPEC §3: rank = dp_rank*(pp*tp) + pp_rank*tp + tp_rank
+        # docs/contract.md §3: rank = dp_rank*(pp*tp) + pp_rank*tp + tp_rank
         assert d * (pp * tp) + p * tp + t == rank
         seen.add((d, p, t))
     assert len(seen) == layout.world
@@ -130,7 +130,7 @@ def test_more_stages_than_layers_is_refused() -> None:
 
 
 def spec_placement(e: int, ep: int, r: int, placement: str) -> list[int]:
-    """SPEC §3 word for word."""
+    """docs/contract.md §3 word for word."""
     base, rem = e // ep, e % ep
     count = base + (1 if r < rem else 0)
     if placement == "linear":

@@ -1,4 +1,4 @@
-"""The planner (SPEC §3, §5, §6): every rank of a layout simulated in one process.
+"""The planner (docs/contract.md §3, §5, §6): every rank of a layout simulated in one process.
 
 Invariants, in the spirit of vLLM's ``ep_weight_filter`` and Run:ai's partition tests:
 
@@ -6,9 +6,9 @@ Invariants, in the spirit of vLLM's ``ep_weight_filter`` and Run:ai's partition 
   replicates it (dp for tp-sharded tensors, dp*tp for replicated ones, dp*tp/kv for kv
   heads when tp > kv, once for a routed expert), and the gathered parts rebuild the
   tensor's whole index space;
-* the checkpoint tensors the plan reads are exactly those SPEC §3 lists for the model
+* the checkpoint tensors the plan reads are exactly those docs/contract.md §3 lists for the model
   (enumerated here independently of ``mxload.orchestrator.plan.arch``);
-* each rank's persistent bytes equal a count made here from the SPEC §2.3 formulas;
+* each rank's persistent bytes equal a count made here from the docs/contract.md §2.3 formulas;
 * buffers and units agree with each other (names, shapes, layouts, expert indices).
 """
 
@@ -138,7 +138,7 @@ def L(tp: int = 1, dp: int = 1, pp: int = 1, ep: bool = False, rr: bool = False)
     )
 
 
-# --- what SPEC §3 says a model has (independent of orchestrator.arch) -----------------------
+# --- what docs/contract.md §3 says a model has (independent of orchestrator.arch) -----------
 
 
 def ceil(a: int, b: int) -> int:
@@ -217,7 +217,7 @@ def spec_tensors(cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], str, bool
 
 
 def multiplicity(cfg: ModelConfig, layout: ParallelLayout, name: str, role: str) -> int:
-    """How many ranks hold each element of tensor ``name`` (SPEC §3 replication)."""
+    """How many ranks hold each element of tensor ``name`` (docs/contract.md §3 replication)."""
     dp, tp = layout.dp, layout.tp
     if role == "expert":
         return 1  # TP-sharded over the whole dp*tp group, or whole experts under EP
@@ -289,7 +289,7 @@ def fake_meta(
 
 def check_coverage(cfg: ModelConfig, plan: Plan) -> None:
     """Every element of every tensor is held multiplicity(...) times, all over its index
-    space, and the plan reads no tensor SPEC §3 does not list."""
+    space, and the plan reads no tensor docs/contract.md §3 does not list."""
     expected = spec_tensors(cfg)
     rects: dict[str, list[tuple[tuple[int, int], tuple[int, int]]]] = defaultdict(list)
     for r in plan.ranks:
@@ -338,7 +338,8 @@ def check_rank_structure(cfg: ModelConfig, rp: RankPlan, plan: Plan) -> None:
             assert rp.experts[u.expert] == u.global_expert
             e_l = len(rp.experts)
             if mx:
-                # SPEC §2.3: w13 [E_l, H, 2I_l], scale [E_l, ceil(H/64), 2I_l, 2]; w2 likewise
+                # docs/contract.md §2.3: w13 [E_l, H, 2I_l],
+                # scale [E_l, ceil(H/64), 2I_l, 2]; w2 likewise
                 assert b.shape == (e_l, u.cols, u.rows) and b.dtype == "float8_e4m3fn"
                 sb = buffers[u.buffer + "_scale"]
                 assert sb.shape == (e_l, ceil(u.cols, 64), u.rows, 2) and sb.dtype == "uint8"
@@ -359,7 +360,7 @@ def check_rank_structure(cfg: ModelConfig, rp: RankPlan, plan: Plan) -> None:
             assert u.kind == "copy" and u.buffer.endswith(("embed_tokens.weight", "lm_head.weight"))
     # Vocab buffers are cut into row blocks no larger (in bytes) than the largest linear
     # or expert-half unit's FP8 payload in the plan, so they never set the default
-    # budget, which is plan-wide (SPEC §6).
+    # budget, which is plan-wide (docs/contract.md §6).
     largest = max(u.rows * u.cols for r in plan.ranks for u in r.units if u.kind != "copy")
     for name, b in buffers.items():
         if name.endswith("_scale"):
@@ -380,7 +381,7 @@ def check_rank_structure(cfg: ModelConfig, rp: RankPlan, plan: Plan) -> None:
 
 
 def expected_persistent(cfg: ModelConfig, layout: ParallelLayout, rank: int) -> int:
-    """SPEC §2.3 buffer sizes, counted directly (bf16 model dtype, block-FP8 source)."""
+    """docs/contract.md §2.3 buffer sizes, counted directly (bf16 model dtype, block-FP8 source)."""
     tp, dp, pp = layout.tp, layout.dp, layout.pp
     tp_rank, pp_rank, dp_rank = rank % tp, rank // tp % pp, rank // (tp * pp)
     sizes = [cfg.num_hidden_layers // pp] * pp
@@ -579,7 +580,7 @@ def test_vocab_parallel_padding_and_tied_lm_head() -> None:
     plan = build_plan(cfg, L(tp=4, pp=2))
     first = plan.ranks[3]  # pp_rank 0, tp_rank 3
     last = plan.ranks[7]  # pp_rank 1, tp_rank 3
-    # The rank's 256 rows come as row blocks (units of their own, SPEC §6 note in
+    # The rank's 256 rows come as row blocks (units of their own, docs/contract.md §6 note in
     # planner.copy_unit_bytes); together they read rows 768..999, rows 1000..1023 stay zero.
     embs = [u for u in first.units if u.buffer == "model.embed_tokens.weight"]
     assert len(embs) > 1 and sum(u.rows for u in embs) == 256
@@ -835,9 +836,9 @@ def test_ranks_sharing_a_shard_share_unit_objects() -> None:
 
 
 def _mx_unit_staging(n: int, k: int, block: int = 128) -> int:
-    """SPEC §6 staging of one whole block-FP8 linear unit ``[n, k]`` on the fused CPU path,
-    counted from the formats: read = FP8 payload + F32 tiles covering it; out = the
-    kernel-layout payload + paired E8M0 scales ``[ceil(g/2), n, 2]``."""
+    """docs/contract.md §6 staging of one whole block-FP8 linear unit ``[n, k]`` on the
+    fused CPU path, counted from the formats: read = FP8 payload + F32 tiles covering
+    it; out = the kernel-layout payload + paired E8M0 scales ``[ceil(g/2), n, 2]``."""
     tiles = -(-n // block) * -(-k // block)
     read = n * k + 4 * tiles
     out = n * k + n * 2 * -(-(k // 32) // 2)
@@ -859,7 +860,7 @@ def test_default_budget_is_the_largest_converted_unit_not_a_vocab_shard(
     layout: ParallelLayout, largest: tuple[int, int]
 ) -> None:
     """Qwen3-30B-A3B's vocab shard (151936 x 2048 BF16 = 622 MB at tp=1) is cut into row
-    blocks, so the default staging budget (the reload minimum, SPEC §6) is one converted
+    blocks, so the default staging budget (the reload minimum, docs/contract.md §6) is one converted
     unit: the qkv at tp=1 (21 MB), one expert's w13 under EP (6.4 MB)."""
     cfg = real("qwen3-30b-a3b-fp8")
     plan = build_plan(cfg, layout)
