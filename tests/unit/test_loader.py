@@ -15,12 +15,14 @@ scales (SPEC §1.1, §2.2); and a second load while one runs.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import shutil
 import struct
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import numpy as np
 import pytest
@@ -31,6 +33,7 @@ from mxload.orchestrator.plan.types import ParallelLayout, Plan, RankPlan
 from mxload.orchestrator.runtime.catalog import open_checkpoint
 from mxload.workers.numerics.backend import select_backend
 from mxload.workers.rank.loader import TORCH_DTYPES, RankLoader, SourceInfo
+from mxload.workers.rank.run import StepRunner
 
 from tests.reference_model import Layout, RefCheckpoint, compare_rank, expected_rank
 
@@ -38,6 +41,24 @@ from tests.reference_model import Layout, RefCheckpoint, compare_rank, expected_
 
 
 @functools.cache
+@contextlib.contextmanager
+def on_each_unit(hook: Callable[[int], None]) -> Iterator[None]:
+    """Call ``hook(i)`` before each unit a step writes: a test-only patch of the loader's
+    step runner (faults, pauses and a record of what was written)."""
+    original = StepRunner._run_step
+
+    def patched(self: StepRunner, steps: Any, s: int, members: list[int]) -> None:
+        for i in members:
+            hook(i)
+        original(self, steps, s, members)
+
+    StepRunner._run_step = patched  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        StepRunner._run_step = original  # type: ignore[method-assign]
+
+
 def ref_of(src: str) -> RefCheckpoint:
     """One reference reader per checkpoint path (it caches resolved tensors)."""
     return RefCheckpoint(src)
@@ -497,13 +518,13 @@ def test_a_second_concurrent_load_is_refused(ckpt_factory) -> None:
 
     def first() -> None:
         try:
-            outcome["stats"] = loader.load(
-                list(rp.reads),
-                source_of(src, meta),
-                version=1,
-                staging_budget=rp.staging.budget_bytes,
-                fault_hook=hold,
-            )
+            with on_each_unit(hold):
+                outcome["stats"] = loader.load(
+                    list(rp.reads),
+                    source_of(src, meta),
+                    version=1,
+                    staging_budget=rp.staging.budget_bytes,
+                )
         except BaseException as err:  # reported to the main thread
             outcome["error"] = err
 
@@ -559,13 +580,13 @@ def test_interrupted_reload_reports_current_bytes_and_completes(ckpt_factory) ->
             raise Interrupted(f"unit {i}")
 
     with pytest.raises(Interrupted):
-        loader.reload(
-            list(rp2.reads),
-            source_of(v2, meta2),
-            version=2,
-            staging_budget=plan1.min_staging_reload,
-            fault_hook=fail,
-        )
+        with on_each_unit(fail):
+            loader.reload(
+                list(rp2.reads),
+                source_of(v2, meta2),
+                version=2,
+                staging_budget=plan1.min_staging_reload,
+            )
     assert not loader.consistent
     status = loader.unit_status()
     assert status["units_by_version"] == {"1": len(rp2.units) - stop_at, "2": stop_at}
@@ -629,9 +650,8 @@ def test_a_step_of_several_units_is_converted_in_one_launch_and_written_all_or_n
             raise Interrupted(f"unit {i}")
 
     with pytest.raises(Interrupted):
-        loader.reload(
-            list(rp2.reads), source_of(v2, meta2), version=2, staging_budget=budget, fault_hook=fail
-        )
+        with on_each_unit(fail):
+            loader.reload(list(rp2.reads), source_of(v2, meta2), version=2, staging_budget=budget)
     assert loader.unit_versions == [2] * step.first + [1] * (len(rp2.units) - step.first)
     loader.reload(list(rp2.reads), source_of(v2, meta2), version=2, staging_budget=budget)
     assert loader.consistent and loader.version == 2
@@ -657,26 +677,26 @@ def test_a_failed_reload_then_another_checkpoint_rewrites_every_unit(ckpt_factor
             raise Interrupted(f"unit {i}")
 
     with pytest.raises(Interrupted):
-        loader.reload(
-            list(plan2.ranks[1].reads),
-            source_of(v2, meta2),
-            version=2,
-            staging_budget=plan1.min_staging_reload,
-            fault_hook=fail,
-        )
+        with on_each_unit(fail):
+            loader.reload(
+                list(plan2.ranks[1].reads),
+                source_of(v2, meta2),
+                version=2,
+                staging_budget=plan1.min_staging_reload,
+            )
     assert not loader.consistent and loader.identity is None
     assert loader.unit_status()["units_by_identity"] == {
         f"1:{meta1.fingerprint}": len(plan1.ranks[1].units) - stop_at,
         f"2:{meta2.fingerprint}": stop_at,
     }
     written: list[int] = []
-    loader.reload(
-        list(plan3.ranks[1].reads),
-        source_of(v3, meta3),
-        version=2,
-        staging_budget=plan1.min_staging_reload,
-        fault_hook=written.append,
-    )
+    with on_each_unit(written.append):
+        loader.reload(
+            list(plan3.ranks[1].reads),
+            source_of(v3, meta3),
+            version=2,
+            staging_budget=plan1.min_staging_reload,
+        )
     assert written == list(range(len(plan3.ranks[1].units))), "every unit rewritten"
     assert loader.consistent and loader.identity == (2, meta3.fingerprint)
     assert {e["fingerprint"] for e in loader.tensor_report().values()} == {meta3.fingerprint}
@@ -703,25 +723,25 @@ def test_a_checkpoint_rewritten_at_the_same_url_is_another_identity(tmp_path) ->
             raise Interrupted("last unit")
 
     with pytest.raises(Interrupted):
-        loader.reload(
-            list(plan_a.ranks[0].reads),
-            source_of(same, meta_a),
-            version=2,
-            staging_budget=plan1.min_staging_reload,
-            fault_hook=fail,
-        )
+        with on_each_unit(fail):
+            loader.reload(
+                list(plan_a.ranks[0].reads),
+                source_of(same, meta_a),
+                version=2,
+                staging_budget=plan1.min_staging_reload,
+            )
     shutil.rmtree(same)
     make_checkpoint(same, "qwen3-dense-tiny", seed=3)
     meta_b, plan_b = plan_of(same, layout)
     assert meta_b.fingerprint != meta_a.fingerprint
     written: list[int] = []
-    loader.reload(
-        list(plan_b.ranks[0].reads),
-        source_of(same, meta_b),
-        version=2,
-        staging_budget=plan1.min_staging_reload,
-        fault_hook=written.append,
-    )
+    with on_each_unit(written.append):
+        loader.reload(
+            list(plan_b.ranks[0].reads),
+            source_of(same, meta_b),
+            version=2,
+            staging_budget=plan1.min_staging_reload,
+        )
     assert written == list(range(n))
     assert_rank_matches(RefCheckpoint(same), layout, 0, loader)
 
@@ -735,13 +755,13 @@ def test_a_source_without_fingerprint_is_never_skipped(ckpt_factory) -> None:
     anonymous = SourceInfo(root=src, quant=meta.config.quant.kind)
     for _ in range(2):
         written: list[int] = []
-        loader.load(
-            list(rp.reads),
-            anonymous,
-            version=1,
-            staging_budget=rp.staging.budget_bytes,
-            fault_hook=written.append,
-        )
+        with on_each_unit(written.append):
+            loader.load(
+                list(rp.reads),
+                anonymous,
+                version=1,
+                staging_budget=rp.staging.budget_bytes,
+            )
         assert written == list(range(len(rp.units)))
 
 
@@ -848,3 +868,26 @@ def test_a_worker_takes_its_startup_objects_out_of_the_cyclic_collector(
         assert worker.loader.rank == 0
     finally:
         gc.unfreeze()
+
+
+def test_a_worker_keeps_its_thread_share_whatever_the_backend_start_does(
+    ckpt_factory, torch_threads, monkeypatch
+) -> None:
+    """A RankWorker runs on its share of the node's cores even when starting its backend
+    (the fast kernels' first compile and self-test) resets torch's thread count."""
+    from mxload.workers.numerics import backend as backend_mod
+    from mxload.workers.rank.actor import RankWorker
+
+    original = backend_mod.select_backend
+
+    def resetting(*args: Any, **kwargs: Any) -> Any:
+        torch.set_num_threads(2)  # what a cold kernel compile in a fresh process does
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(backend_mod, "select_backend", resetting)
+    src = ckpt_factory("qwen3-dense-tiny", 1)
+    meta, plan = plan_of(src, ParallelLayout(tp=1))
+    RankWorker(
+        plan.ranks[0], model_dtype=meta.config.model_dtype, device="cpu", resource="NPU", threads=1
+    )
+    assert torch.get_num_threads() == 1

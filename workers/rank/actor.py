@@ -43,13 +43,15 @@ class RankWorker:
         from mxload.cluster.local import tighten_own_temp_dir
 
         tighten_own_temp_dir()  # this process's start made Ray's folders 0777 again
-        torch.set_num_threads(max(1, threads))
         self.resource = resource
         var = VISIBLE_DEVICE_VARS.get(resource, "")
         self.visible_devices = os.environ.get(var, "") if var else ""
         from mxload.workers.numerics.backend import select_backend
 
         self.backend = select_backend(device, visible_devices=self.visible_devices or None)
+        # After the backend: its first kernel compile and self-test reset torch's thread
+        # count, and this rank must use only its share of the node's cores.
+        torch.set_num_threads(max(1, threads))
         self.loader = RankLoader(plan, model_dtype=model_dtype, backend=self.backend)
         self._progress = (0, len(plan.units), 0)
         self._lock = threading.Lock()

@@ -110,7 +110,6 @@ class RankLoader:
         whole_units: bool = False,
         units: Sequence[Unit] | None = None,
         progress: Callable[[int, int, int], None] | None = None,
-        fault_hook: Callable[[int], None] | None = None,
         peers: Mapping[int, PeerUnit] | None = None,
         peer_get: Callable[[Any], Any] | None = None,
     ) -> RunStats:
@@ -142,7 +141,6 @@ class RankLoader:
                 units,
                 peers or {},
                 progress=progress,
-                fault_hook=fault_hook,
             )
         finally:
             self._checksums = None
@@ -180,7 +178,6 @@ class RankLoader:
         peers: Mapping[int, PeerUnit],
         *,
         progress: Callable[[int, int, int], None] | None,
-        fault_hook: Callable[[int], None] | None,
     ) -> RunStats:
         opts = ConvertOptions.for_source(
             self.model_dtype,
@@ -215,7 +212,6 @@ class RankLoader:
             stats,
             meter,
             progress=progress,
-            fault_hook=fault_hook,
         ).run_steps(steps)
         meter.finish(stats)
         stats.measured_peak_staging_bytes = pool.high_water
@@ -268,12 +264,11 @@ class RankLoader:
         staging_budget: int,
         units: Sequence[Unit] | None = None,
         progress: Callable[[int, int, int], None] | None = None,
-        fault_hook: Callable[[int], None] | None = None,
     ) -> RunStats:
         """In-place reload: whole units only, addresses verified at the end.
 
         ``units``: the held units with the new source's quantized flags
-        (``mxload.orchestrator.runtime.session.reload_inputs``); default: the plan's."""
+        (``mxload.orchestrator.runtime.reload.reload_inputs``); default: the plan's."""
         return self.load(
             reads,
             source,
@@ -282,7 +277,6 @@ class RankLoader:
             whole_units=True,
             units=units,
             progress=progress,
-            fault_hook=fault_hook,
         )
 
     # --- reporting -----------------------------------------------------------------------

@@ -74,7 +74,6 @@ class StepRunner:
         meter: Meter,
         *,
         progress: Callable[[int, int, int], None] | None = None,
-        fault_hook: Callable[[int], None] | None = None,
     ) -> None:
         self.rank = rank
         self.reader = reader
@@ -84,7 +83,6 @@ class StepRunner:
         self.stats = stats
         self.meter = meter
         self.progress = progress
-        self.fault_hook = fault_hook
         self._pending: Future[StepFilled] | None = None
         self._executor: ThreadPoolExecutor | None = None
         self._local = False
@@ -114,9 +112,6 @@ class StepRunner:
             self._executor.shutdown(wait=True)
 
     def _run_step(self, steps: Sequence[StepPlan], s: int, members: list[int]) -> None:
-        if self.fault_hook is not None:
-            for i in members:
-                self.fault_hook(i)
         if len(steps[s].chunks) == 1:
             self._whole_step(steps, s, members)
         else:
