@@ -21,6 +21,7 @@ from typing import Any
 from mxload.cluster.local import mxload_home
 from mxload.orchestrator.errors import UsageError
 from mxload.orchestrator.plan.engines import DEFAULT_ENGINE, ENGINES
+from mxload.orchestrator.plan.sharing import DEFAULT_SHARE, SHARE_SCOPES
 from mxload.orchestrator.plan.sizes import parse_size
 from mxload.orchestrator.plan.types import ParallelLayout
 from mxload.orchestrator.runtime.models import model_names, resolve_model
@@ -185,8 +186,8 @@ FLAGS: tuple[Flag, ...] = (
         ("plan", "load"),
         "read-once scope: each replicated read is fetched from storage once per cluster, "
         "once per node, or by every rank (none) and shared through Ray's object store",
-        "cluster",
-        kwargs={"choices": ["none", "node", "cluster"]},
+        DEFAULT_SHARE,
+        kwargs={"choices": list(SHARE_SCOPES)},
     ),
     Flag(
         ("--storage-bandwidth",),

@@ -4,7 +4,7 @@ This is the only module of the metadata path that does I/O; everything it reads 
 the pure parsers (``config.parse_config``, ``checkpoint.parse_index``,
 ``safetensors_header``) and is joined by ``checkpoint.build_meta``.
 
-What it reads, and why no more (SPEC §1.4, §4): ``config.json``; then
+What it reads, and why no more (docs/contract.md §1.4, §4): ``config.json``; then
 ``model.safetensors.index.json`` if it exists, else ``model.safetensors``; then per shard
 its size, the 8-byte length prefix and the header, as two ranged reads, and the store's
 version tag (ETag or mtime) for the checkpoint's fingerprint (:func:`fingerprint`). Shards are found
@@ -129,7 +129,7 @@ def fingerprint(
     headers: Mapping[str, FileHeader],
     tags: Mapping[str, str],
 ) -> str:
-    """The identity of a checkpoint as read (SPEC §4 "Reload"): BLAKE2b-128 over its URL,
+    """The identity of a checkpoint as read (docs/contract.md §4 "Reload"): BLAKE2b-128 over its URL,
     config.json, the index, and per shard its name, size, the store's version tag (ETag or
     mtime, ``Storage.version_tag``) and every tensor's name, dtype, shape and offsets.
 

@@ -10,6 +10,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from mxload.orchestrator.plan.sharing import DEFAULT_SHARE
 from mxload.orchestrator.plan.types import ParallelLayout, Plan, RankPlan
 from mxload.workers.storage.urls import is_remote
 
@@ -40,7 +41,7 @@ class LoadRequest:
     threads_per_worker: int | None = None
     engine: str = "mxload"
     """Engine profile the buffers are laid out for (``mxload.orchestrator.plan.engines``)."""
-    share: str = "cluster"
+    share: str = DEFAULT_SHARE
     """Read-once scope (``mxload.orchestrator.plan.sharing``): none | node | cluster."""
 
     @property
