@@ -55,10 +55,8 @@ class RankWorker:
         self.loader = RankLoader(plan, model_dtype=model_dtype, backend=self.backend)
         self._progress = (0, len(plan.units), 0)
         self._lock = threading.Lock()
-        # torch, numba's kernels and the rank's plan are loaded for good: take them out of
-        # the cyclic collector's walk. A full collection otherwise visits their ~250K
-        # objects, 0.2 s on 2 cores, and one lands inside a load now and then (the
-        # experts bench caught one: a sample 2x its neighbours).
+        # torch, numba's kernels and the rank's plan are loaded for good: keep their many
+        # objects out of the cyclic collector's walks, which would pause a load.
         gc.freeze()
 
     # --- identity ---------------------------------------------------------------------
