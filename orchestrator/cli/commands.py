@@ -272,17 +272,22 @@ def cmd_release(args: argparse.Namespace) -> int:
 def cmd_convert(args: argparse.Namespace) -> int:
     from mxload.workers.tools.convert import convert_checkpoint
 
-    summary = convert_checkpoint(
-        args.src,
-        args.dst,
-        storage_options=flags.storage_options(args),
-        dtype=args.dtype,
-        allow_nonfinite=args.allow_nonfinite,
-        progress=sys.stderr.isatty() and not args.json,
-        numerics=args.numerics,
-        engine=args.engine,
-        overwrite=args.overwrite,
-    )
+    bar = show.convert_progress(args.json)
+    try:
+        summary = convert_checkpoint(
+            args.src,
+            args.dst,
+            storage_options=flags.storage_options(args),
+            dtype=args.dtype,
+            allow_nonfinite=args.allow_nonfinite,
+            on_progress=bar,
+            numerics=args.numerics,
+            engine=args.engine,
+            overwrite=args.overwrite,
+        )
+    finally:
+        if bar is not None:
+            bar.close()
     show.emit(args, summary, show.render_convert(args.src, args.dst, summary))
     return 0
 

@@ -107,3 +107,30 @@ class RankProgress:
 
     def close(self) -> None:
         self.bar.close()
+
+
+class ConvertBar:
+    """The ``on_progress`` callback of ``convert``: one tqdm bar over the source bytes."""
+
+    def __init__(self, stream: IO[str] | None = None) -> None:
+        from tqdm import tqdm
+
+        self.bar: Any = tqdm(
+            total=0,
+            desc="convert",
+            unit="B",
+            unit_scale=True,
+            unit_divisor=1024,
+            file=stream,
+            ncols=bar_width(stream),
+            mininterval=0.5,
+        )
+
+    def __call__(self, tensors: int, tensors_total: int, nbytes: int, total: int) -> None:
+        if total != self.bar.total:
+            self.bar.total = total
+        self.bar.update(nbytes - self.bar.n)
+        self.bar.set_postfix_str(f"tensors {tensors}/{tensors_total}", refresh=False)
+
+    def close(self) -> None:
+        self.bar.close()

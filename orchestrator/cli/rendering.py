@@ -45,6 +45,15 @@ def progress(json_out: bool, label: str) -> Any:
     return RankProgress(label)
 
 
+def convert_progress(json_out: bool) -> Any:
+    """``convert``'s byte progress bar, under the same terms as :func:`progress`."""
+    if json_out or not sys.stderr.isatty():
+        return None
+    from mxload.orchestrator.cli.progress import ConvertBar
+
+    return ConvertBar()
+
+
 def render_made(summary: dict[str, Any], *, bf16: bool) -> str:
     """``make-checkpoint``'s one-line summary (the details are in ``--json``)."""
     kind = "BF16" if bf16 else "block-FP8"

@@ -54,7 +54,6 @@ from __future__ import annotations
 import json
 import math
 import queue
-import sys
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -83,6 +82,9 @@ from mxload.workers.numerics import kernels
 from mxload.workers.numerics.scales import check_block_scales
 from mxload.workers.safetensors_io import SafetensorsWriter, data_order
 from mxload.workers.storage import ALLOW_OUTSIDE_LINKS, Storage
+
+ConvertProgress = Callable[[int, int, int, int], None]
+"""``on_progress(tensors_done, tensors_total, bytes_done, bytes_total)`` after each tensor."""
 
 DEFAULT_WINDOW = 256 << 20
 """Bytes in flight between the reader and the writer, by default (see module doc)."""
@@ -121,7 +123,7 @@ def convert_checkpoint(
     dst_storage_options: Mapping[str, Any] | None = None,
     dtype: str | None = None,
     allow_nonfinite: bool = False,
-    progress: bool = False,
+    on_progress: ConvertProgress | None = None,
     numerics: str = "auto",
     threads: int | None = None,
     window_bytes: int = DEFAULT_WINDOW,
@@ -134,7 +136,8 @@ def convert_checkpoint(
     ``numerics`` picks the conversion path (:data:`NUMERICS`); ``threads`` the fast
     kernels' threads (default: the cores this process may use). ``overwrite`` lets a
     non-empty ``dst`` be replaced whole; ``allow_outside_links`` lets a local checkpoint's
-    files resolve outside its folder (see :class:`mxload.workers.storage.Storage`)."""
+    files resolve outside its folder (see :class:`mxload.workers.storage.Storage`);
+    ``on_progress`` is called after each tensor (:data:`ConvertProgress`)."""
     if numerics not in NUMERICS:
         raise UsageError(f"numerics must be one of {', '.join(NUMERICS)}, got {numerics!r}")
     from mxload.orchestrator.plan.engines import engine_profile
@@ -191,7 +194,7 @@ def convert_checkpoint(
     with out:
         tmp = out.begin()
         source_bytes = _write(
-            tmp, meta, storage, specs, jobs, excluded, weight_map, convert, progress,
+            tmp, meta, storage, specs, jobs, excluded, weight_map, convert, on_progress,
             dst_storage_options=dst_storage_options, window_bytes=window_bytes, arena=arena,
             stage_seconds=stage_seconds,
         )  # fmt: skip
@@ -222,7 +225,7 @@ def _write(
     excluded: list[str],
     weight_map: dict[str, str],
     convert: Callable[[_Job, tuple[np.ndarray, ...]], tuple[np.ndarray, ...]],
-    progress: bool,
+    on_progress: ConvertProgress | None,
     *,
     dst_storage_options: Mapping[str, Any] | None,
     window_bytes: int,
@@ -243,36 +246,19 @@ def _write(
         arena=arena,
     )
 
-    bar: Any = None
-    if progress:
-        from mxload.orchestrator.cli.progress import bar_width
-        from tqdm import tqdm  # type: ignore[import-untyped]
-
-        bar = tqdm(
-            total=sum(job.in_bytes for job in jobs),
-            desc="convert",
-            unit="B",
-            unit_scale=True,
-            unit_divisor=1024,
-            file=sys.stderr,
-            ncols=bar_width(),
-            mininterval=0.5,
-        )
+    counts = [0, 0]
+    total_bytes = sum(job.in_bytes for job in jobs)
 
     def report(job: _Job) -> None:
         counts[0] += 1
         counts[1] += job.in_bytes
-        if bar is not None:
-            bar.update(job.in_bytes)
-            bar.set_postfix_str(f"tensors {counts[0]}/{len(jobs)}", refresh=False)
+        if on_progress is not None:
+            on_progress(counts[0], len(jobs), counts[1], total_bytes)
 
-    counts = [0, 0]
     try:
         pipe.run(jobs, convert, report)
     finally:
         stage_seconds.update(pipe.stage_seconds())
-        if bar is not None:
-            bar.close()
 
     cfg = meta.config
     raw_config = json.loads(storage.read_file(CONFIG_FILE))
