@@ -321,12 +321,10 @@ def configure_logging(debug: bool, verbose: bool) -> None:
     logging.basicConfig(level=level, format="mxload: %(levelname)s %(name)s: %(message)s")
     logging.getLogger("mxload").setLevel(level)
     if not debug:
+        from mxload.cluster.local import quiet_ray_logging
+
         warnings.filterwarnings("ignore")
-        logging.getLogger("ray").setLevel(logging.ERROR)
-        # Ray probes the Ascend SoC name for a declared NPU resource and logs a traceback
-        # where the acl module is absent (virtual NPUs); the probe only labels the node.
-        # Set on the child logger: importing Ray resets the level of "ray" itself.
-        logging.getLogger("ray._private.accelerators.npu").setLevel(logging.CRITICAL)
+        quiet_ray_logging()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
