@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import difflib
 import json
+import math
 import os
 import re
 from collections.abc import Sequence
@@ -431,7 +432,13 @@ def preset_names() -> list[str]:
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     """Parse, check and complete ``argv`` (UsageError on any mistake)."""
     parser = build_parser()
-    args, extra = parser.parse_known_args(list(argv))
+    try:
+        args, extra = parser.parse_known_args(list(argv))
+    except UsageError:
+        # argparse reports a missing required flag before an unknown one, so "--pres X"
+        # would read "--preset is required": name the unknown flag first.
+        _refuse_unknown_flag_in(parser, argv)
+        raise
     if extra:
         _refuse_unknown(parser, args.command, extra)
     if not args.command:
@@ -448,6 +455,20 @@ def _refuse_unknown(parser: argparse.ArgumentParser, command: str | None, extra:
     word = extra[0]
     hint = did_you_mean(word.split("=", 1)[0], known) if word.startswith("-") else ""
     raise UsageError(f"{command or 'mxload'}: unrecognized argument {word}{hint}", key=word)
+
+
+def _refuse_unknown_flag_in(parser: argparse.ArgumentParser, argv: Sequence[str]) -> None:
+    """Refuse the first word of ``argv`` that looks like a flag its command does not know."""
+    (sub,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    command = next((w for w in argv if w in sub.choices), None)
+    if command is None:
+        return  # argparse's own error (an unknown command) comes first
+    known = option_strings(sub.choices[command]) + option_strings(parser)
+    for word in argv:
+        if word == "--":
+            return
+        if re.match(r"--?[A-Za-z]", word) and word.split("=", 1)[0] not in known:
+            _refuse_unknown(parser, command, [word])
 
 
 def _check_combinations(args: argparse.Namespace) -> None:
@@ -628,17 +649,24 @@ def time_model_rates(args: argparse.Namespace) -> Any:
     for name in ("storage_bandwidth", "storage_aggregate_bandwidth", "network_bandwidth"):
         if (size(args, name) or 0) <= 0:
             raise UsageError(f"--{name.replace('_', '-')} must be > 0", key=name)
-    if convert <= 0 or args.devices_per_node < 1:
-        raise UsageError("--convert-rate and --devices-per-node must be > 0", key="--convert-rate")
+    if convert <= 0:
+        raise UsageError(f"--convert-rate must be > 0, got {convert}", key="--convert-rate")
+    if args.devices_per_node < 1:
+        raise UsageError(
+            f"--devices-per-node must be >= 1, got {args.devices_per_node}",
+            key="--devices-per-node",
+        )
     latency = args.request_latency
     if latency is None:
         # A config-only plan is for a cluster, whose checkpoint sits in shared storage.
         local = bool(args.src) and not is_remote(args.src)
         latency = LOCAL_REQUEST_LATENCY_S if local else REMOTE_REQUEST_LATENCY_S
-    if latency < 0 or args.storage_request_rate < 0:
-        raise UsageError(
-            "--request-latency and --storage-request-rate must be >= 0", key="--request-latency"
-        )
+    for flag, value in (
+        ("--request-latency", latency),
+        ("--storage-request-rate", args.storage_request_rate),
+    ):
+        if not 0 <= value < math.inf:  # also refuses nan, which compares false
+            raise UsageError(f"{flag} must be a finite number >= 0, got {value}", key=flag)
     return Rates(
         storage_node=float(size(args, "storage_bandwidth") or 0),
         storage_aggregate=float(size(args, "storage_aggregate_bandwidth") or 0),

@@ -328,7 +328,11 @@ def normalise(location: str) -> str:
 
 
 def check_disjoint(src: str, dst: str, *, src_flag: str = "SRC", dst_flag: str = "DST") -> None:
-    """Refuse DST equal to SRC, or either inside the other (OutputError)."""
+    """Refuse an empty SRC or DST, DST equal to SRC, or either inside the other
+    (OutputError)."""
+    for flag, location in ((src_flag, src), (dst_flag, dst)):
+        if not location:
+            raise OutputError(f"{flag}: an empty path", key=flag)
     a, b = normalise(src), normalise(dst)
     sep = "/"
     if a == b:

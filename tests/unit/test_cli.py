@@ -360,6 +360,26 @@ REFUSALS: dict[str, tuple[Callable[[Path, dict[str, str]], list[str]], list[str]
         ["--device-mem", "did you mean --device-memory?"],
     ),
     "abbreviated-flag-top-level": (lambda w, c: ["--vers"], ["--vers", "--version?"]),
+    "abbreviated-required-flag": (
+        lambda w, c: ["make-checkpoint", str(w / "never"), "--pres", "qwen3-moe-tiny"],
+        ["--pres", "did you mean --preset?"],
+    ),
+    "convert-from-an-empty-path": (
+        lambda w, c: ["convert", "", str(w / "never")],
+        ["SRC", "empty path"],
+    ),
+    "request-latency-nan": (
+        lambda w, c: ["plan", "--model", "deepseek-v3", "--request-latency", "nan"],
+        ["--request-latency", "nan"],
+    ),
+    "storage-request-rate-inf": (
+        lambda w, c: ["plan", "--model", "deepseek-v3", "--storage-request-rate", "inf"],
+        ["--storage-request-rate", "inf"],
+    ),
+    "devices-per-node-zero": (
+        lambda w, c: ["plan", "--model", "deepseek-v3", "--devices-per-node", "0"],
+        ["--devices-per-node"],
+    ),
     "mistyped-command": (lambda w, c: ["plna", "--model", "deepseek-v3"], ["plna", "plan?"]),
 }
 
@@ -381,6 +401,18 @@ def test_refusals(
     assert sorted(os.listdir(ckpts["used"])) == ["keep.txt"]
     assert (Path(ckpts["used"]) / "keep.txt").read_text() == "mine"
     assert not list(work.rglob("*mxload-tmp*")), "a refusal leaves no temporary files"
+
+
+def test_convert_to_an_empty_path_from_the_current_folder(
+    mxload: Callable[..., tuple[int, str, str]],
+    guard: list[str],
+    ckpts: dict[str, str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An empty DST is named as such, not taken for the current folder (which holds SRC)."""
+    monkeypatch.chdir(Path(ckpts["v1"]).parent)
+    err = assert_refused(mxload("convert", Path(ckpts["v1"]).name, ""), "DST", "empty path")
+    assert "inside" not in err
 
 
 HOSTILE = ["oversized_header_length", "overlapping_tensors", "unknown_dtype", "header_nested_too_deep"]  # fmt: skip
