@@ -72,6 +72,10 @@ def _plan_config(args: argparse.Namespace) -> tuple[Any, Any]:
         path = str(model_config_path(args.model))
         return parse_config(model_config(args.model), path, dtype=args.dtype), None
     if args.config:
+        if os.path.isdir(args.config):
+            hint = os.path.join(args.config, "config.json")
+            msg = f"--config {args.config}: is a folder; give its config.json ({hint})"
+            raise UsageError(msg, file=args.config, key="--config")
         try:
             with open(args.config, "rb") as f:
                 raw = json.loads(f.read())
@@ -363,7 +367,7 @@ def report_error(err: BaseException, code: int, argv: Sequence[str]) -> int:
     """One line on stderr, ``mxload: error: ...``, without colour codes or traceback.
     A failed run or a worker's error also gets a log file (the traceback, the worker's
     remote traceback) whose path is printed on a second line; ``--debug`` shows them."""
-    from mxload.orchestrator.runtime.driver import first_line, plain
+    from mxload.orchestrator.runtime.reports import first_line, plain
 
     context = err.context if isinstance(err, MxloadError) else {}
     if isinstance(err, MxloadError):

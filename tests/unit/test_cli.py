@@ -368,6 +368,10 @@ REFUSALS: dict[str, tuple[Callable[[Path, dict[str, str]], list[str]], list[str]
         lambda w, c: ["convert", "", str(w / "never")],
         ["SRC", "empty path"],
     ),
+    "config-is-a-folder": (
+        lambda w, c: ["plan", "--config", c["v1"]],
+        ["--config", "is a folder", "config.json"],
+    ),
     "request-latency-nan": (
         lambda w, c: ["plan", "--model", "deepseek-v3", "--request-latency", "nan"],
         ["--request-latency", "nan"],
