@@ -1,10 +1,11 @@
-"""Terminal progress for long runs (``load``, ``reload``): a tqdm bar over the ranks'
-units, with ranks done, bytes read, read rate, ETA, and the rank that stalls.
+"""Terminal progress for long runs: for ``load`` and ``reload`` a tqdm bar over the ranks'
+units, with ranks done, bytes read, read rate, ETA, and the rank that stalls
+(:class:`RankProgress`); for ``convert`` one bar over the source bytes (:class:`ConvertBar`).
 
-Why here and not in the driver: the driver reports raw per-rank counters through its
-``on_progress`` callback (``(units_done, units_total, bytes_read)`` per rank, polled about
-twice a second); how they are shown is the command line's business, and the callback
-keeps the driver free of terminal code. The CLI enables it only when stderr is a terminal
+Why here and not in the driver or the converter: they report raw counters through their
+``on_progress`` callbacks (the driver ``(units_done, units_total, bytes_read)`` per rank,
+polled about twice a second); how they are shown is the command line's business, and the
+callbacks keep the library free of terminal code. The CLI enables it only when stderr is a terminal
 and ``--json`` is off, so pipes and scripts get no control characters.
 
 Limits: ETA is tqdm's, from units done per second, so a run whose units differ much in
