@@ -85,6 +85,8 @@ def place(req: LoadRequest, plan: Plan, *, name: str | None = None) -> Placement
     pg = placement_group([{res: 1.0} for _ in range(world)], **kwargs)
     ready, _ = ray.wait([pg.ready()], timeout=req.placement_timeout_s)
     if not ready:
+        # A pending group stays queued in Ray and would hold the next load behind it.
+        ray.util.remove_placement_group(pg)
         raise RunError(
             f"placement group of {world} x {{{res}: 1}} ({strategy}) was not ready after "
             f"{req.placement_timeout_s:.0f}s; the cluster cannot place it",

@@ -320,7 +320,9 @@ def test_more_ranks_than_accelerators_is_refused(
 
 
 def test_strict_spread_wider_than_the_cluster_fails_naming_the_strategy(two_nodes, src) -> None:
-    """4 bundles, each on its own node, on 2 nodes: Ray can never place it."""
+    """4 bundles, each on its own node, on 2 nodes: Ray can never place it. The group that
+    never became ready is removed, not left pending for the next load to wait behind."""
+    before = _live_placement_groups()
     with pytest.raises(RunError) as info:
         load(
             LoadRequest(
@@ -332,6 +334,7 @@ def test_strict_spread_wider_than_the_cluster_fails_naming_the_strategy(two_node
             )
         )
     assert "STRICT_SPREAD" in str(info.value) and "NPU" in str(info.value)
+    assert _live_placement_groups() <= before, "the unplaceable group was left behind"
 
 
 def _check_loopback_only(cluster: Any, manifest: dict[str, Any]) -> None:
