@@ -93,11 +93,6 @@ class RankLoader:
         """Per unit, the identity of the run that last wrote it whole."""
         return self._ids.ids
 
-    @property
-    def target_id(self) -> Identity:
-        """The identity the latest run (finished or not) was writing."""
-        return self._ids.target
-
     # --- runs ----------------------------------------------------------------------------
 
     def load(

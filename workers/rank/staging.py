@@ -43,16 +43,8 @@ class StagingPool:
         self._high_water = 0
 
     @property
-    def in_use(self) -> int:
-        return self._in_use
-
-    @property
     def high_water(self) -> int:
         return self._high_water
-
-    def reset_high_water(self) -> None:
-        with self._lock:
-            self._high_water = self._in_use
 
     def take(self, nbytes: int, *, device: torch.device | str = "cpu", tag: str = "") -> Lease:
         """A fresh uint8 buffer of ``nbytes`` bytes, counted against the budget."""
