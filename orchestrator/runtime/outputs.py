@@ -45,7 +45,7 @@ from typing import Any
 
 from mxload.orchestrator.errors import OutputError
 from mxload.workers.storage.urls import is_remote
-from mxload.workers.storage.urls import local_path as storage_local_path
+from mxload.workers.storage.urls import local_path
 
 _DISK_ERRNOS = {
     errno.ENOSPC: "no space left on the device",
@@ -59,16 +59,6 @@ _DISK_ERRNOS = {
 
 _TMP_TAG = ".mxload-tmp-"
 _OLD_TAG = ".mxload-old-"
-
-
-def is_url(path: str) -> bool:
-    """Whether ``path`` is an fsspec URL other than ``file://`` (a local path otherwise)."""
-    return is_remote(path)
-
-
-def local_path(path: str) -> str:
-    """``path`` without a ``file://`` prefix."""
-    return storage_local_path(path)
 
 
 def output_error(exc: OSError, path: str, flag: str, *, doing: str = "writing") -> OutputError:
@@ -92,7 +82,7 @@ def check_file_target(path: str | None, flag: str) -> None:
         return
     if not path:
         raise OutputError(f"{flag}: an empty path", key=flag)
-    if is_url(path):
+    if is_remote(path):
         raise OutputError(f"{flag} {path}: must be a local path", file=path, key=flag)
     p = local_path(path)
     if os.path.isdir(p):
@@ -165,7 +155,7 @@ class OutputDir:
         t, flag = self.target, self.flag
         if not t:
             raise OutputError(f"{flag}: an empty path", key=flag)
-        if is_url(t):
+        if is_remote(t):
             fs = self._filesystem()
             root = self._root()
             if fs.exists(root) and not self.overwrite:
@@ -196,7 +186,7 @@ class OutputDir:
         """Create the temporary folder beside the target; returns its path (or URL)."""
         if self.path is not None:
             return self.path
-        if is_url(self.target):
+        if is_remote(self.target):
             root = self._root()
             tmp = root + _TMP_TAG + uuid.uuid4().hex[:12]
             self._filesystem().makedirs(tmp, exist_ok=True)
@@ -217,7 +207,7 @@ class OutputDir:
         if self.path is None:
             raise RuntimeError("OutputDir.commit before begin")
         try:
-            if is_url(self.target):
+            if is_remote(self.target):
                 self._commit_remote()
             else:
                 self._commit_local(self.path)
@@ -231,7 +221,7 @@ class OutputDir:
         tmp, self.path = self.path, None
         if tmp is None:
             return
-        if is_url(self.target):
+        if is_remote(self.target):
             try:
                 self._filesystem().rm(self._tmp_root, recursive=True)
             except Exception:  # best effort: the caller's error is what the user needs
@@ -320,7 +310,7 @@ class OutputDir:
 def normalise(location: str) -> str:
     """A comparable form of a path or URL: real path for local ones (symlinks resolved),
     ``protocol://`` + normalised path for URLs."""
-    if not is_url(location):
+    if not is_remote(location):
         return os.path.realpath(local_path(location) or ".")
     protocol, rest = location.split("://", 1)
     rest = posixpath.normpath("/" + rest.split("?", 1)[0].split("#", 1)[0]).lstrip("/")
