@@ -44,8 +44,7 @@ from types import TracebackType
 from typing import Any
 
 from mxload.orchestrator.errors import OutputError
-from mxload.workers.storage.urls import is_remote
-from mxload.workers.storage.urls import local_path
+from mxload.workers.storage.urls import is_remote, local_path
 
 _DISK_ERRNOS = {
     errno.ENOSPC: "no space left on the device",
