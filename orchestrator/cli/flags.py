@@ -549,6 +549,8 @@ def check_address(address: str) -> None:
 def check_source_folder(src: str) -> None:
     """A checkpoint is a folder: a local SRC that is a file (often its config.json) is
     refused naming the folder meant."""
+    if not src:
+        raise UsageError("SRC: an empty path; give a checkpoint folder or an fsspec URL", key="SRC")
     if is_remote_url(src):
         return
     path = local_path(src)

@@ -368,6 +368,8 @@ REFUSALS: dict[str, tuple[Callable[[Path, dict[str, str]], list[str]], list[str]
         lambda w, c: ["convert", "", str(w / "never")],
         ["SRC", "empty path"],
     ),
+    "inspect-an-empty-path": (lambda w, c: ["inspect", ""], ["SRC", "empty path"]),
+    "load-an-empty-path": (lambda w, c: ["load", "", "--device", "cpu"], ["SRC", "empty path"]),
     "config-is-a-folder": (
         lambda w, c: ["plan", "--config", c["v1"]],
         ["--config", "is a folder", "config.json"],
