@@ -106,7 +106,7 @@ def _torch_lut_convert(
     reference MX steps (tile-aligned blocks at row0 = col0 = 0 only)."""
     n, k = w.shape
     codes = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
-    tables = (codes[None, :] * scale.reshape(-1, 1)).to(dtype)  # SPEC §2.1 per code
+    tables = (codes[None, :] * scale.reshape(-1, 1)).to(dtype)  # docs/contract.md §2.1 per code
     tile_row = (torch.arange(n, dtype=torch.int32) // BLOCK) * scale.shape[1]
     tile_col = torch.arange(k, dtype=torch.int32) // BLOCK
     idx = (tile_row[:, None] + tile_col[None, :]) * 256 + w.view(torch.uint8).int()

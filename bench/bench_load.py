@@ -166,7 +166,7 @@ def make_ckpt(path: Path, label: str, *, preset: str, seed: int, size: Size | No
 
 
 def _same_mx(a: tuple[torch.Tensor, torch.Tensor], b: tuple[torch.Tensor, torch.Tensor]) -> bool:
-    """Payload and scale bytes equal, NaN payload bytes 0x7F/0xFF counted equal (SPEC §2.2)."""
+    """Payload and scale bytes equal, NaN payload bytes 0x7F/0xFF counted equal (docs/contract.md §2.2)."""
     x, y = a[0].view(torch.uint8).clone(), b[0].view(torch.uint8).clone()
     x[(x & 0x7F) == 0x7F] = 0x7F
     y[(y & 0x7F) == 0x7F] = 0x7F
@@ -318,7 +318,7 @@ class Suite:
         notes: list[str] = []
         if fast.name != "cpu-fast":
             notes.append(f"fast path unavailable here: {fast.note}; 'fast' is the reference")
-        # Kernel-layout buffers (SPEC §2.3) for the packed path, as the loader stages them.
+        # Kernel-layout buffers (docs/contract.md §2.3) for the packed path, as the loader stages them.
         outs = [
             (
                 torch.zeros((w.shape[1], w.shape[0]), dtype=torch.float8_e4m3fn),
@@ -436,9 +436,9 @@ class Suite:
             "1. Conversion throughput: reference vs fast vs memcpy",
             (
                 '`select_backend("cpu", prefer_fast=False/True).convert` (resolve + '
-                "MX quantize, SPEC §2.1-2.2; no repack) over every linear of one layer, and the "
+                "MX quantize, docs/contract.md §2.1-2.2; no repack) over every linear of one layer, and the "
                 "fast backend's `convert(..., into=...)` (the same plus the kernel layout of "
-                "SPEC §2.3, written into preallocated buffers: what the loader calls), the paths "
+                "docs/contract.md §2.3, written into preallocated buffers: what the loader calls), the paths "
                 "taking turns within each repeat; outputs checked byte for byte against the "
                 "reference (and reference + `repack.write_rows`) on four of the tensors first. "
                 "`x reference` and `x memcpy` are per-repeat ratios (median, min-max). Then the "
@@ -648,7 +648,7 @@ class Suite:
             "2. `mxload convert`, whole process: reference vs fast numerics",
             (
                 f"Offline convert of {ck.label}, {fmt_bytes(ck.nbytes)} of tensors in "
-                f"{len(ck.files)} shards, to ModelOpt MXFP8 (SPEC §1.2): the command itself, "
+                f"{len(ck.files)} shards, to ModelOpt MXFP8 (docs/contract.md §1.2): the command itself, "
                 "each run a fresh process (interpreter, imports, numba cache load, read, "
                 "convert, write), `--numerics reference` (the naive eager-torch path) vs "
                 "`--numerics fast`, the same pipeline otherwise (reader, converter and writer "
@@ -1263,11 +1263,11 @@ class Suite:
             "staging",
             "5. Peak staging: predicted vs measured",
             (
-                "Per rank, the plan's predicted peak staging (SPEC §6) beside the staging "
+                "Per rank, the plan's predicted peak staging (docs/contract.md §6) beside the staging "
                 "pool's measured high-water mark (the manifest's "
                 "`predicted_peak_staging_bytes` / `measured_peak_staging_bytes`), and the "
                 "process RSS growth during the load as a cross-check for temporaries outside "
-                "the pool. SPEC §6 requires measured <= predicted <= 1.10 x measured, i.e. "
+                "the pool. docs/contract.md §6 requires measured <= predicted <= 1.10 x measured, i.e. "
                 "the ratio column within 1.000-1.100. Loads by RankLoader in this process "
                 "(fast backend) unless the row says Ray."
             ),

@@ -1,4 +1,4 @@
-"""Benchmark 7: planning time from config alone (SPEC §4: "a DeepSeek-V3-sized plan for 256
+"""Benchmark 7: planning time from config alone (docs/contract.md §4: "a DeepSeek-V3-sized plan for 256
 ranks in seconds").
 
 Purpose: how long ``mxload.orchestrator.plan.planner.build_plan`` takes for the real configs in
@@ -176,7 +176,7 @@ def bench_plan(*, quick: bool) -> dict[str, Any]:
             }
         ],
         "notes": [
-            'SPEC §4 asks for a 256-rank DeepSeek-V3 plan "in seconds"; the in-process '
+            'docs/contract.md §4 asks for a 256-rank DeepSeek-V3 plan "in seconds"; the in-process '
             "column is that number. The command column adds interpreter start and imports.",
         ],
         "key_ratios": key,

@@ -1,4 +1,4 @@
-"""A second, test-side implementation of SPEC §2, written from the SPEC in numpy.
+"""A second, test-side implementation of docs/contract.md §2, written from the SPEC in numpy.
 
 It shares no code with ``mxload.workers.numerics`` and takes a different route on purpose:
 - E4M3 rounding searches the table of all 256 E4M3 values (decoded from the format's
@@ -81,7 +81,7 @@ def biased_exponent(x: np.ndarray) -> np.ndarray:
 
 
 def mx_quantize_ref(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """SPEC §2.2 for the exact values ``x`` ``[..., K]``: (payload bytes, scale bytes)."""
+    """docs/contract.md §2.2 for the exact values ``x`` ``[..., K]``: (payload bytes, scale bytes)."""
     x = np.asarray(x, dtype=np.float64)
     if x.shape[-1] % GROUP:
         raise ValueError("K must be a multiple of 32")
@@ -131,7 +131,7 @@ def resolve_ref_bits(
     block_k: int,
     dtype: str,
 ) -> np.ndarray:
-    """SPEC §2.1 for rows/cols starting at (row0, col0), as bit patterns of ``dtype``.
+    """docs/contract.md §2.1 for rows/cols starting at (row0, col0), as bit patterns of ``dtype``.
 
     ``scale_full`` is the WHOLE scale tensor of the source (tiles indexed globally), so
     this never depends on how a caller slices it. Returns uint16 for bf16/fp16, uint32

@@ -1,4 +1,4 @@
-"""The NAMED corner-case table of SPEC §2, shared by every numerics path's tests.
+"""The NAMED corner-case table of docs/contract.md §2, shared by every numerics path's tests.
 
 Every case spells out its input values and the expected bytes by hand, with a comment
 deriving them from the SPEC; nothing here is produced by the code under test. The CPU
@@ -9,7 +9,7 @@ E4M3 byte = sign<<7 | exp<<3 | mant, value (1 + mant/8) * 2**(exp - 7); exp = 0 
 subnormal, mant/8 * 2**-6 (units of 2**-9). Useful bytes: 256 = 0x78, 448 = 0x7E,
 384 = 0x7C, 1.0 = 0x38, 2**-6 = 0x08, 2**-9 = 0x01. NaN is 0x7F / 0xFF (equal here).
 
-MX rule (SPEC §2.2): Emax = largest biased f32 exponent field of the group; S = 0xFF if
+MX rule (docs/contract.md §2.2): Emax = largest biased f32 exponent field of the group; S = 0xFF if
 Emax == 255 else max(Emax, 8) - 8; y = e4m3_rne_sat(x * 2**(127 - S)), S = 0 -> ±0,
 S = 0xFF -> NaN. For a normal amax = m * 2**e (m in [1, 2)) that is S = e + 127 - 8 and
 r = 2**(8 - e): the scaled amax lands in [256, 512).
@@ -291,7 +291,7 @@ MX_CASES: tuple[MxCase, ...] = (
 )
 
 
-# Double rounding (SPEC §2.1: f32 product, then one RNE to the model dtype).
+# Double rounding (docs/contract.md §2.1: f32 product, then one RNE to the model dtype).
 # w = 1.625 (E4M3 0x3D) = 13/8; s1 = 10364771 * 2**-24, s2 = 10445430 * 2**-24 (exact f32).
 # w * s1 = 134742023 * 2**-27 = 1 + 2**-8 + 7 * 2**-27: below half an f32 ulp (8 * 2**-27)
 #   above 1 + 2**-8, so f32 gives 1 + 2**-8 (0x3F808000), a bf16 tie -> even 0x3F80

@@ -1,10 +1,10 @@
 """What every rank must hold, computed independently of mxload's planner and loader.
 
-Written from SPEC §2-§3 for the tests: it reads a checkpoint with the official
+Written from docs/contract.md §2-§3 for the tests: it reads a checkpoint with the official
 ``safetensors`` library, converts each whole (unsharded) tensor with the numpy reference
 in ``tests/independent_ref.py``, then cuts each rank's share by the SPEC's rules (vLLM's
 rank order, pipeline split, qkv with kv-head replication, vocab padding, MoE TP or EP
-placement) and lays it out as SPEC §2.3 says. Nothing here imports ``orchestrator`` or
+placement) and lays it out as docs/contract.md §2.3 says. Nothing here imports ``orchestrator`` or
 ``workers``: the tests compare mxload's dumps against this, byte for byte.
 """
 
@@ -69,7 +69,7 @@ class RefCheckpoint:
 
     @cache  # noqa: B019 - one instance per test checkpoint
     def resolved(self, module: str) -> np.ndarray:
-        """SPEC §2.1 of the whole tensor: model-dtype bit patterns [N, K]."""
+        """docs/contract.md §2.1 of the whole tensor: model-dtype bit patterns [N, K]."""
         w = self.tensors[f"{module}.weight"].view(torch.uint8).numpy()
         s = self.tensors[f"{module}.weight_scale_inv"].numpy()
         return resolve_ref_bits(

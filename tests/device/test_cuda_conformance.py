@@ -1,4 +1,4 @@
-"""The CUDA backend (the pure-torch reference on a CUDA device) against SPEC §2, byte for byte.
+"""The CUDA backend (the pure-torch reference on a CUDA device) against docs/contract.md §2, byte for byte.
 
 Skipped unless torch.cuda.is_available(). The reference is device-agnostic torch; this
 proves the device's casts and arithmetic agree with the CPU on the SAME named case table

@@ -1,4 +1,4 @@
-"""The NPU backend (torch_npu.npu_dynamic_mx_quant) against the SPEC §2 table, byte for byte.
+"""The NPU backend (torch_npu.npu_dynamic_mx_quant) against the docs/contract.md §2 table, byte for byte.
 
 Skipped unless torch_npu imports and an NPU is visible. Runs the SAME named case table as
 the CPU reference (tests/numerics_cases.py) plus seeded random data compared with the CPU

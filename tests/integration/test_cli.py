@@ -1,8 +1,8 @@
-"""The ``mxload`` command line, run as a user runs it: a subprocess per command (SPEC §5).
+"""The ``mxload`` command line, run as a user runs it: a subprocess per command (docs/contract.md §5).
 
 * Refusals exit 2 with stderr *beginning* ``mxload: error:``, naming the file, key,
   tensor or flag, and with no traceback (library noise included);
-* ``plan --json`` has the keys of SPEC §5, and a plan that does not fit exits 3;
+* ``plan --json`` has the keys of docs/contract.md §5, and a plan that does not fit exits 3;
 * ``inspect`` and ``convert`` agree with what the official safetensors reader sees;
 * a detached session lives across processes: ``load --detach``, ``status``, ``reload``
   (addresses unchanged, version 2, bytes equal to the independent reference), a refused
@@ -286,7 +286,7 @@ def test_plan_json_from_a_real_config(work: Path) -> None:
         assert RANK_KEYS <= set(r), sorted(RANK_KEYS - set(r))
         for key in BYTE_KEYS:
             assert type(r[key]) is int and r[key] > 0, (key, r[key])
-        # vLLM's rank order and SPEC §3's linear expert placement, computed here.
+        # vLLM's rank order and docs/contract.md §3's linear expert placement, computed here.
         assert (r["dp_rank"], r["pp_rank"], r["tp_rank"]) == (r["rank"] // 4, 0, r["rank"] % 4)
         assert r["ep_rank"] == r["dp_rank"] * 4 + r["tp_rank"]
         assert r["experts"] == list(range(r["ep_rank"] * per, (r["ep_rank"] + 1) * per))

@@ -1,7 +1,7 @@
-"""Architecture tables (SPEC §3): names, merge order, styles, shapes, dtypes.
+"""Architecture tables (docs/contract.md §3): names, merge order, styles, shapes, dtypes.
 
-The expected device names are the SPEC §3 table written out by hand; shapes are the
-config formulas of SPEC §3 (Qwen3: q [heads*head_dim, hidden], ...).
+The expected device names are the docs/contract.md §3 table written out by hand; shapes are the
+config formulas of docs/contract.md §3 (Qwen3: q [heads*head_dim, hidden], ...).
 """
 
 from __future__ import annotations

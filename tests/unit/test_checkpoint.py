@@ -1,5 +1,5 @@
 """mxload.orchestrator.plan.checkpoint: the index, index/shard agreement and weight/scale pairing
-(SPEC §1.1, §1.2, §1.4)."""
+(docs/contract.md §1.1, §1.2, §1.4)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""mxload.orchestrator.plan.config against SPEC §1.1's validation table, §1.2, §1.4 and the real configs."""
+"""mxload.orchestrator.plan.config against docs/contract.md §1.1's validation table, §1.2, §1.4 and the real configs."""
 
 from __future__ import annotations
 
@@ -47,7 +47,7 @@ def with_quant(**changes: Any) -> dict[str, Any]:
     return cfg
 
 
-# --- SPEC §1.1 validation table: one row, one case (or several) -----------------------------
+# --- docs/contract.md §1.1 validation table: one row, one case (or several) -----------------------------
 
 
 @pytest.mark.parametrize(
@@ -232,7 +232,7 @@ def test_ignored_module_list_must_be_strings() -> None:
 
 
 def test_is_excluded_rules() -> None:
-    # SPEC §1.4: equal, dotted prefix, or last component.
+    # docs/contract.md §1.4: equal, dotted prefix, or last component.
     q = QuantConfig(
         kind="block_fp8", block_n=128, block_k=128, not_converted=("lm_head", "model.layers.1")
     )

@@ -1,10 +1,10 @@
-"""``mxload convert`` (SPEC §1.2): offline block-FP8 -> ModelOpt-style MXFP8, unsharded.
+"""``mxload convert`` (docs/contract.md §1.2): offline block-FP8 -> ModelOpt-style MXFP8, unsharded.
 
 Every output tensor is compared byte for byte with a conversion made here from the
 source files read by the official ``safetensors`` library and the independent numpy
 reference (``tests/independent_ref.py``: ``resolve_ref_bits`` on the whole tensor, then
 ``mx_quantize_ref``). The config's ``quantization_config`` must be exactly the four keys
-of SPEC §1.2, the index must agree with the files, and the output must load with
+of docs/contract.md §1.2, the index must agree with the files, and the output must load with
 mxload's own catalog (and loader) as an MXFP8 checkpoint.
 """
 
@@ -204,7 +204,7 @@ def test_every_output_tensor_matches_the_independent_reference(converted, case, 
         if name.endswith(".weight_scale"):
             w = got[name[: -len("_scale")]]
             assert t.shape == (w.shape[0], w.shape[1] // 32)
-    # quantization_config exactly as SPEC §1.2; everything else in config.json unchanged.
+    # quantization_config exactly as docs/contract.md §1.2; everything else in config.json unchanged.
     assert config["quantization_config"] == {
         "quant_method": "modelopt",
         "quant_algo": "MXFP8",
@@ -361,8 +361,8 @@ def test_bf16_checkpoint_is_refused(ckpt_factory, tmp_path) -> None:
 
 
 def test_nonfinite_scale_refused_unless_allowed(ckpt_factory, tmp_path) -> None:
-    """SPEC §1.1: a NaN block scale is refused naming tensor and tile; with
-    allow_nonfinite it passes and every MX group it touches is NaN (SPEC §2.2)."""
+    """docs/contract.md §1.1: a NaN block scale is refused naming tensor and tile; with
+    allow_nonfinite it passes and every MX group it touches is NaN (docs/contract.md §2.2)."""
     import shutil
     import struct
 

@@ -1,4 +1,4 @@
-"""The rank loader used without Ray (SPEC §4 "The per-rank loader is a plain class").
+"""The rank loader used without Ray (docs/contract.md §4 "The per-rank loader is a plain class").
 
 Every rank of a plan is loaded in this process by ``mxload.workers.rank.loader.RankLoader`` and its
 buffers are compared byte for byte with ``tests.reference_model.expected_rank``, which
@@ -8,9 +8,9 @@ independent numpy reference: nothing expected here comes from the code under tes
 Covered: several layouts (TP, DP, PP, EP linear and round robin, no-EP MoE sharding,
 partial tiles and odd MX groups), the reference and the fast CPU backends; a staging
 budget below one unit (row chunks give the whole-unit bytes, and the measured staging
-stays within the budget and within 10 % of the prediction, SPEC §6); a reload into the
+stays within the budget and within 10 % of the prediction, docs/contract.md §6); a reload into the
 same buffers; adopting buffers the host owns (and refusing bad ones); non-finite block
-scales (SPEC §1.1, §2.2); and a second load while one runs.
+scales (docs/contract.md §1.1, §2.2); and a second load while one runs.
 """
 
 from __future__ import annotations
@@ -164,7 +164,7 @@ def test_every_rank_matches_the_reference(ckpt_factory, preset, layout, fast) ->
         assert loader.version == 1 and loader.consistent
         assert stats.bytes_needed == rp.bytes_needed
         # Local files: what the plan predicts (strided rows under a page apart are read
-        # as one span, SPEC §6's amplification counts them).
+        # as one span, docs/contract.md §6's amplification counts them).
         assert stats.bytes_read == rp.bytes_to_read >= rp.bytes_needed
         assert stats.units == len(rp.units)
         assert stats.measured_peak_staging_bytes <= rp.staging.budget_bytes
@@ -486,7 +486,7 @@ def test_nonfinite_scales(ckpt_factory, tmp_path, value, passes_with_allow) -> N
     assert_rank_matches(ref_of(src), layout, 0, loader0)
 
     if passes_with_allow:
-        # SPEC §2.2: the NaN/Inf propagates; every MX group it touches is NaN (0xFF scale).
+        # docs/contract.md §2.2: the NaN/Inf propagates; every MX group it touches is NaN (0xFF scale).
         loader, _ = run_rank(src, meta, plan, 1, allow_nonfinite=True)
         assert_rank_matches(ref_of(src), layout, 1, loader)
         scale = loader.buffers["model.layers.1.self_attn.qkv_proj.weight_scale"]
@@ -562,7 +562,7 @@ class Interrupted(Exception):
 def test_interrupted_reload_reports_current_bytes_and_completes(ckpt_factory) -> None:
     """A reload that fails part-way leaves finished units at the new version and the
     rest at the old one (consistent: false); the report's checksums are those of the
-    bytes held now; running the reload again completes it (SPEC §4 "Reload")."""
+    bytes held now; running the reload again completes it (docs/contract.md §4 "Reload")."""
     from mxload.workers.rank.loader import checksum
 
     v1, v2 = ckpt_factory("qwen3-moe-tiny", 1), ckpt_factory("qwen3-moe-tiny", 2)
@@ -660,7 +660,7 @@ def test_a_step_of_several_units_is_converted_in_one_launch_and_written_all_or_n
 
 
 def test_a_failed_reload_then_another_checkpoint_rewrites_every_unit(ckpt_factory) -> None:
-    """A version names a checkpoint (SPEC §4): after a reload from v2 stopped half-way,
+    """A version names a checkpoint (docs/contract.md §4): after a reload from v2 stopped half-way,
     a reload from v3 *at the same version number* must rewrite the units v2 wrote, not
     skip them (skipping by number alone left a mix of v2 and v3 reported consistent)."""
     v1, v2, v3 = (ckpt_factory("qwen3-moe-tiny", seed) for seed in (1, 2, 3))
@@ -805,7 +805,7 @@ def test_small_local_reads_run_on_the_converting_thread(ckpt_factory, monkeypatc
 def test_staging_peak_does_not_depend_on_reader_timing(
     ckpt_factory, monkeypatch, layout, inline
 ) -> None:
-    """SPEC §6: measured <= predicted <= 1.10 x measured on every run. Consecutive vocab
+    """docs/contract.md §6: measured <= predicted <= 1.10 x measured on every run. Consecutive vocab
     row blocks are copy units that read ahead; a reader thread that starts late must not
     let the current block's lease go before the next one's is taken (the peak would come
     out at half the prediction: seen in CI). Every fill is delayed here."""

@@ -1,4 +1,4 @@
-"""The memory model (SPEC §6): schedules, row chunks and the reads of row chunks. No Ray.
+"""The memory model (docs/contract.md §6): schedules, row chunks and the reads of row chunks. No Ray.
 
 Invariants in the spirit of Run:ai's partition tests, checked on the units of real plans
 (synthetic checkpoints with partial tiles, merged parts and experts):
@@ -6,7 +6,7 @@ Invariants in the spirit of Run:ai's partition tests, checked on the units of re
 * ``chunk_rows`` covers a unit's rows exactly once, in order, and every chunk's staging
   fits the budget;
 * ``sub_reads`` of all chunks of a unit cover the unit's weight bytes exactly once, and
-  each chunk's scale tiles are the floor of its first and last source row (SPEC §2.1),
+  each chunk's scale tiles are the floor of its first and last source row (docs/contract.md §2.1),
   never ``ceil`` of an offset;
 * ``sub_unit`` clips parts without losing or repeating a source row;
 * ``min_budgets`` is a real minimum: the schedule runs at it and is refused one byte

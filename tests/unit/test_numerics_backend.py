@@ -1,6 +1,6 @@
 """Tests of workers/numerics/backend.py and npu.py that run without any accelerator.
 
-The NPU backend's own logic (scale normalisation, the SPEC §2.2 rule-3 group fix-ups,
+The NPU backend's own logic (scale normalisation, the docs/contract.md §2.2 rule-3 group fix-ups,
 the float32 route) is exercised through a stand-in ``torch_npu`` whose
 ``npu_dynamic_mx_quant`` follows the operator's documented formula
 (``P = V / 2**(floor(log2 amax) - 8)``, exponent floored at -127, scale returned paired

@@ -1,5 +1,5 @@
 """Tests of workers/numerics/fast.py: the fused CPU path must equal the reference byte for
-byte (SPEC §2; NaN payload bytes 0x7F and 0xFF count as equal).
+byte (docs/contract.md §2; NaN payload bytes 0x7F and 0xFF count as equal).
 
 Expected bytes come from the hand-written table (tests/numerics_cases.py), from a few
 fused cases derived by hand below, from exhaustive enumeration of the 256 E4M3 codes,
@@ -401,7 +401,7 @@ def test_thread_counts_give_same_bytes(threads: int) -> None:
 
 
 def test_sharding_commutes() -> None:
-    # SPEC §2.1/§3: converting slices (with the tiles covering each) and putting them
+    # docs/contract.md §2.1/§3: converting slices (with the tiles covering each) and putting them
     # back together equals converting the whole tensor.
     gen = torch.Generator().manual_seed(3)
     n, k, bn, bk = 300, 640, 128, 128
@@ -461,7 +461,7 @@ def test_mx_quantize_noncontiguous_input() -> None:
     _assert_same_payload(got_p, want_p, "transposed input")
 
 
-# --- packed output (SPEC §2.3) ---------------------------------------------------------------------
+# --- packed output (docs/contract.md §2.3) ---------------------------------------------------------------------
 
 
 @pytest.mark.parametrize(

@@ -1,4 +1,4 @@
-"""Tests of workers/numerics/reference.py: the bit-exact contract of SPEC §2.1-2.2.
+"""Tests of workers/numerics/reference.py: the bit-exact contract of docs/contract.md §2.1-2.2.
 
 Expected bytes come from the hand-written table (tests/numerics_cases.py), from
 exhaustive enumeration of small domains, and from the independent numpy implementation

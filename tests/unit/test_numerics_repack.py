@@ -1,4 +1,4 @@
-"""Tests of workers/numerics/repack.py: the kernel layouts of SPEC §2.3."""
+"""Tests of workers/numerics/repack.py: the kernel layouts of docs/contract.md §2.3."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Read plans (SPEC §2.1, §4 "Streaming", §6): byte ranges of parts and covering tiles.
+"""Read plans (docs/contract.md §2.1, §4 "Streaming", §6): byte ranges of parts and covering tiles.
 
 Hand-computed expectations for misaligned slices (floor-based tile coverage, never ceil
 of the offset), compactness (one strided range per row-split part, not one per row), the

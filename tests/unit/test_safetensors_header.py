@@ -1,4 +1,4 @@
-"""mxload.orchestrator.plan.safetensors_header: hostile files (SPEC §1.3) and agreement with safetensors."""
+"""mxload.orchestrator.plan.safetensors_header: hostile files (docs/contract.md §1.3) and agreement with safetensors."""
 
 from __future__ import annotations
 
@@ -88,7 +88,7 @@ def test_attack_errors_pickle(attack: Attack) -> None:
 
 
 def test_header_length_at_the_cap_is_accepted_above_refused() -> None:
-    cap = 100 * 1000 * 1000  # SPEC §1.3: 100 MB
+    cap = 100 * 1000 * 1000  # docs/contract.md §1.3: 100 MB
     big_file = 2 * cap
     assert parse_header_length(struct.pack("<Q", cap), file=FILE, file_size=big_file) == cap
     with pytest.raises(HeaderTooLarge, match="cap"):

@@ -1,5 +1,5 @@
 """The storage seam (workers/storage/): ranged reads over every back end, coalescing,
-retries and the errors of SPEC §4 "Streaming" / "Faults".
+retries and the errors of docs/contract.md §4 "Streaming" / "Faults".
 
 Expected bytes always come from slicing the source file in the test, never from the code
 under test. Servers are loopback only (tests/servers.py); sleeps are injected, so no test

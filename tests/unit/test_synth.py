@@ -1,6 +1,6 @@
 """Synthetic checkpoints (workers/tools/synth.py): real HF layout, shapes per preset, determinism.
 
-Expected names and shapes are written out by hand from the preset numbers (SPEC §1.1:
+Expected names and shapes are written out by hand from the preset numbers (docs/contract.md §1.1:
 scale ``[ceil(N/128), ceil(K/128)]``); the files are read with the official safetensors
 library, and the BF16 twin is checked against a resolve written here with explicit
 tile indices.
@@ -238,7 +238,7 @@ def test_sharding_changes_files_not_tensors(tmp_path, moe_tiny):
 
 
 def _resolve_by_tiles(w: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
-    """SPEC §2.1 with explicit tile indices: R[r, c] = bf16(f32(W[r, c]) * S[r//128, c//128])."""
+    """docs/contract.md §2.1 with explicit tile indices: R[r, c] = bf16(f32(W[r, c]) * S[r//128, c//128])."""
     n, k = w.shape
     rows = torch.arange(n) // 128
     cols = torch.arange(k) // 128
