@@ -24,8 +24,9 @@ from mxload.orchestrator.runtime.reports import first_line as first_line
 from mxload.orchestrator.runtime.reports import plain as plain
 from mxload.orchestrator.runtime.reports import sharing_summary, write_dump
 from mxload.orchestrator.runtime.request import LoadRequest as LoadRequest
-from mxload.orchestrator.runtime.request import is_local, source_info, workers_fused
+from mxload.orchestrator.runtime.request import source_info, workers_fused
 from mxload.orchestrator.runtime.request import staging_budget_of as staging_budget_of
+from mxload.workers.storage.urls import is_remote
 
 __all__ = [
     "LoadRequest",
@@ -75,7 +76,7 @@ def plan_load(req: LoadRequest) -> tuple[Any, Plan]:
         staging_budget=req.staging_budget,
         device_memory=req.device_memory,
         device="cpu" if req.device in ("cpu", "auto") else req.device,
-        remote=not is_local(req.src),
+        remote=is_remote(req.src),
         fused=workers_fused(req.device),
         engine=req.engine,
     )

@@ -23,12 +23,12 @@ from typing import TYPE_CHECKING, Any, Protocol
 from mxload.orchestrator.errors import AddressMoved, ReloadMismatch, StagingBudgetError
 from mxload.orchestrator.plan.types import Plan, Unit, UnitReads
 from mxload.orchestrator.runtime.request import (
-    is_local,
     source_info,
     staging_budget_of,
     workers_fused,
 )
 from mxload.orchestrator.runtime.state import Progress, ReloadRecord, Report, SessionState
+from mxload.workers.storage.urls import is_remote
 
 if TYPE_CHECKING:
     from mxload.orchestrator.runtime.ray_run import RayRun
@@ -163,7 +163,7 @@ def plan_reload(
         checkpoint=meta,
         staging_budget=None,
         device="cpu",
-        remote=not is_local(src),
+        remote=is_remote(src),
         fused=fused,
         engine=held.engine,
     )

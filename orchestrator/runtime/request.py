@@ -12,7 +12,6 @@ from typing import TYPE_CHECKING, Any
 
 from mxload.orchestrator.plan.sharing import DEFAULT_SHARE
 from mxload.orchestrator.plan.types import ParallelLayout, Plan, RankPlan
-from mxload.workers.storage.urls import is_remote
 
 if TYPE_CHECKING:
     from mxload.workers.rank.loader import SourceInfo
@@ -62,11 +61,6 @@ def workers_fused(device: str) -> bool:
         return bool(fast_available())
     except ImportError:
         return False
-
-
-def is_local(src: str) -> bool:
-    """Whether ``src`` is a path on this machine (not a URL of remote storage)."""
-    return not is_remote(src)
 
 
 def staging_budget_of(plan: Plan, rank: RankPlan) -> int:

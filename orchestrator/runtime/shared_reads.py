@@ -12,8 +12,8 @@ from typing import TYPE_CHECKING, Any
 
 from mxload.orchestrator.errors import MxloadError, RunError
 from mxload.orchestrator.plan.types import Plan, Unit, UnitReads
-from mxload.orchestrator.runtime.request import is_local
 from mxload.orchestrator.runtime.state import Report
+from mxload.workers.storage.urls import is_remote
 
 if TYPE_CHECKING:
     from mxload.orchestrator.plan.sharing import SharePlan
@@ -55,7 +55,7 @@ def plan_shares(
     )
     from mxload.orchestrator.plan.timemodel import MAX_REQUEST_BYTES
 
-    local = is_local(source.root)
+    local = not is_remote(source.root)
     policy = LOCAL_POLICY if local else REMOTE_POLICY
     counted: dict[int, tuple[int, int]] = {}  # id(reads) -> (bytes, requests)
 
