@@ -1,8 +1,8 @@
 """Shared fixtures: seeded tiny checkpoints built on demand (never downloaded).
 
-Before an xdist run starts its workers, the controller compiles the numba kernels once
-in a process of its own, so that numba's on-disk cache is written before anything else
-needs it. Without that, on a fresh clone every process that converts first (both pytest
+While an xdist run's workers start and collect, the controller compiles the numba
+kernels once in a process of its own, and no test starts before that is done: numba's
+on-disk cache is written before anything else needs it. Without that, on a fresh clone every process that converts first (both pytest
 workers, each Ray rank worker of the first loads, each ``mxload`` subprocess) compiles
 the same kernels at the same time: tens of CPU-seconds each on a 2-core machine.
 """
@@ -19,15 +19,29 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 
 _COMPILE_KERNELS = "from mxload.workers.numerics import kernels; kernels.available()"
+_compiling: list[subprocess.Popen[bytes]] = []
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    """On the xdist controller only (workers carry ``workerinput``): fill numba's cache.
+    """On the xdist controller only (workers carry ``workerinput``): start filling
+    numba's cache while the workers start and collect.
 
     In its own process because importing numba here would start its threading layer in
     the controller; a failure is left to the tests that use the kernels to report."""
     if getattr(config.option, "numprocesses", None) and not hasattr(config, "workerinput"):
-        subprocess.run([sys.executable, "-c", _COMPILE_KERNELS], check=False, timeout=600)
+        _compiling.append(subprocess.Popen([sys.executable, "-c", _COMPILE_KERNELS]))
+    if hasattr(config.option, "loadscopereorder"):
+        # keep the file order of pytest_collection_modifyitems (xdist's default sorts
+        # files by their number of tests)
+        config.option.loadscopereorder = False
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_node_collection_finished(node: object, ids: list[str]) -> None:
+    """xdist hands out the first tests only after every worker collected (after this
+    hook): the kernels are compiled before any test runs."""
+    while _compiling:
+        _compiling.pop().wait(timeout=600)
 
 
 SLOW_TIMEOUT_S = 300
@@ -42,10 +56,10 @@ def _heavy(item: pytest.Item) -> bool:
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Slow tests get :data:`SLOW_TIMEOUT_S`; files with a slow or Ray test run first.
 
-    xdist's loadfile hands whole files to its workers in collection order (pyproject
-    turns off its reordering by test count, which put the few-test Ray files last): the
-    long files first, the many short ones after them fill in, so that both workers
-    finish at about the same time."""
+    xdist's loadfile hands whole files to its workers in collection order (its own
+    reordering by test count, which put the few-test Ray files last, is turned off in
+    pytest_configure): the long files first, the many short ones after them fill in, so
+    that both workers finish at about the same time."""
     heavy_files = {item.path for item in items if _heavy(item)}
     items.sort(key=lambda item: item.path not in heavy_files)  # stable: files stay whole
     for item in items:
