@@ -209,6 +209,14 @@ def layout_header(par: dict[str, Any], defaults_used: Sequence[str] = ()) -> lis
     return lines
 
 
+_DEVICE_NOTES = {
+    "cpu": " (--device npu for Ascend)",
+    # A plan is made where no device is probed: auto is planned as an accelerator.
+    "auto": " (planned as for npu; --device cpu for a CPU load)",
+}
+"""What ``plan``'s first line adds after the device it was planned for."""
+
+
 def render_plan_table(
     obj: dict[str, Any], devices_per_node: int = 16, defaults_used: Sequence[str] = ()
 ) -> str:
@@ -217,7 +225,7 @@ def render_plan_table(
     device = obj.get("device", "cpu")
     lines = [
         f"model: {obj['model'].get('architecture')}, planned for device {device}"
-        + (" (--device npu for Ascend)" if device == "cpu" else ""),
+        + _DEVICE_NOTES.get(device, ""),
         *layout_header(obj["parallel"], defaults_used),
         *_plan_rows(obj),
         *_time_model_lines(obj.get("time_model")),

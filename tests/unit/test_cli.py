@@ -556,6 +556,12 @@ def test_plan_heading_names_the_device(mxload: Callable[..., tuple[int, str, str
     assert out.splitlines()[0] == "model: Qwen3MoeForCausalLM, planned for device npu"
     rc, out, _ = mxload(*PLAN_30B, "--device", "npu", "--json")
     assert json.loads(out)["device"] == "npu"
+    rc, out, _ = mxload(*PLAN_30B, "--device", "auto")
+    assert rc == 0
+    assert out.splitlines()[0] == (
+        "model: Qwen3MoeForCausalLM, planned for device auto "
+        "(planned as for npu; --device cpu for a CPU load)"
+    )
 
 
 def test_plan_verdict_is_the_last_line(mxload: Callable[..., tuple[int, str, str]]) -> None:
