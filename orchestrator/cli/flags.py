@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import itertools
 import json
 import math
 import os
@@ -434,10 +435,11 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser = build_parser()
     try:
         args, extra = parser.parse_known_args(list(argv))
-    except UsageError:
+    except UsageError as err:
         # argparse reports a missing required flag before an unknown one, so "--pres X"
         # would read "--preset is required": name the unknown flag first.
         _refuse_unknown_flag_in(parser, argv)
+        _refuse_dash_value(str(err), argv)
         raise
     if extra:
         _refuse_unknown(parser, args.command, extra)
@@ -469,6 +471,20 @@ def _refuse_unknown_flag_in(parser: argparse.ArgumentParser, argv: Sequence[str]
             return
         if re.match(r"--?[A-Za-z]", word) and word.split("=", 1)[0] not in known:
             _refuse_unknown(parser, command, [word])
+
+
+def _refuse_dash_value(message: str, argv: Sequence[str]) -> None:
+    """argparse's "expected one argument" where the value given starts with '-' but is no
+    flag (such as ``--device-memory -5GB``): say that the value was read as a flag."""
+    missing = re.match(r"argument (\S+?)(?:/\S+)?: expected one argument", message)
+    if not missing:
+        return
+    flag = missing.group(1)
+    for word, value in itertools.pairwise(argv):
+        if word == flag and value.startswith("-") and not re.match(r"--?[A-Za-z]", value):
+            raise UsageError(
+                f"{flag}: the value {value!r} reads as a flag; write {flag}={value}", key=flag
+            )
 
 
 def _check_combinations(args: argparse.Namespace) -> None:

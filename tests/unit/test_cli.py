@@ -370,6 +370,10 @@ REFUSALS: dict[str, tuple[Callable[[Path, dict[str, str]], list[str]], list[str]
     ),
     "inspect-an-empty-path": (lambda w, c: ["inspect", ""], ["SRC", "empty path"]),
     "load-an-empty-path": (lambda w, c: ["load", "", "--device", "cpu"], ["SRC", "empty path"]),
+    "size-starting-with-a-dash": (
+        lambda w, c: ["plan", "--model", "deepseek-v3", "--device-memory", "-5GB"],
+        ["--device-memory", "'-5GB'", "--device-memory=-5GB"],
+    ),
     "config-is-a-folder": (
         lambda w, c: ["plan", "--config", c["v1"]],
         ["--config", "is a folder", "config.json"],
