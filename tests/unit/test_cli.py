@@ -388,7 +388,7 @@ REFUSALS: dict[str, tuple[Callable[[Path, dict[str, str]], list[str]], list[str]
     ),
     "devices-per-node-zero": (
         lambda w, c: ["plan", "--model", "deepseek-v3", "--devices-per-node", "0"],
-        ["--devices-per-node"],
+        ["--devices-per-node must be >= 1, got 0"],
     ),
     "mistyped-command": (lambda w, c: ["plna", "--model", "deepseek-v3"], ["plna", "plan?"]),
 }
