@@ -18,6 +18,7 @@ _EXPORTS: dict[str, str] = {
     "build_plan": "mxload.orchestrator.plan.planner",
     "open_checkpoint": "mxload.orchestrator.runtime.catalog",
     "load": "mxload.orchestrator.runtime.driver",
+    "LoadRequest": "mxload.orchestrator.runtime.request",
     "Session": "mxload.orchestrator.runtime.session",
     "reload_inputs": "mxload.orchestrator.runtime.reload",
     "convert_checkpoint": "mxload.workers.tools.convert",
@@ -29,6 +30,7 @@ _EXPORTS: dict[str, str] = {
 
 __all__ = [
     "EngineReloader",
+    "LoadRequest",
     "MxloadError",
     "MxloadWorkerExtension",
     "ParallelLayout",
@@ -50,6 +52,7 @@ if TYPE_CHECKING:
     from mxload.orchestrator.runtime.catalog import open_checkpoint
     from mxload.orchestrator.runtime.driver import load
     from mxload.orchestrator.runtime.reload import reload_inputs
+    from mxload.orchestrator.runtime.request import LoadRequest
     from mxload.orchestrator.runtime.session import Session
     from mxload.workers.engine_ext import EngineReloader, MxloadWorkerExtension
     from mxload.workers.rank.loader import RankLoader

@@ -28,7 +28,7 @@ print(json.dumps({"world": plan.layout.world, "arch": plan.model["architecture"]
 """
 
 PUBLIC = [
-    "EngineReloader", "MxloadError", "MxloadWorkerExtension", "ParallelLayout", "Plan",
+    "EngineReloader", "LoadRequest", "MxloadError", "MxloadWorkerExtension", "ParallelLayout", "Plan",
     "RankLoader", "Session", "__version__", "build_plan", "convert_checkpoint", "load",
     "open_checkpoint", "reload_inputs",
 ]  # fmt: skip
@@ -39,7 +39,8 @@ import importlib, json, sys
 import mxload
 light = not ({"torch", "ray"} & set(sys.modules))
 from mxload import (
-    EngineReloader, MxloadError, MxloadWorkerExtension, ParallelLayout, Plan, RankLoader,
+    EngineReloader, LoadRequest, MxloadError, MxloadWorkerExtension, ParallelLayout, Plan,
+    RankLoader,
     Session, __version__, build_plan, convert_checkpoint, load, open_checkpoint,
     reload_inputs,
 )
