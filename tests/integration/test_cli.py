@@ -1,4 +1,4 @@
-"""The ``mxload`` command line, run as a user runs it: a subprocess per command (docs/contract.md §5).
+"""The ``mxload`` command line, run as a user runs it (docs/contract.md §5).
 
 * Refusals exit 2 with stderr *beginning* ``mxload: error:``, naming the file, key,
   tensor or flag, and with no traceback (library noise included);
@@ -8,6 +8,11 @@
   (addresses unchanged, version 2, bytes equal to the independent reference), a refused
   reload that touches nothing, ``release``; and ``mxload demo`` exits 0.
 
+What depends on the process (exit statuses, tracebacks, the console script, a terminal,
+Ray started and ended, a session across processes) runs as a subprocess; what only reads
+the command's output (``plan``, ``inspect``, ``convert``, which start no Ray) runs
+``main(argv)`` in this process (the ``cli`` fixture), which costs no interpreter start-up.
+
 Every subprocess runs with its working directory set to a folder of this module's own,
 and Ray's processes inherit it: that is how the module finds, at the end, any process it
 started that is still alive, and ends exactly those (by pid), whatever their names.
@@ -16,12 +21,14 @@ started that is still alive, and ends exactly those (by pid), whatever their nam
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import psutil
@@ -86,6 +93,28 @@ def mx(
         text=True,
         timeout=timeout,
     )
+
+
+@pytest.fixture
+def cli(
+    work: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> Iterator[Callable[..., subprocess.CompletedProcess]]:
+    """``cli(*argv)``: ``mxload`` run by ``main(argv)`` in this process, answered like
+    :func:`mx` (exit status, stdout, stderr), with an empty $MXLOAD_HOME."""
+    from mxload.orchestrator.cli.commands import main
+
+    monkeypatch.setenv("MXLOAD_HOME", str(work / "home-empty"))
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    level = logging.getLogger("mxload").level
+
+    def run(*argv: str) -> subprocess.CompletedProcess:
+        capsys.readouterr()
+        code = main(list(argv))
+        out, err = capsys.readouterr()
+        return subprocess.CompletedProcess(["mxload", *argv], code, out, err)
+
+    yield run
+    logging.getLogger("mxload").setLevel(level)
 
 
 def mx_tty(
@@ -256,11 +285,11 @@ RANK_KEYS = {"rank", "tp_rank", "dp_rank", "pp_rank", "ep_rank", "layers", "expe
 BYTE_KEYS = ("persistent_bytes", "staging_bytes", "peak_bytes", "bytes_needed", "bytes_to_read")
 
 
-def test_plan_json_from_a_real_config(work: Path) -> None:
+def test_plan_json_from_a_real_config(cli: Callable[..., subprocess.CompletedProcess]) -> None:
     config_file = CONFIGS / "qwen3-30b-a3b-fp8.json"
     cfg = json.loads(config_file.read_text())
     args = ["plan", "--config", str(config_file), "--tp", "4", "--dp", "2", "--enable-expert-parallel", "--json"]  # fmt: skip
-    proc = mx(work, *args)
+    proc = cli(*args)
     assert proc.returncode == 0, proc.stderr
     assert "Traceback" not in proc.stderr
     doc = json.loads(proc.stdout)  # stdout is exactly one JSON object
@@ -295,7 +324,7 @@ def test_plan_json_from_a_real_config(work: Path) -> None:
         assert r["bytes_to_read"] == r["bytes_needed"]  # config only: predicted as needed
     # Human table on a pipe: no JSON, the same exit status; the header says the layout
     # and the defaults that filled in what was not given.
-    human = mx(work, *args[:-1])
+    human = cli(*args[:-1])
     assert human.returncode == 0 and "minimum staging budget" in human.stdout
     head = human.stdout.splitlines()[:3]
     assert head[1].startswith("layout: tp=4 dp=2 pp=1 ep=on expert_placement=linear world=8")
@@ -313,14 +342,16 @@ def test_plan_json_from_a_real_config(work: Path) -> None:
         "Qwen/Qwen3-32B-FP8",
     ],
 )
-def test_plan_a_packaged_model_by_name(work: Path, name: str) -> None:
+def test_plan_a_packaged_model_by_name(
+    cli: Callable[..., subprocess.CompletedProcess], name: str
+) -> None:
     """``--model NAME`` plans the packaged config: the same plan as ``--config`` on that
     file, which is a copy of the model's published config.json."""
     tp = ["--tp", "8", "--dp", "2", "--enable-expert-parallel", "--json"]
-    by_name = mx(work, "plan", "--model", name, *tp)
+    by_name = cli("plan", "--model", name, *tp)
     assert by_name.returncode == 0, by_name.stderr
     stem = name.lower().split("/")[-1]
-    by_file = mx(work, "plan", "--config", str(CONFIGS / f"{stem}.json"), *tp)
+    by_file = cli("plan", "--config", str(CONFIGS / f"{stem}.json"), *tp)
     assert by_file.returncode == 0, by_file.stderr
     assert json.loads(by_name.stdout) == json.loads(by_file.stdout)
 
@@ -339,10 +370,12 @@ def test_qwen3_235b_config_is_the_published_geometry() -> None:
     assert cfg["quantization_config"]["activation_scheme"] == "dynamic"
 
 
-def test_plan_table_notes_left_out_ranks_at_the_gap(work: Path) -> None:
+def test_plan_table_notes_left_out_ranks_at_the_gap(
+    cli: Callable[..., subprocess.CompletedProcess],
+) -> None:
     config_file = CONFIGS / "deepseek-v3.json"
     args = ["plan", "--config", str(config_file), "--tp", "8", "--dp", "32", "--enable-expert-parallel"]  # fmt: skip
-    proc = mx(work, *args)
+    proc = cli(*args)
     assert proc.returncode == 0, proc.stderr
     rows = [ln.split()[0] for ln in proc.stdout.splitlines() if ln.strip()]
     note = rows.index("...")
@@ -379,8 +412,8 @@ def official(path: str) -> dict[str, torch.Tensor]:
     return out
 
 
-def test_inspect(work: Path, ckpts: dict[str, str]) -> None:
-    proc = mx(work, "inspect", ckpts["v1"], "--json")
+def test_inspect(cli: Callable[..., subprocess.CompletedProcess], ckpts: dict[str, str]) -> None:
+    proc = cli("inspect", ckpts["v1"], "--json")
     assert proc.returncode == 0, proc.stderr
     info = json.loads(proc.stdout)
     tensors = official(ckpts["v1"])
@@ -396,7 +429,7 @@ def test_inspect(work: Path, ckpts: dict[str, str]) -> None:
     fp8_bytes = sum(t.numel() for t in tensors.values() if t.dtype == torch.float8_e4m3fn)
     assert info["tensor_bytes_by_kind"]["fp8 weight"] == fp8_bytes
     assert "..." not in proc.stdout
-    human = mx(work, "inspect", ckpts["v1"])
+    human = cli("inspect", ckpts["v1"])
     assert human.returncode == 0, human.stderr
     text = human.stdout
     assert "Qwen3MoeForCausalLM: 4 layers, 8 experts in 3 MoE layers" in text
@@ -406,21 +439,25 @@ def test_inspect(work: Path, ckpts: dict[str, str]) -> None:
     assert all(f["file"] in text for f in info["files"])
 
 
-def test_make_checkpoint_says_one_line_or_json(work: Path) -> None:
-    human = mx(work, "make-checkpoint", str(work / "made"), "--preset", "qwen3-dense-tiny")
+def test_make_checkpoint_says_one_line_or_json(
+    work: Path, cli: Callable[..., subprocess.CompletedProcess]
+) -> None:
+    human = cli("make-checkpoint", str(work / "made"), "--preset", "qwen3-dense-tiny")
     assert human.returncode == 0, human.stderr
     line = human.stdout.strip()
     assert "\n" not in line and "{" not in line, line
     assert line.startswith("wrote block-FP8 qwen3-dense-tiny (seed 0) to ")
-    doc = mx(work, "make-checkpoint", str(work / "made-json"), "--preset", "qwen3-dense-tiny", "--json")  # fmt: skip
+    doc = cli("make-checkpoint", str(work / "made-json"), "--preset", "qwen3-dense-tiny", "--json")  # fmt: skip
     assert doc.returncode == 0, doc.stderr
     summary = json.loads(doc.stdout)
     assert f"{summary['tensors']} tensors in {summary['shards']} shard(s)" in line
 
 
-def test_convert(work: Path, ckpts: dict[str, str]) -> None:
+def test_convert(
+    work: Path, cli: Callable[..., subprocess.CompletedProcess], ckpts: dict[str, str]
+) -> None:
     dst = work / "converted"
-    proc = mx(work, "convert", ckpts["v1"], str(dst), "--json")
+    proc = cli("convert", ckpts["v1"], str(dst), "--json")
     assert proc.returncode == 0, proc.stderr
     summary = json.loads(proc.stdout)
     src_t, out_t = official(ckpts["v1"]), official(str(dst))
@@ -431,42 +468,9 @@ def test_convert(work: Path, ckpts: dict[str, str]) -> None:
     config = json.loads((dst / "config.json").read_text())
     assert config["quantization_config"]["quant_method"] == "modelopt"
     assert config["quantization_config"]["quant_algo"] == "MXFP8"
-    again = mx(work, "inspect", str(dst), "--json")
+    again = cli("inspect", str(dst), "--json")
     assert again.returncode == 0, again.stderr
     assert json.loads(again.stdout)["quantization"] == "mxfp8"
-
-
-@pytest.mark.ray
-def test_load_for_an_engine_dumps_its_views(work: Path, ckpts: dict[str, str]) -> None:
-    """``--engine vllm-ascend-main``: vllm-ascend's names (routed_experts), its strides in
-    the manifest, logical values in the dump (equal to the independent reference, whose
-    MoE views read the same values as mxload's layout)."""
-    dump = work / "dump-engine"
-    layout = ["--tp", "2", "--dp", "2", "--enable-expert-parallel", "--device", "cpu"]
-    proc = mx(
-        work, "load", ckpts["v1"], *layout, "--engine", "vllm-ascend-main",
-        "--dump", str(dump), "--json", timeout=300,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    manifest = json.loads(proc.stdout)
-    assert manifest["engine"] == "vllm-ascend-main"
-    on_disk = json.loads((dump / "manifest.json").read_text())
-    assert on_disk["engine"] == "vllm-ascend-main"
-    ref = RefCheckpoint(ckpts["v1"])
-    for r, rank in enumerate(manifest["ranks"]):
-        t = rank["tensors"]
-        w13 = t["model.layers.0.mlp.experts.routed_experts.w13_weight"]
-        _, h, n2 = w13["shape"]
-        assert (w13["stride"], w13["storage_offset"]) == ([h * n2, 1, h], 0)
-        s13 = t["model.layers.0.mlp.experts.routed_experts.w13_weight_scale"]
-        _, g2, n, _ = s13["shape"]
-        assert s13["stride"] == [n * g2 * 2, 2, g2 * 2, 1]
-        qkv = t["model.layers.0.self_attn.qkv_proj.weight"]
-        assert qkv["stride"] == [qkv["shape"][1], 1]  # linears stay contiguous
-        got = load_file(dump / f"rank-{r:05d}.safetensors")
-        renamed = {k.replace(".experts.routed_experts.", ".experts."): v for k, v in got.items()}
-        problems = compare_rank(expected_rank(ref, Layout(2, 2, 1, True), r), renamed)
-        assert problems == [], f"rank {r}: {problems[:8]}"
 
 
 def test_convert_shows_progress_on_a_terminal_only(work: Path, ckpts: dict[str, str]) -> None:
@@ -480,38 +484,68 @@ def test_convert_shows_progress_on_a_terminal_only(work: Path, ckpts: dict[str, 
 
 
 @pytest.mark.ray
-def test_load_on_a_terminal_shows_progress_and_the_defaults(
-    work: Path, ckpts: dict[str, str]
-) -> None:
-    rc, out, shown = mx_tty(work, "load", ckpts["v1"], "--tp", "2", "--device", "cpu", home="home-empty")  # fmt: skip
+def test_load_on_a_terminal_for_an_engine(work: Path, ckpts: dict[str, str]) -> None:
+    """One load at a terminal, read three ways. The terminal shows progress; stdout the
+    layout and the defaults that filled in what was not given. ``--engine
+    vllm-ascend-main``: vllm-ascend's names (routed_experts) and strides in the manifest
+    (``--dump``'s and ``--report``'s), logical values in the dump (equal to the
+    independent reference, whose MoE views read the same values as mxload's layout)."""
+    dump, report = work / "dump-engine", work / "report-engine.json"
+    layout = ["--dp", "2", "--enable-expert-parallel", "--device", "cpu"]
+    rc, out, shown = mx_tty(
+        work, "load", ckpts["v1"], *layout, "--engine", "vllm-ascend-main",
+        "--dump", str(dump), "--report", str(report), home="home-empty",
+    )  # fmt: skip
     assert rc == 0, shown[-3000:]
     assert "load:" in shown and "ranks 2/2 done" in shown, shown[-3000:]
     assert " at " in shown and "/s" in shown  # the read rate
     assert "Traceback" not in shown
     lines = out.splitlines()
-    assert lines[0].startswith("layout: tp=2 dp=1 pp=1 ep=off"), out[:500]
-    assert lines[1].startswith("defaults used: --dp 1, --pp 1"), out[:500]
-    assert "--device" not in lines[1] and "--tp" not in lines[1]
+    assert lines[0].startswith("layout: tp=1 dp=2 pp=1 ep=on"), out[:500]
+    assert lines[1].startswith("defaults used: --tp 1, --pp 1"), out[:500]
+    assert "--device" not in lines[1] and "--dp" not in lines[1], out[:500]
     assert_nothing_left(work)
 
+    manifest = json.loads((dump / "manifest.json").read_text())
+    assert json.loads(report.read_text()) == manifest
+    assert manifest["engine"] == "vllm-ascend-main"
+    assert len(manifest["ranks"]) == 2
+    ref = RefCheckpoint(ckpts["v1"])
+    for r, rank in enumerate(manifest["ranks"]):
+        t = rank["tensors"]
+        w13 = t["model.layers.0.mlp.experts.routed_experts.w13_weight"]
+        _, h, n2 = w13["shape"]
+        assert (w13["stride"], w13["storage_offset"]) == ([h * n2, 1, h], 0)
+        s13 = t["model.layers.0.mlp.experts.routed_experts.w13_weight_scale"]
+        _, g2, n, _ = s13["shape"]
+        assert s13["stride"] == [n * g2 * 2, 2, g2 * 2, 1]
+        qkv = t["model.layers.0.self_attn.qkv_proj.weight"]
+        assert qkv["stride"] == [qkv["shape"][1], 1]  # linears stay contiguous
+        got = load_file(dump / f"rank-{r:05d}.safetensors")
+        renamed = {k.replace(".experts.routed_experts.", ".experts."): v for k, v in got.items()}
+        problems = compare_rank(expected_rank(ref, Layout(1, 2, 1, True), r), renamed)
+        assert problems == [], f"rank {r}: {problems[:8]}"
 
-def test_convert_numerics_flag(work: Path, ckpts: dict[str, str]) -> None:
+
+def test_convert_numerics_flag(
+    work: Path, cli: Callable[..., subprocess.CompletedProcess], ckpts: dict[str, str]
+) -> None:
     """``--numerics reference`` runs the naive path through the same pipeline and writes
     the same files as the default (fast) path; an unknown value is a usage error."""
     outs = {}
     for numerics in ("reference", "fast"):
         dst = work / f"converted-{numerics}"
-        proc = mx(work, "convert", ckpts["v1"], str(dst), "--json", "--numerics", numerics)
+        proc = cli("convert", ckpts["v1"], str(dst), "--json", "--numerics", numerics)
         assert proc.returncode == 0, proc.stderr
         assert json.loads(proc.stdout)["backend"] == f"cpu-{numerics}"
         outs[numerics] = {p.name: p.read_bytes() for p in sorted(dst.glob("*.safetensors"))}
     assert outs["reference"] == outs["fast"] and outs["fast"]
-    assert_refused(
-        mx(work, "convert", ckpts["v1"], str(work / "x"), "--numerics", "gpu"), "--numerics"
-    )
+    assert_refused(cli("convert", ckpts["v1"], str(work / "x"), "--numerics", "gpu"), "--numerics")
 
 
-def test_convert_nonfinite_scale_needs_the_flag(work: Path, ckpts: dict[str, str]) -> None:
+def test_convert_nonfinite_scale_needs_the_flag(
+    work: Path, cli: Callable[..., subprocess.CompletedProcess], ckpts: dict[str, str]
+) -> None:
     src = work / "nan-scale"
     shutil.copytree(ckpts["v1"], src)
     name = "model.layers.0.self_attn.o_proj.weight_scale_inv"
@@ -520,8 +554,8 @@ def test_convert_nonfinite_scale_needs_the_flag(work: Path, ckpts: dict[str, str
     tensors = load_file(file)
     tensors[name][1, 0] = float("inf")
     save_file(tensors, file, metadata={"format": "pt"})
-    assert_refused(mx(work, "convert", str(src), str(work / "nan-out")), name, "(1, 0)", "--allow-nonfinite")  # fmt: skip
-    ok = mx(work, "convert", str(src), str(work / "nan-out"), "--allow-nonfinite")
+    assert_refused(cli("convert", str(src), str(work / "nan-out")), name, "(1, 0)", "--allow-nonfinite")  # fmt: skip
+    ok = cli("convert", str(src), str(work / "nan-out"), "--allow-nonfinite")
     assert ok.returncode == 0, ok.stderr
 
 
@@ -536,7 +570,9 @@ def test_silent_server_is_a_bounded_failure_naming_the_url(work: Path) -> None:
     """An HTTP server that accepts and never answers: every attempt times out (0.5 s
     timeouts here; defaults 10 s connect, 30 s read), the 5 attempts run out, and the
     command fails (exit 1: storage gone after retries) naming the URL, instead of
-    waiting 5 x 300 s in silence."""
+    waiting 5 x 300 s in silence. Each timed-out attempt is a warning on stderr (what a
+    user waiting at a terminal needs to see); then the error naming the URL, and last the
+    path of the log that holds the traceback (a failed run, docs/contract.md §5)."""
     from tests.servers import SilentServer
 
     with SilentServer() as server:
@@ -544,7 +580,20 @@ def test_silent_server_is_a_bounded_failure_naming_the_url(work: Path) -> None:
         t0 = time.monotonic()
         proc = mx(work, "inspect", url, "--connect-timeout", "0.5", "--read-timeout", "0.5")
         seconds = time.monotonic() - t0
-    assert_refused(proc, f"{url}/config.json", "5 attempts", code=1)
+    shown = f"rc={proc.returncode}\nstderr: {proc.stderr[-3000:]}"
+    assert proc.returncode == 1, shown
+    assert "Traceback" not in proc.stderr + proc.stdout, shown
+    *retries, error, log = proc.stderr.strip().splitlines()
+    assert error.startswith("mxload: error:"), shown
+    assert f"{url}/config.json" in error and "5 attempts" in error, shown
+    assert log.startswith("mxload: the traceback is in "), shown
+    retry = re.compile(
+        r"mxload: WARNING mxload\.workers\.storage\.retry: (\S+): no answer in time"
+        r" \(attempt (\d) of 5\); retrying$"
+    )
+    matched = [retry.match(line) for line in retries]
+    assert all(matched), shown  # nothing before the error but the retries
+    assert all(m[1].startswith(url) for m in matched if m), shown
     assert server.connections >= 1
     print(f"silent server: inspect failed after {seconds:.1f} s")
 
@@ -582,20 +631,21 @@ def test_full_disk_names_the_path_and_leaves_nothing(work: Path, ckpts: dict[str
 
 @pytest.mark.ray
 def test_detached_session_across_processes(work: Path, ckpts: dict[str, str]) -> None:
-    layout = ["--tp", "2", "--dp", "2", "--enable-expert-parallel"]
+    # Two ranks, experts split between them: nothing here depends on a larger world.
+    layout = ["--dp", "2", "--enable-expert-parallel"]
     proc = mx(work, "load", ckpts["v1"], *layout, "--device", "cpu", "--detach", "--json", timeout=300)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "\r" not in proc.stderr and "load:" not in proc.stderr  # no progress in a pipe
     head = json.loads((work / "home" / "head.json").read_text())
     assert head["address"].startswith("127.0.0.1:")
     loaded = json.loads(proc.stdout)
-    assert [r["version"] for r in loaded["ranks"]] == [1, 1, 1, 1]
+    assert [r["version"] for r in loaded["ranks"]] == [1, 1]
     first_ptrs = tensors_of(loaded, "data_ptr")
     try:
         st = mx(work, "status", "--json")
         assert st.returncode == 0, st.stderr[-3000:]
         s1 = json.loads(st.stdout)
-        assert [r["version"] for r in s1["ranks"]] == [1, 1, 1, 1]
+        assert [r["version"] for r in s1["ranks"]] == [1, 1]
         assert all(r["consistent"] for r in s1["ranks"]) and s1["consistent"] is True
         assert tensors_of(s1, "data_ptr") == first_ptrs
         assert tensors_of(s1, "checksum") == tensors_of(loaded, "checksum")
@@ -609,17 +659,16 @@ def test_detached_session_across_processes(work: Path, ckpts: dict[str, str]) ->
         wrong = mx(work, "status", "--session", "nosuch")
         assert_refused(wrong, "nosuch", "mxload status --session default")
         hinted = wrong.stderr.split("`")[1].split()
-        assert mx(work, *hinted[1:]).returncode == 0
+        human = mx(work, *hinted[1:])
+        assert human.returncode == 0 and "consistent: True" in human.stdout, human
         assert_refused(mx(work, "reload", ckpts["v2"], "--session", "nosuch"), "nosuch")
 
         rl = mx(work, "reload", ckpts["v2"], "--json", timeout=300)
         assert rl.returncode == 0, rl.stderr[-3000:]
         m2 = json.loads(rl.stdout)
         assert m2["addresses_moved"] == []
-        assert [r["version"] for r in m2["ranks"]] == [2, 2, 2, 2]
+        assert [r["version"] for r in m2["ranks"]] == [2, 2]
         assert tensors_of(m2, "data_ptr") == first_ptrs
-        human = mx(work, "status")
-        assert human.returncode == 0 and "consistent: True" in human.stdout
 
         # The dump folder holds an earlier run of 8 ranks: refused without --overwrite
         # (untouched); with it, replaced whole: no stale rank file beside the new manifest.
@@ -635,14 +684,14 @@ def test_detached_session_across_processes(work: Path, ckpts: dict[str, str]) ->
         assert st2.returncode == 0, st2.stderr[-3000:]
         assert sorted(p.name for p in dump.iterdir()) == [
             "manifest.json",
-            *(f"rank-{r:05d}.safetensors" for r in range(4)),
+            *(f"rank-{r:05d}.safetensors" for r in range(2)),
         ]
         assert not list(work.glob(".dump-v2*")), "no temporary or old folder left beside it"
         s2 = json.loads(st2.stdout)
         ref = RefCheckpoint(ckpts["v2"])
-        for r in range(4):
+        for r in range(2):
             got = load_file(dump / f"rank-{r:05d}.safetensors")
-            problems = compare_rank(expected_rank(ref, Layout(2, 2, 1, True), r), got)
+            problems = compare_rank(expected_rank(ref, Layout(1, 2, 1, True), r), got)
             assert problems == [], f"rank {r}: {problems[:8]}"
         sums2 = tensors_of(s2, "checksum")
 
@@ -652,14 +701,14 @@ def test_detached_session_across_processes(work: Path, ckpts: dict[str, str]) ->
         after = mx(work, "status", "--json")
         assert after.returncode == 0, after.stderr[-3000:]
         s3 = json.loads(after.stdout)
-        assert [r["version"] for r in s3["ranks"]] == [2, 2, 2, 2] and s3["consistent"]
+        assert [r["version"] for r in s3["ranks"]] == [2, 2] and s3["consistent"]
         assert tensors_of(s3, "checksum") == sums2
         assert tensors_of(s3, "data_ptr") == first_ptrs
     finally:
         rel = mx(work, "release", "--json", timeout=180)
     assert rel.returncode == 0, rel.stderr[-3000:]
     info = json.loads(rel.stdout)
-    assert info["head_stopped"] is True and info["workers_ended"] == 4
+    assert info["head_stopped"] is True and info["workers_ended"] == 2
     assert not (work / "home" / "head.json").exists()
     assert_refused(mx(work, "status"), "--address")
     assert_nothing_left(work)  # nothing the session started is still running
