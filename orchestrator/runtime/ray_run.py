@@ -216,15 +216,26 @@ class RayRun:
         return [r for r in reports if r is not None], attempts
 
     def pids(self) -> list[int | None]:
-        """Each rank's worker pid now (None for one that does not answer)."""
+        """Each rank's worker pid now (None for one that does not answer). A rank whose
+        process Ray is restarting (Ray refuses calls to it meanwhile) is waited for, up
+        to the placement timeout, and answers from its new process."""
         import ray
 
         out: list[int | None] = []
+        deadline = time.monotonic() + self.req.placement_timeout_s
         for a in self.actors:
-            try:
-                out.append(ray.get(a.pid.remote(), timeout=self.req.placement_timeout_s))
-            except ray.exceptions.RayActorError:
-                out.append(None)
+            pid: int | None = None
+            while True:
+                try:
+                    pid = ray.get(a.pid.remote(), timeout=max(deadline - time.monotonic(), 1))
+                except ray.exceptions.ActorUnavailableError:
+                    if time.monotonic() < deadline:
+                        time.sleep(0.2)
+                        continue
+                except ray.exceptions.RayActorError:
+                    pass
+                break
+            out.append(pid)
         return out
 
     def _poll_progress(self) -> list[tuple[int, int, int]]:
