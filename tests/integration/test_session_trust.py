@@ -2,11 +2,15 @@
 crashed head is found and cleaned up (docs/contract.md §4 "Reload", "Detached sessions").
 
 Run as a user runs it: one ``mxload`` subprocess per command against a background head
-that ``load --detach`` starts (real Ray, real processes). Every claim ``status`` makes
-about consistency is checked against the devices' bytes: ``status --dump`` compared with
-the independent reference (``tests/reference_model.py``) of the checkpoint it names.
+that ``load --detach`` starts (real Ray, real processes), except the ``status --json``
+reads that check the session's state (:func:`status_json`, :func:`dump_matches`), which
+call the CLI's ``main`` in this process: the same command, without a Python start-up and
+a torch import each. Every claim ``status`` makes about consistency is checked against
+the devices' bytes: ``status --dump`` compared with the independent reference
+(``tests/reference_model.py``) of the checkpoint it names.
 
-Failure sequences covered, in order, on one session:
+Failure sequences covered on one session (:func:`session`, loaded once per module and
+again only by a test that finds it gone, so each test also passes alone):
 
 1. a reload that fails on one rank only (a NaN block scale in an expert only rank 3
    holds), then a reload from *another* checkpoint: every rank must end with that
@@ -14,8 +18,9 @@ Failure sequences covered, in order, on one session:
 2. a reload refused while another command holds the session's lease, naming it;
 3. two reloads from different checkpoints started at once: one wins everywhere, or
    status says the session is inconsistent, never ``consistent`` over mixed weights;
-4. kill -9 of the head's GCS, then of a second head's raylet: ``status`` answers in
-   bounded time naming what died, ``release`` ends every process and removes the files.
+4. kill -9 of the head's GCS, then of a second head's raylet (after ``status
+   --address`` reached that head): ``status`` answers in bounded time naming what died,
+   ``release`` ends every process and removes the files.
 
 Every subprocess runs with its working directory in this module's folder; the module
 ends, by pid, anything it started that is still running there.
@@ -23,6 +28,8 @@ ends, by pid, anything it started that is still running there.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import signal
@@ -95,6 +102,34 @@ def show(proc: subprocess.CompletedProcess) -> str:
     return f"rc={proc.returncode}\nstderr: {proc.stderr[-3000:]}\nstdout: {proc.stdout[-2000:]}"
 
 
+@contextlib.contextmanager
+def home_of(work: Path):
+    """This process's environment as :func:`env_of` gives a subprocess's, restored after."""
+    keys = ("MXLOAD_HOME", "RAY_ADDRESS", "RAY_AUTH_MODE", "RAY_AUTH_TOKEN")
+    saved = {k: os.environ.get(k) for k in keys}
+    os.environ["MXLOAD_HOME"] = str(work / "home")
+    os.environ.pop("RAY_ADDRESS", None)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def mx_here(work: Path, *args: str) -> subprocess.CompletedProcess:
+    """``mxload ARGS`` through the CLI's ``main`` in this process (exit status, stdout and
+    stderr as a subprocess's would be)."""
+    from mxload.orchestrator.cli.commands import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with home_of(work), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        rc = main(list(args))
+    return subprocess.CompletedProcess(["mxload", *args], rc, out.getvalue(), err.getvalue())
+
+
 @pytest.fixture(scope="module")
 def ckpts(work: Path, ckpt_factory) -> dict[str, str]:
     out = {f"v{seed}": ckpt_factory("qwen3-moe-tiny", seed) for seed in (1, 2, 3, 4, 5)}
@@ -112,8 +147,22 @@ def ckpts(work: Path, ckpt_factory) -> dict[str, str]:
     return out
 
 
+@pytest.fixture(scope="module")
+def first_load(work: Path, ckpts) -> subprocess.CompletedProcess:
+    """``load --detach`` of v1 over 4 ranks (TP 2 x DP 2, EP), the module's session."""
+    return mx(work, "load", ckpts["v1"], *LAYOUT, "--device", "cpu", "--detach", "--json")
+
+
+@pytest.fixture
+def session(work: Path, ckpts, first_load) -> subprocess.CompletedProcess:
+    """The module's detached session, loaded again (v1) where a test before ended it."""
+    if (work / "home" / "head.json").exists():
+        return first_load
+    return mx(work, "load", ckpts["v1"], *LAYOUT, "--device", "cpu", "--detach", "--json")
+
+
 def status_json(work: Path) -> tuple[int, dict]:
-    st = mx(work, "status", "--json")
+    st = mx_here(work, "status", "--json")
     assert st.returncode in (0, 4), show(st)
     return st.returncode, json.loads(st.stdout)
 
@@ -121,7 +170,7 @@ def status_json(work: Path) -> tuple[int, dict]:
 def dump_matches(work: Path, src: str, name: str) -> list[str]:
     """``status --dump``: every rank's bytes against ``src``'s independent reference."""
     dump = work / name
-    st = mx(work, "status", "--dump", str(dump), "--json")
+    st = mx_here(work, "status", "--dump", str(dump), "--json")
     assert st.returncode in (0, 4), show(st)
     ref = RefCheckpoint(src)
     problems = []
@@ -134,8 +183,8 @@ def dump_matches(work: Path, src: str, name: str) -> list[str]:
 # --- 1-3: versions are identities ---------------------------------------------------------
 
 
-def test_failed_reload_on_one_rank_then_another_checkpoint(work: Path, ckpts) -> None:
-    load = mx(work, "load", ckpts["v1"], *LAYOUT, "--device", "cpu", "--detach", "--json")
+def test_failed_reload_on_one_rank_then_another_checkpoint(work: Path, ckpts, session) -> None:
+    load = session
     assert load.returncode == 0, show(load)
     assert 7 in json.loads(load.stdout)["ranks"][3]["experts"]
     head = json.loads((work / "home" / "head.json").read_text())
@@ -172,19 +221,17 @@ def test_failed_reload_on_one_rank_then_another_checkpoint(work: Path, ckpts) ->
     assert human.returncode == 0 and human.stdout.startswith("CONSISTENT:"), show(human)
 
 
-def test_reload_refused_while_another_holds_the_session(work: Path, ckpts) -> None:
+def test_reload_refused_while_another_holds_the_session(work: Path, ckpts, session) -> None:
     """The lease is the keeper's: a reload while another command holds it is refused,
     naming the holder, and touches nothing."""
     import ray
     from mxload.cluster.local import connect, read_head_record
     from mxload.orchestrator.runtime.detached import NAMESPACE, session_lease
 
-    saved = {k: os.environ.get(k) for k in ("MXLOAD_HOME", "RAY_AUTH_MODE", "RAY_AUTH_TOKEN")}
-    os.environ["MXLOAD_HOME"] = str(work / "home")
-    try:
+    _, before = status_json(work)
+    with home_of(work):
         record = read_head_record()
         assert record is not None
-        _, before = status_json(work)
         connect(record.address, token=record.token)
         try:
             keeper = ray.get_actor("default/keeper", namespace=NAMESPACE)
@@ -192,12 +239,6 @@ def test_reload_refused_while_another_holds_the_session(work: Path, ckpts) -> No
                 refused = mx(work, "reload", ckpts["v4"])
         finally:
             ray.shutdown()
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
     assert refused.returncode == 2, show(refused)
     assert "busy" in refused.stderr and "a test holding the lease" in refused.stderr
     assert f"pid {os.getpid()}" in refused.stderr, show(refused)
@@ -206,7 +247,9 @@ def test_reload_refused_while_another_holds_the_session(work: Path, ckpts) -> No
     assert [r["tensors"] for r in after["ranks"]] == [r["tensors"] for r in before["ranks"]]
 
 
-def test_two_concurrent_reloads_never_end_consistent_over_mixed_weights(work, ckpts) -> None:
+def test_two_concurrent_reloads_never_end_consistent_over_mixed_weights(
+    work, ckpts, session
+) -> None:
     a = started(work, "reload", ckpts["v4"], "--json")
     b = started(work, "reload", ckpts["v5"], "--json")
     outs = {}
@@ -229,7 +272,7 @@ def test_two_concurrent_reloads_never_end_consistent_over_mixed_weights(work, ck
         assert st["consistent"] is False and st["problems"]
 
 
-def test_a_restarted_rank_shows_in_human_status(work: Path, ckpts) -> None:
+def test_a_restarted_rank_shows_in_human_status(work: Path, ckpts, session) -> None:
     """kill -9 of one rank's worker: Ray restarts it empty; status reloads it to the
     session's checkpoint and says, in its human output, that its addresses changed."""
     _, before = status_json(work)
@@ -323,32 +366,31 @@ def _kill_and_check(work: Path, role: str) -> None:
     assert again.returncode == 2 and "no running Ray head is recorded" in again.stderr, show(again)
 
 
-def test_gcs_killed(work: Path, ckpts) -> None:
-    """Runs on the session of the tests above (kill -9 of its GCS)."""
-    assert (work / "home" / "head.json").exists(), "needs the session of the tests above"
+def test_gcs_killed(work: Path, ckpts, session) -> None:
+    """Runs on the module's session (kill -9 of its GCS)."""
+    assert session.returncode == 0, show(session)
     _kill_and_check(work, "gcs_server")
 
 
-def test_raylet_killed(work: Path, ckpts) -> None:
-    load = mx(work, "load", ckpts["v1"], "--tp", "2", "--device", "cpu", "--detach")
-    assert load.returncode == 0, show(load)
-    _kill_and_check(work, "raylet")
-
-
-def test_status_address_of_the_recorded_head_uses_its_token(work: Path, ckpts) -> None:
-    load = mx(work, "load", ckpts["v1"], "--tp", "2", "--device", "cpu", "--detach")
-    assert load.returncode == 0, show(load)
-    try:
-        head = json.loads((work / "home" / "head.json").read_text())
-        port = head["address"].rpartition(":")[2]
-        for address in (head["address"], f"localhost:{port}"):
-            st = mx(work, "status", "--address", address, "--json", timeout=120)
-            assert st.returncode == 0, show(st)
-            assert json.loads(st.stdout)["consistent"] is True
-    finally:
+def test_status_address_of_the_recorded_head_uses_its_token_then_raylet_killed(
+    work: Path, ckpts
+) -> None:
+    """A second head, of one rank (the rank count is not what is checked): ``status
+    --address`` of the recorded head, by its address and by ``localhost``, joins with the
+    head's token; then kill -9 of its raylet. (The module's session, when a test before
+    left it running, is released first, so that this is a head of its own.)"""
+    if (work / "home" / "head.json").exists():
         rel = mx(work, "release", "--json", timeout=180)
-    assert rel.returncode == 0, show(rel)
-    assert json.loads(rel.stdout)["head_stopped"] is True
+        assert rel.returncode == 0, show(rel)
+    load = mx(work, "load", ckpts["v1"], "--device", "cpu", "--detach")
+    assert load.returncode == 0, show(load)
+    head = json.loads((work / "home" / "head.json").read_text())
+    port = head["address"].rpartition(":")[2]
+    for address in (head["address"], f"localhost:{port}"):
+        st = mx(work, "status", "--address", address, "--json", timeout=120)
+        assert st.returncode == 0, show(st)
+        assert json.loads(st.stdout)["consistent"] is True
+    _kill_and_check(work, "raylet")
 
 
 def test_embedded_head_temp_dir_is_private() -> None:
