@@ -207,7 +207,8 @@ def predicted(manifest: dict[str, Any], rates: Any, *, requests: bool) -> list[A
 def sharing_section(work: Path, *, quick: bool, bandwidth: float) -> dict[str, Any]:
     from mxload.orchestrator.plan.timemodel import Rates
     from mxload.orchestrator.plan.types import ParallelLayout
-    from mxload.orchestrator.runtime.driver import LoadRequest, load
+    from mxload.orchestrator.runtime.driver import load
+    from mxload.orchestrator.runtime.request import LoadRequest
 
     from tests.servers import RangeHTTPServer
 
@@ -356,7 +357,8 @@ def timemodel_section(work: Path, *, quick: bool, bandwidth: float) -> dict[str,
     """Predicted against measured data-phase time, three layouts, one and two nodes."""
     from mxload.orchestrator.plan.timemodel import Rates
     from mxload.orchestrator.plan.types import ParallelLayout
-    from mxload.orchestrator.runtime.driver import LoadRequest, load
+    from mxload.orchestrator.runtime.driver import load
+    from mxload.orchestrator.runtime.request import LoadRequest
 
     from tests.servers import RangeHTTPServer
 

@@ -16,7 +16,7 @@ import tempfile
 from mxload.orchestrator.plan.planner import build_plan
 from mxload.orchestrator.plan.types import ParallelLayout
 from mxload.orchestrator.runtime.catalog import open_checkpoint
-from mxload.orchestrator.runtime.driver import source_info
+from mxload.orchestrator.runtime.request import source_info
 from mxload.workers.rank.loader import RankLoader
 from mxload.workers.tools.synth import make_checkpoint
 

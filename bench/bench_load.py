@@ -721,7 +721,7 @@ class Suite:
 
     def _open(self, name: str) -> tuple[Any, Any]:
         from mxload.orchestrator.runtime.catalog import open_checkpoint
-        from mxload.orchestrator.runtime.driver import source_info
+        from mxload.orchestrator.runtime.request import source_info
 
         meta = open_checkpoint(self.ckpts[name].path)
         return meta, source_info(meta, False, self.ckpts[name].path, None)
@@ -743,7 +743,7 @@ class Suite:
         storage_factory: Callable[..., Any] | None = None,
     ) -> tuple[Any, float, float]:
         """One rank's load through RankLoader (no Ray): (stats, alloc seconds, load seconds)."""
-        from mxload.orchestrator.runtime.driver import staging_budget_of
+        from mxload.orchestrator.runtime.request import staging_budget_of
         from mxload.workers.numerics.backend import select_backend
         from mxload.workers.rank.loader import RankLoader
 
@@ -1339,7 +1339,8 @@ class Suite:
         import ray
         from mxload.cluster.local import start_embedded
         from mxload.orchestrator.plan.types import ParallelLayout
-        from mxload.orchestrator.runtime.driver import LoadRequest, plan_load
+        from mxload.orchestrator.runtime.driver import plan_load
+        from mxload.orchestrator.runtime.request import LoadRequest
         from mxload.orchestrator.runtime.session import Session
         from mxload.workers.storage import Storage
 

@@ -161,7 +161,7 @@ def add_times(obj: dict[str, Any], plan: Any, config: Any, args: argparse.Namesp
 
 
 def _load_request(args: argparse.Namespace) -> Any:
-    from mxload.orchestrator.runtime.driver import LoadRequest
+    from mxload.orchestrator.runtime.request import LoadRequest
 
     if args.max_restarts < 0:
         raise UsageError(

@@ -57,16 +57,12 @@ from mxload.orchestrator.errors import (
     WorkerLost,
 )
 from mxload.orchestrator.plan.types import Plan
-from mxload.orchestrator.runtime.driver import (
-    LoadRequest,
-    RayRun,
-    build_manifest,
-    first_load,
-    plan_load,
-    write_dump,
-)
+from mxload.orchestrator.runtime.driver import first_load, plan_load
 from mxload.orchestrator.runtime.outputs import OutputDir
+from mxload.orchestrator.runtime.ray_run import RayRun
 from mxload.orchestrator.runtime.reload import RayRanks, reload, repair
+from mxload.orchestrator.runtime.reports import build_manifest, write_dump
+from mxload.orchestrator.runtime.request import LoadRequest
 from mxload.orchestrator.runtime.state import Lease, LeaseHolder, Progress, SessionState, verdict
 
 log = logging.getLogger(__name__)

@@ -3,9 +3,6 @@ plan (``planner``) -> refuse a plan that does not fit or a staging budget below 
 minimum, before starting anything -> start or join Ray, place and spawn one worker per
 rank (:mod:`.placement`) -> every rank loads its shard concurrently, a lost process
 restarted and redone (:mod:`.ray_run`) -> reports become the manifest (:mod:`.reports`).
-
-The names other modules import from here (``LoadRequest``, ``RayRun``, ``source_info``,
-...) are defined in those modules and re-exported.
 """
 
 from __future__ import annotations
@@ -17,32 +14,19 @@ from typing import Any
 from mxload.orchestrator.errors import InputError, PlanDoesNotFit, StagingBudgetError, UsageError
 from mxload.orchestrator.plan.types import Plan
 from mxload.orchestrator.runtime.outputs import OutputDir
-from mxload.orchestrator.runtime.ray_run import RayRun as RayRun
-from mxload.orchestrator.runtime.reports import build_manifest as build_manifest
-from mxload.orchestrator.runtime.reports import dump_target as dump_target
-from mxload.orchestrator.runtime.reports import first_line as first_line
-from mxload.orchestrator.runtime.reports import plain as plain
-from mxload.orchestrator.runtime.reports import sharing_summary, write_dump
-from mxload.orchestrator.runtime.request import LoadRequest as LoadRequest
-from mxload.orchestrator.runtime.request import source_info, workers_fused
-from mxload.orchestrator.runtime.request import staging_budget_of as staging_budget_of
+from mxload.orchestrator.runtime.ray_run import RayRun
+from mxload.orchestrator.runtime.reports import (
+    build_manifest,
+    dump_target,
+    sharing_summary,
+    write_dump,
+)
+from mxload.orchestrator.runtime.request import (
+    LoadRequest,
+    source_info,
+    workers_fused,
+)
 from mxload.workers.storage.urls import is_remote
-
-__all__ = [
-    "LoadRequest",
-    "RayRun",
-    "build_manifest",
-    "dump_target",
-    "first_line",
-    "first_load",
-    "load",
-    "plain",
-    "plan_load",
-    "source_info",
-    "staging_budget_of",
-    "workers_fused",
-    "write_dump",
-]
 
 
 def plan_load(req: LoadRequest) -> tuple[Any, Plan]:

@@ -25,9 +25,11 @@ from typing import Any
 
 from mxload.orchestrator.errors import SessionBusy
 from mxload.orchestrator.plan.types import ParallelLayout
-from mxload.orchestrator.runtime.driver import LoadRequest, RayRun, build_manifest
 from mxload.orchestrator.runtime.driver import load as driver_load
+from mxload.orchestrator.runtime.ray_run import RayRun
 from mxload.orchestrator.runtime.reload import RayRanks, reload
+from mxload.orchestrator.runtime.reports import build_manifest
+from mxload.orchestrator.runtime.request import LoadRequest
 from mxload.orchestrator.runtime.state import Progress, SessionState, verdict
 
 

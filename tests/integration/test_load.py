@@ -13,7 +13,8 @@ import os
 
 import pytest
 from mxload.orchestrator.plan.types import ParallelLayout
-from mxload.orchestrator.runtime.driver import LoadRequest, load
+from mxload.orchestrator.runtime.driver import load
+from mxload.orchestrator.runtime.request import LoadRequest
 from safetensors.torch import load_file
 
 from tests.reference_model import Layout, RefCheckpoint, compare_rank, expected_rank

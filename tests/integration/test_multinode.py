@@ -31,7 +31,8 @@ import psutil
 import pytest
 from mxload.orchestrator.errors import InputError, RunError
 from mxload.orchestrator.plan.types import ParallelLayout
-from mxload.orchestrator.runtime.driver import LoadRequest, load
+from mxload.orchestrator.runtime.driver import load
+from mxload.orchestrator.runtime.request import LoadRequest
 from safetensors.torch import load_file
 
 from tests.reference_model import Layout, RefCheckpoint, as_bytes, compare_rank, expected_rank

@@ -22,15 +22,10 @@ import ray
 import torch
 from mxload.orchestrator.errors import ReloadMismatch, StorageError, WorkerLost
 from mxload.orchestrator.plan.types import ParallelLayout
-from mxload.orchestrator.runtime.driver import (
-    LoadRequest,
-    RayRun,
-    first_load,
-    load,
-    plan_load,
-    source_info,
-    write_dump,
-)
+from mxload.orchestrator.runtime.driver import first_load, load, plan_load
+from mxload.orchestrator.runtime.ray_run import RayRun
+from mxload.orchestrator.runtime.reports import write_dump
+from mxload.orchestrator.runtime.request import LoadRequest, source_info
 from mxload.orchestrator.runtime.session import Session
 from mxload.workers.rank.actor import RankWorker
 

@@ -19,7 +19,8 @@ import numpy as np
 import pytest
 from mxload.orchestrator.plan.ranges import REMOTE_POLICY, coalesce
 from mxload.orchestrator.plan.types import ParallelLayout
-from mxload.orchestrator.runtime.driver import LoadRequest, load, plan_load
+from mxload.orchestrator.runtime.driver import load, plan_load
+from mxload.orchestrator.runtime.request import LoadRequest
 from safetensors.torch import load_file
 
 from tests.reference_model import Layout, RefCheckpoint, compare_rank, expected_rank

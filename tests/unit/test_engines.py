@@ -94,7 +94,7 @@ def test_fallback_moe_is_held_as_vllm_ascend_holds_it(ckpt_factory) -> None:
 
 
 def _source(meta, src):
-    from mxload.orchestrator.runtime.driver import source_info
+    from mxload.orchestrator.runtime.request import source_info
 
     return source_info(meta, False, src, None)
 
