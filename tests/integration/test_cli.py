@@ -100,14 +100,15 @@ def cli(
     work: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> Iterator[Callable[..., subprocess.CompletedProcess]]:
     """``cli(*argv)``: ``mxload`` run by ``main(argv)`` in this process, answered like
-    :func:`mx` (exit status, stdout, stderr), with an empty $MXLOAD_HOME."""
+    :func:`mx` (exit status, stdout, stderr); $MXLOAD_HOME is ``work/HOME`` (``home=``,
+    an empty one by default)."""
     from mxload.orchestrator.cli.commands import main
 
-    monkeypatch.setenv("MXLOAD_HOME", str(work / "home-empty"))
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     level = logging.getLogger("mxload").level
 
-    def run(*argv: str) -> subprocess.CompletedProcess:
+    def run(*argv: str, home: str = "home-empty") -> subprocess.CompletedProcess:
+        monkeypatch.setenv("MXLOAD_HOME", str(work / home))
         capsys.readouterr()
         code = main(list(argv))
         out, err = capsys.readouterr()
@@ -630,9 +631,17 @@ def test_full_disk_names_the_path_and_leaves_nothing(work: Path, ckpts: dict[str
 
 
 @pytest.mark.ray
-def test_detached_session_across_processes(work: Path, ckpts: dict[str, str]) -> None:
+def test_detached_session_across_processes(
+    work: Path, ckpts: dict[str, str], cli: Callable[..., subprocess.CompletedProcess]
+) -> None:
+    """``load --detach`` in a process of its own; every later command (status, reload,
+    release) from this one, as another process's would be: a driver joining the head."""
     # Two ranks, experts split between them: nothing here depends on a larger world.
     layout = ["--dp", "2", "--enable-expert-parallel"]
+
+    def here(*argv: str) -> subprocess.CompletedProcess:
+        return cli(*argv, home="home")
+
     proc = mx(work, "load", ckpts["v1"], *layout, "--device", "cpu", "--detach", "--json", timeout=300)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "\r" not in proc.stderr and "load:" not in proc.stderr  # no progress in a pipe
@@ -642,7 +651,7 @@ def test_detached_session_across_processes(work: Path, ckpts: dict[str, str]) ->
     assert [r["version"] for r in loaded["ranks"]] == [1, 1]
     first_ptrs = tensors_of(loaded, "data_ptr")
     try:
-        st = mx(work, "status", "--json")
+        st = here("status", "--json")
         assert st.returncode == 0, st.stderr[-3000:]
         s1 = json.loads(st.stdout)
         assert [r["version"] for r in s1["ranks"]] == [1, 1]
@@ -656,14 +665,14 @@ def test_detached_session_across_processes(work: Path, ckpts: dict[str, str]) ->
             assert hint in proc.stderr, (hint, proc.stderr[-2000:])
 
         # A wrong session name: the hint names the sessions and is a command that works.
-        wrong = mx(work, "status", "--session", "nosuch")
+        wrong = here("status", "--session", "nosuch")
         assert_refused(wrong, "nosuch", "mxload status --session default")
         hinted = wrong.stderr.split("`")[1].split()
-        human = mx(work, *hinted[1:])
+        human = here(*hinted[1:])
         assert human.returncode == 0 and "consistent: True" in human.stdout, human
-        assert_refused(mx(work, "reload", ckpts["v2"], "--session", "nosuch"), "nosuch")
+        assert_refused(here("reload", ckpts["v2"], "--session", "nosuch"), "nosuch")
 
-        rl = mx(work, "reload", ckpts["v2"], "--json", timeout=300)
+        rl = here("reload", ckpts["v2"], "--json")
         assert rl.returncode == 0, rl.stderr[-3000:]
         m2 = json.loads(rl.stdout)
         assert m2["addresses_moved"] == []
@@ -677,10 +686,10 @@ def test_detached_session_across_processes(work: Path, ckpts: dict[str, str]) ->
         stale = {f"rank-{r:05d}.safetensors": b"old" for r in range(8)} | {"manifest.json": b"{}"}
         for name, data in stale.items():
             (dump / name).write_bytes(data)
-        assert_refused(mx(work, "status", "--dump", str(dump)), "--dump", "--overwrite")
+        assert_refused(here("status", "--dump", str(dump)), "--dump", "--overwrite")
         assert {p.name: p.read_bytes() for p in dump.iterdir()} == stale
         # What the devices hold is version 2, byte for byte (independent reference).
-        st2 = mx(work, "status", "--dump", str(dump), "--overwrite", "--json")
+        st2 = here("status", "--dump", str(dump), "--overwrite", "--json")
         assert st2.returncode == 0, st2.stderr[-3000:]
         assert sorted(p.name for p in dump.iterdir()) == [
             "manifest.json",
@@ -696,21 +705,21 @@ def test_detached_session_across_processes(work: Path, ckpts: dict[str, str]) ->
         sums2 = tensors_of(s2, "checksum")
 
         # A reload whose checkpoint has one tensor of another shape: refused, untouched.
-        bad = mx(work, "reload", ckpts["bad-shape"], timeout=300)
+        bad = here("reload", ckpts["bad-shape"])
         assert_refused(bad, BAD_TENSOR)
-        after = mx(work, "status", "--json")
+        after = here("status", "--json")
         assert after.returncode == 0, after.stderr[-3000:]
         s3 = json.loads(after.stdout)
         assert [r["version"] for r in s3["ranks"]] == [2, 2] and s3["consistent"]
         assert tensors_of(s3, "checksum") == sums2
         assert tensors_of(s3, "data_ptr") == first_ptrs
     finally:
-        rel = mx(work, "release", "--json", timeout=180)
+        rel = here("release", "--json")
     assert rel.returncode == 0, rel.stderr[-3000:]
     info = json.loads(rel.stdout)
     assert info["head_stopped"] is True and info["workers_ended"] == 2
     assert not (work / "home" / "head.json").exists()
-    assert_refused(mx(work, "status"), "--address")
+    assert_refused(here("status"), "--address")
     assert_nothing_left(work)  # nothing the session started is still running
 
 
