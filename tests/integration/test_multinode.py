@@ -5,8 +5,8 @@ own raylet on 127.0.0.1 declaring ``{"NPU": 2}`` and one CPU, token auth on) ser
 module. On it a tp=2 x dp=2 expert-parallel load must put ranks on both nodes, keep each
 TP group (ranks 0-1, 2-3) on one node under ``pack`` — and, through ``assign_ranks``,
 under ``spread`` too — and leave every rank holding exactly what the independent
-reference (``tests/reference_model.py``) says, byte for byte the same as the single-node
-load (the embedded default, ``mxload load`` in its own process). A layout asking more
+reference (``tests/reference_model.py``) says, byte for byte (the single-node load is
+held to the same reference in test_load.py and test_cli.py). A layout asking more
 accelerators than the cluster has is refused with an error naming the resource, and
 every socket of every process of the cluster is bound to loopback (checked while the
 pack load's workers are alive).
@@ -35,7 +35,7 @@ from mxload.orchestrator.runtime.driver import load
 from mxload.orchestrator.runtime.request import LoadRequest
 from safetensors.torch import load_file
 
-from tests.reference_model import Layout, RefCheckpoint, as_bytes, compare_rank, expected_rank
+from tests.reference_model import Layout, RefCheckpoint, compare_rank, expected_rank
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -77,23 +77,6 @@ def _cli_load(args: list[str], env: dict[str, str]) -> dict[str, Any]:
     assert proc.returncode == 0, proc.stderr[-3000:]
     manifest: dict[str, Any] = json.loads(proc.stdout)
     return manifest
-
-
-@pytest.fixture(scope="module")
-def single_node_dump(src, tmp_path_factory) -> str:
-    """The embedded default (one node, 4 virtual NPUs) in its own process, via the CLI.
-    Its own token in the environment, so Ray writes nothing under ~/.ray."""
-    out = tmp_path_factory.mktemp("single-node")
-    dump = str(out / "dump")
-    _cli_load(
-        [src, *LAYOUT_FLAGS, "--dump", dump],
-        _cli_env(
-            MXLOAD_HOME=str(out / "home"),
-            RAY_AUTH_MODE="token",
-            RAY_AUTH_TOKEN=secrets.token_hex(32),
-        ),
-    )
-    return dump
 
 
 def _name(proc: psutil.Process) -> str:
@@ -202,20 +185,15 @@ def _check_placement(manifest: dict[str, Any], alive_nodes: set[str]) -> None:
         assert len(set(vis)) == NPUS_PER_NODE and all(v.isdigit() for v in vis), vis
 
 
-def _check_same_bytes(dump: str, other: str, world: int) -> None:
-    with open(os.path.join(dump, "manifest.json")) as f:
-        ranks = json.load(f)["ranks"]
-    with open(os.path.join(other, "manifest.json")) as f:
-        other_ranks = json.load(f)["ranks"]
-    for rank in range(world):
-        name = f"rank-{rank:05d}.safetensors"
-        got, want = load_file(os.path.join(dump, name)), load_file(os.path.join(other, name))
-        assert sorted(got) == sorted(want), f"rank {rank}: tensor names differ"
-        for t in got:
-            assert got[t].dtype == want[t].dtype and got[t].shape == want[t].shape, (rank, t)
-            assert (as_bytes(got[t]) == as_bytes(want[t])).all(), f"rank {rank}: {t} differs"
-        sums = {n: t["checksum"] for n, t in ranks[rank]["tensors"].items()}
-        assert sums == {n: t["checksum"] for n, t in other_ranks[rank]["tensors"].items()}
+def _check_reference(dump: str, manifest: dict[str, Any], reference: RefCheckpoint) -> None:
+    """Every rank's dumped bytes are the independent reference's, version 1, consistent."""
+    lay = Layout(LAYOUT.tp, LAYOUT.dp, LAYOUT.pp, LAYOUT.enable_expert_parallel)
+    assert sorted(r["rank"] for r in manifest["ranks"]) == list(range(LAYOUT.world))
+    for r in manifest["ranks"]:
+        got = load_file(os.path.join(dump, f"rank-{r['rank']:05d}.safetensors"))
+        problems = compare_rank(expected_rank(reference, lay, r["rank"]), got)
+        assert problems == [], f"rank {r['rank']}: {problems[:10]}"
+        assert r["consistent"] is True and r["version"] == 1
 
 
 def _live_placement_groups() -> set[str]:
@@ -233,9 +211,7 @@ def _alive_nodes() -> set[str]:
     return {n["NodeID"] for n in ray.nodes() if n["Alive"]}
 
 
-def test_simulate_cluster_script_joined_by_address(
-    src, single_node_dump, tmp_path, monkeypatch
-) -> None:
+def test_simulate_cluster_script_joined_by_address(src, reference, tmp_path, monkeypatch) -> None:
     """``cluster/simulate_cluster.py``: real ``ray start`` nodes on loopback, a token the
     CLI joins with (``--address``), and ``stop`` ends exactly what it started."""
     from mxload.cluster import simulate_cluster as sim
@@ -254,7 +230,7 @@ def test_simulate_cluster_script_joined_by_address(
             _cli_env(MXLOAD_HOME=str(tmp_path / "home"), **cluster.env()),
         )
         _check_placement(manifest, {r["node_id"] for r in manifest["ranks"]})
-        _check_same_bytes(dump, single_node_dump, LAYOUT.world)
+        _check_reference(dump, manifest, reference)
     finally:
         stopped = sim.stop(cluster)
     assert stopped > 0
@@ -263,7 +239,7 @@ def test_simulate_cluster_script_joined_by_address(
 
 
 def test_pack_spans_nodes_keeps_tp_groups_and_matches_reference(
-    two_nodes, src, reference, single_node_dump, tmp_path
+    two_nodes, src, reference, tmp_path
 ) -> None:
     """Also, while its rank workers are alive: GCS, raylets, agents, workers and this
     driver bind 127.0.0.1 only (the equivalent of ``ss -tlnp`` filtered to our processes)."""
@@ -277,18 +253,10 @@ def test_pack_spans_nodes_keeps_tp_groups_and_matches_reference(
     finally:
         run.shutdown()
     _check_placement(manifest, _alive_nodes())
-    lay = Layout(LAYOUT.tp, LAYOUT.dp, LAYOUT.pp, LAYOUT.enable_expert_parallel)
-    for r in manifest["ranks"]:
-        got = load_file(os.path.join(dump, f"rank-{r['rank']:05d}.safetensors"))
-        problems = compare_rank(expected_rank(reference, lay, r["rank"]), got)
-        assert problems == [], f"rank {r['rank']}: {problems[:10]}"
-        assert r["consistent"] is True and r["version"] == 1
-    _check_same_bytes(dump, single_node_dump, LAYOUT.world)
+    _check_reference(dump, manifest, reference)
 
 
-def test_spread_spans_nodes_with_identical_bytes(
-    two_nodes, src, single_node_dump, tmp_path
-) -> None:
+def test_spread_spans_nodes_with_the_reference_bytes(two_nodes, src, reference, tmp_path) -> None:
     dump = str(tmp_path / "dump")
     manifest, _ = load(
         LoadRequest(src=src, layout=LAYOUT, device="cpu", placement="spread"), dump=dump
@@ -296,7 +264,7 @@ def test_spread_spans_nodes_with_identical_bytes(
     # SPREAD alternates bundles between nodes; assign_ranks still gives each TP group
     # one node, so the check is the same as for pack.
     _check_placement(manifest, _alive_nodes())
-    _check_same_bytes(dump, single_node_dump, LAYOUT.world)
+    _check_reference(dump, manifest, reference)
 
 
 @pytest.mark.parametrize(
