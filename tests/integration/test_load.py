@@ -23,13 +23,12 @@ pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 LAYOUTS = {
     "tp2-dp2-ep-linear": ParallelLayout(tp=2, dp=2, enable_expert_parallel=True),
-    "tp2-dp2-ep-round_robin": ParallelLayout(
-        tp=2, dp=2, enable_expert_parallel=True, expert_placement="round_robin"
-    ),
-    "tp4-device-auto": ParallelLayout(tp=4),
-    "tp2-pp2": ParallelLayout(tp=2, pp=2),
-    "dp2-moe-tp-over-dp": ParallelLayout(tp=2, dp=2),
+    "tp2-pp2-device-auto": ParallelLayout(tp=2, pp=2),
 }
+"""Two loads through Ray: what Ray adds (placement, one visible device per rank, the
+dump and its manifest) does not depend on the layout. Every other layout's bytes, bytes
+read and staging are held to the reference in-process by tests/unit/test_loader.py
+(EP round-robin, experts TP over dp*tp, tp 4, pp 2 with EP, the awkward checkpoint)."""
 
 
 def _check_dump(
@@ -93,15 +92,6 @@ def test_load_matches_reference(local_ray, ckpt_factory, tmp_path, name: str) ->
     vis = [r["visible_devices"] for r in manifest["ranks"]]
     assert sorted(vis) == sorted(set(vis)) and all(v != "" for v in vis)
     assert all(r["device"] == "cpu" for r in manifest["ranks"])
-
-
-def test_awkward_checkpoint_tp2(local_ray, ckpt_factory, tmp_path) -> None:
-    """Partial tiles, odd group counts, tied embeddings."""
-    src = ckpt_factory("qwen3-moe-awkward", 3)
-    layout = ParallelLayout(tp=2)
-    dump = str(tmp_path / "dump")
-    manifest, _ = load(LoadRequest(src=src, layout=layout, device="cpu"), dump=dump)
-    _check_dump(src, layout, dump, manifest)
 
 
 def test_dense_model_tp2_small_staging_budget(local_ray, ckpt_factory, tmp_path) -> None:
