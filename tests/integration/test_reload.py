@@ -4,8 +4,8 @@ Faults).
 The tests that only reload share one 4-rank (TP 2 x DP 2, EP) session, loaded once per
 module (:func:`shared`); each starts by reloading it to its own first checkpoint, so it
 passes alone or in any order. Tests that kill workers or need another load-time setting
-start their own, 2-rank session where the rank count is not what they check (starting
-rank workers is most of a test's cost). Every check reads the devices' bytes back and
+share a second, 2-rank session (:func:`small`); only the tests of a load that loses a
+worker start their own (starting rank workers is most of a test's cost). Every check reads the devices' bytes back and
 compares them with the independent reference of the version that should be there;
 addresses are compared with the first load's. A worker process dies for real
 (``os._exit``) in a test-only subclass of the worker (:func:`dying_worker`).
@@ -22,10 +22,10 @@ import ray
 import torch
 from mxload.orchestrator.errors import ReloadMismatch, StorageError, WorkerLost
 from mxload.orchestrator.plan.types import ParallelLayout
-from mxload.orchestrator.runtime.driver import first_load, load, plan_load
+from mxload.orchestrator.runtime.driver import first_load, plan_load
 from mxload.orchestrator.runtime.ray_run import RayRun
 from mxload.orchestrator.runtime.reports import write_dump
-from mxload.orchestrator.runtime.request import LoadRequest, source_info
+from mxload.orchestrator.runtime.request import LoadRequest
 from mxload.orchestrator.runtime.session import Session
 from mxload.workers.rank.actor import RankWorker
 
@@ -79,6 +79,16 @@ def shared(shared_session: Session, ckpt_factory) -> Session:
         shared_session.reload(v1)
         assert shared_session.status()["consistent"] is True
     return shared_session
+
+
+@pytest.fixture(scope="module")
+def small(local_ray, ckpt_factory):
+    """A second, 2-rank session (each rank reads for itself, two restarts allowed) for the
+    tests that break storage or kill a worker under a live session; each test compares
+    versions with the one it starts from, so it passes alone or in any order."""
+    v1 = ckpt_factory("qwen3-moe-tiny", 1)
+    with Session.load(v1, SMALL, device="cpu", share="none", max_restarts=2) as s:
+        yield s
 
 
 def dying_worker(exit_after: dict[int, int]) -> type[RankWorker]:
@@ -171,44 +181,15 @@ def test_reload_from_bf16_trainer_checkpoint(shared: Session, ckpt_factory) -> N
     assert_holds(shared, bf16, like=v1)
 
 
-def test_load_over_flaky_http(local_ray, ckpt_factory, tmp_path) -> None:
-    src = ckpt_factory("qwen3-moe-tiny", 1)
+def test_reload_over_flaky_http(small: Session, ckpt_factory) -> None:
+    """Failed requests and connections cut mid-body are retried: every byte arrives."""
+    src = ckpt_factory("qwen3-moe-tiny", 3)
+    first = addresses(small.manifest)
     with RangeHTTPServer(src, Faults(fail_fraction=0.05, cut_fraction=0.03)) as server:
-        dump = str(tmp_path / "dump")
-        load(LoadRequest(src=server.url, layout=SMALL, device="cpu"), dump=dump)
+        m = small.reload(server.url)
         assert server.injected_failures > 0 and server.injected_cuts > 0
-    from safetensors.torch import load_file
-
-    ref = RefCheckpoint(src)
-    for rank in range(SMALL.world):
-        got = load_file(os.path.join(dump, f"rank-{rank:05d}.safetensors"))
-        assert compare_rank(expected_rank(ref, SMALL_LAY, rank), got) == []
-
-
-def test_storage_error_that_never_clears(local_ray, ckpt_factory) -> None:
-    src = ckpt_factory("qwen3-moe-tiny", 1)
-    with RangeHTTPServer(src) as server:
-        # Headers are read by the coordinator first; then storage goes away for good.
-        req = LoadRequest(src=server.url, layout=SMALL, device="cpu")
-        meta, plan = plan_load(req)
-        server.faults = Faults(broken=True)
-        run = RayRun(req, plan)
-        run.start()
-        try:
-            run.place()
-            run.spawn()
-            with pytest.raises(StorageError) as err:
-                run.run_all(
-                    [list(r.reads or ()) for r in plan.ranks],
-                    source_info(meta, False, req.src, None),
-                    version=1,
-                    whole_units=False,
-                )
-        finally:
-            run.shutdown()
-    msg = str(err.value)
-    assert "rank " in msg and ".safetensors" in msg and "bytes" in msg
-    assert err.value.exit_code == 1
+    assert all(r["consistent"] for r in m["ranks"]) and addresses(m) == first
+    assert_holds(small, src, lay=SMALL_LAY)
 
 
 def test_worker_killed_mid_load_is_restarted_and_redone(local_ray, ckpt_factory, tmp_path) -> None:
@@ -240,64 +221,66 @@ def test_worker_lost_beyond_restarts(local_ray, ckpt_factory) -> None:
     assert "rank 1" in str(err.value)
 
 
-def test_interrupted_reload_runs_again_to_completion(local_ray, ckpt_factory) -> None:
-    v1 = ckpt_factory("qwen3-moe-tiny", 1)
+def test_interrupted_reload_runs_again_to_completion(small: Session, ckpt_factory) -> None:
     v2 = ckpt_factory("qwen3-moe-tiny", 2)
+    s = small
+    start = s.version
+    first = addresses(s.manifest)
     with RangeHTTPServer(v2) as server:
         # Each rank reads for itself (--share none): with sharing, the owners' fetch of
         # the shared reads fails first and no rank writes a unit (nothing part-way).
-        with Session.load(v1, SMALL, device="cpu", share="none") as s:
-            first = addresses(s.manifest)
-            # the second shard's data becomes unreadable after planning: every rank stops
-            # at its first unit that needs it, with earlier units already at version 2
-            server.faults = Faults(data_gone=frozenset({"model-00002-of-00002.safetensors"}))
-            with pytest.raises(StorageError):
-                s.reload(server.url)
-            st = s.status()
-            assert any(not r["consistent"] for r in st["ranks"]), "part-way: mixed versions"
-            assert all(r["version"] == 1 for r in st["ranks"])
-            server.faults = Faults()
-            m = s.reload(server.url)
-            assert all(r["version"] == 2 and r["consistent"] for r in m["ranks"])
-            assert addresses(m) == first
-            assert_holds(s, v2, lay=SMALL_LAY)
-
-
-def test_killed_worker_of_a_session_reports_changed_addresses(local_ray, ckpt_factory) -> None:
-    v1 = ckpt_factory("qwen3-moe-tiny", 1)
-    v2 = ckpt_factory("qwen3-moe-tiny", 2)
-    with Session.load(v1, SMALL, device="cpu", max_restarts=2) as s:
-        pid = ray.get(s.run.actors[1].pid.remote())
-        os.kill(pid, signal.SIGKILL)
-        # Asked at once, while Ray restarts the process: the rank answers once restarted
-        # (what ``mxload status`` asks first), never a raw "actor is restarting".
-        now = s.run.pids()
-        assert now[1] is not None and now[1] != pid, now
-        m = s.reload(v2)
-        r1 = m["ranks"][1]
-        assert r1["addresses_changed"] is True and r1["restarts"] >= 1
-        assert all(r["version"] == 2 for r in m["ranks"] if r["rank"] != 1)
+        # The second shard's data becomes unreadable after planning, for good: every rank
+        # stops at its first unit that needs it, with earlier units already written.
+        server.faults = Faults(data_gone=frozenset({"model-00002-of-00002.safetensors"}))
+        with pytest.raises(StorageError) as err:
+            s.reload(server.url)
+        msg = str(err.value)
+        assert "rank " in msg and ".safetensors" in msg and "bytes" in msg, msg
+        assert err.value.exit_code == 1
+        st = s.status()
+        assert any(not r["consistent"] for r in st["ranks"]), "part-way: mixed versions"
+        assert all(r["version"] == start for r in st["ranks"])
+        server.faults = Faults()
+        m = s.reload(server.url)
+        assert all(r["version"] == start + 1 and r["consistent"] for r in m["ranks"])
+        assert addresses(m) == first
         assert_holds(s, v2, lay=SMALL_LAY)
 
 
-def test_two_sessions_side_by_side(shared: Session, ckpt_factory) -> None:
+def test_killed_worker_of_a_session_reports_changed_addresses(small: Session, ckpt_factory) -> None:
+    v4 = ckpt_factory("qwen3-moe-tiny", 4)
+    s = small
+    start = s.version
+    pid = ray.get(s.run.actors[1].pid.remote())
+    os.kill(pid, signal.SIGKILL)
+    # Asked at once, while Ray restarts the process: the rank answers once restarted
+    # (what ``mxload status`` asks first), never a raw "actor is restarting".
+    now = s.run.pids()
+    assert now[1] is not None and now[1] != pid, now
+    m = s.reload(v4)
+    r1 = m["ranks"][1]
+    assert r1["addresses_changed"] is True and r1["restarts"] >= 1
+    assert all(r["version"] == start + 1 for r in m["ranks"] if r["rank"] != 1)
+    assert_holds(s, v4, lay=SMALL_LAY)
+
+
+def test_two_sessions_side_by_side(shared: Session, small: Session, ckpt_factory) -> None:
     """A policy and a reference model held at once; reloading one leaves the other alone."""
-    v1 = ckpt_factory("qwen3-moe-tiny", 1)
     v2 = ckpt_factory("qwen3-moe-tiny", 2)
     policy = shared
-    with Session.load(v1, SMALL, device="cpu") as reference:
-        ref_before = reference.status()
-        policy.reload(v2)
-        assert_holds(policy, v2)
-        ref_after = reference.status()
-        for a, b in zip(ref_before["ranks"], ref_after["ranks"], strict=True):
-            assert {n: t["checksum"] for n, t in a["tensors"].items()} == {
-                n: t["checksum"] for n, t in b["tensors"].items()
-            }
-        devices = {r["visible_devices"] for r in policy.manifest["ranks"]} | {
-            r["visible_devices"] for r in reference.manifest["ranks"]
+    reference = small
+    ref_before = reference.status()
+    policy.reload(v2)
+    assert_holds(policy, v2)
+    ref_after = reference.status()
+    for a, b in zip(ref_before["ranks"], ref_after["ranks"], strict=True):
+        assert {n: t["checksum"] for n, t in a["tensors"].items()} == {
+            n: t["checksum"] for n, t in b["tensors"].items()
         }
-        assert len(devices) == 6, "each rank of each session has its own device"
+    devices = {r["visible_devices"] for r in policy.manifest["ranks"]} | {
+        r["visible_devices"] for r in reference.manifest["ranks"]
+    }
+    assert len(devices) == 6, "each rank of each session has its own device"
 
 
 def test_failed_reload_on_one_rank_then_another_checkpoint_in_process(
