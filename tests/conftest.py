@@ -67,6 +67,15 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.timeout(SLOW_TIMEOUT_S))
 
 
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """A test that does not ask for the shared local Ray never finds it running: it may
+    start, join or refuse a Ray of its own (tests/integration/conftest.py)."""
+    from tests import shared_ray
+
+    if shared_ray.running() and "local_ray" not in getattr(item, "fixturenames", ()):
+        shared_ray.end()
+
+
 @pytest.fixture(scope="session")
 def ckpt_factory(tmp_path_factory: pytest.TempPathFactory):
     """make(preset, seed, **kw) -> path of a synthetic checkpoint (cached per arguments)."""
