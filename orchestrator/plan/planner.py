@@ -44,7 +44,7 @@ import gc
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, overload
 
 from mxload.orchestrator.errors import (
     CheckpointError,
@@ -105,7 +105,10 @@ from mxload.orchestrator.plan.types import (
     ParallelLayout,
     Part,
     Plan,
+    RankClass,
     RankPlan,
+    RankSummary,
+    ReadGroup,
     StagingEstimate,
     Unit,
     UnitKind,
@@ -131,12 +134,32 @@ class _Facts:
 
 @dataclass(frozen=True)
 class _Block:
-    """One table row in one layer for one shard: its buffers and units."""
+    """One table row in one layer for one shard: its buffers and units.
+
+    A routed-expert block of a config-only plan keeps only its first expert's pair
+    (``sample``): every local expert has the same geometry and needed bytes, and a
+    512-rank plan of a 128-expert model would otherwise build tens of millions of units
+    nobody reads. ``units()`` builds them all when a rank's plan is asked for."""
 
     buffers: tuple[BufferSpec, ...]
-    units: tuple[Unit, ...]
+    sample: tuple[Unit, ...]
+    """The units, or the first of ``repeat`` equal-geometry groups of them."""
     needed: tuple[int, ...]
-    """Config-only needed bytes per unit (empty when planning from a checkpoint)."""
+    """Config-only needed bytes per sample unit (empty when planning from a checkpoint)."""
+    repeat: int = 1
+    expand: Callable[[], tuple[Unit, ...]] | None = None
+    """Builds every unit when only a sample is kept."""
+
+    def units(self) -> tuple[Unit, ...]:
+        return self.sample if self.expand is None else self.expand()
+
+    @property
+    def count(self) -> int:
+        return len(self.sample) * self.repeat
+
+    @property
+    def needed_bytes(self) -> int:
+        return sum(self.needed) * self.repeat
 
 
 @dataclass(frozen=True)
@@ -440,7 +463,7 @@ class _Planner:
                 seen_stages.add(c.pp_rank)
                 for layer in c.layers:
                     for i in self.layer_rules[layer]:
-                        for u in self._block(i, layer, c).units:
+                        for u in self._block(i, layer, c).sample:
                             if u.kind != "copy":
                                 cap = max(cap, u.rows * u.cols)
                 if len(seen_stages) == self.layout.pp:
@@ -544,7 +567,6 @@ class _Planner:
                     _held(eng, "dense_moe", w2, (e_local, hidden, i_local), dtype, layout),
                 )
             self._moe_buffers[bkey] = buffers
-        units: list[Unit] = []
         rows13 = (lo, lo + i_local)
         all_cols = (0, hidden)
         shape13, shape2 = (inter, hidden), (hidden, inter)
@@ -555,58 +577,134 @@ class _Planner:
             source_module(rule, src, layer).split(EXPERT_PLACEHOLDER, 1) for src in (gate, up, down)
         ]
         (g0, g1), (u0, u1), (d0, d1) = names
-        for j, e in enumerate(c.experts):
-            tag = str(e)
-            units.append(
-                Unit(
-                    w13,
-                    "moe_w13",
-                    layout,
-                    2 * i_local,
-                    hidden,
-                    (
-                        Part(g0 + tag + g1, rows13, all_cols, 0, "", shape13),
-                        Part(u0 + tag + u1, rows13, all_cols, i_local, "", shape13),
-                    ),
-                    quantized,
-                    j,
-                    e,
+
+        def build(experts: Sequence[int]) -> tuple[Unit, ...]:
+            units: list[Unit] = []
+            for j, e in enumerate(experts):
+                tag = str(e)
+                units.append(
+                    Unit(
+                        w13,
+                        "moe_w13",
+                        layout,
+                        2 * i_local,
+                        hidden,
+                        (
+                            Part(g0 + tag + g1, rows13, all_cols, 0, "", shape13),
+                            Part(u0 + tag + u1, rows13, all_cols, i_local, "", shape13),
+                        ),
+                        quantized,
+                        j,
+                        e,
+                    )
                 )
-            )
-            units.append(
-                Unit(
-                    w2,
-                    "moe_w2",
-                    layout,
-                    hidden,
-                    i_local,
-                    (Part(d0 + tag + d1, all_cols, rows13, 0, "", shape2),),
-                    quantized,
-                    j,
-                    e,
+                units.append(
+                    Unit(
+                        w2,
+                        "moe_w2",
+                        layout,
+                        hidden,
+                        i_local,
+                        (Part(d0 + tag + d1, all_cols, rows13, 0, "", shape2),),
+                        quantized,
+                        j,
+                        e,
+                    )
                 )
-            )
-        needed: tuple[int, ...] = ()
-        if units and self.checkpoint is None:
-            # Every expert's halves have the same geometry, hence the same needed bytes.
-            pair = self._needed(units[:2], facts)
-            needed = pair * len(c.experts)
-        return _Block(buffers, tuple(units), needed)
+            return tuple(units)
+
+        experts = c.experts
+        if self.checkpoint is not None:
+            # Reads are planned per unit (each expert's tensors sit at their own offsets).
+            return _Block(buffers, build(experts), ())
+        # Every expert's halves have the same geometry, hence the same needed bytes.
+        pair = build(experts[:1])
+        needed = self._needed(pair, facts)
+        if len(experts) <= 1:
+            return _Block(buffers, pair, needed)
+        return _Block(buffers, pair, needed, len(experts), lambda: build(experts))
 
 
 @dataclass(frozen=True)
 class _Staged:
-    """One rank between the two passes of build_plan (sizes first, then staging)."""
+    """One rank class between the two passes of build_plan (sizes first, then staging)."""
 
     coords: RankCoords
+    """Its first rank's."""
+    blocks: tuple[_Block, ...]
     buffers: tuple[BufferSpec, ...]
-    units: tuple[Unit, ...]
-    read_fn: Callable[[Unit, int, int], int]
+    units: tuple[Unit, ...] | None
+    """Every unit with a checkpoint; None for a config-only plan (built when asked)."""
+    read_fn: Callable[[Unit, int, int], int] | None
     needed: int
     to_read: int
     reads: tuple[UnitReads, ...] | None
-    signature: tuple[int, ...]
-    """Geometry ids of its units in order: equal signatures, equal staging."""
+    signature: tuple[tuple[tuple[int, ...], int], ...]
+    """Per block, the geometry ids of its sample units and how often they repeat: equal
+    signatures, equal staging."""
+    groups: tuple[ReadGroup, ...]
+
+
+class _LazyRanks(Sequence[RankPlan]):
+    """``Plan.ranks`` of a config-only plan: each rank's full plan is built when asked
+    for (a 512-rank plan of a 128-expert model holds millions of units), and its units
+    kept per class."""
+
+    def __init__(
+        self,
+        summaries: tuple[RankSummary, ...],
+        classes: tuple[RankClass, ...],
+        unit_makers: tuple[Callable[[], tuple[Unit, ...]], ...],
+    ) -> None:
+        self._summaries = summaries
+        self._classes = classes
+        self._makers = unit_makers
+        self._units: dict[int, tuple[Unit, ...]] = {}
+
+    def __len__(self) -> int:
+        return len(self._summaries)
+
+    @overload
+    def __getitem__(self, index: int) -> RankPlan: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> Sequence[RankPlan]: ...
+
+    def __getitem__(self, index: int | slice) -> RankPlan | Sequence[RankPlan]:
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(len(self)))]
+        s = self._summaries[index]
+        units = self._units.get(s.rank_class)
+        if units is None:
+            units = self._units[s.rank_class] = self._makers[s.rank_class]()
+        return _rank_plan(s, self._classes[s.rank_class], units, None)
+
+
+def _rank_plan(
+    s: RankSummary, k: RankClass, units: tuple[Unit, ...], reads: tuple[UnitReads, ...] | None
+) -> RankPlan:
+    return RankPlan(
+        rank=s.rank,
+        tp_rank=s.tp_rank,
+        dp_rank=s.dp_rank,
+        pp_rank=s.pp_rank,
+        ep_rank=s.ep_rank,
+        layers=s.layers,
+        experts=s.experts,
+        buffers=k.buffers,
+        units=units,
+        bytes_needed=k.bytes_needed,
+        bytes_to_read=k.bytes_to_read,
+        reads=reads,
+        staging=k.staging,
+    )
+
+
+def _all_units(blocks: Sequence[_Block]) -> Callable[[], tuple[Unit, ...]]:
+    def make() -> tuple[Unit, ...]:
+        return tuple(u for b in blocks for u in b.units())
+
+    return make
 
 
 def _geometry(unit: Unit, reads: UnitReads | int, align: int) -> tuple[Any, ...]:
@@ -652,7 +750,7 @@ def _flatten(blocks: Sequence[_Block]) -> tuple[tuple[BufferSpec, ...], tuple[Un
     units: list[Unit] = []
     for b in blocks:
         buffers.extend(b.buffers)
-        units.extend(b.units)
+        units.extend(b.units())
     return tuple(buffers), tuple(units)
 
 
@@ -782,20 +880,23 @@ def _build_plan(
     fetch_of: dict[int, int] = {}
     # Sizing is the slow part (min_budgets walks every 16-row chunk of a unit), and it
     # depends only on a unit's geometry and read sizes, never on its name or layer: units
-    # of equal geometry are sized once, and ranks whose units have equal geometries, in
+    # of equal geometry are sized once, and classes whose units have equal geometries, in
     # the same order, share one staging estimate.
     geometry_ids: dict[tuple[Any, ...], int] = {}
     mins_of_geometry: list[tuple[int, int]] = []
-    gids_of_block: dict[int, tuple[int, ...]] = {}
-
-    staged: list[_Staged] = []
+    gids_of_block: dict[int, tuple[tuple[int, ...], int]] = {}
     load_min = reload_min = 0
-    for rank in range(layout.world):
-        c = planner.coords(rank)
-        blocks = planner.blocks(c)
-        buffers, units = _flatten(blocks)
+
+    def stage(c: RankCoords) -> _Staged:
+        nonlocal load_min, reload_min
+        blocks = tuple(planner.blocks(c))
+        buffers = tuple(b for block in blocks for b in block.buffers)
+        units: tuple[Unit, ...] | None = None
         reads: tuple[UnitReads, ...] | None = None
+        read_fn: Callable[[Unit, int, int], int] | None = None
+        groups: list[ReadGroup] = []
         if checkpoint is not None:
+            units = tuple(u for block in blocks for u in block.units())
             rank_reads: list[UnitReads] = []
             to_read = 0
             for u in units:
@@ -808,37 +909,82 @@ def _build_plan(
             reads = tuple(rank_reads)
             needed = sum(r.nbytes for r in reads)
             read_fn = read_fn_from_reads(units, reads, block_n=block_n, source_quant=quant)
+            pos = 0
+            for block in blocks:
+                n = block.count
+                br = reads[pos : pos + n]
+                groups.append(ReadGroup(units[pos : pos + n], br, tuple(r.nbytes for r in br)))
+                pos += n
         else:
-            unit_needed = [n for b in blocks for n in b.needed]
-            needed = to_read = sum(unit_needed)
-            read_fn = proportional_read_fn(units, unit_needed)
-        signature: list[int] = []
+            needed = to_read = sum(block.needed_bytes for block in blocks)
+            groups = [ReadGroup(b.sample, None, b.needed, b.repeat) for b in blocks]
+        signature: list[tuple[tuple[int, ...], int]] = []
         pos = 0
         for block in blocks:
-            gids = gids_of_block.get(id(block))
-            if gids is None:
+            gkey = gids_of_block.get(id(block))
+            if gkey is None:
+                sample, repeat = block.sample, block.repeat
                 # Every expert of a MoE block has the same geometry: size its first pair.
-                moe = bool(block.units) and block.units[0].kind == "moe_w13"
-                sample = block.units[:2] if moe else block.units
+                if sample and sample[0].kind == "moe_w13" and repeat == 1 and len(sample) > 2:
+                    sample, repeat = sample[:2], len(sample) // 2
+                if reads is not None:
+                    sizes: Sequence[UnitReads | int] = reads[pos : pos + len(sample)]
+                    sample_fn = read_fn_from_reads(
+                        sample, reads[pos : pos + len(sample)], block_n=block_n, source_quant=quant
+                    )
+                else:
+                    sizes = block.needed
+                    sample_fn = proportional_read_fn(sample, block.needed)
                 ids = []
-                for i, u in enumerate(sample, start=pos):
-                    if reads is not None:
-                        key = _geometry(u, reads[i], block_n)
-                    else:  # a proportional read size does not depend on tile alignment
-                        key = _geometry(u, unit_needed[i], 1)
+                for u, size in zip(sample, sizes, strict=True):
+                    # A proportional read size does not depend on tile alignment.
+                    key = _geometry(u, size, block_n if reads is not None else 1)
                     gid = geometry_ids.get(key)
                     if gid is None:
                         gid = geometry_ids[key] = len(mins_of_geometry)
-                        mins_of_geometry.append(min_budgets((u,), read_fn, opts))
+                        mins_of_geometry.append(min_budgets((u,), sample_fn, opts))
                         load_min = max(load_min, mins_of_geometry[gid][0])
                         reload_min = max(reload_min, mins_of_geometry[gid][1])
                     ids.append(gid)
-                gids = gids_of_block[id(block)] = (
-                    tuple(ids) * (len(block.units) // len(sample)) if sample else ()
-                )
-            signature.extend(gids)
-            pos += len(block.units)
-        staged.append(_Staged(c, buffers, units, read_fn, needed, to_read, reads, tuple(signature)))
+                gkey = gids_of_block[id(block)] = (tuple(ids), repeat)
+            signature.append(gkey)
+            pos += block.count
+        return _Staged(
+            c,
+            blocks,
+            buffers,
+            units,
+            read_fn,
+            needed,
+            to_read,
+            reads,
+            tuple(signature),
+            tuple(groups),
+        )
+
+    class_of_key: dict[tuple[int, int, int], int] = {}
+    staged: list[_Staged] = []
+    summaries: list[RankSummary] = []
+    for rank in range(layout.world):
+        c = planner.coords(rank)
+        # Blocks depend on the stage, the TP rank and the MoE rank only (docs/contract.md §3).
+        ckey = (c.pp_rank, c.tp_rank, c.moe_rank if config.is_moe else 0)
+        k = class_of_key.get(ckey)
+        if k is None:
+            k = class_of_key[ckey] = len(staged)
+            staged.append(stage(c))
+        summaries.append(
+            RankSummary(
+                rank=c.rank,
+                tp_rank=c.tp_rank,
+                dp_rank=c.dp_rank,
+                pp_rank=c.pp_rank,
+                ep_rank=c.ep_rank,
+                layers=c.layers,
+                experts=c.experts,
+                rank_class=k,
+            )
+        )
 
     budget = staging_budget if staging_budget is not None else reload_min
     if budget < load_min:
@@ -847,34 +993,42 @@ def _build_plan(
             f"({load_min} bytes; a reload needs {reload_min}); raise --staging-budget",
             key="--staging-budget",
         )
-    ranks: list[RankPlan] = []
-    staging_of: dict[tuple[int, ...], StagingEstimate] = {}
-    for s in staged:
-        c = s.coords
-        staging = staging_of.get(s.signature)
+    classes: list[RankClass] = []
+    makers: list[Callable[[], tuple[Unit, ...]]] = []
+    staging_of: dict[tuple[tuple[tuple[int, ...], int], ...], StagingEstimate] = {}
+    for st in staged:
+        make = _all_units(st.blocks)
+        staging = staging_of.get(st.signature)
         if staging is None:
-            staging = staging_of[s.signature] = rank_staging(s.units, s.read_fn, opts, budget)
-        ranks.append(
-            RankPlan(
-                rank=c.rank,
-                tp_rank=c.tp_rank,
-                dp_rank=c.dp_rank,
-                pp_rank=c.pp_rank,
-                ep_rank=c.ep_rank,
-                layers=c.layers,
-                experts=c.experts,
-                buffers=s.buffers,
-                units=s.units,
-                bytes_needed=s.needed,
-                bytes_to_read=s.to_read,
-                reads=s.reads,
-                staging=staging,
+            if st.units is not None and st.read_fn is not None:
+                staging = rank_staging(st.units, st.read_fn, opts, budget)
+            else:
+                every = make()
+                sizes = [n for b in st.blocks for _ in range(b.repeat) for n in b.needed]
+                staging = rank_staging(every, sizes, opts, budget)
+            staging_of[st.signature] = staging
+        count = sum(b.count for b in st.blocks)
+        classes.append(RankClass(st.buffers, count, st.needed, st.to_read, staging, st.groups))
+        makers.append(make)
+    all_summaries = tuple(summaries)
+    all_classes = tuple(classes)
+    ranks: Sequence[RankPlan]
+    if checkpoint is not None:
+        ranks = tuple(
+            _rank_plan(
+                s,
+                all_classes[s.rank_class],
+                staged[s.rank_class].units or (),
+                staged[s.rank_class].reads,
             )
+            for s in all_summaries
         )
+    else:
+        ranks = _LazyRanks(all_summaries, all_classes, tuple(makers))
     return Plan(
         model=config.summary(),
         layout=layout,
-        ranks=tuple(ranks),
+        ranks=ranks,
         min_staging_load=load_min,
         min_staging_reload=reload_min,
         device_memory_bytes=device_memory,
@@ -889,14 +1043,17 @@ def _build_plan(
             "from_checkpoint": checkpoint is not None,
         },
         engine=planner.engine.name,
+        summaries=all_summaries,
+        classes=all_classes,
     )
 
 
 def plan_to_json(plan: Plan) -> dict[str, Any]:
     """The ``mxload plan --json`` object of docs/contract.md §5, plus itemised staging and headroom."""
     ranks = []
-    for r in plan.ranks:
-        staging = r.staging
+    for r in plan.summaries:
+        k = plan.classes[r.rank_class]
+        staging = k.staging
         entry: dict[str, Any] = {
             "rank": r.rank,
             "tp_rank": r.tp_rank,
@@ -905,15 +1062,15 @@ def plan_to_json(plan: Plan) -> dict[str, Any]:
             "ep_rank": r.ep_rank,
             "layers": list(r.layers),
             "experts": list(r.experts),
-            "persistent_bytes": r.persistent_bytes,
+            "persistent_bytes": k.persistent_bytes,
             "staging_bytes": staging.staging_bytes if staging else 0,
-            "peak_bytes": r.peak_bytes,
-            "bytes_needed": r.bytes_needed,
-            "bytes_to_read": r.bytes_to_read,
+            "peak_bytes": k.peak_bytes,
+            "bytes_needed": k.bytes_needed,
+            "bytes_to_read": k.bytes_to_read,
             # extras
-            "buffers": len(r.buffers),
-            "units": len(r.units),
-            "read_amplification": (r.bytes_to_read / r.bytes_needed) if r.bytes_needed else 1.0,
+            "buffers": len(k.buffers),
+            "units": k.units,
+            "read_amplification": (k.bytes_to_read / k.bytes_needed) if k.bytes_needed else 1.0,
         }
         if staging is not None:
             entry["staging"] = {
@@ -926,7 +1083,7 @@ def plan_to_json(plan: Plan) -> dict[str, Any]:
                 "prefetch": staging.prefetch,
             }
         if plan.device_memory_bytes is not None:
-            entry["headroom_bytes"] = plan.device_memory_bytes - r.peak_bytes
+            entry["headroom_bytes"] = plan.device_memory_bytes - k.peak_bytes
         ranks.append(entry)
     out: dict[str, Any] = {
         "format": PLAN_FORMAT,

@@ -29,8 +29,10 @@ largest unit) is never shared, since its chunks are read separately.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Sequence
+import heapq
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from mxload.orchestrator.plan.ranges import ByteRange, CoalescePolicy
 from mxload.orchestrator.plan.readplan import requested_bytes_fast
@@ -92,6 +94,165 @@ class SharePlan:
         return {i: s for s in self.shared for r, i in s.users if r == rank}
 
 
+ClassItem = tuple[Hashable, int, int, int]
+"""One unit's read of a rank class: (key, bytes that travel, bytes storage is asked for,
+requests storage is sent for it); equal keys are the same bytes."""
+
+
+@dataclass(frozen=True)
+class ClassShare:
+    """One shared read, as :func:`share_classes` decides it over rank classes."""
+
+    key: Hashable
+    where: str
+    """The node its users are on (``node`` scope); "" in ``cluster`` scope."""
+    owner: int
+    classes: tuple[int, ...]
+    """The classes whose ranks (on ``where``, when set) use it."""
+    nbytes: int
+    fetch_bytes: int
+    requests: int
+
+
+@dataclass(frozen=True)
+class ClassSharing:
+    """The shared reads of a run over rank classes, and how to find their users."""
+
+    scope: str
+    shared: tuple[ClassShare, ...]
+    node_of_rank: tuple[str, ...]
+    class_of_rank: tuple[int, ...]
+    members: tuple[tuple[int, ...], ...]
+    """Ranks of each class, ascending."""
+    positions: tuple[dict[Hashable, list[int]], ...]
+    """Per class: key -> the unit indices that read it, ascending."""
+
+    def users(self, s: ClassShare) -> list[tuple[int, int]]:
+        """(rank, unit index) of every use of ``s``, by rank then index."""
+        out = [
+            (r, i)
+            for k in s.classes
+            for r in self.members[k]
+            if not s.where or self.node_of_rank[r] == s.where
+            for i in self.positions[k][s.key]
+        ]
+        out.sort()
+        return out
+
+
+class _LazyMin:
+    """The least (value, name) of a fixed set of names whose values only grow: a heap
+    whose stale entries are refreshed as they surface."""
+
+    __slots__ = ("heap", "value")
+
+    def __init__(self, names: Iterable[Any], value: Callable[[Any], Any]) -> None:
+        self.value = value
+        self.heap = [(value(n), n) for n in names]
+        heapq.heapify(self.heap)
+
+    def top(self) -> Any:
+        heap, value = self.heap, self.value
+        while True:
+            v, name = heap[0]
+            now = value(name)
+            if now == v:
+                return name
+            heapq.heapreplace(heap, (now, name))
+
+
+def share_classes(
+    node_of_rank: Sequence[str],
+    class_of_rank: Sequence[int],
+    scope: str,
+    class_items: Sequence[Sequence[ClassItem]],
+) -> ClassSharing:
+    """The owners of every replicated read under ``scope``, with ranks grouped in
+    classes that read the same units (``class_items[k]``: class ``k``'s unit reads in
+    unit order). The cost follows the classes and the shared reads, not the ranks.
+
+    Owners are chosen as :func:`plan_sharing` says (largest first, ties by first user;
+    the node of its users with the fewest owned bytes, then its user rank with the
+    fewest), with lazy heaps in place of scans over every user."""
+    if scope not in SHARE_SCOPES:
+        raise ValueError(f"share scope {scope!r} is not one of {', '.join(SHARE_SCOPES)}")
+    nodes = tuple(node_of_rank)
+    world = len(nodes)
+    classes = tuple(class_of_rank)
+    members_l: list[list[int]] = [[] for _ in class_items]
+    for rank, k in enumerate(classes):
+        members_l[k].append(rank)
+    members = tuple(tuple(m) for m in members_l)
+    positions: list[dict[Hashable, list[int]]] = []
+    size: dict[Hashable, tuple[int, int, int]] = {}
+    for items in class_items:
+        pos: dict[Hashable, list[int]] = {}
+        for i, (key, nbytes, fetch, requests) in enumerate(items):
+            if nbytes == 0:
+                continue
+            size[key] = (nbytes, fetch, requests)
+            pos.setdefault(key, []).append(i)
+        positions.append(pos)
+    if scope == "none":
+        return ClassSharing(scope, (), nodes, classes, members, tuple(positions))
+    users_of: dict[Hashable, list[int]] = {}
+    for k, pos in enumerate(positions):
+        if members[k]:
+            for key in pos:
+                users_of.setdefault(key, []).append(k)
+    on_node: dict[tuple[int, str], list[int]] = {}
+    for rank, k in enumerate(classes):
+        on_node.setdefault((k, nodes[rank]), []).append(rank)
+    nodes_of_class = [sorted({nodes[r] for r in m}) for m in members]
+    # (sort key, key, where, classes) of every read that more than one rank needs.
+    candidates: list[tuple[tuple[int, int, int], Hashable, str, tuple[int, ...]]] = []
+    for key, ks in users_of.items():
+        cs = tuple(ks)
+        nbytes = size[key][0]
+        if scope == "cluster":
+            if sum(len(members[k]) for k in cs) > 1:
+                first = min((members[k][0], positions[k][key][0]) for k in cs)
+                candidates.append(((-nbytes, *first), key, "", cs))
+            continue
+        for node in sorted({n for k in cs for n in nodes_of_class[k]}):
+            here = [(k, on_node.get((k, node), ())) for k in cs]
+            if sum(len(m) for _, m in here) > 1:
+                first = min((m[0], positions[k][key][0]) for k, m in here if m)
+                used = tuple(k for k, m in here if m)
+                candidates.append(((-nbytes, *first), key, node, used))
+    candidates.sort(key=lambda c: c[0])
+    owned_rank = [0] * world
+    owned_node: dict[str, int] = {}
+    node_heaps: dict[tuple[int, ...], _LazyMin] = {}
+    rank_heaps: dict[tuple[tuple[int, ...], str], _LazyMin] = {}
+
+    def node_value(n: str) -> int:
+        return owned_node.get(n, 0)
+
+    def rank_value(r: int) -> int:
+        return owned_rank[r]
+
+    shared: list[ClassShare] = []
+    for _, key, where, cs in candidates:
+        nbytes, fetch, requests = size[key]
+        node = where
+        if not node:
+            heap = node_heaps.get(cs)
+            if heap is None:
+                names = {n for k in cs for n in nodes_of_class[k]}
+                heap = node_heaps[cs] = _LazyMin(names, node_value)
+            node = heap.top()
+        rheap = rank_heaps.get((cs, node))
+        if rheap is None:
+            ranks = [r for k in cs for r in on_node.get((k, node), ())]
+            rheap = rank_heaps[(cs, node)] = _LazyMin(ranks, rank_value)
+        owner = rheap.top()
+        owned_rank[owner] += nbytes
+        owned_node[node] = owned_node.get(node, 0) + nbytes
+        shared.append(ClassShare(key, where, owner, cs, nbytes, fetch, requests))
+    return ClassSharing(scope, tuple(shared), nodes, classes, members, tuple(positions))
+
+
 def plan_sharing(
     node_of_rank: Sequence[str],
     scope: str,
@@ -100,38 +261,25 @@ def plan_sharing(
     """The owners of every replicated read under ``scope``.
 
     ``node_of_rank``: the node each rank was placed on (its length is the world size).
-    ``items_of(rank)``: the rank's unit reads as :data:`ReadItem` s, in unit order."""
-    if scope not in SHARE_SCOPES:
-        raise ValueError(f"share scope {scope!r} is not one of {', '.join(SHARE_SCOPES)}")
+    ``items_of(rank)``: the rank's unit reads as :data:`ReadItem` s, in unit order.
+    Ranks with the same reads form one class (:func:`share_classes`)."""
     nodes = tuple(node_of_rank)
-    world = len(nodes)
-    if scope == "none":
-        return SharePlan(scope, (), nodes)
-    groups: dict[tuple[Hashable, str], list[tuple[int, int]]] = {}
-    size: dict[Hashable, tuple[int, int]] = {}
-    for rank in range(world):
-        for i, (key, nbytes, fetch) in enumerate(items_of(rank)):
-            if nbytes == 0:
-                continue
-            size[key] = (nbytes, fetch)
-            where = nodes[rank] if scope == "node" else ""
-            groups.setdefault((key, where), []).append((rank, i))
-    candidates = [
-        (size[key], users) for (key, _), users in groups.items() if len({u for u, _ in users}) > 1
-    ]
-    # Largest first, then by first user, so the greedy balance is deterministic.
-    candidates.sort(key=lambda c: (-c[0][0], c[1][0]))
-    owned_rank = [0] * world
-    owned_node: dict[str, int] = {}
-    shared: list[SharedRead] = []
-    for key, ((nbytes, fetch), users) in enumerate(candidates):
-        ranks = sorted({u for u, _ in users})
-        node = min({nodes[u] for u in ranks}, key=lambda n: (owned_node.get(n, 0), n))
-        owner = min((u for u in ranks if nodes[u] == node), key=lambda u: (owned_rank[u], u))
-        owned_rank[owner] += nbytes
-        owned_node[node] = owned_node.get(node, 0) + nbytes
-        shared.append(SharedRead(key, owner, tuple(users), nbytes, fetch))
-    return SharePlan(scope, tuple(shared), nodes)
+    class_of: dict[tuple[ReadItem, ...], int] = {}
+    class_of_rank = []
+    class_items: list[list[ClassItem]] = []
+    for rank in range(len(nodes)):
+        items = tuple(items_of(rank))
+        k = class_of.get(items)
+        if k is None:
+            k = class_of[items] = len(class_items)
+            class_items.append([(key, nbytes, fetch, 0) for key, nbytes, fetch in items])
+        class_of_rank.append(k)
+    got = share_classes(nodes, class_of_rank, scope, class_items)
+    shared = tuple(
+        SharedRead(i, s.owner, tuple(got.users(s)), s.nbytes, s.fetch_bytes)
+        for i, s in enumerate(got.shared)
+    )
+    return SharePlan(got.scope, shared, nodes)
 
 
 @dataclass(frozen=True)
@@ -181,6 +329,55 @@ def rank_traffic(
     return out
 
 
+def class_traffic(
+    sh: ClassSharing,
+    class_items: Sequence[Sequence[ClassItem]],
+    private: Sequence[tuple[int, int]],
+) -> tuple[list[RankTraffic], list[tuple[int, int]]]:
+    """Per rank: what :func:`rank_traffic` and :func:`rank_requests` give, from a
+    :class:`ClassSharing`, summed once per class and node instead of per rank.
+    ``private[k]``: (bytes, requests) storage is asked for by class ``k``'s reads that no
+    other rank needs, beyond ``class_items[k]``."""
+    total_fetch = [sum(f for _, _, f, _ in items) for items in class_items]
+    total_req = [sum(n for _, _, _, n in items) for items in class_items]
+    # Per (class, where): uses of shared reads, their bytes, fetched bytes, requests.
+    shared_acc: dict[tuple[int, str], list[int]] = {}
+    local_credit: dict[tuple[int, str], int] = {}
+    world = len(sh.node_of_rank)
+    self_uses = [0] * world
+    put = [0] * world
+    first = [0] * world
+    owned_req = [0] * world
+    for s in sh.shared:
+        owner_node = sh.node_of_rank[s.owner]
+        for k in s.classes:
+            uses = len(sh.positions[k][s.key])
+            acc = shared_acc.setdefault((k, s.where), [0, 0, 0])
+            acc[0] += uses * s.nbytes
+            acc[1] += uses * s.fetch_bytes
+            acc[2] += uses * s.requests
+            local_credit[(k, owner_node)] = local_credit.get((k, owner_node), 0) + uses * s.nbytes
+        k_owner = sh.class_of_rank[s.owner]
+        self_uses[s.owner] += len(sh.positions[k_owner][s.key]) * s.nbytes
+        put[s.owner] += s.nbytes
+        first[s.owner] += s.fetch_bytes
+        owned_req[s.owner] += s.requests
+    traffic = []
+    requests = []
+    zero = [0, 0, 0]
+    for rank in range(world):
+        k = sh.class_of_rank[rank]
+        node = sh.node_of_rank[rank]
+        acc = shared_acc.get((k, node if sh.scope == "node" else ""), zero)
+        own_fetch = total_fetch[k] - acc[1] + private[k][0]
+        own_req = total_req[k] - acc[2] + private[k][1]
+        peers = acc[0] - self_uses[rank]
+        remote = acc[0] - local_credit.get((k, node), 0)
+        traffic.append(RankTraffic(own_fetch + first[rank], peers, remote, put[rank], first[rank]))
+        requests.append((own_req, owned_req[rank]))
+    return traffic, requests
+
+
 def rank_requests(
     share: SharePlan, requests_of: Callable[[int], Sequence[int]]
 ) -> list[tuple[int, int]]:
@@ -192,14 +389,16 @@ def rank_requests(
     for s in share.shared:
         for r, i in s.users:
             used.setdefault(r, set()).add(i)
-    owned = [0] * len(share.node_of_rank)
+    world = len(share.node_of_rank)
+    counts = [list(requests_of(rank)) for rank in range(world)]
+    owned = [0] * world
     for s in share.shared:
         i = next(i for r, i in s.users if r == s.owner)
-        owned[s.owner] += requests_of(s.owner)[i]
+        owned[s.owner] += counts[s.owner][i]
     out = []
-    for rank in range(len(share.node_of_rank)):
+    for rank in range(world):
         mine = used.get(rank, set())
-        own = sum(n for i, n in enumerate(requests_of(rank)) if i not in mine)
+        own = sum(n for i, n in enumerate(counts[rank]) if i not in mine)
         out.append((own, owned[rank]))
     return out
 

@@ -46,13 +46,12 @@ from mxload.orchestrator.plan.config import ModelConfig
 from mxload.orchestrator.plan.ranges import LOCAL_POLICY, REMOTE_POLICY
 from mxload.orchestrator.plan.readplan import estimated_requests, needed_bytes, predicted_reads
 from mxload.orchestrator.plan.sharing import (
+    ClassItem,
     RankTraffic,
-    ReadItem,
-    plan_sharing,
-    rank_requests,
-    rank_traffic,
+    class_traffic,
+    share_classes,
 )
-from mxload.orchestrator.plan.types import Plan
+from mxload.orchestrator.plan.types import Plan, Unit, UnitReads
 
 GB = 1e9
 
@@ -178,8 +177,10 @@ def _per_node(sizes: Sequence[float], nodes: Sequence[str], capacity: float) -> 
     out = [0.0] * len(sizes)
     if capacity <= 0:
         return out
-    for node in set(nodes):
-        idx = [i for i, x in enumerate(nodes) if x == node]
+    by_node: dict[str, list[int]] = {}
+    for i, x in enumerate(nodes):
+        by_node.setdefault(x, []).append(i)
+    for idx in by_node.values():
         for i, t in zip(idx, shared_link([sizes[i] for i in idx], capacity), strict=True):
             out[i] = t
     return out
@@ -240,46 +241,55 @@ def plan_times(
     for an object store unless ``local``."""
     if devices_per_node < 1:
         raise ValueError(f"devices per node must be >= 1, got {devices_per_node}")
-    world = len(plan.ranks)
+    world = len(plan.summaries)
     nodes = [f"node{r // devices_per_node}" for r in range(world)]
     coalescing = plan.extra.get("coalescing", {})
     remote = bool(coalescing.get("remote")) if local is None else not local
     policy = REMOTE_POLICY if remote else LOCAL_POLICY
     max_request = MAX_REQUEST_BYTES if remote else 0
-    # Replicas share their unit (and reads) objects: each object is hashed by value and
-    # sized once, then known by a small int (a 256-rank plan has ~300k units).
+    # Classes share their unit (and reads) objects: each object is hashed by value and
+    # sized once, then known by a small int.
     canon: dict[Hashable, int] = {}
-    item_of: dict[int, ReadItem] = {}
-    requests_of_key: dict[Hashable, int] = {}
+    item_of: dict[int, ClassItem] = {}
 
-    def items_of(rank: int) -> list[ReadItem]:
-        rp = plan.ranks[rank]
-        objs: Sequence[Any] = rp.reads if rp.reads is not None else rp.units
-        out: list[ReadItem] = []
-        for o in objs:
-            item = item_of.get(id(o))
-            if item is None:
-                if rp.reads is not None:
-                    nbytes = o.nbytes
-                    fetch, requests = predicted_reads((o,), policy, max_request)
-                else:
-                    nbytes = fetch = needed_bytes(o, config)
-                    requests = estimated_requests(o, config, remote=remote)
-                key = canon.setdefault(o, len(canon))
-                item = item_of[id(o)] = (key, nbytes, fetch)
-                requests_of_key[key] = requests
-            out.append(item)
-        return out
+    def cost(unit: Unit, reads: UnitReads | None) -> tuple[int, int, int]:
+        if reads is not None:
+            fetch, requests = predicted_reads((reads,), policy, max_request)
+            return reads.nbytes, fetch, requests
+        nbytes = needed_bytes(unit, config)
+        return nbytes, nbytes, estimated_requests(unit, config, remote=remote)
 
-    cache = [items_of(r) for r in range(world)]
-    share = plan_sharing(nodes, scope, cache.__getitem__)
-    traffic = rank_traffic(share, cache.__getitem__)
-    requests = rank_requests(share, lambda r: [requests_of_key[k] for k, _, _ in cache[r]])
-    times = predict(traffic, [rp.bytes_needed for rp in plan.ranks], nodes, rates, requests)
+    class_items: list[list[ClassItem]] = []
+    private: list[tuple[int, int]] = []
+    for k in plan.classes:
+        items: list[ClassItem] = []
+        fetch_p = requests_p = 0
+        for g in k.groups:
+            for j, u in enumerate(g.units):
+                r = g.reads[j] if g.reads is not None else None
+                if g.private:
+                    _, fetch, sent = cost(u, r)
+                    fetch_p += fetch * g.repeat
+                    requests_p += sent * g.repeat
+                    continue
+                o: Any = r if r is not None else u
+                item = item_of.get(id(o))
+                if item is None:
+                    key = canon.setdefault(o, len(canon))
+                    item = item_of[id(o)] = (key, *cost(u, r))
+                items.append(item)
+        class_items.append(items)
+        private.append((fetch_p, requests_p))
+    class_of_rank = [s.rank_class for s in plan.summaries]
+    share = share_classes(nodes, class_of_rank, scope, class_items)
+    traffic, requests = class_traffic(share, class_items, private)
+    convert = [plan.classes[k].bytes_needed for k in class_of_rank]
+    times = predict(traffic, convert, nodes, rates, requests)
     distinct: dict[Hashable, int] = {}
-    for its in cache:
-        for key, _, fetch in its:
-            distinct[key] = fetch
+    for its in class_items:
+        for item in its:
+            distinct[item[0]] = item[2]
+    private_fetch = sum(private[k][0] for k in set(class_of_rank))
     return {
         "share": scope,
         "devices_per_node": devices_per_node,
@@ -301,7 +311,7 @@ def plan_times(
         "traffic": traffic,
         "times": times,
         "bytes_from_storage": sum(t.bytes_from_storage for t in traffic),
-        "distinct_read_bytes": sum(distinct.values()),
+        "distinct_read_bytes": sum(distinct.values()) + private_fetch,
         "predicted_load_seconds": max((t.load_seconds for t in times), default=0.0),
         "predicted_reload_seconds": max((t.reload_seconds for t in times), default=0.0),
     }

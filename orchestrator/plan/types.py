@@ -20,6 +20,7 @@ before the kernel transpose of docs/contract.md §2.3. 1-D tensors (norms, biase
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -230,6 +231,65 @@ class RankPlan:
 
 
 @dataclass(frozen=True)
+class ReadGroup:
+    """Some of a rank's units as the time model and read-once sharing see them.
+
+    Either units each read on their own (``repeat`` 1: any other rank needing equal
+    reads may share them), or ``repeat`` copies of the geometry of ``units`` that no
+    other rank needs (one MoE rank's experts of one layer: their reads are only
+    counted, never built)."""
+
+    units: tuple[Unit, ...]
+    reads: tuple[UnitReads, ...] | None
+    """Per unit, with a checkpoint; None for a config-only plan."""
+    needed: tuple[int, ...]
+    """Checkpoint bytes each unit needs (docs/contract.md §6)."""
+    repeat: int = 1
+
+    @property
+    def private(self) -> bool:
+        return self.repeat > 1
+
+
+@dataclass(frozen=True)
+class RankClass:
+    """What every rank of one class holds and reads: ranks at the same pipeline stage,
+    TP rank and MoE rank hold the same buffers and read the same bytes (data-parallel
+    replicas of a dense model, for one), so they are planned once."""
+
+    buffers: tuple[BufferSpec, ...]
+    units: int
+    """How many units (each rank's ``RankPlan.units`` has this length)."""
+    bytes_needed: int
+    bytes_to_read: int
+    staging: StagingEstimate | None
+    groups: tuple[ReadGroup, ...]
+    """Every unit, in plan order, grouped for the time model."""
+
+    @property
+    def persistent_bytes(self) -> int:
+        return sum(b.nbytes for b in self.buffers)
+
+    @property
+    def peak_bytes(self) -> int:
+        return self.persistent_bytes + (self.staging.staging_bytes if self.staging else 0)
+
+
+@dataclass(frozen=True)
+class RankSummary:
+    """One rank's place in the layout and its class (``Plan.classes``)."""
+
+    rank: int
+    tp_rank: int
+    dp_rank: int
+    pp_rank: int
+    ep_rank: int
+    layers: tuple[int, ...]
+    experts: tuple[int, ...]
+    rank_class: int
+
+
+@dataclass(frozen=True)
 class ParallelLayout:
     """tp x dp x pp with vLLM's expert-parallel switches (docs/contract.md §3)."""
 
@@ -256,12 +316,16 @@ class ParallelLayout:
 
 @dataclass(frozen=True)
 class Plan:
-    """A whole plan: every rank of a layout for one model."""
+    """A whole plan: every rank of a layout for one model.
+
+    ``summaries`` and ``classes`` say everything per rank that ``mxload plan`` prints,
+    at a cost that follows the distinct rank classes; ``ranks`` gives each rank's full
+    plan (units, reads), built when asked for in a config-only plan."""
 
     model: dict[str, Any]
     """ModelConfig.summary()."""
     layout: ParallelLayout
-    ranks: tuple[RankPlan, ...]
+    ranks: Sequence[RankPlan]
     min_staging_load: int
     """Smallest staging budget a load can run under (row-chunked conversion)."""
     min_staging_reload: int
@@ -270,9 +334,11 @@ class Plan:
     extra: dict[str, Any] = field(default_factory=dict)
     engine: str = "mxload"
     """Engine profile the buffers are laid out for (``mxload.orchestrator.plan.engines``)."""
+    summaries: tuple[RankSummary, ...] = ()
+    classes: tuple[RankClass, ...] = ()
 
     @property
     def fits(self) -> bool:
         if self.device_memory_bytes is None:
             return True
-        return all(r.peak_bytes <= self.device_memory_bytes for r in self.ranks)
+        return all(c.peak_bytes <= self.device_memory_bytes for c in self.classes)
