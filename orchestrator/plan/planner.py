@@ -41,6 +41,7 @@ DeepSeek-V3 on 256 ranks without EP), which is slow; layouts that real deploymen
 from __future__ import annotations
 
 import gc
+import math
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -235,6 +236,7 @@ class _Planner:
         self._facts: dict[tuple[int, int], _Facts] = {}
         self._blocks: dict[tuple[int, int, int], _Block] = {}
         self._moe_buffers: dict[tuple[int, int, int], tuple[BufferSpec, ...]] = {}
+        self._moe_samples: dict[tuple[Any, ...], tuple[tuple[Unit, ...], tuple[int, ...]]] = {}
         self._copy_cap: int | None = None
 
     # --- coordinates ---------------------------------------------------------------------
@@ -618,11 +620,20 @@ class _Planner:
             # Reads are planned per unit (each expert's tensors sit at their own offsets).
             return _Block(buffers, build(experts), ())
         # Every expert's halves have the same geometry, hence the same needed bytes.
-        pair = build(experts[:1])
-        needed = self._needed(pair, facts)
         if len(experts) <= 1:
-            return _Block(buffers, pair, needed)
-        return _Block(buffers, pair, needed, len(experts), lambda: build(experts))
+            pair = build(experts)
+            return _Block(buffers, pair, self._needed(pair, facts))
+        # The sample stands for the geometry only: blocks of other layers and MoE ranks
+        # whose halves cover the same tiles (the slice's offset within a scale tile)
+        # share one, so sizing and the time model see each shape once.
+        q = self.config.quant
+        tile = math.lcm(q.block_n or 1, q.block_k or 1, MX_GROUP)
+        skey = (idx, facts, layout, i_local, lo % tile)
+        found = self._moe_samples.get(skey)
+        if found is None:
+            pair = build(experts[:1])
+            found = self._moe_samples[skey] = (pair, self._needed(pair, facts))
+        return _Block(buffers, found[0], found[1], len(experts), lambda: build(experts))
 
 
 @dataclass(frozen=True)
@@ -884,7 +895,7 @@ def _build_plan(
     # the same order, share one staging estimate.
     geometry_ids: dict[tuple[Any, ...], int] = {}
     mins_of_geometry: list[tuple[int, int]] = []
-    gids_of_block: dict[int, tuple[tuple[int, ...], int]] = {}
+    gids_of_block: dict[tuple[int, int], tuple[tuple[int, ...], int]] = {}
     load_min = reload_min = 0
 
     def stage(c: RankCoords) -> _Staged:
@@ -921,7 +932,10 @@ def _build_plan(
         signature: list[tuple[tuple[int, ...], int]] = []
         pos = 0
         for block in blocks:
-            gkey = gids_of_block.get(id(block))
+            # Blocks sharing a sample (other layers' and MoE ranks' experts of one shape)
+            # share their geometry ids.
+            bkey = (id(block.sample), block.repeat)
+            gkey = gids_of_block.get(bkey)
             if gkey is None:
                 sample, repeat = block.sample, block.repeat
                 # Every expert of a MoE block has the same geometry: size its first pair.
@@ -946,7 +960,7 @@ def _build_plan(
                         load_min = max(load_min, mins_of_geometry[gid][0])
                         reload_min = max(reload_min, mins_of_geometry[gid][1])
                     ids.append(gid)
-                gkey = gids_of_block[id(block)] = (tuple(ids), repeat)
+                gkey = gids_of_block[bkey] = (tuple(ids), repeat)
             signature.append(gkey)
             pos += block.count
         return _Staged(
@@ -996,6 +1010,7 @@ def _build_plan(
     classes: list[RankClass] = []
     makers: list[Callable[[], tuple[Unit, ...]]] = []
     staging_of: dict[tuple[tuple[tuple[int, ...], int], ...], StagingEstimate] = {}
+    bytes_of: dict[int, int] = {}
     for st in staged:
         make = _all_units(st.blocks)
         staging = staging_of.get(st.signature)
@@ -1008,7 +1023,15 @@ def _build_plan(
                 staging = rank_staging(every, sizes, opts, budget)
             staging_of[st.signature] = staging
         count = sum(b.count for b in st.blocks)
-        classes.append(RankClass(st.buffers, count, st.needed, st.to_read, staging, st.groups))
+        persistent = 0
+        for b in st.blocks:
+            nbytes = bytes_of.get(id(b.buffers))
+            if nbytes is None:
+                nbytes = bytes_of[id(b.buffers)] = sum(x.nbytes for x in b.buffers)
+            persistent += nbytes
+        classes.append(
+            RankClass(st.buffers, count, st.needed, st.to_read, staging, st.groups, persistent)
+        )
         makers.append(make)
     all_summaries = tuple(summaries)
     all_classes = tuple(classes)

@@ -336,8 +336,8 @@ def class_traffic(
 ) -> tuple[list[RankTraffic], list[tuple[int, int]]]:
     """Per rank: what :func:`rank_traffic` and :func:`rank_requests` give, from a
     :class:`ClassSharing`, summed once per class and node instead of per rank.
-    ``private[k]``: (bytes, requests) storage is asked for by class ``k``'s reads that no
-    other rank needs, beyond ``class_items[k]``."""
+    ``private[rank]``: (bytes, requests) storage is asked for by the rank's reads that
+    no other rank needs, beyond its class's ``class_items``."""
     total_fetch = [sum(f for _, _, f, _ in items) for items in class_items]
     total_req = [sum(n for _, _, _, n in items) for items in class_items]
     # Per (class, where): uses of shared reads, their bytes, fetched bytes, requests.
@@ -369,8 +369,8 @@ def class_traffic(
         k = sh.class_of_rank[rank]
         node = sh.node_of_rank[rank]
         acc = shared_acc.get((k, node if sh.scope == "node" else ""), zero)
-        own_fetch = total_fetch[k] - acc[1] + private[k][0]
-        own_req = total_req[k] - acc[2] + private[k][1]
+        own_fetch = total_fetch[k] - acc[1] + private[rank][0]
+        own_req = total_req[k] - acc[2] + private[rank][1]
         peers = acc[0] - self_uses[rank]
         remote = acc[0] - local_credit.get((k, node), 0)
         traffic.append(RankTraffic(own_fetch + first[rank], peers, remote, put[rank], first[rank]))

@@ -259,7 +259,11 @@ def plan_times(
         nbytes = needed_bytes(unit, config)
         return nbytes, nbytes, estimated_requests(unit, config, remote=remote)
 
-    class_items: list[list[ClassItem]] = []
+    # Classes whose shareable reads are the same (a TP rank's attention on every MoE
+    # rank) are one class for sharing; what only one class reads is counted apart.
+    sharing_class: dict[tuple[ClassItem, ...], int] = {}
+    class_items: list[tuple[ClassItem, ...]] = []
+    of_class: list[int] = []
     private: list[tuple[int, int]] = []
     for k in plan.classes:
         items: list[ClassItem] = []
@@ -267,22 +271,26 @@ def plan_times(
         for g in k.groups:
             for j, u in enumerate(g.units):
                 r = g.reads[j] if g.reads is not None else None
-                if g.private:
-                    _, fetch, sent = cost(u, r)
-                    fetch_p += fetch * g.repeat
-                    requests_p += sent * g.repeat
-                    continue
                 o: Any = r if r is not None else u
                 item = item_of.get(id(o))
                 if item is None:
                     key = canon.setdefault(o, len(canon))
                     item = item_of[id(o)] = (key, *cost(u, r))
-                items.append(item)
-        class_items.append(items)
+                if g.private:
+                    fetch_p += item[2] * g.repeat
+                    requests_p += item[3] * g.repeat
+                else:
+                    items.append(item)
+        shared_items = tuple(items)
+        sc = sharing_class.get(shared_items)
+        if sc is None:
+            sc = sharing_class[shared_items] = len(class_items)
+            class_items.append(shared_items)
+        of_class.append(sc)
         private.append((fetch_p, requests_p))
     class_of_rank = [s.rank_class for s in plan.summaries]
-    share = share_classes(nodes, class_of_rank, scope, class_items)
-    traffic, requests = class_traffic(share, class_items, private)
+    share = share_classes(nodes, [of_class[k] for k in class_of_rank], scope, class_items)
+    traffic, requests = class_traffic(share, class_items, [private[k] for k in class_of_rank])
     convert = [plan.classes[k].bytes_needed for k in class_of_rank]
     times = predict(traffic, convert, nodes, rates, requests)
     distinct: dict[Hashable, int] = {}

@@ -265,10 +265,8 @@ class RankClass:
     staging: StagingEstimate | None
     groups: tuple[ReadGroup, ...]
     """Every unit, in plan order, grouped for the time model."""
-
-    @property
-    def persistent_bytes(self) -> int:
-        return sum(b.nbytes for b in self.buffers)
+    persistent_bytes: int
+    """Sum of the buffers' bytes."""
 
     @property
     def peak_bytes(self) -> int:
