@@ -913,22 +913,23 @@ def _build_plan(
             for u in units:
                 r = reads_of.get(id(u))
                 if r is None:
-                    r = reads_of[id(u)] = unit_reads(u, checkpoint)
+                    r = reads_of[id(u)] = unit_reads(u, checkpoint, fanout=policy.whole_rows_fanout)
                     fetch_of[id(u)] = predicted_read_bytes((r,), policy)
                 rank_reads.append(r)
                 to_read += fetch_of[id(u)]
             reads = tuple(rank_reads)
-            needed = sum(r.nbytes for r in reads)
+            needed = sum(r.needed_bytes for r in reads)
             read_fn = read_fn_from_reads(units, reads, block_n=block_n, source_quant=quant)
             pos = 0
             for block in blocks:
                 n = block.count
                 br = reads[pos : pos + n]
-                groups.append(ReadGroup(units[pos : pos + n], br, tuple(r.nbytes for r in br)))
+                needs = tuple(r.needed_bytes for r in br)
+                groups.append(ReadGroup(units[pos : pos + n], br, needs))
                 pos += n
         else:
             needed = to_read = sum(block.needed_bytes for block in blocks)
-            groups = [ReadGroup(b.sample, None, b.needed, b.repeat) for b in blocks]
+            groups = [ReadGroup(b.sample, None, b.needed, b.repeat, b.expand) for b in blocks]
         signature: list[tuple[tuple[int, ...], int]] = []
         pos = 0
         for block in blocks:

@@ -25,7 +25,8 @@ of DeepSeek-V3 (hundreds of thousands of row segments per rank) stays fast.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Hashable, Iterable, Sequence
+from dataclasses import replace
 
 from mxload.orchestrator.errors import CheckpointError, MissingTensor
 from mxload.orchestrator.plan.checkpoint import CheckpointMeta
@@ -93,9 +94,30 @@ def _tensor(checkpoint: CheckpointMeta, name: str, unit: Unit) -> TensorInfo:
     return info
 
 
-def part_read(part: Part, checkpoint: CheckpointMeta, unit: Unit) -> PartRead:
+def whole_rows(
+    start: int,
+    row_bytes: int,
+    itemsize: int,
+    rows: tuple[int, int],
+    cols: tuple[int, int],
+    fanout: int,
+) -> tuple[ByteRange, tuple[int, int, int]]:
+    """The range and window of ``rows x cols`` of a row-major tensor: its whole rows and
+    (row bytes, offset, width) when it is a column window of several rows at most
+    ``fanout`` times narrower than a row (``CoalescePolicy.whole_rows_fanout``), else the
+    rectangle itself and no window."""
+    width = (cols[1] - cols[0]) * itemsize
+    nrows = rows[1] - rows[0]
+    if fanout and nrows > 1 and 0 < width < row_bytes and row_bytes <= fanout * width:
+        rng = contiguous(start + rows[0] * row_bytes, nrows * row_bytes)
+        return rng, (row_bytes, cols[0] * itemsize, width)
+    return rect_range(start, row_bytes, itemsize, rows, cols), (0, 0, 0)
+
+
+def part_read(part: Part, checkpoint: CheckpointMeta, unit: Unit, *, fanout: int = 0) -> PartRead:
     """The reads of one part: its weight rectangle and, for a quantized weight, the scale
-    tiles covering it."""
+    tiles covering it; whole rows with a window when ``fanout`` says so (see
+    :func:`whole_rows`)."""
     info = _tensor(checkpoint, part.tensor_name, unit)
     n, k = _matrix_shape(info)
     if not (0 <= part.rows[0] <= part.rows[1] <= n and 0 <= part.cols[0] <= part.cols[1] <= k):
@@ -106,9 +128,11 @@ def part_read(part: Part, checkpoint: CheckpointMeta, unit: Unit) -> PartRead:
             tensor=info.name,
         )
     itemsize = SAFETENSORS_ITEMSIZE[info.dtype]
-    weight = rect_range(info.start, k * itemsize, itemsize, part.rows, part.cols)
+    weight, window = whole_rows(info.start, k * itemsize, itemsize, part.rows, part.cols, fanout)
     if info.dtype != QUANT_WEIGHT_DTYPE:
-        return PartRead(file=info.file, weight=weight, weight_dtype=info.dtype)
+        return PartRead(
+            file=info.file, weight=weight, weight_dtype=info.dtype, weight_window=window
+        )
     if info.name != f"{part.module}.weight":
         raise CheckpointError(
             f"{info.file}: tensor {info.name!r} is {QUANT_WEIGHT_DTYPE}, but only a module's "
@@ -142,21 +166,28 @@ def part_read(part: Part, checkpoint: CheckpointMeta, unit: Unit) -> PartRead:
             tensor=scale.name,
         )
     s_item = SAFETENSORS_ITEMSIZE[scale.dtype]
+    # The scale tiles of a windowed weight are read as whole tile rows too, however
+    # narrow their window: they are shared with the weight's rows.
+    s_fanout = tk * s_item if window != (0, 0, 0) else 0
+    s_range, s_window = whole_rows(scale.start, tk * s_item, s_item, t_rows, t_cols, s_fanout)
     return PartRead(
         file=info.file,
         weight=weight,
         weight_dtype=info.dtype,
         scale_file=scale.file,
-        scale=rect_range(scale.start, tk * s_item, s_item, t_rows, t_cols),
+        scale=s_range,
         scale_dtype=scale.dtype,
         tile_rows=t_rows,
         tile_cols=t_cols,
+        weight_window=window,
+        scale_window=s_window,
     )
 
 
-def unit_reads(unit: Unit, checkpoint: CheckpointMeta) -> UnitReads:
-    """Byte ranges of every part of ``unit`` (same order as ``unit.parts``)."""
-    return UnitReads(parts=tuple(part_read(p, checkpoint, unit) for p in unit.parts))
+def unit_reads(unit: Unit, checkpoint: CheckpointMeta, *, fanout: int = 0) -> UnitReads:
+    """Byte ranges of every part of ``unit`` (same order as ``unit.parts``); ``fanout``:
+    the policy's ``whole_rows_fanout`` (0: the rectangles themselves)."""
+    return UnitReads(parts=tuple(part_read(p, checkpoint, unit, fanout=fanout) for p in unit.parts))
 
 
 def needed_bytes(
@@ -193,20 +224,62 @@ def needed_bytes(
     return total
 
 
-def estimated_requests(unit: Unit, config: ModelConfig, *, remote: bool = True) -> int:
+def _windowed(part: Part, fanout: int) -> bool:
+    """Whether a config-only part is read as whole rows under ``fanout``
+    (``CoalescePolicy.whole_rows_fanout``; :func:`whole_rows` for a checkpoint)."""
+    full_k = part.source_shape[-1] if part.source_shape else part.ncols
+    return bool(fanout) and part.nrows > 1 and 0 < part.ncols < full_k <= fanout * part.ncols
+
+
+def estimated_fetch(unit: Unit, config: ModelConfig, *, fanout: int = 0) -> int:
+    """Bytes a config-only unit's reads bring in: :func:`needed_bytes`, with a part read
+    as whole rows (``fanout``) counting its whole rows and whole tile rows."""
+    if not any(_windowed(p, fanout) for p in unit.parts):
+        return needed_bytes(unit, config)
+    whole = Unit(
+        unit.buffer,
+        unit.kind,
+        unit.layout,
+        unit.rows,
+        unit.cols,
+        tuple(
+            replace(p, cols=(0, p.source_shape[-1])) if _windowed(p, fanout) else p
+            for p in unit.parts
+        ),
+        unit.quantized,
+    )
+    return needed_bytes(whole, config)
+
+
+def share_key(unit: Unit, *, fanout: int = 0) -> Hashable:
+    """Read-once sharing's key of a config-only unit: the unit itself (equal units read
+    equal slices), or, when a part is read as whole rows, what is fetched: the tensors
+    and rows, whichever columns each rank keeps."""
+    if not any(_windowed(p, fanout) for p in unit.parts):
+        return unit
+    return tuple(
+        (p.tensor_name, p.rows, None if _windowed(p, fanout) else p.cols) for p in unit.parts
+    )
+
+
+def estimated_requests(
+    unit: Unit, config: ModelConfig, *, remote: bool = True, fanout: int = 0
+) -> int:
     """Storage requests for one unit of a config-only plan (no headers, so no offsets):
     per part, its weight and its scale. A slice narrower than its source tensor's K
-    (K-split) is one request per row from an object store, whose coalescing bridges no
-    gap of a row's other columns; a local read takes the span (gaps under a page) or
-    preads row by row. Anything else is one request (split at 32 MiB when remote)."""
+    (K-split) is read as whole rows when ``fanout`` allows (a few requests of 32 MiB),
+    else one request per row from an object store, whose coalescing bridges no gap of a
+    row's other columns; a local read takes the span (gaps under a page) or preads row
+    by row. Anything else is one request (split at 32 MiB when remote)."""
     cap = 32 << 20
     total = 0
     quant = config.quant.kind
     for p in unit.parts:
         full_k = p.source_shape[-1] if p.source_shape else p.ncols
-        k_split = p.ncols < full_k and p.nrows > 1
+        windowed = remote and _windowed(p, fanout)
+        k_split = p.ncols < full_k and p.nrows > 1 and not windowed
         item = 1 if unit.quantized else 2
-        nbytes = p.nrows * p.ncols * item
+        nbytes = p.nrows * (full_k if windowed else p.ncols) * item
         if k_split and (remote or (full_k - p.ncols) * item >= PAGE_BYTES):
             total += p.nrows
         else:

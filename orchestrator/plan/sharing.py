@@ -58,8 +58,9 @@ ranges, the ``Unit`` itself for a config-only plan (equal units read equal slice
 def read_items(
     reads: Sequence[UnitReads], fetch_bytes: Callable[[UnitReads], int]
 ) -> list[ReadItem]:
-    """A rank's unit reads as sharing items (key: the reads themselves)."""
-    return [(r, r.nbytes, fetch_bytes(r)) for r in reads]
+    """A rank's unit reads as sharing items (key: what they fetch, so ranks that keep
+    different columns of the same whole rows share them)."""
+    return [(r.fetch_key, r.nbytes, fetch_bytes(r)) for r in reads]
 
 
 @dataclass(frozen=True)

@@ -43,8 +43,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from mxload.orchestrator.plan.config import ModelConfig
-from mxload.orchestrator.plan.ranges import LOCAL_POLICY, REMOTE_POLICY
-from mxload.orchestrator.plan.readplan import estimated_requests, needed_bytes, predicted_reads
+from mxload.orchestrator.plan.ranges import LOCAL_POLICY, REMOTE_POLICY, CoalescePolicy
+from mxload.orchestrator.plan.readplan import (
+    estimated_fetch,
+    estimated_requests,
+    predicted_reads,
+    share_key,
+)
 from mxload.orchestrator.plan.sharing import (
     ClassItem,
     RankTraffic,
@@ -228,8 +233,11 @@ def plan_times(
     scope: str,
     devices_per_node: int,
     local: bool | None = None,
+    policy: CoalescePolicy | None = None,
 ) -> dict[str, Any]:
     """Predicted traffic and times of every rank of ``plan``, for ``mxload plan``.
+    ``policy``: how a config-only plan's reads are coalesced (default: the remote or
+    local policy, as ``local`` says).
 
     Ranks are placed as the driver packs them: consecutive ranks on a node,
     ``devices_per_node`` per node. A plan with byte ranges shares its identical unit
@@ -245,19 +253,40 @@ def plan_times(
     nodes = [f"node{r // devices_per_node}" for r in range(world)]
     coalescing = plan.extra.get("coalescing", {})
     remote = bool(coalescing.get("remote")) if local is None else not local
-    policy = REMOTE_POLICY if remote else LOCAL_POLICY
+    if policy is None:
+        policy = REMOTE_POLICY if remote else LOCAL_POLICY
     max_request = MAX_REQUEST_BYTES if remote else 0
     # Classes share their unit (and reads) objects: each object is hashed by value and
     # sized once, then known by a small int.
     canon: dict[Hashable, int] = {}
     item_of: dict[int, ClassItem] = {}
 
+    fanout = policy.whole_rows_fanout
+
     def cost(unit: Unit, reads: UnitReads | None) -> tuple[int, int, int]:
         if reads is not None:
             fetch, requests = predicted_reads((reads,), policy, max_request)
             return reads.nbytes, fetch, requests
-        nbytes = needed_bytes(unit, config)
-        return nbytes, nbytes, estimated_requests(unit, config, remote=remote)
+        nbytes = estimated_fetch(unit, config, fanout=fanout)
+        return nbytes, nbytes, estimated_requests(unit, config, remote=remote, fanout=fanout)
+
+    def item_for(unit: Unit, reads: UnitReads | None) -> ClassItem:
+        o: Any = reads if reads is not None else unit
+        item = item_of.get(id(o))
+        if item is None:
+            fetched = reads.fetch_key if reads is not None else share_key(unit, fanout=fanout)
+            key = canon.setdefault(fetched, len(canon))
+            item = item_of[id(o)] = (key, *cost(unit, reads))
+        return item
+
+    windowed: dict[int, list[bool]] = {}
+
+    def windowed_of(sample: tuple[Unit, ...]) -> list[bool]:
+        """Per unit of a config-only sample: whether it is read as whole rows."""
+        got = windowed.get(id(sample))
+        if got is None:
+            got = windowed[id(sample)] = [share_key(u, fanout=fanout) is not u for u in sample]
+        return got
 
     # Classes whose shareable reads are the same (a TP rank's attention on every MoE
     # rank) are one class for sharing; what only one class reads is counted apart.
@@ -269,18 +298,30 @@ def plan_times(
         items: list[ClassItem] = []
         fetch_p = requests_p = 0
         for g in k.groups:
-            for j, u in enumerate(g.units):
-                r = g.reads[j] if g.reads is not None else None
-                o: Any = r if r is not None else u
-                item = item_of.get(id(o))
-                if item is None:
-                    key = canon.setdefault(o, len(canon))
-                    item = item_of[id(o)] = (key, *cost(u, r))
-                if g.private:
-                    fetch_p += item[2] * g.repeat
-                    requests_p += item[3] * g.repeat
+            sample = [
+                item_for(u, g.reads[j] if g.reads is not None else None)
+                for j, u in enumerate(g.units)
+            ]
+            if not g.private:
+                items.extend(sample)
+                continue
+            rows = windowed_of(g.units)
+            if not any(rows) or g.expand is None:
+                fetch_p += sum(c[2] for c in sample) * g.repeat
+                requests_p += sum(c[3] for c in sample) * g.repeat
+                continue
+            # Experts whose slices are read as whole rows: the other MoE ranks of the
+            # group read the same rows, so those are items of their own (keyed by the
+            # rows); the rest of the group is still this rank's alone.
+            n = len(g.units)
+            for j, u in enumerate(g.expand()):
+                c = sample[j % n]
+                if rows[j % n]:
+                    key = canon.setdefault(share_key(u, fanout=fanout), len(canon))
+                    items.append((key, c[1], c[2], c[3]))
                 else:
-                    items.append(item)
+                    fetch_p += c[2]
+                    requests_p += c[3]
         shared_items = tuple(items)
         sc = sharing_class.get(shared_items)
         if sc is None:

@@ -20,7 +20,7 @@ before the kernel transpose of docs/contract.md §2.3. 1-D tensors (norms, biase
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -161,6 +161,26 @@ class PartRead:
     tile_rows: tuple[int, int] = (0, 0)
     """Block-FP8: tile-row range of ``scale`` (floor of first and last row / B_N)."""
     tile_cols: tuple[int, int] = (0, 0)
+    weight_window: tuple[int, int, int] = (0, 0, 0)
+    """(row bytes, offset, width): ``weight`` is whole rows, read in a few large requests
+    and shared by the ranks that need other columns of them (a K-split slice from an
+    object store), and the part's bytes are ``width`` bytes at ``offset`` of each row.
+    (0, 0, 0): ``weight`` is the part's bytes."""
+    scale_window: tuple[int, int, int] = (0, 0, 0)
+    """The same for ``scale``."""
+
+    @property
+    def needed_bytes(self) -> int:
+        """The part's own bytes (docs/contract.md §6 ``bytes_needed``): the rectangle and
+        its covering scale tiles, without the rest of whole rows read for it."""
+        return _windowed(self.weight, self.weight_window) + (
+            0 if self.scale is None else _windowed(self.scale, self.scale_window)
+        )
+
+
+def _windowed(rng: ByteRange, window: tuple[int, int, int]) -> int:
+    row, _, width = window
+    return rng.nbytes if row == 0 else rng.nbytes // row * width
 
 
 @dataclass(frozen=True)
@@ -171,10 +191,22 @@ class UnitReads:
 
     @property
     def nbytes(self) -> int:
+        """Bytes the reads bring in (what a staging lease holds)."""
         total = 0
         for p in self.parts:
             total += p.weight.nbytes + (p.scale.nbytes if p.scale is not None else 0)
         return total
+
+    @property
+    def needed_bytes(self) -> int:
+        """The parts' own bytes (equal to ``nbytes`` unless whole rows are read)."""
+        return sum(p.needed_bytes for p in self.parts)
+
+    @property
+    def fetch_key(self) -> tuple[tuple[str, ByteRange, str, ByteRange | None], ...]:
+        """What is fetched, per part: equal keys are the same bytes, whichever columns
+        of them each rank keeps (read-once sharing's key)."""
+        return tuple((p.file, p.weight, p.scale_file, p.scale) for p in self.parts)
 
 
 @dataclass(frozen=True)
@@ -245,6 +277,9 @@ class ReadGroup:
     needed: tuple[int, ...]
     """Checkpoint bytes each unit needs (docs/contract.md §6)."""
     repeat: int = 1
+    expand: Callable[[], tuple[Unit, ...]] | None = field(default=None, compare=False)
+    """Every unit of a ``repeat`` group (each expert's), for a policy under which other
+    ranks read the same bytes (whole rows of a K-split slice)."""
 
     @property
     def private(self) -> bool:

@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 from mxload.orchestrator.plan.config import parse_config
 from mxload.orchestrator.plan.planner import build_plan, plan_to_json
+from mxload.orchestrator.plan.ranges import ROW_REMOTE_POLICY
 from mxload.orchestrator.plan.timemodel import Rates, plan_times
 from mxload.orchestrator.plan.types import ParallelLayout
 from mxload.orchestrator.runtime.catalog import open_checkpoint
@@ -65,9 +66,13 @@ def per_rank(got: dict[str, Any]) -> list[list[Any]]:
 
 
 def check_times(plan, config, want: dict[str, Any], *, local: bool, rates: Rates) -> list[str]:
+    # The per-rank code read every K-split row on its own from an object store.
+    policy = None if local else ROW_REMOTE_POLICY
     diffs = []
     for scope, expected in want.items():
-        got = plan_times(plan, config, rates=rates, scope=scope, devices_per_node=3, local=local)
+        got = plan_times(
+            plan, config, rates=rates, scope=scope, devices_per_node=3, local=local, policy=policy
+        )
         diffs += same(per_rank(got), expected["ranks"], f"{scope}.ranks")
         totals = {k: v for k, v in got.items() if k not in ("times", "traffic")}
         diffs += same(totals, expected["totals"], f"{scope}.totals")

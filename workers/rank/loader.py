@@ -236,7 +236,7 @@ class RankLoader:
         t0 = time.perf_counter()
         for key, unit, reads in items:
             taken = self._reader.take_leases(unit, reads, pool)
-            leases, _, fetched = self._reader.fill(unit, reads, source, pool, taken)
+            leases, _, fetched = self._reader.fill(unit, reads, source, pool, taken, keep_rows=True)
             try:
                 result.handles[key] = tuple(
                     (file, publish(lease.tensor.numpy())) for file, _, lease in taken

@@ -82,6 +82,27 @@ StepFilled = tuple[list[Lease], list[list[PartBytes]], int]
 """A step's read: its leases, each unit's per-part byte views, and bytes fetched."""
 
 
+GATHER_SCRATCH_BYTES = 1 << 20
+"""Scratch (outside the staging pool) for cutting whole rows to their columns."""
+
+
+def keep_columns(rows: torch.Tensor, window: tuple[int, int, int]) -> torch.Tensor:
+    """Whole rows (flat uint8) cut in place to ``width`` bytes at ``offset`` of each row
+    (``window`` = (row bytes, offset, width)): the columns are packed at the front, row
+    after row, and returned as a view. Blocks of rows go through at most
+    :data:`GATHER_SCRATCH_BYTES` of scratch; a block's destination ends before the next
+    block's rows begin, so nothing is overwritten before it is read."""
+    row, offset, width = window
+    nrows = rows.numel() // row
+    flat = rows.numpy()
+    per = max(1, GATHER_SCRATCH_BYTES // max(width, 1))
+    for r0 in range(0, nrows, per):
+        r1 = min(nrows, r0 + per)
+        block = flat[r0 * row : r1 * row].reshape(r1 - r0, row)[:, offset : offset + width].copy()
+        flat[r0 * width : r1 * width] = block.reshape(-1)
+    return rows[: nrows * width]
+
+
 def release_all(pool: StagingPool, taken: Sequence[Leased]) -> None:
     for leased in taken:
         for _, _, lease in leased:
@@ -161,13 +182,16 @@ class Reader:
         peer: PeerUnit | None = None,
         *,
         label: str = "",
+        keep_rows: bool = False,
     ) -> Filled:
         """Phase 2 of a read: fetch the bytes into the leases (releases them on error).
         ``label`` names what is read in errors (default: the unit's buffer).
 
         A shared unit (``peer``) is copied from the bytes its owner published instead;
         the bytes it returns as fetched are what the owner requested from storage, so
-        ``bytes_read`` means the same with and without sharing."""
+        ``bytes_read`` means the same with and without sharing. A part read as whole rows
+        (``PartRead.weight_window``) is cut to its columns in place, unless
+        ``keep_rows`` (bytes fetched to be published for other ranks)."""
         try:
             fetched = self._fetch(unit, source, taken, peer, label or unit.buffer)
             views: dict[tuple[int, str], torch.Tensor] = {}
@@ -175,6 +199,10 @@ class Reader:
                 # one split for the lease's parts (a slice each costs a torch call apiece)
                 pieces = lease.tensor.split_with_sizes([r.nbytes for _, _, r in items])
                 for (i, kind, _), piece in zip(items, pieces, strict=True):
+                    pr = reads.parts[i]
+                    window = pr.weight_window if kind == "w" else pr.scale_window
+                    if window[0] and not keep_rows:
+                        piece = keep_columns(piece, window)
                     views[(i, kind)] = piece
         except BaseException:
             release_all(pool, [taken])

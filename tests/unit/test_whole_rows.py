@@ -1,0 +1,114 @@
+"""K-split slices from an object store read as whole rows, fetched once and shared.
+
+A row-parallel ``o_proj`` or a TP-sharded expert's ``w2`` slice is a column window of
+every row: from an object store it was one request per row. The remote policy plans it
+as the whole rows (a few large requests) with a window, the TP ranks share the fetched
+rows through read-once sharing, and each rank cuts its columns out in place. Checked
+here without Ray: the buffers equal a load of the exact rectangles, the owner publishes
+whole rows, and staging stays under the plan's prediction.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from mxload.orchestrator.plan.planner import build_plan
+from mxload.orchestrator.plan.ranges import REMOTE_POLICY
+from mxload.orchestrator.plan.readplan import predicted_read_bytes
+from mxload.orchestrator.plan.sharing import plan_sharing, read_items
+from mxload.orchestrator.plan.types import ParallelLayout
+from mxload.orchestrator.runtime.catalog import open_checkpoint
+from mxload.workers.numerics.backend import select_backend
+from mxload.workers.rank.loader import PeerUnit, RankLoader, SourceInfo
+from mxload.workers.rank.reads import keep_columns
+
+
+def test_keep_columns_packs_each_rows_window_in_place() -> None:
+    rows = torch.arange(4 * 10, dtype=torch.uint8)  # 4 rows of 10 bytes: 0..9, 10..19, ...
+    got = keep_columns(rows, (10, 3, 4))
+    assert got.tolist() == [3, 4, 5, 6, 13, 14, 15, 16, 23, 24, 25, 26, 33, 34, 35, 36]
+    assert got.data_ptr() == rows.data_ptr()
+
+
+def test_keep_columns_in_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
+    import mxload.workers.rank.reads as reads
+
+    monkeypatch.setattr(reads, "GATHER_SCRATCH_BYTES", 8)  # two rows of 4 per block
+    rows = torch.arange(5 * 6, dtype=torch.uint8)
+    got = keep_columns(rows, (6, 2, 4))
+    want = [r * 6 + c for r in range(5) for c in range(2, 6)]
+    assert got.tolist() == want
+
+
+def test_tp_ranks_share_whole_rows_and_load_the_same_buffers(ckpt_factory) -> None:
+    src = ckpt_factory("qwen3-moe-tiny", 3)
+    meta = open_checkpoint(src)
+    layout = ParallelLayout(tp=2)
+    exact = build_plan(meta.config, layout, checkpoint=meta)
+    rows = build_plan(meta.config, layout, checkpoint=meta, remote=True)
+    q = meta.config.quant
+    source = SourceInfo(root=src, quant=q.kind, block_n=q.block_n, block_k=q.block_k)
+    windowed = {
+        u.buffer
+        for u, r in zip(rows.ranks[0].units, rows.ranks[0].reads, strict=True)
+        if any(p.weight_window != (0, 0, 0) for p in r.parts)
+    }
+    # row-parallel o_proj and down_proj, and every expert's w2 (K split over tp=2)
+    assert any(b.endswith("o_proj.weight") for b in windowed)
+    assert any(b.endswith("w2_weight") for b in windowed)
+    assert rows.ranks[0].bytes_needed == exact.ranks[0].bytes_needed
+
+    def fetch(r) -> int:
+        return predicted_read_bytes((r,), REMOTE_POLICY)
+
+    items = [read_items(rp.reads, fetch) for rp in rows.ranks]
+    share = plan_sharing(["a", "a"], "cluster", items.__getitem__)
+    shared_rows = [s for s in share.shared if len({r for r, _ in s.users}) == 2]
+    assert shared_rows, "the TP ranks share the whole rows of their K-split slices"
+    store: dict[int, bytes] = {}
+
+    def publish(arr) -> int:
+        store[len(store)] = arr.tobytes()
+        return len(store) - 1
+
+    budget = rows.ranks[0].staging.budget_bytes
+    handles = {}
+    for owner in sorted({s.owner for s in share.shared}):
+        ldr = RankLoader(rows.ranks[owner], model_dtype="bf16", backend=select_backend("cpu"))
+        owned = []
+        for s in share.owned_by(owner):
+            i = next(i for r, i in s.users if r == owner)
+            owned.append((s.key, rows.ranks[owner].units[i], rows.ranks[owner].reads[i]))
+        got = ldr.fetch_for_peers(owned, source, staging_budget=budget, publish=publish)
+        # the owner publishes the whole rows, not its own columns
+        assert got.published_bytes == sum(s.nbytes for s in share.owned_by(owner))
+        handles.update(got.handles)
+    for rank in range(2):
+        peers = {
+            i: PeerUnit(owner=s.owner, fetch_bytes=s.fetch_bytes, handles=handles[s.key])
+            for i, s in share.used_by(rank).items()
+        }
+        ref = RankLoader(exact.ranks[rank], model_dtype="bf16", backend=select_backend("cpu"))
+        ref.load(exact.ranks[rank].reads, source, version=1, staging_budget=budget)
+        ldr = RankLoader(rows.ranks[rank], model_dtype="bf16", backend=select_backend("cpu"))
+        stats = ldr.load(
+            rows.ranks[rank].reads,
+            source,
+            version=1,
+            staging_budget=budget,
+            peers=peers,
+            peer_get=lambda h: np.frombuffer(store[h], dtype=np.uint8),
+        )
+        assert ldr.checksums() == ref.checksums()
+        assert stats.bytes_read == rows.ranks[rank].bytes_to_read
+        predicted = rows.ranks[rank].staging.staging_bytes
+        assert (
+            stats.measured_peak_staging_bytes
+            <= predicted
+            <= 1.10 * stats.measured_peak_staging_bytes
+        )
+        # and without sharing, from storage alone, the same buffers
+        alone = RankLoader(rows.ranks[rank], model_dtype="bf16", backend=select_backend("cpu"))
+        alone.load(rows.ranks[rank].reads, source, version=1, staging_budget=budget)
+        assert alone.checksums() == ref.checksums()
