@@ -84,31 +84,30 @@ def test_tp_ranks_share_whole_rows_and_load_the_same_buffers(ckpt_factory) -> No
         # the owner publishes the whole rows, not its own columns
         assert got.published_bytes == sum(s.nbytes for s in share.owned_by(owner))
         handles.update(got.handles)
-    for rank in range(2):
-        peers = {
-            i: PeerUnit(owner=s.owner, fetch_bytes=s.fetch_bytes, handles=handles[s.key])
-            for i, s in share.used_by(rank).items()
-        }
-        ref = RankLoader(exact.ranks[rank], model_dtype="bf16", backend=select_backend("cpu"))
-        ref.load(exact.ranks[rank].reads, source, version=1, staging_budget=budget)
-        ldr = RankLoader(rows.ranks[rank], model_dtype="bf16", backend=select_backend("cpu"))
-        stats = ldr.load(
-            rows.ranks[rank].reads,
-            source,
-            version=1,
-            staging_budget=budget,
-            peers=peers,
-            peer_get=lambda h: np.frombuffer(store[h], dtype=np.uint8),
-        )
-        assert ldr.checksums() == ref.checksums()
-        assert stats.bytes_read == rows.ranks[rank].bytes_to_read
-        predicted = rows.ranks[rank].staging.staging_bytes
-        assert (
-            stats.measured_peak_staging_bytes
-            <= predicted
-            <= 1.10 * stats.measured_peak_staging_bytes
-        )
-        # and without sharing, from storage alone, the same buffers
-        alone = RankLoader(rows.ranks[rank], model_dtype="bf16", backend=select_backend("cpu"))
-        alone.load(rows.ranks[rank].reads, source, version=1, staging_budget=budget)
-        assert alone.checksums() == ref.checksums()
+    # Rank 1 (its columns at an offset): every other shared read from the rows rank 0
+    # published, the rest from storage; both paths cut the rows to its columns.
+    rank = 1
+    used = sorted(share.used_by(rank).items())
+    peers = {
+        i: PeerUnit(owner=s.owner, fetch_bytes=s.fetch_bytes, handles=handles[s.key])
+        for n, (i, s) in enumerate(used)
+        if n % 2 == 0
+    }
+    assert 0 < len(peers) < len(used)
+    ref = RankLoader(exact.ranks[rank], model_dtype="bf16", backend=select_backend("cpu"))
+    ref.load(exact.ranks[rank].reads, source, version=1, staging_budget=budget)
+    ldr = RankLoader(rows.ranks[rank], model_dtype="bf16", backend=select_backend("cpu"))
+    stats = ldr.load(
+        rows.ranks[rank].reads,
+        source,
+        version=1,
+        staging_budget=budget,
+        peers=peers,
+        peer_get=lambda h: np.frombuffer(store[h], dtype=np.uint8),
+    )
+    assert ldr.checksums() == ref.checksums()
+    assert stats.bytes_read == rows.ranks[rank].bytes_to_read
+    assert stats.bytes_from_peers > 0
+    predicted = rows.ranks[rank].staging.staging_bytes
+    measured = stats.measured_peak_staging_bytes
+    assert measured <= predicted <= 1.10 * measured
