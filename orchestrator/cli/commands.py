@@ -125,13 +125,15 @@ def cmd_plan(args: argparse.Namespace) -> int:
     obj["device"] = args.device
     if obj["device_memory_bytes"] is None:
         obj["fits"] = None  # not checked: no --device-memory (docs/contract.md §5)
-    add_times(obj, plan, config, args)
+    add_times(obj, plan, config, args, meta)
     per_node = max(1, args.devices_per_node)
     show.emit(args, obj, show.render_plan_table(obj, per_node, args.defaults_used))
     return 3 if obj["fits"] is False else 0
 
 
-def add_times(obj: dict[str, Any], plan: Any, config: Any, args: argparse.Namespace) -> None:
+def add_times(
+    obj: dict[str, Any], plan: Any, config: Any, args: argparse.Namespace, meta: Any = None
+) -> None:
     """The time model's prediction (``mxload.orchestrator.plan.timemodel``) into the plan
     object: per rank ``predicted_load_seconds`` / ``predicted_reload_seconds`` and its
     traffic, and the totals under ``time_model``."""
@@ -158,6 +160,83 @@ def add_times(obj: dict[str, Any], plan: Any, config: Any, args: argparse.Namesp
         for k, v in got.items()
         if k not in ("times", "traffic")
     }
+    if got["slowest_request_seconds"] > 0.5 * got["predicted_load_seconds"]:
+        obj["time_model"]["request_bound"] = request_bound(plan, config, args, got, meta)
+
+
+REQUEST_KINDS = {
+    "moe_w2": "expert w2",
+    "moe_w13": "expert w13",
+    "linear": "linears",
+    "copy": "norms and embeddings",
+}
+
+
+def request_bound(
+    plan: Any, config: Any, args: argparse.Namespace, got: dict[str, Any], meta: Any
+) -> dict[str, Any]:
+    """Why requests bound the slowest rank, and the flags that would help, each with its
+    predicted time (the plan rebuilt under it)."""
+    from dataclasses import replace
+
+    from mxload.orchestrator.errors import MxloadError
+    from mxload.orchestrator.plan.layout import ep_size
+    from mxload.orchestrator.plan.planner import build_plan
+    from mxload.orchestrator.plan.ranges import WHOLE_ROWS_FANOUT
+    from mxload.orchestrator.plan.timemodel import plan_times
+
+    kinds = sorted(got["slowest_rank_requests_by_kind"].items(), key=lambda kv: -kv[1])
+    layout = plan.layout
+    cause = ", ".join(f"{REQUEST_KINDS.get(k, k)} {n}" for k, n in kinds if n)
+    moe_split = config.is_moe and not layout.enable_expert_parallel
+    if moe_split and ep_size(layout) > WHOLE_ROWS_FANOUT:
+        cause += (
+            f"; experts are TP-sharded over dp x tp = {ep_size(layout)} ranks: each expert's "
+            f"w2 slice is one request per row (whole rows are read up to {WHOLE_ROWS_FANOUT}-way)"
+        )
+    elif moe_split:
+        cause += "; every rank reads its slice of every expert"
+    options: list[tuple[str, Any, str]] = []
+    if moe_split:
+        options.append(
+            ("--enable-expert-parallel", replace(layout, enable_expert_parallel=True), args.share)
+        )
+    if args.share != "cluster":
+        options.append(("--share cluster", layout, "cluster"))
+        if moe_split:
+            ep = replace(layout, enable_expert_parallel=True)
+            options.append(("--enable-expert-parallel --share cluster", ep, "cluster"))
+    helps = []
+    for flag, lay, scope in options:
+        try:
+            alt = build_plan(
+                config,
+                lay,
+                checkpoint=meta,
+                staging_budget=flags.size(args, "staging_budget"),
+                device=args.device,
+                remote=flags.is_remote(args.src),
+                engine=args.engine,
+            )
+        except MxloadError as err:  # the layout cannot take it (e.g. fewer experts than ranks)
+            helps.append({"flags": flag, "refused": str(err)})
+            continue
+        t = plan_times(
+            alt,
+            config,
+            rates=flags.time_model_rates(args),
+            scope=scope,
+            devices_per_node=args.devices_per_node,
+            local=bool(args.src) and not flags.is_remote(args.src),
+        )
+        helps.append(
+            {
+                "flags": flag,
+                "predicted_load_seconds": round(t["predicted_load_seconds"], 4),
+                "requests_to_storage": t["requests_to_storage"],
+            }
+        )
+    return {"slowest_rank": got["slowest_rank"], "cause": cause, "would_help": helps}
 
 
 def _load_request(args: argparse.Namespace) -> Any:

@@ -309,12 +309,30 @@ def _time_model_lines(tm: dict[str, Any] | None) -> list[str]:
             else ""
         )
         + (
-            f"; the slowest rank waits {tm['slowest_request_seconds']:.1f} s on requests "
-            "(K-split slices are one request per row from an object store)"
+            f"; the slowest rank waits {tm['slowest_request_seconds']:.1f} s on requests"
             if slow
             else ""
         ),
+        *_request_bound_lines(tm.get("request_bound")),
     ]
+
+
+def _request_bound_lines(rb: dict[str, Any] | None) -> list[str]:
+    """What sends the requests that bound the slowest rank, and what would help."""
+    if not rb:
+        return []
+    lines = [f"requests bound the load: rank {rb['slowest_rank']} sends {rb['cause']}"]
+    for h in rb["would_help"]:
+        if "refused" in h:
+            lines.append(f"  {h['flags']}: not possible here ({h['refused']})")
+        else:
+            lines.append(
+                f"  {h['flags']}: predicted load {h['predicted_load_seconds']:.2f} s, "
+                f"{h['requests_to_storage']} requests"
+            )
+    if not rb["would_help"]:
+        lines.append("  no flag of plan lowers them (a coarser --tp sends fewer per rank)")
+    return lines
 
 
 def _per_node_lines(obj: dict[str, Any], devices_per_node: int) -> list[str]:

@@ -334,6 +334,13 @@ def plan_times(
     traffic, requests = class_traffic(share, class_items, [private[k] for k in class_of_rank])
     convert = [plan.classes[k].bytes_needed for k in class_of_rank]
     times = predict(traffic, convert, nodes, rates, requests)
+    slowest = max(range(world), key=lambda r: times[r].load_seconds, default=0)
+    by_kind: dict[str, int] = {}
+    if world:
+        for g in plan.classes[class_of_rank[slowest]].groups:
+            for j, u in enumerate(g.units):
+                item = item_for(u, g.reads[j] if g.reads is not None else None)
+                by_kind[u.kind] = by_kind.get(u.kind, 0) + item[3] * g.repeat
     distinct: dict[Hashable, int] = {}
     for its in class_items:
         for item in its:
@@ -357,6 +364,9 @@ def plan_times(
             (t.requests * rates.request_latency / rates.request_concurrency for t in times),
             default=0.0,
         ),
+        "slowest_rank": slowest,
+        # its units' requests by unit kind (a shared read counted for every user)
+        "slowest_rank_requests_by_kind": by_kind,
         "traffic": traffic,
         "times": times,
         "bytes_from_storage": sum(t.bytes_from_storage for t in traffic),
