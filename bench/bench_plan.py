@@ -88,6 +88,62 @@ def _plan_once(case: PlanCase) -> Any:
     return build_plan(cfg, layout)
 
 
+SCALING = (
+    # (model, tp, dp values, EP): plan --json of a growing cluster; the first is the baseline
+    ("qwen3-235b-a22b-fp8", 4, (2, 8, 32, 128), False),
+    ("qwen3-32b-fp8", 8, (1, 8, 64, 512), False),
+    ("deepseek-v3", 8, (2, 8, 32), True),
+)
+
+_MEASURE = (
+    "import io, json, resource, sys, time, contextlib\n"
+    "from mxload.orchestrator.cli.commands import main\n"
+    "t = time.perf_counter()\n"
+    "with contextlib.redirect_stdout(io.StringIO()) as out:\n"
+    "    rc = main(sys.argv[1:])\n"
+    "wall = time.perf_counter() - t\n"
+    "rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024\n"
+    "print(json.dumps({'rc': rc, 'seconds': wall, 'max_rss_bytes': rss, 'json_bytes': len(out.getvalue())}))\n"
+)
+
+
+def plan_scaling(*, quick: bool) -> tuple[list[list[object]], list[dict[str, Any]]]:
+    """``mxload plan --model M --tp T --dp N --json`` in a fresh process per layout: its
+    planning seconds (imports excluded) and peak RSS, each against the smallest layout of
+    the same model in the same run (the ratio should stay near 1 as ranks grow)."""
+    import subprocess
+
+    rows: list[list[object]] = []
+    data: list[dict[str, Any]] = []
+    for model, tp, dps, ep in SCALING:
+        base: dict[str, Any] | None = None
+        for dp in dps[:3] if quick else dps:
+            flags = ["plan", "--model", model, "--tp", str(tp), "--dp", str(dp), "--json"]
+            flags += ["--enable-expert-parallel"] if ep else []
+            log(f"plan scaling: {model} tp {tp} x dp {dp}")
+            done = subprocess.run(
+                [sys.executable, "-c", _MEASURE, *flags],
+                capture_output=True,
+                text=True,
+                check=True,
+            )
+            got = json.loads(done.stdout.strip().splitlines()[-1])
+            base = base or got
+            rows.append(
+                [
+                    f"{model}, tp {tp} x dp {dp}{' EP' if ep else ''}",
+                    tp * dp,
+                    f"{got['seconds']:.2f} s",
+                    f"{got['seconds'] / base['seconds']:.2f}",
+                    fmt_bytes(got["max_rss_bytes"]),
+                    f"{got['max_rss_bytes'] / base['max_rss_bytes']:.2f}",
+                    fmt_bytes(got["json_bytes"]),
+                ]
+            )
+            data.append({"model": model, "tp": tp, "dp": dp, "ep": ep, "ranks": tp * dp, **got})
+    return rows, data
+
+
 def bench_plan(*, quick: bool) -> dict[str, Any]:
     """Run benchmark 7; returns a section (see ``bench/run.py``)."""
     from mxload.orchestrator.plan.planner import plan_to_json
@@ -157,6 +213,7 @@ def bench_plan(*, quick: bool) -> dict[str, Any]:
                 "units": units_of(plan),
             }
         )
+    scale_rows, scale_data = plan_scaling(quick=quick)
     return {
         "key": "plan",
         "title": "7. Planning time from config alone",
@@ -179,14 +236,29 @@ def bench_plan(*, quick: bool) -> dict[str, Any]:
                     "plan size",
                 ],
                 "rows": rows,
-            }
+            },
+            {
+                "headers": [
+                    "layout (plan --json, config only)",
+                    "ranks",
+                    "planning",
+                    "x smallest",
+                    "peak RSS",
+                    "x smallest",
+                    "JSON",
+                ],
+                "rows": scale_rows,
+            },
         ],
         "notes": [
             'docs/contract.md §4 asks for a 256-rank DeepSeek-V3 plan "in seconds"; the in-process '
             "column is that number. The command column adds interpreter start and imports.",
+            "Second table: the planner's cost against rank count. Ranks at the same stage, "
+            "TP rank and MoE rank are one class, planned once; the per-rank JSON grows with "
+            "ranks, the planning should not.",
         ],
         "key_ratios": key,
-        "data": {"cases": data},
+        "data": {"cases": data, "scaling": scale_data},
     }
 
 

@@ -42,12 +42,14 @@ def served_counts(server, root: str) -> dict[str, np.ndarray]:
 
 
 def distinct_cover(plan, root: str, prefix: str) -> dict[str, np.ndarray]:
-    """Per byte of each shard: how many *distinct* unit reads (by value) need it.
-    0: not needed; 1: needed by one unit read however many ranks need it; 2: a scale
-    tile that two TP slices' units both need (qkv's k/v tile when a slice is under a
-    tile tall), which sharing by unit fetches once per slice."""
+    """Per byte of each shard: how many *distinct* unit reads (by what they fetch) need
+    it. 0: not needed; 1: needed by one unit read however many ranks need it (TP ranks
+    keeping different columns of the same whole rows included); 2: a scale tile that two
+    TP slices' units both need (qkv's k/v tile when a slice is under a tile tall), which
+    sharing by unit fetches once per slice."""
     by_file: dict[str, list] = {}
-    for ur in {ur for rp in plan.ranks for ur in rp.reads if ur.nbytes}:
+    distinct = {ur.fetch_key: ur for rp in plan.ranks for ur in rp.reads if ur.nbytes}
+    for ur in distinct.values():
         mine: dict[str, list] = {}
         for p in ur.parts:
             mine.setdefault(p.file, []).append(p.weight)
