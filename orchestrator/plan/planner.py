@@ -27,15 +27,19 @@ Which buffers are MXFP8 (docs/contract.md §2.2/§2.3):
 Speed: ranks that share a shard share the objects that describe it. A block (one table
 row in one layer for one shard) is built once and cached by ``(row, layer, shard key)``,
 where the shard key is what the row depends on: the tp rank for column/row/vocab styles,
-the MoE rank for experts, nothing for replicated rows. A 256-rank DeepSeek-V3 plan builds
-a few thousand blocks, not 256 copies of every layer. The memory model is run once per
-distinct unit geometry (and once per distinct sequence of them, for a rank's staging),
-and the cyclic garbage collector is paused while the (acyclic) plan objects are built.
+the MoE rank for experts, nothing for replicated rows. Ranks at the same pipeline stage,
+TP rank and MoE rank hold the same blocks: they are one **rank class**, planned once
+(``Plan.classes``; ``Plan.summaries`` says each rank's class and coordinates). In a
+config-only plan a routed-expert block keeps one expert's pair as a sample of its
+geometry (shared by every block of that shape), so no rank's expert units are built
+until ``Plan.ranks[i]`` is asked for. The memory model is run once per distinct unit
+geometry (and once per distinct sequence of them, for a class's staging), and the cyclic
+garbage collector is paused while the (acyclic) plan objects are built. A 512-rank
+Qwen3-235B-A22B plan without EP takes seconds.
 
-Limits: a plan without expert parallel on a very large MoE world still builds every
-rank's unit list (one unit per expert half per layer per rank; tens of millions for
-DeepSeek-V3 on 256 ranks without EP), which is slow; layouts that real deployments use
-(EP for large expert counts) stay fast.
+Limits: with a checkpoint every unit's reads are planned (each expert's tensors sit at
+their own offsets), so a checkpoint plan of a very large MoE world without EP still
+builds every rank's unit list.
 """
 
 from __future__ import annotations
