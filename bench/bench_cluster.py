@@ -14,7 +14,8 @@ load time; and what page-aware local reads do for experts TP-sharded without EP.
   the two scopes per repeat, and predicted / measured time.
 * **Time model** (its own section): four ranks on one node and on two simulated nodes load
   dense tp 1 x dp 4 (bytes-bound), dense tp 2 x dp 2 and MoE tp 2 x dp 2 EP (their
-  K-split slices are one HTTP request per row: request-bound) over the loopback server
+  K-split slices are read as whole rows, a few requests per TP group; until whole rows
+  they were one HTTP request per row: request-bound) over the loopback server
   throttled to ``--tm-bandwidth``, with both scopes; predicted / measured data-phase time.
   Inputs: the storage aggregate is the throttle; per-node storage and the network are
   unlimited (one machine); the conversion rate per rank is measured first in this run
