@@ -11,7 +11,8 @@ Everything binds 127.0.0.1 on a free port (tests touch no other network, STYLE/r
   ``Range``. Fractions are deterministic (request number ``i`` is hit
   when ``floor((i+1)*f) > floor(i*f)``), so hits are spread evenly and never consecutive
   for ``f < 0.5`` in a sequential client (a concurrent client's retries land on arbitrary
-  slots: give it enough attempts, or use ``fail_first``, which is exact). ``bandwidth``
+  slots: give it enough attempts, or use ``fail_first``, which is exact). ``latency``
+  delays every answer (an object store's time to first byte). ``bandwidth``
   throttles what it sends in all (bytes/s over every connection: a store's aggregate
   limit, for the time model's checks in ``bench/``). It records
   every request (method, path, Range header, outcome) and counts injected faults, so tests
@@ -101,6 +102,9 @@ class _State:
     seen: dict[tuple[str, str, str | None], int] = field(default_factory=dict)
     bandwidth: float = 0.0
     """Bytes/s the server sends in all, over every connection (0 = unthrottled)."""
+    latency: float = 0.0
+    """Seconds each request waits before it is answered (an object store's time to first
+    byte; requests on other connections wait at the same time)."""
     next_free: float = 0.0
     """Throttle: when the link is free again (time.monotonic())."""
     bytes_sent: int = 0
@@ -150,6 +154,8 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _serve(self, *, head: bool) -> None:
         state = self.server.state
+        if state.latency > 0:
+            time.sleep(state.latency)
         rel = urllib.parse.unquote(urllib.parse.urlsplit(self.path).path).lstrip("/")
         rng = self.headers.get("Range")
         with state.lock:
@@ -267,9 +273,18 @@ class _Server(ThreadingHTTPServer):
 class RangeHTTPServer:
     """Serves ``root`` at ``http://127.0.0.1:<port>/`` (see module doc)."""
 
-    def __init__(self, root: str, faults: Faults | None = None, *, bandwidth: float = 0.0) -> None:
+    def __init__(
+        self,
+        root: str,
+        faults: Faults | None = None,
+        *,
+        bandwidth: float = 0.0,
+        latency: float = 0.0,
+    ) -> None:
         self._server = _Server((LOOPBACK, 0), _Handler)
-        self._server.state = _State(root=root, faults=faults or Faults(), bandwidth=bandwidth)
+        self._server.state = _State(
+            root=root, faults=faults or Faults(), bandwidth=bandwidth, latency=latency
+        )
         self._thread = threading.Thread(
             target=self._server.serve_forever,
             kwargs={"poll_interval": 0.05},  # quick shutdown

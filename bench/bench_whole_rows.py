@@ -1,0 +1,286 @@
+"""Benchmark: K-split slices from an object store, one request per row against whole rows.
+
+Purpose: what reading a K-split slice (row-parallel ``o_proj``/``down_proj``, a
+TP-sharded expert's ``w2``) as its whole rows, fetched once per TP group and shared,
+does to a load from an object store, measured over the loopback HTTP server with a
+per-request latency added (an object store's time to first byte) and its bandwidth
+throttled (the store's aggregate).
+
+Layouts: a dense model and a MoE model (experts TP-sharded, no EP) at tp 4 on one node
+of four ranks, ``--share cluster``. Baseline in the same run: the same load with the
+remote policy of one request per K-split row (``ranges.ROW_REMOTE_POLICY`` patched into
+the planner for that load only), taking turns with whole rows.
+
+Reported per load, from the server's own log: requests per K-split tensor (most, mean),
+requests in all, bytes served against the unique bytes the ranks need; the data phase's
+wall time (``manifest["sharing"]["run_seconds"]``) and its ratio baseline / whole rows;
+predicted / measured, the time model's inputs measured in the same run as
+``bench_cluster.py --only timemodel`` does (request latency and rate of the server,
+conversion rate of one rank divided among the ranks sharing the cores).
+
+Usage: ``python bench/bench_whole_rows.py [--quick] [--latency S] [--bandwidth B]``;
+prints markdown and writes ``bench/results/whole-rows.{md,json}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.bench_cluster import TwoNodes, checkpoints, predicted, probe_requests
+from bench.common import Rate, Timing, load_average, machine_facts, md_table
+
+K_SPLIT = ("o_proj.weight", "down_proj.weight", "o_proj.weight_scale_inv")
+"""Tensors a tp 4 rank holds a column window of (the experts' down_proj included)."""
+
+
+@contextlib.contextmanager
+def rows_policy(on: bool) -> Iterator[None]:
+    """While ``on``: plans read every K-split row on its own, as before whole rows."""
+    import mxload.orchestrator.plan.planner as planner
+    import mxload.orchestrator.plan.ranges as ranges
+
+    saved = (planner.REMOTE_POLICY, ranges.REMOTE_POLICY)
+    if on:
+        planner.REMOTE_POLICY = ranges.ROW_REMOTE_POLICY
+        ranges.REMOTE_POLICY = ranges.ROW_REMOTE_POLICY
+    try:
+        yield
+    finally:
+        planner.REMOTE_POLICY, ranges.REMOTE_POLICY = saved
+
+
+def k_split_spans(src: str) -> dict[tuple[str, int, int], str]:
+    """(file, start, end) of every K-split tensor's bytes (and of its scale)."""
+    from mxload.orchestrator.runtime.catalog import open_checkpoint
+
+    meta = open_checkpoint(src)
+    out = {}
+    for name, info in meta.tensors.items():
+        if name.endswith(K_SPLIT) or name.endswith("down_proj.weight_scale_inv"):
+            out[(info.file, info.start, info.start + info.nbytes)] = name
+    return out
+
+
+def _range(header: str | None) -> tuple[int, int]:
+    first, _, last = (header or "bytes=0-0").removeprefix("bytes=").partition("-")
+    return int(first), int(last) + 1
+
+
+def served(server: Any, prefix: str, spans: dict[tuple[str, int, int], str]) -> dict[str, Any]:
+    """From the server's log: requests per K-split tensor, requests and bytes in all (the
+    load's own planning pass, the 8-byte prefix and header of each shard, left out)."""
+    per: dict[str, int] = dict.fromkeys(spans.values(), 0)
+    total = nbytes = 0
+    for rec in server.requests("GET"):
+        if rec.outcome != "ok" or not rec.path.endswith(".safetensors"):
+            continue
+        a, b = _range(rec.range)
+        if a in (0, 8):
+            continue
+        total += 1
+        nbytes += b - a
+        file = rec.path.removeprefix(prefix)
+        for (f, s, e), name in spans.items():
+            if f == file and a < e and b > s:
+                per[name] += 1
+    counts = list(per.values())
+    return {
+        "requests": total,
+        "bytes": nbytes,
+        "k_split_max": max(counts, default=0),
+        "k_split_mean": sum(counts) / max(len(counts), 1),
+        "k_split_tensors": len(counts),
+    }
+
+
+def run(work: Path, *, quick: bool, latency: float, bandwidth: float) -> dict[str, Any]:
+    from mxload.orchestrator.plan.timemodel import Rates
+    from mxload.orchestrator.plan.types import ParallelLayout
+    from mxload.orchestrator.runtime.driver import load
+    from mxload.orchestrator.runtime.request import LoadRequest
+
+    from tests.servers import RangeHTTPServer
+
+    srv_root = work / "srv"
+    models, rate_1 = checkpoints(srv_root)
+    cores = os.cpu_count() or 1
+    layout = ParallelLayout(tp=4)
+    repeats = 1 if quick else 2
+    rows: list[dict[str, Any]] = []
+    shard = sorted(p.name for p in Path(models["dense"]).glob("*.safetensors"))[0]
+    with RangeHTTPServer(str(srv_root), bandwidth=bandwidth, latency=latency) as server:
+        probe = probe_requests(f"{server.url}/dense", shard)
+        with TwoNodes(4, count=1) as nodes:
+            for model in ("dense", "moe"):
+                spans = k_split_spans(models[model])
+                runs: dict[str, list[dict[str, Any]]] = {"rows": [], "whole": []}
+                for _ in range(repeats):
+                    for policy in ("rows", "whole"):  # taking turns
+                        req = LoadRequest(
+                            src=f"{server.url}/{model}",
+                            layout=layout,
+                            device="cpu",
+                            address=nodes.cluster.address,
+                            share="cluster",
+                        )
+                        server.clear_log()
+                        with rows_policy(policy == "rows"):
+                            manifest, _ = load(req)
+                        sh = manifest["sharing"]
+                        rates = Rates(
+                            storage_node=0.0,
+                            storage_aggregate=bandwidth,
+                            network_node=0.0,
+                            convert=rate_1[model] * min(1.0, cores / layout.world),
+                            request_latency=probe["latency"],
+                            request_concurrency=16,
+                            storage_requests=probe["rate"],
+                        )
+                        times = predicted(manifest, rates, requests=True)
+                        log = served(server, f"{model}/", spans)
+                        runs[policy].append(
+                            {
+                                **log,
+                                "unique": sh["unique_bytes_needed"],
+                                "measured": sh["run_seconds"],
+                                "predicted": max(t.load_seconds for t in times),
+                                "predicted_requests": sum(t.requests for t in times),
+                            }
+                        )
+                for policy, got in runs.items():
+                    first = got[0]
+                    rows.append(
+                        {
+                            "model": model,
+                            "policy": policy,
+                            "k_split_max": first["k_split_max"],
+                            "k_split_mean": first["k_split_mean"],
+                            "requests": first["requests"],
+                            "predicted_requests": first["predicted_requests"],
+                            "served_over_unique": first["bytes"] / first["unique"],
+                            "measured": Timing(tuple(r["measured"] for r in got)),
+                            "predicted": Timing(tuple(r["predicted"] for r in got)),
+                            "ratio": Rate(tuple(r["predicted"] / r["measured"] for r in got)),
+                            "speedup": Rate(
+                                tuple(
+                                    a["measured"] / b["measured"]
+                                    for a, b in zip(runs["rows"], runs["whole"], strict=True)
+                                )
+                            ),
+                        }
+                    )
+    return {
+        "latency": latency,
+        "bandwidth": bandwidth,
+        "probe": probe,
+        "convert_rate_1_rank": rate_1,
+        "cores": cores,
+        "rows": rows,
+    }
+
+
+def render(res: dict[str, Any], command: str) -> str:
+    wr = res["whole_rows"]
+    table = [
+        [
+            r["model"],
+            "one request per row" if r["policy"] == "rows" else "whole rows",
+            r["k_split_max"],
+            f"{r['k_split_mean']:.1f}",
+            f"{r['requests']} ({r['predicted_requests']})",
+            f"{r['served_over_unique']:.3f}",
+            r["measured"].text(2),
+            r["predicted"].text(2),
+            r["ratio"].text(2),
+            r["speedup"].text(1) if r["policy"] == "whole" else "-",
+        ]
+        for r in wr["rows"]
+    ]
+    head = [
+        "model, tp 4, --share cluster",
+        "K-split reads",
+        "requests per K-split tensor, most",
+        "mean",
+        "requests (predicted)",
+        "served / unique bytes",
+        "data phase (s)",
+        "predicted (s)",
+        "predicted / measured",
+        "rows / whole rows",
+    ]
+    return "\n".join(
+        [
+            "# K-split slices from an object store: one request per row against whole rows",
+            "",
+            f"`{command}`, {res['date']}; {res['machine']}; load {res['load_before']} before, "
+            f"{res['load_after']} after.",
+            "",
+            f"Loopback HTTP server: {wr['latency'] * 1000:g} ms added to every request, "
+            f"{wr['bandwidth'] / 1e6:g} MB/s in all; measured request latency "
+            f"{wr['probe']['latency'] * 1000:.1f} ms (one client), rate "
+            f"{wr['probe']['rate']:.0f}/s (four clients, 16 in flight each); conversion "
+            f"{', '.join(f'{k} {v / 1e6:.0f} MB/s' for k, v in wr['convert_rate_1_rank'].items())}"
+            f" for one rank, shared by the ranks on {wr['cores']} cores. Requests and bytes from "
+            "the server's log, planning pass left out; the data phase is "
+            "`manifest.sharing.run_seconds`.",
+            "",
+            md_table(head, table),
+        ]
+    )
+
+
+def _jsonable(o: Any) -> Any:
+    if isinstance(o, (Timing, Rate)):
+        return o.to_json()
+    if isinstance(o, dict):
+        return {k: _jsonable(v) for k, v in o.items()}
+    if isinstance(o, (list, tuple)):
+        return [_jsonable(v) for v in o]
+    return o
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="one load per policy")
+    ap.add_argument("--latency", type=float, default=0.005, help="seconds added per request")
+    ap.add_argument("--bandwidth", type=float, default=50e6, help="server bytes/s in all")
+    ap.add_argument("--out", default="bench/results")
+    args = ap.parse_args(argv)
+    work = Path(tempfile.mkdtemp(prefix="mxbench-rows-"))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    command = ("python bench/bench_whole_rows.py " + " ".join(argv or sys.argv[1:])).strip()
+    try:
+        res: dict[str, Any] = {
+            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+            "machine": machine_facts(),
+            "load_before": load_average(),
+        }
+        res["whole_rows"] = run(
+            work, quick=args.quick, latency=args.latency, bandwidth=args.bandwidth
+        )
+        res["load_after"] = load_average()
+        text = render(res, command)
+        (out / "whole-rows.md").write_text(text + "\n")
+        (out / "whole-rows.json").write_text(json.dumps(_jsonable(res), indent=1, default=str))
+        print(text)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
