@@ -48,7 +48,7 @@ CONFIGS = model_config_path("deepseek-v3").parent  # the packaged configs
 def units_of(plan: Any) -> int:
     """Units of every rank, counted from the plan's classes (building every rank's
     units would cost more than the plan)."""
-    return sum(plan.classes[s.rank_class].units for s in plan.summaries)
+    return sum(plan.classes[s.rank_class].unit_count for s in plan.summaries)
 
 
 @dataclass(frozen=True)

@@ -1097,7 +1097,7 @@ def plan_to_json(plan: Plan) -> dict[str, Any]:
             "bytes_to_read": k.bytes_to_read,
             # extras
             "buffers": len(k.buffers),
-            "units": k.units,
+            "units": k.unit_count,
             "read_amplification": (k.bytes_to_read / k.bytes_needed) if k.bytes_needed else 1.0,
         }
         if staging is not None:

@@ -293,7 +293,7 @@ class RankClass:
     replicas of a dense model, for one), so they are planned once."""
 
     buffers: tuple[BufferSpec, ...]
-    units: int
+    unit_count: int
     """How many units (each rank's ``RankPlan.units`` has this length)."""
     bytes_needed: int
     bytes_to_read: int

@@ -123,7 +123,7 @@ def test_lazy_ranks_are_the_classes_units() -> None:
         rp = plan.ranks[s.rank]
         k = plan.classes[s.rank_class]
         assert (rp.rank, rp.tp_rank, rp.dp_rank) == (s.rank, s.tp_rank, s.dp_rank)
-        assert len(rp.units) == k.units
+        assert len(rp.units) == k.unit_count
         moe = [u for u in rp.units if u.kind == "moe_w2"]
         # 3 layers x 8 experts, each the rank's quarter of the intermediate columns.
         assert len(moe) == 3 * 8
