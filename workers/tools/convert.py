@@ -179,7 +179,7 @@ def convert_checkpoint(
             return arrays
         w_info, s_info = job.sources
         n, k = w_info.shape
-        s = arrays[1].view(np.float32).reshape(tuple(s_info.shape))
+        s = _scale_f32(arrays[1], s_info.dtype).reshape(tuple(s_info.shape))
         check_block_scales(
             s,
             tensor=s_info.name,
@@ -606,3 +606,12 @@ class _Pipeline:
 
 def _join(root: str, name: str) -> str:
     return root.rstrip("/") + "/" + name
+
+
+def _scale_f32(raw: np.ndarray, dtype: str) -> np.ndarray:
+    """Block scales as float32: F32 as stored, BF16 widened exactly (its bits are the
+    upper half of the float32's)."""
+    if dtype == "BF16":
+        out: np.ndarray = (raw.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+        return out
+    return raw.view(np.float32)
