@@ -57,15 +57,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from mxload.orchestrator.plan.planner import build_plan
-from mxload.orchestrator.plan.types import ParallelLayout
+from mxload.orchestrator.plan.types import ParallelLayout, Plan
 from mxload.orchestrator.runtime.catalog import open_checkpoint
+from mxload.orchestrator.runtime.reload import reload_inputs
 from mxload.workers.numerics.backend import select_backend
-from mxload.workers.rank.loader import RankLoader, SourceInfo
+from mxload.workers.rank.loader import RankLoader
 from mxload.workers.tools.synth import make_checkpoint, preset_config
 from safetensors.torch import load_file
+
+from tests.independent_ref import mx_quantize_ref, same_e4m3_bytes
 
 PIN = "0.23.0"
 WHEEL_GLOB = f"vllm-{PIN}-*.whl"
@@ -164,7 +168,8 @@ _STUBS = {
     "UninitializedParameter": "torch lazy parameter (GGUF only)",
     "adjust_*": "linear.py quantization helpers, reached only for packed/quantized params",
     "get_tensor_model_parallel_rank": "vllm.distributed: the rank under test",
-    "is_pp_missing_parameter": "models/utils.py: False (one pipeline stage)",
+    "is_pp_missing_parameter": "models/utils.py: the name is not a parameter of this stage",
+    "envs": "vllm.envs: VLLM_PP_LAYER_PARTITION unset",
     "maybe_remap_kv_scale_name": "weight_utils.py: no kv-cache scales in the checkpoint",
     "logger": "vllm.logger: Python logging",
 }
@@ -185,7 +190,8 @@ def _namespace(tp_rank: int) -> dict[str, Any]:
         "adjust_bitsandbytes_4bit_shard": unreachable,
         "adjust_scalar_to_fused_array": unreachable,
         "get_tensor_model_parallel_rank": lambda: tp_rank,
-        "is_pp_missing_parameter": lambda name, model: False,
+        "is_pp_missing_parameter": lambda name, model: name not in model.params,
+        "envs": types.SimpleNamespace(VLLM_PP_LAYER_PARTITION=None),
         "maybe_remap_kv_scale_name": lambda name, params: name,
         "logger": _Logger(),
         "dataclass": dataclass,
@@ -217,6 +223,8 @@ class _Vllm:
     src: Path
     tp: int
     rank: int
+    pp: int = 1
+    pp_rank: int = 0
 
     def __post_init__(self) -> None:
         ns = self.ns = _namespace(self.rank)
@@ -230,6 +238,7 @@ class _Vllm:
         for key, name in (
             ("dutils", "ensure_divisibility"),
             ("dutils", "divide"),
+            ("dutils", "get_pp_indices"),
             ("vocab", "pad_vocab_size"),
             ("vocab", "vocab_range_from_per_partition_vocab_size"),
             ("vocab", "vocab_range_from_global_vocab_size"),
@@ -346,7 +355,12 @@ def vllm_params(v: _Vllm, cfg: dict[str, Any], weights: dict[str, torch.Tensor])
         num_kv_head_replicas=max(1, tp // kvh),
     )
     params: dict[str, Any] = {}
+    # make_layers (models/utils.py): this stage's layers from get_pp_indices
+    start, end = v.ns["get_pp_indices"](len(t["layer_types"]), v.pp_rank, v.pp)
+    last = v.pp_rank == v.pp - 1
     for i, kind in enumerate(t["layer_types"]):
+        if not start <= i < end:
+            continue
         p = f"layers.{i}"
         params[f"{p}.input_layernorm.weight"] = plain((h,))
         params[f"{p}.post_attention_layernorm.weight"] = plain((h,))
@@ -376,7 +390,8 @@ def vllm_params(v: _Vllm, cfg: dict[str, Any], weights: dict[str, torch.Tensor])
         inter = t["intermediate_size"]
         params[f"{p}.mlp.gate_up_proj.weight"] = merged([inter, inter])
         params[f"{p}.mlp.down_proj.weight"] = row(inter)
-    params["norm.weight"] = plain((h,))
+    if last:  # Qwen3_5Model: norm on the last stage only; embed_tokens on every stage
+        params["norm.weight"] = plain((h,))
 
     vocab = t["vocab_size"]
     padded = v.ns["pad_vocab_size"](vocab)
@@ -386,6 +401,7 @@ def vllm_params(v: _Vllm, cfg: dict[str, Any], weights: dict[str, torch.Tensor])
     head = _param((padded // tp, h), dt, emb.weight_loader, output_dim=0)
 
     model = types.SimpleNamespace(
+        params=params,
         named_parameters=lambda: list(params.items()),
         get_expert_mapping=lambda: [],
         config=types.SimpleNamespace(),
@@ -407,49 +423,101 @@ def vllm_params(v: _Vllm, cfg: dict[str, Any], weights: dict[str, torch.Tensor])
             to_model.append((name[len("language_model.model.") :], w))
         else:
             assert name == "language_model.lm_head.weight", name
-            head.weight_loader(head, w)
+            if last:  # the lm_head is a PPMissingLayer before the last stage
+                head.weight_loader(head, w)
     loaded = v.load_weights(model, to_model)
-    assert loaded == set(params), set(params) ^ loaded
+    assert set(params) <= loaded, set(params) - loaded
     out = {f"language_model.model.{k}": p for k, p in params.items()}
-    out["language_model.lm_head.weight"] = head
+    if last:
+        out["language_model.lm_head.weight"] = head
     return out
 
 
-def mxload_buffers(src: str, tp: int, rank: int) -> dict[str, torch.Tensor]:
-    meta = open_checkpoint(src)
-    plan = build_plan(meta.config, ParallelLayout(tp=tp), checkpoint=meta)
-    rp = plan.ranks[rank]
-    loader = RankLoader(rp, model_dtype="bf16", backend=select_backend("cpu", prefer_fast=True))
-    q = meta.config.quant
-    loader.load(
-        list(rp.reads or ()),
-        SourceInfo(root=src, quant=q.kind, block_n=q.block_n, block_k=q.block_k),
-        version=1,
-        staging_budget=plan.min_staging_reload * 4,
-    )
-    return dict(loader.buffers)
+ENGINE = "vllm-ascend-0.23"
+LAYOUTS = {
+    "tp1": ParallelLayout(tp=1),
+    "tp2": ParallelLayout(tp=2),
+    "tp4": ParallelLayout(tp=4),
+    "tp2-pp2": ParallelLayout(tp=2, pp=2),
+}
+
+
+def mxload_ranks(held: Plan, src: str) -> list[dict[str, torch.Tensor]]:
+    """Every rank's buffers of the plan ``held`` (of the block-FP8 checkpoint: MX units
+    where the weights are quantized) loaded from ``src`` (its BF16 twin), as a reload into
+    that session does."""
+    inp = reload_inputs(held, src)
+    out = []
+    for rank, rp in enumerate(held.ranks):
+        loader = RankLoader(rp, model_dtype="bf16", backend=select_backend("cpu", prefer_fast=True))
+        loader.load(
+            list(inp.reads[rank]),
+            inp.source,
+            version=1,
+            staging_budget=inp.budgets[rank],
+            units=list(inp.units[rank]),
+        )
+        out.append(dict(loader.buffers))
+    return out
+
+
+def expected_mx(value: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+    """docs/contract.md §2.3 kernel layout of the independent reference's MX conversion of
+    an engine value ``[N, K]``: payload ``[K, N]``, scales ``[ceil(g/2), N, 2]`` (odd g's
+    last pair padded with 0)."""
+    payload, scale = mx_quantize_ref(value.to(torch.float64).numpy())
+    n, g = scale.shape
+    paired = np.zeros((-(-g // 2), n, 2), dtype=np.uint8)
+    for j in range(g):
+        paired[j // 2, :, j % 2] = scale[:, j]
+    return payload.T, paired
 
 
 @pytest.fixture(scope="module")
-def bf16_twin(tmp_path_factory: pytest.TempPathFactory) -> str:
-    out = str(tmp_path_factory.mktemp("q35") / "bf16")
-    make_checkpoint(out, "qwen3.5-tiny", seed=3, bf16=True)
-    return out
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
+    """The qwen3.5-tiny block-FP8 checkpoint and its BF16 twin (the same values resolved)."""
+    root = tmp_path_factory.mktemp("q35")
+    fp8, bf16 = str(root / "fp8"), str(root / "bf16")
+    make_checkpoint(fp8, "qwen3.5-tiny", seed=3)
+    make_checkpoint(bf16, "qwen3.5-tiny", seed=3, bf16=True)
+    return fp8, bf16
 
 
-@pytest.mark.parametrize("tp", [1, 2, 4])
+@pytest.mark.parametrize("name", sorted(LAYOUTS))
 def test_every_rank_equals_vllm_0_23_qwen3_5_parameters(
-    vllm_src: Path, bf16_twin: str, tp: int
+    vllm_src: Path, checkpoints: tuple[str, str], name: str
 ) -> None:
+    fp8, bf16 = checkpoints
+    layout = LAYOUTS[name]
     cfg = preset_config("qwen3.5-tiny")
     weights: dict[str, torch.Tensor] = {}
-    for f in sorted(Path(bf16_twin).glob("*.safetensors")):
+    for f in sorted(Path(bf16).glob("*.safetensors")):
         weights.update(load_file(str(f)))
-    for rank in range(tp):
-        engine = vllm_params(_Vllm(vllm_src, tp, rank), cfg, weights)
-        ours = mxload_buffers(bf16_twin, tp, rank)
-        assert sorted(ours) == sorted(engine)
-        for name, p in engine.items():
-            b = ours[name]
-            assert (tuple(b.shape), b.dtype) == (tuple(p.shape), p.dtype), name
-            assert torch.equal(b.view(torch.uint8), p.data.view(torch.uint8)), (rank, name)
+    plain_meta, mx_meta = open_checkpoint(bf16), open_checkpoint(fp8)
+    # the profile of the engine built on vLLM 0.23 (embed_tokens on every stage)
+    plain_plan = build_plan(plain_meta.config, layout, checkpoint=plain_meta, engine=ENGINE)
+    mx_plan = build_plan(mx_meta.config, layout, checkpoint=mx_meta, engine=ENGINE)
+    plain, mx = mxload_ranks(plain_plan, bf16), mxload_ranks(mx_plan, bf16)
+    n_mx = 0
+    for r, rp in enumerate(plain_plan.ranks):
+        v = _Vllm(vllm_src, layout.tp, rp.tp_rank, layout.pp, rp.pp_rank)
+        engine = vllm_params(v, cfg, weights)
+        # 1. the plain session: every buffer is the engine's parameter, byte for byte
+        assert sorted(plain[r]) == sorted(engine), sorted(set(plain[r]) ^ set(engine))
+        for pname, p in engine.items():
+            b = plain[r][pname]
+            assert (tuple(b.shape), b.dtype) == (tuple(p.shape), p.dtype), pname
+            assert torch.equal(b.view(torch.uint8), p.data.view(torch.uint8)), (r, pname)
+        # 2. the MX session: MX units are the independent reference's MX of the engine's
+        #    values; the rest is the engine's bytes
+        specs = {b.name: b for b in mx_plan.ranks[r].buffers}
+        for pname, p in engine.items():
+            if specs[pname].layout != "mx_linear":
+                assert torch.equal(mx[r][pname].view(torch.uint8), p.data.view(torch.uint8))
+                continue
+            n_mx += 1
+            want_w, want_s = expected_mx(p.data)
+            got_w = mx[r][pname].view(torch.uint8).numpy()
+            assert same_e4m3_bytes(got_w, want_w).all(), (r, pname)
+            assert np.array_equal(mx[r][pname + "_scale"].numpy(), want_s), (r, pname)
+    assert n_mx > 0  # in_proj_qkvz, out_proj, qkv_proj, o_proj, the MLP where K allows
