@@ -45,6 +45,8 @@ load tests.
 from __future__ import annotations
 
 import ast
+import functools
+import hashlib
 import logging
 import os
 import subprocess
@@ -82,6 +84,9 @@ FILES = {
     "wutils": "vllm/model_executor/model_loader/weight_utils.py",
     "vocab": "vllm/model_executor/layers/vocab_parallel_embedding.py",
     "dutils": "vllm/distributed/utils.py",
+    "moe": "vllm/model_executor/layers/fused_moe/layer.py",
+    "expert_map": "vllm/model_executor/layers/fused_moe/expert_map_manager.py",
+    "eplb": "vllm/distributed/eplb/eplb_state.py",
 }
 _NETWORK_SIGNS = (
     "NewConnectionError",
@@ -129,26 +134,34 @@ def vllm_src() -> Path:
 
 
 def _node(tree: ast.Module, path: tuple[str, ...]) -> ast.AST:
+    """The definition at ``path``; the last one of a name (``@overload`` stubs come first)."""
     body: list[ast.stmt] = tree.body
     found: ast.AST | None = None
     for name in path:
-        found = next(
+        found = [
             n
             for n in body
             if isinstance(n, ast.FunctionDef | ast.ClassDef | ast.AsyncFunctionDef)
             and n.name == name
-        )
+        ][-1]
         body = getattr(found, "body", [])
     assert found is not None
     return found
 
 
+@functools.cache
+def _parsed(path: Path) -> tuple[str, ast.Module]:
+    text = path.read_text()
+    return text, ast.parse(text)
+
+
+@functools.cache
 def _source(src: Path, key: str, *path: str) -> str:
     """The source of ``path`` (a top-level def/class, or Class.method) in vLLM's file
     ``key``, dedented; a function's decorators dropped (methods are called with ``self``/``cls``
     given), a class's kept."""
-    text = (src / FILES[key]).read_text()
-    node = _node(ast.parse(text), path)
+    text, tree = _parsed(src / FILES[key])
+    node = _node(tree, path)
     assert isinstance(node, ast.FunctionDef | ast.ClassDef)
     start = node.lineno
     if isinstance(node, ast.ClassDef) and node.decorator_list:  # keep @dataclass
@@ -172,6 +185,8 @@ _STUBS = {
     "envs": "vllm.envs: VLLM_PP_LAYER_PARTITION unset",
     "maybe_remap_kv_scale_name": "weight_utils.py: no kv-cache scales in the checkpoint",
     "logger": "vllm.logger: Python logging",
+    "quant_method": "FusedMoE.quant_method: an object named UnquantizedFusedMoEMethod",
+    "expert_map_manager": "its map_global_to_local (vLLM's) over determine_expert_map's map",
 }
 
 
@@ -203,6 +218,14 @@ def _namespace(tp_rank: int) -> dict[str, Any]:
     return ns
 
 
+_STATIC = {
+    "_get_hidden_dim",
+    "_narrow_expert_data_for_padding",
+    "build_initial_global_physical_to_logical_map",
+}
+"""Methods vLLM declares ``@staticmethod``."""
+
+
 class _Logger:
     def warning(self, msg: str, *a: Any) -> None:
         logging.getLogger("vllm").warning(msg, *a)
@@ -225,10 +248,16 @@ class _Vllm:
     rank: int
     pp: int = 1
     pp_rank: int = 0
+    moe_tp: int = 1
+    """FusedMoE's tp: dp*tp without expert parallel, 1 with it."""
+    moe_tp_rank: int = 0
+    ep: int = 1
+    """FusedMoE's ep: dp*tp with expert parallel, 1 without."""
+    ep_rank: int = 0
 
     def __post_init__(self) -> None:
         ns = self.ns = _namespace(self.rank)
-        vocab_tree = ast.parse((self.src / FILES["vocab"]).read_text())
+        _, vocab_tree = _parsed(self.src / FILES["vocab"])
         ns["DEFAULT_VOCAB_PADDING_SIZE"] = next(
             ast.literal_eval(n.value)
             for n in vocab_tree.body
@@ -246,6 +275,7 @@ class _Vllm:
             ("wutils", "default_weight_loader"),
             ("wutils", "sharded_weight_loader"),
             ("mamba2", "mamba_v2_sharded_weight_loader"),
+            ("expert_map", "determine_expert_map"),
         ):
             _exec(ns, _source(self.src, key, name), name)
         self.merged = self._layer_cls(
@@ -261,6 +291,31 @@ class _Vllm:
             ]
         )
         self.row = self._layer_cls([("linear", "RowParallelLinear", "weight_loader")])
+        self.replicated = self._layer_cls([("linear", "ReplicatedLinear", "weight_loader")])
+        self.fused_moe = self._layer_cls(
+            [
+                ("moe", "FusedMoE", m)
+                for m in (
+                    "weight_loader",
+                    "_load_w13",
+                    "_load_w2",
+                    "_get_hidden_dim",
+                    "_narrow_expert_data_for_padding",
+                    "_map_global_expert_id_to_local_expert_id",
+                    "_load_model_weight_or_group_weight_scale",
+                    "make_expert_params_mapping",
+                )
+            ]
+        )
+        self.expert_map = self._layer_cls(
+            [("expert_map", "ExpertMapManager", "map_global_to_local")]
+        )
+        eplb = self._layer_cls(
+            [("eplb", "EplbState", "build_initial_global_physical_to_logical_map")]
+        )
+        ns["EplbState"] = types.SimpleNamespace(
+            build_initial_global_physical_to_logical_map=eplb.build_initial_global_physical_to_logical_map
+        )
         self.vocab = self._layer_cls(
             [
                 ("vocab", "VocabParallelEmbedding", "weight_loader"),
@@ -289,7 +344,9 @@ class _Vllm:
     def _layer_cls(self, methods: list[tuple[str, str, str]]) -> type:
         body: dict[str, Any] = {}
         for key, cls, meth in methods:
-            body[meth] = _exec(self.ns, _source(self.src, key, cls, meth), meth)
+            fn = _exec(self.ns, _source(self.src, key, cls, meth), meth)
+            # vLLM's @staticmethods take no self (their decorators are dropped above)
+            body[meth] = staticmethod(fn) if meth in _STATIC else fn
         return type(methods[0][1], (), body)
 
     def layer(self, cls: type, **attrs: Any) -> Any:
@@ -387,9 +444,44 @@ def vllm_params(v: _Vllm, cfg: dict[str, Any], weights: dict[str, torch.Tensor])
             params[f"{a}.q_norm.weight"] = plain((hd,))
             params[f"{a}.k_norm.weight"] = plain((hd,))
             params[f"{a}.o_proj.weight"] = row(heads * hd)
-        inter = t["intermediate_size"]
-        params[f"{p}.mlp.gate_up_proj.weight"] = merged([inter, inter])
-        params[f"{p}.mlp.down_proj.weight"] = row(inter)
+        if "num_experts" not in t:
+            inter = t["intermediate_size"]
+            params[f"{p}.mlp.gate_up_proj.weight"] = merged([inter, inter])
+            params[f"{p}.mlp.down_proj.weight"] = row(inter)
+            continue
+        # Qwen3NextSparseMoeBlock (qwen3_next.py): gate and shared_expert_gate
+        # ReplicatedLinear (quant_config=None), shared_expert a Qwen2MoeMLP, experts FusedMoE
+        rep = v.layer(v.replicated).weight_loader
+        params[f"{p}.mlp.gate.weight"] = _param((t["num_experts"], h), dt, rep)
+        params[f"{p}.mlp.shared_expert_gate.weight"] = _param((1, h), dt, rep)
+        si = t["shared_expert_intermediate_size"]
+        params[f"{p}.mlp.shared_expert.gate_up_proj.weight"] = merged([si, si])
+        params[f"{p}.mlp.shared_expert.down_proj.weight"] = row(si)
+        n_local, expert_map, _ = v.ns["determine_expert_map"](v.ep, v.ep_rank, t["num_experts"])
+        manager = v.layer(v.expert_map, _expert_map=expert_map)
+        moe = v.layer(
+            v.fused_moe,
+            tp_size=v.moe_tp,
+            tp_rank=v.moe_tp_rank,
+            quant_config=None,
+            quant_method=type("UnquantizedFusedMoEMethod", (), {})(),
+            expert_map_manager=manager,
+            moe_config=types.SimpleNamespace(
+                is_act_and_mul=True,
+                moe_parallel_config=types.SimpleNamespace(tp_size=v.moe_tp),
+            ),
+        )
+        mi = t["moe_intermediate_size"] // v.moe_tp  # UnquantizedFusedMoEMethod.create_weights
+        params[f"{p}.mlp.experts.w13_weight"] = _param((n_local, 2 * mi, h), dt, moe.weight_loader)
+        params[f"{p}.mlp.experts.w2_weight"] = _param((n_local, h, mi), dt, moe.weight_loader)
+        expert_mapping = v.fused_moe.make_expert_params_mapping(
+            None,
+            types.SimpleNamespace(named_parameters=lambda: list(params.items())),
+            "gate_proj",
+            "down_proj",
+            "up_proj",
+            t["num_experts"],
+        )
     if last:  # Qwen3_5Model: norm on the last stage only; embed_tokens on every stage
         params["norm.weight"] = plain((h,))
 
@@ -400,11 +492,15 @@ def vllm_params(v: _Vllm, cfg: dict[str, Any], weights: dict[str, torch.Tensor])
     params["embed_tokens.weight"] = _param((padded // tp, h), dt, emb.weight_loader, output_dim=0)
     head = _param((padded // tp, h), dt, emb.weight_loader, output_dim=0)
 
+    if "num_experts" not in t:
+        expert_mapping = []
     model = types.SimpleNamespace(
         params=params,
         named_parameters=lambda: list(params.items()),
-        get_expert_mapping=lambda: [],
-        config=types.SimpleNamespace(),
+        get_expert_mapping=lambda: expert_mapping,
+        config=types.SimpleNamespace(
+            **({"num_experts": t["num_experts"]} if "num_experts" in t else {})
+        ),
     )
     # AutoWeightsLoader with hf_to_vllm_mapper: rename by prefix, skip mtp.* (skip_prefixes)
     # and the vision tower (not built: language-model-only); route language_model.model.*
@@ -436,8 +532,8 @@ def vllm_params(v: _Vllm, cfg: dict[str, Any], weights: dict[str, torch.Tensor])
 ENGINE = "vllm-ascend-0.23"
 LAYOUTS = {
     "tp1": ParallelLayout(tp=1),
-    "tp2": ParallelLayout(tp=2),
     "tp4": ParallelLayout(tp=4),
+    # tp 2: every layer's tp-2 shards, on two pipeline stages
     "tp2-pp2": ParallelLayout(tp=2, pp=2),
 }
 
@@ -461,7 +557,18 @@ def mxload_ranks(held: Plan, src: str) -> list[dict[str, torch.Tensor]]:
     return out
 
 
+_MX_SEEN: dict[bytes, tuple[np.ndarray, np.ndarray]] = {}
+"""expected_mx by value: ranks that hold the same slice (dp replicas) convert it once."""
+
+
 def expected_mx(value: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+    key = hashlib.sha256(value.contiguous().view(torch.uint8).numpy().tobytes()).digest()
+    if key not in _MX_SEEN:
+        _MX_SEEN[key] = _expected_mx(value)
+    return _MX_SEEN[key]
+
+
+def _expected_mx(value: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
     """docs/contract.md §2.3 kernel layout of the independent reference's MX conversion of
     an engine value ``[N, K]``: payload ``[K, N]``, scales ``[ceil(g/2), N, 2]`` (odd g's
     last pair padded with 0)."""
@@ -474,50 +581,108 @@ def expected_mx(value: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
 
 
 @pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
-    """The qwen3.5-tiny block-FP8 checkpoint and its BF16 twin (the same values resolved)."""
-    root = tmp_path_factory.mktemp("q35")
-    fp8, bf16 = str(root / "fp8"), str(root / "bf16")
-    make_checkpoint(fp8, "qwen3.5-tiny", seed=3)
-    make_checkpoint(bf16, "qwen3.5-tiny", seed=3, bf16=True)
-    return fp8, bf16
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[str, str]]:
+    """Per preset: its block-FP8 checkpoint and its BF16 twin (the same values resolved)."""
+    out = {}
+    for preset in ("qwen3.5-tiny", "qwen3.5-moe-tiny"):
+        root = tmp_path_factory.mktemp(preset)
+        fp8, bf16 = str(root / "fp8"), str(root / "bf16")
+        make_checkpoint(fp8, preset, seed=3)
+        make_checkpoint(bf16, preset, seed=3, bf16=True)
+        out[preset] = (fp8, bf16)
+    return out
 
 
-@pytest.mark.parametrize("name", sorted(LAYOUTS))
-def test_every_rank_equals_vllm_0_23_qwen3_5_parameters(
-    vllm_src: Path, checkpoints: tuple[str, str], name: str
-) -> None:
-    fp8, bf16 = checkpoints
-    layout = LAYOUTS[name]
-    cfg = preset_config("qwen3.5-tiny")
+def _mx_of(engine_value: torch.Tensor, held: torch.Tensor, scale: torch.Tensor, what: str) -> None:
+    want_w, want_s = expected_mx(engine_value)
+    assert same_e4m3_bytes(held.view(torch.uint8).numpy(), want_w).all(), what
+    assert np.array_equal(scale.numpy(), want_s), what
+
+
+def check_against_vllm(
+    src: Path, preset: str, ckpts: tuple[str, str], layout: ParallelLayout, engine: str
+) -> int:
+    """Every rank of ``layout``: the plain session equals vLLM's parameters byte for byte;
+    the MX session's MX units are the independent reference's MXFP8 of them. Returns how
+    many MX buffers were compared."""
+    fp8, bf16 = ckpts
+    cfg = preset_config(preset)
     weights: dict[str, torch.Tensor] = {}
     for f in sorted(Path(bf16).glob("*.safetensors")):
         weights.update(load_file(str(f)))
     plain_meta, mx_meta = open_checkpoint(bf16), open_checkpoint(fp8)
-    # the profile of the engine built on vLLM 0.23 (embed_tokens on every stage)
-    plain_plan = build_plan(plain_meta.config, layout, checkpoint=plain_meta, engine=ENGINE)
-    mx_plan = build_plan(mx_meta.config, layout, checkpoint=mx_meta, engine=ENGINE)
+    plain_plan = build_plan(plain_meta.config, layout, checkpoint=plain_meta, engine=engine)
+    mx_plan = build_plan(mx_meta.config, layout, checkpoint=mx_meta, engine=engine)
     plain, mx = mxload_ranks(plain_plan, bf16), mxload_ranks(mx_plan, bf16)
+    ep = layout.enable_expert_parallel
+    group, moe_rank = layout.dp * layout.tp, 0
     n_mx = 0
     for r, rp in enumerate(plain_plan.ranks):
-        v = _Vllm(vllm_src, layout.tp, rp.tp_rank, layout.pp, rp.pp_rank)
-        engine = vllm_params(v, cfg, weights)
+        moe_rank = rp.dp_rank * layout.tp + rp.tp_rank  # vLLM flattens dp x tp for MoE
+        v = _Vllm(
+            src,
+            layout.tp,
+            rp.tp_rank,
+            layout.pp,
+            rp.pp_rank,
+            moe_tp=1 if ep else group,
+            moe_tp_rank=0 if ep else moe_rank,
+            ep=group if ep else 1,
+            ep_rank=moe_rank if ep else 0,
+        )
+        engine_params = vllm_params(v, cfg, weights)
         # 1. the plain session: every buffer is the engine's parameter, byte for byte
-        assert sorted(plain[r]) == sorted(engine), sorted(set(plain[r]) ^ set(engine))
-        for pname, p in engine.items():
+        assert sorted(plain[r]) == sorted(engine_params), set(plain[r]) ^ set(engine_params)
+        for pname, p in engine_params.items():
             b = plain[r][pname]
             assert (tuple(b.shape), b.dtype) == (tuple(p.shape), p.dtype), pname
             assert torch.equal(b.view(torch.uint8), p.data.view(torch.uint8)), (r, pname)
         # 2. the MX session: MX units are the independent reference's MX of the engine's
-        #    values; the rest is the engine's bytes
+        #    values (per expert for the MoE); the rest is the engine's bytes
         specs = {b.name: b for b in mx_plan.ranks[r].buffers}
-        for pname, p in engine.items():
-            if specs[pname].layout != "mx_linear":
-                assert torch.equal(mx[r][pname].view(torch.uint8), p.data.view(torch.uint8))
+        for pname, p in engine_params.items():
+            got, layout_of = mx[r][pname], specs[pname].layout
+            if layout_of == "mx_linear":
+                _mx_of(p.data, got, mx[r][pname + "_scale"], f"{r} {pname}")
+            elif layout_of == "mx_moe":
+                for e in range(p.shape[0]):
+                    _mx_of(p.data[e], got[e], mx[r][pname + "_scale"][e], f"{r} {pname} {e}")
+            else:
+                assert torch.equal(got.view(torch.uint8), p.data.view(torch.uint8)), pname
                 continue
             n_mx += 1
-            want_w, want_s = expected_mx(p.data)
-            got_w = mx[r][pname].view(torch.uint8).numpy()
-            assert same_e4m3_bytes(got_w, want_w).all(), (r, pname)
-            assert np.array_equal(mx[r][pname + "_scale"].numpy(), want_s), (r, pname)
+    return n_mx
+
+
+@pytest.mark.parametrize("name", sorted(LAYOUTS))
+def test_every_rank_equals_vllm_0_23_qwen3_5_parameters(
+    vllm_src: Path, checkpoints: dict[str, tuple[str, str]], name: str
+) -> None:
+    # the profile of the engine built on vLLM 0.23 (embed_tokens on every stage)
+    n_mx = check_against_vllm(
+        vllm_src, "qwen3.5-tiny", checkpoints["qwen3.5-tiny"], LAYOUTS[name], ENGINE
+    )
     assert n_mx > 0  # in_proj_qkvz, out_proj, qkv_proj, o_proj, the MLP where K allows
+
+
+MOE_LAYOUTS = {
+    # experts over dp*tp = 4: TP-sharded (I / 4 = 32) or whole (2 per rank)
+    "tp2xdp2": ParallelLayout(tp=2, dp=2),
+    "tp2xdp2-ep": ParallelLayout(tp=2, dp=2, enable_expert_parallel=True),
+}
+
+
+@pytest.mark.parametrize("name", sorted(MOE_LAYOUTS))
+def test_every_rank_equals_vllm_0_23_qwen3_5_moe_parameters(
+    vllm_src: Path, checkpoints: dict[str, tuple[str, str]], name: str
+) -> None:
+    # mxload's profile: FusedMoE's parameters as vLLM's loaders leave them, [E, 2I, H] and
+    # [E, H, I] (vllm-ascend's post-load re-views them; tests/engine/test_vllm_ascend.py)
+    n_mx = check_against_vllm(
+        vllm_src,
+        "qwen3.5-moe-tiny",
+        checkpoints["qwen3.5-moe-tiny"],
+        MOE_LAYOUTS[name],
+        "mxload",
+    )
+    assert n_mx > 0
