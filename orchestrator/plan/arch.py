@@ -41,9 +41,9 @@ What stays in which dtype, and why:
   creates that parameter in float32 and DeepSeek-V3 ships it in F32, since the
   bias-corrected top-k routing is sensitive to its small values.
 
-Limits: MTP layers (DeepSeek ``num_nextn_predict_layers``, index >= num_hidden_layers)
-are not in any table, so they are never planned or read. DeepSeek-V3 is planning-only
-(``mxload.orchestrator.plan.config.LOADABLE_ARCHITECTURES``).
+Limits: MTP layers (DeepSeek ``num_nextn_predict_layers``, index >= num_hidden_layers;
+Qwen3.5's ``mtp.*``) and Qwen3.5's vision tower are not in any table, so they are never
+planned or read (``ModelConfig.not_planned`` says so, with the reason).
 """
 
 from __future__ import annotations

@@ -33,13 +33,8 @@ SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
 )
 """Architectures mxload can plan. See ``LOADABLE_ARCHITECTURES`` for those it can load."""
 
-LOADABLE_ARCHITECTURES: tuple[str, ...] = (
-    "Qwen3ForCausalLM",
-    "Qwen3MoeForCausalLM",
-    QWEN3_5,
-    QWEN3_5_MOE,
-)
-"""Architectures mxload can load from weights; DeepSeek-V3 is planning-only (docs/contract.md §3)."""
+LOADABLE_ARCHITECTURES: tuple[str, ...] = SUPPORTED_ARCHITECTURES
+"""Architectures mxload can load from weights (docs/contract.md §3): every one it plans."""
 
 _MX_METHODS = ("mxfp8", "modelopt_mxfp8")
 
@@ -149,9 +144,14 @@ class ModelConfig:
                 "(vLLM --language-model-only / limit_mm_per_prompt 0)"
             )
         if self.mtp_layers:
+            where = (
+                f"model.layers.{self.num_hidden_layers}.*"
+                if self.architecture == "DeepseekV3ForCausalLM"
+                else "mtp.*"
+            )
             out.append(
-                f"mtp.* ({self.mtp_layers} MTP layer(s)): vLLM skips them unless speculative "
-                "decoding is configured, and mxload plans the engine without it"
+                f"{where} ({self.mtp_layers} MTP layer(s)): vLLM skips them unless "
+                "speculative decoding is configured, and mxload plans the engine without it"
             )
         return tuple(out)
 
@@ -357,6 +357,7 @@ def parse_config(
             first_k_dense_replace=_int(cfg, "first_k_dense_replace", source, default=0),
             n_shared_experts=_int(cfg, "n_shared_experts", source, default=0),
             moe_layer_freq=_positive(cfg, "moe_layer_freq", source, default=1),
+            mtp_layers=_int(cfg, "num_nextn_predict_layers", source, default=0),
             **common,
         )
     head_dim = _positive(cfg, "head_dim", source, default=head_dim_default)

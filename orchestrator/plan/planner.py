@@ -735,6 +735,20 @@ def quantization_groups(config: ModelConfig) -> list[tuple[str, ...]]:
     return groups
 
 
+def dense_linear_modules(config: ModelConfig) -> set[str]:
+    """Checkpoint modules of linears the table keeps in the model dtype even when quantized
+    (``mx=False``: DeepSeek's ``kv_b_proj``, which vllm-ascend's MLA requires unquantized).
+    ``mxload convert`` writes them resolved and lists them in ``exclude_modules``."""
+    planner = _Planner(config, ParallelLayout(), None)
+    out: set[str] = set()
+    for layer in range(config.num_hidden_layers):
+        for idx in planner.layer_rules[layer]:
+            rule = planner.arch.rules[idx]
+            if rule.linear and not rule.mx:
+                out.update(m for names in planner._source_modules(rule, layer) for m in names)
+    return out
+
+
 def build_plan(
     config: ModelConfig,
     layout: ParallelLayout,

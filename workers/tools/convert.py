@@ -73,7 +73,11 @@ from mxload.orchestrator.plan.formats import (
     SAFETENSORS_ITEMSIZE,
     SINGLE_FILE,
 )
-from mxload.orchestrator.plan.planner import check_checkpoint, quantization_groups
+from mxload.orchestrator.plan.planner import (
+    check_checkpoint,
+    dense_linear_modules,
+    quantization_groups,
+)
 from mxload.orchestrator.plan.ranges import contiguous
 from mxload.orchestrator.plan.safetensors_header import TensorInfo
 from mxload.orchestrator.runtime.catalog import open_checkpoint
@@ -310,6 +314,8 @@ def _plan(meta: CheckpointMeta) -> tuple[Specs, list[_Job], list[str], dict[str,
             if name.endswith(".weight") and info.dtype == "F8_E4M3" and len(info.shape) == 2:
                 if info.shape[1] % MX_GROUP:
                     fallback.add(name[: -len(".weight")])
+        # Linears the engine needs unquantized (DeepSeek's kv_b_proj: MLA absorbs it).
+        fallback.update(dense_linear_modules(cfg))
         for group in quantization_groups(cfg):
             if fallback.intersection(group):
                 fallback.update(group)

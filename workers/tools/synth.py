@@ -2,7 +2,7 @@
 
 Every test, the demo and the benchmarks need checkpoints, and none may be downloaded. A
 synthetic checkpoint has the exact file layout, tensor names, dtypes and shapes of a
-Qwen3 / Qwen3-MoE FP8 release (docs/contract.md §1.1): ``config.json``,
+Qwen3 / Qwen3-MoE / Qwen3.5 / DeepSeek-V3 FP8 release (docs/contract.md §1.1): ``config.json``,
 ``model-0000X-of-0000Y.safetensors`` shards and ``model.safetensors.index.json`` (or one
 ``model.safetensors``), only smaller, seeded.
 
@@ -35,7 +35,7 @@ least one decoder layer straddles two shards (real releases do that, and readers
 not assume a layer lives in one file). Files are written with the streaming
 :class:`~workers.safetensors_io.SafetensorsWriter`, through fsspec for URLs.
 
-Limits: Qwen3 and Qwen3-MoE only (DeepSeek-V3 is planning-only in mxload); block-FP8
+Limits: Qwen3, Qwen3-MoE, Qwen3.5, Qwen3.5-MoE and DeepSeek-V3 presets; block-FP8
 and BF16 outputs only (MXFP8 checkpoints come from ``mxload convert``).
 """
 
@@ -275,6 +275,44 @@ PRESETS: dict[str, dict[str, Any]] = {
             ],
         },
     },
+    # DeepSeek-V3 in miniature: MLA with q LoRA (q_lora_rank 96: q_b_proj's K is 3 MX
+    # groups, odd), the first layer dense (first_k_dense_replace 1), then MoE layers with
+    # one shared expert, 8 routed experts and the router's F32 correction bias, and one MTP
+    # layer (model.layers.3.*) that no plan holds.
+    "deepseek-v3-tiny": {
+        "architectures": ["DeepseekV3ForCausalLM"],
+        "model_type": "deepseek_v3",
+        "first_k_dense_replace": 1,
+        "hidden_act": "silu",
+        "hidden_size": 256,
+        "intermediate_size": 512,
+        "kv_lora_rank": 128,
+        "max_position_embeddings": 4096,
+        "moe_intermediate_size": 64,
+        "moe_layer_freq": 1,
+        "n_group": 2,
+        "n_routed_experts": 8,
+        "n_shared_experts": 1,
+        "norm_topk_prob": True,
+        "num_attention_heads": 4,
+        "num_experts_per_tok": 2,
+        "num_hidden_layers": 3,
+        "num_key_value_heads": 4,
+        "num_nextn_predict_layers": 1,
+        "q_lora_rank": 96,
+        "qk_nope_head_dim": 32,
+        "qk_rope_head_dim": 16,
+        "rms_norm_eps": 1e-06,
+        "routed_scaling_factor": 2.5,
+        "scoring_func": "sigmoid",
+        "tie_word_embeddings": False,
+        "topk_group": 1,
+        "topk_method": "noaux_tc",
+        "torch_dtype": "bfloat16",
+        "v_head_dim": 32,
+        "vocab_size": 1000,
+        "quantization_config": _FP8_BLOCK_QUANT,
+    },
 }
 """config.json of each preset (``mxload make-checkpoint --preset NAME``)."""
 
@@ -372,6 +410,8 @@ def _tensors(cfg: ModelConfig, quantized: bool, scale_dtype: str) -> list[_Tenso
     """Every tensor of the checkpoint, in Hugging Face's state-dict order."""
     if cfg.architecture in QWEN3_5_ARCHITECTURES:
         return _qwen3_5_tensors(cfg, quantized, scale_dtype)
+    if cfg.architecture == "DeepseekV3ForCausalLM":
+        return _deepseek_tensors(cfg, quantized, scale_dtype)
     plain = MODEL_DTYPES[cfg.model_dtype]
     h = cfg.hidden_size
     out = [_Tensor("model.embed_tokens.weight", plain, (cfg.vocab_size, h), "embed")]
@@ -390,6 +430,84 @@ def _tensors(cfg: ModelConfig, quantized: bool, scale_dtype: str) -> list[_Tenso
     out.append(_Tensor("model.norm.weight", plain, (h,), "norm"))
     if not cfg.tie_word_embeddings:
         out.append(_Tensor("lm_head.weight", plain, (cfg.vocab_size, h), "embed"))
+    return out
+
+
+def _deepseek_layer(
+    out: list[_Tensor], cfg: ModelConfig, i: int, quantized: bool, scale_dtype: str
+) -> None:
+    """One DeepSeek-V3 decoder layer ``model.layers.{i}`` (an MTP layer's too)."""
+    plain = MODEL_DTYPES[cfg.model_dtype]
+    h, heads = cfg.hidden_size, cfg.num_attention_heads
+    qk = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+    p = f"model.layers.{i}"
+    a = f"{p}.self_attn"
+    out.append(_Tensor(f"{p}.input_layernorm.weight", plain, (h,), "norm"))
+    _emit(out, cfg, [(f"{a}.q_a_proj", cfg.q_lora_rank, h)], quantized, scale_dtype)
+    out.append(_Tensor(f"{a}.q_a_layernorm.weight", plain, (cfg.q_lora_rank,), "norm"))
+    mods = [
+        (f"{a}.q_b_proj", heads * qk, cfg.q_lora_rank),
+        (f"{a}.kv_a_proj_with_mqa", cfg.kv_lora_rank + cfg.qk_rope_head_dim, h),
+    ]
+    _emit(out, cfg, mods, quantized, scale_dtype)
+    out.append(_Tensor(f"{a}.kv_a_layernorm.weight", plain, (cfg.kv_lora_rank,), "norm"))
+    mods = [
+        (f"{a}.kv_b_proj", heads * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank),
+        (f"{a}.o_proj", h, heads * cfg.v_head_dim),
+    ]
+    _emit(out, cfg, mods, quantized, scale_dtype)
+    out.append(_Tensor(f"{p}.post_attention_layernorm.weight", plain, (h,), "norm"))
+    if not cfg.is_moe_layer(i):
+        inter = cfg.intermediate_size
+        mods = [
+            (f"{p}.mlp.gate_proj", inter, h),
+            (f"{p}.mlp.up_proj", inter, h),
+            (f"{p}.mlp.down_proj", h, inter),
+        ]
+        _emit(out, cfg, mods, quantized, scale_dtype)
+        return
+    out.append(_Tensor(f"{p}.mlp.gate.weight", plain, (cfg.num_experts, h), "router"))
+    out.append(
+        _Tensor(f"{p}.mlp.gate.e_score_correction_bias", "F32", (cfg.num_experts,), "router")
+    )
+    mi = cfg.moe_intermediate_size
+    mods = []
+    for e in range(cfg.num_experts):
+        pe = f"{p}.mlp.experts.{e}"
+        mods += [(f"{pe}.gate_proj", mi, h), (f"{pe}.up_proj", mi, h), (f"{pe}.down_proj", h, mi)]
+    si = mi * cfg.n_shared_experts
+    mods += [
+        (f"{p}.mlp.shared_experts.gate_proj", si, h),
+        (f"{p}.mlp.shared_experts.up_proj", si, h),
+        (f"{p}.mlp.shared_experts.down_proj", h, si),
+    ]
+    _emit(out, cfg, mods, quantized, scale_dtype)
+
+
+def _deepseek_tensors(cfg: ModelConfig, quantized: bool, scale_dtype: str) -> list[_Tensor]:
+    """A DeepSeek-V3 release's tensors, its MTP layers ``model.layers.{L..}`` included
+    (their own embed/enorm/hnorm/eh_proj/shared_head and a MoE decoder layer)."""
+    plain = MODEL_DTYPES[cfg.model_dtype]
+    h, v = cfg.hidden_size, cfg.vocab_size
+    out = [_Tensor("model.embed_tokens.weight", plain, (v, h), "embed")]
+    for i in range(cfg.num_hidden_layers):
+        _deepseek_layer(out, cfg, i, quantized, scale_dtype)
+    out.append(_Tensor("model.norm.weight", plain, (h,), "norm"))
+    out.append(_Tensor("lm_head.weight", plain, (v, h), "embed"))
+    for j in range(cfg.mtp_layers):
+        i = cfg.num_hidden_layers + j
+        p = f"model.layers.{i}"
+        out += [
+            _Tensor(f"{p}.embed_tokens.weight", plain, (v, h), "embed"),
+            _Tensor(f"{p}.enorm.weight", plain, (h,), "norm"),
+            _Tensor(f"{p}.hnorm.weight", plain, (h,), "norm"),
+        ]
+        _emit(out, cfg, [(f"{p}.eh_proj", h, 2 * h)], quantized, scale_dtype)
+        _deepseek_layer(out, cfg, i, quantized, scale_dtype)
+        out += [
+            _Tensor(f"{p}.shared_head.norm.weight", plain, (h,), "norm"),
+            _Tensor(f"{p}.shared_head.head.weight", plain, (v, h), "embed"),
+        ]
     return out
 
 
@@ -508,6 +626,8 @@ class _Special:
 
 def _special(cfg: ModelConfig) -> _Special:
     mlp = "mlp.experts.0.gate_proj" if cfg.is_moe_layer(0) else "mlp.gate_proj"
+    if cfg.architecture == "DeepseekV3ForCausalLM":
+        return _Special("model.layers.0.self_attn.o_proj", "model.layers.0.mlp.gate_proj")
     if cfg.architecture in QWEN3_5_ARCHITECTURES:
         p = f"{_QWEN3_5_LAYERS}.0"
         return _Special(f"{p}.linear_attn.in_proj_qkv", f"{p}.{mlp}")
