@@ -87,6 +87,7 @@ FILES = {
     "moe": "vllm/model_executor/layers/fused_moe/layer.py",
     "expert_map": "vllm/model_executor/layers/fused_moe/expert_map_manager.py",
     "eplb": "vllm/distributed/eplb/eplb_state.py",
+    "deepseek": "vllm/model_executor/models/deepseek_v2.py",
 }
 _NETWORK_SIGNS = (
     "NewConnectionError",
@@ -291,6 +292,7 @@ class _Vllm:
             ]
         )
         self.row = self._layer_cls([("linear", "RowParallelLinear", "weight_loader")])
+        self.column = self._layer_cls([("linear", "ColumnParallelLinear", "weight_loader")])
         self.replicated = self._layer_cls([("linear", "ReplicatedLinear", "weight_loader")])
         self.fused_moe = self._layer_cls(
             [
@@ -600,7 +602,13 @@ def _mx_of(engine_value: torch.Tensor, held: torch.Tensor, scale: torch.Tensor, 
 
 
 def check_against_vllm(
-    src: Path, preset: str, ckpts: tuple[str, str], layout: ParallelLayout, engine: str
+    src: Path,
+    preset: str,
+    ckpts: tuple[str, str],
+    layout: ParallelLayout,
+    engine: str,
+    params_of: Callable[[_Vllm, dict[str, Any], dict[str, torch.Tensor]], dict[str, Any]]
+    | None = None,
 ) -> int:
     """Every rank of ``layout``: the plain session equals vLLM's parameters byte for byte;
     the MX session's MX units are the independent reference's MXFP8 of them. Returns how
@@ -630,7 +638,7 @@ def check_against_vllm(
             ep=group if ep else 1,
             ep_rank=moe_rank if ep else 0,
         )
-        engine_params = vllm_params(v, cfg, weights)
+        engine_params = (params_of or vllm_params)(v, cfg, weights)
         # 1. the plain session: every buffer is the engine's parameter, byte for byte
         assert sorted(plain[r]) == sorted(engine_params), set(plain[r]) ^ set(engine_params)
         for pname, p in engine_params.items():
