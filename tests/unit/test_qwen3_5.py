@@ -64,3 +64,55 @@ def test_qwen3_8_27b_config_reads_the_nested_text_config() -> None:
     assert cfg.layer_types[:4] == ("linear_attention",) * 3 + ("full_attention",)
     assert cfg.quant.kind == "block_fp8" and cfg.attn_output_gate
     assert [s.split(" ")[0] for s in cfg.not_planned()] == ["model.visual.*", "mtp.*"]
+
+
+def test_a_qwen3_5_session_reloads_a_bf16_trainer_checkpoint_in_place(tmp_path) -> None:
+    """Load the block-FP8 qwen3.5-tiny on a tp-2 rank, reload a BF16 checkpoint of the
+    same model (another seed, as a trainer writes it) into the same buffers: no address
+    moves, and every buffer then holds what a fresh load of that BF16 checkpoint into the
+    same plan holds."""
+    import torch
+    from mxload.orchestrator.plan.planner import build_plan
+    from mxload.orchestrator.runtime.catalog import open_checkpoint
+    from mxload.orchestrator.runtime.reload import reload_inputs
+    from mxload.workers.rank.loader import RankLoader, SourceInfo
+    from mxload.workers.tools.synth import make_checkpoint
+
+    fp8, bf16 = str(tmp_path / "fp8"), str(tmp_path / "bf16")
+    make_checkpoint(fp8, "qwen3.5-tiny", seed=1)
+    make_checkpoint(bf16, "qwen3.5-tiny", seed=2, bf16=True)
+    meta = open_checkpoint(fp8)
+    held = build_plan(meta.config, ParallelLayout(tp=2), checkpoint=meta)
+    rp = held.ranks[1]
+    assert any(b.layout == "mx_linear" for b in rp.buffers)
+    q = meta.config.quant
+    loader = RankLoader(rp, model_dtype="bf16")
+    loader.load(
+        list(rp.reads or ()),
+        SourceInfo(root=fp8, quant=q.kind, block_n=q.block_n, block_k=q.block_k),
+        version=1,
+        staging_budget=held.min_staging_reload,
+    )
+    before = {n: t.data_ptr() for n, t in loader.buffers.items()}
+    first = {n: t.clone() for n, t in loader.buffers.items()}
+    inp = reload_inputs(held, bf16)
+    loader.reload(
+        list(inp.reads[1]),
+        inp.source,
+        version=2,
+        staging_budget=inp.budgets[1],
+        units=list(inp.units[1]),
+    )
+    assert {n: t.data_ptr() for n, t in loader.buffers.items()} == before
+    fresh = RankLoader(rp, model_dtype="bf16")
+    fresh.load(
+        list(inp.reads[1]),
+        inp.source,
+        version=1,
+        staging_budget=inp.budgets[1],
+        units=list(inp.units[1]),
+    )
+    for name, t in loader.buffers.items():
+        assert torch.equal(t.view(torch.uint8), fresh.buffers[name].view(torch.uint8)), name
+    changed = [n for n, t in loader.buffers.items() if not torch.equal(t, first[n])]
+    assert len(changed) == len(first)  # another seed: every buffer was rewritten
