@@ -439,7 +439,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def preset_names() -> list[str]:
     # The preset table lives with the synthetic writer; listing it must not import torch.
-    return ["qwen3-dense-tiny", "qwen3-moe-awkward", "qwen3-moe-tiny"]
+    return [
+        "deepseek-v3-tiny",
+        "qwen3-dense-tiny",
+        "qwen3-moe-awkward",
+        "qwen3-moe-tiny",
+        "qwen3.5-moe-tiny",
+        "qwen3.5-tiny",
+    ]
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
