@@ -444,6 +444,9 @@ DEEPSEEK_V3 = Architecture(
 #   the routed experts a FusedMoE;
 # * ``embed_tokens`` built on every pipeline stage (no PP check), norm and lm_head on the
 #   last; the vision tower and ``mtp.*`` are not planned (``ModelConfig.not_planned``).
+# vllm-ascend 0.23.0.post1 replaces only forward-time methods of these classes
+# (patch/worker/patch_qwen3_5.py:195-209, ops/gdn.py: forward, _forward_core, state
+# shapes); parameters and weight loaders are vLLM's, so both engines hold the same layout.
 
 _QWEN3_5_DIMS: Mapping[str, Dim] = {
     **_QWEN3_DIMS,
