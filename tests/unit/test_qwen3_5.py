@@ -116,3 +116,33 @@ def test_a_qwen3_5_session_reloads_a_bf16_trainer_checkpoint_in_place(tmp_path) 
         assert torch.equal(t.view(torch.uint8), fresh.buffers[name].view(torch.uint8)), name
     changed = [n for n, t in loader.buffers.items() if not torch.equal(t, first[n])]
     assert len(changed) == len(first)  # another seed: every buffer was rewritten
+
+
+def test_qwen3_5_397b_moe_persistent_bytes_with_expert_parallel_equal_a_hand_count() -> None:
+    """Qwen3.5-397B-A17B-FP8 (packaged) at tp 8 x dp 4 with EP, counted by hand: hidden
+    4096, 60 layers (45 GDN, 15 full), 32 heads / 2 kv heads of 256 with the gate, GDN 16
+    key / 64 value heads of 128, 512 experts of 1024 (16 per rank), a shared expert of 1024
+    with its own gate, vocab 248320. Every layer is MoE; the router and shared_expert_gate
+    are in modules_to_not_convert (model dtype)."""
+    h, layers, v, tp, e_local, mi, si = 4096, 60, 248320, 8, 512 // 32, 1024, 1024
+    gdn = (
+        mx((2 * 16 * 128 + 2 * 64 * 128) // tp, h)
+        + (2 * 64 // tp) * h * BF16
+        + (2 * 16 * 128 + 64 * 128) // tp * 4 * BF16
+        + 64 // tp * (BF16 + F32)
+        + 128 * BF16
+        + mx(h, 64 * 128 // tp)
+    )
+    attn = mx(32 * 2 * 256 // tp + 2 * 256, h) + 2 * 256 * BF16 + mx(h, 32 * 256 // tp)
+    experts = (
+        e_local * h * 2 * mi + e_local * -(-h // 64) * 2 * mi * 2  # w13 [E, H, 2I] + scale
+        + e_local * mi * h + e_local * -(-mi // 64) * h * 2  # w2 [E, I, H] + scale
+    )  # fmt: skip
+    moe = 512 * h * BF16 + h * BF16 + mx(2 * si // tp, h) + mx(h, si // tp) + experts
+    per_layer = 2 * h * BF16 + moe
+    want = 45 * gdn + 15 * attn + layers * per_layer + 2 * (v // tp) * h * BF16 + h * BF16
+    cfg = parse_config(model_config("qwen3.5-397b-a17b-fp8"), "qwen3.5-397b-a17b-fp8.json")
+    layout = ParallelLayout(tp=8, dp=4, enable_expert_parallel=True)
+    for rank in (0, 31):
+        buffers, _ = plan_rank(cfg, layout, rank)
+        assert sum(b.nbytes for b in buffers) == want
