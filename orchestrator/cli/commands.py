@@ -48,6 +48,7 @@ def cmd_make_checkpoint(args: argparse.Namespace) -> int:
             shards=args.shards,
             storage_options=options,
             bf16=args.bf16,
+            scale_dtype=args.scale_dtype,
         )
     summary["out"] = args.out  # the place it now is, not the folder it was written in
     show.emit(args, summary, show.render_made(summary, bf16=args.bf16))
@@ -378,7 +379,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     from mxload.orchestrator.cli.demo import run_demo
 
-    return run_demo(workdir=args.workdir, json_out=args.json)
+    return run_demo(workdir=args.workdir, json_out=args.json, preset=args.preset)
 
 
 COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {

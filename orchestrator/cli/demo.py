@@ -1,8 +1,10 @@
 """``mxload demo``: the whole story on one machine, in about a minute.
 
-1. write a tiny Qwen3-MoE block-FP8 checkpoint (and a second version of it);
+1. write a tiny block-FP8 checkpoint (``--preset``, default Qwen3-MoE; ``qwen3.5-tiny`` is
+   the seed's Qwen3.8-27B in miniature) and a second version of it;
 2. start a local Ray head (loopback) declaring 4 virtual NPUs;
-3. load it with tp 2 x dp 2 and expert parallelism, one worker pinned per virtual NPU;
+3. load it with tp 2 x dp 2 (and expert parallelism for a MoE model), one worker pinned
+   per virtual NPU;
 4. check every rank's buffers against the CPU reference conversion of the same plan;
 5. reload the second version in place, check again, and show that no address moved.
 """
@@ -72,20 +74,29 @@ def _progress(json_out: bool, label: str) -> Iterator[Any]:
             bar.close()
 
 
-def run_demo(workdir: str | None = None, json_out: bool = False) -> int:
+def run_demo(
+    workdir: str | None = None, json_out: bool = False, preset: str = "qwen3-moe-tiny"
+) -> int:
     from mxload.orchestrator.cli.rendering import render_load_table
+    from mxload.orchestrator.plan.config import parse_config
     from mxload.orchestrator.runtime.session import Session
-    from mxload.workers.tools.synth import make_checkpoint
+    from mxload.workers.tools.synth import make_checkpoint, preset_config
+
+    cfg = parse_config(preset_config(preset), f"preset {preset}")
 
     out = print if not json_out else (lambda *a, **k: print(*a, file=sys.stderr, **k))
     root = workdir or tempfile.mkdtemp(prefix="mxload-demo-")
     v1, v2 = f"{root}/step-1", f"{root}/step-2"
     try:
-        out(f"[1/5] writing a tiny Qwen3-MoE block-FP8 checkpoint (2 versions) under {root}")
-        make_checkpoint(v1, "qwen3-moe-tiny", seed=1)
-        make_checkpoint(v2, "qwen3-moe-tiny", seed=2)
-        layout = ParallelLayout(tp=2, dp=2, enable_expert_parallel=True)
-        out("[2/5] starting local Ray (127.0.0.1) with 4 virtual NPUs; loading tp=2 dp=2 EP")
+        out(
+            f"[1/5] writing a tiny {cfg.architecture} block-FP8 checkpoint ({preset}, "
+            f"2 versions) under {root}"
+        )
+        make_checkpoint(v1, preset, seed=1)
+        make_checkpoint(v2, preset, seed=2)
+        layout = ParallelLayout(tp=2, dp=2, enable_expert_parallel=cfg.is_moe)
+        ep = " EP" if cfg.is_moe else ""
+        out(f"[2/5] starting local Ray (127.0.0.1) with 4 virtual NPUs; loading tp=2 dp=2{ep}")
         with _progress(json_out, "load") as show:
             session = Session.load(v1, layout, device="auto", on_progress=show)
         try:

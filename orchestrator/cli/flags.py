@@ -375,6 +375,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = command("demo", "make a tiny checkpoint, load it on local Ray, reload it in place")
     p.add_argument("--workdir", default=None, metavar="DIR", help="keep the demo's files here")
+    p.add_argument(
+        "--preset",
+        default="qwen3-moe-tiny",
+        help="model shape (default qwen3-moe-tiny): " + ", ".join(preset_names()),
+    )
 
     p = command("make-checkpoint", "write a synthetic block-FP8 checkpoint in the HF layout")
     p.add_argument("out", metavar="OUT", help="new folder or fsspec URL to write")
@@ -384,6 +389,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--shards", type=int, default=2, metavar="N", help="safetensors files (default 2)"
     )
     p.add_argument("--bf16", action="store_true", help="write the same model as plain BF16")
+    p.add_argument(
+        "--scale-dtype",
+        default="F32",
+        choices=("F32", "BF16"),
+        help="dtype of the block scales weight_scale_inv (default F32; BF16 as third-party "
+        "Qwen3.5 FP8 copies store them)",
+    )
 
     p = command("inspect", "what a checkpoint is: architecture, quantization, tensors, bytes")
     p.add_argument("src", metavar="SRC", help="checkpoint folder or fsspec URL")
@@ -427,7 +439,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def preset_names() -> list[str]:
     # The preset table lives with the synthetic writer; listing it must not import torch.
-    return ["qwen3-dense-tiny", "qwen3-moe-awkward", "qwen3-moe-tiny"]
+    return [
+        "deepseek-v3-tiny",
+        "qwen3-dense-tiny",
+        "qwen3-moe-awkward",
+        "qwen3-moe-tiny",
+        "qwen3.5-moe-tiny",
+        "qwen3.5-tiny",
+    ]
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:

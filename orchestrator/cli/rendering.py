@@ -169,7 +169,10 @@ def render_inspect(src: str, info: dict[str, Any]) -> str:
     """``inspect``'s human summary: the model, its quantization, bytes per kind, files."""
     quant = info["quantization"]
     if "weight_block_size" in info:
-        quant += " (blocks " + "x".join(str(b) for b in info["weight_block_size"]) + ")"
+        quant += " (blocks " + "x".join(str(b) for b in info["weight_block_size"])
+        if info.get("block_scale_dtypes"):
+            quant += ", scales " + "/".join(info["block_scale_dtypes"])
+        quant += ")"
     experts = f", {info['experts']} experts in {info['moe_layers']} MoE layers" if info["experts"] else ""  # fmt: skip
     lines = [
         src,
@@ -192,6 +195,8 @@ def render_inspect(src: str, info: dict[str, Any]) -> str:
         ),
         "  files",
     ]
+    if info.get("not_planned"):
+        lines[-1:-1] = [f"  not planned   {reason}" for reason in info["not_planned"]]
     for f in info["files"]:
         lines.append(f"    {f['file']}  {format_size(f['bytes'])}, {f['tensors']} tensors")
     return "\n".join(lines)

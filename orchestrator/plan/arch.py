@@ -41,9 +41,9 @@ What stays in which dtype, and why:
   creates that parameter in float32 and DeepSeek-V3 ships it in F32, since the
   bias-corrected top-k routing is sensitive to its small values.
 
-Limits: MTP layers (DeepSeek ``num_nextn_predict_layers``, index >= num_hidden_layers)
-are not in any table, so they are never planned or read. DeepSeek-V3 is planning-only
-(``mxload.orchestrator.plan.config.LOADABLE_ARCHITECTURES``).
+Limits: MTP layers (DeepSeek ``num_nextn_predict_layers``, index >= num_hidden_layers;
+Qwen3.5's ``mtp.*``) and Qwen3.5's vision tower are not in any table, so they are never
+planned or read (``ModelConfig.not_planned`` says so, with the reason).
 """
 
 from __future__ import annotations
@@ -59,7 +59,20 @@ Style = Literal["column", "row", "replicated", "vocab", "moe"]
 Place = Literal["first", "layer", "last"]
 """first: pipeline stage 0 only; layer: each decoder layer of the rule's kind; last: the
 last pipeline stage only (docs/contract.md §3 "Pipeline")."""
-LayerKind = Literal["all", "dense_mlp", "moe", "shared_experts", "q_lora", "no_q_lora"]
+LayerKind = Literal[
+    "all",
+    "dense_mlp",
+    "moe",
+    "shared_experts",
+    "shared_expert",
+    "q_lora",
+    "no_q_lora",
+    "linear_attention",
+    "full_attention",
+]
+Held = Literal["", "model", "float32"]
+"""What dtype a device tensor has whatever the checkpoint stores: ``""`` the checkpoint's
+(the model dtype quantized sources resolve to), ``model`` the model dtype, ``float32``."""
 Split = Literal["tp", "kv_heads"]
 
 LAYER_PREFIX = "model.layers.{i}"
@@ -110,6 +123,16 @@ class SourceSpec:
     """Tensor name under the module (``weight``, ``e_score_correction_bias``)."""
     split: Split = "tp"
     """How a ``column`` rule splits its rows: plainly over tp, or by the kv-head rule."""
+    part_of: tuple[str, ...] = ()
+    """Non-empty: this source is a row range of a larger checkpoint tensor of these dims
+    (Qwen3.5's ``in_proj_qkv`` holds q, k and v, each split over tp on its own)."""
+    before: tuple[str, ...] = ()
+    """With ``part_of``: the dims whose sizes add up to the range's first row."""
+
+    @property
+    def tensor_dims(self) -> tuple[str, ...]:
+        """Dims of the whole checkpoint tensor."""
+        return self.part_of or self.dims
 
 
 @dataclass(frozen=True)
@@ -133,6 +156,9 @@ class TensorRule:
     """Planned as float32 when no checkpoint says its dtype (else the model dtype)."""
     tied_source: str = ""
     """With ``tie_word_embeddings``: the module it is built from instead of its own."""
+    held: Held = ""
+    """The engine casts it to this dtype on load, whatever the checkpoint stores (vLLM's
+    ``A_log`` is a float32 parameter; its norms and ``conv1d`` are model dtype)."""
 
 
 LAYER_KINDS: Mapping[str, Callable[[ModelConfig, int], bool]] = {
@@ -140,6 +166,9 @@ LAYER_KINDS: Mapping[str, Callable[[ModelConfig, int], bool]] = {
     "dense_mlp": lambda c, i: not c.is_moe_layer(i),
     "moe": lambda c, i: c.is_moe_layer(i),
     "shared_experts": lambda c, i: c.is_moe_layer(i) and c.n_shared_experts > 0,
+    "shared_expert": lambda c, i: c.is_moe_layer(i) and c.shared_expert_intermediate_size > 0,
+    "linear_attention": lambda c, i: c.is_linear_attention(i),
+    "full_attention": lambda c, i: not c.is_linear_attention(i),
     "q_lora": lambda c, i: c.q_lora_rank > 0,
     "no_q_lora": lambda c, i: c.q_lora_rank == 0,
 }
@@ -153,6 +182,10 @@ class Architecture:
     name: str
     dims: Mapping[str, Dim]
     rules: tuple[TensorRule, ...]
+    layer_prefix: str = LAYER_PREFIX
+    """Checkpoint prefix of decoder layer ``{i}``."""
+    device_layer_prefix: str = LAYER_PREFIX
+    """Device (engine parameter) prefix of decoder layer ``{i}``."""
 
     def size(self, dim: str, config: ModelConfig) -> int:
         return self.dims[dim].size(config)
@@ -169,8 +202,22 @@ class Architecture:
         return tuple(i for i, r in enumerate(self.rules) if r.place == place)
 
 
-def _S(module: str, *dims: str, tensor: str = "weight", split: Split = "tp") -> SourceSpec:
-    return SourceSpec(module=module, dims=tuple(dims), tensor=tensor, split=split)
+def _S(
+    module: str,
+    *dims: str,
+    tensor: str = "weight",
+    split: Split = "tp",
+    part_of: tuple[str, ...] = (),
+    before: tuple[str, ...] = (),
+) -> SourceSpec:
+    return SourceSpec(
+        module=module,
+        dims=tuple(dims),
+        tensor=tensor,
+        split=split,
+        part_of=part_of,
+        before=before,
+    )
 
 
 # --- shared rows ---------------------------------------------------------------------------
@@ -374,7 +421,241 @@ DEEPSEEK_V3 = Architecture(
     ),
 )
 
-ARCHITECTURES: Mapping[str, Architecture] = {a.name: a for a in (QWEN3, QWEN3_MOE, DEEPSEEK_V3)}
+# --- Qwen3.5 and Qwen3.5-MoE (hybrid Gated DeltaNet + gated attention) --------------------
+#
+# What vLLM 0.23.0 builds (model_executor/models/qwen3_5.py, qwen3_next.py,
+# layers/mamba/gdn/qwen_gdn_linear_attn.py, layers/linear.py):
+# * names: the checkpoint's ``model.language_model.*`` are the engine's
+#   ``language_model.model.*``, ``lm_head`` is ``language_model.lm_head``
+#   (Qwen3VLForConditionalGeneration.hf_to_vllm_mapper);
+# * GDN layers: ``in_proj_qkvz`` = MergedColumnParallelLinear with outputs
+#   [key_dim, key_dim, value_dim, value_dim]; the checkpoint's ``in_proj_qkv`` is loaded as
+#   shards (0, 1, 2), i.e. q, k and v each split over tp on its own, then ``in_proj_z``;
+#   ``in_proj_ba`` = [in_proj_b, in_proj_a] ([num_v_heads] * 2, b first); ``conv1d`` a
+#   ColumnParallelLinear [conv_dim, 1, kernel] in the model dtype whose loader
+#   (mamba_v2_sharded_weight_loader) splits q, k and v over tp the same way; ``A_log``
+#   (float32 parameter) and ``dt_bias`` (model dtype) split over tp on dim 0; ``norm`` (the
+#   gated RMSNorm, head_v_dim wide) replicated; ``out_proj`` row-parallel;
+# * full-attention layers: QKVParallelLinear with 2 * num_heads "heads" when
+#   ``attn_output_gate`` (each head's q rows then its gate rows), so q_proj splits whole
+#   (q, gate) head pairs; o_proj row-parallel over num_heads * head_dim;
+# * Qwen3.5-MoE: every layer a sparse block: ``mlp.gate`` and ``mlp.shared_expert_gate``
+#   replicated and never quantized (quant_config=None), ``mlp.shared_expert`` a TP MLP,
+#   the routed experts a FusedMoE;
+# * ``embed_tokens`` built on every pipeline stage (no PP check), norm and lm_head on the
+#   last; the vision tower and ``mtp.*`` are not planned (``ModelConfig.not_planned``).
+# vllm-ascend 0.23.0.post1 replaces only forward-time methods of these classes
+# (patch/worker/patch_qwen3_5.py:195-209, ops/gdn.py: forward, _forward_core, state
+# shapes); parameters and weight loaders are vLLM's, so both engines hold the same layout.
+
+_QWEN3_5_DIMS: Mapping[str, Dim] = {
+    **_QWEN3_DIMS,
+    "QG": Dim(
+        "num_attention_heads",
+        lambda c: c.num_attention_heads,
+        lambda c: c.head_dim * (2 if c.attn_output_gate else 1),
+    ),
+    "SI": Dim("shared_expert_intermediate_size", lambda c: c.shared_expert_intermediate_size),
+    "ONE": Dim("1", _one),
+    "LK": Dim(
+        "linear_num_key_heads", lambda c: c.linear_num_key_heads, lambda c: c.linear_key_head_dim
+    ),
+    "LV": Dim(
+        "linear_num_value_heads",
+        lambda c: c.linear_num_value_heads,
+        lambda c: c.linear_value_head_dim,
+    ),
+    "LVH": Dim("linear_num_value_heads", lambda c: c.linear_num_value_heads),
+    "LD": Dim("linear_value_head_dim", lambda c: c.linear_value_head_dim),
+    "LQKV": Dim(
+        "2 * linear_num_key_heads * linear_key_head_dim + linear_num_value_heads * "
+        "linear_value_head_dim",
+        lambda c: (
+            2 * c.linear_num_key_heads * c.linear_key_head_dim
+            + c.linear_num_value_heads * c.linear_value_head_dim
+        ),
+    ),
+    "CK": Dim("linear_conv_kernel_dim", lambda c: c.linear_conv_kernel_dim),
+}
+
+_QWEN3_5_LM = "model.language_model"
+_QWEN3_5_DEV = "language_model.model"
+
+
+def _qkv_thirds(module: str, *rest: str) -> tuple[SourceSpec, ...]:
+    """q, k and v rows of a GDN ``in_proj_qkv``-shaped tensor, each split over tp alone."""
+    whole = ("LQKV", *rest)
+    return (
+        _S(module, "LK", *rest, part_of=whole),
+        _S(module, "LK", *rest, part_of=whole, before=("LK",)),
+        _S(module, "LV", *rest, part_of=whole, before=("LK", "LK")),
+    )
+
+
+_QWEN3_5_LAYER = (
+    TensorRule("input_layernorm", "replicated", (_S("input_layernorm", "H"),), held="model"),
+    # Gated DeltaNet (linear attention) layers
+    TensorRule(
+        "linear_attn.in_proj_qkvz",
+        "column",
+        (*_qkv_thirds("linear_attn.in_proj_qkv", "H"), _S("linear_attn.in_proj_z", "LV", "H")),
+        when="linear_attention",
+        linear=True,
+    ),
+    TensorRule(
+        "linear_attn.in_proj_ba",
+        "column",
+        (_S("linear_attn.in_proj_b", "LVH", "H"), _S("linear_attn.in_proj_a", "LVH", "H")),
+        when="linear_attention",
+        linear=True,
+    ),
+    TensorRule(
+        "linear_attn.conv1d",
+        "column",
+        _qkv_thirds("linear_attn.conv1d", "ONE", "CK"),
+        when="linear_attention",
+        held="model",
+    ),
+    TensorRule(
+        "linear_attn",
+        "column",
+        (_S("linear_attn", "LVH", tensor="dt_bias"),),
+        when="linear_attention",
+        held="model",
+    ),
+    TensorRule(
+        "linear_attn",
+        "column",
+        (_S("linear_attn", "LVH", tensor="A_log"),),
+        when="linear_attention",
+        held="float32",
+    ),
+    TensorRule(
+        "linear_attn.norm",
+        "replicated",
+        (_S("linear_attn.norm", "LD"),),
+        when="linear_attention",
+        held="model",
+    ),
+    TensorRule(
+        "linear_attn.out_proj",
+        "row",
+        (_S("linear_attn.out_proj", "H", "LV"),),
+        when="linear_attention",
+        linear=True,
+    ),
+    # gated full-attention layers
+    TensorRule(
+        "self_attn.qkv_proj",
+        "column",
+        (
+            _S("self_attn.q_proj", "QG", "H"),
+            _S("self_attn.k_proj", "KV", "H", split="kv_heads"),
+            _S("self_attn.v_proj", "KV", "H", split="kv_heads"),
+        ),
+        when="full_attention",
+        linear=True,
+    ),
+    TensorRule(
+        "self_attn.q_norm",
+        "replicated",
+        (_S("self_attn.q_norm", "D"),),
+        when="full_attention",
+        held="model",
+    ),
+    TensorRule(
+        "self_attn.k_norm",
+        "replicated",
+        (_S("self_attn.k_norm", "D"),),
+        when="full_attention",
+        held="model",
+    ),
+    TensorRule(
+        "self_attn.o_proj",
+        "row",
+        (_S("self_attn.o_proj", "H", "Q"),),
+        when="full_attention",
+        linear=True,
+    ),
+    TensorRule(
+        "post_attention_layernorm",
+        "replicated",
+        (_S("post_attention_layernorm", "H"),),
+        held="model",
+    ),
+)
+
+_QWEN3_5_MOE_MLP = (
+    TensorRule("mlp.gate", "replicated", (_S("mlp.gate", "E", "H"),), when="moe", held="model"),
+    TensorRule(
+        "mlp.shared_expert_gate",
+        "replicated",
+        (_S("mlp.shared_expert_gate", "ONE", "H"),),
+        when="shared_expert",
+        held="model",
+    ),
+    TensorRule(
+        "mlp.shared_expert.gate_up_proj",
+        "column",
+        (
+            _S("mlp.shared_expert.gate_proj", "SI", "H"),
+            _S("mlp.shared_expert.up_proj", "SI", "H"),
+        ),
+        when="shared_expert",
+        linear=True,
+    ),
+    TensorRule(
+        "mlp.shared_expert.down_proj",
+        "row",
+        (_S("mlp.shared_expert.down_proj", "H", "SI"),),
+        when="shared_expert",
+        linear=True,
+    ),
+    _EXPERTS,
+)
+
+_QWEN3_5_EMBED = TensorRule(
+    f"{_QWEN3_5_DEV}.embed_tokens",
+    "vocab",
+    (_S(f"{_QWEN3_5_LM}.embed_tokens", "V", "H"),),
+    place="first",
+)
+_QWEN3_5_FINAL = (
+    TensorRule(
+        f"{_QWEN3_5_DEV}.norm",
+        "replicated",
+        (_S(f"{_QWEN3_5_LM}.norm", "H"),),
+        place="last",
+        held="model",
+    ),
+    TensorRule(
+        "language_model.lm_head",
+        "vocab",
+        (_S("lm_head", "V", "H"),),
+        place="last",
+        tied_source=f"{_QWEN3_5_LM}.embed_tokens",
+    ),
+)
+
+QWEN3_5 = Architecture(
+    name="Qwen3_5ForConditionalGeneration",
+    dims=_QWEN3_5_DIMS,
+    rules=(_QWEN3_5_EMBED, *_QWEN3_5_LAYER, *_DENSE_MLP, *_QWEN3_5_FINAL),
+    layer_prefix=f"{_QWEN3_5_LM}.layers.{{i}}",
+    device_layer_prefix=f"{_QWEN3_5_DEV}.layers.{{i}}",
+)
+
+QWEN3_5_MOE = Architecture(
+    name="Qwen3_5MoeForConditionalGeneration",
+    dims=_QWEN3_5_DIMS,
+    rules=(_QWEN3_5_EMBED, *_QWEN3_5_LAYER, *_QWEN3_5_MOE_MLP, *_QWEN3_5_FINAL),
+    layer_prefix=f"{_QWEN3_5_LM}.layers.{{i}}",
+    device_layer_prefix=f"{_QWEN3_5_DEV}.layers.{{i}}",
+)
+
+ARCHITECTURES: Mapping[str, Architecture] = {
+    a.name: a for a in (QWEN3, QWEN3_MOE, QWEN3_5, QWEN3_5_MOE, DEEPSEEK_V3)
+}
 """Every architecture mxload can plan, by ``architectures[0]`` of config.json."""
 
 
@@ -391,18 +672,26 @@ def architecture_for(config: ModelConfig) -> Architecture:
     return arch
 
 
-def source_module(rule: TensorRule, source: SourceSpec, layer: int, expert: int = -1) -> str:
+def source_module(
+    rule: TensorRule,
+    source: SourceSpec,
+    layer: int,
+    expert: int = -1,
+    arch: Architecture | None = None,
+) -> str:
     """Full checkpoint module name of ``source`` in layer ``layer`` (and expert)."""
     module = source.module
     if expert >= 0:
         module = module.replace(EXPERT_PLACEHOLDER, str(expert))
     if rule.place == "layer":
-        return f"{LAYER_PREFIX.format(i=layer)}.{module}"
+        prefix = arch.layer_prefix if arch is not None else LAYER_PREFIX
+        return f"{prefix.format(i=layer)}.{module}"
     return module
 
 
-def device_name(rule: TensorRule, layer: int) -> str:
+def device_name(rule: TensorRule, layer: int, arch: Architecture | None = None) -> str:
     """Full device module name of ``rule`` in layer ``layer``."""
     if rule.place == "layer":
-        return f"{LAYER_PREFIX.format(i=layer)}.{rule.name}"
+        prefix = arch.device_layer_prefix if arch is not None else LAYER_PREFIX
+        return f"{prefix.format(i=layer)}.{rule.name}"
     return rule.name

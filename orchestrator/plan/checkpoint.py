@@ -43,7 +43,7 @@ from mxload.orchestrator.errors import (
 )
 from mxload.orchestrator.plan.config import ModelConfig, QuantKind
 from mxload.orchestrator.plan.formats import (
-    BLOCK_SCALE_DTYPE,
+    BLOCK_SCALE_DTYPES,
     BLOCK_SCALE_SUFFIX,
     INDEX_FILE,
     MX_GROUP,
@@ -348,11 +348,12 @@ def _check_block_scale(weight: TensorInfo, scale: TensorInfo, config: ModelConfi
     n, k = _weight_nk(weight, scale)
     b_n, b_k = config.quant.block_n, config.quant.block_k
     want = (ceil_div(n, b_n), ceil_div(k, b_k))
-    if scale.dtype != BLOCK_SCALE_DTYPE or scale.shape != want:
+    if scale.dtype not in BLOCK_SCALE_DTYPES or scale.shape != want:
         raise MismatchedScale(
             f"{scale.file}: mismatched or unpaired scale {scale.name!r}: {scale.dtype} "
             f"{list(scale.shape)}, but weight {weight.name!r} [{n}, {k}] with "
-            f"weight_block_size [{b_n}, {b_k}] needs {BLOCK_SCALE_DTYPE} {list(want)}",
+            f"weight_block_size [{b_n}, {b_k}] needs {' or '.join(BLOCK_SCALE_DTYPES)} "
+            f"{list(want)}",
             file=scale.file,
             tensor=scale.name,
         )

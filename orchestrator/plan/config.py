@@ -19,15 +19,22 @@ from mxload.orchestrator.plan.formats import MODEL_DTYPES, TORCH_DTYPE_ALIASES
 
 QuantKind = Literal["block_fp8", "mxfp8", "none"]
 
+QWEN3_5 = "Qwen3_5ForConditionalGeneration"
+QWEN3_5_MOE = "Qwen3_5MoeForConditionalGeneration"
+QWEN3_5_ARCHITECTURES = (QWEN3_5, QWEN3_5_MOE)
+"""The Qwen3.5 family: the language model under ``text_config`` (docs/contract.md §3)."""
+
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
     "Qwen3ForCausalLM",
     "Qwen3MoeForCausalLM",
+    QWEN3_5,
+    QWEN3_5_MOE,
     "DeepseekV3ForCausalLM",
 )
 """Architectures mxload can plan. See ``LOADABLE_ARCHITECTURES`` for those it can load."""
 
-LOADABLE_ARCHITECTURES: tuple[str, ...] = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
-"""Architectures mxload can load from weights; DeepSeek-V3 is planning-only (docs/contract.md §3)."""
+LOADABLE_ARCHITECTURES: tuple[str, ...] = SUPPORTED_ARCHITECTURES
+"""Architectures mxload can load from weights (docs/contract.md §3): every one it plans."""
 
 _MX_METHODS = ("mxfp8", "modelopt_mxfp8")
 
@@ -91,6 +98,22 @@ class ModelConfig:
     first_k_dense_replace: int = 0
     n_shared_experts: int = 0
     moe_layer_freq: int = 1
+    # Qwen3.5 (hybrid Gated DeltaNet + gated attention) fields; empty/zero elsewhere.
+    layer_types: tuple[str, ...] = ()
+    """Per decoder layer: ``linear_attention`` (Gated DeltaNet) or ``full_attention``."""
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_conv_kernel_dim: int = 0
+    attn_output_gate: bool = False
+    """q_proj carries a sigmoid output gate per head: ``[q_h, gate_h]`` rows per head."""
+    shared_expert_intermediate_size: int = 0
+    """Qwen3.5-MoE: width of the one shared expert (with its own ``shared_expert_gate``)."""
+    mtp_layers: int = 0
+    """MTP (multi-token prediction) layers the checkpoint carries; never planned."""
+    has_vision: bool = False
+    """The checkpoint carries a vision tower (``model.visual.*``); never planned."""
     source: str = field(default="config.json", compare=False)
     """Where the config came from, for error messages."""
 
@@ -104,7 +127,33 @@ class ModelConfig:
             return False
         if self.architecture == "DeepseekV3ForCausalLM":
             return i >= self.first_k_dense_replace and i % max(self.moe_layer_freq, 1) == 0
+        if self.architecture == QWEN3_5_MOE:
+            return True  # vLLM: every layer of qwen3_5_moe_text is a sparse MoE block
         return i not in self.mlp_only_layers and (i + 1) % self.decoder_sparse_step == 0
+
+    def is_linear_attention(self, i: int) -> bool:
+        """Qwen3.5: decoder layer ``i`` is a Gated DeltaNet layer (``layer_types``)."""
+        return bool(self.layer_types) and self.layer_types[i] == "linear_attention"
+
+    def not_planned(self) -> tuple[str, ...]:
+        """Checkpoint scopes no plan holds, each with the reason (docs/contract.md §3)."""
+        out = []
+        if self.has_vision:
+            out.append(
+                "model.visual.* (vision tower): planned for a language-model-only engine "
+                "(vLLM --language-model-only / limit_mm_per_prompt 0)"
+            )
+        if self.mtp_layers:
+            where = (
+                f"model.layers.{self.num_hidden_layers}.*"
+                if self.architecture == "DeepseekV3ForCausalLM"
+                else "mtp.*"
+            )
+            out.append(
+                f"{where} ({self.mtp_layers} MTP layer(s)): vLLM skips them unless "
+                "speculative decoding is configured, and mxload plans the engine without it"
+            )
+        return tuple(out)
 
     def summary(self) -> dict[str, Any]:
         """The ``model`` object of plan and dump JSON."""
@@ -125,6 +174,10 @@ class ModelConfig:
         }
         if self.quant.kind == "block_fp8":
             out["weight_block_size"] = [self.quant.block_n, self.quant.block_k]
+        if self.layer_types:
+            out["linear_attention_layers"] = sum(t == "linear_attention" for t in self.layer_types)
+        if self.not_planned():
+            out["not_planned"] = list(self.not_planned())
         return out
 
 
@@ -264,6 +317,8 @@ def parse_config(
             key="architectures",
         )
     arch = archs[0]
+    if arch in QWEN3_5_ARCHITECTURES:
+        return _parse_qwen3_5(cfg, arch, source, dtype)
     if arch not in SUPPORTED_ARCHITECTURES:
         raise UnsupportedError(
             f"{source}: unknown architecture {arch!r} at key 'architectures'; supported: "
@@ -302,6 +357,7 @@ def parse_config(
             first_k_dense_replace=_int(cfg, "first_k_dense_replace", source, default=0),
             n_shared_experts=_int(cfg, "n_shared_experts", source, default=0),
             moe_layer_freq=_positive(cfg, "moe_layer_freq", source, default=1),
+            mtp_layers=_int(cfg, "num_nextn_predict_layers", source, default=0),
             **common,
         )
     head_dim = _positive(cfg, "head_dim", source, default=head_dim_default)
@@ -330,4 +386,76 @@ def parse_config(
         decoder_sparse_step=step,
         mlp_only_layers=mlp_only,
         **common,
+    )
+
+
+def _parse_qwen3_5(
+    cfg: Mapping[str, Any], arch: str, source: str, dtype: str | None
+) -> ModelConfig:
+    """Qwen3.5 / Qwen3.5-MoE: the language model's fields live under ``text_config``
+    (vLLM's ``hf_text_config``); ``quantization_config`` and the dtype may sit at the top."""
+    text = cfg.get("text_config")
+    if not isinstance(text, Mapping):
+        raise ConfigError(
+            f"{source}: {arch} needs an object at key 'text_config'", file=source, key="text_config"
+        )
+    tsrc = f"{source} (text_config)"
+    quant_holder = cfg if "quantization_config" in cfg else text
+    quant = parse_quant_config(quant_holder, source)
+    dtype_holder = text if ("torch_dtype" in text or "dtype" in text) else cfg
+    hidden = _positive(text, "hidden_size", tsrc)
+    heads = _positive(text, "num_attention_heads", tsrc)
+    layers = _positive(text, "num_hidden_layers", tsrc)
+    raw_types = text.get("layer_types")
+    if raw_types is None:
+        # vLLM's Qwen3_5TextConfig: every full_attention_interval-th layer is full attention.
+        interval = _positive(text, "full_attention_interval", tsrc, default=4)
+        types = tuple(
+            "full_attention" if (i + 1) % interval == 0 else "linear_attention"
+            for i in range(layers)
+        )
+    elif (
+        not isinstance(raw_types, list)
+        or len(raw_types) != layers
+        or any(t not in ("linear_attention", "full_attention") for t in raw_types)
+    ):
+        raise ConfigError(
+            f"{tsrc}: key 'layer_types' must list {layers} entries, each 'linear_attention' "
+            "or 'full_attention'",
+            file=source,
+            key="text_config.layer_types",
+        )
+    else:
+        types = tuple(raw_types)
+    moe = arch == QWEN3_5_MOE
+    num_experts = _positive(text, "num_experts", tsrc) if moe else 0
+    return ModelConfig(
+        architecture=arch,
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=_positive(text, "num_key_value_heads", tsrc, default=heads),
+        head_dim=_positive(text, "head_dim", tsrc, default=256),
+        intermediate_size=0 if moe else _positive(text, "intermediate_size", tsrc),
+        vocab_size=_positive(text, "vocab_size", tsrc),
+        tie_word_embeddings=bool(
+            text.get("tie_word_embeddings", cfg.get("tie_word_embeddings", False))
+        ),
+        model_dtype=model_dtype_of(dtype_holder, dtype),
+        quant=quant,
+        num_experts=num_experts,
+        moe_intermediate_size=_positive(text, "moe_intermediate_size", tsrc) if moe else 0,
+        shared_expert_intermediate_size=(
+            _int(text, "shared_expert_intermediate_size", tsrc, default=0) if moe else 0
+        ),
+        layer_types=types,
+        linear_num_key_heads=_positive(text, "linear_num_key_heads", tsrc),
+        linear_num_value_heads=_positive(text, "linear_num_value_heads", tsrc),
+        linear_key_head_dim=_positive(text, "linear_key_head_dim", tsrc),
+        linear_value_head_dim=_positive(text, "linear_value_head_dim", tsrc),
+        linear_conv_kernel_dim=_positive(text, "linear_conv_kernel_dim", tsrc),
+        attn_output_gate=bool(text.get("attn_output_gate", True)),
+        mtp_layers=_int(text, "mtp_num_hidden_layers", tsrc, default=0),
+        has_vision=isinstance(cfg.get("vision_config"), Mapping),
+        source=source,
     )

@@ -155,7 +155,13 @@ _ASCEND_NZ = (
 )
 # vLLM's Qwen3-MoE builds embed_tokens, the final norm and lm_head unconditionally, so
 # every pipeline stage holds (and loads) them.
-_QWEN3_MOE_EVERY_STAGE = {"Qwen3MoeForCausalLM": ("model.embed_tokens", "model.norm", "lm_head")}
+_QWEN3_MOE_EVERY_STAGE = {
+    "Qwen3MoeForCausalLM": ("model.embed_tokens", "model.norm", "lm_head"),
+    # vLLM 0.23 model_executor/models/qwen3_5.py: Qwen3_5Model builds embed_tokens with no
+    # pipeline check (norm and lm_head only on the last stage).
+    "Qwen3_5ForConditionalGeneration": ("language_model.model.embed_tokens",),
+    "Qwen3_5MoeForConditionalGeneration": ("language_model.model.embed_tokens",),
+}
 
 VLLM_ASCEND_0_23 = EngineProfile(
     name="vllm-ascend-0.23",

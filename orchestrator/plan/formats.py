@@ -54,7 +54,11 @@ QUANT_WEIGHT_DTYPE: Final = "F8_E4M3"
 """Dtype of a quantized weight in block-FP8 and MXFP8 checkpoints."""
 
 BLOCK_SCALE_DTYPE: Final = "F32"
-"""Dtype of ``weight_scale_inv`` in block-FP8 checkpoints."""
+"""Dtype of ``weight_scale_inv`` in block-FP8 checkpoints (the seed's releases)."""
+
+BLOCK_SCALE_DTYPES: Final = ("F32", "BF16")
+"""``weight_scale_inv`` dtypes accepted: float32, and bfloat16 as third-party copies of
+Qwen3.5/3.6 FP8 releases store it; both are resolved in float32 (docs/contract.md §2.1)."""
 
 MX_SCALE_DTYPE: Final = "U8"
 """Dtype of ``weight_scale`` (E8M0 biased exponents) in MXFP8 checkpoints."""

@@ -307,7 +307,9 @@ class _Planner:
         if rule.tied_source and self.config.tie_word_embeddings:
             return [[rule.tied_source]]
         experts = range(self.config.num_experts) if rule.style == "moe" else (-1,)
-        return [[source_module(rule, src, layer, e) for e in experts] for src in rule.sources]
+        return [
+            [source_module(rule, src, layer, e, self.arch) for e in experts] for src in rule.sources
+        ]
 
     def facts(self, idx: int, layer: int) -> _Facts:
         key = (idx, layer)
@@ -324,7 +326,7 @@ class _Planner:
         dtypes: dict[str, str] = {}
         ckpt = self.checkpoint
         for src, names in zip(specs, modules, strict=True):
-            shape = tuple(self.size[d] for d in src.dims)
+            shape = tuple(self.size[d] for d in src.tensor_dims)
             for module in names:
                 tensor = f"{module}.{src.tensor}"
                 if ckpt is None:
@@ -339,7 +341,7 @@ class _Planner:
                 if info is None:
                     raise MissingTensor(
                         f"{ckpt.root}: tensor {tensor!r} is not in the checkpoint, but "
-                        f"{self.config.architecture} needs it for {device_name(rule, layer)}",
+                        f"{self.config.architecture} needs it for {device_name(rule, layer, self.arch)}",
                         tensor=tensor,
                         file=ckpt.root,
                     )
@@ -347,7 +349,7 @@ class _Planner:
                     raise CheckpointError(
                         f"{info.file}: tensor {tensor!r} has shape {list(info.shape)}, but "
                         f"{self.config.source} gives {list(shape)} "
-                        f"({', '.join(self.arch.dims[d].key for d in src.dims)})",
+                        f"({', '.join(self.arch.dims[d].key for d in src.tensor_dims)})",
                         tensor=tensor,
                         file=info.file,
                     )
@@ -355,7 +357,7 @@ class _Planner:
                 if q and not rule.linear:
                     raise CheckpointError(
                         f"{info.file}: tensor {tensor!r} is {QUANT_WEIGHT_DTYPE}; mxload expects "
-                        f"{device_name(rule, layer)} unquantized (it is not a linear)",
+                        f"{device_name(rule, layer, self.arch)} unquantized (it is not a linear)",
                         tensor=tensor,
                         file=info.file,
                     )
@@ -365,14 +367,14 @@ class _Planner:
         if quantized[True] and quantized[False]:
             q_names, plain = quantized[True], quantized[False]
             raise MixedQuantization(
-                f"parts of {device_name(rule, layer)} disagree on being quantized: "
+                f"parts of {device_name(rule, layer, self.arch)} disagree on being quantized: "
                 f"{_few(q_names)} quantized, {_few(plain)} not (docs/contract.md §1.4)",
                 tensor=plain[0],
             )
         if len(dtypes) > 1:
             listed = ", ".join(f"{t} is {d}" for d, t in dtypes.items())
             raise CheckpointError(
-                f"parts of {device_name(rule, layer)} disagree on dtype: {listed}",
+                f"parts of {device_name(rule, layer, self.arch)} disagree on dtype: {listed}",
                 tensor=next(iter(dtypes.values())),
             )
         if dtypes:
@@ -385,7 +387,7 @@ class _Planner:
                     tensor=tensor,
                 )
         else:
-            dtype = "F32" if rule.float32 else self.model_st
+            dtype = "F32" if rule.float32 or rule.held == "float32" else self.model_st
         return _Facts(quantized=bool(quantized[True]), dtype=dtype)
 
     def _needed(self, units: Sequence[Unit], facts: _Facts) -> tuple[int, ...]:
@@ -396,7 +398,10 @@ class _Planner:
     # --- blocks --------------------------------------------------------------------------------
 
     def _dense_block(self, idx: int, layer: int, tp_rank: int) -> _Block:
-        """A column, row or replicated row: one unit, one (or two, MX) buffers."""
+        """A column, row or replicated row: one unit, one (or two, MX) buffers.
+
+        A source is addressed as a matrix ``[N, K]`` (1-D: ``[1, n]``; more dims: ``[N,
+        prod(rest)]``, the same row-major bytes). A 1-D column row splits its only dim."""
         rule = self.arch.rules[idx]
         facts = self.facts(idx, layer)
         tp = self.layout.tp
@@ -405,37 +410,55 @@ class _Planner:
         n_local = 0
         k_local = 0
         one_d = False
+        tail: tuple[int, ...] = ()
         for src in rule.sources:
-            shape = tuple(self.size[d] for d in src.dims)
-            one_d = len(shape) == 1
-            n, k = (1, shape[0]) if one_d else shape
-            rows, cols = (0, n), (0, k)
+            shape = tuple(self.size[d] for d in src.tensor_dims)
+            part = tuple(self.size[d] for d in src.dims)
+            one_d = len(part) == 1
+            off = sum(self.size[d] for d in src.before)
+            tail = part[1:]
+            n, k = (1, part[0]) if one_d else (part[0], math.prod(tail))
+            rows, cols = (off, off + n), (0, k)
+            if one_d:
+                rows, cols = (0, 1), (off, off + k)
             if rule.style == "column":
                 dim = self.arch.dims[src.dims[0]]
                 count, per = dim.count(self.config), dim.per_unit(self.config)
                 if src.split == "kv_heads":
-                    rows = kv_head_rows(count, per, tp, tp_rank)
+                    lo, hi = kv_head_rows(count, per, tp, tp_rank)
                 else:
-                    rows = even_split(count, per, tp, tp_rank)
+                    lo, hi = even_split(count, per, tp, tp_rank)
+                if one_d:
+                    cols = (off + lo, off + hi)
+                else:
+                    rows = (off + lo, off + hi)
             elif rule.style == "row":
                 dim = self.arch.dims[src.dims[1]]
                 cols = even_split(dim.count(self.config), dim.per_unit(self.config), tp, tp_rank)
-            module = rule.tied_source if tied else source_module(rule, src, layer)
+            module = rule.tied_source if tied else source_module(rule, src, layer, -1, self.arch)
             tensor = "" if src.tensor == "weight" else f"{module}.{src.tensor}"
             parts.append(Part(module, rows, cols, n_local, tensor, shape))
             n_local += rows[1] - rows[0]
             k_local = cols[1] - cols[0]
-        name = f"{device_name(rule, layer)}.{rule.sources[0].tensor}"
+        name = f"{device_name(rule, layer, self.arch)}.{rule.sources[0].tensor}"
         kind: UnitKind = "linear" if rule.linear else "copy"
         if facts.quantized and rule.mx and k_local % MX_GROUP == 0:
             layout = LAYOUT_MX_LINEAR
             buffers = _mx_linear_buffers(self.engine, name, n_local, k_local)
         else:
             layout = LAYOUT_DENSE
-            dtype = (
-                self.model_buffer_dtype if facts.quantized else SAFETENSORS_TO_BUFFER[facts.dtype]
-            )
-            shape_l = (k_local,) if one_d else (n_local, k_local)
+            if rule.held == "float32":
+                dtype = SAFETENSORS_TO_BUFFER["F32"]
+            elif rule.held == "model" or facts.quantized:
+                dtype = self.model_buffer_dtype
+            else:
+                dtype = SAFETENSORS_TO_BUFFER[facts.dtype]
+            if one_d:
+                shape_l: tuple[int, ...] = (k_local,)
+            elif len(tail) > 1:
+                shape_l = (n_local, *tail)
+            else:
+                shape_l = (n_local, k_local)
             buffers = (BufferSpec(name, shape_l, dtype, layout),)
         unit = Unit(
             buffer=name,
@@ -531,7 +554,7 @@ class _Planner:
             lo = c.moe_rank * i_local
         mx = facts.quantized and rule.mx and hidden % MX_GROUP == 0 and i_local % MX_GROUP == 0
         layout = LAYOUT_MX_MOE if mx else LAYOUT_DENSE
-        prefix = device_name(rule, layer) + self.engine.moe_infix
+        prefix = device_name(rule, layer, self.arch) + self.engine.moe_infix
         w13, w2 = f"{prefix}.{W13_BUFFER}", f"{prefix}.{W2_BUFFER}"
         e_local = len(c.experts)
         bkey = (idx, layer, e_local)
@@ -580,7 +603,8 @@ class _Planner:
         # Module names are built by concatenation around the expert id: this loop runs
         # once per local expert per layer per MoE rank, the planner's hottest path.
         names = [
-            source_module(rule, src, layer).split(EXPERT_PLACEHOLDER, 1) for src in (gate, up, down)
+            source_module(rule, src, layer, -1, self.arch).split(EXPERT_PLACEHOLDER, 1)
+            for src in (gate, up, down)
         ]
         (g0, g1), (u0, u1), (d0, d1) = names
 
@@ -821,6 +845,20 @@ def quantization_groups(config: ModelConfig) -> list[tuple[str, ...]]:
             modules = planner._source_modules(rule, layer)
             groups.append(tuple(m for names in modules for m in names))
     return groups
+
+
+def dense_linear_modules(config: ModelConfig) -> set[str]:
+    """Checkpoint modules of linears the table keeps in the model dtype even when quantized
+    (``mx=False``: DeepSeek's ``kv_b_proj``, which vllm-ascend's MLA requires unquantized).
+    ``mxload convert`` writes them resolved and lists them in ``exclude_modules``."""
+    planner = _Planner(config, ParallelLayout(), None)
+    out: set[str] = set()
+    for layer in range(config.num_hidden_layers):
+        for idx in planner.layer_rules[layer]:
+            rule = planner.arch.rules[idx]
+            if rule.linear and not rule.mx:
+                out.update(m for names in planner._source_modules(rule, layer) for m in names)
+    return out
 
 
 def build_plan(

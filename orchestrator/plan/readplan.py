@@ -25,6 +25,7 @@ of DeepSeek-V3 (hundreds of thousands of row segments per rank) stays fast.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import replace
 
@@ -32,7 +33,7 @@ from mxload.orchestrator.errors import CheckpointError, MissingTensor
 from mxload.orchestrator.plan.checkpoint import CheckpointMeta
 from mxload.orchestrator.plan.config import ModelConfig
 from mxload.orchestrator.plan.formats import (
-    BLOCK_SCALE_DTYPE,
+    BLOCK_SCALE_DTYPES,
     MODEL_DTYPES,
     MX_GROUP,
     MX_SCALE_DTYPE,
@@ -70,14 +71,16 @@ def rect_range(
 
 
 def _matrix_shape(info: TensorInfo) -> tuple[int, int]:
-    """``[N, K]`` of a tensor as parts address it (1-D tensors are ``[1, n]``)."""
-    if len(info.shape) == 2:
-        return info.shape[0], info.shape[1]
+    """``[N, K]`` of a tensor as parts address it: 1-D tensors are ``[1, n]``, tensors of
+    more dims ``[N, prod(rest)]`` (the same row-major bytes; Qwen3.5's ``conv1d`` is
+    ``[conv_dim, 1, kernel]``)."""
+    if len(info.shape) >= 2:
+        return info.shape[0], math.prod(info.shape[1:])
     if len(info.shape) == 1:
         return 1, info.shape[0]
     raise CheckpointError(
-        f"{info.file}: tensor {info.name!r} has shape {list(info.shape)}; mxload reads 1-D "
-        "and 2-D tensors only",
+        f"{info.file}: tensor {info.name!r} has shape {list(info.shape)}; mxload reads "
+        "tensors of one or more dims only",
         file=info.file,
         tensor=info.name,
     )
@@ -151,14 +154,14 @@ def part_read(part: Part, checkpoint: CheckpointMeta, unit: Unit, *, fanout: int
         )
     if mw.quant == "block_fp8":
         block_n, block_k = checkpoint.config.quant.block_n, checkpoint.config.quant.block_k
-        want_dtype = BLOCK_SCALE_DTYPE
+        want_dtypes: tuple[str, ...] = BLOCK_SCALE_DTYPES
     else:  # MXFP8: one U8 per 32 columns, i.e. tiles of 1 x 32
         block_n, block_k = 1, MX_GROUP
-        want_dtype = MX_SCALE_DTYPE
+        want_dtypes = (MX_SCALE_DTYPE,)
     tn, tk = _matrix_shape(scale)
     t_rows = tile_span(part.rows[0], part.rows[1], block_n)
     t_cols = tile_span(part.cols[0], part.cols[1], block_k)
-    if scale.dtype != want_dtype or t_rows[1] > tn or t_cols[1] > tk:
+    if scale.dtype not in want_dtypes or t_rows[1] > tn or t_cols[1] > tk:
         raise CheckpointError(
             f"{scale.file}: scale {scale.name!r} ({scale.dtype} {list(scale.shape)}) does not "
             f"cover weight {info.name!r} {list(info.shape)}: mismatched or unpaired scale",

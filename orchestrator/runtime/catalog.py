@@ -32,7 +32,12 @@ from typing import Any, Protocol
 from mxload.orchestrator.errors import CheckpointError, ConfigError, StorageError, TruncatedFile
 from mxload.orchestrator.plan.checkpoint import CheckpointMeta, build_meta, parse_index
 from mxload.orchestrator.plan.config import parse_config
-from mxload.orchestrator.plan.formats import CONFIG_FILE, INDEX_FILE, SINGLE_FILE
+from mxload.orchestrator.plan.formats import (
+    BLOCK_SCALE_SUFFIX,
+    CONFIG_FILE,
+    INDEX_FILE,
+    SINGLE_FILE,
+)
 from mxload.orchestrator.plan.safetensors_header import (
     PREFIX_BYTES,
     FileHeader,
@@ -231,6 +236,20 @@ def describe(meta: CheckpointMeta) -> dict[str, Any]:
     }
     if quant.kind == "block_fp8":
         out["weight_block_size"] = [quant.block_n, quant.block_k]
+        # float32 (the seed's releases) or bfloat16 (third-party Qwen3.5 copies) tiles
+        out["block_scale_dtypes"] = sorted(
+            {
+                info.dtype
+                for name, info in meta.tensors.items()
+                if name.endswith(f".{BLOCK_SCALE_SUFFIX}")
+            }
+        )
+    if cfg.layer_types:
+        out["linear_attention_layers"] = sum(
+            cfg.is_linear_attention(i) for i in range(len(cfg.layer_types))
+        )
+    if cfg.not_planned():
+        out["not_planned"] = list(cfg.not_planned())
     if quant.not_converted:
         out["not_converted"] = list(quant.not_converted)
     return out

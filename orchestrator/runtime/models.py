@@ -22,6 +22,8 @@ MODELS: dict[str, str] = {
     "qwen3-30b-a3b-fp8": "Qwen/Qwen3-30B-A3B-FP8",
     "qwen3-32b-fp8": "Qwen/Qwen3-32B-FP8",
     "qwen3-235b-a22b-fp8": "Qwen/Qwen3-235B-A22B-FP8",
+    "qwen3.8-27b-fp8": "Qwen/Qwen3.8-27B-FP8",
+    "qwen3.5-397b-a17b-fp8": "Qwen/Qwen3.5-397B-A17B-FP8",
     "deepseek-v3": "deepseek-ai/DeepSeek-V3",
 }
 """Packaged name -> the model's published id. Either spelling is accepted (any case), and

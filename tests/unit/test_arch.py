@@ -38,13 +38,17 @@ def test_tables_are_well_formed(name: str) -> None:
         assert rule.sources, rule.name
         assert rule.when in LAYER_KINDS
         for src in rule.sources:
-            assert all(d in arch.dims for d in src.dims), (rule.name, src.dims)
-            assert len(src.dims) in (1, 2)
+            assert all(d in arch.dims for d in src.tensor_dims), (rule.name, src.tensor_dims)
+            assert all(d in arch.dims for d in (*src.dims, *src.before)), (rule.name, src.dims)
+            # a part of a larger tensor keeps its trailing dims
+            assert src.dims[1:] == src.tensor_dims[1:] and len(src.dims) >= 1
         if rule.style == "moe":
             assert len(rule.sources) == 3 and all("{e}" in s.module for s in rule.sources)
             assert rule.linear
-        if rule.style in ("column", "row"):
+        if rule.style == "row":
             assert all(len(s.dims) == 2 for s in rule.sources)
+        if rule.style == "column" and any(len(s.dims) == 1 for s in rule.sources):
+            assert len(rule.sources) == 1  # a 1-D column row splits its only dim
         if not rule.linear:
             assert rule.mx  # mx only matters for linears; the default stays untouched
 

@@ -90,6 +90,8 @@ def unit_buffers(
         s = s[unit.expert] if s is not None else None
     if w.dim() == 1:
         w = w.view(1, -1)
+    elif w.dim() > 2 and unit.expert < 0:
+        w = w.view(w.shape[0], -1)  # [N, 1, kernel] (conv1d) as the [N, K] parts address
     return w, s
 
 

@@ -283,7 +283,8 @@ def source_part(
         return w, _typed(sb, torch.uint8, (nr, nc // MX_GROUP))
     tr = pr.tile_rows[1] - pr.tile_rows[0]
     tc = pr.tile_cols[1] - pr.tile_cols[0]
-    scale = _typed(sb, torch.float32, (tr, tc))
+    # float32 or bfloat16 tiles (third-party Qwen3.5 copies); resolved in float32 either way
+    scale = _typed(sb, SAFETENSORS_TO_TORCH[pr.scale_dtype], (tr, tc)).float()
     check_block_scales(
         scale,
         tensor=f"{part.module}.weight_scale_inv",

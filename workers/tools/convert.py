@@ -73,7 +73,11 @@ from mxload.orchestrator.plan.formats import (
     SAFETENSORS_ITEMSIZE,
     SINGLE_FILE,
 )
-from mxload.orchestrator.plan.planner import check_checkpoint, quantization_groups
+from mxload.orchestrator.plan.planner import (
+    check_checkpoint,
+    dense_linear_modules,
+    quantization_groups,
+)
 from mxload.orchestrator.plan.ranges import contiguous
 from mxload.orchestrator.plan.safetensors_header import TensorInfo
 from mxload.orchestrator.runtime.catalog import open_checkpoint
@@ -179,7 +183,7 @@ def convert_checkpoint(
             return arrays
         w_info, s_info = job.sources
         n, k = w_info.shape
-        s = arrays[1].view(np.float32).reshape(tuple(s_info.shape))
+        s = _scale_f32(arrays[1], s_info.dtype).reshape(tuple(s_info.shape))
         check_block_scales(
             s,
             tensor=s_info.name,
@@ -310,6 +314,8 @@ def _plan(meta: CheckpointMeta) -> tuple[Specs, list[_Job], list[str], dict[str,
             if name.endswith(".weight") and info.dtype == "F8_E4M3" and len(info.shape) == 2:
                 if info.shape[1] % MX_GROUP:
                     fallback.add(name[: -len(".weight")])
+        # Linears the engine needs unquantized (DeepSeek's kv_b_proj: MLA absorbs it).
+        fallback.update(dense_linear_modules(cfg))
         for group in quantization_groups(cfg):
             if fallback.intersection(group):
                 fallback.update(group)
@@ -606,3 +612,12 @@ class _Pipeline:
 
 def _join(root: str, name: str) -> str:
     return root.rstrip("/") + "/" + name
+
+
+def _scale_f32(raw: np.ndarray, dtype: str) -> np.ndarray:
+    """Block scales as float32: F32 as stored, BF16 widened exactly (its bits are the
+    upper half of the float32's)."""
+    if dtype == "BF16":
+        out: np.ndarray = (raw.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+        return out
+    return raw.view(np.float32)

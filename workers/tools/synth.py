@@ -2,7 +2,7 @@
 
 Every test, the demo and the benchmarks need checkpoints, and none may be downloaded. A
 synthetic checkpoint has the exact file layout, tensor names, dtypes and shapes of a
-Qwen3 / Qwen3-MoE FP8 release (docs/contract.md §1.1): ``config.json``,
+Qwen3 / Qwen3-MoE / Qwen3.5 / DeepSeek-V3 FP8 release (docs/contract.md §1.1): ``config.json``,
 ``model-0000X-of-0000Y.safetensors`` shards and ``model.safetensors.index.json`` (or one
 ``model.safetensors``), only smaller, seeded.
 
@@ -35,7 +35,7 @@ least one decoder layer straddles two shards (real releases do that, and readers
 not assume a layer lives in one file). Files are written with the streaming
 :class:`~workers.safetensors_io.SafetensorsWriter`, through fsspec for URLs.
 
-Limits: Qwen3 and Qwen3-MoE only (DeepSeek-V3 is planning-only in mxload); block-FP8
+Limits: Qwen3, Qwen3-MoE, Qwen3.5, Qwen3.5-MoE and DeepSeek-V3 presets; block-FP8
 and BF16 outputs only (MXFP8 checkpoints come from ``mxload convert``).
 """
 
@@ -55,9 +55,15 @@ from typing import Any
 import fsspec  # type: ignore[import-untyped]
 import torch
 from mxload.orchestrator.errors import UnsupportedError, UsageError
-from mxload.orchestrator.plan.config import LOADABLE_ARCHITECTURES, ModelConfig, parse_config
+from mxload.orchestrator.plan.config import (
+    LOADABLE_ARCHITECTURES,
+    QWEN3_5_ARCHITECTURES,
+    ModelConfig,
+    parse_config,
+)
 from mxload.orchestrator.plan.formats import (
     BLOCK_SCALE_DTYPE,
+    BLOCK_SCALE_DTYPES,
     BLOCK_SCALE_SUFFIX,
     CONFIG_FILE,
     E4M3_MAX,
@@ -77,6 +83,79 @@ _FP8_BLOCK_QUANT: dict[str, Any] = {
     "activation_scheme": "dynamic",
     "weight_block_size": [128, 128],
 }
+
+_QWEN3_5_FP8: dict[str, Any] = {
+    **_FP8_BLOCK_QUANT,
+    # What Qwen's Qwen3.5 FP8 releases leave unquantized: the vision tower, MTP, the
+    # embedding and lm_head, the GDN's small projections and state parameters, norms.
+    "modules_to_not_convert": [
+        "lm_head",
+        "model.visual",
+        "mtp",
+        "model.language_model.embed_tokens",
+        "in_proj_a",
+        "in_proj_b",
+        "conv1d",
+        "A_log",
+        "dt_bias",
+        "norm",
+        "input_layernorm",
+        "post_attention_layernorm",
+        "q_norm",
+        "k_norm",
+    ],
+}
+
+_QWEN3_5_VISION: dict[str, Any] = {
+    "model_type": "qwen3_5",
+    "depth": 1,
+    "hidden_size": 64,
+    "hidden_act": "gelu_pytorch_tanh",
+    "intermediate_size": 128,
+    "num_heads": 2,
+    "in_channels": 3,
+    "patch_size": 16,
+    "spatial_merge_size": 2,
+    "temporal_patch_size": 2,
+    "out_hidden_size": 256,
+    "num_position_embeddings": 64,
+}
+
+
+def _qwen3_5_text(**over: Any) -> dict[str, Any]:
+    """A tiny Qwen3.5 text_config: 4 layers (3 linear attention, 1 full), hidden 256;
+    GDN 4 key heads and 8 value heads of 32 (key_dim 128, value_dim 256)."""
+    cfg: dict[str, Any] = {
+        "attention_bias": False,
+        "attn_output_gate": True,
+        "dtype": "bfloat16",
+        "full_attention_interval": 4,
+        "head_dim": 64,
+        "hidden_act": "silu",
+        "hidden_size": 256,
+        "linear_conv_kernel_dim": 4,
+        "linear_key_head_dim": 32,
+        "linear_num_key_heads": 4,
+        "linear_num_value_heads": 8,
+        "linear_value_head_dim": 32,
+        "max_position_embeddings": 4096,
+        "mtp_num_hidden_layers": 1,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "rms_norm_eps": 1e-06,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0},
+        "partial_rotary_factor": 0.25,
+        "tie_word_embeddings": False,
+        "vocab_size": 1000,
+    }
+    cfg.update(over)
+    n = cfg["num_hidden_layers"]
+    cfg["layer_types"] = [
+        "full_attention" if (i + 1) % cfg["full_attention_interval"] == 0 else "linear_attention"
+        for i in range(n)
+    ]
+    return cfg
+
 
 PRESETS: dict[str, dict[str, Any]] = {
     # Qwen3-30B-A3B-FP8 in miniature: every layer MoE except layer 2 (mlp_only_layers),
@@ -156,6 +235,84 @@ PRESETS: dict[str, dict[str, Any]] = {
         "vocab_size": 997,
         "quantization_config": _FP8_BLOCK_QUANT,
     },
+    # Qwen3.8-27B-FP8 (Qwen3.5 dense) in miniature, in the real layout: the language model
+    # under text_config and model.language_model.*, three Gated DeltaNet layers then one
+    # gated full-attention layer, a vision tower (model.visual.*) and one MTP layer
+    # (mtp.*) that no plan holds, and the FP8 release's modules_to_not_convert. The MLP is
+    # 448 wide: 14 MX groups at tp 1, 7 (odd) at tp 2, and not a multiple of 32 at tp 4
+    # (held resolved in the model dtype); vocab 1000 is not a multiple of 64.
+    "qwen3.5-tiny": {
+        "architectures": ["Qwen3_5ForConditionalGeneration"],
+        "model_type": "qwen3_5",
+        "tie_word_embeddings": False,
+        "text_config": _qwen3_5_text(
+            model_type="qwen3_5_text", intermediate_size=448, num_hidden_layers=4
+        ),
+        "vision_config": _QWEN3_5_VISION,
+        "quantization_config": _QWEN3_5_FP8,
+    },
+    # Qwen3.5-397B-A17B-FP8 in miniature: every layer a sparse MoE block (8 experts of 128,
+    # a shared expert of 128 with its own gate), the same hybrid attention.
+    "qwen3.5-moe-tiny": {
+        "architectures": ["Qwen3_5MoeForConditionalGeneration"],
+        "model_type": "qwen3_5_moe",
+        "tie_word_embeddings": False,
+        "text_config": _qwen3_5_text(
+            model_type="qwen3_5_moe_text",
+            num_hidden_layers=4,
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=128,
+            shared_expert_intermediate_size=128,
+        ),
+        "vision_config": _QWEN3_5_VISION,
+        "quantization_config": {
+            **_QWEN3_5_FP8,
+            "modules_to_not_convert": [
+                *_QWEN3_5_FP8["modules_to_not_convert"],
+                "mlp.gate",
+                "shared_expert_gate",
+            ],
+        },
+    },
+    # DeepSeek-V3 in miniature: MLA with q LoRA (q_lora_rank 96: q_b_proj's K is 3 MX
+    # groups, odd), the first layer dense (first_k_dense_replace 1), then MoE layers with
+    # one shared expert, 8 routed experts and the router's F32 correction bias, and one MTP
+    # layer (model.layers.3.*) that no plan holds.
+    "deepseek-v3-tiny": {
+        "architectures": ["DeepseekV3ForCausalLM"],
+        "model_type": "deepseek_v3",
+        "first_k_dense_replace": 1,
+        "hidden_act": "silu",
+        "hidden_size": 256,
+        "intermediate_size": 512,
+        "kv_lora_rank": 128,
+        "max_position_embeddings": 4096,
+        "moe_intermediate_size": 64,
+        "moe_layer_freq": 1,
+        "n_group": 2,
+        "n_routed_experts": 8,
+        "n_shared_experts": 1,
+        "norm_topk_prob": True,
+        "num_attention_heads": 4,
+        "num_experts_per_tok": 2,
+        "num_hidden_layers": 3,
+        "num_key_value_heads": 4,
+        "num_nextn_predict_layers": 1,
+        "q_lora_rank": 96,
+        "qk_nope_head_dim": 32,
+        "qk_rope_head_dim": 16,
+        "rms_norm_eps": 1e-06,
+        "routed_scaling_factor": 2.5,
+        "scoring_func": "sigmoid",
+        "tie_word_embeddings": False,
+        "topk_group": 1,
+        "topk_method": "noaux_tc",
+        "torch_dtype": "bfloat16",
+        "v_head_dim": 32,
+        "vocab_size": 1000,
+        "quantization_config": _FP8_BLOCK_QUANT,
+    },
 }
 """config.json of each preset (``mxload make-checkpoint --preset NAME``)."""
 
@@ -225,47 +382,229 @@ def _linear_modules(cfg: ModelConfig, i: int) -> list[tuple[str, int, int]]:
     return out
 
 
-def _tensors(cfg: ModelConfig, quantized: bool) -> list[_Tensor]:
+def _emit(
+    out: list[_Tensor],
+    cfg: ModelConfig,
+    mods: list[tuple[str, int, int]],
+    quantized: bool,
+    scale_dtype: str,
+) -> None:
+    """Linears ``(module, N, K)``: FP8 weight + block scale, or resolved in the model dtype
+    (a BF16 checkpoint, or a module the config leaves unquantized)."""
+    plain = MODEL_DTYPES[cfg.model_dtype]
+    bn, bk = cfg.quant.block_n, cfg.quant.block_k
+    for module, n, k in mods:
+        if quantized and not cfg.quant.is_excluded(module):
+            out.append(_Tensor(f"{module}.weight", QUANT_WEIGHT_DTYPE, (n, k), "qweight", module))
+            scale_shape = (ceil_div(n, bn), ceil_div(k, bk))
+            out.append(
+                _Tensor(
+                    f"{module}.{BLOCK_SCALE_SUFFIX}", scale_dtype, scale_shape, "qscale", module
+                )
+            )
+        else:
+            out.append(_Tensor(f"{module}.weight", plain, (n, k), "resolved", module))
+
+
+def _tensors(cfg: ModelConfig, quantized: bool, scale_dtype: str) -> list[_Tensor]:
     """Every tensor of the checkpoint, in Hugging Face's state-dict order."""
+    if cfg.architecture in QWEN3_5_ARCHITECTURES:
+        return _qwen3_5_tensors(cfg, quantized, scale_dtype)
+    if cfg.architecture == "DeepseekV3ForCausalLM":
+        return _deepseek_tensors(cfg, quantized, scale_dtype)
     plain = MODEL_DTYPES[cfg.model_dtype]
     h = cfg.hidden_size
-    bn, bk = cfg.quant.block_n, cfg.quant.block_k
     out = [_Tensor("model.embed_tokens.weight", plain, (cfg.vocab_size, h), "embed")]
     for i in range(cfg.num_hidden_layers):
         p = f"model.layers.{i}"
         linears = _linear_modules(cfg, i)
         attn, mlp = linears[:4], linears[4:]
-
-        def emit(mods: list[tuple[str, int, int]]) -> None:
-            for module, n, k in mods:
-                if quantized and not cfg.quant.is_excluded(module):
-                    out.append(
-                        _Tensor(f"{module}.weight", QUANT_WEIGHT_DTYPE, (n, k), "qweight", module)
-                    )
-                    scale_shape = (ceil_div(n, bn), ceil_div(k, bk))
-                    out.append(
-                        _Tensor(
-                            f"{module}.{BLOCK_SCALE_SUFFIX}",
-                            BLOCK_SCALE_DTYPE,
-                            scale_shape,
-                            "qscale",
-                            module,
-                        )
-                    )
-                else:
-                    out.append(_Tensor(f"{module}.weight", plain, (n, k), "resolved", module))
-
-        emit(attn)
+        _emit(out, cfg, attn, quantized, scale_dtype)
         out.append(_Tensor(f"{p}.self_attn.q_norm.weight", plain, (cfg.head_dim,), "norm"))
         out.append(_Tensor(f"{p}.self_attn.k_norm.weight", plain, (cfg.head_dim,), "norm"))
         if cfg.is_moe_layer(i):
             out.append(_Tensor(f"{p}.mlp.gate.weight", plain, (cfg.num_experts, h), "router"))
-        emit(mlp)
+        _emit(out, cfg, mlp, quantized, scale_dtype)
         out.append(_Tensor(f"{p}.input_layernorm.weight", plain, (h,), "norm"))
         out.append(_Tensor(f"{p}.post_attention_layernorm.weight", plain, (h,), "norm"))
     out.append(_Tensor("model.norm.weight", plain, (h,), "norm"))
     if not cfg.tie_word_embeddings:
         out.append(_Tensor("lm_head.weight", plain, (cfg.vocab_size, h), "embed"))
+    return out
+
+
+def _deepseek_layer(
+    out: list[_Tensor], cfg: ModelConfig, i: int, quantized: bool, scale_dtype: str
+) -> None:
+    """One DeepSeek-V3 decoder layer ``model.layers.{i}`` (an MTP layer's too)."""
+    plain = MODEL_DTYPES[cfg.model_dtype]
+    h, heads = cfg.hidden_size, cfg.num_attention_heads
+    qk = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+    p = f"model.layers.{i}"
+    a = f"{p}.self_attn"
+    out.append(_Tensor(f"{p}.input_layernorm.weight", plain, (h,), "norm"))
+    _emit(out, cfg, [(f"{a}.q_a_proj", cfg.q_lora_rank, h)], quantized, scale_dtype)
+    out.append(_Tensor(f"{a}.q_a_layernorm.weight", plain, (cfg.q_lora_rank,), "norm"))
+    mods = [
+        (f"{a}.q_b_proj", heads * qk, cfg.q_lora_rank),
+        (f"{a}.kv_a_proj_with_mqa", cfg.kv_lora_rank + cfg.qk_rope_head_dim, h),
+    ]
+    _emit(out, cfg, mods, quantized, scale_dtype)
+    out.append(_Tensor(f"{a}.kv_a_layernorm.weight", plain, (cfg.kv_lora_rank,), "norm"))
+    mods = [
+        (f"{a}.kv_b_proj", heads * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank),
+        (f"{a}.o_proj", h, heads * cfg.v_head_dim),
+    ]
+    _emit(out, cfg, mods, quantized, scale_dtype)
+    out.append(_Tensor(f"{p}.post_attention_layernorm.weight", plain, (h,), "norm"))
+    if not cfg.is_moe_layer(i):
+        inter = cfg.intermediate_size
+        mods = [
+            (f"{p}.mlp.gate_proj", inter, h),
+            (f"{p}.mlp.up_proj", inter, h),
+            (f"{p}.mlp.down_proj", h, inter),
+        ]
+        _emit(out, cfg, mods, quantized, scale_dtype)
+        return
+    out.append(_Tensor(f"{p}.mlp.gate.weight", plain, (cfg.num_experts, h), "router"))
+    out.append(
+        _Tensor(f"{p}.mlp.gate.e_score_correction_bias", "F32", (cfg.num_experts,), "router")
+    )
+    mi = cfg.moe_intermediate_size
+    mods = []
+    for e in range(cfg.num_experts):
+        pe = f"{p}.mlp.experts.{e}"
+        mods += [(f"{pe}.gate_proj", mi, h), (f"{pe}.up_proj", mi, h), (f"{pe}.down_proj", h, mi)]
+    si = mi * cfg.n_shared_experts
+    mods += [
+        (f"{p}.mlp.shared_experts.gate_proj", si, h),
+        (f"{p}.mlp.shared_experts.up_proj", si, h),
+        (f"{p}.mlp.shared_experts.down_proj", h, si),
+    ]
+    _emit(out, cfg, mods, quantized, scale_dtype)
+
+
+def _deepseek_tensors(cfg: ModelConfig, quantized: bool, scale_dtype: str) -> list[_Tensor]:
+    """A DeepSeek-V3 release's tensors, its MTP layers ``model.layers.{L..}`` included
+    (their own embed/enorm/hnorm/eh_proj/shared_head and a MoE decoder layer)."""
+    plain = MODEL_DTYPES[cfg.model_dtype]
+    h, v = cfg.hidden_size, cfg.vocab_size
+    out = [_Tensor("model.embed_tokens.weight", plain, (v, h), "embed")]
+    for i in range(cfg.num_hidden_layers):
+        _deepseek_layer(out, cfg, i, quantized, scale_dtype)
+    out.append(_Tensor("model.norm.weight", plain, (h,), "norm"))
+    out.append(_Tensor("lm_head.weight", plain, (v, h), "embed"))
+    for j in range(cfg.mtp_layers):
+        i = cfg.num_hidden_layers + j
+        p = f"model.layers.{i}"
+        out += [
+            _Tensor(f"{p}.embed_tokens.weight", plain, (v, h), "embed"),
+            _Tensor(f"{p}.enorm.weight", plain, (h,), "norm"),
+            _Tensor(f"{p}.hnorm.weight", plain, (h,), "norm"),
+        ]
+        _emit(out, cfg, [(f"{p}.eh_proj", h, 2 * h)], quantized, scale_dtype)
+        _deepseek_layer(out, cfg, i, quantized, scale_dtype)
+        out += [
+            _Tensor(f"{p}.shared_head.norm.weight", plain, (h,), "norm"),
+            _Tensor(f"{p}.shared_head.head.weight", plain, (v, h), "embed"),
+        ]
+    return out
+
+
+_QWEN3_5_LAYERS = "model.language_model.layers"
+
+
+def _qwen3_5_tensors(cfg: ModelConfig, quantized: bool, scale_dtype: str) -> list[_Tensor]:
+    """A Qwen3.5 / Qwen3.5-MoE release's tensors (names as in Qwen's safetensors): the
+    language model under ``model.language_model``, ``lm_head``, a small vision tower
+    ``model.visual.*`` and the MTP layer ``mtp.*`` (both left unquantized, as released)."""
+    plain = MODEL_DTYPES[cfg.model_dtype]
+    h, v = cfg.hidden_size, cfg.vocab_size
+    key = cfg.linear_num_key_heads * cfg.linear_key_head_dim
+    value = cfg.linear_num_value_heads * cfg.linear_value_head_dim
+    nv = cfg.linear_num_value_heads
+    q_rows = cfg.num_attention_heads * cfg.head_dim * (2 if cfg.attn_output_gate else 1)
+    kv_rows = cfg.num_key_value_heads * cfg.head_dim
+    out = [_Tensor("model.language_model.embed_tokens.weight", plain, (v, h), "embed")]
+
+    def mlp_of(p: str) -> list[tuple[str, int, int]]:
+        if not cfg.is_moe:
+            inter = cfg.intermediate_size
+            return [
+                (f"{p}.mlp.gate_proj", inter, h),
+                (f"{p}.mlp.up_proj", inter, h),
+                (f"{p}.mlp.down_proj", h, inter),
+            ]
+        mods = []
+        for e in range(cfg.num_experts):
+            pe, mi = f"{p}.mlp.experts.{e}", cfg.moe_intermediate_size
+            mods += [
+                (f"{pe}.gate_proj", mi, h),
+                (f"{pe}.up_proj", mi, h),
+                (f"{pe}.down_proj", h, mi),
+            ]
+        si = cfg.shared_expert_intermediate_size
+        mods += [
+            (f"{p}.mlp.shared_expert.gate_proj", si, h),
+            (f"{p}.mlp.shared_expert.up_proj", si, h),
+            (f"{p}.mlp.shared_expert.down_proj", h, si),
+        ]
+        return mods
+
+    for i in range(cfg.num_hidden_layers):
+        p = f"{_QWEN3_5_LAYERS}.{i}"
+        out.append(_Tensor(f"{p}.input_layernorm.weight", plain, (h,), "norm"))
+        if cfg.is_linear_attention(i):
+            a = f"{p}.linear_attn"
+            out.append(_Tensor(f"{a}.A_log", "F32", (nv,), "norm"))
+            out.append(
+                _Tensor(
+                    f"{a}.conv1d.weight",
+                    plain,
+                    (2 * key + value, 1, cfg.linear_conv_kernel_dim),
+                    "norm",
+                )
+            )
+            out.append(_Tensor(f"{a}.dt_bias", plain, (nv,), "norm"))
+            mods = [
+                (f"{a}.in_proj_a", nv, h),
+                (f"{a}.in_proj_b", nv, h),
+                (f"{a}.in_proj_qkv", 2 * key + value, h),
+                (f"{a}.in_proj_z", value, h),
+            ]
+            _emit(out, cfg, mods, quantized, scale_dtype)
+            out.append(_Tensor(f"{a}.norm.weight", plain, (cfg.linear_value_head_dim,), "norm"))
+            _emit(out, cfg, [(f"{a}.out_proj", h, value)], quantized, scale_dtype)
+        else:
+            a = f"{p}.self_attn"
+            mods = [
+                (f"{a}.q_proj", q_rows, h),
+                (f"{a}.k_proj", kv_rows, h),
+                (f"{a}.v_proj", kv_rows, h),
+                (f"{a}.o_proj", h, cfg.num_attention_heads * cfg.head_dim),
+            ]
+            _emit(out, cfg, mods, quantized, scale_dtype)
+            out.append(_Tensor(f"{a}.q_norm.weight", plain, (cfg.head_dim,), "norm"))
+            out.append(_Tensor(f"{a}.k_norm.weight", plain, (cfg.head_dim,), "norm"))
+        if cfg.is_moe:
+            out.append(_Tensor(f"{p}.mlp.gate.weight", plain, (cfg.num_experts, h), "router"))
+            out.append(_Tensor(f"{p}.mlp.shared_expert_gate.weight", plain, (1, h), "router"))
+        _emit(out, cfg, mlp_of(p), quantized, scale_dtype)
+        out.append(_Tensor(f"{p}.post_attention_layernorm.weight", plain, (h,), "norm"))
+    out.append(_Tensor("model.language_model.norm.weight", plain, (h,), "norm"))
+    if not cfg.tie_word_embeddings:
+        out.append(_Tensor("lm_head.weight", plain, (v, h), "embed"))
+    # Never planned (ModelConfig.not_planned), but there as in the release.
+    vis = 64
+    out += [
+        _Tensor("model.visual.patch_embed.proj.weight", plain, (vis, 3, 2, 16, 16), "router"),
+        _Tensor("model.visual.blocks.0.attn.qkv.weight", plain, (3 * vis, vis), "router"),
+        _Tensor("model.visual.blocks.0.norm1.weight", plain, (vis,), "norm"),
+        _Tensor("model.visual.merger.linear_fc2.weight", plain, (h, 4 * vis), "router"),
+        _Tensor("mtp.fc.weight", plain, (h, 2 * h), "router"),
+        _Tensor("mtp.layers.0.input_layernorm.weight", plain, (h,), "norm"),
+        _Tensor("mtp.norm.weight", plain, (h,), "norm"),
+    ]
     return out
 
 
@@ -287,6 +626,11 @@ class _Special:
 
 def _special(cfg: ModelConfig) -> _Special:
     mlp = "mlp.experts.0.gate_proj" if cfg.is_moe_layer(0) else "mlp.gate_proj"
+    if cfg.architecture == "DeepseekV3ForCausalLM":
+        return _Special("model.layers.0.self_attn.o_proj", "model.layers.0.mlp.gate_proj")
+    if cfg.architecture in QWEN3_5_ARCHITECTURES:
+        p = f"{_QWEN3_5_LAYERS}.0"
+        return _Special(f"{p}.linear_attn.in_proj_qkv", f"{p}.{mlp}")
     return _Special("model.layers.0.self_attn.q_proj", f"model.layers.0.{mlp}")
 
 
@@ -299,8 +643,12 @@ class _Generator:
         seed: int,
         scale_range: tuple[float, float],
         special: _Special | None,
+        linear_shapes: Mapping[str, tuple[int, ...]],
+        bf16_scales: bool = False,
     ) -> None:
         self.cfg = cfg
+        self.bf16_scales = bf16_scales
+        self.linear_shapes = linear_shapes
         self.seed = seed
         self.log_lo, self.log_hi = math.log2(scale_range[0]), math.log2(scale_range[1])
         self.special = special
@@ -322,6 +670,8 @@ class _Generator:
         s = torch.exp2(self.log_lo + (self.log_hi - self.log_lo) * u).to(torch.float32)
         if self.special is not None and module == self.special.tiny_scale:
             s[0, -1] = TINY_SCALE
+        if self.bf16_scales:
+            s = s.to(torch.bfloat16).to(torch.float32)  # exact: what the file holds
         return s
 
     def resolved(self, module: str, n: int, k: int, dtype: torch.dtype) -> torch.Tensor:
@@ -337,7 +687,7 @@ class _Generator:
             return self.weight_fp8(t.module, *t.shape)
         if t.role == "qscale":
             n, k = self._linear_shape(t.module)
-            return self.scale_inv_f32(t.module, n, k)
+            return self.scale_inv_f32(t.module, n, k).to(tdtype)
         if t.role == "resolved":
             return self.resolved(t.module, t.shape[0], t.shape[1], tdtype)
         g = _generator(self.seed, t.name)
@@ -346,11 +696,8 @@ class _Generator:
         return (0.02 * torch.randn(t.shape, generator=g)).to(tdtype)  # embed, router
 
     def _linear_shape(self, module: str) -> tuple[int, int]:
-        layer = int(module.split(".")[2])
-        for m, n, k in _linear_modules(self.cfg, layer):
-            if m == module:
-                return n, k
-        raise KeyError(module)  # pragma: no cover - modules come from _linear_modules
+        n, k = self.linear_shapes[module]
+        return n, k
 
 
 # --- sharding ---------------------------------------------------------------------------------
@@ -360,6 +707,8 @@ def _layer_of(name: str) -> int | None:
     parts = name.split(".")
     if len(parts) > 2 and parts[0] == "model" and parts[1] == "layers":
         return int(parts[2])
+    if len(parts) > 3 and parts[1] == "language_model" and parts[2] == "layers":
+        return int(parts[3])
     return None
 
 
@@ -409,13 +758,16 @@ def make_checkpoint(
     overrides: Mapping[str, Any] | None = None,
     tile_scale_range: tuple[float, float] = DEFAULT_TILE_SCALE_RANGE,
     special_tiles: bool = True,
+    scale_dtype: str = BLOCK_SCALE_DTYPE,
 ) -> dict[str, Any]:
     """Write a synthetic checkpoint of ``preset`` to ``out`` (a local path or fsspec URL).
 
     Returns a summary: ``out``, ``preset``, ``seed``, ``quantized``, ``files`` (file names
     relative to ``out``, config and index included), ``shards``, ``tensors`` (count),
     ``bytes`` (tensor bytes, the index's ``total_size``) and ``special_tiles`` (which
-    tensors and tiles got the special values).
+    tensors and tiles got the special values). ``scale_dtype``: ``F32`` (the seed's
+    releases) or ``BF16`` block scales (third-party Qwen3.5 copies); BF16 tiles are the
+    F32 ones rounded to BF16, and the BF16 twin resolves with the rounded values.
     """
     if isinstance(shards, bool) or not isinstance(shards, int) or shards < 1:
         raise UsageError(f"--shards must be a positive integer, got {shards!r}", key="--shards")
@@ -443,11 +795,17 @@ def make_checkpoint(
             f"{source}: make-checkpoint writes block-FP8 or BF16; MXFP8 comes from mxload convert",
             key="quantization_config",
         )
+    if scale_dtype not in BLOCK_SCALE_DTYPES:
+        raise UsageError(
+            f"--scale-dtype: {scale_dtype!r} is not one of {', '.join(BLOCK_SCALE_DTYPES)}",
+            key="--scale-dtype",
+        )
     quantized = cfg.quant.kind == "block_fp8"
-    tensors = _tensors(cfg, quantized)
+    tensors = _tensors(cfg, quantized, scale_dtype)
 
     special = _special(cfg) if special_tiles else None
-    gen = _Generator(cfg, seed, (lo, hi), special)
+    shapes = {t.module: t.shape for t in tensors if t.role in ("qweight", "resolved")}
+    gen = _Generator(cfg, seed, (lo, hi), special, shapes, scale_dtype == "BF16")
     options = dict(storage_options or {})
     if not is_remote(out):
         os.makedirs(local_path(out), exist_ok=True)
