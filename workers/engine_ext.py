@@ -37,13 +37,19 @@ torch_npu are lazy: this module imports without them.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, cast
 
 import torch
 from mxload.orchestrator.errors import AddressMoved, AdoptionError, RunError
-from mxload.orchestrator.plan.engines import EngineProfile, engine_profile
+from mxload.orchestrator.plan.engines import engine_profile
+from mxload.orchestrator.plan.releases import (
+    RELEASES,
+    EngineRelease,
+    check_settings,
+    release_of_version,
+)
 from mxload.orchestrator.plan.types import ParallelLayout, Plan
 from mxload.orchestrator.runtime.reload import ReloadInputs, reload
 from mxload.orchestrator.runtime.state import Progress, Report, SessionState
@@ -61,9 +67,10 @@ class EngineFacts:
     pp_rank: int
     dp_rank: int
     engine: str
-    """Engine profile name (``mxload.orchestrator.plan.engines.ENGINES``)."""
-    env: Mapping[str, str]
-    """The engine settings a profile may refuse (e.g. VLLM_ASCEND_ENABLE_NZ), as strings."""
+    """Engine release or profile name (``--engine``)."""
+    settings: Mapping[str, str]
+    """The engine settings a release may refuse (``weight_nz_mode``, ``enable_eplb``, ...;
+    :class:`mxload.orchestrator.plan.releases.Refusal`), as the engine resolved them."""
 
     @property
     def rank(self) -> int:
@@ -72,26 +79,124 @@ class EngineFacts:
         return self.dp_rank * (lay.pp * lay.tp) + self.pp_rank * lay.tp + self.tp_rank
 
 
-def check_engine_settings(profile: EngineProfile, env: Mapping[str, str]) -> None:
-    """Refuse engine settings the profile cannot honour (AdoptionError with the reason)."""
-    bad = [f"{var}={env.get(var)!r}: {why}" for var, why in profile.refuse_env.items()
-           if env.get(var, "1") != "0"]  # fmt: skip
+_RELEASE_OF_PROFILE = {"vllm-ascend-0.23": "vllm-ascend-0.23.0.post1"}
+"""A profile named instead of a release stands for this release (else the one of its name)."""
+
+
+def engine_release(engine: str) -> EngineRelease | None:
+    """The release ``engine`` (a release or profile name) stands for; None for mxload's
+    own layout, which has no engine settings."""
+    name = _RELEASE_OF_PROFILE.get(engine, engine)
+    return RELEASES.get(name)
+
+
+def check_engine_settings(engine: str, settings: Mapping[str, str]) -> None:
+    """Refuse engine settings the release cannot be reloaded under (AdoptionError, one
+    line: the setting, why, and what to change)."""
+    release = engine_release(engine)
+    bad = check_settings(release, settings) if release is not None else []
     if bad:
         raise AdoptionError(
-            f"--engine {profile.name}: cannot write into this engine's parameters: "
-            + "; ".join(bad),
-            key="--engine",
+            f"--engine {engine}: cannot write into this engine's parameters: " + " | ".join(bad),
+            key=bad[0].split("=", 1)[0],
         )
+
+
+@dataclass(frozen=True)
+class Held:
+    """Where the engine keeps one adopted tensor, and what it was at attach."""
+
+    module: Any
+    """The module holding it (``getattr(module, attr)`` is the live object)."""
+    attr: str
+    data_ptr: int
+    storage_ptr: int
+    stride: tuple[int, ...]
+    storage_offset: int
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    npu_format: int | None
+
+    @staticmethod
+    def of(module: Any, attr: str, t: torch.Tensor) -> Held:
+        return Held(
+            module,
+            attr,
+            t.data_ptr(),
+            t.untyped_storage().data_ptr(),
+            tuple(t.stride()),
+            int(t.storage_offset()),
+            tuple(t.shape),
+            t.dtype,
+            _npu_format(t),
+        )
+
+    def live(self) -> torch.Tensor | None:
+        obj = getattr(self.module, self.attr, None)
+        return obj.data if isinstance(obj, torch.Tensor) else None
+
+    def drift(self) -> str:
+        """What changed since attach ('' = nothing)."""
+        t = self.live()
+        if t is None:
+            return "no longer a tensor on its module"
+        now = Held.of(self.module, self.attr, t)
+        diffs = [
+            f"{what} {getattr(self, what)} -> {getattr(now, what)}"
+            for what in (
+                "data_ptr",
+                "storage_ptr",
+                "stride",
+                "storage_offset",
+                "shape",
+                "dtype",
+                "npu_format",
+            )
+            if getattr(self, what) != getattr(now, what)
+        ]
+        return ", ".join(diffs)
+
+
+def _npu_format(t: torch.Tensor) -> int | None:
+    """The storage format (ND, FRACTAL_NZ, ...) of an NPU tensor; None elsewhere."""
+    if t.device.type != "npu":
+        return None
+    import torch_npu  # type: ignore[import-not-found]
+
+    return int(torch_npu.get_npu_format(t))
+
+
+def engine_params(model: torch.nn.Module) -> dict[str, tuple[Any, str]]:
+    """Every parameter and buffer of ``model`` by name, as (module, attribute): where the
+    engine keeps it, so that a rebinding is seen."""
+    out: dict[str, tuple[Any, str]] = {}
+    for mod_name, mod in model.named_modules(remove_duplicate=False):
+        prefix = f"{mod_name}." if mod_name else ""
+        for attr in (*mod._parameters, *mod._buffers):
+            if getattr(mod, attr, None) is not None:
+                out.setdefault(prefix + attr, (mod, attr))
+    return out
 
 
 class _OneRank:
     """How an :class:`Attachment` runs its ranks: the one rank this worker hosts, with
     its own loader, in this process (:class:`mxload.orchestrator.runtime.reload.Ranks`)."""
 
-    def __init__(self, rank: int, loader: RankLoader) -> None:
+    def __init__(self, rank: int, loader: RankLoader, held: Mapping[str, Held]) -> None:
         self.rank = rank
         self.loader = loader
+        self.held = held
         self.last_stats: RunStats | None = None
+
+    def check(self, when: str) -> None:
+        """AddressMoved naming every engine tensor that is no longer mxload's buffer."""
+        moved = [f"{n}: {d}" for n, h in self.held.items() if (d := h.drift())]
+        if moved:
+            raise AddressMoved(
+                f"rank {self.rank}: the engine rebound {len(moved)} parameter(s) {when}; "
+                "mxload's buffers are no longer what its kernels read (attach again after "
+                "the engine's own reload or cast): " + "; ".join(moved[:8])
+            )
 
     @property
     def fused(self) -> bool:
@@ -109,7 +214,11 @@ class _OneRank:
             units=list(inputs.units[r]),
         )
         self.loader.backend.synchronize()
-        tensors = {n: {"data_ptr": t.data_ptr()} for n, t in self.loader.buffers.items()}
+        self.check("while mxload wrote")
+        tensors = {
+            n: {"data_ptr": t.data_ptr() if (t := h.live()) is not None else 0}
+            for n, h in self.held.items()
+        }
         return [{"rank": r, "pid": os.getpid(), "tensors": tensors}]
 
 
@@ -120,16 +229,18 @@ class Attachment:
         self,
         src: str,
         facts: EngineFacts,
-        params: Mapping[str, torch.Tensor],
+        params: Mapping[str, tuple[Any, str]],
         *,
         storage_options: Mapping[str, Any] | None = None,
         device: str | None = None,
     ) -> None:
+        """``params``: name -> (module, attribute) of every engine tensor
+        (:func:`engine_params`)."""
         from mxload.orchestrator.plan.planner import build_plan
         from mxload.orchestrator.runtime.catalog import open_checkpoint
 
         self.profile = engine_profile(facts.engine)
-        check_engine_settings(self.profile, facts.env)
+        check_engine_settings(facts.engine, facts.settings)
         self.facts = facts
         meta = open_checkpoint(src, storage_options=storage_options)
         plan: Plan = build_plan(meta.config, facts.layout, checkpoint=meta, engine=self.profile)
@@ -143,13 +254,19 @@ class Attachment:
                 rank=facts.rank,
                 tensor=missing[0],
             )
-        mine = {b.name: params[b.name] for b in rp.buffers}
+        held: dict[str, Held] = {}
+        for b in rp.buffers:
+            mod, attr = params[b.name]
+            t = getattr(mod, attr)
+            t = t.data if isinstance(t, torch.Tensor) else t
+            held[b.name] = Held.of(mod, attr, t)
+        mine = {n: cast(torch.Tensor, h.live()) for n, h in held.items()}
         if device is None:
             device = next(iter(mine.values())).device.type if mine else "cpu"
         self.loader = RankLoader(
             rp, model_dtype=meta.config.model_dtype, device=device, buffers=mine
         )
-        self._ranks = _OneRank(facts.rank, self.loader)
+        self._ranks = _OneRank(facts.rank, self.loader, held)
         # Version 0 of the attached checkpoint: the parameters hold what the engine
         # loaded (or nothing yet); the first reload (or ``load``) writes version 1.
         self.state = SessionState(
@@ -182,8 +299,10 @@ class Attachment:
         staging_budget: int | None = None,
         allow_nonfinite: bool = False,
     ) -> dict[str, Any]:
-        """Preflight ``src`` against the plan (ReloadMismatch, nothing touched) and rewrite
-        every adopted tensor in place; raises AddressMoved if any address changed."""
+        """Check the engine still holds the adopted tensors and preflight ``src`` against
+        the plan (AddressMoved / ReloadMismatch, nothing touched), rewrite every adopted
+        tensor in place; AddressMoved if any engine tensor changed meanwhile."""
+        self._ranks.check("since attach; nothing was written")
         reload(
             self._ranks,
             self.state,
@@ -199,6 +318,7 @@ class Attachment:
             "rank": self.facts.rank,
             "src": src,
             "version": self.loader.version,
+            "identity": self.identity,
             "consistent": self.loader.consistent,
             "seconds": stats.seconds,
             "bytes_read": stats.bytes_read,
@@ -208,7 +328,15 @@ class Attachment:
             "addresses_moved": [],
         }
 
+    @property
+    def identity(self) -> str:
+        """The checkpoint the parameters hold: version and fingerprint (``weight_version``
+        of vLLM's weight-transfer API)."""
+        return f"{self.state.version}:{self.state.fingerprint}"
+
     def status(self, *, checksums: bool = True) -> dict[str, Any]:
+        """This rank's state; AddressMoved if the engine rebound an adopted tensor."""
+        self._ranks.check("since attach")
         f = self.facts
         return {
             "rank": f.rank,
@@ -219,6 +347,7 @@ class Attachment:
             "engine": self.profile.name,
             "src": self.src,
             "version": self.loader.version,
+            "identity": self.identity,
             "consistent": self.loader.consistent,
             "units": self.loader.unit_status(),
             "tensors": self.loader.tensor_report(with_checksums=checksums),
@@ -229,7 +358,8 @@ class Attachment:
 
 
 def installed_engine() -> str:
-    """The profile of the installed engine: vllm-ascend's release, else mxload's own."""
+    """The release of the installed vllm-ascend (matched by exact version; UsageError
+    listing the known ones otherwise), or ``mxload`` without vllm-ascend."""
     from importlib.metadata import PackageNotFoundError, version
 
     try:
@@ -239,31 +369,58 @@ def installed_engine() -> str:
             v = version("vllm_ascend")
         except PackageNotFoundError:
             return "mxload"
-    return "vllm-ascend-0.23" if v.startswith("0.23.") else "vllm-ascend-main"
+    return release_of_version(v).name
 
 
-def _engine_env() -> dict[str, str]:
-    """The settings engine profiles may refuse, as the engine resolved them."""
-    env = {k: v for k, v in os.environ.items() if k.startswith("VLLM_ASCEND_")}
-    try:  # vllm-ascend resolves NZ from additional_config / rl_config / the environment
+def _flag(value: Any) -> str:
+    """An engine setting as the release tables spell it (booleans as 0/1, None as '')."""
+    if value is None:
+        return ""
+    if isinstance(value, bool):
+        return str(int(value))
+    return str(value)
+
+
+def engine_settings(vllm_config: Any) -> dict[str, str]:
+    """The settings releases may refuse, as this engine resolved them: vLLM's parallel
+    config, then vllm-ascend's own config (which folds in additional_config, rl_config
+    and the environment variables of its release)."""
+    out: dict[str, str] = {}
+    pc = vllm_config.parallel_config
+    out["enable_eplb"] = _flag(getattr(pc, "enable_eplb", False))
+    eplb = getattr(pc, "eplb_config", None)
+    if eplb is not None:
+        out["num_redundant_experts"] = _flag(getattr(eplb, "num_redundant_experts", 0))
+    if "VLLM_ASCEND_ENABLE_NZ" in os.environ:  # what 0.23 falls back to without a config
+        out["weight_nz_mode"] = os.environ["VLLM_ASCEND_ENABLE_NZ"]
+    try:
         from vllm_ascend.ascend_config import (  # type: ignore[import-not-found]
             get_ascend_config,
         )
 
-        env["VLLM_ASCEND_ENABLE_NZ"] = str(int(get_ascend_config().weight_nz_mode))
-    except Exception:  # not vllm-ascend, or its config is not initialised: the env decides
-        pass
-    return env
+        ac = get_ascend_config()
+    except Exception:  # not vllm-ascend, or its config is not initialised
+        return out
+    out["weight_nz_mode"] = _flag(getattr(ac, "weight_nz_mode", 1))
+    out["enable_fused_mc2"] = _flag(getattr(ac, "enable_fused_mc2", 0))
+    ae = getattr(ac, "eplb_config", None)
+    if ae is not None:
+        out["eplb_config.dynamic_eplb"] = _flag(getattr(ae, "dynamic_eplb", False))
+        out["eplb_config.expert_map_path"] = _flag(getattr(ae, "expert_map_path", None))
+        redundant = int(getattr(ae, "num_redundant_experts", 0) or 0)
+        if redundant:
+            out["num_redundant_experts"] = str(redundant)
+    return out
 
 
-def vllm_facts(worker: Any, engine: str | None = None) -> EngineFacts:
+def vllm_facts(vllm_config: Any, engine: str | None = None) -> EngineFacts:
     """Layout and ranks from the worker's own vLLM configuration and process groups."""
     from vllm.distributed import (  # type: ignore[import-not-found]
         get_pp_group,
         get_tensor_model_parallel_rank,
     )
 
-    pc = worker.vllm_config.parallel_config
+    pc = vllm_config.parallel_config
     # Any other name vLLM may grow is refused by the planner (LayoutError), naming it.
     placement = cast(
         ExpertPlacement, str(getattr(pc, "expert_placement_strategy", "linear") or "linear")
@@ -281,15 +438,8 @@ def vllm_facts(worker: Any, engine: str | None = None) -> EngineFacts:
         pp_rank=int(get_pp_group().rank_in_group),
         dp_rank=int(getattr(pc, "data_parallel_rank", 0) or 0),
         engine=engine or installed_engine(),
-        env=_engine_env(),
+        settings=engine_settings(vllm_config),
     )
-
-
-def model_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The model's parameters and buffers by name, as the tensors its kernels read."""
-    out = {n: p.data for n, p in model.named_parameters(remove_duplicate=False)}
-    out.update({n: b for n, b in model.named_buffers()})
-    return out
 
 
 class MxloadWorkerExtension:
@@ -308,9 +458,9 @@ class MxloadWorkerExtension:
         storage_options: Mapping[str, Any] | None = None,
         load: bool = False,
     ) -> dict[str, Any]:
-        facts = vllm_facts(self, engine)
+        facts = vllm_facts(self.vllm_config, engine)  # type: ignore[attr-defined]
         model = self.model_runner.model  # type: ignore[attr-defined]
-        self._mxload = Attachment(src, facts, model_tensors(model), storage_options=storage_options)
+        self._mxload = Attachment(src, facts, engine_params(model), storage_options=storage_options)
         if load:  # an engine started with load_format="dummy" gets its weights from mxload
             self._mxload.load(storage_options=storage_options)
         return self._mxload.status(checksums=False)
@@ -335,36 +485,71 @@ class MxloadWorkerExtension:
 
 
 class EngineReloader:
-    """Driver side of an RL loop over an engine hosting :class:`MxloadWorkerExtension`.
+    """Driver side of an RL loop over engines hosting :class:`MxloadWorkerExtension`.
 
-    ``rpc`` is ``llm.collective_rpc`` (or any callable with its signature)."""
+    ``rpc`` is ``llm.collective_rpc``, or a list of them: one ``LLM`` per DP rank (vLLM
+    runs ``LLM(..., data_parallel_size=N)`` only as N instances, one per rank, each
+    with its ``data_parallel_rank``). Every call goes to the workers of all of them, and
+    their answers are checked as one engine's: every rank once, at one identity."""
 
-    def __init__(self, rpc: Callable[..., list[Any]]) -> None:
-        self._rpc = rpc
+    def __init__(self, rpc: Callable[..., list[Any]] | Sequence[Callable[..., list[Any]]]) -> None:
+        self._rpcs = [rpc] if callable(rpc) else list(rpc)
         self.addresses: dict[int, dict[str, int]] = {}
 
+    def _call(self, method: str, **kw: Any) -> list[dict[str, Any]]:
+        out: list[dict[str, Any]] = []
+        for rpc in self._rpcs:
+            out += rpc(method, **kw)
+        ranks = [r["rank"] for r in out]
+        if sorted(ranks) != list(range(len(ranks))):
+            raise RunError(
+                f"{method}: the engines' workers report ranks {sorted(ranks)}, not each of "
+                f"0..{len(ranks) - 1} once; give one collective_rpc per DP rank's LLM, each "
+                "started with its own data_parallel_rank"
+            )
+        return sorted(out, key=lambda r: int(r["rank"]))
+
     def attach(self, src: str, **kwargs: Any) -> list[dict[str, Any]]:
-        status = self._rpc("mxload_attach", args=(src,), kwargs=kwargs)
+        status = self._call("mxload_attach", args=(src,), kwargs=kwargs)
         self.addresses = {
             s["rank"]: {n: t["data_ptr"] for n, t in s["tensors"].items()} for s in status
         }
         return status
 
     def reload(self, src: str, **kwargs: Any) -> list[dict[str, Any]]:
-        """Reload every worker; RunError unless all ranks end at one consistent version."""
-        reports = self._rpc("mxload_reload", args=(src,), kwargs=kwargs)
-        versions = {r["version"] for r in reports}
-        if len(versions) != 1 or not all(r["consistent"] for r in reports):
+        """Reload every worker; RunError unless all ranks end at one consistent identity."""
+        reports = self._call("mxload_reload", args=(src,), kwargs=kwargs)
+        idents = {r["identity"] for r in reports}
+        if len(idents) != 1 or not all(r["consistent"] for r in reports):
             raise RunError(
-                f"reload from {src}: ranks disagree: versions {sorted(versions)}, "
+                f"reload from {src}: ranks disagree: identities {sorted(idents)}, "
                 f"inconsistent ranks {[r['rank'] for r in reports if not r['consistent']]}; "
                 "run the reload again to complete it"
             )
         return reports
 
+    def update(self, src: str, engines: Sequence[Any] = (), **kwargs: Any) -> str:
+        """The RL step on live engines, in the order vLLM documents for weight updates:
+        pause generation (engines that have ``pause_generation``), reload in place, reset
+        the prefix cache (its KV was computed with the old weights), resume; returns the
+        identity every rank now holds, to tag as ``weight_version``. ``engines``: the
+        ``LLM`` instances behind the rpcs (a plain ``LLM`` generates only when called, so
+        it has nothing to pause)."""
+        paused = [e for e in engines if callable(getattr(e, "pause_generation", None))]
+        for e in paused:
+            e.pause_generation()
+        try:
+            reports = self.reload(src, **kwargs)
+            for e in engines:
+                e.reset_prefix_cache()
+        finally:
+            for e in paused:
+                e.resume_generation()
+        return str(reports[0]["identity"])
+
     def status(self, checksums: bool = True) -> list[dict[str, Any]]:
         """Every worker's status; AddressMoved if any tensor moved since attach."""
-        status = self._rpc("mxload_status", kwargs={"checksums": checksums})
+        status = self._call("mxload_status", kwargs={"checksums": checksums})
         moved = [
             f"rank {s['rank']}: {n}"
             for s in status
@@ -374,3 +559,20 @@ class EngineReloader:
         if moved:
             raise AddressMoved("parameters moved since attach: " + ", ".join(moved[:20]))
         return status
+
+
+def register_weight_transfer() -> None:
+    """Register mxload's backend (``"mxload"``) with vLLM's WeightTransferEngineFactory,
+    by module path (imported only when an engine is configured with it); a no-op where
+    vLLM has no weight-transfer API or the backend is already registered. vLLM calls it
+    in every process as mxload's ``vllm.general_plugins`` entry point."""
+    try:
+        from vllm.distributed.weight_transfer.factory import (  # type: ignore[import-not-found]
+            WeightTransferEngineFactory,
+        )
+    except ImportError:
+        return
+    if "mxload" not in WeightTransferEngineFactory._registry:
+        WeightTransferEngineFactory.register_engine(
+            "mxload", "mxload.workers.weight_transfer", "MxloadWeightTransferEngine"
+        )

@@ -22,7 +22,8 @@ from typing import Any
 
 from mxload.cluster.local import mxload_home
 from mxload.orchestrator.errors import UsageError
-from mxload.orchestrator.plan.engines import DEFAULT_ENGINE, ENGINES
+from mxload.orchestrator.plan.engines import DEFAULT_ENGINE
+from mxload.orchestrator.plan.releases import known_engines
 from mxload.orchestrator.plan.sharing import DEFAULT_SHARE, SHARE_SCOPES
 from mxload.orchestrator.plan.sizes import parse_size
 from mxload.orchestrator.plan.types import ParallelLayout
@@ -115,15 +116,15 @@ FLAGS: tuple[Flag, ...] = (
         ("--engine",),
         ("plan", "load", "convert"),
         "lay buffers out as this engine holds them after its own post-load (names, views, "
-        "placement): " + ", ".join(ENGINES),
+        "placement), a profile or a vllm-ascend release: " + ", ".join(known_engines()),
         DEFAULT_ENGINE,
-        kwargs={"choices": list(ENGINES)},
+        kwargs={"choices": known_engines()},
     ),
     Flag(
         ("--engine",),
         ("reload", "status"),
         "the engine the session was loaded for (refused when it differs; default: the session's)",
-        kwargs={"choices": list(ENGINES)},
+        kwargs={"choices": known_engines()},
     ),
     # memory
     Flag(

@@ -13,12 +13,14 @@ default):
 * which layouts the engine cannot hold (an odd K-group count in MX MoE) and what the
   planner must refuse because the engine would silently do something else
   (``round_robin`` expert placement, weight-format casts that reallocate);
-* which modules stay in the model dtype (``mxload convert`` lists them in
-  ``exclude_modules`` so the engine does not quantize them);
+* which modules stay in the model dtype (``mxload convert`` lists them in the
+  quantization config's ``ignore`` so the engine does not quantize them);
 * which pipeline-placed tensors the engine builds on every stage.
 
 A new engine version is a new table in :data:`ENGINES`, never a new branch in the planner
-or the loader. Each table names the source lines it was read from.
+or the loader. Each table names the source lines it was read from. Which release uses
+which profile, what it serves and which settings it is refused under:
+:mod:`mxload.orchestrator.plan.releases` (``--engine`` takes a release name too).
 
 Buffer kinds and their canonical (mxload) dimension order, which the planner's units use:
 
@@ -37,7 +39,7 @@ row-major in every profile read so far.
 
 Limits: profiles describe ND (plain strided) tensors only. A weight-format cast that
 reallocates (Ascend FRACTAL_NZ via ``npu_format_cast``) cannot be described as a view and
-is refused instead (``refuse_env``). Expert placement is judged per profile, not per
+is refused instead (the release's refusals). Expert placement is judged per profile, not per
 engine backend: where the engine's effective placement depends on something mxload
 cannot see (its all2all backend), the profile refuses rather than guess.
 """
@@ -98,13 +100,13 @@ class EngineProfile:
     every_stage: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     """Per architecture: module names of stage-0 / last-stage rows that the engine builds
     (and loads) on every pipeline stage."""
+    mx_k_unaligned: str = ""
+    """Non-empty: an MX linear whose local K is not a multiple of 32 (mxload keeps it in
+    the model dtype) is refused, with this reason: the engine holds it quantized."""
     model_dtype_modules: tuple[str, ...] = ("lm_head",)
-    """Module patterns (ModelOpt ``exclude_modules`` wildcards) the engine must keep in the
-    model dtype because mxload holds them so: without them in ``exclude_modules`` the engine
-    quantizes ``lm_head`` (a ModelOpt config quantizes ParallelLMHead unless excluded)."""
-    refuse_env: Mapping[str, str] = field(default_factory=dict)
-    """Environment variable -> reason: the engine worker must run with it set to ``0``
-    (checked by the worker extension, which sees the engine's environment)."""
+    """Module patterns (ModelOpt ``ignore`` wildcards) the engine must keep in the model
+    dtype because mxload holds them so: without them in ``ignore`` the engine quantizes
+    ``lm_head`` (a ModelOpt config quantizes ParallelLMHead unless excluded)."""
     sources: tuple[SourceRef, ...] = ()
 
     def view_of(self, kind: str) -> BufferView | None:
@@ -147,11 +149,11 @@ _ASCEND_ROUND_ROBIN = (
     "experts into the engine's buffers would put the wrong experts there; use "
     "--expert-placement linear (what the engine does)"
 )
-_ASCEND_NZ = (
-    "with VLLM_ASCEND_ENABLE_NZ (weight_nz_mode) on, vllm-ascend may cast weights to "
-    "FRACTAL_NZ with npu_format_cast, which reallocates (addresses move; a view cannot "
-    "describe it), and its own start_weight_update refuses to run; start the engine with "
-    "VLLM_ASCEND_ENABLE_NZ=0 or additional_config.rl_config.enabled=true"
+_ASCEND_K_UNALIGNED = (
+    "vllm-ascend quantizes it anyway (0.23-0.27 with a partial last scale group, 0.28+ "
+    "padding a row-parallel shard to the group boundary before and after), so the engine's "
+    "parameter is MXFP8 where mxload would hold the model dtype; change tp so every "
+    "row-parallel K shard is a multiple of 32, or use --engine mxload"
 )
 # vLLM's Qwen3-MoE builds embed_tokens, the final norm and lm_head unconditionally, so
 # every pipeline stage holds (and loads) them.
@@ -174,7 +176,7 @@ VLLM_ASCEND_0_23 = EngineProfile(
     moe_odd_groups=_ASCEND_ODD_GROUPS,
     round_robin=_ASCEND_ROUND_ROBIN,
     every_stage=_QWEN3_MOE_EVERY_STAGE,
-    refuse_env={"VLLM_ASCEND_ENABLE_NZ": _ASCEND_NZ},
+    mx_k_unaligned=_ASCEND_K_UNALIGNED,
     sources=(
         SourceRef(
             "pinned vLLM", "vllm-ascend 0.23.0.post1 docs/source/conf.py:78,86 (vLLM 0.23.0)"
@@ -225,7 +227,7 @@ VLLM_ASCEND_MAIN = EngineProfile(
     moe_odd_groups=_ASCEND_ODD_GROUPS,
     round_robin=_ASCEND_ROUND_ROBIN,
     every_stage=_QWEN3_MOE_EVERY_STAGE,
-    refuse_env={"VLLM_ASCEND_ENABLE_NZ": _ASCEND_NZ},
+    mx_k_unaligned=_ASCEND_K_UNALIGNED,
     sources=(
         SourceRef(
             "MoE names mlp.experts.routed_experts.w13_weight (MoERunner -> routed_experts)",
@@ -270,16 +272,33 @@ DEFAULT_ENGINE = MXLOAD.name
 
 
 def engine_profile(name: str | EngineProfile) -> EngineProfile:
-    """The profile called ``name``; UsageError naming ``--engine`` and the known ones."""
+    """The profile called ``name``, or the profile of the release called ``name``;
+    UsageError naming ``--engine`` and the known ones."""
+    from mxload.orchestrator.plan.releases import RELEASES, known_engines
+
     if isinstance(name, EngineProfile):
         return name
     found = ENGINES.get(name)
+    if found is None and name in RELEASES:
+        found = ENGINES[RELEASES[name].profile]
     if found is None:
         raise UsageError(
-            f"--engine {name!r} is not a known engine; known: {', '.join(ENGINES)}",
+            f"--engine {name!r} is not a known engine; known: {', '.join(known_engines())}",
             key="--engine",
         )
     return found
+
+
+def check_mx_k(profile: EngineProfile, buffer: str, k: int, group: int) -> None:
+    """Refuse an MX linear the planner must keep in the model dtype (K not a multiple of
+    the group) where the engine would hold it quantized."""
+    if profile.mx_k_unaligned and k % group:
+        raise LayoutError(
+            f"--engine {profile.name} cannot hold {buffer}: its local K = {k} is not a "
+            f"multiple of {group}; " + profile.mx_k_unaligned,
+            key="--engine",
+            tensor=buffer,
+        )
 
 
 # --- what the planner asks -----------------------------------------------------------------------

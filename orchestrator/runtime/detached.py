@@ -504,7 +504,9 @@ def _refresh_session_file(keeper: Any, state: SessionState) -> None:
 def _check_engine(session: str, held: Plan, engine: str | None) -> None:
     """``--engine`` on reload/status names what the caller expects; the session's buffers
     are laid out for the engine it was loaded with, and cannot change."""
-    if engine is not None and engine != held.engine:
+    from mxload.orchestrator.plan.engines import engine_profile
+
+    if engine is not None and engine_profile(engine).name != held.engine:
         raise SessionError(
             f"session {session!r} holds buffers laid out for --engine {held.engine}, not "
             f"{engine}; release it and load again to change the engine",

@@ -1,0 +1,117 @@
+"""mxload as a backend of vLLM's weight-transfer API (the RL-native update path).
+
+RL stacks update a live vLLM engine through ``LLM.init_weight_transfer_engine`` ->
+``start_weight_update`` -> ``update_weights`` -> ``finish_weight_update(weight_version)``;
+the worker hands each call to the backend named by ``weight_transfer_config.backend``,
+which vLLM builds with ``WeightTransferEngineFactory.create_engine``. mxload's backend,
+registered as ``"mxload"``, reads each update from a checkpoint (local path or URL) and
+writes it in place into the engine's own parameters (:class:`Attachment`: plan, adopt,
+the live-tensor check, reload):
+
+* init info ``{"src": URL, "engine": None, "storage_options": None, "load": False}``:
+  plan ``src`` for the engine's layout and adopt its parameters (``load=True`` also fills
+  them, for an engine started with ``load_format="dummy"``);
+* update info ``{"src": URL, "storage_options": None, "staging_budget": None}``: one
+  whole checkpoint per update (several calls between start and finish each reload);
+* :func:`weight_identity`, run on the workers with ``collective_rpc``, gives the identity
+  every rank holds (version:fingerprint), to pass as ``finish_weight_update``'s
+  ``weight_version``.
+
+It needs no worker extension, so it composes with any other (verl's, one's own); the
+worker extension (:class:`mxload.workers.engine_ext.MxloadWorkerExtension`) is the path
+for vLLM releases without this API (before 0.30). The speculative draft model is not
+planned: ``supports_draft_weight_update`` is False, so vLLM refuses draft updates.
+
+This module imports vLLM (it subclasses vLLM's base class); register it from a process
+that has vLLM with :func:`mxload.workers.engine_ext.register_weight_transfer`, which vLLM
+runs in every process as a ``vllm.general_plugins`` entry point of mxload.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from mxload.orchestrator.errors import RunError
+from mxload.workers.engine_ext import Attachment, engine_params, vllm_facts
+from vllm.distributed.weight_transfer.base import (  # type: ignore[import-not-found]
+    WeightTransferEngine,
+    WeightTransferInitInfo,
+    WeightTransferUpdateInfo,
+)
+
+BACKEND = "mxload"
+
+
+@dataclass
+class MxloadInitInfo(WeightTransferInitInfo):  # type: ignore[misc]
+    """What ``init_weight_transfer_engine`` passes: the checkpoint to plan and adopt for."""
+
+    src: str
+    engine: str | None = None
+    storage_options: dict[str, Any] | None = None
+    load: bool = False
+
+
+@dataclass
+class MxloadUpdateInfo(WeightTransferUpdateInfo):  # type: ignore[misc]
+    """One update: the checkpoint the parameters must hold after it."""
+
+    src: str
+    storage_options: dict[str, Any] | None = None
+    staging_budget: int | None = None
+
+
+class MxloadWeightTransferEngine(WeightTransferEngine):  # type: ignore[misc]
+    """vLLM weight-transfer backend writing checkpoints in place through mxload."""
+
+    init_info_cls = MxloadInitInfo
+    update_info_cls = MxloadUpdateInfo
+    supports_draft_weight_update = False
+
+    attachment: Attachment | None = None
+
+    def init_transfer_engine(self, init_info: MxloadInitInfo) -> None:
+        facts = vllm_facts(self.vllm_config, init_info.engine)
+        self.attachment = Attachment(
+            init_info.src,
+            facts,
+            engine_params(self.model),
+            storage_options=init_info.storage_options,
+        )
+        if init_info.load:
+            self.attachment.load(storage_options=init_info.storage_options)
+
+    def _attached(self) -> Attachment:
+        if self.attachment is None:
+            raise RunError(
+                "the mxload weight-transfer backend is not initialised: call "
+                "init_weight_transfer_engine({'init_info': {'src': ...}}) first"
+            )
+        return self.attachment
+
+    def start_weight_update(self) -> None:
+        # Writes go straight into the adopted parameters: nothing to prepare, but an
+        # engine that rebound a parameter is refused before the update, not after.
+        self._attached().status(checksums=False)
+
+    def receive_weights(self, update_info: MxloadUpdateInfo) -> None:
+        self._attached().reload(
+            update_info.src,
+            storage_options=update_info.storage_options,
+            staging_budget=update_info.staging_budget,
+        )
+
+    def finish_weight_update(self) -> None:
+        """Every update was written in place and checked by ``receive_weights``."""
+
+    def shutdown(self) -> None:
+        self.attachment = None
+
+
+def weight_identity(worker: Any) -> str:
+    """The identity this worker's parameters hold (``llm.collective_rpc(weight_identity)``)."""
+    engine = getattr(worker, "weight_transfer_engine", None)
+    if not isinstance(engine, MxloadWeightTransferEngine):
+        raise RunError("this worker's weight_transfer_config.backend is not 'mxload'")
+    return engine._attached().identity
