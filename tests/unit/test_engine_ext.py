@@ -17,7 +17,8 @@ from typing import Any
 
 import pytest
 import torch
-from mxload.orchestrator.errors import AdoptionError, LayoutError
+from mxload.orchestrator.errors import AddressMoved, AdoptionError, LayoutError, RunError
+from mxload.orchestrator.plan.engines import engine_profile
 from mxload.orchestrator.plan.planner import build_plan
 from mxload.orchestrator.plan.types import ParallelLayout
 from mxload.orchestrator.runtime.catalog import open_checkpoint
@@ -178,3 +179,197 @@ def test_module_imports_without_vllm() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "mxload"
+
+
+ONE = ParallelLayout(tp=1)
+
+
+def _one(src: str, engine: str, fake_vllm) -> tuple[list[_Worker], EngineReloader]:
+    workers = _workers(src, engine, layout=ONE)
+    return workers, EngineReloader(_llm(workers, fake_vllm))
+
+
+def test_a_parameter_the_engine_rebinds_after_attach_is_refused(
+    ckpt_factory, fake_vllm, ascend_config
+):
+    src1 = ckpt_factory("qwen3-moe-tiny", seed=1, overrides=OVERRIDES)
+    src2 = ckpt_factory("qwen3-moe-tiny", seed=2, overrides=OVERRIDES)
+    engine = "vllm-ascend-0.30.0rc2"
+    workers, mx = _one(src1, engine, fake_vllm)
+    ascend_config.weight_nz_mode = 0
+    mx.attach(src1, engine=engine)
+    model = workers[0].model_runner.model
+    name = "model.layers.1.self_attn.o_proj.weight"
+    param = model.get_parameter(name)
+    old = param.data
+    # What an engine's post-load run again, or an NZ cast, does: a new tensor behind the
+    # same Parameter. mxload's buffer (the old tensor) is no longer what the kernels read.
+    param.data = old.clone()
+    before = param.data.clone()
+    with pytest.raises(AddressMoved) as err:
+        mx.reload(src2)
+    msg = str(err.value)
+    assert "\n" not in msg and name in msg and "data_ptr" in msg, msg
+    assert torch.equal(param.data, before) and torch.equal(old, before)  # nothing written
+    with pytest.raises(AddressMoved, match=name.replace(".", r"\.")):
+        mx.status()
+    # The same tensor again, but re-viewed with other strides: also refused.
+    param.data = old
+    mx.reload(src2)
+    param.data = old.t()
+    with pytest.raises(AddressMoved, match="stride"):
+        mx.status()
+
+
+def _configure(workers: list[_Worker], config: dict[str, Any]) -> None:
+    """What vllm-ascend's get_ascend_config() answers in these workers (a named stub of
+    vllm_ascend.ascend_config, installed by the caller's monkeypatch)."""
+    for w in workers:
+        pc = w.vllm_config.parallel_config
+        pc.enable_eplb = config.get("enable_eplb", False)
+        pc.eplb_config = SimpleNamespace(num_redundant_experts=config.get("redundant", 0))
+
+
+@pytest.fixture
+def ascend_config(monkeypatch):
+    """vllm_ascend.ascend_config.get_ascend_config(), answering what the test sets."""
+    cfg = SimpleNamespace(
+        weight_nz_mode=1,
+        enable_fused_mc2=0,
+        eplb_config=SimpleNamespace(
+            dynamic_eplb=False, expert_map_path=None, num_redundant_experts=0
+        ),
+    )
+    mod = types.ModuleType("vllm_ascend.ascend_config")
+    mod.get_ascend_config = lambda: cfg
+    monkeypatch.setitem(sys.modules, "vllm_ascend", types.ModuleType("vllm_ascend"))
+    monkeypatch.setitem(sys.modules, "vllm_ascend.ascend_config", mod)
+    return cfg
+
+
+@pytest.mark.parametrize(
+    ("engine", "change", "setting", "fix"),
+    [
+        (
+            "vllm-ascend-0.30.0rc2",
+            {},
+            "weight_nz_mode='1'",
+            "additional_config={'weight_nz_mode': 0}",
+        ),
+        ("vllm-ascend-0.23.0.post1", {}, "weight_nz_mode='1'", "VLLM_ASCEND_ENABLE_NZ=0"),
+        (
+            "vllm-ascend-0.30.0rc2",
+            {"enable_fused_mc2": 1},
+            "enable_fused_mc2='1'",
+            "'enable_fused_mc2': 0",
+        ),
+        ("vllm-ascend-0.28.0rc1", {"enable_eplb": True}, "enable_eplb='1'", "--enable-eplb"),
+        (
+            "vllm-ascend-0.27.1rc1",
+            {"dynamic_eplb": True},
+            "eplb_config.dynamic_eplb='1'",
+            "dynamic_eplb",
+        ),
+        (
+            "vllm-ascend-main",
+            {"expert_map_path": "/m.json"},
+            "expert_map_path='/m.json'",
+            "expert_map_path",
+        ),
+        (
+            "vllm-ascend-0.30.0rc2",
+            {"redundant": 2},
+            "num_redundant_experts='2'",
+            "num_redundant_experts 0",
+        ),
+    ],
+)
+def test_engine_settings_are_refused_naming_the_setting(
+    engine, change, setting, fix, ckpt_factory, fake_vllm, ascend_config
+):
+    src = ckpt_factory("qwen3-moe-tiny", seed=1, overrides=OVERRIDES)
+    workers, mx = _one(src, engine, fake_vllm)
+    ascend_config.weight_nz_mode = 0 if change else 1
+    ascend_config.enable_fused_mc2 = change.get("enable_fused_mc2", 0)
+    ascend_config.eplb_config.dynamic_eplb = change.get("dynamic_eplb", False)
+    ascend_config.eplb_config.expert_map_path = change.get("expert_map_path")
+    _configure(workers, change)
+    with pytest.raises(AdoptionError) as err:
+        mx.attach(src, engine=engine)
+    msg = str(err.value)
+    assert "\n" not in msg and setting in msg and fix in msg, msg
+    # With every setting as the release needs it, the same engine attaches.
+    ascend_config.weight_nz_mode = 0
+    ascend_config.enable_fused_mc2 = 0
+    ascend_config.eplb_config.dynamic_eplb = False
+    ascend_config.eplb_config.expert_map_path = None
+    _configure(workers, {})
+    assert mx.attach(src, engine=engine)[0]["engine"] == engine_profile(engine).name
+
+
+def test_one_llm_per_dp_rank_reloads_as_one_engine(ckpt_factory, fake_vllm, monkeypatch):
+    monkeypatch.setenv("VLLM_ASCEND_ENABLE_NZ", "0")
+    src1 = ckpt_factory("qwen3-moe-tiny", seed=1, overrides=OVERRIDES)
+    src2 = ckpt_factory("qwen3-moe-tiny", seed=2, overrides=OVERRIDES)
+    layout = ParallelLayout(tp=1, dp=2, enable_expert_parallel=True)
+    engine = "vllm-ascend-0.23.0.post1"
+    workers = _workers(src1, engine, layout=layout)
+    # Two LLM instances, one per DP rank, each with its own collective_rpc.
+    rpcs = [_llm([w], fake_vllm) for w in workers]
+    calls: list[str] = []
+
+    class Llm:  # what an RL loop holds: the engines whose cache must be reset
+        def __init__(self, i: int) -> None:
+            self.i = i
+
+        def pause_generation(self) -> None:
+            calls.append(f"pause {self.i}")
+
+        def reset_prefix_cache(self) -> None:
+            calls.append(f"reset {self.i}")
+
+        def resume_generation(self) -> None:
+            calls.append(f"resume {self.i}")
+
+    mx = EngineReloader(rpcs)
+    assert [s["rank"] for s in mx.attach(src1, engine=engine)] == [0, 1]
+    original = rpcs[1]
+
+    def reloading(method, **kw):
+        if method == "mxload_reload":
+            calls.append("reload")
+        return original(method, **kw)
+
+    mx._rpcs[1] = reloading
+    ident = mx.update(src2, engines=[Llm(0), Llm(1)])
+    assert calls == ["pause 0", "pause 1", "reload", "reset 0", "reset 1", "resume 0", "resume 1"]
+    assert {s["identity"] for s in mx.status()} == {ident}
+    assert ident.startswith("1:") and len(ident) > 10
+    # Ranks that do not hold one identity are refused: one rank reloaded alone.
+    rpcs[0]("mxload_reload", args=(src1,))
+    with pytest.raises(RunError, match="ranks disagree"):
+        EngineReloader(rpcs).reload(src2)
+    # The same LLM's workers twice (a missing data_parallel_rank) are refused.
+    with pytest.raises(RunError, match="not each of"):
+        EngineReloader([rpcs[0], rpcs[0]]).status()
+
+
+def test_the_extension_composes_with_another(ckpt_factory, fake_vllm, monkeypatch):
+    monkeypatch.setenv("VLLM_ASCEND_ENABLE_NZ", "0")
+    src = ckpt_factory("qwen3-moe-tiny", seed=1, overrides=OVERRIDES)
+
+    class Other:  # another stack's worker extension (verl ships its own)
+        def other_method(self) -> str:
+            return "other"
+
+    class Both(_Worker, Other):
+        pass
+
+    w = _workers(src, "mxload", layout=ONE)[0]
+    both = Both.__new__(Both)
+    both.__dict__.update(w.__dict__)
+    rpc = _llm([both], fake_vllm)
+    assert rpc("other_method") == ["other"]
+    assert EngineReloader(rpc).attach(src)[0]["rank"] == 0
+    extra = {n for n in vars(MxloadWorkerExtension) if not n.startswith("__")}
+    assert all(n.startswith(("mxload_", "_mxload", "_attached")) for n in extra), extra
