@@ -368,6 +368,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
             numerics=args.numerics,
             engine=args.engine,
             overwrite=args.overwrite,
+            fmt=args.format,
         )
     finally:
         if bar is not None:

@@ -423,9 +423,17 @@ def build_parser() -> argparse.ArgumentParser:
     command("status", "a detached session's ranks, versions, addresses, memory")
     command("release", "end a detached session (and the head 'load --detach' started)")
 
-    p = command("convert", "offline block-FP8 -> ModelOpt-style MXFP8 checkpoint")
+    p = command("convert", "offline block-FP8 -> MXFP8 checkpoint (ModelOpt or vllm-ascend)")
     p.add_argument("src", metavar="SRC", help="block-FP8 checkpoint folder or fsspec URL")
     p.add_argument("dst", metavar="DST", help="output folder")
+    p.add_argument(
+        "--format",
+        choices=("modelopt", "ascend"),
+        default="modelopt",
+        help="how the output describes its quantization: modelopt (vLLM's modelopt_mxfp8; "
+        "vllm-ascend 0.27.1rc1+) or ascend (quant_model_description.json for "
+        "--quantization ascend; every vllm-ascend release, the only one 0.23.0.post1 serves)",
+    )
     p.add_argument(
         "--numerics",
         choices=("auto", "fast", "reference"),

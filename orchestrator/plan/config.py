@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from mxload.orchestrator.errors import ConfigError, UnsupportedError
-from mxload.orchestrator.plan.formats import MODEL_DTYPES, TORCH_DTYPE_ALIASES
+from mxload.orchestrator.plan.formats import ASCEND_MXFP8, MODEL_DTYPES, TORCH_DTYPE_ALIASES
 
 QuantKind = Literal["block_fp8", "mxfp8", "none"]
 
@@ -233,7 +233,7 @@ def parse_quant_config(cfg: Mapping[str, Any], source: str = "config.json") -> Q
     method_l = method.lower()
     algo = str(qc.get("quant_algo", "")).upper()
     excluded = _string_list(
-        qc, ("modules_to_not_convert", "ignored_layers", "exclude_modules"), source
+        qc, ("modules_to_not_convert", "ignored_layers", "exclude_modules", "ignore"), source
     )
 
     if method_l in _MX_METHODS or (method_l == "modelopt" and algo == "MXFP8"):
@@ -300,6 +300,33 @@ def _string_list(qc: Mapping[str, Any], keys: tuple[str, ...], source: str) -> t
             )
         out.extend(value)
     return tuple(out)
+
+
+def ascend_description_quant(desc: Any, source: str) -> dict[str, Any]:
+    """The ``quantization_config`` an MXFP8 checkpoint described by vllm-ascend's
+    ``quant_model_description.json`` (and no ``quantization_config``) stands for: MXFP8,
+    with every ``FLOAT`` module not converted. Any other scheme is refused, naming it."""
+    if not isinstance(desc, Mapping):
+        raise ConfigError(f"{source}: not a JSON object", file=source)
+    floats = []
+    for key, value in desc.items():
+        if not key.endswith(".weight"):
+            continue
+        if value == "FLOAT":
+            floats.append(key[: -len(".weight")])
+        elif value != ASCEND_MXFP8:
+            raise UnsupportedError(
+                f"{source}: {key!r} is {value!r}; mxload reads the {ASCEND_MXFP8} and FLOAT "
+                "entries of a vllm-ascend description",
+                file=source,
+                key=key,
+            )
+    group = desc.get("group_size", 32)
+    if group != 32:
+        raise UnsupportedError(
+            f"{source}: group_size {group!r}; MXFP8 groups are 32", file=source, key="group_size"
+        )
+    return {"quant_method": "mxfp8", "modules_to_not_convert": sorted(floats)}
 
 
 def parse_config(

@@ -113,6 +113,10 @@ LAYOUTS: Final = (LAYOUT_MX_LINEAR, LAYOUT_MX_MOE, LAYOUT_DENSE)
 # --- files ------------------------------------------------------------------------------------
 
 CONFIG_FILE: Final = "config.json"
+ASCEND_DESCRIPTION_FILE = "quant_model_description.json"
+"""vllm-ascend's own quantization description (``--quantization ascend``): per tensor name
+``"W8A8_MXFP8"`` or ``"FLOAT"``, plus ``group_size`` (``convert --format ascend``)."""
+ASCEND_MXFP8 = "W8A8_MXFP8"
 INDEX_FILE: Final = "model.safetensors.index.json"
 SINGLE_FILE: Final = "model.safetensors"
 HEADER_MAX_BYTES: Final = 100 * 1000 * 1000

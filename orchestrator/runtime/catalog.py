@@ -31,8 +31,9 @@ from typing import Any, Protocol
 
 from mxload.orchestrator.errors import CheckpointError, ConfigError, StorageError, TruncatedFile
 from mxload.orchestrator.plan.checkpoint import CheckpointMeta, build_meta, parse_index
-from mxload.orchestrator.plan.config import parse_config
+from mxload.orchestrator.plan.config import ascend_description_quant, parse_config
 from mxload.orchestrator.plan.formats import (
+    ASCEND_DESCRIPTION_FILE,
     BLOCK_SCALE_SUFFIX,
     CONFIG_FILE,
     INDEX_FILE,
@@ -92,6 +93,18 @@ def _open(src: str, storage: StorageLike, *, dtype: str | None, max_workers: int
             ) from exc
         raise
     config_obj = _load_json(config_bytes, config_path)
+    if isinstance(config_obj, dict) and "quantization_config" not in config_obj:
+        # vllm-ascend's own form (convert --format ascend): the scheme per tensor lives in
+        # its description file, config.json has no quantization_config.
+        desc_path = _display(src, ASCEND_DESCRIPTION_FILE)
+        try:
+            desc = _load_json(storage.read_file(ASCEND_DESCRIPTION_FILE), desc_path)
+        except StorageError as exc:
+            if not _not_found(storage, exc, ASCEND_DESCRIPTION_FILE):
+                raise
+        else:
+            qc = ascend_description_quant(desc, desc_path)
+            config_obj = {**config_obj, "quantization_config": qc}
     config = parse_config(config_obj, config_path, dtype=dtype)
 
     index_bytes: bytes | None = None

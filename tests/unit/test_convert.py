@@ -33,7 +33,7 @@ CASES = {
     "dense-tiny": ("qwen3-dense-tiny", None),
     "awkward": ("qwen3-moe-awkward", None),
     # K not a multiple of 32: expert down_proj K = 80 and dense down_proj K = 208 are
-    # written resolved and listed in exclude_modules; 80 and 208 are also partial tiles.
+    # written resolved and listed in ignore; 80 and 208 are also partial tiles.
     "awkward-k": ("qwen3-moe-awkward", {"moe_intermediate_size": 80, "intermediate_size": 208}),
     # A module the source already keeps unquantized (modules_to_not_convert).
     "dense-not-converted": (
@@ -208,7 +208,7 @@ def test_every_output_tensor_matches_the_independent_reference(converted, case, 
     assert config["quantization_config"] == {
         "quant_method": "modelopt",
         "quant_algo": "MXFP8",
-        "exclude_modules": excluded,
+        "ignore": excluded,
         "kv_cache_quant_algo": None,
     }
     rest = {k: v for k, v in config.items() if k != "quantization_config"}
@@ -225,7 +225,7 @@ def test_fallback_case_really_has_excluded_modules(converted) -> None:
 
     _, dst, _ = converted("awkward-k")
     config, got, _ = read_all(dst)
-    excl = config["quantization_config"]["exclude_modules"]
+    excl = config["quantization_config"]["ignore"]
     assert "model.layers.1.mlp.experts.0.down_proj" in excl
     assert "model.layers.0.mlp.down_proj" in excl
     # A layer's experts share one buffer layout in the loader: their gate/up fall back
@@ -243,7 +243,7 @@ def test_fallback_case_really_has_excluded_modules(converted) -> None:
     )
     _, dst2, _ = converted("dense-not-converted")
     config2, got2, _ = read_all(dst2)
-    assert "model.layers.1.mlp.down_proj" in config2["quantization_config"]["exclude_modules"]
+    assert "model.layers.1.mlp.down_proj" in config2["quantization_config"]["ignore"]
     assert got2["model.layers.1.mlp.down_proj.weight"].dtype == torch.bfloat16
 
 

@@ -1,4 +1,6 @@
-"""``mxload convert``: offline block-FP8 -> ModelOpt-style MXFP8 checkpoint (docs/contract.md §1.2).
+"""``mxload convert``: offline block-FP8 -> MXFP8 checkpoint (docs/contract.md §1.2), described
+for vLLM's ModelOpt MXFP8 method (``--format modelopt``, the default) or for vllm-ascend's
+own ``--quantization ascend`` (``--format ascend``: what vllm-ascend 0.23.0.post1 serves).
 
 Unsharded (tp=1) and name-preserving: every tensor keeps its checkpoint name and shard
 file; merged projections stay unmerged, one tensor per expert. Per quantized linear X
@@ -7,14 +9,19 @@ file; merged projections stay unmerged, one tensor per expert. Per quantized lin
 * K % 32 == 0: ``X.weight`` F8_E4M3 ``[N, K]`` (the MX payload, *not* transposed: this
   is the checkpoint format, the kernel layout is the loader's business) and
   ``X.weight_scale`` U8 ``[N, K/32]``;
-* otherwise ``X.weight`` resolved in the model dtype, no scale, and X listed in
-  ``exclude_modules``.
+* otherwise ``X.weight`` resolved in the model dtype, no scale, and X listed as kept.
 
-``exclude_modules`` lists every module whose 2-D weight the output keeps in the model
-dtype (lm_head, embed_tokens, the MoE router ``mlp.gate``, the resolved linears above),
-plus the engine profile's own patterns (``--engine``): a ModelOpt config quantizes every
-linear and ``ParallelLMHead`` it does not exclude, so without them vLLM would build an
-MXFP8 lm_head or router and fail to load the BF16 tensor into it.
+The tensors are the same in both formats; only the description differs. ``modelopt``:
+config.json's ``quantization_config`` (``quant_method`` modelopt, ``quant_algo`` MXFP8)
+lists under ``ignore`` every module whose 2-D weight the output keeps in the model dtype
+(lm_head, embed_tokens, the MoE router ``mlp.gate``, the resolved linears above), plus the
+engine profile's own patterns (``--engine``): a ModelOpt config quantizes every linear
+and ``ParallelLMHead`` it does not ignore, so without them vLLM would build an MXFP8
+lm_head or router and fail to load the BF16 tensor into it (vLLM reads ``ignore`` in
+config.json's flat form; ``exclude_modules`` only nested in ``hf_quant_config.json``).
+``ascend``: no ``quantization_config``; ``quant_model_description.json`` names every
+tensor ``W8A8_MXFP8`` (a weight with its ``weight_scale``) or ``FLOAT``, with
+``group_size`` 32, which vllm-ascend's ``AscendModelSlimConfig`` reads per layer.
 
 Everything else is copied byte for byte. An already-MXFP8 checkpoint is accepted and
 copied through (its headers and pairing validated on the way), so ``convert`` can also
@@ -64,6 +71,8 @@ import numpy as np
 from mxload.orchestrator.errors import UnsupportedError, UsageError
 from mxload.orchestrator.plan.checkpoint import CheckpointMeta
 from mxload.orchestrator.plan.formats import (
+    ASCEND_DESCRIPTION_FILE,
+    ASCEND_MXFP8,
     BLOCK_SCALE_SUFFIX,
     CONFIG_FILE,
     INDEX_FILE,
@@ -134,6 +143,7 @@ def convert_checkpoint(
     engine: str = "mxload",
     overwrite: bool = False,
     allow_outside_links: bool = False,
+    fmt: str = "modelopt",
 ) -> dict[str, Any]:
     """Convert ``src`` into ``dst``; returns a summary (tensors, bytes, seconds, GB/s).
 
@@ -145,6 +155,10 @@ def convert_checkpoint(
     if numerics not in NUMERICS:
         raise UsageError(f"numerics must be one of {', '.join(NUMERICS)}, got {numerics!r}")
     from mxload.orchestrator.plan.engines import engine_profile
+    from mxload.orchestrator.plan.releases import FORMATS
+
+    if fmt not in FORMATS:
+        raise UsageError(f"--format {fmt!r} is not one of {', '.join(FORMATS)}", key="--format")
 
     profile = engine_profile(engine)
     t0 = time.perf_counter()
@@ -200,7 +214,7 @@ def convert_checkpoint(
         source_bytes = _write(
             tmp, meta, storage, specs, jobs, excluded, weight_map, convert, on_progress,
             dst_storage_options=dst_storage_options, window_bytes=window_bytes, arena=arena,
-            stage_seconds=stage_seconds,
+            stage_seconds=stage_seconds, fmt=fmt,
         )  # fmt: skip
         # What is put in place must pass the validator plan and load run (a guard on
         # this module's own rules: the output is read back, headers only).
@@ -235,6 +249,7 @@ def _write(
     window_bytes: int,
     arena: _Arena,
     stage_seconds: dict[str, float],
+    fmt: str = "modelopt",
 ) -> int:
     """Every shard, config.json and the index into ``root`` (the temporary folder); the
     source bytes read."""
@@ -266,11 +281,24 @@ def _write(
 
     cfg = meta.config
     raw_config = json.loads(storage.read_file(CONFIG_FILE))
-    if cfg.quant.kind == "block_fp8":
+    if fmt == "ascend":
+        # vllm-ascend's `--quantization ascend` reads the scheme of every tensor from its
+        # description file; a quantization_config would make vLLM dispatch elsewhere.
+        raw_config.pop("quantization_config", None)
+        names = {name for file_specs in specs.values() for name, _, _ in file_specs}
+        desc: dict[str, Any] = {"model_quant_type": ASCEND_MXFP8, "group_size": MX_GROUP}
+        for name in sorted(names):
+            if not name.endswith("_scale"):
+                desc[name] = ASCEND_MXFP8 if f"{name}_scale" in names else "FLOAT"
+        with fs.open(_join(root_path, ASCEND_DESCRIPTION_FILE), "w") as f:
+            json.dump(desc, f, indent=2)
+    elif cfg.quant.kind == "block_fp8":
+        # config.json's flat form: vLLM reads the modules kept in the model dtype from
+        # "ignore" (it reads "exclude_modules" only inside hf_quant_config.json's nesting).
         raw_config["quantization_config"] = {
             "quant_method": "modelopt",
             "quant_algo": "MXFP8",
-            "exclude_modules": sorted(set(excluded)),
+            "ignore": sorted(set(excluded)),
             "kv_cache_quant_algo": None,
         }
     with fs.open(_join(root_path, CONFIG_FILE), "w") as f:
