@@ -15,6 +15,8 @@ engines is copied into the project.
 from __future__ import annotations
 
 import ast
+import importlib.abc
+import importlib.machinery
 import importlib.util
 import os
 import subprocess
@@ -127,10 +129,42 @@ def vllm_wheel(version: str) -> Path:
     return root
 
 
+class _Placeholder(type):
+    """Metaclass of placeholders: any attribute of the class is another placeholder."""
+
+    def __getattr__(cls, attr: str) -> Any:
+        if attr.startswith("__"):
+            raise AttributeError(attr)
+        return _placeholder(attr, cls.__module__)()
+
+
+def _placeholder(name: str, module: str) -> type:
+    """A class named ``name`` that takes any arguments, returns its first when called as a
+    decorator, and answers any attribute (of the class or an instance) with another
+    placeholder: what module-level code does with an imported name (subclass, annotate,
+    decorate, build a constant) works, and nothing of it can compute anything."""
+
+    def __getattr__(self: Any, attr: str) -> Any:
+        if attr.startswith("__"):
+            raise AttributeError(attr)
+        return _placeholder(attr, module)()
+
+    return _Placeholder(
+        name,
+        (),
+        {
+            "__module__": module,
+            "__init__": lambda self, *a, **k: None,
+            "__call__": lambda self, *a, **k: a[0] if a else None,
+            "__getattr__": __getattr__,
+        },
+    )
+
+
 class Stub(types.ModuleType):
     """A named stand-in module: the attributes given, and for any other name asked of it a
-    fresh placeholder class of that name (imported, subclassed or annotated with, never
-    run by the code under test)."""
+    placeholder class of that name (imported, subclassed or annotated with, never run by
+    the code under test)."""
 
     def __init__(self, name: str, path: Path | None = None, **attrs: Any) -> None:
         super().__init__(name)
@@ -141,9 +175,55 @@ class Stub(types.ModuleType):
     def __getattr__(self, attr: str) -> Any:
         if attr.startswith("__"):
             raise AttributeError(attr)
-        placeholder = type(attr, (), {"__module__": self.__name__})
+        placeholder = _placeholder(attr, self.__name__)
         setattr(self, attr, placeholder)
         return placeholder
+
+
+class _StubLoader(importlib.abc.Loader):
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType:
+        return Stub(spec.name, Path("/nonexistent"))
+
+    def exec_module(self, module: types.ModuleType) -> None:
+        pass
+
+
+class _StubFinder(importlib.abc.MetaPathFinder):
+    def __init__(self, roots: set[str], real: Mapping[str, Path]) -> None:
+        self.roots, self.real = roots, real
+
+    def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
+        if name.split(".")[0] not in self.roots:
+            return None
+        if name in self.real:
+            return importlib.util.spec_from_file_location(name, self.real[name])
+        return importlib.machinery.ModuleSpec(name, _StubLoader(), is_package=True)
+
+
+@contextmanager
+def stubbed_packages(
+    roots: set[str],
+    real: Mapping[str, Path],
+    given: Mapping[str, types.ModuleType] | None = None,
+) -> Iterator[None]:
+    """While active, importing any module under ``roots`` gives a :class:`Stub`, except
+    the modules named in ``real``, which load from their files (the engine's own code),
+    and those ``given``; everything imported under ``roots`` meanwhile is dropped after."""
+    finder = _StubFinder(roots, real)
+    before = set(sys.modules)
+    saved = {k: v for k, v in sys.modules.items() if k.split(".")[0] in roots}
+    for k in saved:
+        del sys.modules[k]
+    sys.modules.update(given or {})
+    sys.meta_path.insert(0, finder)
+    try:
+        yield
+    finally:
+        sys.meta_path.remove(finder)
+        for k in set(sys.modules) - before | set(given or {}):
+            if k.split(".")[0] in roots:
+                sys.modules.pop(k, None)
+        sys.modules.update(saved)
 
 
 class QuietLogger:

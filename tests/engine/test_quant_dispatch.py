@@ -1,0 +1,242 @@
+"""What ``mxload convert`` writes, through each engine's own quantization dispatch.
+
+Which method the engine gives each layer decides whether it can load the checkpoint at all:
+a layer given an MXFP8 method expects an FP8 weight and a scale; a layer kept in the model
+dtype expects the BF16 tensor. Both are run from the engines' real sources (downloaded
+at test time, ``tests/engine/sources.py``):
+
+* ``--format modelopt`` through vllm-ascend 0.30.0rc2's ``AscendModelOptMxFp8Config``
+  (``quantization/configs/modelopt_mxfp8_config.py``), a subclass of vLLM 0.30.0's own
+  ``ModelOptMxFp8Config`` (``model_executor/layers/quantization/modelopt.py``, with its
+  ``base_config.py`` and ``utils/quant_utils.py``): ``from_config`` reads the kept modules,
+  ``get_quant_method`` dispatches per layer;
+* ``--format ascend`` through vllm-ascend 0.23.0.post1's ``AscendModelSlimConfig``
+  (``quantization/modelslim_config.py``): ``maybe_update_config`` reads
+  ``quant_model_description.json`` from the output folder (with ``quantization/utils.py``'s
+  ``get_model_file``), ``get_quant_method`` dispatches per layer and
+  ``create_scheme_for_layer`` builds the scheme through the real registry
+  (``methods/registry.py``, ``methods/__init__.py``) into the real
+  ``AscendW8A8MXFP8Dynamic*Method`` (``methods/w8a8_mxfp8.py``).
+
+Stand-ins: every other ``vllm`` / ``vllm_ascend`` / ``transformers`` / ``torch_npu``
+module is a named :class:`tests.engine.sources.Stub` (its names are placeholder classes
+that compute nothing); the layer classes the dispatch tests with ``isinstance``
+(``LinearBase``, ``VocabParallelEmbedding``, ``ParallelLMHead`` its subclass,
+``FusedMoE``) are those placeholders; ``get_current_vllm_config`` answers the model type
+(``qwen3_moe``) and ``group_size``; ``vllm_ascend.utils.vllm_version_is`` answers the
+release's own vLLM (0.23.0).
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+from mxload.orchestrator.runtime.catalog import open_checkpoint
+from mxload.workers.tools.convert import convert_checkpoint
+from safetensors.torch import load_file
+
+from tests.engine import sources
+from tests.engine.sources import Stub, stubbed_packages
+
+OVERRIDES = {"moe_intermediate_size": 256}
+
+# (vLLM prefix, layer class, kept in the model dtype)
+LAYERS = [
+    ("model.embed_tokens", "VocabParallelEmbedding", True),
+    ("lm_head", "ParallelLMHead", True),
+    ("model.layers.0.self_attn.qkv_proj", "LinearBase", False),
+    ("model.layers.0.self_attn.o_proj", "LinearBase", False),
+    ("model.layers.1.mlp.gate", "LinearBase", True),  # the MoE router
+    ("model.layers.1.mlp.experts", "FusedMoE", False),
+]
+# The method each engine gives those layers when the checkpoint is described right: its
+# unquantized methods for what is kept, its MXFP8 adapters for the rest (class names
+# from the engines' sources).
+WANT = {
+    "model.embed_tokens": "UnquantizedEmbeddingMethod",
+    "lm_head": "UnquantizedEmbeddingMethod",
+    "model.layers.0.self_attn.qkv_proj": "AscendLinearMethod",
+    "model.layers.0.self_attn.o_proj": "AscendLinearMethod",
+    "model.layers.1.mlp.gate": "AscendUnquantizedLinearMethod",
+    "model.layers.1.mlp.experts": "AscendFusedMoEMethod",
+}
+
+
+@pytest.fixture(scope="module")
+def outputs(ckpt_factory, tmp_path_factory) -> dict[str, str]:
+    src = ckpt_factory("qwen3-moe-tiny", seed=1, overrides=OVERRIDES)
+    out = {}
+    for fmt in ("modelopt", "ascend"):
+        out[fmt] = str(tmp_path_factory.mktemp(f"convert-{fmt}"))
+        convert_checkpoint(src, out[fmt], fmt=fmt)
+    return out
+
+
+def _tensors(path: str) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for f in sorted(os.listdir(path)):
+        if f.endswith(".safetensors"):
+            out.update(load_file(os.path.join(path, f)))
+    return out
+
+
+def test_the_two_formats_hold_the_same_tensors(outputs: dict[str, str]) -> None:
+    a, b = _tensors(outputs["modelopt"]), _tensors(outputs["ascend"])
+    assert sorted(a) == sorted(b)
+    assert all(torch.equal(a[n].view(torch.uint8), b[n].view(torch.uint8)) for n in a)
+    with open(os.path.join(outputs["ascend"], "config.json")) as f:
+        assert "quantization_config" not in json.load(f)  # vLLM would dispatch by it
+    # mxload reads its own ascend output back as the same MXFP8 checkpoint
+    ma, mb = open_checkpoint(outputs["modelopt"]), open_checkpoint(outputs["ascend"])
+    assert ma.config.quant.kind == mb.config.quant.kind == "mxfp8"
+
+
+def _layer(classes: dict[str, type], kind: str) -> Any:
+    layer = classes[kind]()
+    layer.moe_config = None
+    return layer
+
+
+def _vllm_layers(given: dict[str, Any]) -> dict[str, type]:
+    """The layer classes the dispatch tests against, as placeholders in their modules."""
+    linear = Stub("vllm.model_executor.layers.linear", Path("/nonexistent"))
+    vocab = Stub("vllm.model_executor.layers.vocab_parallel_embedding", Path("/nonexistent"))
+    moe = Stub("vllm.model_executor.layers.fused_moe", Path("/nonexistent"))
+    vocab.ParallelLMHead = type("ParallelLMHead", (vocab.VocabParallelEmbedding,), {})
+    given.update({m.__name__: m for m in (linear, vocab, moe)})
+    return {
+        "LinearBase": linear.LinearBase,
+        "VocabParallelEmbedding": vocab.VocabParallelEmbedding,
+        "ParallelLMHead": vocab.ParallelLMHead,
+        "FusedMoE": moe.FusedMoE,
+        "RoutedExperts": moe.RoutedExperts,
+        "MoERunner": moe.MoERunner,
+    }
+
+
+def _real(root: Path, names: list[str]) -> dict[str, Path]:
+    out = {}
+    for n in names:
+        p = root / n.replace(".", "/")
+        out[n] = p / "__init__.py" if p.is_dir() else p.with_suffix(".py")
+    return out
+
+
+def test_modelopt_output_through_vllm_ascend_0_30(outputs: dict[str, str]) -> None:
+    va = sources.vllm_ascend_sdist("0.30.0rc2")
+    vllm = sources.vllm_wheel("0.30.0")
+    real = {
+        **_real(
+            vllm,
+            [
+                "vllm.model_executor.layers.quantization.modelopt",
+                "vllm.model_executor.layers.quantization.base_config",
+                "vllm.model_executor.layers.quantization.utils.quant_utils",
+            ],
+        ),
+        **_real(
+            va,
+            [
+                "vllm_ascend.quantization.configs.modelopt_mxfp8_config",
+                "vllm_ascend.quantization.utils",
+            ],
+        ),
+    }
+    given: dict[str, Any] = {}
+    classes = _vllm_layers(given)
+    with open(os.path.join(outputs["modelopt"], "config.json")) as f:
+        qc = json.load(f)["quantization_config"]
+    roots = {"vllm", "vllm_ascend", "transformers", "torch_npu"}
+    with stubbed_packages(roots, real, given):
+        m = importlib.import_module("vllm_ascend.quantization.configs.modelopt_mxfp8_config")
+        # vLLM 0.30's MoE layer: is_fused_moe_layer asks for RoutedExperts / MoERunner
+        classes["FusedMoE"] = classes["RoutedExperts"]
+
+        def dispatch(config: dict[str, Any]) -> dict[str, str]:
+            cfg = m.AscendModelOptMxFp8Config.from_config(config)
+            return {
+                prefix: type(cfg.get_quant_method(_layer(classes, kind), prefix)).__name__
+                for prefix, kind, _ in LAYERS
+            }
+
+        got = dispatch(qc)
+        # What convert wrote under the key vLLM reads in config.json ("exclude_modules"
+        # in this flat form is not read: everything would be quantized).
+        old = {k: v for k, v in qc.items() if k != "ignore"} | {"exclude_modules": qc["ignore"]}
+        before = dispatch(old)
+    assert got == WANT
+    # Under "exclude_modules" the engine gives lm_head and the router MXFP8 methods, whose
+    # FP8 weight and scale do not fit the checkpoint's BF16 tensors.
+    assert before["lm_head"] == before["model.layers.1.mlp.gate"] == "AscendLinearMethod"
+
+
+def test_ascend_output_through_vllm_ascend_0_23(outputs: dict[str, str]) -> None:
+    va = sources.vllm_ascend_sdist("0.23.0.post1")
+    q = "vllm_ascend.quantization"
+    real = _real(
+        va,
+        [
+            f"{q}.modelslim_config",
+            f"{q}.utils",
+            f"{q}.quant_type",
+            f"{q}.methods",
+            f"{q}.methods.base",
+            f"{q}.methods.registry",
+            f"{q}.methods.w8a8_mxfp8",
+        ],
+    )
+    vllm_config = SimpleNamespace(
+        model_config=SimpleNamespace(hf_config=SimpleNamespace(model_type="qwen3_moe")),
+        quant_config=SimpleNamespace(quant_description={"group_size": 32}),
+        compilation_config=SimpleNamespace(mode=0),
+        use_v2_model_runner=False,
+    )
+    given: dict[str, Any] = {
+        "vllm.config": Stub(
+            "vllm.config",
+            Path("/nonexistent"),
+            get_current_vllm_config=lambda: vllm_config,
+            get_current_vllm_config_or_none=lambda: vllm_config,
+        ),
+        "vllm_ascend.utils": Stub(
+            "vllm_ascend.utils",
+            ASCEND_QUANTIZATION_METHOD="ascend",
+            vllm_version_is=lambda v: v == "0.23.0",
+        ),
+        "vllm.logger": Stub("vllm.logger", logger=sources.QuietLogger()),
+    }
+    classes = _vllm_layers(given)
+    roots = {"vllm", "vllm_ascend", "transformers", "torch_npu"}
+    with stubbed_packages(roots, real, given):
+        ms = importlib.import_module(f"{q}.modelslim_config")
+        mx = importlib.import_module(f"{q}.methods.w8a8_mxfp8")
+        cfg = ms.AscendModelSlimConfig()
+        cfg.maybe_update_config(outputs["ascend"])
+        assert cfg.quant_description["group_size"] == 32
+        methods = {
+            prefix: type(cfg.get_quant_method(_layer(classes, kind), prefix)).__name__
+            for prefix, kind, _ in LAYERS
+        }
+        mapping = ms.get_packed_modules_mapping("qwen3_moe")
+        schemes = {
+            prefix: type(
+                ms.create_scheme_for_layer(
+                    cfg.quant_description,
+                    prefix,
+                    "moe" if kind == "FusedMoE" else "linear",
+                    mapping,
+                )
+            )
+            for prefix, kind, kept in LAYERS
+            if not kept
+        }
+    assert methods == WANT
+    assert schemes["model.layers.0.self_attn.qkv_proj"] is mx.AscendW8A8MXFP8DynamicLinearMethod
+    assert schemes["model.layers.1.mlp.experts"] is mx.AscendW8A8MXFP8DynamicFusedMoEMethod
