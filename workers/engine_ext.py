@@ -47,6 +47,7 @@ from mxload.orchestrator.plan.engines import engine_profile
 from mxload.orchestrator.plan.releases import (
     RELEASES,
     EngineRelease,
+    check_architecture,
     check_settings,
     release_of_version,
 )
@@ -243,6 +244,14 @@ class Attachment:
         check_engine_settings(facts.engine, facts.settings)
         self.facts = facts
         meta = open_checkpoint(src, storage_options=storage_options)
+        release = engine_release(facts.engine)
+        why = check_architecture(release, meta.config.architecture) if release else ""
+        if why:
+            raise AdoptionError(
+                f"--engine {facts.engine}: {meta.config.architecture} cannot be reloaded "
+                f"in place: {why}",
+                key="--engine",
+            )
         plan: Plan = build_plan(meta.config, facts.layout, checkpoint=meta, engine=self.profile)
         rp = plan.ranks[facts.rank]
         missing = [b.name for b in rp.buffers if b.name not in params]

@@ -18,7 +18,7 @@ vllm-ascend==X``; vLLM from the wheel the release builds on).
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from mxload.orchestrator.errors import UsageError
 from mxload.orchestrator.plan.engines import SourceRef
@@ -65,6 +65,8 @@ class EngineRelease:
     formats: tuple[str, ...]
     """``mxload convert --format`` outputs this release serves."""
     refusals: tuple[Refusal, ...]
+    architectures: Mapping[str, str] = field(default_factory=dict)
+    """Architecture -> why a reload into this engine cannot be complete for it."""
     notes: tuple[str, ...] = ()
     sources: tuple[SourceRef, ...] = ()
 
@@ -133,6 +135,18 @@ _REDUNDANT = Refusal(
 )
 _EPLB_ALL = (_EPLB, _DYNAMIC_EPLB, _EXPERT_MAP, _REDUNDANT)
 
+_DEEPSEEK = {
+    "DeepseekV3ForCausalLM": (
+        "vllm-ascend's MLA post-load derives W_UK_T and W_UV from kv_b_proj as new "
+        "contiguous copies (attention/mla_v1.py process_weights_after_loading: "
+        "W_UV.transpose(0, 1).contiguous(), W_UK.permute(1, 2, 0).contiguous()), so an "
+        "in-place write of kv_b_proj never reaches what the attention kernels read; and "
+        "the MTP draft model (num_nextn_predict_layers) is neither planned nor updated. "
+        "Reload DeepSeek through the engine's own weight loading, or use mxload outside "
+        "the engine (mxload load / Session)"
+    )
+}
+
 _QUANT_023 = ("ascend", "compressed-tensors", "fp8", "deepseek_v4_fp8")
 _QUANT_027 = (*_QUANT_023, "modelopt_mxfp8", "mxfp8")
 
@@ -147,6 +161,7 @@ RELEASES: Mapping[str, EngineRelease] = {
             quantizations=_QUANT_023,
             formats=("ascend",),
             refusals=(_NZ_023, *_EPLB_ALL),
+            architectures=_DEEPSEEK,
             notes=(
                 "ModelOpt MXFP8 is refused at start (modelopt_mxfp8 is not in the "
                 "platform's supported quantization list): convert with --format ascend and "
@@ -178,6 +193,7 @@ RELEASES: Mapping[str, EngineRelease] = {
             quantizations=_QUANT_027,
             formats=("ascend", "modelopt"),
             refusals=(_NZ_027, *_EPLB_ALL),
+            architectures=_DEEPSEEK,
             notes=(
                 "block-FP8 checkpoints are also served directly: on Ascend 950 the engine "
                 "re-quantizes them to MXFP8 at load (fp8_block.py); mxload reloads such an "
@@ -209,6 +225,7 @@ RELEASES: Mapping[str, EngineRelease] = {
                 quantizations=_QUANT_027,
                 formats=("ascend", "modelopt"),
                 refusals=(_NZ_027, _FUSED_MC2, *_EPLB_ALL),
+                architectures=_DEEPSEEK,
                 notes=(
                     "MXFP8 weights are cast to FRACTAL_NZ unless weight_nz_mode is 0",
                     "row-parallel MXFP8 shards whose K does not start and end on a 32 "
@@ -246,6 +263,7 @@ RELEASES: Mapping[str, EngineRelease] = {
             quantizations=_QUANT_027,
             formats=("ascend", "modelopt"),
             refusals=(_NZ_027, _FUSED_MC2, *_EPLB_ALL),
+            architectures=_DEEPSEEK,
             notes=("read at 182b75ea; as 0.28-0.30 for NZ, fused MC2 and row-parallel padding",),
         ),
     )
@@ -281,3 +299,8 @@ def check_settings(release: EngineRelease, settings: Mapping[str, str]) -> list[
         if value not in r.allowed:
             bad.append(f"{r.setting}={value!r}: {r.reason}; {r.fix}")
     return bad
+
+
+def check_architecture(release: EngineRelease, architecture: str) -> str:
+    """Why ``release`` cannot be reloaded in place for ``architecture`` ('' = it can)."""
+    return release.architectures.get(architecture, "")

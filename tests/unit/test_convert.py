@@ -629,3 +629,33 @@ def test_convert_refuses_what_plan_refuses(ckpt_factory, tmp_path, case) -> None
     assert str(by_convert.value) == str(by_plan.value)
     assert by_convert.value.exit_code == 2
     assert sorted(os.listdir(tmp_path)) == ["src"], "a refused convert writes nothing"
+
+
+def test_ascend_format_describes_every_tensor_and_reads_back(ckpt_factory, tmp_path) -> None:
+    """--format ascend: the same tensors, vllm-ascend's description instead of a
+    quantization_config (its field names read from vllm-ascend 0.23.0.post1's
+    modelslim_config.py; tests/engine/test_quant_dispatch.py runs its dispatch on it)."""
+    preset, overrides = CASES["awkward-k"]
+    src = ckpt_factory(preset, 5, overrides=overrides)
+    dst = str(tmp_path / "ascend")
+    convert_checkpoint(src, dst, fmt="ascend")
+    config, got, _ = read_all(dst)
+    assert "quantization_config" not in config
+    with open(os.path.join(dst, "quant_model_description.json")) as f:
+        desc = json.load(f)
+    assert desc["group_size"] == 32
+    for name in got:
+        if name.endswith("_scale"):
+            continue
+        want = "W8A8_MXFP8" if f"{name}_scale" in got else "FLOAT"
+        assert desc[name] == want, name
+    assert desc["model.embed_tokens.weight"] == desc["model.layers.1.mlp.gate.weight"] == "FLOAT"
+    assert desc["model.layers.1.mlp.experts.0.down_proj.weight"] == "FLOAT"  # K = 80
+    meta = open_checkpoint(dst)
+    assert meta.config.quant.kind == "mxfp8"
+    # A scheme mxload does not read is refused, naming the tensor.
+    desc["model.layers.0.self_attn.o_proj.weight"] = "W4A8_DYNAMIC"
+    with open(os.path.join(dst, "quant_model_description.json"), "w") as f:
+        json.dump(desc, f)
+    with pytest.raises(UnsupportedError, match=r"o_proj\.weight.*W4A8_DYNAMIC"):
+        open_checkpoint(dst)
