@@ -167,6 +167,26 @@ def _npu_format(t: torch.Tensor) -> int | None:
     return int(torch_npu.get_npu_format(t))
 
 
+def expert_maps(model: torch.nn.Module) -> dict[str, Any]:
+    """Every MoE module's expert-map holder by module name: vLLM's ``ExpertMapManager``
+    (``expert_map``: global expert id -> local slot, -1 elsewhere; None without EP)."""
+    out = {}
+    for name, mod in model.named_modules():
+        manager = getattr(mod, "expert_map_manager", None)
+        if manager is not None and hasattr(manager, "expert_map"):
+            out[name] = manager
+    return out
+
+
+def _local_experts(expert_map: Any) -> tuple[int, ...] | None:
+    """Global expert ids in local slot order, from an expert map (None: no map)."""
+    if expert_map is None:
+        return None
+    slots = [int(x) for x in expert_map.tolist()]
+    held = sorted((slot, g) for g, slot in enumerate(slots) if slot >= 0)
+    return tuple(g for _, g in held)
+
+
 def engine_params(model: torch.nn.Module) -> dict[str, tuple[Any, str]]:
     """Every parameter and buffer of ``model`` by name, as (module, attribute): where the
     engine keeps it, so that a rebinding is seen."""
@@ -183,14 +203,41 @@ class _OneRank:
     """How an :class:`Attachment` runs its ranks: the one rank this worker hosts, with
     its own loader, in this process (:class:`mxload.orchestrator.runtime.reload.Ranks`)."""
 
-    def __init__(self, rank: int, loader: RankLoader, held: Mapping[str, Held]) -> None:
+    def __init__(
+        self,
+        rank: int,
+        loader: RankLoader,
+        held: Mapping[str, Held],
+        maps: Mapping[str, Any],
+    ) -> None:
         self.rank = rank
         self.loader = loader
         self.held = held
+        self.maps = maps
         self.last_stats: RunStats | None = None
 
+    def check_experts(self) -> None:
+        """AdoptionError unless every MoE module's expert map (read now) places exactly
+        the planned experts in the planned slots."""
+        want = self.loader.plan.experts
+        bad = []
+        for name, manager in self.maps.items():
+            got = _local_experts(manager.expert_map)
+            if got is not None and got != tuple(want):
+                bad.append(f"{name}: slots hold experts {list(got)[:16]}")
+        if bad:
+            raise AdoptionError(
+                f"rank {self.rank}: the engine's expert placement is not the plan's (experts "
+                f"{list(want)[:16]} in slot order): " + "; ".join(bad[:4]) + "; mxload writes "
+                "expert weights by the plan's placement, so other experts would land in "
+                "these slots",
+                rank=self.rank,
+            )
+
     def check(self, when: str) -> None:
-        """AddressMoved naming every engine tensor that is no longer mxload's buffer."""
+        """AddressMoved naming every engine tensor that is no longer mxload's buffer;
+        AdoptionError if the engine's expert maps no longer match the plan."""
+        self.check_experts()
         moved = [f"{n}: {d}" for n, h in self.held.items() if (d := h.drift())]
         if moved:
             raise AddressMoved(
@@ -234,9 +281,11 @@ class Attachment:
         *,
         storage_options: Mapping[str, Any] | None = None,
         device: str | None = None,
+        maps: Mapping[str, Any] | None = None,
     ) -> None:
         """``params``: name -> (module, attribute) of every engine tensor
-        (:func:`engine_params`)."""
+        (:func:`engine_params`); ``maps``: the MoE modules' expert-map holders
+        (:func:`expert_maps`), read at attach and before every reload and status."""
         from mxload.orchestrator.plan.planner import build_plan
         from mxload.orchestrator.runtime.catalog import open_checkpoint
 
@@ -275,7 +324,8 @@ class Attachment:
         self.loader = RankLoader(
             rp, model_dtype=meta.config.model_dtype, device=device, buffers=mine
         )
-        self._ranks = _OneRank(facts.rank, self.loader, held)
+        self._ranks = _OneRank(facts.rank, self.loader, held, maps or {})
+        self._ranks.check_experts()
         # Version 0 of the attached checkpoint: the parameters hold what the engine
         # loaded (or nothing yet); the first reload (or ``load``) writes version 1.
         self.state = SessionState(
@@ -469,7 +519,13 @@ class MxloadWorkerExtension:
     ) -> dict[str, Any]:
         facts = vllm_facts(self.vllm_config, engine)  # type: ignore[attr-defined]
         model = self.model_runner.model  # type: ignore[attr-defined]
-        self._mxload = Attachment(src, facts, engine_params(model), storage_options=storage_options)
+        self._mxload = Attachment(
+            src,
+            facts,
+            engine_params(model),
+            storage_options=storage_options,
+            maps=expert_maps(model),
+        )
         if load:  # an engine started with load_format="dummy" gets its weights from mxload
             self._mxload.load(storage_options=storage_options)
         return self._mxload.status(checksums=False)

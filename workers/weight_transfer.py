@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mxload.orchestrator.errors import RunError
-from mxload.workers.engine_ext import Attachment, engine_params, vllm_facts
+from mxload.workers.engine_ext import Attachment, engine_params, expert_maps, vllm_facts
 from vllm.distributed.weight_transfer.base import (  # type: ignore[import-not-found]
     WeightTransferEngine,
     WeightTransferInitInfo,
@@ -78,6 +78,7 @@ class MxloadWeightTransferEngine(WeightTransferEngine):  # type: ignore[misc]
             facts,
             engine_params(self.model),
             storage_options=init_info.storage_options,
+            maps=expert_maps(self.model),
         )
         if init_info.load:
             self.attachment.load(storage_options=init_info.storage_options)

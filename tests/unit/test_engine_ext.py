@@ -298,6 +298,8 @@ def test_engine_settings_are_refused_naming_the_setting(
         mx.attach(src, engine=engine)
     msg = str(err.value)
     assert "\n" not in msg and setting in msg and fix in msg, msg
+    if change:
+        return
     # With every setting as the release needs it, the same engine attaches.
     ascend_config.weight_nz_mode = 0
     ascend_config.enable_fused_mc2 = 0
@@ -309,8 +311,8 @@ def test_engine_settings_are_refused_naming_the_setting(
 
 def test_one_llm_per_dp_rank_reloads_as_one_engine(ckpt_factory, fake_vllm, monkeypatch):
     monkeypatch.setenv("VLLM_ASCEND_ENABLE_NZ", "0")
-    src1 = ckpt_factory("qwen3-moe-tiny", seed=1, overrides=OVERRIDES)
-    src2 = ckpt_factory("qwen3-moe-tiny", seed=2, overrides=OVERRIDES)
+    src1 = ckpt_factory("qwen3-moe-tiny", seed=1)
+    src2 = ckpt_factory("qwen3-moe-tiny", seed=2)
     layout = ParallelLayout(tp=1, dp=2, enable_expert_parallel=True)
     engine = "vllm-ascend-0.23.0.post1"
     workers = _workers(src1, engine, layout=layout)
@@ -373,3 +375,40 @@ def test_the_extension_composes_with_another(ckpt_factory, fake_vllm, monkeypatc
     assert EngineReloader(rpc).attach(src)[0]["rank"] == 0
     extra = {n for n in vars(MxloadWorkerExtension) if not n.startswith("__")}
     assert all(n.startswith(("mxload_", "_mxload", "_attached")) for n in extra), extra
+
+
+def test_expert_maps_are_read_at_attach_and_before_every_reload(
+    ckpt_factory, fake_vllm, monkeypatch
+):
+    """vLLM's FusedMoE keeps its placement in ``expert_map_manager.expert_map`` (global
+    expert -> local slot, -1 elsewhere); the maps here follow vLLM's linear placement
+    (tests/reference_model.py), then one is changed as EPLB would."""
+    from tests.reference_model import experts_of
+
+    monkeypatch.setenv("VLLM_ASCEND_ENABLE_NZ", "0")
+    src = ckpt_factory("qwen3-moe-tiny", seed=1, overrides=OVERRIDES)
+    engine = "vllm-ascend-0.23.0.post1"
+    workers = _workers(src, engine)
+    n_e = open_checkpoint(src).config.num_experts
+    moe = []
+    for w in workers:
+        dp, (_, tp) = w.vllm_config.parallel_config.data_parallel_rank, w.ranks
+        held = experts_of(n_e, LAYOUT.dp * LAYOUT.tp, dp * LAYOUT.tp + tp, "linear")
+        emap = torch.full((n_e,), -1, dtype=torch.int32)
+        emap[held] = torch.arange(len(held), dtype=torch.int32)
+        for name, mod in w.model_runner.model.named_modules():
+            if name.endswith("mlp.experts"):
+                mod.expert_map_manager = SimpleNamespace(expert_map=emap.clone())
+                moe.append((w, name, mod))
+    assert moe
+    mx = EngineReloader(_llm(workers, fake_vllm))
+    mx.attach(src, engine=engine)  # the maps agree with the plan
+    # Two slots swapped (what EPLB does while serving): refused before anything is written.
+    _, name, mod = moe[-1]
+    emap = mod.expert_map_manager.expert_map
+    a, b = (emap >= 0).nonzero().flatten()[:2].tolist()
+    emap[a], emap[b] = emap[b].item(), emap[a].item()
+    with pytest.raises(AdoptionError, match=rf"{name.replace('.', '[.]')}: slots hold experts"):
+        mx.reload(src)
+    with pytest.raises(AdoptionError, match="expert placement is not the plan's"):
+        mx.attach(src, engine=engine)
