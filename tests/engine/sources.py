@@ -14,6 +14,7 @@ engines is copied into the project.
 
 from __future__ import annotations
 
+import abc
 import ast
 import importlib.abc
 import importlib.machinery
@@ -129,8 +130,9 @@ def vllm_wheel(version: str) -> Path:
     return root
 
 
-class _Placeholder(type):
-    """Metaclass of placeholders: any attribute of the class is another placeholder."""
+class _Placeholder(abc.ABCMeta):
+    """Metaclass of placeholders: any attribute of the class is another placeholder (an
+    ABCMeta, so that a class may derive from a placeholder and ABC together)."""
 
     def __getattr__(cls, attr: str) -> Any:
         if attr.startswith("__"):

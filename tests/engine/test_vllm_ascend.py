@@ -69,6 +69,8 @@ MAIN_MOE_PREFIX = "mlp.experts.routed_experts"
 """Where vLLM main registers them: its FusedMoE hands the routed experts to a MoERunner
 module named ``routed_experts`` (vllm 0.33.0 model_executor/layers/fused_moe/layer.py
 415-470, vllm-ascend main vllm_ascend/ops/fused_moe/fused_moe.py 39-71)."""
+NEWEST = "0.30.0rc2"
+"""The newest pre-release on the index: its ``methods/w8a8/w8a8_mxfp8.py`` runs too."""
 SDIST_DIR = f"vllm_ascend-{PIN}"
 MX_FILE = "vllm_ascend/quantization/methods/w8a8_mxfp8.py"
 
@@ -85,6 +87,8 @@ LAYOUTS = {
 CASES = {
     **{name: (name, "vllm-ascend-0.23", MOE_PREFIX) for name in LAYOUTS},
     "tp2xdp2-ep-main": ("tp2xdp2-ep", "vllm-ascend-main", MAIN_MOE_PREFIX),
+    # the newest pre-release's own MXFP8 file (on vLLM 0.30, experts under routed_experts)
+    **{f"{name}@{NEWEST}": (name, f"vllm-ascend-{NEWEST}", MAIN_MOE_PREFIX) for name in LAYOUTS},
 }
 
 _NETWORK_SIGNS = (
@@ -239,6 +243,67 @@ def schemes(vllm_ascend_root: Path) -> Iterator[SimpleNamespace]:
         sys.modules.update(saved)
 
 
+@pytest.fixture(scope="module")
+def schemes_newest() -> SimpleNamespace:
+    """0.30.0rc2's MXFP8 schemes, imported for real. Its ``methods/w8a8/w8a8_mxfp8.py``,
+    ``methods/base.py``, ``methods/registry.py``, ``quant_type.py`` and ``vllm_ascend/utils.py``
+    (``maybe_trans_nz``, ``maybe_trans_nz_with_scale``: whether weights are cast to NZ) and
+    vLLM 0.30.0's ``utils/math_utils.py`` are the real files; every other vllm / vllm_ascend
+    / torch_npu module is a named stub (tests/engine/sources.py), with these answers:
+    ``get_current_vllm_config`` (group_size 32, v1 model runner), ``get_ascend_config``
+    (``weight_nz_mode`` 0, no dynamic EPLB), ``use_cann_megamoe`` False (``enable_fused_mc2``
+    0), ``get_current_hardware_profile`` (not a FORCE_NZ device). The classes keep working
+    after the stubs are gone: nothing they run imports at call time."""
+    from tests.engine import sources
+    from tests.engine.sources import Stub, stubbed_packages
+
+    pkg = sources.vllm_ascend_sdist(NEWEST) / "vllm_ascend"
+    vllm = sources.vllm_wheel("0.30.0")
+    q = "vllm_ascend.quantization"
+    real = {
+        f"{q}.methods.w8a8.w8a8_mxfp8": pkg / "quantization/methods/w8a8/w8a8_mxfp8.py",
+        f"{q}.methods.base": pkg / "quantization/methods/base.py",
+        f"{q}.methods.registry": pkg / "quantization/methods/registry.py",
+        f"{q}.quant_type": pkg / "quantization/quant_type.py",
+        "vllm_ascend.utils": pkg / "utils.py",
+        "vllm.utils.math_utils": vllm / "vllm/utils/math_utils.py",
+    }
+    cfg = SimpleNamespace(
+        quant_config=SimpleNamespace(quant_description={"group_size": 32}),
+        use_v2_model_runner=False,
+    )
+    ascend = SimpleNamespace(weight_nz_mode=0, eplb_config=SimpleNamespace(dynamic_eplb=False))
+    quiet = sources.QuietLogger()
+    given = {
+        "vllm.config": Stub(
+            "vllm.config", Path("/nonexistent"), get_current_vllm_config=lambda: cfg
+        ),
+        "vllm.logger": Stub("vllm.logger", logger=quiet, init_logger=lambda name: quiet),
+        "vllm_ascend.ascend_config": Stub(
+            "vllm_ascend.ascend_config",
+            get_ascend_config=lambda: ascend,
+            is_mega_moe_supported=lambda: False,
+        ),
+        "vllm_ascend.ascend_forward_context": Stub(
+            "vllm_ascend.ascend_forward_context", use_cann_megamoe=lambda config: False
+        ),
+        "vllm_ascend.device.hardware_profile": Stub(
+            "vllm_ascend.device.hardware_profile",
+            get_current_hardware_profile=lambda: SimpleNamespace(weight_layout_policy=None),
+        ),
+    }
+    with stubbed_packages({"vllm", "vllm_ascend", "torch_npu"}, real, given):
+        mx = importlib.import_module(f"{q}.methods.w8a8.w8a8_mxfp8")
+    assert Path(mx.__file__).resolve() == real[mx.__name__].resolve()
+    return SimpleNamespace(
+        linear=mx.AscendW8A8MXFP8DynamicLinearMethod,
+        moe=mx.AscendW8A8MXFP8DynamicFusedMoEMethod,
+        # vLLM's RowParallelLinear as this file imported it: o_proj / down_proj are made
+        # instances, so its row-parallel K padding runs
+        row=type("RowLayer", (torch.nn.Module, mx.RowParallelLinear), {}),
+    )
+
+
 # --- the engine side: vllm-ascend's parameters, filled as vLLM's loaders would --------------
 
 
@@ -252,7 +317,10 @@ class _Engine:
             if b.layout == "mx_linear" and b.name.endswith(".weight"):
                 k, n = b.shape
                 scheme = schemes.linear()
-                layer = torch.nn.Module()
+                row = b.name.endswith(("o_proj.weight", "down_proj.weight"))
+                layer = schemes.row() if row and hasattr(schemes, "row") else torch.nn.Module()
+                if row:  # what vLLM's RowParallelLinear sets (K split over tp)
+                    layer.tp_rank, layer.input_size_per_partition = plan_rank.tp_rank, k
                 # method_adapters.create_weights: each returned tensor becomes a Parameter
                 for d in (
                     scheme.get_weight(k, n, dtype),
@@ -405,11 +473,12 @@ def checkpoints(ckpt_factory, tmp_path_factory):
 @pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_adopts_vllm_ascend_parameters_and_reloads_to_its_own_values(
-    name, schemes, checkpoints
+    name, request, checkpoints
 ) -> None:
     import json
 
     layout_name, engine_name, moe_prefix = CASES[name]
+    schemes = request.getfixturevalue("schemes_newest" if NEWEST in name else "schemes")
     layout = LAYOUTS[layout_name]
     ref_layout = Layout(tp=layout.tp, dp=layout.dp, pp=layout.pp, ep=layout.enable_expert_parallel)
     src1, mx1 = checkpoints[1]
@@ -443,6 +512,10 @@ def test_adopts_vllm_ascend_parameters_and_reloads_to_its_own_values(
         engine.load(values[1])
         engine.post_load()
         params = engine.params()
+        if NEWEST in name:  # its row-parallel K padding ran (and found the shards aligned)
+            pads = {p: vars(m).get("mxfp8_tp_padding") for p, (_, m) in engine.layers.items()}
+            rows = {p: v for p, v in pads.items() if p.endswith(("o_proj", "down_proj"))}
+            assert rows and set(rows.values()) == {(0, 0)}, pads
 
         # 1. mxload's plan names exactly those views: shape, stride, dtype, storage offset.
         specs = {b.name: b for b in rp.buffers}
