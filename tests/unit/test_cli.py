@@ -671,3 +671,14 @@ def test_a_refused_reload_shows_its_root_cause_first_on_one_line(
     assert len(shown) == 2 and len(err.split("; ")) == 5, err
     assert err.endswith(f"... and {total - len(shown)} more (--debug lists them)"), err
     assert len(err) < 700
+
+
+def test_engine_takes_release_names_and_refuses_unknown_ones(
+    mxload: Callable[..., tuple[int, str, str]],
+) -> None:
+    rc, out, _ = mxload(*PLAN_30B, "--engine", "vllm-ascend-0.30.0rc2", "--json")
+    assert rc == 0 and json.loads(out)["engine"] == "vllm-ascend-main"
+    rc, out, _ = mxload(*PLAN_30B, "--engine", "vllm-ascend-0.23.0.post1", "--json")
+    assert rc == 0 and json.loads(out)["engine"] == "vllm-ascend-0.23"
+    rc, _, err = mxload(*PLAN_30B, "--engine", "vllm-ascend-0.26.0rc1")
+    assert rc == 2 and "vllm-ascend-0.23.0.post1" in err and "vllm-ascend-0.30.0rc2" in err
