@@ -54,46 +54,50 @@ def _stub_tree(names: list[str], given: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def npu_platform(va_root: Path, vllm_root: Path) -> Any:
-    """vllm-ascend's NPUPlatform class, its module run for real (stubs in the doc)."""
+def vllm_interface(vllm_root: Path) -> Any:
+    """vLLM's ``vllm/platforms/interface.py`` (``Platform``), run for real."""
     interface_stubs = _stub_tree(
         ["vllm.logger", "vllm.v1.attention.backends.registry"],
         {"vllm.logger": Stub("vllm.logger", init_logger=lambda name: QuietLogger())},
     )
+    with modules(interface_stubs):
+        return load_module(
+            "vllm.platforms.interface", vllm_root / "vllm" / "platforms" / "interface.py"
+        )
+
+
+def npu_platform(va_root: Path, interface: Any) -> Any:
+    """vllm-ascend's NPUPlatform class, its module run for real (stubs in the doc)."""
     env = dict(os.environ)  # platform.py sets a variable at import
     try:
-        with modules(interface_stubs):
-            interface = load_module(
-                "vllm.platforms.interface", vllm_root / "vllm" / "platforms" / "interface.py"
-            )
-            pkg = va_root / "vllm_ascend"
-            given = {
-                "vllm.logger": Stub("vllm.logger", logger=QuietLogger()),
-                "vllm.platforms": Stub(
-                    "vllm.platforms",
-                    Path("/nonexistent"),
-                    Platform=interface.Platform,
-                    PlatformEnum=interface.PlatformEnum,
-                    interface=interface,
-                ),
-                "vllm_ascend": package("vllm_ascend", pkg),
-                "vllm_ascend.utils": Stub("vllm_ascend.utils", **constants(pkg / "utils.py")),
-            }
-            stubs = _stub_tree(
-                [
-                    "vllm.envs",
-                    "vllm.platforms.interface",
-                    "vllm.v1.attention.backends.registry",
-                    "vllm_ascend.ascend_config",
-                    "vllm_ascend.utils",
-                    "vllm_ascend.device.hardware_profile",
-                ],
-                {**given, "vllm.platforms.interface": interface},
-            )
-            with modules(stubs):
-                platform = load_module("vllm_ascend.platform", pkg / "platform.py")
-                assert Path(platform.__file__).resolve() == (pkg / "platform.py").resolve()
-                return platform.NPUPlatform
+        pkg = va_root / "vllm_ascend"
+        given = {
+            "vllm.logger": Stub("vllm.logger", logger=QuietLogger()),
+            "vllm.platforms": Stub(
+                "vllm.platforms",
+                Path("/nonexistent"),
+                Platform=interface.Platform,
+                PlatformEnum=interface.PlatformEnum,
+                interface=interface,
+            ),
+            "vllm_ascend": package("vllm_ascend", pkg),
+            "vllm_ascend.utils": Stub("vllm_ascend.utils", **constants(pkg / "utils.py")),
+        }
+        stubs = _stub_tree(
+            [
+                "vllm.envs",
+                "vllm.platforms.interface",
+                "vllm.v1.attention.backends.registry",
+                "vllm_ascend.ascend_config",
+                "vllm_ascend.utils",
+                "vllm_ascend.device.hardware_profile",
+            ],
+            {**given, "vllm.platforms.interface": interface},
+        )
+        with modules(stubs):
+            platform = load_module("vllm_ascend.platform", pkg / "platform.py")
+            assert Path(platform.__file__).resolve() == (pkg / "platform.py").resolve()
+            return platform.NPUPlatform
     finally:
         os.environ.clear()
         os.environ.update(env)
@@ -101,11 +105,13 @@ def npu_platform(va_root: Path, vllm_root: Path) -> Any:
 
 @pytest.fixture(scope="module")
 def platforms() -> dict[str, Any]:
-    out = {}
+    out, interfaces = {}, {}
     for r in DOWNLOADED:
         va = sources.vllm_ascend_sdist(r.versions[-1])
-        vllm = sources.vllm_wheel(VLLM_OF.get(r.vllm, "0.30.0"))
-        out[r.name] = npu_platform(va, vllm)
+        v = VLLM_OF.get(r.vllm, "0.30.0")
+        if v not in interfaces:
+            interfaces[v] = vllm_interface(sources.vllm_wheel(v))
+        out[r.name] = npu_platform(va, interfaces[v])
     return out
 
 
