@@ -412,3 +412,27 @@ def test_expert_maps_are_read_at_attach_and_before_every_reload(
         mx.reload(src)
     with pytest.raises(AdoptionError, match="expert placement is not the plan's"):
         mx.attach(src, engine=engine)
+
+
+def test_the_installed_release_is_matched_by_exact_version(monkeypatch) -> None:
+    import importlib.metadata as md
+
+    from mxload.orchestrator.errors import UsageError
+    from mxload.workers.engine_ext import installed_engine
+
+    def installed(v: str):
+        def version(name: str) -> str:
+            if name in ("vllm-ascend", "vllm_ascend"):
+                return v
+            raise md.PackageNotFoundError(name)
+
+        return version
+
+    monkeypatch.setattr(md, "version", installed("0.30.0rc2"))
+    assert installed_engine() == "vllm-ascend-0.30.0rc2"
+    monkeypatch.setattr(md, "version", installed("0.23.0.post1"))
+    assert installed_engine() == "vllm-ascend-0.23.0.post1"
+    # Not "not 0.23, so main": a release nobody read is refused, listing the known ones.
+    monkeypatch.setattr(md, "version", installed("0.25.1rc1"))
+    with pytest.raises(UsageError, match=r"0\.25\.1rc1.*known: 0\.23\.0, 0\.23\.0\.post1"):
+        installed_engine()
