@@ -45,10 +45,9 @@ import torch
 from mxload.orchestrator.errors import AddressMoved, AdoptionError, RunError
 from mxload.orchestrator.plan.engines import engine_profile
 from mxload.orchestrator.plan.releases import (
-    RELEASES,
-    EngineRelease,
     check_architecture,
     check_settings,
+    engine_release,
     release_of_version,
 )
 from mxload.orchestrator.plan.types import ParallelLayout, Plan
@@ -78,17 +77,6 @@ class EngineFacts:
         """vLLM's global rank order: dp_rank * (pp * tp) + pp_rank * tp + tp_rank."""
         lay = self.layout
         return self.dp_rank * (lay.pp * lay.tp) + self.pp_rank * lay.tp + self.tp_rank
-
-
-_RELEASE_OF_PROFILE = {"vllm-ascend-0.23": "vllm-ascend-0.23.0.post1"}
-"""A profile named instead of a release stands for this release (else the one of its name)."""
-
-
-def engine_release(engine: str) -> EngineRelease | None:
-    """The release ``engine`` (a release or profile name) stands for; None for mxload's
-    own layout, which has no engine settings."""
-    name = _RELEASE_OF_PROFILE.get(engine, engine)
-    return RELEASES.get(name)
 
 
 def check_engine_settings(engine: str, settings: Mapping[str, str]) -> None:

@@ -271,6 +271,16 @@ RELEASES: Mapping[str, EngineRelease] = {
 """Every release mxload knows, by ``--engine`` name."""
 
 
+_RELEASE_OF_PROFILE = {"vllm-ascend-0.23": "vllm-ascend-0.23.0.post1"}
+"""A profile named instead of a release stands for this release (else the one of its name)."""
+
+
+def engine_release(engine: str) -> EngineRelease | None:
+    """The release ``engine`` (a release or profile name) stands for; None for mxload's
+    own layout, which has no engine settings."""
+    return RELEASES.get(_RELEASE_OF_PROFILE.get(engine, engine))
+
+
 def known_engines() -> list[str]:
     from mxload.orchestrator.plan.engines import ENGINES
 
