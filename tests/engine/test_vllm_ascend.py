@@ -30,6 +30,12 @@ runs the same check with 0.23's real schemes, the engine's parameters named unde
 prefix: the main profile is held against vllm-ascend's own code for shapes, strides,
 dtypes, post-load views and values, and against the reading of vLLM main for the names.
 
+The newest pre-release (:data:`NEWEST`, 0.30.0rc2, on vLLM 0.30) runs too, every layout,
+planned with ``--engine vllm-ascend-0.30.0rc2`` (the main profile): its own
+``methods/w8a8/w8a8_mxfp8.py`` with NZ off (``weight_nz_mode`` 0, its own
+``maybe_trans_nz*`` deciding) and its row-parallel K padding run on ``o_proj`` /
+``down_proj`` (stubs: :func:`schemes_newest`).
+
 Not covered for real (nothing of them imports without vLLM/torch_npu): vLLM's own weight
 loaders and ``method_adapters.create_weights`` (reproduced here), the unquantized
 (fallback) MoE post-load, vllm-ascend main's own file and vLLM main's MoE naming.
@@ -41,9 +47,7 @@ import enum
 import importlib
 import logging
 import os
-import subprocess
 import sys
-import tarfile
 import types
 from collections.abc import Iterator
 from pathlib import Path
@@ -60,6 +64,7 @@ from mxload.workers.rank.loader import RankLoader
 from mxload.workers.tools.convert import convert_checkpoint
 from safetensors.torch import load_file
 
+from tests.engine import sources
 from tests.reference_model import Layout, coords, experts_of, stage_layers
 
 PIN = "0.23.0.post1"
@@ -71,7 +76,6 @@ module named ``routed_experts`` (vllm 0.33.0 model_executor/layers/fused_moe/lay
 415-470, vllm-ascend main vllm_ascend/ops/fused_moe/fused_moe.py 39-71)."""
 NEWEST = "0.30.0rc2"
 """The newest pre-release on the index: its ``methods/w8a8/w8a8_mxfp8.py`` runs too."""
-SDIST_DIR = f"vllm_ascend-{PIN}"
 MX_FILE = "vllm_ascend/quantization/methods/w8a8_mxfp8.py"
 
 # H = 256 (8 groups), moe I = 256: I_l = 128 / 256 / 64 at tp2, EP, tp2 x dp2 without EP
@@ -91,65 +95,11 @@ CASES = {
     **{f"{name}@{NEWEST}": (name, f"vllm-ascend-{NEWEST}", MAIN_MOE_PREFIX) for name in LAYOUTS},
 }
 
-_NETWORK_SIGNS = (
-    "NewConnectionError",
-    "Network is unreachable",
-    "Temporary failure in name resolution",
-    "Max retries exceeded",
-    "ConnectionError",
-    "Could not find a version that satisfies",
-    "No matching distribution",
-    "timed out",
-)
-
-
-def _cache_dir() -> Path:
-    base = os.environ.get("MXLOAD_TEST_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "mxload-tests"
-    )
-    return Path(base) / f"vllm-ascend-{PIN}"
-
 
 @pytest.fixture(scope="module")
-def vllm_ascend_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The unpacked pinned sdist, downloaded once into the cache."""
-    cache = _cache_dir()
-    root = cache / SDIST_DIR
-    if (root / MX_FILE).is_file():
-        return root
-    cache.mkdir(parents=True, exist_ok=True)
-    # pip prepares an sdist's metadata before saving it. vllm-ascend's build needs torch,
-    # torch_npu and cmake (GBs) in an isolated build env; without isolation its setup.py
-    # needs only setuptools_scm (for the version, which we know) and a SOC_VERSION. A
-    # four-line stand-in for setuptools_scm, on PYTHONPATH for pip's subprocess only.
-    shim = tmp_path_factory.mktemp("scm-shim")
-    (shim / "setuptools_scm").mkdir()
-    (shim / "setuptools_scm" / "__init__.py").write_text(
-        "import os\n\ndef get_version(**kwargs):\n"
-        "    return os.environ['SETUPTOOLS_SCM_PRETEND_VERSION']\n"
-    )
-    env = dict(
-        os.environ,
-        PYTHONPATH=str(shim),
-        SETUPTOOLS_SCM_PRETEND_VERSION=PIN,
-        SOC_VERSION="ascend950",
-        COMPILE_CUSTOM_KERNELS="0",
-    )
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-build-isolation"]
-    cmd += [f"vllm-ascend=={PIN}", "-d", str(cache)]
-    try:
-        # under the test's own limit (a slow test's 300 s), so that this skips, not fails
-        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
-    except subprocess.TimeoutExpired:
-        pytest.skip(f"pip download vllm-ascend=={PIN}: the package index did not answer in 240 s")
-    out = done.stdout + done.stderr
-    if done.returncode != 0:
-        if any(sign in out for sign in _NETWORK_SIGNS):
-            pytest.skip(f"the package index cannot be reached: {out.strip().splitlines()[-1]}")
-        pytest.fail(f"pip download vllm-ascend=={PIN} failed:\n{out[-3000:]}")
-    with tarfile.open(cache / f"{SDIST_DIR}.tar.gz") as tar:
-        members = [m for m in tar.getmembers() if m.name.startswith(f"{SDIST_DIR}/vllm_ascend/")]
-        tar.extractall(cache, members=members, filter="data")
+def vllm_ascend_root() -> Path:
+    """The unpacked pinned sdist, downloaded once into the cache (tests/engine/sources.py)."""
+    root = sources.vllm_ascend_sdist(PIN)
     assert (root / MX_FILE).is_file()
     return root
 
@@ -254,7 +204,6 @@ def schemes_newest() -> SimpleNamespace:
     (``weight_nz_mode`` 0, no dynamic EPLB), ``use_cann_megamoe`` False (``enable_fused_mc2``
     0), ``get_current_hardware_profile`` (not a FORCE_NZ device). The classes keep working
     after the stubs are gone: nothing they run imports at call time."""
-    from tests.engine import sources
     from tests.engine.sources import Stub, stubbed_packages
 
     pkg = sources.vllm_ascend_sdist(NEWEST) / "vllm_ascend"
