@@ -45,6 +45,7 @@ import torch
 from mxload.orchestrator.errors import AddressMoved, AdoptionError, RunError
 from mxload.orchestrator.plan.engines import engine_profile
 from mxload.orchestrator.plan.releases import (
+    ACL_FORMAT_FRACTAL_NZ,
     check_architecture,
     check_settings,
     engine_release,
@@ -306,6 +307,16 @@ class Attachment:
             t = getattr(mod, attr)
             t = t.data if isinstance(t, torch.Tensor) else t
             held[b.name] = Held.of(mod, attr, t)
+        nz = [n for n, h in held.items() if h.npu_format == ACL_FORMAT_FRACTAL_NZ]
+        if nz:
+            raise AdoptionError(
+                f"rank {facts.rank}: {len(nz)} engine parameter(s) are stored FRACTAL_NZ "
+                f"({', '.join(nz[:4])}): the engine cast them (weight_nz_mode), so no "
+                "in-place write in mxload's layout reaches what its kernels read; start "
+                "the engine with additional_config={'weight_nz_mode': 0}",
+                rank=facts.rank,
+                tensor=nz[0],
+            )
         mine = {n: cast(torch.Tensor, h.live()) for n, h in held.items()}
         if device is None:
             device = next(iter(mine.values())).device.type if mine else "cpu"
@@ -435,6 +446,8 @@ def engine_settings(vllm_config: Any) -> dict[str, str]:
     out: dict[str, str] = {}
     pc = vllm_config.parallel_config
     out["enable_eplb"] = _flag(getattr(pc, "enable_eplb", False))
+    spec = getattr(vllm_config, "speculative_config", None)
+    out["speculative_config"] = str(getattr(spec, "method", None) or "draft") if spec else ""
     eplb = getattr(pc, "eplb_config", None)
     if eplb is not None:
         out["num_redundant_experts"] = _flag(getattr(eplb, "num_redundant_experts", 0))

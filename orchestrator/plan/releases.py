@@ -23,6 +23,9 @@ from dataclasses import dataclass, field
 from mxload.orchestrator.errors import UsageError
 from mxload.orchestrator.plan.engines import SourceRef
 
+ACL_FORMAT_FRACTAL_NZ = 29
+"""torch_npu's storage-format code of FRACTAL_NZ (vllm_ascend/utils.py:56 in 0.23.0.post1)."""
+
 FORMATS = ("modelopt", "ascend")
 """``mxload convert --format`` values: ``modelopt`` (ModelOpt MXFP8, config.json
 ``quantization_config``; served by vLLM's ``modelopt_mxfp8`` method) and ``ascend``
@@ -133,7 +136,15 @@ _REDUNDANT = Refusal(
     "redundant experts are extra physical slots holding copies of some logical experts; "
     "mxload's plan has one slot per logical expert",
 )
-_EPLB_ALL = (_EPLB, _DYNAMIC_EPLB, _EXPERT_MAP, _REDUNDANT)
+_SPECULATIVE = Refusal(
+    "speculative_config",
+    ("",),
+    "",
+    "start the engine without speculative_config, or reload the draft model yourself",
+    "the draft model's weights (MTP, EAGLE, a draft checkpoint) are neither planned nor "
+    "updated by mxload, so it would keep drafting from the old weights",
+)
+_EPLB_ALL = (_EPLB, _DYNAMIC_EPLB, _EXPERT_MAP, _REDUNDANT, _SPECULATIVE)
 
 _DEEPSEEK = {
     "DeepseekV3ForCausalLM": (

@@ -228,6 +228,7 @@ def _configure(workers: list[_Worker], config: dict[str, Any]) -> None:
         pc = w.vllm_config.parallel_config
         pc.enable_eplb = config.get("enable_eplb", False)
         pc.eplb_config = SimpleNamespace(num_redundant_experts=config.get("redundant", 0))
+        w.vllm_config.speculative_config = config.get("speculative")
 
 
 @pytest.fixture
@@ -281,6 +282,12 @@ def ascend_config(monkeypatch):
             {"redundant": 2},
             "num_redundant_experts='2'",
             "num_redundant_experts 0",
+        ),
+        (
+            "vllm-ascend-0.23.0.post1",
+            {"speculative": SimpleNamespace(method="mtp")},
+            "speculative_config='mtp'",
+            "without speculative_config",
         ),
     ],
 )
@@ -436,3 +443,25 @@ def test_the_installed_release_is_matched_by_exact_version(monkeypatch) -> None:
     monkeypatch.setattr(md, "version", installed("0.25.1rc1"))
     with pytest.raises(UsageError, match=r"0\.25\.1rc1.*known: 0\.23\.0, 0\.23\.0\.post1"):
         installed_engine()
+
+
+def test_parameters_the_engine_stored_as_fractal_nz_are_refused(
+    ckpt_factory, fake_vllm, monkeypatch
+):
+    """On an NPU the storage format is read through torch_npu (``get_npu_format``); here
+    that one function is stood in for, answering FRACTAL_NZ (29) for one parameter."""
+    import mxload.workers.engine_ext as ext
+
+    monkeypatch.setenv("VLLM_ASCEND_ENABLE_NZ", "0")
+    src = ckpt_factory("qwen3-moe-tiny", seed=1, overrides=OVERRIDES)
+    engine = "vllm-ascend-0.23.0.post1"
+    workers, mx = _one(src, engine, fake_vllm)
+    cast_one = workers[0].model_runner.model.get_parameter("model.layers.0.self_attn.o_proj.weight")
+    monkeypatch.setattr(
+        ext, "_npu_format", lambda t: 29 if t.data_ptr() == cast_one.data_ptr() else None
+    )
+    with pytest.raises(
+        AdoptionError,
+        match=r"FRACTAL_NZ \(model\.layers\.0\.self_attn\.o_proj\.weight\).*weight_nz_mode",
+    ):
+        mx.attach(src, engine=engine)
