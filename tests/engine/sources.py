@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import abc
 import ast
+import fcntl
 import importlib.abc
 import importlib.machinery
 import importlib.util
@@ -69,13 +70,31 @@ def _pip_download(spec: str, dest: Path, env: Mapping[str, str] | None = None) -
         pytest.fail(f"pip download {spec} failed:\n{out[-3000:]}")
 
 
+@contextmanager
+def _locked(cache: Path) -> Iterator[None]:
+    """One download into ``cache`` at a time (pytest-xdist workers share the cache)."""
+    cache.mkdir(parents=True, exist_ok=True)
+    with open(cache / ".lock", "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
 def vllm_ascend_sdist(version: str) -> Path:
     """The unpacked sdist's root (``<root>/vllm_ascend/...``)."""
     cache = cache_root() / f"vllm-ascend-{version}"
     root = cache / f"vllm_ascend-{version}"
     if (root / "vllm_ascend" / "platform.py").is_file():
         return root
-    cache.mkdir(parents=True, exist_ok=True)
+    with _locked(cache):
+        return _fetch_sdist(version, cache, root)
+
+
+def _fetch_sdist(version: str, cache: Path, root: Path) -> Path:
+    if (root / "vllm_ascend" / "platform.py").is_file():
+        return root
     archive = cache / f"vllm_ascend-{version}.tar.gz"
     if not archive.is_file():
         # pip prepares an sdist's metadata before saving it; vllm-ascend's isolated build
@@ -114,7 +133,13 @@ def vllm_wheel(version: str) -> Path:
     root = cache / "py"
     if (root / "vllm" / "__init__.py").is_file():
         return root
-    cache.mkdir(parents=True, exist_ok=True)
+    with _locked(cache):
+        return _fetch_wheel(version, cache, root)
+
+
+def _fetch_wheel(version: str, cache: Path, root: Path) -> Path:
+    if (root / "vllm" / "__init__.py").is_file():
+        return root
     wheels = sorted(cache.glob(f"vllm-{version}-*.whl"))
     if not wheels:
         _pip_download(f"vllm=={version}", cache)
