@@ -166,7 +166,7 @@ RELEASES: Mapping[str, EngineRelease] = {
     for r in (
         EngineRelease(
             name="vllm-ascend-0.23.0.post1",
-            versions=("0.23.0", "0.23.0.post1"),
+            versions=("0.23.0.post1",),
             vllm="0.23.0",
             profile="vllm-ascend-0.23",
             quantizations=_QUANT_023,
