@@ -43,7 +43,7 @@ from typing import Any, Literal, cast
 
 import torch
 from mxload.orchestrator.errors import AddressMoved, AdoptionError, RunError
-from mxload.orchestrator.plan.engines import engine_profile
+from mxload.orchestrator.plan.engines import check_mx_k, engine_profile
 from mxload.orchestrator.plan.releases import (
     ACL_FORMAT_FRACTAL_NZ,
     check_architecture,
@@ -292,6 +292,7 @@ class Attachment:
             )
         plan: Plan = build_plan(meta.config, facts.layout, checkpoint=meta, engine=self.profile)
         rp = plan.ranks[facts.rank]
+        check_mx_k(self.profile, rp)
         missing = [b.name for b in rp.buffers if b.name not in params]
         if missing:
             raise AdoptionError(

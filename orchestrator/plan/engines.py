@@ -48,8 +48,13 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from mxload.orchestrator.errors import LayoutError, UsageError
+from mxload.orchestrator.plan.formats import LAYOUT_DENSE, MX_GROUP
+
+if TYPE_CHECKING:
+    from mxload.orchestrator.plan.types import RankPlan
 
 BUFFER_KINDS = ("mx_linear", "mx_linear_scale", "mx_moe", "mx_moe_scale", "dense_moe")
 """Buffer kinds a profile may lay out differently (canonical shapes in the module doc)."""
@@ -101,8 +106,9 @@ class EngineProfile:
     """Per architecture: module names of stage-0 / last-stage rows that the engine builds
     (and loads) on every pipeline stage."""
     mx_k_unaligned: str = ""
-    """Non-empty: an MX linear whose local K is not a multiple of 32 (mxload keeps it in
-    the model dtype) is refused, with this reason: the engine holds it quantized."""
+    """Non-empty: writing into the live engine is refused for a quantized linear whose
+    local K is not a multiple of 32 (mxload plans it in the model dtype), with this
+    reason: the engine holds it quantized. Plans and standalone loads are not refused."""
     model_dtype_modules: tuple[str, ...] = ("lm_head",)
     """Module patterns (ModelOpt ``ignore`` wildcards) the engine must keep in the model
     dtype because mxload holds them so: without them in ``ignore`` the engine quantizes
@@ -289,16 +295,20 @@ def engine_profile(name: str | EngineProfile) -> EngineProfile:
     return found
 
 
-def check_mx_k(profile: EngineProfile, buffer: str, k: int, group: int) -> None:
-    """Refuse an MX linear the planner must keep in the model dtype (K not a multiple of
-    the group) where the engine would hold it quantized."""
-    if profile.mx_k_unaligned and k % group:
-        raise LayoutError(
-            f"--engine {profile.name} cannot hold {buffer}: its local K = {k} is not a "
-            f"multiple of {group}; " + profile.mx_k_unaligned,
-            key="--engine",
-            tensor=buffer,
-        )
+def check_mx_k(profile: EngineProfile, plan_rank: RankPlan) -> None:
+    """Refuse writing into the engine a quantized linear the planner kept in the model
+    dtype because its local K is not a multiple of the MX group, where the engine would
+    hold it quantized (LayoutError naming the buffer)."""
+    if not profile.mx_k_unaligned:
+        return
+    for u in plan_rank.units:
+        if u.quantized and u.kind == "linear" and u.layout == LAYOUT_DENSE and u.cols % MX_GROUP:
+            raise LayoutError(
+                f"--engine {profile.name} cannot hold {u.buffer}: its local K = {u.cols} is "
+                f"not a multiple of {MX_GROUP}; " + profile.mx_k_unaligned,
+                key="--engine",
+                tensor=u.buffer,
+            )
 
 
 # --- what the planner asks -----------------------------------------------------------------------

@@ -75,7 +75,6 @@ from mxload.orchestrator.plan.engines import (
     EngineProfile,
     check_expert_placement,
     check_moe_groups,
-    check_mx_k,
     engine_profile,
     held_as,
 )
@@ -443,8 +442,6 @@ class _Planner:
             k_local = cols[1] - cols[0]
         name = f"{device_name(rule, layer, self.arch)}.{rule.sources[0].tensor}"
         kind: UnitKind = "linear" if rule.linear else "copy"
-        if facts.quantized and rule.mx:
-            check_mx_k(self.engine, name, k_local, MX_GROUP)
         if facts.quantized and rule.mx and k_local % MX_GROUP == 0:
             layout = LAYOUT_MX_LINEAR
             buffers = _mx_linear_buffers(self.engine, name, n_local, k_local)

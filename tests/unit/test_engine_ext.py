@@ -465,3 +465,18 @@ def test_parameters_the_engine_stored_as_fractal_nz_are_refused(
         match=r"FRACTAL_NZ \(model\.layers\.0\.self_attn\.o_proj\.weight\).*weight_nz_mode",
     ):
         mx.attach(src, engine=engine)
+
+
+def test_a_linear_the_engine_would_hold_quantized_is_refused_at_attach(
+    ckpt_factory, fake_vllm, monkeypatch
+):
+    """A dense MLP's down_proj with K = 80 (not a multiple of 32): mxload plans it in the
+    model dtype (and loads it so, under any profile); vllm-ascend holds it MXFP8, so
+    writing into the engine is refused, naming it."""
+    monkeypatch.setenv("VLLM_ASCEND_ENABLE_NZ", "0")
+    over = {"intermediate_size": 80, "mlp_only_layers": [0], "moe_intermediate_size": 256}
+    src = ckpt_factory("qwen3-moe-tiny", seed=1, overrides=over)
+    engine = "vllm-ascend-0.23.0.post1"
+    _, mx = _one(src, engine, fake_vllm)  # the plan itself is made
+    with pytest.raises(LayoutError, match=r"layers\.0\.mlp\.down_proj\.weight: its local K = 80"):
+        mx.attach(src, engine=engine)

@@ -118,15 +118,3 @@ def test_every_release_refuses_deepseek_in_place_with_the_reason() -> None:
         why = check_architecture(r, "DeepseekV3ForCausalLM")
         assert "W_UK_T" in why and "kv_b_proj" in why and "MTP" in why, r.name
         assert check_architecture(r, "Qwen3MoeForCausalLM") == ""
-
-
-def test_an_mx_linear_the_engine_would_hold_quantized_is_refused() -> None:
-    # K = 80 at tp 1 (not a multiple of 32): mxload keeps the linear in the model dtype,
-    # vllm-ascend quantizes it; under mxload's own profile it plans.
-    cfg = preset_config("qwen3-moe-tiny")
-    cfg["intermediate_size"] = 80
-    cfg["mlp_only_layers"] = [0]
-    config = parse_config(cfg)
-    build_plan(config, ParallelLayout(tp=1))
-    with pytest.raises(LayoutError, match=r"down_proj.*local K = 80.*multiple of 32"):
-        build_plan(config, ParallelLayout(tp=1), engine="vllm-ascend-0.30.0rc2")
