@@ -48,12 +48,8 @@ import ast
 import functools
 import hashlib
 import logging
-import os
-import subprocess
-import sys
 import textwrap
 import types
-import zipfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -71,10 +67,10 @@ from mxload.workers.rank.loader import RankLoader
 from mxload.workers.tools.synth import make_checkpoint, preset_config
 from safetensors.torch import load_file
 
+from tests.engine import sources
 from tests.independent_ref import mx_quantize_ref, same_e4m3_bytes
 
 PIN = "0.23.0"
-WHEEL_GLOB = f"vllm-{PIN}-*.whl"
 FILES = {
     "qwen3_5": "vllm/model_executor/models/qwen3_5.py",
     "qwen3_vl": "vllm/model_executor/models/qwen3_vl.py",
@@ -89,45 +85,13 @@ FILES = {
     "eplb": "vllm/distributed/eplb/eplb_state.py",
     "deepseek": "vllm/model_executor/models/deepseek_v2.py",
 }
-_NETWORK_SIGNS = (
-    "NewConnectionError",
-    "Network is unreachable",
-    "Temporary failure in name resolution",
-    "Max retries exceeded",
-    "Could not find a version that satisfies",
-    "No matching distribution",
-    "timed out",
-)
-
-
-def _cache() -> Path:
-    base = os.environ.get("MXLOAD_TEST_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "mxload-tests"
-    )
-    return Path(base) / f"vllm-{PIN}"
 
 
 @pytest.fixture(scope="module")
 def vllm_src() -> Path:
-    """The pinned wheel's Python files we read, extracted once into the cache."""
-    cache = _cache()
-    src = cache / "src"
-    if all((src / f).is_file() for f in FILES.values()):
-        return src
-    cache.mkdir(parents=True, exist_ok=True)
-    wheels = sorted(cache.glob(WHEEL_GLOB))
-    if not wheels:
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", f"vllm=={PIN}", "-d"]
-        done = subprocess.run([*cmd, str(cache)], capture_output=True, text=True, timeout=900)
-        if done.returncode != 0:
-            text = done.stdout + done.stderr
-            if any(sign in text for sign in _NETWORK_SIGNS):
-                pytest.skip(f"vllm=={PIN} cannot be downloaded here: {text.strip()[-300:]}")
-            raise RuntimeError(f"pip download vllm=={PIN} failed:\n{text}")
-        wheels = sorted(cache.glob(WHEEL_GLOB))
-    with zipfile.ZipFile(wheels[0]) as zf:
-        for f in FILES.values():
-            zf.extract(f, src)
+    """The pinned wheel's Python files, unpacked once into the cache (tests/engine/sources.py)."""
+    src = sources.vllm_wheel(PIN)
+    assert all((src / f).is_file() for f in FILES.values())
     return src
 
 
