@@ -113,7 +113,7 @@ def convert_rate(src: str) -> float:
     from mxload.orchestrator.plan.planner import build_plan
     from mxload.orchestrator.plan.types import ParallelLayout
     from mxload.orchestrator.runtime.catalog import open_checkpoint
-    from mxload.workers.numerics.backend import select_backend
+    from mxload.workers.numerics.select import select_backend
     from mxload.workers.rank.loader import RankLoader, SourceInfo
 
     meta = open_checkpoint(src)
@@ -452,7 +452,7 @@ def experts_section(work: Path, *, quick: bool) -> dict[str, Any]:
     from mxload.orchestrator.plan.ranges import CoalescePolicy
     from mxload.orchestrator.plan.types import ParallelLayout
     from mxload.orchestrator.runtime.catalog import open_checkpoint
-    from mxload.workers.numerics.backend import select_backend
+    from mxload.workers.numerics.select import select_backend
     from mxload.workers.rank.loader import RankLoader, SourceInfo
 
     src = make(work, "experts", "qwen3-moe-tiny", EXPERTS)

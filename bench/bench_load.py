@@ -297,7 +297,8 @@ class Suite:
     # --- 1. conversion kernels -------------------------------------------------------------
 
     def kernels(self) -> dict[str, Any]:
-        from mxload.workers.numerics.backend import ConvertPart, PackedOut, select_backend
+        from mxload.workers.numerics.backend import ConvertPart, PackedOut
+        from mxload.workers.numerics.select import select_backend
 
         ref = select_backend("cpu", prefer_fast=False)
         fast = select_backend("cpu", prefer_fast=True)
@@ -728,7 +729,7 @@ class Suite:
 
     def _plan(self, meta: Any, layout: Any, *, budget: int | None = None) -> Any:
         from mxload.orchestrator.plan.planner import build_plan
-        from mxload.workers.numerics.backend import select_backend
+        from mxload.workers.numerics.select import select_backend
 
         fused = select_backend("cpu").fused
         return build_plan(meta.config, layout, checkpoint=meta, staging_budget=budget, fused=fused)
@@ -744,7 +745,7 @@ class Suite:
     ) -> tuple[Any, float, float]:
         """One rank's load through RankLoader (no Ray): (stats, alloc seconds, load seconds)."""
         from mxload.orchestrator.runtime.request import staging_budget_of
-        from mxload.workers.numerics.backend import select_backend
+        from mxload.workers.numerics.select import select_backend
         from mxload.workers.rank.loader import RankLoader
 
         rp = plan.ranks[rank]

@@ -26,7 +26,7 @@ def reference_checksums(src: str, layout: ParallelLayout, rank: int) -> dict[str
     """Checksums of one rank's buffers converted in-process by the CPU reference path."""
     from mxload.orchestrator.plan.planner import build_plan
     from mxload.orchestrator.runtime.catalog import open_checkpoint
-    from mxload.workers.numerics.backend import select_backend
+    from mxload.workers.numerics.select import select_backend
     from mxload.workers.rank.loader import RankLoader, SourceInfo
 
     meta = open_checkpoint(src)

@@ -62,7 +62,7 @@ from mxload.orchestrator.plan.planner import build_plan
 from mxload.orchestrator.plan.types import ParallelLayout, Plan
 from mxload.orchestrator.runtime.catalog import open_checkpoint
 from mxload.orchestrator.runtime.reload import reload_inputs
-from mxload.workers.numerics.backend import select_backend
+from mxload.workers.numerics.select import select_backend
 from mxload.workers.rank.loader import RankLoader
 from mxload.workers.tools.synth import make_checkpoint, preset_config
 from safetensors.torch import load_file

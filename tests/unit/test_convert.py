@@ -300,7 +300,7 @@ def test_converted_checkpoint_loads_to_the_same_bytes(converted) -> None:
     (block-FP8 -> resolve -> quantize) must give, per the independent reference."""
     from mxload.orchestrator.plan.planner import build_plan
     from mxload.orchestrator.plan.types import ParallelLayout
-    from mxload.workers.numerics.backend import select_backend
+    from mxload.workers.numerics.select import select_backend
     from mxload.workers.rank.loader import RankLoader, SourceInfo
 
     from tests.reference_model import Layout, RefCheckpoint, compare_rank, expected_rank

@@ -31,7 +31,7 @@ from mxload.orchestrator.errors import AdoptionError, InputError, NonFiniteScale
 from mxload.orchestrator.plan.planner import build_plan
 from mxload.orchestrator.plan.types import ParallelLayout, Plan, RankPlan
 from mxload.orchestrator.runtime.catalog import open_checkpoint
-from mxload.workers.numerics.backend import select_backend
+from mxload.workers.numerics.select import select_backend
 from mxload.workers.rank.loader import TORCH_DTYPES, RankLoader, SourceInfo
 from mxload.workers.rank.run import StepRunner
 
@@ -875,16 +875,16 @@ def test_a_worker_keeps_its_thread_share_whatever_the_backend_start_does(
 ) -> None:
     """A RankWorker runs on its share of the node's cores even when starting its backend
     (the fast kernels' first compile and self-test) resets torch's thread count."""
-    from mxload.workers.numerics import backend as backend_mod
+    from mxload.workers.numerics import select as select_mod
     from mxload.workers.rank.actor import RankWorker
 
-    original = backend_mod.select_backend
+    original = select_mod.select_backend
 
     def resetting(*args: Any, **kwargs: Any) -> Any:
         torch.set_num_threads(2)  # what a cold kernel compile in a fresh process does
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(backend_mod, "select_backend", resetting)
+    monkeypatch.setattr(select_mod, "select_backend", resetting)
     src = ckpt_factory("qwen3-dense-tiny", 1)
     meta, plan = plan_of(src, ParallelLayout(tp=1))
     RankWorker(

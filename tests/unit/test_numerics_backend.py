@@ -176,22 +176,23 @@ def test_fast_module_missing(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_backend_module_imports_no_accelerator_stack(tmp_path: Any) -> None:
-    # Importing the backend module must import neither torch_npu nor the fast CPU path
-    # (numba): they are looked up when a backend is selected. A stand-in torch_npu on the
+    # Importing the backend selector (and with it backend.py and npu.py) must import
+    # neither torch_npu nor the fast CPU path (numba): they are looked up when a backend
+    # is selected. A stand-in torch_npu on the
     # path makes an eager import visible even where the real one is not installed.
     import subprocess
 
     (tmp_path / "torch_npu.py").write_text("")
     code = (
-        "import sys, mxload.workers.numerics.backend\n"
-        "print(sorted(m for m in ('mxload.workers.numerics.backend', 'torch_npu', "
+        "import sys, mxload.workers.numerics.select\n"
+        "print(sorted(m for m in ('mxload.workers.numerics.select', 'torch_npu', "
         "'mxload.workers.numerics.fast', 'numba') if m in sys.modules))"
     )
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path])}
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env
     )
-    assert out.stdout.strip() == "['mxload.workers.numerics.backend']"
+    assert out.stdout.strip() == "['mxload.workers.numerics.select']"
 
 
 # --- the NPU backend through a stand-in torch_npu ----------------------------------------

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import torch
 from mxload.orchestrator.errors import NumericsError
-from mxload.workers.numerics import backend, fast, kernels, repack
+from mxload.workers.numerics import fast, kernels, repack, select
 from mxload.workers.numerics import reference as ref
 from mxload.workers.numerics.backend import ConvertPart, PackedOut
 
@@ -594,7 +594,7 @@ def test_parts_in_one_launch_match_per_part_reference(name: str, where: str) -> 
     # the reference backend (one call per part) agrees through the same interface
     ref_w = torch.full((k, n_total), 0xA5, dtype=torch.uint8).view(torch.float8_e4m3fn)
     ref_s = torch.full(want_s.shape, 0x5A, dtype=torch.uint8)
-    cpu_ref = backend.select_backend("cpu", prefer_fast=False)
+    cpu_ref = select.select_backend("cpu", prefer_fast=False)
     cpu_ref.convert(
         **_flat([(parts, ref_w, ref_s)]), block_n=128, block_k=128, dtype=torch.bfloat16
     )
@@ -660,7 +660,7 @@ def test_units_of_different_k_in_one_launch_match_per_part_reference(
     if outputs == "one_storage":
         assert bool((store[-5:] == 0xEE).all())
     # the reference backend (one call per part) agrees through the same interface
-    cpu_ref = backend.select_backend("cpu", prefer_fast=False)
+    cpu_ref = select.select_backend("cpu", prefer_fast=False)
     ref_outs = [
         (
             torch.empty_like(ow).view(torch.uint8).fill_(0xA5).view(torch.float8_e4m3fn),
@@ -772,7 +772,7 @@ def test_without_numba_reports_unavailable(monkeypatch: pytest.MonkeyPatch) -> N
 
 def test_backend_uses_reference_when_fast_unavailable(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(fast, "fast_available", lambda: False)
-    b = backend.select_backend("cpu")
+    b = select.select_backend("cpu")
     assert b.name == "cpu-reference"
     monkeypatch.undo()
-    assert backend.select_backend("cpu").name == "cpu-fast"
+    assert select.select_backend("cpu").name == "cpu-fast"

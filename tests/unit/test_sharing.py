@@ -30,7 +30,7 @@ from mxload.orchestrator.plan.sharing import (
 )
 from mxload.orchestrator.plan.types import ParallelLayout
 from mxload.orchestrator.runtime.catalog import open_checkpoint
-from mxload.workers.numerics.backend import select_backend
+from mxload.workers.numerics.select import select_backend
 from mxload.workers.rank.loader import PeerUnit, RankLoader, SourceInfo
 
 

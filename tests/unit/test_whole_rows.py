@@ -19,7 +19,7 @@ from mxload.orchestrator.plan.readplan import predicted_read_bytes
 from mxload.orchestrator.plan.sharing import plan_sharing, read_items
 from mxload.orchestrator.plan.types import ParallelLayout
 from mxload.orchestrator.runtime.catalog import open_checkpoint
-from mxload.workers.numerics.backend import select_backend
+from mxload.workers.numerics.select import select_backend
 from mxload.workers.rank.loader import PeerUnit, RankLoader, SourceInfo
 from mxload.workers.rank.reads import keep_columns
 

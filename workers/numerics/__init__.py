@@ -3,8 +3,9 @@ backends.
 
 ``reference`` is the bit-exact contract in plain torch; ``kernels`` the fast numba path on
 numpy arrays (torch-free) and ``fast`` its torch wrappers; ``repack`` builds the Ascend 950
-kernel layouts; ``backend.select_backend`` picks where a worker computes (torch_npu and
-CUDA are imported lazily, never here). The names below are re-exported lazily, so that
+kernel layouts; ``backend`` is the interface every device implements and
+``select.select_backend`` picks where a worker computes (torch_npu and CUDA are imported
+lazily, never here). The names below are re-exported lazily, so that
 importing one torch-free submodule (``kernels``, ``scales``: what ``mxload convert``
 uses) does not import torch, and nothing here touches torch_npu.
 """
@@ -20,7 +21,7 @@ _EXPORTS = {
     "ConvertPart": "backend",
     "PackedOut": "backend",
     "CudaBackend": "backend",
-    "select_backend": "backend",
+    "select_backend": "select",
     "MODEL_TORCH_DTYPE": "reference",
     "MODEL_TORCH_DTYPES": "reference",
     "check_block_scales": "reference",

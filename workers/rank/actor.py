@@ -46,7 +46,7 @@ class RankWorker:
         self.resource = resource
         var = VISIBLE_DEVICE_VARS.get(resource, "")
         self.visible_devices = os.environ.get(var, "") if var else ""
-        from mxload.workers.numerics.backend import select_backend
+        from mxload.workers.numerics.select import select_backend
 
         self.backend = select_backend(device, visible_devices=self.visible_devices or None)
         # After the backend: its first kernel compile and self-test reset torch's thread
@@ -201,7 +201,7 @@ def probe_device(device: str, resource: str) -> str:
     placement group before any worker starts, so a node without torch_npu or CUDA is a
     refusal in seconds rather than workers failing, restarting and failing again."""
     from mxload.orchestrator.errors import MxloadError
-    from mxload.workers.numerics.backend import select_backend
+    from mxload.workers.numerics.select import select_backend
 
     var = VISIBLE_DEVICE_VARS.get(resource, "")
     visible = os.environ.get(var, "") if var else ""

@@ -63,7 +63,7 @@ class RankLoader:
         storage_factory: Callable[..., Any] | None = None,
     ) -> None:
         if backend is None:
-            from mxload.workers.numerics.backend import select_backend
+            from mxload.workers.numerics.select import select_backend
 
             backend = select_backend(device)
         self.plan = plan

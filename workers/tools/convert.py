@@ -413,8 +413,9 @@ def _reference_converters(
     """The reference backend (eager torch, ``select_backend("cpu", prefer_fast=False)``)
     on the same arrays."""
     import torch
-    from mxload.workers.numerics.backend import ConvertPart, select_backend
+    from mxload.workers.numerics.backend import ConvertPart
     from mxload.workers.numerics.reference import MODEL_TORCH_DTYPE
+    from mxload.workers.numerics.select import select_backend
 
     backend = select_backend("cpu", prefer_fast=False)
     dtype = MODEL_TORCH_DTYPE[model_dtype]
