@@ -273,9 +273,15 @@ def _write_report(path: str | None, manifest: dict[str, Any]) -> None:
 
 
 def _outputs(args: argparse.Namespace) -> Any:
-    """Check --report and --dump before any work (outputs.py); the checked --dump target."""
-    from mxload.orchestrator.runtime.outputs import OutputDir, check_file_target
+    """Check --report and --dump before any work (outputs.py): writable, and overwriting
+    no input (SRC; a session's checkpoint is checked where it is known). The checked
+    --dump target."""
+    from mxload.orchestrator.runtime.outputs import OutputDir, check_file_target, check_not_input
 
+    src = getattr(args, "src", None)
+    inputs = [("SRC", src)] if src else []
+    for path, flag in _output_paths(args):
+        check_not_input(path, flag, inputs)
     check_file_target(getattr(args, "report", None), "--report")
     dump = getattr(args, "dump", None)
     if dump is None:
@@ -283,6 +289,12 @@ def _outputs(args: argparse.Namespace) -> Any:
     target = OutputDir(dump, "--dump", overwrite=args.overwrite)
     target.check()
     return target
+
+
+def _output_paths(args: argparse.Namespace) -> list[tuple[str, str]]:
+    """(path, flag) of every output the command was given."""
+    out = [(getattr(args, "report", None), "--report"), (getattr(args, "dump", None), "--dump")]
+    return [(p, f) for p, f in out if p]
 
 
 def cmd_load(args: argparse.Namespace) -> int:
@@ -325,6 +337,7 @@ def cmd_reload(args: argparse.Namespace) -> int:
             staging_budget=flags.size(args, "staging_budget"),
             engine=args.engine,
             on_progress=bar,
+            outputs=_output_paths(args),
         )
     finally:
         if bar:

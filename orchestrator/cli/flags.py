@@ -27,8 +27,8 @@ from mxload.orchestrator.plan.sharing import DEFAULT_SHARE, SHARE_SCOPES
 from mxload.orchestrator.plan.sizes import parse_size
 from mxload.orchestrator.plan.types import ParallelLayout
 from mxload.orchestrator.runtime.models import model_names, resolve_model
+from mxload.workers.storage.urls import absolute, local_path
 from mxload.workers.storage.urls import is_remote as is_remote_url
-from mxload.workers.storage.urls import local_path
 
 
 class Parser(argparse.ArgumentParser):
@@ -466,7 +466,22 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         raise UsageError("a command is required: " + ", ".join(ALL))
     _check_combinations(args)
     apply_defaults(args)
+    resolve_paths(args)
     return args
+
+
+PATHS = ("src", "dst", "out", "dump", "report", "config")
+"""Arguments that name a local file or folder (or a URL)."""
+
+
+def resolve_paths(args: argparse.Namespace) -> None:
+    """Every local path made absolute here, once, before any worker sees it: a worker's
+    working directory is not this command's, and a relative SRC read there is another
+    checkpoint. ``plan``'s SRC may be a packaged model's name and is read here only."""
+    for name in PATHS:
+        value = getattr(args, name, None)
+        if isinstance(value, str) and value and not (name == "src" and args.command == "plan"):
+            setattr(args, name, absolute(value))
 
 
 def _refuse_unknown(parser: argparse.ArgumentParser, command: str | None, extra: list[str]) -> None:

@@ -43,7 +43,7 @@ import secrets
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
@@ -58,7 +58,7 @@ from mxload.orchestrator.errors import (
 )
 from mxload.orchestrator.plan.types import Plan
 from mxload.orchestrator.runtime.driver import first_load, plan_load
-from mxload.orchestrator.runtime.outputs import OutputDir
+from mxload.orchestrator.runtime.outputs import OutputDir, check_not_input
 from mxload.orchestrator.runtime.ray_run import RayRun
 from mxload.orchestrator.runtime.reload import RayRanks, reload, repair
 from mxload.orchestrator.runtime.reports import build_manifest, write_dump
@@ -512,6 +512,16 @@ def _check_engine(session: str, held: Plan, engine: str | None) -> None:
         )
 
 
+def _check_outputs(state: SessionState, outputs: Sequence[tuple[str, str]]) -> None:
+    """No output of a command on a session may overwrite the session's checkpoint (nor
+    the one its last reload read: a failed reload leaves ranks on it)."""
+    inputs = [("the session's checkpoint", state.src)]
+    if state.last_reload is not None and state.last_reload.src != state.src:
+        inputs.append(("the last reload's checkpoint", state.last_reload.src))
+    for path, flag in outputs:
+        check_not_input(path, flag, inputs)
+
+
 def detached_status(
     *,
     session: str = "default",
@@ -527,6 +537,9 @@ def detached_status(
     try:
         keeper, state, run = _attach(session, address)
         _check_engine(session, state.plan, engine)
+        if dump:
+            target = dump.target if isinstance(dump, OutputDir) else dump
+            _check_outputs(state, [(target, "--dump")])
         busy = ray.get(keeper.holder.remote())
         repaired: list[int] = []
         if busy is None:
@@ -562,17 +575,23 @@ def detached_reload(
     staging_budget: int | None = None,
     on_progress: Progress | None = None,
     engine: str | None = None,
+    outputs: Sequence[tuple[str, str]] = (),
 ) -> dict[str, Any]:
     """In-place reload of a detached session from ``src`` (docs/contract.md §4 "Reload"),
-    holding the session's lease (SessionBusy when another command holds it)."""
+    holding the session's lease (SessionBusy when another command holds it).
+    ``outputs``: (path, flag) of what the caller will write, refused before any work
+    when it would overwrite the session's checkpoint."""
     import ray
+    from mxload.workers.storage.urls import absolute
 
+    src = absolute(src)
     try:
         keeper, _, run = _attach(session, address)
         with session_lease(keeper, session, "reload", src):
             # Read under the lease: a reload that finished meanwhile moved the version.
             state: SessionState = ray.get(keeper.get.remote())
             _check_engine(session, state.plan, engine)
+            _check_outputs(state, outputs)
             done = reload(
                 RayRanks(run),
                 state,

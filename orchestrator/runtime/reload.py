@@ -28,7 +28,7 @@ from mxload.orchestrator.runtime.request import (
     workers_fused,
 )
 from mxload.orchestrator.runtime.state import Progress, ReloadRecord, Report, SessionState
-from mxload.workers.storage.urls import is_remote
+from mxload.workers.storage.urls import absolute, is_remote
 
 if TYPE_CHECKING:
     from mxload.orchestrator.runtime.ray_run import RayRun
@@ -212,6 +212,7 @@ def reload_inputs(
 ) -> ReloadInputs:
     """Preflight ``src`` against ``held`` (raises ReloadMismatch, touching nothing) and
     plan its reads for every rank."""
+    src = absolute(src)
     meta, new = plan_reload(held, src, storage_options, fused=fused)
     budgets = reload_budgets(held, new, meta.config, staging_budget, fused)
     world = held.layout.world
@@ -271,6 +272,7 @@ def reload(
     The caller serialises reloads of one session. Running it again after a failure
     completes the interrupted reload (from ``src``) or rewrites every unit not at the new
     checkpoint (from another). ``storage_options`` default to the session's."""
+    src = absolute(src)  # in the process that names it: workers start elsewhere
     options = storage_options if storage_options is not None else state.storage_options
     inputs = reload_inputs(
         state.plan,

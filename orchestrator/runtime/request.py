@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from mxload.orchestrator.plan.sharing import DEFAULT_SHARE
 from mxload.orchestrator.plan.types import ParallelLayout, Plan, RankPlan
+from mxload.workers.storage.urls import absolute
 
 if TYPE_CHECKING:
     from mxload.workers.rank.loader import SourceInfo
@@ -42,6 +43,10 @@ class LoadRequest:
     """Engine profile the buffers are laid out for (``mxload.orchestrator.plan.engines``)."""
     share: str = DEFAULT_SHARE
     """Read-once scope (``mxload.orchestrator.plan.sharing``): none | node | cluster."""
+
+    def __post_init__(self) -> None:
+        # Resolved here, in the process that names it: workers start elsewhere.
+        self.src = absolute(self.src)
 
     @property
     def accelerator(self) -> str:

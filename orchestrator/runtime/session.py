@@ -60,7 +60,7 @@ class Session:
         state = SessionState.from_reports(
             run.plan,
             manifest["ranks"],
-            src=src,
+            src=req.src,
             fingerprint=str(first[1]),
             storage_options=storage_options,
             request=req,

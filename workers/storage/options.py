@@ -54,8 +54,27 @@ class MxloadOptions:
         return cls(
             connect_timeout_s=_timeout(options, CONNECT_TIMEOUT, DEFAULT_CONNECT_TIMEOUT_S),
             read_timeout_s=_timeout(options, READ_TIMEOUT, DEFAULT_READ_TIMEOUT_S),
-            allow_outside_links=bool(options.get(ALLOW_OUTSIDE_LINKS, False)),
+            allow_outside_links=_boolean(options, ALLOW_OUTSIDE_LINKS),
         )
+
+
+def _boolean(options: Mapping[str, Any], key: str) -> bool:
+    """A switch is a JSON boolean: ``"false"`` (a non-empty string) would read as true."""
+    value = options.get(key, False)
+    if not isinstance(value, bool):
+        flag = "--" + key.removeprefix("mxload_").replace("_", "-")
+        raise UsageError(
+            f"{flag} (storage option {key}): must be a JSON boolean (true or false), got "
+            f"{type(value).__name__} {_shown(value)}",
+            key=flag,
+        )
+    return value
+
+
+def _shown(value: Any) -> str:
+    """A value of mxload's own keys, for a message: never a secret, but kept short."""
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def _timeout(options: Mapping[str, Any], key: str, default: float) -> float:

@@ -1,0 +1,183 @@
+"""Hostile sequences that need no Ray: a relative SRC, outputs aimed at inputs, inputs
+that never end or hang, switches given as strings, secrets in options, identities that
+metadata cannot vouch for, reloads whose lease lapsed, processes that are not ours.
+
+Each test names the sequence it stands for; the end-to-end ones, on a real detached
+session, are in tests/integration/test_session_trust.py.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+
+import pytest
+from mxload.orchestrator.cli import flags
+from mxload.orchestrator.errors import CheckpointError, OutputError, UsageError
+from mxload.orchestrator.plan.planner import build_plan
+from mxload.orchestrator.plan.types import ParallelLayout
+from mxload.orchestrator.runtime.catalog import open_checkpoint
+from mxload.orchestrator.runtime.outputs import check_not_input
+from mxload.orchestrator.runtime.reload import reload_inputs
+from mxload.orchestrator.runtime.request import LoadRequest
+from mxload.workers.storage import Storage
+
+LAYOUT = ParallelLayout(tp=2, dp=1)
+
+# --- 1. a relative SRC is one folder -------------------------------------------------------
+
+
+def test_a_relative_src_is_made_absolute_where_it_is_named(tmp_path, monkeypatch, ckpt_factory):
+    """`mxload reload ck/B` from a folder other than the workers': every path the workers
+    get is absolute, and names the folder the command meant."""
+    import shutil
+
+    here = tmp_path / "here"
+    shutil.copytree(ckpt_factory("qwen3-moe-tiny", 2), here / "ck" / "B")
+    monkeypatch.chdir(here)
+    args = flags.parse_args(["reload", "ck/B", "--report", "r.json"])
+    assert args.src == str(here / "ck" / "B")
+    assert args.report == str(here / "r.json")
+    args = flags.parse_args(["convert", "ck/B", "out"])
+    assert (args.src, args.dst) == (str(here / "ck" / "B"), str(here / "out"))
+    assert LoadRequest(src="ck/B", layout=LAYOUT).src == str(here / "ck" / "B")
+
+    meta = open_checkpoint(str(here / "ck" / "B"))
+    held = build_plan(meta.config, LAYOUT, checkpoint=meta, device="cpu")
+    inputs = reload_inputs(held, "ck/B")
+    assert inputs.source.root == str(here / "ck" / "B")
+    # The same relative name from another folder is another checkpoint's identity.
+    shutil.copytree(here / "ck", tmp_path / "elsewhere" / "ck")
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    assert reload_inputs(held, "ck/B").source.fingerprint != inputs.source.fingerprint
+
+
+# --- 8. no output may overwrite an input -----------------------------------------------------
+
+
+def test_outputs_aimed_at_an_input_are_refused_with_one_message(tmp_path) -> None:
+    src = tmp_path / "ck"
+    src.mkdir()
+    (tmp_path / "link").symlink_to(src)
+    cases = [
+        (str(src), "--dump", "is SRC"),
+        (str(tmp_path / "link"), "--dump", "is SRC"),  # real paths compared
+        (str(src / "config.json"), "--report", "is inside SRC"),
+        (str(tmp_path), "DST", "contains SRC"),
+    ]
+    for out, flag, relation in cases:
+        with pytest.raises(OutputError) as err:
+            check_not_input(out, flag, [("SRC", str(src))])
+        assert str(err.value).startswith(f"{flag} {out} {relation} {src}: no output may")
+    check_not_input(str(tmp_path / "ck-out"), "--dump", [("SRC", str(src))])
+
+
+def test_cli_refuses_report_inside_src_before_any_work(tmp_path, ckpt_factory, capsys) -> None:
+    from mxload.orchestrator.cli.commands import main
+
+    src = ckpt_factory("qwen3-moe-tiny", 1)
+    before = open(os.path.join(src, "config.json"), "rb").read()
+    rc = main(["load", src, "--report", os.path.join(src, "config.json"), "--device", "cpu"])
+    err = capsys.readouterr().err
+    assert rc == 2, err
+    assert "--report" in err and "is inside SRC" in err and len(err.splitlines()) == 1
+    assert open(os.path.join(src, "config.json"), "rb").read() == before
+
+
+def test_a_status_dump_over_the_sessions_checkpoint_is_refused(plan_and_src) -> None:
+    from mxload.orchestrator.runtime.detached import _check_outputs
+    from mxload.orchestrator.runtime.state import ReloadRecord, SessionState
+
+    held, src = plan_and_src
+    state = SessionState(held, src, "f", {}, {})
+    with pytest.raises(OutputError, match="is the session's checkpoint"):
+        _check_outputs(state, [(src, "--dump")])
+    state.last_reload = ReloadRecord("/elsewhere/ck", 2, "g", ok=False)
+    with pytest.raises(OutputError, match="is inside the last reload's checkpoint"):
+        _check_outputs(state, [("/elsewhere/ck/config.json", "--report")])
+
+
+@pytest.fixture(scope="module")
+def plan_and_src(ckpt_factory):
+    src = ckpt_factory("qwen3-moe-tiny", 1)
+    meta = open_checkpoint(src)
+    return build_plan(meta.config, LAYOUT, checkpoint=meta, device="cpu"), src
+
+
+# --- 9. bounded input -------------------------------------------------------------------------
+
+
+def test_a_huge_sparse_index_is_refused_unread(tmp_path, ckpt_factory) -> None:
+    import shutil
+    import tracemalloc
+
+    src = tmp_path / "ck"
+    shutil.copytree(ckpt_factory("qwen3-moe-tiny", 1), src)
+    with open(src / "model.safetensors.index.json", "r+b") as f:
+        f.truncate(3 << 30)  # 3 GiB, sparse
+    tracemalloc.start()
+    try:
+        with pytest.raises(CheckpointError, match="larger than 67108864 bytes"):
+            open_checkpoint(str(src))
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 200 << 20, peak
+
+
+@pytest.mark.parametrize("kind", ["fifo", "device", "socket"])
+def test_only_regular_files_are_opened(tmp_path, ckpt_factory, kind) -> None:
+    """A FIFO named config.json hung every command; /dev/zero behind an allowed link
+    filled the memory; neither is opened now (with --allow-outside-links too)."""
+    import shutil
+
+    src = tmp_path / "ck"
+    shutil.copytree(ckpt_factory("qwen3-moe-tiny", 1), src)
+    index = src / "model.safetensors.index.json"
+    target = src / "config.json" if kind == "fifo" else index
+    target.unlink()
+    sock = None
+    if kind == "fifo":
+        os.mkfifo(target)
+    elif kind == "device":
+        target.symlink_to("/dev/zero")
+    else:
+        sock = socket.socket(socket.AF_UNIX)
+        sock.bind(str(target))
+    done: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            open_checkpoint(str(src), storage_options={"mxload_allow_outside_links": True})
+        except BaseException as err:
+            done.append(err)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(10)
+    if sock is not None:
+        sock.close()
+    assert done, "open_checkpoint hung"
+    assert isinstance(done[0], CheckpointError), done[0]
+    want = {"fifo": "a FIFO", "device": "a character device", "socket": "a socket"}[kind]
+    assert f"is {want}, not a regular file" in str(done[0])
+    assert os.path.basename(target) in str(done[0])
+
+
+def test_a_fifo_swapped_in_after_the_check_is_not_waited_on(tmp_path) -> None:
+    from mxload.workers.storage.local import read_whole
+
+    os.mkfifo(tmp_path / "f")
+    with pytest.raises(CheckpointError, match="is a FIFO"):
+        read_whole(str(tmp_path / "f"), 100)
+
+
+@pytest.mark.parametrize("value", ["false", 0, 1, None, "true"])
+def test_a_switch_is_a_json_boolean(tmp_path, value) -> None:
+    with pytest.raises(UsageError, match="must be a JSON boolean") as err:
+        Storage(str(tmp_path), {"mxload_allow_outside_links": value})
+    assert err.value.context.get("key") == "--allow-outside-links"
+    assert (
+        Storage(str(tmp_path), {"mxload_allow_outside_links": False}).allow_outside_links is False
+    )
