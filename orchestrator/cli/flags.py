@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mxload.cluster.local import mxload_home
-from mxload.orchestrator.errors import UsageError
+from mxload.orchestrator.errors import MxloadError, UsageError
 from mxload.orchestrator.plan.engines import DEFAULT_ENGINE, ENGINES
 from mxload.orchestrator.plan.sharing import DEFAULT_SHARE, SHARE_SCOPES
 from mxload.orchestrator.plan.sizes import parse_size
@@ -271,8 +271,10 @@ FLAGS: tuple[Flag, ...] = (
         ("--storage-options",),
         READS,
         "JSON object passed to fsspec for s3:// or http(s):// URLs, e.g. "
-        '\'{"endpoint_url": "http://host:9000"}\'',
-        kwargs={"metavar": "JSON"},
+        '\'{"endpoint_url": "http://host:9000"}\', or @FILE: read from FILE (keeps '
+        "credentials off the command line, where other users' ps shows them); values "
+        "are never shown",
+        kwargs={"metavar": "JSON|@FILE"},
     ),
     Flag(
         ("--dtype",),
@@ -645,14 +647,18 @@ def storage_options(args: argparse.Namespace) -> dict[str, Any] | None:
     raw = getattr(args, "storage_options", None)
     value: dict[str, Any] = {}
     if raw:
+        where = "--storage-options"
+        if raw.startswith("@"):  # a file: credentials stay off the command line and ps
+            where = f"--storage-options {raw}"
+            raw = _options_file(raw[1:], where)
         try:
             value = json.loads(raw)
-        except ValueError as err:
-            raise UsageError(
-                f"--storage-options: not valid JSON ({err})", key="--storage-options"
-            ) from None
+        except json.JSONDecodeError as err:
+            # The position only: the text may hold a secret.
+            pos = f"line {err.lineno} column {err.colno}"
+            raise UsageError(f"{where}: not valid JSON ({pos})", key="--storage-options") from None
         if not isinstance(value, dict):
-            raise UsageError("--storage-options: must be a JSON object", key="--storage-options")
+            raise UsageError(f"{where}: must be a JSON object", key="--storage-options")
     # The source flags travel as storage options: every worker then reads under them.
     if getattr(args, "allow_outside_links", False):
         value[ALLOW_OUTSIDE_LINKS] = True
@@ -660,6 +666,28 @@ def storage_options(args: argparse.Namespace) -> dict[str, Any] | None:
         if getattr(args, flag, None) is not None:
             value[key] = getattr(args, flag)
     return value or None
+
+
+OPTIONS_FILE_MAX_BYTES = 1 << 20
+"""Largest ``--storage-options @FILE`` read."""
+
+
+def _options_file(path: str, where: str) -> str:
+    """The text of ``--storage-options @FILE`` (a regular file, at most 1 MiB)."""
+    from mxload.workers.storage.local import read_whole
+
+    try:
+        data = read_whole(os.path.abspath(path), OPTIONS_FILE_MAX_BYTES, path)
+    except OSError as err:
+        raise UsageError(
+            f"{where}: cannot read {path}: {err.strerror}", key="--storage-options"
+        ) from None
+    except MxloadError as err:
+        raise UsageError(f"{where}: {err}", key="--storage-options") from None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise UsageError(f"{where}: not UTF-8 text", key="--storage-options") from None
 
 
 def layout(args: argparse.Namespace) -> ParallelLayout:

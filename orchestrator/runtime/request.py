@@ -7,7 +7,7 @@ No Ray here.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from mxload.orchestrator.plan.sharing import DEFAULT_SHARE
@@ -24,7 +24,8 @@ class LoadRequest:
 
     src: str
     layout: ParallelLayout
-    storage_options: Mapping[str, Any] | None = None
+    storage_options: Mapping[str, Any] | None = field(default=None, repr=False)
+    """Never shown (no repr): it holds credentials."""
     device: str = "auto"
     resource: str | None = None
     """Accelerator resource each rank asks for; default NPU (GPU with --device cuda)."""

@@ -110,7 +110,8 @@ class SessionState:
     pids: dict[int, int | None]
     """rank -> the pid of the process holding its buffers."""
     version: int = 1
-    storage_options: Mapping[str, Any] | None = None
+    storage_options: Mapping[str, Any] | None = field(default=None, repr=False)
+    """Never shown (no repr): it holds credentials."""
     restarted: set[int] = field(default_factory=set)
     """Ranks whose process was lost and restarted since the first load: their buffers
     are at new addresses."""

@@ -181,3 +181,69 @@ def test_a_switch_is_a_json_boolean(tmp_path, value) -> None:
     assert (
         Storage(str(tmp_path), {"mxload_allow_outside_links": False}).allow_outside_links is False
     )
+
+
+# --- 7. secrets stay secret --------------------------------------------------------------------
+
+KEY, SECRET = "AKIAEXAMPLEKEY42", "wJalrXUtnFEMI-K7MDENG-bPxRfiCY"
+
+
+def test_a_failed_run_logs_no_secret_privately(tmp_path, monkeypatch, capsys) -> None:
+    """A run that fails with a key and secret in --storage-options: neither reaches the
+    error line or the log file, which is 0600 in a 0700 folder under $MXLOAD_HOME."""
+    import stat
+
+    from mxload.orchestrator.cli.commands import main
+
+    home = tmp_path / "home"
+    monkeypatch.setenv("MXLOAD_HOME", str(home))
+    with socket.socket() as s:  # a port nothing listens on: connection refused
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    opts = f'{{"key": "{KEY}", "secret": "{SECRET}", "client_kwargs": {{"x": "{SECRET}"}}}}'
+    url = f"http://127.0.0.1:{port}/ck/{SECRET}"
+    timeouts = ["--connect-timeout", "0.5", "--read-timeout", "0.5"]
+    rc = main(["inspect", url, "--storage-options", opts, *timeouts])
+    err = capsys.readouterr().err
+    assert rc == 1, err
+    logs = list((home / "logs").iterdir())
+    assert len(logs) == 1 and str(logs[0]) in err
+    text = logs[0].read_text()
+    assert "Traceback" in text and "<hidden>" in text
+    for secret in (KEY, SECRET):
+        assert secret not in err and secret not in text
+    assert stat.S_IMODE(os.stat(home / "logs").st_mode) == 0o700
+    assert stat.S_IMODE(os.stat(logs[0]).st_mode) == 0o600
+
+
+def test_storage_options_from_a_file(tmp_path) -> None:
+    path = tmp_path / "creds.json"
+    path.write_text(f'{{"key": "{KEY}", "secret": "{SECRET}", "mxload_read_timeout_s": 5}}')
+    args = flags.parse_args(["inspect", str(tmp_path), "--storage-options", f"@{path}"])
+    assert flags.storage_options(args) == {
+        "key": KEY,
+        "secret": SECRET,
+        "mxload_read_timeout_s": 5,
+    }
+    path.write_text(f'{{"secret": "{SECRET}",')
+    with pytest.raises(UsageError) as err:
+        flags.storage_options(args)
+    assert "not valid JSON" in str(err.value) and SECRET not in str(err.value)
+    for bad in (f"@{tmp_path}/none.json", f"@{tmp_path}"):
+        args = flags.parse_args(["inspect", str(tmp_path), "--storage-options", bad])
+        with pytest.raises(UsageError, match="--storage-options @"):
+            flags.storage_options(args)
+
+
+def test_objects_that_carry_options_do_not_show_them(plan_and_src) -> None:
+    from mxload.orchestrator.runtime.state import SessionState
+    from mxload.workers.rank.reads import SourceInfo
+
+    opts = {"key": KEY, "secret": SECRET}
+    held, src = plan_and_src
+    for obj in (
+        LoadRequest(src=src, layout=LAYOUT, storage_options=opts),
+        SourceInfo(root=src, storage_options=opts),
+        SessionState(held, src, "f", {}, {}, storage_options=opts),
+    ):
+        assert SECRET not in repr(obj) and KEY not in repr(obj)

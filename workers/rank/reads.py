@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -35,7 +35,8 @@ class SourceInfo:
     docs/contract.md §4)."""
 
     root: str
-    storage_options: Mapping[str, Any] | None = None
+    storage_options: Mapping[str, Any] | None = field(default=None, repr=False)
+    """Never shown: it holds credentials."""
     quant: str = "block_fp8"
     """How this checkpoint stores quantized linears: block_fp8 | mxfp8 | none."""
     block_n: int = 128

@@ -11,7 +11,12 @@ every rank:
   that accepts and never answers costs at most ``attempts x (connect + read timeout)
   + backoff`` and then fails naming the URL. A ``client_kwargs.timeout`` (HTTP) or
   ``config_kwargs`` timeout (S3) of the caller's own wins;
-* ``mxload_allow_outside_links``: follow links out of a local checkpoint folder.
+* ``mxload_allow_outside_links``: follow links out of a local checkpoint folder (a JSON
+  boolean).
+
+The other values are the caller's, often credentials: mxload never shows them. They
+have no repr in the objects that carry them, and :func:`scrub` takes them out of any
+text that leaves the process (error lines, log files).
 
 Back ends that retry on their own (s3fs, botocore) are set to one attempt, unless the
 caller's options say otherwise: attempts are counted in :mod:`.retry` and nowhere else.
@@ -19,7 +24,7 @@ caller's options say otherwise: attempts are counted in :mod:`.retry` and nowher
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -125,3 +130,36 @@ def fsspec_options(
         # into other users of fsspec's instance cache.
         out.setdefault("skip_instance_cache", True)
     return out
+
+
+HIDDEN = "<hidden>"
+
+
+def secret_values(options: Mapping[str, Any] | None) -> list[str]:
+    """Every text value of the caller's storage options (nested ones too), longest
+    first, that :func:`scrub` hides; mxload's own keys and texts under 4 characters
+    (``true``, a region such as ``us``) are not secrets."""
+    found: set[str] = set()
+
+    def walk(value: Any) -> None:
+        if isinstance(value, str):
+            if len(value) >= 4:
+                found.add(value)
+        elif isinstance(value, Mapping):
+            for v in value.values():
+                walk(v)
+        elif isinstance(value, list | tuple):
+            for v in value:
+                walk(v)
+
+    for key, value in (options or {}).items():
+        if key not in MXLOAD_OPTIONS:
+            walk(value)
+    return sorted(found, key=len, reverse=True)
+
+
+def scrub(text: str, secrets: Sequence[str]) -> str:
+    """``text`` with every one of ``secrets`` replaced by ``<hidden>``."""
+    for secret in secrets:
+        text = text.replace(secret, HIDDEN)
+    return text
