@@ -247,3 +247,43 @@ def test_objects_that_carry_options_do_not_show_them(plan_and_src) -> None:
         SessionState(held, src, "f", {}, {}, storage_options=opts),
     ):
         assert SECRET not in repr(obj) and KEY not in repr(obj)
+
+
+# --- 5. release ends only what it started -------------------------------------------------------
+
+
+def test_release_spares_a_process_that_only_names_the_heads_folder(tmp_path, monkeypatch) -> None:
+    """A user's `tail -f` of a Ray log (its command line names the head's temp dir) lives
+    on; a recorded daemon and its child (a Ray worker) are ended."""
+    import subprocess
+    import sys
+    import time
+
+    import psutil
+    from mxload.cluster import local
+
+    monkeypatch.setenv("MXLOAD_HOME", str(tmp_path / "home"))
+    temp = local.short_temp_dir("mxhead-")
+    log = os.path.join(temp, "session_latest", "logs", "raylet.out")
+    nap = "import subprocess, sys, time; time.sleep(60)"
+    parent = f"import subprocess, sys; subprocess.Popen([sys.executable, '-c', {nap!r}]).wait()"
+    tail = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", log])
+    daemon = subprocess.Popen([sys.executable, "-c", parent])
+    try:
+        deadline = time.time() + 10
+        while not psutil.Process(daemon.pid).children() and time.time() < deadline:
+            time.sleep(0.05)
+        (child,) = psutil.Process(daemon.pid).children()
+        procs = local.describe_processes([psutil.Process(daemon.pid)])
+        record = local.HeadRecord("127.0.0.1:1", temp, "NPU", 1, time.time(), processes=procs)
+        ended = local.end_head(record, grace_s=2)
+        assert sorted(int(e.rsplit("pid ", 1)[1].rstrip(")")) for e in ended) == sorted(
+            [daemon.pid, child.pid]
+        ), ended
+        assert daemon.wait(timeout=10) is not None
+        assert not child.is_running() or child.status() == psutil.STATUS_ZOMBIE
+        assert tail.poll() is None, "a process that only names the folder is not ours"
+    finally:
+        for p in (tail, daemon):
+            p.kill()
+            p.wait()
