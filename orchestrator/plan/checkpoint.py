@@ -93,6 +93,9 @@ class CheckpointMeta:
     fingerprint: str = ""
     """Identity of what was read (``catalog.fingerprint``): with a version number, it names
     the checkpoint a unit was loaded from (docs/contract.md §4 "Reload"). "" when unknown."""
+    identity: str = ""
+    """How the fingerprint was established (``catalog.fingerprint``), as ``status`` says
+    it: from what the store vouches for, or "unverified: ..." and why."""
 
     def has(self, tensor: str) -> bool:
         return tensor in self.tensors

@@ -434,6 +434,7 @@ def detached_load(
         manifest["ranks"],
         src=req.src,
         fingerprint=meta.fingerprint,
+        identity_basis=meta.identity,
         storage_options=req.storage_options,
         request=req,
         session=session,

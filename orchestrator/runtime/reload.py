@@ -199,6 +199,8 @@ class ReloadInputs:
     """Per rank: the held units with the new source's quantized flags."""
     budgets: tuple[int, ...]
     """Per rank: the staging budget the reload runs under."""
+    identity: str = ""
+    """How the new checkpoint's fingerprint was established (``CheckpointMeta.identity``)."""
 
 
 def reload_inputs(
@@ -221,6 +223,7 @@ def reload_inputs(
         reads=tuple(tuple(new.ranks[r].reads or ()) for r in range(world)),
         units=tuple(tuple(reload_units(held, new, r)) for r in range(world)),
         budgets=tuple(budgets),
+        identity=meta.identity,
     )
 
 
@@ -302,6 +305,7 @@ def reload(
         raise
     state.version = target
     state.fingerprint = fingerprint
+    state.identity_basis = inputs.identity
     state.src = src
     state.storage_options = options
     state.last_reload = ReloadRecord(src, target, fingerprint, ok=True)

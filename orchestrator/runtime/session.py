@@ -64,6 +64,7 @@ class Session:
             fingerprint=str(first[1]),
             storage_options=storage_options,
             request=req,
+            identity_basis=str(manifest.get("identity_established_by", "")),
         )
         return cls(run, state, manifest)
 

@@ -110,6 +110,9 @@ class SessionState:
     pids: dict[int, int | None]
     """rank -> the pid of the process holding its buffers."""
     version: int = 1
+    identity_basis: str = ""
+    """How the fingerprint was established (``CheckpointMeta.identity``): ``status``
+    says it, and "unverified: ..." when nothing vouches for the bytes."""
     storage_options: Mapping[str, Any] | None = field(default=None, repr=False)
     """Never shown (no repr): it holds credentials."""
     restarted: set[int] = field(default_factory=set)
@@ -242,7 +245,18 @@ def verdict(state: SessionState, manifest: dict[str, Any], *, busy: Lease | None
     last = state.last_reload
     if last is not None and not last.ok:
         notices.append(f"the last reload, from {last.src}, failed: {last.error}")
-    manifest["identity"] = {"version": want[0], "fingerprint": want[1], "src": state.src}
+    if state.identity_basis.startswith("unverified"):
+        notices.append(
+            f"the identity of {state.src} is {state.identity_basis}: consistent means every "
+            "unit was written by the session's last reload, not that the bytes are the "
+            "store's now"
+        )
+    manifest["identity"] = {
+        "version": want[0],
+        "fingerprint": want[1],
+        "src": state.src,
+        "established_by": state.identity_basis or "not recorded",
+    }
     manifest["consistent"] = not problems
     manifest["problems"] = problems
     manifest["notices"] = notices

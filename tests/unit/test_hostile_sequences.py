@@ -287,3 +287,57 @@ def test_release_spares_a_process_that_only_names_the_heads_folder(tmp_path, mon
         for p in (tail, daemon):
             p.kill()
             p.wait()
+
+
+# --- 2. identity from what a writer cannot forge back -------------------------------------------
+
+
+def _rewrite_in_place_keeping_mtime(path: str) -> None:
+    """The same size and header, other weight bytes, and the old mtime put back."""
+    st = os.stat(path)
+    with open(path, "r+b") as f:
+        f.seek(st.st_size - 64)
+        tail = f.read(64)
+        f.seek(st.st_size - 64)
+        f.write(bytes(b ^ 0x5A for b in tail))
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert os.stat(path).st_mtime_ns == st.st_mtime_ns
+
+
+def test_a_local_shard_rewritten_in_place_with_its_mtime_restored_is_another_identity(
+    tmp_path, ckpt_factory
+) -> None:
+    import shutil
+    import time
+
+    src = tmp_path / "ck"
+    shutil.copytree(ckpt_factory("qwen3-moe-tiny", 1), src)
+    before = open_checkpoint(str(src))
+    assert open_checkpoint(str(src)).fingerprint == before.fingerprint  # stable when unchanged
+    assert before.identity.startswith("local files: inode, size, ctime and mtime")
+    time.sleep(0.01)  # a ctime the kernel can tell apart
+    _rewrite_in_place_keeping_mtime(str(src / before.files[0]))
+    assert open_checkpoint(str(src)).fingerprint != before.fingerprint
+
+
+def test_a_plain_http_server_gives_an_unverified_identity_that_never_matches(
+    tmp_path, ckpt_factory
+) -> None:
+    """No ETag, no Last-Modified: consecutive checkpoints rewritten in place under one URL
+    look alike; the identity says so and never matches an earlier one (no unit skipped)."""
+    import shutil
+
+    from tests.servers import Faults, RangeHTTPServer
+
+    shutil.copytree(ckpt_factory("qwen3-moe-tiny", 1), tmp_path / "latest")
+    with RangeHTTPServer(str(tmp_path)) as server:
+        url = server.url + "/latest"
+        a, b = open_checkpoint(url), open_checkpoint(url)
+        assert a.fingerprint != b.fingerprint
+        assert a.identity.startswith("unverified: the store gives no ETag or VersionId for")
+        server.faults = Faults(etag=True)
+        c = open_checkpoint(url)
+        assert c.fingerprint == open_checkpoint(url).fingerprint
+        assert c.identity.startswith("the store's change tags")
+        _rewrite_in_place_keeping_mtime(str(tmp_path / "latest" / c.files[0]))
+        assert open_checkpoint(url).fingerprint != c.fingerprint

@@ -85,6 +85,22 @@ def test_healthy_session_is_consistent(plan) -> None:
     assert m["consistent"] is True and m["problems"] == [] and m["replicated_tensors_agree"]
 
 
+def test_status_says_how_the_identity_was_established(plan) -> None:
+    from mxload.orchestrator.cli.rendering import status_headline
+
+    state = state_of(plan)
+    state.identity_basis = "unverified: the store gives no ETag or VersionId for x"
+    m = manifest_of(plan)
+    verdict(state, m)
+    assert m["identity"]["established_by"] == state.identity_basis
+    assert any("is unverified: the store gives no ETag" in n for n in m["notices"])
+    assert status_headline(m)[1] == f"identity: {state.identity_basis}"
+    state.identity_basis = "local files: inode, size, ctime and mtime (ns) of every shard"
+    m = manifest_of(plan)
+    verdict(state, m)
+    assert m["notices"] == [] and m["identity"]["established_by"].startswith("local files")
+
+
 def test_same_version_number_from_another_checkpoint_is_not_consistent(plan) -> None:
     """The bug: rank 3 at version 2 of one checkpoint, the others at version 2 of another."""
     m = manifest_of(plan, identity=(2, "fB"))

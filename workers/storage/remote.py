@@ -68,14 +68,17 @@ def size(fs: Any, path: str, url: str) -> int:
     return int(value)
 
 
+STRONG_TAGS = ("VersionId", "version_id", "generation", "ETag", "etag", "Content-MD5", "md5Hash", "Digest")  # fmt: skip
+"""What a store says of an object that changes whenever its bytes do: S3's VersionId,
+GCS's generation, an ETag, a content digest. A modification time is not one (a second's
+resolution, and a writer can set it back)."""
+
+
 def version_tag(fs: Any, path: str) -> str:
-    """The store's ETag, else modification time, of ``path`` ("" if it says neither)."""
+    """The store's strong change tags of ``path`` (:data:`STRONG_TAGS`), "" when it gives
+    none: then nothing vouches for the bytes."""
     info = fs.info(path)
-    for key in ("ETag", "etag", "LastModified", "last_modified", "mtime", "Last-Modified"):
-        value = info.get(key)
-        if value:
-            return f"{key}={value}"
-    return ""
+    return ",".join(f"{key}={info[key]}" for key in STRONG_TAGS if info.get(key))
 
 
 def read_jobs(

@@ -245,14 +245,21 @@ class Storage:
         return self._call(relpath, None, stat)
 
     def version_tag(self, relpath: str) -> str:
-        """What the store says identifies this version of ``relpath`` beyond its size: the
-        ETag where it gives one (S3, most HTTP servers), else its modification time, else
-        "" (a checkpoint's fingerprint includes it, docs/contract.md §4 "Reload")."""
+        """What changes whenever the bytes of ``relpath`` do (a checkpoint's fingerprint
+        includes it, docs/contract.md §4 "Reload"), "" when the store gives nothing that
+        does. Local: device, inode, size, and ctime and mtime in nanoseconds (a writer can
+        set the mtime back with ``os.utime``, not the ctime; a file replaced by a rename is
+        another inode). Remote: the store's VersionId, ETag or digest
+        (``remote.STRONG_TAGS``); a modification time alone is not enough."""
         path = self._path(relpath)
 
         def stat() -> str:
             if self.is_local:
-                return f"mtime_ns={os.stat(path).st_mtime_ns}"
+                st = os.stat(path)
+                return (
+                    f"dev={st.st_dev},ino={st.st_ino},size={st.st_size},"
+                    f"ctime_ns={st.st_ctime_ns},mtime_ns={st.st_mtime_ns}"
+                )
             return remote.version_tag(self.fs, path)
 
         return self._call(relpath, None, stat)
