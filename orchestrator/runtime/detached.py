@@ -87,33 +87,63 @@ class SessionKeeper:
         tighten_own_temp_dir()  # this process's start made Ray's folders 0777 again
         self.state = state
         self.lease: Lease | None = None
+        self.fence = 0
+        """The last fencing token handed out (with a lease)."""
+        self.fenced: list[str] = []
+        """Commands refused because their lease had lapsed (status says so)."""
 
     def get(self) -> SessionState:
         return self.state
 
-    def put(self, state: SessionState) -> None:
-        """Replace the state (by the lease holder, or at the end of a reload it ran)."""
+    def put(self, state: SessionState, token: str = "") -> str:
+        """Replace the state, by the holder of the live lease (``token``) only, and never
+        with an older version; "" when done, else why it was refused (recorded)."""
+        cur, now = self.lease, time.time()
+        why = ""
+        if cur is None or cur.holder.token != token:
+            why = "its lease on the session lapsed and was taken over or released"
+        elif cur.expires <= now:
+            why = "its lease on the session lapsed"
+        elif state.version < self.state.version:
+            why = f"version {state.version} is older than the session's {self.state.version}"
+        if why:
+            stamp = time.strftime("%H:%M:%S", time.localtime(now))
+            self.fenced = [*self.fenced[-9:], f"at {stamp} a command's result was refused: {why}"]
+            return why
         self.state = state
+        return ""
 
     def pid(self) -> int:
         return os.getpid()
 
-    def acquire(self, holder: LeaseHolder, ttl_s: float) -> Lease | None:
-        """Take the lease for ``holder`` (None), or return the live lease that has it."""
+    def acquire(self, holder: LeaseHolder, ttl_s: float) -> Lease:
+        """Take the lease for ``holder``, with the next fencing token; or return the live
+        lease of another holder (the caller compares tokens)."""
         now = time.time()
         cur = self.lease
         if cur is not None and cur.expires > now and _holder_alive(cur.holder):
             return cur
+        self.fence += 1
         self.lease = Lease(
-            holder, since=now, expires=now + ttl_s, took_over_from=cur.holder if cur else None
+            holder,
+            since=now,
+            expires=now + ttl_s,
+            took_over_from=cur.holder if cur else None,
+            fence=self.fence,
         )
-        return None
+        return self.lease
 
     def renew(self, token: str, ttl_s: float) -> bool:
-        if self.lease is None or self.lease.holder.token != token:
+        """Extend the live lease of ``token``; an expired one stays lapsed (its holder was
+        stopped past it: another command may have run meanwhile)."""
+        now = time.time()
+        if self.lease is None or self.lease.holder.token != token or self.lease.expires <= now:
             return False
-        self.lease = replace(self.lease, expires=time.time() + ttl_s)
+        self.lease = replace(self.lease, expires=now + ttl_s)
         return True
+
+    def fenced_off(self) -> list[str]:
+        return list(self.fenced)
 
     def release(self, token: str) -> None:
         if self.lease is not None and self.lease.holder.token == token:
@@ -141,8 +171,25 @@ def _holder_alive(holder: LeaseHolder) -> bool:
         return False
 
 
+def lease_ttl_s() -> float:
+    """The lease's time to live: :data:`LEASE_TTL_S`, or ``$MXLOAD_LEASE_TTL_S`` (seconds,
+    at least 1), for a cluster whose commands stall longer, or a test that suspends one."""
+    raw = os.environ.get("MXLOAD_LEASE_TTL_S")
+    if not raw:
+        return LEASE_TTL_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = 0.0
+    if not 1.0 <= value < 86400:
+        raise SessionError(
+            f"MXLOAD_LEASE_TTL_S={raw!r}: must be seconds in [1, 86400)", key="MXLOAD_LEASE_TTL_S"
+        )
+    return value
+
+
 @contextmanager
-def session_lease(keeper: Any, session: str, what: str, src: str = "") -> Iterator[LeaseHolder]:
+def session_lease(keeper: Any, session: str, what: str, src: str = "") -> Iterator[Lease]:
     """Hold the session's lease while the block runs, or refuse (SessionBusy) naming the
     command that holds it. Renewed from a thread, so a long reload keeps it."""
     import psutil
@@ -159,8 +206,9 @@ def session_lease(keeper: Any, session: str, what: str, src: str = "") -> Iterat
         what=what,
         src=src,
     )
-    cur: Lease | None = ray.get(keeper.acquire.remote(holder, LEASE_TTL_S))
-    if cur is not None:
+    ttl = lease_ttl_s()
+    cur: Lease = ray.get(keeper.acquire.remote(holder, ttl))
+    if cur.holder.token != holder.token:
         h = cur.holder
         since = time.strftime("%H:%M:%S", time.localtime(cur.since))
         raise SessionBusy(
@@ -172,16 +220,16 @@ def session_lease(keeper: Any, session: str, what: str, src: str = "") -> Iterat
     stop = threading.Event()
 
     def renew() -> None:
-        while not stop.wait(LEASE_TTL_S / 4):
+        while not stop.wait(ttl / 4):
             try:
-                ray.get(keeper.renew.remote(holder.token, LEASE_TTL_S), timeout=10)
+                ray.get(keeper.renew.remote(holder.token, ttl), timeout=10)
             except Exception:  # the keeper unreachable: the run itself will fail too
                 pass
 
     thread = threading.Thread(target=renew, name="mxload-lease", daemon=True)
     thread.start()
     try:
-        yield holder
+        yield cur
     finally:
         stop.set()
         thread.join(timeout=5)
@@ -473,15 +521,24 @@ def _attach(session: str, address: str | None) -> tuple[Any, SessionState, RayRu
     return keeper, state, run
 
 
-def _saver(keeper: Any, state: SessionState) -> Callable[[SessionState], None]:
-    """Where a detached session's state lives: its keeper. When its processes changed
-    since ``state`` (a restarted rank), the session's file is re-recorded too."""
+def _saver(keeper: Any, state: SessionState, lease: Lease) -> Callable[[SessionState], None]:
+    """Where a detached session's state lives: its keeper, which takes it only from the
+    holder of the live ``lease`` (SessionError when that lapsed: a later command may
+    have run meanwhile). When its processes changed since ``state`` (a restarted rank),
+    the session's file is re-recorded too."""
     import ray
 
     recorded = dict(state.pids)
 
     def save(state: SessionState) -> None:
-        ray.get(keeper.put.remote(state), timeout=60)
+        why = ray.get(keeper.put.remote(state, lease.holder.token), timeout=60)
+        if why:
+            raise SessionError(
+                f"session {state.session!r}: this {lease.holder.what} was fenced off, its "
+                f"result not recorded: {why} (suspended past its lease?); `mxload status` "
+                "says what the session holds now",
+                key="--session",
+            )
         if recorded != state.pids:
             _refresh_session_file(keeper, state)
             recorded.clear()
@@ -545,9 +602,9 @@ def detached_status(
         repaired: list[int] = []
         if busy is None:
             try:
-                with session_lease(keeper, session, "status repairing restarted ranks"):
+                with session_lease(keeper, session, "status repairing restarted ranks") as lease:
                     state = ray.get(keeper.get.remote())
-                    repaired = repair(run, state, _saver(keeper, state))
+                    repaired = repair(run, state, _saver(keeper, state, lease), lease.fence)
             except SessionBusy:
                 busy = ray.get(keeper.holder.remote())
         reports = ray.get([a.report.remote() for a in run.actors])
@@ -560,6 +617,9 @@ def detached_status(
         last = state.last_reload
         manifest["last_reload"] = last.to_json() if last is not None else None
         verdict(state, manifest, busy=busy)
+        fenced = ray.get(keeper.fenced_off.remote())
+        manifest["fenced_off"] = fenced
+        manifest["notices"] += [f"{f} (nothing it wrote counts)" for f in fenced[-3:]]
         if dump:
             write_dump(run, manifest, dump)
         return manifest
@@ -588,16 +648,18 @@ def detached_reload(
     src = absolute(src)
     try:
         keeper, _, run = _attach(session, address)
-        with session_lease(keeper, session, "reload", src):
+        with session_lease(keeper, session, "reload", src) as lease:
             # Read under the lease: a reload that finished meanwhile moved the version.
             state: SessionState = ray.get(keeper.get.remote())
             _check_engine(session, state.plan, engine)
             _check_outputs(state, outputs)
+            fence_ranks(run, lease.fence)
             done = reload(
                 RayRanks(run),
                 state,
-                _saver(keeper, state),
+                _saver(keeper, state, lease),
                 src,
+                fence=lease.fence,
                 storage_options=storage_options,
                 staging_budget=staging_budget,
                 allow_nonfinite=run.req.allow_nonfinite,
@@ -610,6 +672,23 @@ def detached_reload(
         return manifest
     finally:
         ray.shutdown()
+
+
+def fence_ranks(run: RayRun, token: int, wait_s: float = 30.0) -> None:
+    """Every rank takes ``token`` before this command writes: a run of an older lease
+    still going (its command was suspended past it) stops at its next unit. SessionError
+    naming the ranks that are still busy after ``wait_s``."""
+    import ray
+
+    refs = [a.fence.remote(token, wait_s) for a in run.actors]
+    free = ray.get(refs, timeout=wait_s + 30)
+    busy = [r for r, ok in enumerate(free) if not ok]
+    if busy:
+        raise SessionBusy(
+            f"ranks {','.join(map(str, busy))} are still writing for an earlier command "
+            f"after {wait_s:g} s; nothing was started (run it again)",
+            key="--session",
+        )
 
 
 def detached_release(

@@ -268,13 +268,15 @@ def reload(
     staging_budget: int | None = None,
     allow_nonfinite: bool = False,
     on_progress: Progress | None = None,
+    fence: int = 0,
 ) -> ReloadResult:
     """Reload ``state``'s session from ``src`` in place; ``save`` is called with the
     state once the reload ended, failed or not (a failure is recorded for ``status``).
 
     The caller serialises reloads of one session. Running it again after a failure
     completes the interrupted reload (from ``src``) or rewrites every unit not at the new
-    checkpoint (from another). ``storage_options`` default to the session's."""
+    checkpoint (from another). ``storage_options`` default to the session's. ``fence``:
+    the fencing token of the caller's lease (ranks write nothing for an older one)."""
     src = absolute(src)  # in the process that names it: workers start elsewhere
     options = storage_options if storage_options is not None else state.storage_options
     inputs = reload_inputs(
@@ -285,6 +287,7 @@ def reload(
         fused=ranks.fused,
         allow_nonfinite=allow_nonfinite,
     )
+    inputs = replace(inputs, source=replace(inputs.source, fence=fence))
     target = state.version + 1
     fingerprint = inputs.source.fingerprint
     t0 = time.perf_counter()
@@ -300,8 +303,8 @@ def reload(
         )
         try:
             save(state)
-        except Exception:  # the reload's own error is the one to raise
-            log.warning("could not record the failed reload from %s", src, exc_info=True)
+        except Exception as why:  # the reload's own error is the one to raise
+            log.info("the failed reload from %s was not recorded: %s", src, why)
         raise
     state.version = target
     state.fingerprint = fingerprint
@@ -337,9 +340,12 @@ class RayRanks:
         )
 
 
-def repair(run: RayRun, state: SessionState, save: Callable[[SessionState], None]) -> list[int]:
+def repair(
+    run: RayRun, state: SessionState, save: Callable[[SessionState], None], fence: int = 0
+) -> list[int]:
     """Reload every rank whose worker was restarted (a fresh process, empty buffers) to
-    the session's version from its current source; returns those ranks."""
+    the session's version from its current source; returns those ranks. ``fence``: as
+    for :func:`reload`."""
     import ray
 
     pids = run.pids()
@@ -353,12 +359,13 @@ def repair(run: RayRun, state: SessionState, save: Callable[[SessionState], None
         fused=workers_fused(run.req.device),
         allow_nonfinite=run.req.allow_nonfinite,
     )
+    source = replace(inputs.source, fence=fence)
     reports = []
     for rank in lost:
         budget = staging_budget_of(state.plan, state.plan.ranks[rank])
         ref = run.actors[rank].load.remote(
             list(inputs.reads[rank]),
-            inputs.source,
+            source,
             state.version,
             budget,
             False,

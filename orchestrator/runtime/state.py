@@ -77,6 +77,9 @@ class Lease:
     expires: float
     took_over_from: LeaseHolder | None = None
     """The holder whose lease this one took over (its process gone, or it expired)."""
+    fence: int = 0
+    """Fencing token: each lease of a session gets a larger one; ranks refuse writes
+    from a smaller one, the keeper refuses its state (docs/contract.md §4)."""
 
     def to_json(self) -> dict[str, Any]:
         h = self.holder

@@ -289,6 +289,55 @@ def test_a_restarted_rank_shows_in_human_status(work: Path, ckpts, session) -> N
     assert dump_matches(work, before["identity"]["src"], "dump-restarted") == []
 
 
+def test_a_reload_suspended_past_its_lease_writes_nothing(work: Path, ckpts, session) -> None:
+    """Ctrl-Z of a reload holding the lease, longer than the lease (2 s here): another
+    reload is admitted and completes; the first, resumed, is fenced off (one line, no
+    state recorded), and the session keeps the later checkpoint, checked byte for byte."""
+    import ray
+    from mxload.orchestrator.runtime.detached import _connect, _keeper
+
+    assert session.returncode == 0, show(session)
+    stale = subprocess.Popen(
+        [*MXLOAD, "reload", ckpts["v3"]],
+        cwd=work / "cwd",
+        env=dict(env_of(work), MXLOAD_LEASE_TTL_S="2"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        with home_of(work):
+            _connect(None)
+            try:
+                keeper = _keeper("default")
+                deadline = time.monotonic() + 120
+                while ray.get(keeper.holder.remote()) is None:
+                    assert stale.poll() is None and time.monotonic() < deadline, stale.stderr
+                    time.sleep(0.02)
+                os.kill(stale.pid, signal.SIGSTOP)
+            finally:
+                ray.shutdown()
+        time.sleep(2.5)  # past its lease
+        later = mx_here(work, "reload", ckpts["v4"])
+        assert later.returncode == 0, show(later)
+        rc, mid = status_json(work)
+        assert rc == 0 and mid["identity"]["src"] == ckpts["v4"], mid["problems"]
+    finally:
+        os.kill(stale.pid, signal.SIGCONT)
+    t0 = time.monotonic()
+    _, err = stale.communicate(timeout=120)
+    print(f"a resumed stale reload: exit {stale.returncode} in {time.monotonic() - t0:.1f} s")
+    assert stale.returncode in (1, 2), err
+    first, *rest = err.splitlines()
+    assert first.startswith("mxload: error:") and "fenced off" in first, err
+    assert all(line.startswith("mxload: the traceback is in") for line in rest), err
+    rc, after = status_json(work)
+    assert rc == 0, after["problems"]
+    assert after["identity"] == mid["identity"], "the version went back"
+    assert any("refused" in n for n in after["notices"]), after["notices"]
+    assert dump_matches(work, ckpts["v4"], "dump-fenced") == []
+
+
 # --- session names ------------------------------------------------------------------------
 
 

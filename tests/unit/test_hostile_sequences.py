@@ -341,3 +341,34 @@ def test_a_plain_http_server_gives_an_unverified_identity_that_never_matches(
         assert c.identity.startswith("the store's change tags")
         _rewrite_in_place_keeping_mtime(str(tmp_path / "latest" / c.files[0]))
         assert open_checkpoint(url).fingerprint != c.fingerprint
+
+
+# --- 3. versions only go forward: the keeper's fence ---------------------------------------------
+
+
+def test_a_lapsed_lease_can_neither_renew_nor_record(plan_and_src) -> None:
+    import dataclasses
+    import time
+
+    import psutil
+    from mxload.orchestrator.runtime.detached import SessionKeeper
+    from mxload.orchestrator.runtime.state import LeaseHolder, SessionState
+
+    held, src = plan_and_src
+    me = psutil.Process()
+
+    def holder(token: str) -> LeaseHolder:
+        return LeaseHolder(token, me.pid, me.create_time(), socket.gethostname(), "reload", src)
+
+    k = SessionKeeper(SessionState(held, src, "f4", {}, {}, version=4))
+    first = k.acquire(holder("stopped"), 0.2)
+    time.sleep(0.3)  # suspended past its lease
+    assert k.renew("stopped", 60) is False
+    second = k.acquire(holder("later"), 60)
+    assert (first.fence, second.fence) == (1, 2)
+    assert k.put(dataclasses.replace(k.state, version=5, fingerprint="f5"), "later") == ""
+    stale = dataclasses.replace(k.state, version=5, fingerprint="f5-stale")
+    assert "lapsed" in k.put(stale, "stopped")
+    assert (k.state.version, k.state.fingerprint) == (5, "f5")
+    assert "lapsed" in k.fenced_off()[0]
+    assert "older than the session's 5" in k.put(dataclasses.replace(k.state, version=4), "later")

@@ -891,3 +891,36 @@ def test_a_worker_keeps_its_thread_share_whatever_the_backend_start_does(
         plan.ranks[0], model_dtype=meta.config.model_dtype, device="cpu", resource="NPU", threads=1
     )
     assert torch.get_num_threads() == 1
+
+
+def test_a_run_fenced_off_writes_no_further_unit(ckpt_factory) -> None:
+    """A reload suspended past its lease: a later lease's token reaches the rank while it
+    runs; it stops before its next unit's writes, and a run with the old token is
+    refused before it writes anything."""
+    import dataclasses
+
+    from mxload.orchestrator.errors import RunError
+
+    src = ckpt_factory("qwen3-dense-tiny", 1)
+    meta, plan = plan_of(src, ParallelLayout(tp=2))
+    rp = plan.ranks[0]
+    loader = RankLoader(rp, model_dtype=meta.config.model_dtype, backend=backend(False))
+    old = dataclasses.replace(source_of(src, meta), fence=4)
+    written: list[int] = []
+
+    def unit(i: int) -> None:
+        written.append(i)
+        if i == 1:  # while unit 1 converts, a later lease fences this run off
+            loader.fence.advance(5)
+
+    with on_each_unit(unit), pytest.raises(RunError, match="rank 0: this reload was fenced off"):
+        loader.load(list(rp.reads), old, version=2, staging_budget=rp.staging.budget_bytes)
+    assert loader.unit_ids[0] == (2, meta.fingerprint)
+    assert all(v == 0 for v in loader.unit_versions[1:]), loader.unit_versions
+    with on_each_unit(written.append), pytest.raises(RunError, match="token 4"):
+        written.clear()
+        loader.load(list(rp.reads), old, version=2, staging_budget=rp.staging.budget_bytes)
+    assert written == []
+    new = dataclasses.replace(old, fence=5)
+    loader.load(list(rp.reads), new, version=3, staging_budget=rp.staging.budget_bytes)
+    assert set(loader.unit_ids) == {(3, meta.fingerprint)}

@@ -40,6 +40,7 @@ from mxload.workers.rank.convert import Converter
 from mxload.workers.rank.identities import (
     CHECKSUM_NAME,
     NOTHING,
+    Fence,
     Identity,
     UnitIdentities,
     checksum,
@@ -81,6 +82,7 @@ class RankLoader:
         self._ids = UnitIdentities(plan.units, self.buffers)
         self.last_stats = RunStats()
         self._busy = threading.Lock()
+        self.fence = Fence()
         self._counts = Counts()
         self._reader = Reader(self.rank, self._counts, storage_factory)
         self._converter = Converter(
@@ -122,6 +124,8 @@ class RankLoader:
                 f"rank {self.rank}: a load is already running on this rank", rank=self.rank
             )
         try:
+            self.fence.check(source.fence, self.rank)
+            self.fence.advance(source.fence)
             # The bytes are about to change: a run that fails part-way must not leave the
             # checksums of the previous bytes cached for status to report.
             self._checksums = None
@@ -207,6 +211,7 @@ class RankLoader:
             stats,
             meter,
             progress=progress,
+            fence=self.fence,
         ).run_steps(steps)
         meter.finish(stats)
         stats.measured_peak_staging_bytes = pool.high_water
@@ -215,6 +220,16 @@ class RankLoader:
         self._checksums = None
         self.verify_addresses()
         return stats
+
+    def advance_fence(self, token: int, wait_s: float) -> bool:
+        """Fence off every run with a smaller token (``identities.Fence``), then wait up
+        to ``wait_s`` for a run still going to stop (it does at its next unit); whether
+        this rank is free now."""
+        self.fence.advance(token)
+        if not self._busy.acquire(timeout=wait_s):
+            return False
+        self._busy.release()
+        return True
 
     def fetch_for_peers(
         self,

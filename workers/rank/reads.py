@@ -42,6 +42,8 @@ class SourceInfo:
     block_n: int = 128
     block_k: int = 128
     allow_nonfinite: bool = False
+    fence: int = 0
+    """The fencing token of the lease this run holds (``identities.Fence``; 0: none)."""
     fingerprint: str = ""
     """Identity of the checkpoint as read (``mxload.orchestrator.runtime.catalog.fingerprint``).
     Every unit records (version, fingerprint) of the run that wrote it; "" (unknown) never
