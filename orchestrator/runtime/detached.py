@@ -81,16 +81,62 @@ class SessionKeeper:
     serialises reloads. Ray runs one call of this actor at a time, so taking the lease is
     atomic across every process that reaches the session."""
 
-    def __init__(self, state: SessionState) -> None:
+    def __init__(self, state: SessionState, persist: bool = True) -> None:
         from mxload.cluster.local import tighten_own_temp_dir
 
         tighten_own_temp_dir()  # this process's start made Ray's folders 0777 again
+        self.persist = persist
         self.state = state
         self.lease: Lease | None = None
         self.fence = 0
         """The last fencing token handed out (with a lease)."""
-        self.fenced: list[str] = []
-        """Commands refused because their lease had lapsed (status says so)."""
+        self.notes: list[str] = []
+        """What status should say happened to the session: commands refused because
+        their lease had lapsed, a restart of this keeper."""
+        saved = self._restore()
+        if saved is not None:
+            # Ray restarted this actor (it died: OOM, a kill) with its first arguments;
+            # the state and fence it had are in the GCS.
+            self.state, self.fence, self.notes = saved
+            self._note("the session's keeper died and was restarted; its state restored")
+        self._save()
+
+    def _key(self) -> str:
+        return f"{self.state.session}/{self.state.created!r}/keeper"
+
+    def _restore(self) -> tuple[SessionState, int, list[str]] | None:
+        if not self.persist:
+            return None
+        import pickle
+
+        from mxload.cluster import raycompat
+
+        raw = raycompat.kv_get(self._key())
+        if raw is None:
+            return None
+        saved: tuple[SessionState, int, list[str]] = pickle.loads(raw)
+        return saved
+
+    def _save(self) -> None:
+        """The state and the fence into the GCS, where a restarted keeper finds them."""
+        if not self.persist:
+            return
+        import pickle
+
+        from mxload.cluster import raycompat
+
+        raycompat.kv_put(self._key(), pickle.dumps((self.state, self.fence, self.notes)))
+
+    def forget(self) -> None:
+        """Drop the persisted state (release)."""
+        if self.persist:
+            from mxload.cluster import raycompat
+
+            raycompat.kv_del(self._key())
+
+    def _note(self, what: str) -> None:
+        stamp = time.strftime("%H:%M:%S", time.localtime())
+        self.notes = [*self.notes[-9:], f"at {stamp} {what}"]
 
     def get(self) -> SessionState:
         return self.state
@@ -107,10 +153,11 @@ class SessionKeeper:
         elif state.version < self.state.version:
             why = f"version {state.version} is older than the session's {self.state.version}"
         if why:
-            stamp = time.strftime("%H:%M:%S", time.localtime(now))
-            self.fenced = [*self.fenced[-9:], f"at {stamp} a command's result was refused: {why}"]
+            self._note(f"a command's result was refused: {why} (nothing it wrote counts)")
+            self._save()
             return why
         self.state = state
+        self._save()
         return ""
 
     def pid(self) -> int:
@@ -124,6 +171,7 @@ class SessionKeeper:
         if cur is not None and cur.expires > now and _holder_alive(cur.holder):
             return cur
         self.fence += 1
+        self._save()  # a restarted keeper never hands out a token twice
         self.lease = Lease(
             holder,
             since=now,
@@ -142,8 +190,9 @@ class SessionKeeper:
         self.lease = replace(self.lease, expires=now + ttl_s)
         return True
 
-    def fenced_off(self) -> list[str]:
-        return list(self.fenced)
+    def events(self) -> list[str]:
+        """What status says happened (:attr:`notes`)."""
+        return list(self.notes)
 
     def release(self, token: str) -> None:
         if self.lease is not None and self.lease.holder.token == token:
@@ -400,12 +449,36 @@ def _recorded_sessions(address: str) -> dict[str, dict[str, Any]]:
     return out
 
 
+def _remains(session: str) -> list[str]:
+    """Names of the rank workers of ``session`` still registered in the connected Ray."""
+    import ray
+
+    prefix = _rank_name(session, 0)[: -len("00000")]
+    return sorted(
+        str(a["name"])
+        for a in ray.util.list_named_actors(all_namespaces=True)
+        if a.get("namespace") == NAMESPACE and str(a.get("name", "")).startswith(prefix)
+    )
+
+
+def _remains_error(session: str, remains: list[str]) -> SessionError:
+    return SessionError(
+        f"session {session!r}: its keeper is gone for good (and the session's state with "
+        f"it) while {len(remains)} rank worker(s) remain; `mxload release --session "
+        f"{session}` ends them, then load it again",
+        key="--session",
+    )
+
+
 def _keeper(session: str) -> Any:
     import ray
 
     try:
         return ray.get_actor(_keeper_name(session), namespace=NAMESPACE)
     except ValueError:
+        remains = _remains(session)
+        if remains:
+            raise _remains_error(session, remains) from None
         names = session_names()
         hint = (
             f"sessions here: {', '.join(names)} (e.g. `mxload status --session {names[0]}`)"
@@ -465,7 +538,9 @@ def detached_load(
             key="--session",
         )
     except ValueError:
-        pass
+        remains = _remains(session)
+        if remains:
+            raise _remains_error(session, remains) from None
     run = RayRun(req, plan, detached_name=session)
     try:
         manifest = first_load(run, meta, on_progress=on_progress)
@@ -489,8 +564,14 @@ def detached_load(
         started_head=started_head,
     )
     keeper_cls = ray.remote(num_cpus=0)(SessionKeeper)
+    # Restarted by Ray when it dies (an OOM victim, a kill): it restores its state from
+    # the GCS, and calls made meanwhile wait for it.
     keeper: Any = keeper_cls.options(
-        name=_keeper_name(session), namespace=NAMESPACE, lifetime="detached"
+        name=_keeper_name(session),
+        namespace=NAMESPACE,
+        lifetime="detached",
+        max_restarts=-1,
+        max_task_retries=-1,
     ).remote(state)
     keeper_pid = ray.get(keeper.pid.remote())
     if _recorded_head(req.address) is not None:
@@ -617,9 +698,9 @@ def detached_status(
         last = state.last_reload
         manifest["last_reload"] = last.to_json() if last is not None else None
         verdict(state, manifest, busy=busy)
-        fenced = ray.get(keeper.fenced_off.remote())
-        manifest["fenced_off"] = fenced
-        manifest["notices"] += [f"{f} (nothing it wrote counts)" for f in fenced[-3:]]
+        events = ray.get(keeper.events.remote())
+        manifest["session_events"] = events
+        manifest["notices"] += events[-3:]
         if dump:
             write_dump(run, manifest, dump)
         return manifest
@@ -712,12 +793,20 @@ def detached_release(
             return _release_without_ray(session, record, down)
     own_head = record is not None
     _connect(address)
-    keeper = _keeper(session)
-    state: SessionState = ray.get(keeper.get.remote())
+    try:
+        keeper = _keeper(session)
+    except SessionError:
+        if not _remains(session):
+            raise
+        keeper = None  # gone for good: end what it left, by name
+    state: SessionState | None = None
+    if keeper is not None:
+        state = ray.get(keeper.get.remote())
+        ray.get(keeper.forget.remote())
     killed = 0
-    for r in range(state.plan.layout.world):
+    for name in _remains(session):
         try:
-            ray.kill(ray.get_actor(_rank_name(session, r), namespace=NAMESPACE))
+            ray.kill(ray.get_actor(name, namespace=NAMESPACE))
             killed += 1
         except ValueError:
             pass
@@ -726,7 +815,8 @@ def detached_release(
         ray.util.remove_placement_group(pg)
     except ValueError:
         pass
-    ray.kill(keeper)
+    if keeper is not None:
+        ray.kill(keeper)
     others = [
         a
         for a in ray.util.list_named_actors(all_namespaces=True)
@@ -736,7 +826,8 @@ def detached_release(
     ]
     ray.shutdown()
     stopped = False
-    if own_head and state.started_head and not others:
+    # A keeper gone for good took with it whether this session started the head: kept.
+    if own_head and state is not None and state.started_head and not others:
         stopped = stop_detached_head(read_head_record())
     try:
         _session_file(session).unlink(missing_ok=True)

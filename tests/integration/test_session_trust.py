@@ -338,6 +338,50 @@ def test_a_reload_suspended_past_its_lease_writes_nothing(work: Path, ckpts, ses
     assert dump_matches(work, ckpts["v4"], "dump-fenced") == []
 
 
+def test_a_killed_keeper_comes_back_and_one_gone_for_good_is_named(work: Path, ckpts, session):
+    """kill -9 of the session's keeper (an OOM victim): Ray restarts it with the state it
+    had (status, reload keep working). Ended for good (no restart): status and a new
+    `load --detach` of the name say in one line what to run; release ends the remains."""
+    import ray
+    from mxload.orchestrator.runtime.detached import _connect, _keeper
+
+    assert session.returncode == 0, show(session)
+    _, before = status_json(work)
+    with home_of(work):
+        _connect(None)
+        try:
+            pid = ray.get(_keeper("default").pid.remote())
+        finally:
+            ray.shutdown()
+    os.kill(pid, signal.SIGKILL)
+    t0 = time.monotonic()
+    rc, after = status_json(work)
+    print(f"status after the keeper's kill -9: {time.monotonic() - t0:.1f} s")
+    assert rc == 0 and after["identity"] == before["identity"], after["problems"]
+    assert any("keeper died and was restarted" in n for n in after["notices"])
+    done = mx_here(work, "reload", ckpts["v5"])
+    assert done.returncode == 0, show(done)
+    rc, after = status_json(work)
+    assert rc == 0 and after["identity"]["version"] == before["identity"]["version"] + 1
+
+    with home_of(work):
+        _connect(None)
+        try:
+            ray.kill(_keeper("default"))  # no restart
+        finally:
+            ray.shutdown()
+    for args in (["status"], ["load", ckpts["v1"], *LAYOUT, "--device", "cpu", "--detach"]):
+        t0 = time.monotonic()
+        proc = mx_here(work, *args)
+        print(f"{args[0]} with the keeper gone: {time.monotonic() - t0:.1f} s")
+        assert proc.returncode == 2, show(proc)
+        assert proc.stderr.count("\n") == 1 and "keeper is gone for good" in proc.stderr
+        assert "mxload release --session default" in proc.stderr
+    gone = mx_here(work, "release", "--json")
+    assert gone.returncode == 0 and json.loads(gone.stdout)["workers_ended"] == 4, show(gone)
+    assert "no such session" in mx_here(work, "status").stderr
+
+
 # --- session names ------------------------------------------------------------------------
 
 

@@ -360,7 +360,7 @@ def test_a_lapsed_lease_can_neither_renew_nor_record(plan_and_src) -> None:
     def holder(token: str) -> LeaseHolder:
         return LeaseHolder(token, me.pid, me.create_time(), socket.gethostname(), "reload", src)
 
-    k = SessionKeeper(SessionState(held, src, "f4", {}, {}, version=4))
+    k = SessionKeeper(SessionState(held, src, "f4", {}, {}, version=4), persist=False)
     first = k.acquire(holder("stopped"), 0.2)
     time.sleep(0.3)  # suspended past its lease
     assert k.renew("stopped", 60) is False
@@ -370,5 +370,5 @@ def test_a_lapsed_lease_can_neither_renew_nor_record(plan_and_src) -> None:
     stale = dataclasses.replace(k.state, version=5, fingerprint="f5-stale")
     assert "lapsed" in k.put(stale, "stopped")
     assert (k.state.version, k.state.fingerprint) == (5, "f5")
-    assert "lapsed" in k.fenced_off()[0]
+    assert "lapsed" in k.events()[0]
     assert "older than the session's 5" in k.put(dataclasses.replace(k.state, version=4), "later")

@@ -187,7 +187,7 @@ def got(k: SessionKeeper, h: LeaseHolder, ttl: float) -> bool:
 
 
 def test_lease_one_holder_at_a_time(plan) -> None:
-    k = SessionKeeper(state_of(plan))
+    k = SessionKeeper(state_of(plan), persist=False)
     assert got(k, holder(), 60)
     busy = k.acquire(holder(token="t2", src="/b"), 60)
     assert busy.holder.token == "t1" and busy.holder.src == "/a" and busy.holder.pid == os.getpid()
@@ -201,7 +201,7 @@ def test_lease_one_holder_at_a_time(plan) -> None:
 def test_lease_of_a_dead_holder_or_expired_is_taken_over(plan) -> None:
     proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
-        k = SessionKeeper(state_of(plan))
+        k = SessionKeeper(state_of(plan), persist=False)
         assert got(k, holder(proc.pid, src="/dead"), 60)
         assert not got(k, holder(token="t2"), 60)  # its holder is alive
     finally:
@@ -213,10 +213,10 @@ def test_lease_of_a_dead_holder_or_expired_is_taken_over(plan) -> None:
     assert shown["took_over_from"]["src"] == "/dead" and shown["src"] == "/a"
     assert "token" not in shown, "the token renews and releases the lease: not shown"
     # A holder on another host is trusted until its lease expires.
-    k = SessionKeeper(state_of(plan))
+    k = SessionKeeper(state_of(plan), persist=False)
     assert got(k, holder(host="elsewhere"), 60)
     assert not got(k, holder(token="t2"), 60)
-    k = SessionKeeper(state_of(plan))
+    k = SessionKeeper(state_of(plan), persist=False)
     assert got(k, holder(host="elsewhere"), 0)  # a lease that has expired
     assert got(k, holder(token="t2"), 60)
 
