@@ -309,6 +309,15 @@ FLAGS: tuple[Flag, ...] = (
         "is retried (default 30, at most 60)",
         kwargs={"type": float, "metavar": "S"},
     ),
+    Flag(
+        ("--min-read-rate",),
+        SOURCE,
+        "slowest average a remote read may make, bytes per second with a unit (default "
+        "1MiB): a request taking longer than connect + read timeout + its bytes at this "
+        "rate fails and is retried (a server that drips bytes); " + SIZE_HELP,
+        size=True,
+        kwargs={"metavar": "SIZE"},
+    ),
     # outputs
     Flag(
         ("--overwrite",),
@@ -643,6 +652,7 @@ def check_plan_source(src: str) -> None:
 
 def storage_options(args: argparse.Namespace) -> dict[str, Any] | None:
     from mxload.workers.storage import ALLOW_OUTSIDE_LINKS, CONNECT_TIMEOUT, READ_TIMEOUT
+    from mxload.workers.storage.options import MIN_READ_RATE
 
     raw = getattr(args, "storage_options", None)
     value: dict[str, Any] = {}
@@ -662,7 +672,11 @@ def storage_options(args: argparse.Namespace) -> dict[str, Any] | None:
     # The source flags travel as storage options: every worker then reads under them.
     if getattr(args, "allow_outside_links", False):
         value[ALLOW_OUTSIDE_LINKS] = True
-    for flag, key in (("connect_timeout", CONNECT_TIMEOUT), ("read_timeout", READ_TIMEOUT)):
+    for flag, key in (
+        ("connect_timeout", CONNECT_TIMEOUT),
+        ("read_timeout", READ_TIMEOUT),
+        ("min_read_rate", MIN_READ_RATE),
+    ):
         if getattr(args, flag, None) is not None:
             value[key] = getattr(args, flag)
     return value or None

@@ -372,3 +372,34 @@ def test_a_lapsed_lease_can_neither_renew_nor_record(plan_and_src) -> None:
     assert (k.state.version, k.state.fingerprint) == (5, "f5")
     assert "lapsed" in k.events()[0]
     assert "older than the session's 5" in k.put(dataclasses.replace(k.state, version=4), "later")
+
+
+# --- 6. a server that drips -----------------------------------------------------------------------
+
+
+@pytest.mark.timeout(60)  # a hang guard: without a total budget this never ends
+def test_a_dripping_server_is_given_up_on_naming_the_url(tmp_path) -> None:
+    """A byte every 0.05 s: never silent for the 0.3 s read timeout, so only the total
+    budget (connect + read timeout + bytes at --min-read-rate) ends each attempt."""
+    import time
+
+    from mxload.orchestrator.errors import StorageError
+    from mxload.workers.storage import RetryPolicy
+
+    from tests.servers import Faults, RangeHTTPServer
+
+    (tmp_path / "ck").mkdir()
+    (tmp_path / "ck" / "model.safetensors").write_bytes(bytes(range(256)) * 16)
+    with RangeHTTPServer(str(tmp_path), Faults(drip_s=0.05)) as server:
+        url = server.url + "/ck"
+        opts = {"mxload_connect_timeout_s": 0.3, "mxload_read_timeout_s": 0.3}
+        st = Storage(url, opts, retry=RetryPolicy(attempts=3), sleep=lambda s: None)
+        t0 = time.monotonic()
+        with pytest.raises(StorageError) as err:
+            st.read_range("model.safetensors", 0, 4096)
+        took = time.monotonic() - t0
+        drips = len(server.requests(path="ck/model.safetensors"))
+    print(f"dripping server: StorageError after {took:.1f} s, {drips} attempts")
+    assert f"{url}/model.safetensors" in str(err.value) and "3 attempts" in str(err.value)
+    # each attempt: 0.3 + 0.3 + 4096 B / 1 MiB/s = 0.604 s at most
+    assert drips == 3 and took < 3 * 0.604 + 1.5, took

@@ -11,6 +11,10 @@ every rank:
   that accepts and never answers costs at most ``attempts x (connect + read timeout)
   + backoff`` and then fails naming the URL. A ``client_kwargs.timeout`` (HTTP) or
   ``config_kwargs`` timeout (S3) of the caller's own wins;
+* ``mxload_min_read_rate``: the slowest progress a remote read may make, in bytes per
+  second. A request may take at most ``connect + read timeout + bytes / rate`` in all
+  (HTTP(S)), so a server that sends a byte now and then, never silent long enough for
+  the read timeout, is given up on too;
 * ``mxload_allow_outside_links``: follow links out of a local checkpoint folder (a JSON
   boolean).
 
@@ -34,7 +38,8 @@ from mxload.workers.storage.urls import S3_PROTOCOLS, protocol
 CONNECT_TIMEOUT = "mxload_connect_timeout_s"
 READ_TIMEOUT = "mxload_read_timeout_s"
 ALLOW_OUTSIDE_LINKS = "mxload_allow_outside_links"
-MXLOAD_OPTIONS = (CONNECT_TIMEOUT, READ_TIMEOUT, ALLOW_OUTSIDE_LINKS)
+MIN_READ_RATE = "mxload_min_read_rate"
+MXLOAD_OPTIONS = (CONNECT_TIMEOUT, READ_TIMEOUT, ALLOW_OUTSIDE_LINKS, MIN_READ_RATE)
 """Storage-option keys mxload reads itself and removes before calling fsspec."""
 
 DEFAULT_CONNECT_TIMEOUT_S = 10.0
@@ -43,6 +48,9 @@ DEFAULT_READ_TIMEOUT_S = 30.0
 """Seconds to wait for the next bytes of a remote answer before the attempt fails."""
 MAX_TIMEOUT_S = 60.0
 """Upper bound of either timeout: a bigger one would let one silent server stall a run."""
+DEFAULT_MIN_READ_RATE = 1 << 20
+"""Bytes per second a remote read must average (1 MiB/s): a 32 MiB request may take
+about 32 s beyond its timeouts. A store slower than that is not one to load from."""
 
 
 @dataclass(frozen=True)
@@ -52,6 +60,11 @@ class MxloadOptions:
     connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S
     read_timeout_s: float = DEFAULT_READ_TIMEOUT_S
     allow_outside_links: bool = False
+    min_read_rate: float = DEFAULT_MIN_READ_RATE
+
+    def request_budget_s(self, nbytes: int) -> float:
+        """The longest one remote request of ``nbytes`` may take, all told."""
+        return self.connect_timeout_s + self.read_timeout_s + max(0, nbytes) / self.min_read_rate
 
     @classmethod
     def parse(cls, options: Mapping[str, Any]) -> MxloadOptions:
@@ -60,7 +73,19 @@ class MxloadOptions:
             connect_timeout_s=_timeout(options, CONNECT_TIMEOUT, DEFAULT_CONNECT_TIMEOUT_S),
             read_timeout_s=_timeout(options, READ_TIMEOUT, DEFAULT_READ_TIMEOUT_S),
             allow_outside_links=_boolean(options, ALLOW_OUTSIDE_LINKS),
+            min_read_rate=_rate(options),
         )
+
+
+def _rate(options: Mapping[str, Any]) -> float:
+    value = options.get(MIN_READ_RATE, DEFAULT_MIN_READ_RATE)
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < 1e15:
+        raise UsageError(
+            f"--min-read-rate (storage option {MIN_READ_RATE}): must be bytes per second "
+            f"> 0, got {_shown(value)}",
+            key="--min-read-rate",
+        )
+    return float(value)
 
 
 def _boolean(options: Mapping[str, Any], key: str) -> bool:

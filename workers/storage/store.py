@@ -75,6 +75,7 @@ class Storage:
         self.max_request_bytes = max_request_bytes
         self.stats = StorageStats()
         mine = MxloadOptions.parse(self.storage_options)
+        self.limits = mine
         self.connect_timeout_s = mine.connect_timeout_s
         self.read_timeout_s = mine.read_timeout_s
         self.allow_outside_links = mine.allow_outside_links
@@ -222,9 +223,10 @@ class Storage:
             if self.is_local:
                 data = local.read_whole(path, max_bytes, url)
             else:
-                if remote.size(self.fs, path, url) > max_bytes:
+                size = remote.size(self.fs, path, url)
+                if size > max_bytes:
                     raise local.too_large(url, max_bytes)
-                data = bytes(self.fs.cat_file(path))
+                data = bytes(remote.cat(self.fs, path, None, None, self._limits(size)))
                 if len(data) > max_bytes:  # grew since: still not kept
                     raise local.too_large(url, max_bytes)
             self.stats.add(bytes_fetched=len(data))
@@ -288,7 +290,9 @@ class Storage:
             if self.is_local:
                 data = local.read_at(path, start, length, self.url(relpath))
             else:
-                data = remote.cat_checked(self.fs, path, start, start + length)
+                data = remote.cat_checked(
+                    self.fs, path, start, start + length, self._limits(length)
+                )
             self.stats.add(bytes_fetched=len(data))
             return data
 
@@ -319,4 +323,10 @@ class Storage:
             jobs = plan_jobs(ranges, self.policy, None)
             return local.read_jobs(path, jobs, view, run, self.stats)
         jobs = plan_jobs(ranges, self.policy, self.max_request_bytes)
-        return remote.read_jobs(self.fs, path, jobs, view, run, self.stats, self._get_pool)
+        return remote.read_jobs(
+            self.fs, path, jobs, view, run, self.stats, self._get_pool, self._limits
+        )
+
+    def _limits(self, nbytes: int) -> dict[str, Any]:
+        """Per-request keywords bounding a remote request of ``nbytes`` in all."""
+        return remote.request_timeout(self.root_url, self.limits, nbytes)
