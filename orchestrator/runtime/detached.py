@@ -52,6 +52,7 @@ from typing import Any
 from mxload.orchestrator.errors import (
     HeadDown,
     HeadStopped,
+    RunError,
     SessionBusy,
     SessionError,
     WorkerLost,
@@ -61,7 +62,7 @@ from mxload.orchestrator.runtime.driver import first_load, plan_load
 from mxload.orchestrator.runtime.outputs import OutputDir, check_not_input
 from mxload.orchestrator.runtime.ray_run import RayRun
 from mxload.orchestrator.runtime.reload import RayRanks, reload, repair
-from mxload.orchestrator.runtime.reports import build_manifest, write_dump
+from mxload.orchestrator.runtime.reports import build_manifest, first_line, write_dump
 from mxload.orchestrator.runtime.request import LoadRequest
 from mxload.orchestrator.runtime.state import Lease, LeaseHolder, Progress, SessionState, verdict
 
@@ -640,6 +641,60 @@ def _refresh_session_file(keeper: Any, state: SessionState) -> None:
     _record_session(state.session, address, [*state.pids.values(), ray.get(keeper.pid.remote())])
 
 
+def check_ranks_running(state: SessionState) -> None:
+    """RunError naming every rank whose worker on this machine is stopped (SIGSTOP, a
+    debugger), before a call to it waits minutes. Only processes recorded for the
+    session here (pid *and* start time: a pid reused elsewhere is not taken for one)."""
+    import psutil
+    from mxload.cluster.local import live_process
+
+    try:
+        recorded = json.loads(_session_file(state.session).read_text())["processes"]
+    except (OSError, ValueError, KeyError, SessionError):
+        return
+    rank_of = {pid: r for r, pid in state.pids.items() if pid is not None}
+    stopped = []
+    for entry in recorded:
+        rank = rank_of.get(int(entry.get("pid", -1)))
+        proc = live_process(entry) if rank is not None else None
+        try:
+            if proc is not None and proc.status() in (
+                psutil.STATUS_STOPPED,
+                psutil.STATUS_TRACING_STOP,
+            ):
+                stopped.append((rank, proc.pid))
+        except psutil.Error:
+            pass
+    if stopped:
+        ranks = ", ".join(f"rank {r} (pid {p})" for r, p in sorted(stopped))
+        pids = " ".join(str(p) for _, p in sorted(stopped))
+        raise RunError(
+            f"session {state.session!r}: {ranks} stopped (SIGSTOP or a debugger), not down; "
+            f"a call to it would wait minutes. `kill -CONT {pids}` resumes it",
+            rank=stopped[0][0],
+        )
+
+
+def ask_ranks(run: RayRun, method: str, timeout_s: float = 30.0) -> list[Any]:
+    """``method()`` of every rank, or RunError naming the ranks that did not answer in
+    ``timeout_s`` (a stalled node; a rank Ray is restarting is waited for)."""
+    import ray
+
+    refs = [getattr(a, method).remote() for a in run.actors]
+    ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+    late = [r for r, ref in enumerate(refs) if ref not in ready]
+    if late:
+        raise RunError(
+            f"session: rank(s) {', '.join(map(str, late))} did not answer in {timeout_s:g} s "
+            "(a stopped or stalled worker, or its node); nothing was changed",
+            rank=late[0],
+        )
+    try:
+        return list(ray.get(refs))
+    except ray.exceptions.RayError as err:
+        raise RunError(f"session: a rank failed to answer: {first_line(err)}") from None
+
+
 def _check_engine(session: str, held: Plan, engine: str | None) -> None:
     """``--engine`` on reload/status names what the caller expects; the session's buffers
     are laid out for the engine it was loaded with, and cannot change."""
@@ -675,6 +730,7 @@ def detached_status(
 
     try:
         keeper, state, run = _attach(session, address)
+        check_ranks_running(state)
         _check_engine(session, state.plan, engine)
         if dump:
             target = dump.target if isinstance(dump, OutputDir) else dump
@@ -688,7 +744,7 @@ def detached_status(
                     repaired = repair(run, state, _saver(keeper, state, lease), lease.fence)
             except SessionBusy:
                 busy = ray.get(keeper.holder.remote())
-        reports = ray.get([a.report.remote() for a in run.actors])
+        reports = ask_ranks(run, "report")
         state.observe(reports)
         manifest = build_manifest(state.plan, reports)
         manifest["session"] = session
@@ -728,7 +784,11 @@ def detached_reload(
 
     src = absolute(src)
     try:
-        keeper, _, run = _attach(session, address)
+        keeper, first, run = _attach(session, address)
+        check_ranks_running(first)
+        record = _recorded_head(address)
+        if record is not None:
+            run.watch = lambda: check_recorded_head(record)
         with session_lease(keeper, session, "reload", src) as lease:
             # Read under the lease: a reload that finished meanwhile moved the version.
             state: SessionState = ray.get(keeper.get.remote())

@@ -289,6 +289,26 @@ def test_a_restarted_rank_shows_in_human_status(work: Path, ckpts, session) -> N
     assert dump_matches(work, before["identity"]["src"], "dump-restarted") == []
 
 
+def test_a_stopped_rank_is_named_in_seconds(work: Path, ckpts, session) -> None:
+    """SIGSTOP of one rank's worker: status and reload say which rank, in one line and in
+    seconds (Ray's call would wait 42 s and name none); resumed, status is whole again."""
+    _, before = status_json(work)
+    pid = before["ranks"][1]["pid"]
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        for args in (["status"], ["reload", ckpts["v2"]]):
+            t0 = time.monotonic()
+            proc = mx_here(work, *args)
+            print(f"{args[0]} with rank 1 stopped: {time.monotonic() - t0:.1f} s")
+            first = proc.stderr.splitlines()[0]
+            assert proc.returncode == 1 and "rank 1 (pid" in first, show(proc)
+            assert f"kill -CONT {pid}" in first and "\x1b" not in proc.stderr
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    rc, after = status_json(work)
+    assert rc == 0 and after["identity"] == before["identity"], after["problems"]
+
+
 def test_a_reload_suspended_past_its_lease_writes_nothing(work: Path, ckpts, session) -> None:
     """Ctrl-Z of a reload holding the lease, longer than the lease (2 s here): another
     reload is admitted and completes; the first, resumed, is fenced off (one line, no
