@@ -10,7 +10,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from mxload.orchestrator.errors import MxloadError, WorkerLost
+from mxload.orchestrator.errors import MxloadError, RunError, WorkerLost
 from mxload.orchestrator.plan.types import Plan, Unit, UnitReads
 from mxload.orchestrator.runtime import placement, shared_reads
 from mxload.orchestrator.runtime.reports import first_line, plain, rank_error
@@ -231,11 +231,17 @@ class RayRun:
 
         out: list[int | None] = []
         deadline = time.monotonic() + self.req.placement_timeout_s
-        for a in self.actors:
+        for rank, a in enumerate(self.actors):
             pid: int | None = None
             while True:
                 try:
                     pid = ray.get(a.pid.remote(), timeout=max(deadline - time.monotonic(), 1))
+                except ray.exceptions.GetTimeoutError:
+                    raise RunError(
+                        f"rank {rank}: its worker did not answer in "
+                        f"{self.req.placement_timeout_s:g} s (stopped, or its node stalled)",
+                        rank=rank,
+                    ) from None
                 except ray.exceptions.ActorUnavailableError:
                     if time.monotonic() < deadline:
                         time.sleep(0.2)
