@@ -126,7 +126,7 @@ def _open(src: str, storage: StorageLike, *, dtype: str | None, max_workers: int
     meta = build_meta(src, config, weight_map, headers)
     tags = {f: t for f, (_, t) in got.items()}
     fp, identity = fingerprint(src, config_bytes, index_bytes, headers, tags)
-    return replace(meta, fingerprint=fp, identity=identity)
+    return replace(meta, fingerprint=fp, identity=identity, file_tags=tags)
 
 
 UNVERIFIED = "unverified"

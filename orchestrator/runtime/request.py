@@ -91,4 +91,5 @@ def source_info(
         block_k=q.block_k,
         allow_nonfinite=allow_nonfinite,
         fingerprint=meta.fingerprint,
+        file_tags=dict(meta.file_tags) if all(meta.file_tags.values()) else None,
     )

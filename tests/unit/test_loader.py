@@ -924,3 +924,38 @@ def test_a_run_fenced_off_writes_no_further_unit(ckpt_factory) -> None:
     new = dataclasses.replace(old, fence=5)
     loader.load(list(rp.reads), new, version=3, staging_budget=rp.staging.budget_bytes)
     assert set(loader.unit_ids) == {(3, meta.fingerprint)}
+
+
+def test_a_shard_rewritten_while_a_run_reads_it_fails_the_run(ckpt_factory, tmp_path) -> None:
+    """A trainer rewrites a shard in place (same size, mtime put back) while a rank
+    reads it: the rank's run fails naming the file, and the units read from it hold no
+    identity, instead of mixed bytes under the checkpoint's fingerprint."""
+    import dataclasses
+    import shutil
+
+    from mxload.orchestrator.errors import RunError
+
+    src = str(tmp_path / "ck")
+    shutil.copytree(ckpt_factory("qwen3-dense-tiny", 1), src)
+    meta, plan = plan_of(src, ParallelLayout(tp=2))
+    rp = plan.ranks[0]
+    loader = RankLoader(rp, model_dtype=meta.config.model_dtype, backend=backend(False))
+    source = dataclasses.replace(source_of(src, meta), file_tags=dict(meta.file_tags))
+    shard = os.path.join(src, meta.files[-1])
+
+    def rewrite(i: int) -> None:
+        if i == 1:
+            st = os.stat(shard)
+            with open(shard, "r+b") as f:
+                f.seek(st.st_size - 16)
+                f.write(bytes(16))
+            os.utime(shard, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+    with on_each_unit(rewrite), pytest.raises(RunError, match="changed while this run read"):
+        loader.load(list(rp.reads), source, version=1, staging_budget=rp.staging.budget_bytes)
+    assert (0, "") in loader.unit_ids
+    # Unchanged since its fingerprint: the same run passes.
+    meta2, _ = plan_of(src, ParallelLayout(tp=2))
+    again = dataclasses.replace(source_of(src, meta2), file_tags=dict(meta2.file_tags))
+    loader.load(list(rp.reads), again, version=2, staging_budget=rp.staging.budget_bytes)
+    assert set(loader.unit_ids) == {(2, meta2.fingerprint)}

@@ -213,6 +213,7 @@ class RankLoader:
             progress=progress,
             fence=self.fence,
         ).run_steps(steps)
+        self._check_unchanged(source, reads, todo)
         meter.finish(stats)
         stats.measured_peak_staging_bytes = pool.high_water
         stats.extra["staging_estimate"] = estimate
@@ -220,6 +221,37 @@ class RankLoader:
         self._checksums = None
         self.verify_addresses()
         return stats
+
+    def _check_unchanged(
+        self, source: SourceInfo, reads: Sequence[UnitReads], todo: Sequence[bool]
+    ) -> None:
+        """The shards this run read still carry the change tags its fingerprint was made
+        from (``SourceInfo.file_tags``): one stat (or HEAD) per shard. A shard rewritten
+        meanwhile leaves the units read from it holding no one checkpoint: they are marked
+        so, and the run fails naming the file."""
+        if not source.file_tags or not any(todo):
+            return
+        used: dict[str, list[int]] = {}
+        for i, r in enumerate(reads):
+            if todo[i]:
+                for p in r.parts:
+                    for f in (p.file, p.scale_file):
+                        if f:
+                            used.setdefault(f, []).append(i)
+        storage = self._reader.storage(source)
+        changed = [f for f in sorted(used) if storage.version_tag(f) != source.file_tags.get(f, "")]
+        if changed:
+            for f in changed:
+                for i in used[f]:
+                    self._ids.ids[i] = NOTHING
+            more = f" and {len(changed) - 1} more" if len(changed) > 1 else ""
+            raise RunError(
+                f"rank {self.rank}: {storage.url(changed[0])}{more} changed while this run "
+                "read it (rewritten in place); the units read from it hold no one "
+                "checkpoint: run the reload again once the checkpoint is written",
+                rank=self.rank,
+                file=changed[0],
+            )
 
     def advance_fence(self, token: int, wait_s: float) -> bool:
         """Fence off every run with a smaller token (``identities.Fence``), then wait up

@@ -42,6 +42,10 @@ class SourceInfo:
     block_n: int = 128
     block_k: int = 128
     allow_nonfinite: bool = False
+    file_tags: Mapping[str, str] | None = field(default=None, repr=False)
+    """Per shard, its change tag as the fingerprint saw it (``CheckpointMeta.file_tags``);
+    None where the identity is unverified. A rank checks the shards it read against it
+    at the end of its run."""
     fence: int = 0
     """The fencing token of the lease this run holds (``identities.Fence``; 0: none)."""
     fingerprint: str = ""
