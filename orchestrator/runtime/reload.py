@@ -20,7 +20,13 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Protocol
 
-from mxload.orchestrator.errors import AddressMoved, ReloadMismatch, StagingBudgetError
+from mxload.orchestrator.errors import (
+    AddressMoved,
+    HeadDown,
+    HeadStopped,
+    ReloadMismatch,
+    StagingBudgetError,
+)
 from mxload.orchestrator.plan.types import Plan, Unit, UnitReads
 from mxload.orchestrator.runtime.request import (
     source_info,
@@ -301,6 +307,8 @@ def reload(
         state.last_reload = ReloadRecord(
             src, target, fingerprint, ok=False, error=f"{type(err).__name__}: {err}"[:400]
         )
+        if isinstance(err, HeadDown | HeadStopped):
+            raise  # nowhere to record it: the head holds the session's state
         try:
             save(state)
         except Exception as why:  # the reload's own error is the one to raise

@@ -436,10 +436,11 @@ def test_unsafe_session_names_are_refused(work: Path, ckpts) -> None:
 # --- 4: a head that crashed ---------------------------------------------------------------
 
 
-def _kill_and_check(work: Path, role: str) -> None:
+def _kill_and_check(work: Path, role: str, *, killed: bool = False) -> None:
     head = json.loads((work / "home" / "head.json").read_text())
     victim = next(p for p in head["processes"] if p["role"] == role)
-    os.kill(victim["pid"], signal.SIGKILL)
+    if not killed:
+        os.kill(victim["pid"], signal.SIGKILL)
     time.sleep(1.0)
 
     t0 = time.monotonic()
@@ -503,7 +504,39 @@ def test_status_address_of_the_recorded_head_uses_its_token_then_raylet_killed(
         st = mx(work, "status", "--address", address, "--json", timeout=120)
         assert st.returncode == 0, show(st)
         assert json.loads(st.stdout)["consistent"] is True
-    _kill_and_check(work, "raylet")
+    # The raylet dies while a reload runs (from a slow server, so that it is mid-way):
+    # the reload names the head, in seconds, in one line, with no Ray log or colour.
+    import ray
+    from mxload.orchestrator.runtime.detached import _connect, _keeper
+
+    from tests.servers import RangeHTTPServer
+
+    raylet = next(p for p in head["processes"] if p["role"] == "raylet")
+    root = Path(ckpts["v2"])
+    with RangeHTTPServer(str(root.parent), bandwidth=100_000) as server:
+        slow = started(work, "reload", f"{server.url}/{root.name}")
+        with home_of(work):
+            _connect(None)
+            try:
+                keeper = _keeper("default")
+                deadline = time.monotonic() + 120
+                while ray.get(keeper.holder.remote()) is None:
+                    assert slow.poll() is None and time.monotonic() < deadline
+                    time.sleep(0.05)
+            finally:
+                ray.shutdown()
+        time.sleep(1.0)  # reading
+        assert slow.poll() is None, "the reload ended before the raylet was killed"
+        os.kill(raylet["pid"], signal.SIGKILL)
+        t0 = time.monotonic()
+        _, err = slow.communicate(timeout=180)
+        took = time.monotonic() - t0
+    print(f"raylet killed during a reload: exit {slow.returncode} after {took:.1f} s")
+    first = err.splitlines()[0] if err else ""
+    assert slow.returncode == 1 and f"raylet (pid {raylet['pid']})" in first, err
+    assert "\x1b" not in err and len(err.splitlines()) <= 2, err
+    assert took < BOUND_S, took
+    _kill_and_check(work, "raylet", killed=True)
 
 
 def test_embedded_head_temp_dir_is_private() -> None:
