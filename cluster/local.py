@@ -479,15 +479,17 @@ def start_detached_head(
             "--include-dashboard=false",
             "--disable-usage-stats",
         ]
+        began = time.time()
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
         if proc.returncode == 0:
             break
         output = proc.stderr or proc.stdout
-        _end_failed_start(temp_dir, f"{LOOPBACK}:{port}")
+        _end_failed_start(temp_dir, f"{LOOPBACK}:{port}", began)
         if "port" not in output.lower() or attempt + 1 == HEAD_START_ATTEMPTS:
             raise SessionError("could not start a background Ray head: " + output[-2000:])
         log.info("ray start --head: a port was taken meanwhile; trying again with new ports")
     make_private(temp_dir)
+    ours = started_since(head_processes(temp_dir, f"{LOOPBACK}:{port}"), began)
     record = HeadRecord(
         address=f"{LOOPBACK}:{port}",
         temp_dir=temp_dir,
@@ -495,7 +497,7 @@ def start_detached_head(
         num_devices=num_devices,
         started_at=time.time(),
         token=token,
-        processes=describe_processes(head_processes(temp_dir, f"{LOOPBACK}:{port}")),
+        processes=describe_processes(ours),
     )
     path = _record_path(home)
     path.touch(mode=0o600, exist_ok=True)
@@ -508,11 +510,11 @@ HEAD_START_ATTEMPTS = 3
 """Tries of ``ray start --head`` when a port it was given was taken meanwhile."""
 
 
-def _end_failed_start(temp_dir: str, address: str) -> None:
+def _end_failed_start(temp_dir: str, address: str, began: float) -> None:
     """What a failed ``ray start`` left running under ``temp_dir``, and the folder."""
     import psutil
 
-    victims = head_processes(temp_dir, address)
+    victims = started_since(head_processes(temp_dir, address), began)
     for proc in victims:
         try:
             proc.kill()
@@ -552,9 +554,25 @@ def head_alive(record: HeadRecord) -> bool:
 
 
 def stop_detached_head(record: HeadRecord | None = None) -> bool:
-    """Stop the background head this machine's $MXLOAD_HOME records (only its processes:
-    those whose command line names its temp dir). Returns whether one was stopped."""
+    """Stop the background head this machine's $MXLOAD_HOME records (only its recorded
+    processes and their descendants, :func:`end_head`). Returns whether one was stopped."""
     return bool(end_head(record or read_head_record()))
+
+
+def started_since(procs: list[Any], began: float) -> list[Any]:
+    """Those of ``procs`` this user started at or after ``began`` (a ``ray start`` just
+    run): what a head's start is recorded from, so no older process (a user's viewer of
+    an earlier head's log) is ever taken for one of its own."""
+    import psutil
+
+    out = []
+    for proc in procs:
+        try:
+            if proc.uids().real == os.getuid() and proc.create_time() >= began - CREATED_SLACK_S:
+                out.append(proc)
+        except psutil.Error:
+            pass
+    return out
 
 
 def end_head(
@@ -564,9 +582,10 @@ def end_head(
     grace_s: float = 10.0,
 ) -> list[str]:
     """End every process of a recorded head, dead or alive or half-dead: the recorded
-    ones (pid and start time checked), anything still running under its temp dir (Ray's
-    workers are children of the raylet), its client server, and ``extra`` recorded
-    processes (a session's workers, orphaned when their raylet died); then remove its
+    ones (pid and start time checked: its daemons and client server as started), their
+    descendants (Ray's workers are children of the raylet), and ``extra`` recorded
+    processes (a session's workers, orphaned when their raylet died); nothing found by
+    its command line (a user's `tail -f` of a Ray log names the temp dir). Then remove its
     record and temp dir. ``grace_s``: how long SIGTERM is given before SIGKILL (a head
     whose GCS or raylet is dead has nothing to shut down cleanly: its workers wait for
     them, so a short grace). Returns what was ended, ``"role (pid N)"`` each."""
@@ -574,11 +593,19 @@ def end_head(
         return []
     import psutil
 
-    found = {p.pid: p for p in head_processes(record.temp_dir, record.address)}
+    # Only what mxload started: the recorded processes (pid and start checked) and their
+    # descendants (Ray's workers are the raylet's children). Never a command-line match:
+    # a user's `tail -f` of a Ray log names the temp dir too.
+    found: dict[int, Any] = {}
     for entry in [*record.processes, *(extra or [])]:
         proc = live_process(entry)
-        if proc is not None:
-            found[proc.pid] = proc
+        if proc is None:
+            continue
+        found[proc.pid] = proc
+        try:
+            found.update({c.pid: c for c in proc.children(recursive=True)})
+        except psutil.Error:
+            pass
     found.pop(os.getpid(), None)
     victims = list(found.values())
     ended = [f"{process_role(p)} (pid {p.pid})" for p in victims]

@@ -75,3 +75,27 @@ def ray_client_installed() -> bool:
     except ImportError:
         return False
     return get_ray_client_dependency_error() is None
+
+
+KV_NAMESPACE = b"mxload"
+
+
+def kv_put(key: str, value: bytes) -> None:
+    """Store ``value`` under ``key`` in the GCS's key-value store (Ray's internal KV):
+    it outlives any actor, and ends with the cluster."""
+    from ray.experimental.internal_kv import _internal_kv_put
+
+    _internal_kv_put(key.encode(), value, overwrite=True, namespace=KV_NAMESPACE)
+
+
+def kv_get(key: str) -> bytes | None:
+    from ray.experimental.internal_kv import _internal_kv_get
+
+    value = _internal_kv_get(key.encode(), namespace=KV_NAMESPACE)
+    return bytes(value) if value is not None else None
+
+
+def kv_del(key: str) -> None:
+    from ray.experimental.internal_kv import _internal_kv_del
+
+    _internal_kv_del(key.encode(), namespace=KV_NAMESPACE)

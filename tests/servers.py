@@ -72,6 +72,12 @@ class Faults:
     broken_status: int = 503
     ignore_range: bool = False
     """Answer ``Range`` requests with 200 and the whole file (a misbehaving server)."""
+    etag: bool = False
+    """Send an ETag (from the file's inode, size and ctime) as most stores do; a plain
+    server (the default here) sends neither ETag nor Last-Modified."""
+    drip_s: float = 0.0
+    """Send each body one byte every ``drip_s`` seconds: a server that never stalls long
+    enough for a read timeout, and never finishes."""
 
 
 @dataclass(frozen=True)
@@ -82,7 +88,7 @@ class RequestRecord:
     range: str | None
     """The ``Range`` header as sent, or None."""
     outcome: str
-    """``ok``, ``fail:<status>``, ``cut``, ``404``, ``broken:<status>``, ``416``."""
+    """``ok``, ``fail:<status>``, ``cut``, ``404``, ``broken:<status>``, ``416``, ``drip``."""
 
 
 def _hit(counter: int, fraction: float) -> bool:
@@ -205,6 +211,9 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_header("Content-Length", str(length))
         if status == 206:
             self.send_header("Content-Range", f"bytes {start}-{end - 1}/{size}")
+        if faults.etag:
+            st = os.stat(full)
+            self.send_header("ETag", f'"{st.st_ino:x}-{st.st_size:x}-{st.st_ctime_ns:x}"')
         # Every request is logged before its last byte leaves: a client that has its
         # whole response must find it in the log (with TCP_NODELAY it can get there
         # before this thread runs another line).
@@ -228,6 +237,16 @@ class _Handler(BaseHTTPRequestHandler):
             self._record(rel, rng, "cut")
             with contextlib.suppress(OSError):
                 self.connection.shutdown(socket.SHUT_RDWR)
+            return None
+        if faults.drip_s > 0:
+            self._record(rel, rng, "drip")
+            for i in range(len(body)):
+                try:
+                    self.wfile.write(body[i : i + 1])
+                    self.wfile.flush()
+                except OSError:  # the client gave up: what a drip test waits for
+                    return None
+                time.sleep(faults.drip_s)
             return None
         chunks = [body[lo : lo + _THROTTLE_CHUNK] for lo in range(0, len(body), _THROTTLE_CHUNK)]
         for n, chunk in enumerate(chunks or [b""]):

@@ -273,9 +273,15 @@ def _write_report(path: str | None, manifest: dict[str, Any]) -> None:
 
 
 def _outputs(args: argparse.Namespace) -> Any:
-    """Check --report and --dump before any work (outputs.py); the checked --dump target."""
-    from mxload.orchestrator.runtime.outputs import OutputDir, check_file_target
+    """Check --report and --dump before any work (outputs.py): writable, and overwriting
+    no input (SRC; a session's checkpoint is checked where it is known). The checked
+    --dump target."""
+    from mxload.orchestrator.runtime.outputs import OutputDir, check_file_target, check_not_input
 
+    src = getattr(args, "src", None)
+    inputs = [("SRC", src)] if src else []
+    for path, flag in _output_paths(args):
+        check_not_input(path, flag, inputs)
     check_file_target(getattr(args, "report", None), "--report")
     dump = getattr(args, "dump", None)
     if dump is None:
@@ -283,6 +289,12 @@ def _outputs(args: argparse.Namespace) -> Any:
     target = OutputDir(dump, "--dump", overwrite=args.overwrite)
     target.check()
     return target
+
+
+def _output_paths(args: argparse.Namespace) -> list[tuple[str, str]]:
+    """(path, flag) of every output the command was given."""
+    out = [(getattr(args, "report", None), "--report"), (getattr(args, "dump", None), "--dump")]
+    return [(p, f) for p, f in out if p]
 
 
 def cmd_load(args: argparse.Namespace) -> int:
@@ -325,6 +337,7 @@ def cmd_reload(args: argparse.Namespace) -> int:
             staging_budget=flags.size(args, "staging_budget"),
             engine=args.engine,
             on_progress=bar,
+            outputs=_output_paths(args),
         )
     finally:
         if bar:
@@ -419,9 +432,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     # Before anything imports Ray: loopback only, no usage stats (cluster/local.py).
     import mxload.cluster.local  # noqa: F401
 
+    hidden: list[str] = []  # storage option values: never printed, never logged
     try:
         args = flags.parse_args(argv)
-        log.debug("mxload %s: %s", args.command, vars(args))
+        hidden = _option_secrets(args)
+        shown = {k: v for k, v in vars(args).items() if k != "storage_options"}
+        log.debug("mxload %s: %s", args.command, shown)
         return COMMANDS[args.command](args)
     except SystemExit as done:  # --help, --version
         return done.code if isinstance(done.code, int) else 0
@@ -430,7 +446,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             if err.context.get("details"):  # the worker's own traceback, then ours
                 sys.stderr.write(f"--- from the worker ---\n{err.context['details']}\n")
             raise
-        return report_error(err, err.exit_code, argv)
+        return report_error(err, err.exit_code, argv, hidden)
     except KeyboardInterrupt:
         sys.stderr.write("mxload: interrupted\n")
         return 130
@@ -441,37 +457,75 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception as err:  # a failed run: say what failed, no traceback
         if debug:
             raise
-        return report_error(err, 1, argv)
+        return report_error(err, 1, argv, hidden)
 
 
-def report_error(err: BaseException, code: int, argv: Sequence[str]) -> int:
-    """One line on stderr, ``mxload: error: ...``, without colour codes or traceback.
-    A failed run or a worker's error also gets a log file (the traceback, the worker's
-    remote traceback) whose path is printed on a second line; ``--debug`` shows them."""
+def _option_secrets(args: argparse.Namespace) -> list[str]:
+    """The values of the command's storage options (``options.secret_values``)."""
+    from mxload.workers.storage.options import secret_values
+
+    if not getattr(args, "storage_options", None):
+        return []
+    try:
+        return secret_values(flags.storage_options(args))
+    except MxloadError:  # refused when the command runs, saying why
+        return []
+
+
+def shown_argv(argv: Sequence[str]) -> list[str]:
+    """``argv`` as a log may show it: the value of ``--storage-options`` hidden (an
+    ``@FILE`` names only a file, and is kept)."""
+    from mxload.workers.storage.options import HIDDEN
+
+    out: list[str] = []
+    hide_next = False
+    for word in argv:
+        if hide_next and not word.startswith("@"):
+            word = HIDDEN
+        elif word.startswith("--storage-options=") and not word.partition("=")[2].startswith("@"):
+            word = f"--storage-options={HIDDEN}"
+        hide_next = word == "--storage-options"
+        out.append(word)
+    return out
+
+
+def report_error(
+    err: BaseException, code: int, argv: Sequence[str], hidden: Sequence[str] = ()
+) -> int:
+    """One line on stderr, ``mxload: error: ...``, without colour codes or traceback,
+    and with no storage option's value (``hidden``). A failed run or a worker's error
+    also gets a log file (the traceback, the worker's remote traceback) whose path is
+    printed on a second line; ``--debug`` shows them."""
     from mxload.orchestrator.runtime.reports import first_line, plain
+    from mxload.workers.storage.options import scrub
 
     context = err.context if isinstance(err, MxloadError) else {}
     if isinstance(err, MxloadError):
         text = show.condense_error(plain(str(err)))
     else:
         text = f"{type(err).__name__}: {first_line(err)}"
-    sys.stderr.write(f"mxload: error: {text}\n")
+    sys.stderr.write(f"mxload: error: {scrub(text, hidden)}\n")
     if code == 1 or "details" in context:
-        path = write_error_log(err, argv)
+        path = write_error_log(err, argv, hidden)
         if path:
             sys.stderr.write(f"mxload: the traceback is in {path} (or rerun with --debug)\n")
     return code
 
 
-def write_error_log(err: BaseException, argv: Sequence[str]) -> str | None:
-    """Write what a user would need to report a failure; the file's path, or None when no
-    folder can take it. Under $MXLOAD_HOME/logs, else the temp folder."""
-    import tempfile
+def write_error_log(
+    err: BaseException, argv: Sequence[str], hidden: Sequence[str] = ()
+) -> str | None:
+    """Write what a user would need to report a failure; the file's path, or None when
+    $MXLOAD_HOME cannot take it. In ``$MXLOAD_HOME/logs`` only (never a shared temp
+    folder), a 0700 folder, the file 0600 and created new; storage option values
+    (``hidden``, and ``--storage-options``' text) do not appear in it."""
     import time
     import traceback
 
+    from mxload.workers.storage.options import scrub
+
     body = [
-        f"mxload {' '.join(argv)}",
+        f"mxload {' '.join(shown_argv(argv))}",
         f"at {time.strftime('%Y-%m-%d %H:%M:%S')}, pid {os.getpid()}",
         "",
         *traceback.format_exception(type(err), err, err.__traceback__),
@@ -480,13 +534,14 @@ def write_error_log(err: BaseException, argv: Sequence[str]) -> str | None:
     if details:
         body += ["", "--- from the worker ---", str(details)]
     name = f"mxload-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.log"
-    for folder in (mxload_home() / "logs", tempfile.gettempdir()):
-        try:
-            os.makedirs(folder, exist_ok=True)
-            path = os.path.join(folder, name)
-            with open(path, "w") as f:
-                f.write("\n".join(body) + "\n")
-            return path
-        except OSError:
-            continue
-    return None
+    folder = mxload_home() / "logs"
+    try:
+        folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+        os.chmod(folder, 0o700)  # an older mxload made it 0755
+        path = os.path.join(folder, name)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(scrub("\n".join(body) + "\n", hidden))
+        return path
+    except OSError:
+        return None

@@ -21,15 +21,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mxload.cluster.local import mxload_home
-from mxload.orchestrator.errors import UsageError
+from mxload.orchestrator.errors import MxloadError, UsageError
 from mxload.orchestrator.plan.engines import DEFAULT_ENGINE
 from mxload.orchestrator.plan.releases import known_engines
 from mxload.orchestrator.plan.sharing import DEFAULT_SHARE, SHARE_SCOPES
 from mxload.orchestrator.plan.sizes import parse_size
 from mxload.orchestrator.plan.types import ParallelLayout
 from mxload.orchestrator.runtime.models import model_names, resolve_model
+from mxload.workers.storage.urls import absolute, local_path
 from mxload.workers.storage.urls import is_remote as is_remote_url
-from mxload.workers.storage.urls import local_path
 
 
 class Parser(argparse.ArgumentParser):
@@ -272,8 +272,10 @@ FLAGS: tuple[Flag, ...] = (
         ("--storage-options",),
         READS,
         "JSON object passed to fsspec for s3:// or http(s):// URLs, e.g. "
-        '\'{"endpoint_url": "http://host:9000"}\'',
-        kwargs={"metavar": "JSON"},
+        '\'{"endpoint_url": "http://host:9000"}\', or @FILE: read from FILE (keeps '
+        "credentials off the command line, where other users' ps shows them); values "
+        "are never shown",
+        kwargs={"metavar": "JSON|@FILE"},
     ),
     Flag(
         ("--dtype",),
@@ -307,6 +309,15 @@ FLAGS: tuple[Flag, ...] = (
         "seconds to wait for the next bytes of a remote answer before the attempt fails and "
         "is retried (default 30, at most 60)",
         kwargs={"type": float, "metavar": "S"},
+    ),
+    Flag(
+        ("--min-read-rate",),
+        SOURCE,
+        "slowest average a remote read may make, bytes per second with a unit (default "
+        "1MiB): a request taking longer than connect + read timeout + its bytes at this "
+        "rate fails and is retried (a server that drips bytes); " + SIZE_HELP,
+        size=True,
+        kwargs={"metavar": "SIZE"},
     ),
     # outputs
     Flag(
@@ -475,7 +486,22 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         raise UsageError("a command is required: " + ", ".join(ALL))
     _check_combinations(args)
     apply_defaults(args)
+    resolve_paths(args)
     return args
+
+
+PATHS = ("src", "dst", "out", "dump", "report", "config")
+"""Arguments that name a local file or folder (or a URL)."""
+
+
+def resolve_paths(args: argparse.Namespace) -> None:
+    """Every local path made absolute here, once, before any worker sees it: a worker's
+    working directory is not this command's, and a relative SRC read there is another
+    checkpoint. ``plan``'s SRC may be a packaged model's name and is read here only."""
+    for name in PATHS:
+        value = getattr(args, name, None)
+        if isinstance(value, str) and value and not (name == "src" and args.command == "plan"):
+            setattr(args, name, absolute(value))
 
 
 def _refuse_unknown(parser: argparse.ArgumentParser, command: str | None, extra: list[str]) -> None:
@@ -635,25 +661,56 @@ def check_plan_source(src: str) -> None:
 
 def storage_options(args: argparse.Namespace) -> dict[str, Any] | None:
     from mxload.workers.storage import ALLOW_OUTSIDE_LINKS, CONNECT_TIMEOUT, READ_TIMEOUT
+    from mxload.workers.storage.options import MIN_READ_RATE
 
     raw = getattr(args, "storage_options", None)
     value: dict[str, Any] = {}
     if raw:
+        where = "--storage-options"
+        if raw.startswith("@"):  # a file: credentials stay off the command line and ps
+            where = f"--storage-options {raw}"
+            raw = _options_file(raw[1:], where)
         try:
             value = json.loads(raw)
-        except ValueError as err:
-            raise UsageError(
-                f"--storage-options: not valid JSON ({err})", key="--storage-options"
-            ) from None
+        except json.JSONDecodeError as err:
+            # The position only: the text may hold a secret.
+            pos = f"line {err.lineno} column {err.colno}"
+            raise UsageError(f"{where}: not valid JSON ({pos})", key="--storage-options") from None
         if not isinstance(value, dict):
-            raise UsageError("--storage-options: must be a JSON object", key="--storage-options")
+            raise UsageError(f"{where}: must be a JSON object", key="--storage-options")
     # The source flags travel as storage options: every worker then reads under them.
     if getattr(args, "allow_outside_links", False):
         value[ALLOW_OUTSIDE_LINKS] = True
-    for flag, key in (("connect_timeout", CONNECT_TIMEOUT), ("read_timeout", READ_TIMEOUT)):
+    for flag, key in (
+        ("connect_timeout", CONNECT_TIMEOUT),
+        ("read_timeout", READ_TIMEOUT),
+        ("min_read_rate", MIN_READ_RATE),
+    ):
         if getattr(args, flag, None) is not None:
             value[key] = getattr(args, flag)
     return value or None
+
+
+OPTIONS_FILE_MAX_BYTES = 1 << 20
+"""Largest ``--storage-options @FILE`` read."""
+
+
+def _options_file(path: str, where: str) -> str:
+    """The text of ``--storage-options @FILE`` (a regular file, at most 1 MiB)."""
+    from mxload.workers.storage.local import read_whole
+
+    try:
+        data = read_whole(os.path.abspath(path), OPTIONS_FILE_MAX_BYTES, path)
+    except OSError as err:
+        raise UsageError(
+            f"{where}: cannot read {path}: {err.strerror}", key="--storage-options"
+        ) from None
+    except MxloadError as err:
+        raise UsageError(f"{where}: {err}", key="--storage-options") from None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise UsageError(f"{where}: not UTF-8 text", key="--storage-options") from None
 
 
 def layout(args: argparse.Namespace) -> ParallelLayout:

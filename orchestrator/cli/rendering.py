@@ -411,5 +411,7 @@ def status_headline(manifest: dict[str, Any]) -> list[str]:
             f"  the session records version {ident['version']} of {ident['src']}; "
             "`mxload reload SRC` rewrites every unit not at its checkpoint"
         )
+    if ident.get("established_by"):
+        lines.append(f"identity: {ident['established_by']}")
     lines += [f"note: {n}" for n in manifest.get("notices", [])]
     return lines

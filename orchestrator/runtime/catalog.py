@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import secrets
 from collections import Counter
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -137,7 +138,12 @@ def _open(src: str, storage: StorageLike, *, dtype: str | None, max_workers: int
     headers = {f: h for f, (h, _) in got.items()}
     meta = build_meta(src, config, weight_map, headers)
     tags = {f: t for f, (_, t) in got.items()}
-    return replace(meta, fingerprint=fingerprint(src, config_bytes, index_bytes, headers, tags))
+    fp, identity = fingerprint(src, config_bytes, index_bytes, headers, tags)
+    return replace(meta, fingerprint=fp, identity=identity, file_tags=tags)
+
+
+UNVERIFIED = "unverified"
+"""How ``status`` starts the identity of a checkpoint no tag vouches for."""
 
 
 def fingerprint(
@@ -146,16 +152,20 @@ def fingerprint(
     index_bytes: bytes | None,
     headers: Mapping[str, FileHeader],
     tags: Mapping[str, str],
-) -> str:
-    """The identity of a checkpoint as read (docs/contract.md §4 "Reload"): BLAKE2b-128 over its URL,
-    config.json, the index, and per shard its name, size, the store's version tag (ETag or
-    mtime, ``Storage.version_tag``) and every tensor's name, dtype, shape and offsets.
+) -> tuple[str, str]:
+    """The identity of a checkpoint as read (docs/contract.md §4 "Reload"), and how it was
+    established: BLAKE2b-128 over its URL, config.json, the index, and per shard its
+    name, size, the store's change tag (``Storage.version_tag``: inode, size, ctime and
+    mtime of a local file; VersionId or ETag of an object) and every tensor's name,
+    dtype, shape and offsets.
 
     A reload skips a unit only when it already holds this fingerprint at the target
     version number, so a checkpoint rewritten in place (same URL, new shards) is reloaded
-    whole. Limits: bytes rewritten in place with the same size, header and mtime (an
-    in-place edit that also restores the mtime) are not seen; the weights are not hashed,
-    which would cost a full read."""
+    whole. Where a shard has no tag (a plain HTTP server without ETag), nothing vouches
+    for its bytes: consecutive checkpoints of one model have equal headers and sizes. The
+    fingerprint then takes a random part, so it never matches a unit and every reload
+    rewrites every unit, and the identity says "unverified" and why (weights are not
+    hashed: that would cost a full read on the driver)."""
     h = hashlib.blake2b(digest_size=16)
 
     def put(*items: object) -> None:
@@ -172,7 +182,20 @@ def fingerprint(
             put(name, info.dtype, info.shape, info.start, info.nbytes)
         for key in sorted(hdr.metadata):
             put(key, hdr.metadata[key])
-    return h.hexdigest()
+    bare = sorted(f for f in headers if not tags.get(f))
+    if bare:
+        put(secrets.token_bytes(16))  # unverifiable: never equal to any earlier read
+        more = f" and {len(bare) - 1} more shard(s)" if len(bare) > 1 else ""
+        identity = (
+            f"{UNVERIFIED}: the store gives no ETag or VersionId for {_display(src, bare[0])}"
+            f"{more}; every reload rewrites every unit, and a rewrite in place between "
+            "reads cannot be seen"
+        )
+    elif tags and all(t.startswith("dev=") for t in tags.values()):
+        identity = "local files: inode, size, ctime and mtime (ns) of every shard"
+    else:
+        identity = "the store's change tags (VersionId, ETag or digest) of every shard"
+    return h.hexdigest(), identity
 
 
 def read_header(storage: StorageLike, file: str, *, src: str = "") -> FileHeader:

@@ -43,7 +43,7 @@ import secrets
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
@@ -52,16 +52,17 @@ from typing import Any
 from mxload.orchestrator.errors import (
     HeadDown,
     HeadStopped,
+    RunError,
     SessionBusy,
     SessionError,
     WorkerLost,
 )
 from mxload.orchestrator.plan.types import Plan
 from mxload.orchestrator.runtime.driver import first_load, plan_load
-from mxload.orchestrator.runtime.outputs import OutputDir
+from mxload.orchestrator.runtime.outputs import OutputDir, check_not_input
 from mxload.orchestrator.runtime.ray_run import RayRun
 from mxload.orchestrator.runtime.reload import RayRanks, reload, repair
-from mxload.orchestrator.runtime.reports import build_manifest, write_dump
+from mxload.orchestrator.runtime.reports import build_manifest, first_line, write_dump
 from mxload.orchestrator.runtime.request import LoadRequest
 from mxload.orchestrator.runtime.state import Lease, LeaseHolder, Progress, SessionState, verdict
 
@@ -81,39 +82,118 @@ class SessionKeeper:
     serialises reloads. Ray runs one call of this actor at a time, so taking the lease is
     atomic across every process that reaches the session."""
 
-    def __init__(self, state: SessionState) -> None:
+    def __init__(self, state: SessionState, persist: bool = True) -> None:
         from mxload.cluster.local import tighten_own_temp_dir
 
         tighten_own_temp_dir()  # this process's start made Ray's folders 0777 again
+        self.persist = persist
         self.state = state
         self.lease: Lease | None = None
+        self.fence = 0
+        """The last fencing token handed out (with a lease)."""
+        self.notes: list[str] = []
+        """What status should say happened to the session: commands refused because
+        their lease had lapsed, a restart of this keeper."""
+        saved = self._restore()
+        if saved is not None:
+            # Ray restarted this actor (it died: OOM, a kill) with its first arguments;
+            # the state and fence it had are in the GCS.
+            self.state, self.fence, self.notes = saved
+            self._note("the session's keeper died and was restarted; its state restored")
+        self._save()
+
+    def _key(self) -> str:
+        return f"{self.state.session}/{self.state.created!r}/keeper"
+
+    def _restore(self) -> tuple[SessionState, int, list[str]] | None:
+        if not self.persist:
+            return None
+        import pickle
+
+        from mxload.cluster import raycompat
+
+        raw = raycompat.kv_get(self._key())
+        if raw is None:
+            return None
+        saved: tuple[SessionState, int, list[str]] = pickle.loads(raw)
+        return saved
+
+    def _save(self) -> None:
+        """The state and the fence into the GCS, where a restarted keeper finds them."""
+        if not self.persist:
+            return
+        import pickle
+
+        from mxload.cluster import raycompat
+
+        raycompat.kv_put(self._key(), pickle.dumps((self.state, self.fence, self.notes)))
+
+    def forget(self) -> None:
+        """Drop the persisted state (release)."""
+        if self.persist:
+            from mxload.cluster import raycompat
+
+            raycompat.kv_del(self._key())
+
+    def _note(self, what: str) -> None:
+        stamp = time.strftime("%H:%M:%S", time.localtime())
+        self.notes = [*self.notes[-9:], f"at {stamp} {what}"]
 
     def get(self) -> SessionState:
         return self.state
 
-    def put(self, state: SessionState) -> None:
-        """Replace the state (by the lease holder, or at the end of a reload it ran)."""
+    def put(self, state: SessionState, token: str = "") -> str:
+        """Replace the state, by the holder of the live lease (``token``) only, and never
+        with an older version; "" when done, else why it was refused (recorded)."""
+        cur, now = self.lease, time.time()
+        why = ""
+        if cur is None or cur.holder.token != token:
+            why = "its lease on the session lapsed and was taken over or released"
+        elif cur.expires <= now:
+            why = "its lease on the session lapsed"
+        elif state.version < self.state.version:
+            why = f"version {state.version} is older than the session's {self.state.version}"
+        if why:
+            self._note(f"a command's result was refused: {why} (nothing it wrote counts)")
+            self._save()
+            return why
         self.state = state
+        self._save()
+        return ""
 
     def pid(self) -> int:
         return os.getpid()
 
-    def acquire(self, holder: LeaseHolder, ttl_s: float) -> Lease | None:
-        """Take the lease for ``holder`` (None), or return the live lease that has it."""
+    def acquire(self, holder: LeaseHolder, ttl_s: float) -> Lease:
+        """Take the lease for ``holder``, with the next fencing token; or return the live
+        lease of another holder (the caller compares tokens)."""
         now = time.time()
         cur = self.lease
         if cur is not None and cur.expires > now and _holder_alive(cur.holder):
             return cur
+        self.fence += 1
+        self._save()  # a restarted keeper never hands out a token twice
         self.lease = Lease(
-            holder, since=now, expires=now + ttl_s, took_over_from=cur.holder if cur else None
+            holder,
+            since=now,
+            expires=now + ttl_s,
+            took_over_from=cur.holder if cur else None,
+            fence=self.fence,
         )
-        return None
+        return self.lease
 
     def renew(self, token: str, ttl_s: float) -> bool:
-        if self.lease is None or self.lease.holder.token != token:
+        """Extend the live lease of ``token``; an expired one stays lapsed (its holder was
+        stopped past it: another command may have run meanwhile)."""
+        now = time.time()
+        if self.lease is None or self.lease.holder.token != token or self.lease.expires <= now:
             return False
-        self.lease = replace(self.lease, expires=time.time() + ttl_s)
+        self.lease = replace(self.lease, expires=now + ttl_s)
         return True
+
+    def events(self) -> list[str]:
+        """What status says happened (:attr:`notes`)."""
+        return list(self.notes)
 
     def release(self, token: str) -> None:
         if self.lease is not None and self.lease.holder.token == token:
@@ -141,8 +221,25 @@ def _holder_alive(holder: LeaseHolder) -> bool:
         return False
 
 
+def lease_ttl_s() -> float:
+    """The lease's time to live: :data:`LEASE_TTL_S`, or ``$MXLOAD_LEASE_TTL_S`` (seconds,
+    at least 1), for a cluster whose commands stall longer, or a test that suspends one."""
+    raw = os.environ.get("MXLOAD_LEASE_TTL_S")
+    if not raw:
+        return LEASE_TTL_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = 0.0
+    if not 1.0 <= value < 86400:
+        raise SessionError(
+            f"MXLOAD_LEASE_TTL_S={raw!r}: must be seconds in [1, 86400)", key="MXLOAD_LEASE_TTL_S"
+        )
+    return value
+
+
 @contextmanager
-def session_lease(keeper: Any, session: str, what: str, src: str = "") -> Iterator[LeaseHolder]:
+def session_lease(keeper: Any, session: str, what: str, src: str = "") -> Iterator[Lease]:
     """Hold the session's lease while the block runs, or refuse (SessionBusy) naming the
     command that holds it. Renewed from a thread, so a long reload keeps it."""
     import psutil
@@ -159,8 +256,9 @@ def session_lease(keeper: Any, session: str, what: str, src: str = "") -> Iterat
         what=what,
         src=src,
     )
-    cur: Lease | None = ray.get(keeper.acquire.remote(holder, LEASE_TTL_S))
-    if cur is not None:
+    ttl = lease_ttl_s()
+    cur: Lease = ray.get(keeper.acquire.remote(holder, ttl))
+    if cur.holder.token != holder.token:
         h = cur.holder
         since = time.strftime("%H:%M:%S", time.localtime(cur.since))
         raise SessionBusy(
@@ -172,16 +270,16 @@ def session_lease(keeper: Any, session: str, what: str, src: str = "") -> Iterat
     stop = threading.Event()
 
     def renew() -> None:
-        while not stop.wait(LEASE_TTL_S / 4):
+        while not stop.wait(ttl / 4):
             try:
-                ray.get(keeper.renew.remote(holder.token, LEASE_TTL_S), timeout=10)
+                ray.get(keeper.renew.remote(holder.token, ttl), timeout=10)
             except Exception:  # the keeper unreachable: the run itself will fail too
                 pass
 
     thread = threading.Thread(target=renew, name="mxload-lease", daemon=True)
     thread.start()
     try:
-        yield holder
+        yield cur
     finally:
         stop.set()
         thread.join(timeout=5)
@@ -352,12 +450,36 @@ def _recorded_sessions(address: str) -> dict[str, dict[str, Any]]:
     return out
 
 
+def _remains(session: str) -> list[str]:
+    """Names of the rank workers of ``session`` still registered in the connected Ray."""
+    import ray
+
+    prefix = _rank_name(session, 0)[: -len("00000")]
+    return sorted(
+        str(a["name"])
+        for a in ray.util.list_named_actors(all_namespaces=True)
+        if a.get("namespace") == NAMESPACE and str(a.get("name", "")).startswith(prefix)
+    )
+
+
+def _remains_error(session: str, remains: list[str]) -> SessionError:
+    return SessionError(
+        f"session {session!r}: its keeper is gone for good (and the session's state with "
+        f"it) while {len(remains)} rank worker(s) remain; `mxload release --session "
+        f"{session}` ends them, then load it again",
+        key="--session",
+    )
+
+
 def _keeper(session: str) -> Any:
     import ray
 
     try:
         return ray.get_actor(_keeper_name(session), namespace=NAMESPACE)
     except ValueError:
+        remains = _remains(session)
+        if remains:
+            raise _remains_error(session, remains) from None
         names = session_names()
         hint = (
             f"sessions here: {', '.join(names)} (e.g. `mxload status --session {names[0]}`)"
@@ -417,7 +539,9 @@ def detached_load(
             key="--session",
         )
     except ValueError:
-        pass
+        remains = _remains(session)
+        if remains:
+            raise _remains_error(session, remains) from None
     run = RayRun(req, plan, detached_name=session)
     try:
         manifest = first_load(run, meta, on_progress=on_progress)
@@ -434,14 +558,21 @@ def detached_load(
         manifest["ranks"],
         src=req.src,
         fingerprint=meta.fingerprint,
+        identity_basis=meta.identity,
         storage_options=req.storage_options,
         request=req,
         session=session,
         started_head=started_head,
     )
     keeper_cls = ray.remote(num_cpus=0)(SessionKeeper)
+    # Restarted by Ray when it dies (an OOM victim, a kill): it restores its state from
+    # the GCS, and calls made meanwhile wait for it.
     keeper: Any = keeper_cls.options(
-        name=_keeper_name(session), namespace=NAMESPACE, lifetime="detached"
+        name=_keeper_name(session),
+        namespace=NAMESPACE,
+        lifetime="detached",
+        max_restarts=-1,
+        max_task_retries=-1,
     ).remote(state)
     keeper_pid = ray.get(keeper.pid.remote())
     if _recorded_head(req.address) is not None:
@@ -472,15 +603,24 @@ def _attach(session: str, address: str | None) -> tuple[Any, SessionState, RayRu
     return keeper, state, run
 
 
-def _saver(keeper: Any, state: SessionState) -> Callable[[SessionState], None]:
-    """Where a detached session's state lives: its keeper. When its processes changed
-    since ``state`` (a restarted rank), the session's file is re-recorded too."""
+def _saver(keeper: Any, state: SessionState, lease: Lease) -> Callable[[SessionState], None]:
+    """Where a detached session's state lives: its keeper, which takes it only from the
+    holder of the live ``lease`` (SessionError when that lapsed: a later command may
+    have run meanwhile). When its processes changed since ``state`` (a restarted rank),
+    the session's file is re-recorded too."""
     import ray
 
     recorded = dict(state.pids)
 
     def save(state: SessionState) -> None:
-        ray.get(keeper.put.remote(state), timeout=60)
+        why = ray.get(keeper.put.remote(state, lease.holder.token), timeout=60)
+        if why:
+            raise SessionError(
+                f"session {state.session!r}: this {lease.holder.what} was fenced off, its "
+                f"result not recorded: {why} (suspended past its lease?); `mxload status` "
+                "says what the session holds now",
+                key="--session",
+            )
         if recorded != state.pids:
             _refresh_session_file(keeper, state)
             recorded.clear()
@@ -501,6 +641,60 @@ def _refresh_session_file(keeper: Any, state: SessionState) -> None:
     _record_session(state.session, address, [*state.pids.values(), ray.get(keeper.pid.remote())])
 
 
+def check_ranks_running(state: SessionState) -> None:
+    """RunError naming every rank whose worker on this machine is stopped (SIGSTOP, a
+    debugger), before a call to it waits minutes. Only processes recorded for the
+    session here (pid *and* start time: a pid reused elsewhere is not taken for one)."""
+    import psutil
+    from mxload.cluster.local import live_process
+
+    try:
+        recorded = json.loads(_session_file(state.session).read_text())["processes"]
+    except (OSError, ValueError, KeyError, SessionError):
+        return
+    rank_of = {pid: r for r, pid in state.pids.items() if pid is not None}
+    stopped = []
+    for entry in recorded:
+        rank = rank_of.get(int(entry.get("pid", -1)))
+        proc = live_process(entry) if rank is not None else None
+        try:
+            if proc is not None and proc.status() in (
+                psutil.STATUS_STOPPED,
+                psutil.STATUS_TRACING_STOP,
+            ):
+                stopped.append((rank, proc.pid))
+        except psutil.Error:
+            pass
+    if stopped:
+        ranks = ", ".join(f"rank {r} (pid {p})" for r, p in sorted(stopped))
+        pids = " ".join(str(p) for _, p in sorted(stopped))
+        raise RunError(
+            f"session {state.session!r}: {ranks} stopped (SIGSTOP or a debugger), not down; "
+            f"a call to it would wait minutes. `kill -CONT {pids}` resumes it",
+            rank=stopped[0][0],
+        )
+
+
+def ask_ranks(run: RayRun, method: str, timeout_s: float = 30.0) -> list[Any]:
+    """``method()`` of every rank, or RunError naming the ranks that did not answer in
+    ``timeout_s`` (a stalled node; a rank Ray is restarting is waited for)."""
+    import ray
+
+    refs = [getattr(a, method).remote() for a in run.actors]
+    ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+    late = [r for r, ref in enumerate(refs) if ref not in ready]
+    if late:
+        raise RunError(
+            f"session: rank(s) {', '.join(map(str, late))} did not answer in {timeout_s:g} s "
+            "(a stopped or stalled worker, or its node); nothing was changed",
+            rank=late[0],
+        )
+    try:
+        return list(ray.get(refs))
+    except ray.exceptions.RayError as err:
+        raise RunError(f"session: a rank failed to answer: {first_line(err)}") from None
+
+
 def _check_engine(session: str, held: Plan, engine: str | None) -> None:
     """``--engine`` on reload/status names what the caller expects; the session's buffers
     are laid out for the engine it was loaded with, and cannot change."""
@@ -512,6 +706,16 @@ def _check_engine(session: str, held: Plan, engine: str | None) -> None:
             f"{engine}; release it and load again to change the engine",
             key="--engine",
         )
+
+
+def _check_outputs(state: SessionState, outputs: Sequence[tuple[str, str]]) -> None:
+    """No output of a command on a session may overwrite the session's checkpoint (nor
+    the one its last reload read: a failed reload leaves ranks on it)."""
+    inputs = [("the session's checkpoint", state.src)]
+    if state.last_reload is not None and state.last_reload.src != state.src:
+        inputs.append(("the last reload's checkpoint", state.last_reload.src))
+    for path, flag in outputs:
+        check_not_input(path, flag, inputs)
 
 
 def detached_status(
@@ -528,17 +732,21 @@ def detached_status(
 
     try:
         keeper, state, run = _attach(session, address)
+        check_ranks_running(state)
         _check_engine(session, state.plan, engine)
+        if dump:
+            target = dump.target if isinstance(dump, OutputDir) else dump
+            _check_outputs(state, [(target, "--dump")])
         busy = ray.get(keeper.holder.remote())
         repaired: list[int] = []
         if busy is None:
             try:
-                with session_lease(keeper, session, "status repairing restarted ranks"):
+                with session_lease(keeper, session, "status repairing restarted ranks") as lease:
                     state = ray.get(keeper.get.remote())
-                    repaired = repair(run, state, _saver(keeper, state))
+                    repaired = repair(run, state, _saver(keeper, state, lease), lease.fence)
             except SessionBusy:
                 busy = ray.get(keeper.holder.remote())
-        reports = ray.get([a.report.remote() for a in run.actors])
+        reports = ask_ranks(run, "report")
         state.observe(reports)
         manifest = build_manifest(state.plan, reports)
         manifest["session"] = session
@@ -548,6 +756,9 @@ def detached_status(
         last = state.last_reload
         manifest["last_reload"] = last.to_json() if last is not None else None
         verdict(state, manifest, busy=busy)
+        events = ray.get(keeper.events.remote())
+        manifest["session_events"] = events
+        manifest["notices"] += events[-3:]
         if dump:
             write_dump(run, manifest, dump)
         return manifest
@@ -564,22 +775,34 @@ def detached_reload(
     staging_budget: int | None = None,
     on_progress: Progress | None = None,
     engine: str | None = None,
+    outputs: Sequence[tuple[str, str]] = (),
 ) -> dict[str, Any]:
     """In-place reload of a detached session from ``src`` (docs/contract.md §4 "Reload"),
-    holding the session's lease (SessionBusy when another command holds it)."""
+    holding the session's lease (SessionBusy when another command holds it).
+    ``outputs``: (path, flag) of what the caller will write, refused before any work
+    when it would overwrite the session's checkpoint."""
     import ray
+    from mxload.workers.storage.urls import absolute
 
+    src = absolute(src)
     try:
-        keeper, _, run = _attach(session, address)
-        with session_lease(keeper, session, "reload", src):
+        keeper, first, run = _attach(session, address)
+        check_ranks_running(first)
+        record = _recorded_head(address)
+        if record is not None:
+            run.watch = lambda: check_recorded_head(record)
+        with session_lease(keeper, session, "reload", src) as lease:
             # Read under the lease: a reload that finished meanwhile moved the version.
             state: SessionState = ray.get(keeper.get.remote())
             _check_engine(session, state.plan, engine)
+            _check_outputs(state, outputs)
+            fence_ranks(run, lease.fence)
             done = reload(
                 RayRanks(run),
                 state,
-                _saver(keeper, state),
+                _saver(keeper, state, lease),
                 src,
+                fence=lease.fence,
                 storage_options=storage_options,
                 staging_budget=staging_budget,
                 allow_nonfinite=run.req.allow_nonfinite,
@@ -592,6 +815,23 @@ def detached_reload(
         return manifest
     finally:
         ray.shutdown()
+
+
+def fence_ranks(run: RayRun, token: int, wait_s: float = 30.0) -> None:
+    """Every rank takes ``token`` before this command writes: a run of an older lease
+    still going (its command was suspended past it) stops at its next unit. SessionError
+    naming the ranks that are still busy after ``wait_s``."""
+    import ray
+
+    refs = [a.fence.remote(token, wait_s) for a in run.actors]
+    free = ray.get(refs, timeout=wait_s + 30)
+    busy = [r for r, ok in enumerate(free) if not ok]
+    if busy:
+        raise SessionBusy(
+            f"ranks {','.join(map(str, busy))} are still writing for an earlier command "
+            f"after {wait_s:g} s; nothing was started (run it again)",
+            key="--session",
+        )
 
 
 def detached_release(
@@ -615,12 +855,20 @@ def detached_release(
             return _release_without_ray(session, record, down)
     own_head = record is not None
     _connect(address)
-    keeper = _keeper(session)
-    state: SessionState = ray.get(keeper.get.remote())
+    try:
+        keeper = _keeper(session)
+    except SessionError:
+        if not _remains(session):
+            raise
+        keeper = None  # gone for good: end what it left, by name
+    state: SessionState | None = None
+    if keeper is not None:
+        state = ray.get(keeper.get.remote())
+        ray.get(keeper.forget.remote())
     killed = 0
-    for r in range(state.plan.layout.world):
+    for name in _remains(session):
         try:
-            ray.kill(ray.get_actor(_rank_name(session, r), namespace=NAMESPACE))
+            ray.kill(ray.get_actor(name, namespace=NAMESPACE))
             killed += 1
         except ValueError:
             pass
@@ -629,7 +877,8 @@ def detached_release(
         ray.util.remove_placement_group(pg)
     except ValueError:
         pass
-    ray.kill(keeper)
+    if keeper is not None:
+        ray.kill(keeper)
     others = [
         a
         for a in ray.util.list_named_actors(all_namespaces=True)
@@ -639,7 +888,8 @@ def detached_release(
     ]
     ray.shutdown()
     stopped = False
-    if own_head and state.started_head and not others:
+    # A keeper gone for good took with it whether this session started the head: kept.
+    if own_head and state is not None and state.started_head and not others:
         stopped = stop_detached_head(read_head_record())
     try:
         _session_file(session).unlink(missing_ok=True)

@@ -134,4 +134,5 @@ def first_load(
         "tp_groups_across_nodes": run.split_tp_groups,
     }
     manifest["sharing"] = sharing_summary(run)
+    manifest["identity_established_by"] = meta.identity
     return manifest

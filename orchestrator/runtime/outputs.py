@@ -39,7 +39,7 @@ import posixpath
 import shutil
 import tempfile
 import uuid
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from types import TracebackType
 from typing import Any
 
@@ -317,32 +317,39 @@ def normalise(location: str) -> str:
 
 
 def check_disjoint(src: str, dst: str, *, src_flag: str = "SRC", dst_flag: str = "DST") -> None:
-    """Refuse an empty SRC or DST, DST equal to SRC, or either inside the other
-    (OutputError)."""
+    """Refuse an empty SRC or DST, and DST that would overwrite SRC
+    (:func:`check_not_input`; OutputError)."""
     for flag, location in ((src_flag, src), (dst_flag, dst)):
         if not location:
             raise OutputError(f"{flag}: an empty path", key=flag)
-    a, b = normalise(src), normalise(dst)
-    sep = "/"
-    if a == b:
+    check_not_input(dst, dst_flag, [(src_flag, src)])
+
+
+def check_not_input(output: str | None, flag: str, inputs: Iterable[tuple[str, str]]) -> None:
+    """The one rule for every output (``--dump``, ``--report``, convert's DST): it may not
+    be an input, lie inside one, or contain one, compared as real paths (links resolved)
+    or normalised URLs. ``inputs``: (what it is, location) each, such as ("SRC", src) or
+    ("the session's checkpoint", state.src). OutputError naming both, one message."""
+    if not output:
+        return
+    b = normalise(output)
+    for what, location in inputs:
+        if not location:
+            continue
+        a = normalise(location)
+        if a == b:
+            relation = "is"
+        elif b.startswith(a.rstrip("/") + "/"):
+            relation = "is inside"
+        elif a.startswith(b.rstrip("/") + "/"):
+            relation = "contains"
+        else:
+            continue
         raise OutputError(
-            f"{dst_flag} {dst} is the same location as {src_flag} {src}: that would overwrite "
-            "the source; choose a new folder",
-            file=dst,
-            key=dst_flag,
-        )
-    if b.startswith(a.rstrip(sep) + sep):
-        raise OutputError(
-            f"{dst_flag} {dst} is inside {src_flag} {src}; choose a folder outside it",
-            file=dst,
-            key=dst_flag,
-        )
-    if a.startswith(b.rstrip(sep) + sep):
-        raise OutputError(
-            f"{src_flag} {src} is inside {dst_flag} {dst}: replacing it would destroy the "
-            "source; choose another folder",
-            file=dst,
-            key=dst_flag,
+            f"{flag} {output} {relation} {what} {location}: no output may overwrite an input; "
+            "choose a location outside it",
+            file=output,
+            key=flag,
         )
 
 

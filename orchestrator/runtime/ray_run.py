@@ -10,7 +10,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from mxload.orchestrator.errors import MxloadError, WorkerLost
+from mxload.orchestrator.errors import MxloadError, RunError, WorkerLost
 from mxload.orchestrator.plan.types import Plan, Unit, UnitReads
 from mxload.orchestrator.runtime import placement, shared_reads
 from mxload.orchestrator.runtime.reports import first_line, plain, rank_error
@@ -46,6 +46,10 @@ class RayRun:
         self.actors: list[Any] = []
         self.last_sharing: dict[str, Any] = {}
         """What the last run's read-once sharing planned and measured (manifest "sharing")."""
+        self.watch: Callable[[], None] | None = None
+        """Called about once a second while ranks run; raises to end the wait (a head
+        found dead: its error names the head within seconds, where Ray would take minutes
+        and blame a rank)."""
 
     # --- cluster ------------------------------------------------------------------------
 
@@ -177,8 +181,12 @@ class RayRun:
         reports: list[Report | None] = [None] * world
         failures: dict[int, MxloadError] = {}
         unavailable_since: dict[int, float] = {}
+        watched = time.monotonic()
         while refs:
             done, _ = ray.wait(list(refs), num_returns=1, timeout=0.5)
+            if self.watch is not None and time.monotonic() - watched >= 1.0:
+                self.watch()
+                watched = time.monotonic()
             if on_progress is not None:
                 on_progress(self._poll_progress())
             for ref in done:
@@ -223,11 +231,17 @@ class RayRun:
 
         out: list[int | None] = []
         deadline = time.monotonic() + self.req.placement_timeout_s
-        for a in self.actors:
+        for rank, a in enumerate(self.actors):
             pid: int | None = None
             while True:
                 try:
                     pid = ray.get(a.pid.remote(), timeout=max(deadline - time.monotonic(), 1))
+                except ray.exceptions.GetTimeoutError:
+                    raise RunError(
+                        f"rank {rank}: its worker did not answer in "
+                        f"{self.req.placement_timeout_s:g} s (stopped, or its node stalled)",
+                        rank=rank,
+                    ) from None
                 except ray.exceptions.ActorUnavailableError:
                     if time.monotonic() < deadline:
                         time.sleep(0.2)

@@ -20,7 +20,13 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Protocol
 
-from mxload.orchestrator.errors import AddressMoved, ReloadMismatch, StagingBudgetError
+from mxload.orchestrator.errors import (
+    AddressMoved,
+    HeadDown,
+    HeadStopped,
+    ReloadMismatch,
+    StagingBudgetError,
+)
 from mxload.orchestrator.plan.types import Plan, Unit, UnitReads
 from mxload.orchestrator.runtime.request import (
     source_info,
@@ -28,7 +34,7 @@ from mxload.orchestrator.runtime.request import (
     workers_fused,
 )
 from mxload.orchestrator.runtime.state import Progress, ReloadRecord, Report, SessionState
-from mxload.workers.storage.urls import is_remote
+from mxload.workers.storage.urls import absolute, is_remote
 
 if TYPE_CHECKING:
     from mxload.orchestrator.runtime.ray_run import RayRun
@@ -199,6 +205,8 @@ class ReloadInputs:
     """Per rank: the held units with the new source's quantized flags."""
     budgets: tuple[int, ...]
     """Per rank: the staging budget the reload runs under."""
+    identity: str = ""
+    """How the new checkpoint's fingerprint was established (``CheckpointMeta.identity``)."""
 
 
 def reload_inputs(
@@ -212,6 +220,7 @@ def reload_inputs(
 ) -> ReloadInputs:
     """Preflight ``src`` against ``held`` (raises ReloadMismatch, touching nothing) and
     plan its reads for every rank."""
+    src = absolute(src)
     meta, new = plan_reload(held, src, storage_options, fused=fused)
     budgets = reload_budgets(held, new, meta.config, staging_budget, fused)
     world = held.layout.world
@@ -220,6 +229,7 @@ def reload_inputs(
         reads=tuple(tuple(new.ranks[r].reads or ()) for r in range(world)),
         units=tuple(tuple(reload_units(held, new, r)) for r in range(world)),
         budgets=tuple(budgets),
+        identity=meta.identity,
     )
 
 
@@ -264,13 +274,16 @@ def reload(
     staging_budget: int | None = None,
     allow_nonfinite: bool = False,
     on_progress: Progress | None = None,
+    fence: int = 0,
 ) -> ReloadResult:
     """Reload ``state``'s session from ``src`` in place; ``save`` is called with the
     state once the reload ended, failed or not (a failure is recorded for ``status``).
 
     The caller serialises reloads of one session. Running it again after a failure
     completes the interrupted reload (from ``src``) or rewrites every unit not at the new
-    checkpoint (from another). ``storage_options`` default to the session's."""
+    checkpoint (from another). ``storage_options`` default to the session's. ``fence``:
+    the fencing token of the caller's lease (ranks write nothing for an older one)."""
+    src = absolute(src)  # in the process that names it: workers start elsewhere
     options = storage_options if storage_options is not None else state.storage_options
     inputs = reload_inputs(
         state.plan,
@@ -280,6 +293,7 @@ def reload(
         fused=ranks.fused,
         allow_nonfinite=allow_nonfinite,
     )
+    inputs = replace(inputs, source=replace(inputs.source, fence=fence))
     target = state.version + 1
     fingerprint = inputs.source.fingerprint
     t0 = time.perf_counter()
@@ -293,13 +307,16 @@ def reload(
         state.last_reload = ReloadRecord(
             src, target, fingerprint, ok=False, error=f"{type(err).__name__}: {err}"[:400]
         )
+        if isinstance(err, HeadDown | HeadStopped):
+            raise  # nowhere to record it: the head holds the session's state
         try:
             save(state)
-        except Exception:  # the reload's own error is the one to raise
-            log.warning("could not record the failed reload from %s", src, exc_info=True)
+        except Exception as why:  # the reload's own error is the one to raise
+            log.info("the failed reload from %s was not recorded: %s", src, why)
         raise
     state.version = target
     state.fingerprint = fingerprint
+    state.identity_basis = inputs.identity
     state.src = src
     state.storage_options = options
     state.last_reload = ReloadRecord(src, target, fingerprint, ok=True)
@@ -331,9 +348,12 @@ class RayRanks:
         )
 
 
-def repair(run: RayRun, state: SessionState, save: Callable[[SessionState], None]) -> list[int]:
+def repair(
+    run: RayRun, state: SessionState, save: Callable[[SessionState], None], fence: int = 0
+) -> list[int]:
     """Reload every rank whose worker was restarted (a fresh process, empty buffers) to
-    the session's version from its current source; returns those ranks."""
+    the session's version from its current source; returns those ranks. ``fence``: as
+    for :func:`reload`."""
     import ray
 
     pids = run.pids()
@@ -347,12 +367,13 @@ def repair(run: RayRun, state: SessionState, save: Callable[[SessionState], None
         fused=workers_fused(run.req.device),
         allow_nonfinite=run.req.allow_nonfinite,
     )
+    source = replace(inputs.source, fence=fence)
     reports = []
     for rank in lost:
         budget = staging_budget_of(state.plan, state.plan.ranks[rank])
         ref = run.actors[rank].load.remote(
             list(inputs.reads[rank]),
-            inputs.source,
+            source,
             state.version,
             budget,
             False,

@@ -7,11 +7,12 @@ No Ray here.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from mxload.orchestrator.plan.sharing import DEFAULT_SHARE
 from mxload.orchestrator.plan.types import ParallelLayout, Plan, RankPlan
+from mxload.workers.storage.urls import absolute
 
 if TYPE_CHECKING:
     from mxload.workers.rank.loader import SourceInfo
@@ -23,7 +24,8 @@ class LoadRequest:
 
     src: str
     layout: ParallelLayout
-    storage_options: Mapping[str, Any] | None = None
+    storage_options: Mapping[str, Any] | None = field(default=None, repr=False)
+    """Never shown (no repr): it holds credentials."""
     device: str = "auto"
     resource: str | None = None
     """Accelerator resource each rank asks for; default NPU (GPU with --device cuda)."""
@@ -42,6 +44,10 @@ class LoadRequest:
     """Engine profile the buffers are laid out for (``mxload.orchestrator.plan.engines``)."""
     share: str = DEFAULT_SHARE
     """Read-once scope (``mxload.orchestrator.plan.sharing``): none | node | cluster."""
+
+    def __post_init__(self) -> None:
+        # Resolved here, in the process that names it: workers start elsewhere.
+        self.src = absolute(self.src)
 
     @property
     def accelerator(self) -> str:
@@ -85,4 +91,5 @@ def source_info(
         block_k=q.block_k,
         allow_nonfinite=allow_nonfinite,
         fingerprint=meta.fingerprint,
+        file_tags=dict(meta.file_tags) if all(meta.file_tags.values()) else None,
     )

@@ -60,10 +60,11 @@ class Session:
         state = SessionState.from_reports(
             run.plan,
             manifest["ranks"],
-            src=src,
+            src=req.src,
             fingerprint=str(first[1]),
             storage_options=storage_options,
             request=req,
+            identity_basis=str(manifest.get("identity_established_by", "")),
         )
         return cls(run, state, manifest)
 

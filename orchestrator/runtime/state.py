@@ -77,6 +77,9 @@ class Lease:
     expires: float
     took_over_from: LeaseHolder | None = None
     """The holder whose lease this one took over (its process gone, or it expired)."""
+    fence: int = 0
+    """Fencing token: each lease of a session gets a larger one; ranks refuse writes
+    from a smaller one, the keeper refuses its state (docs/contract.md §4)."""
 
     def to_json(self) -> dict[str, Any]:
         h = self.holder
@@ -110,7 +113,11 @@ class SessionState:
     pids: dict[int, int | None]
     """rank -> the pid of the process holding its buffers."""
     version: int = 1
-    storage_options: Mapping[str, Any] | None = None
+    identity_basis: str = ""
+    """How the fingerprint was established (``CheckpointMeta.identity``): ``status``
+    says it, and "unverified: ..." when nothing vouches for the bytes."""
+    storage_options: Mapping[str, Any] | None = field(default=None, repr=False)
+    """Never shown (no repr): it holds credentials."""
     restarted: set[int] = field(default_factory=set)
     """Ranks whose process was lost and restarted since the first load: their buffers
     are at new addresses."""
@@ -241,7 +248,18 @@ def verdict(state: SessionState, manifest: dict[str, Any], *, busy: Lease | None
     last = state.last_reload
     if last is not None and not last.ok:
         notices.append(f"the last reload, from {last.src}, failed: {last.error}")
-    manifest["identity"] = {"version": want[0], "fingerprint": want[1], "src": state.src}
+    if state.identity_basis.startswith("unverified"):
+        notices.append(
+            f"the identity of {state.src} is {state.identity_basis}: consistent means every "
+            "unit was written by the session's last reload, not that the bytes are the "
+            "store's now"
+        )
+    manifest["identity"] = {
+        "version": want[0],
+        "fingerprint": want[1],
+        "src": state.src,
+        "established_by": state.identity_basis or "not recorded",
+    }
     manifest["consistent"] = not problems
     manifest["problems"] = problems
     manifest["notices"] = notices

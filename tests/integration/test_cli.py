@@ -434,7 +434,7 @@ def test_inspect(cli: Callable[..., subprocess.CompletedProcess], ckpts: dict[st
     assert human.returncode == 0, human.stderr
     text = human.stdout
     assert "Qwen3MoeForCausalLM: 4 layers, 8 experts in 3 MoE layers" in text
-    assert "block_fp8 (blocks 128x128)" in text and "bytes by kind" in text
+    assert "block_fp8 (blocks 128x128, scales F32)" in text and "bytes by kind" in text
     # Readable: no JSON or Python reprs, no truncation; every file listed.
     assert not any(c in text for c in "{}[]'") and "..." not in text, text
     assert all(f["file"] in text for f in info["files"])

@@ -289,6 +289,119 @@ def test_a_restarted_rank_shows_in_human_status(work: Path, ckpts, session) -> N
     assert dump_matches(work, before["identity"]["src"], "dump-restarted") == []
 
 
+def test_a_stopped_rank_is_named_in_seconds(work: Path, ckpts, session) -> None:
+    """SIGSTOP of one rank's worker: status and reload say which rank, in one line and in
+    seconds (Ray's call would wait 42 s and name none); resumed, status is whole again."""
+    _, before = status_json(work)
+    pid = before["ranks"][1]["pid"]
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        for args in (["status"], ["reload", ckpts["v2"]]):
+            t0 = time.monotonic()
+            proc = mx_here(work, *args)
+            print(f"{args[0]} with rank 1 stopped: {time.monotonic() - t0:.1f} s")
+            first = proc.stderr.splitlines()[0]
+            assert proc.returncode == 1 and "rank 1 (pid" in first, show(proc)
+            assert f"kill -CONT {pid}" in first and "\x1b" not in proc.stderr
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    rc, after = status_json(work)
+    assert rc == 0 and after["identity"] == before["identity"], after["problems"]
+
+
+def test_a_reload_suspended_past_its_lease_writes_nothing(work: Path, ckpts, session) -> None:
+    """Ctrl-Z of a reload holding the lease, longer than the lease (2 s here): another
+    reload is admitted and completes; the first, resumed, is fenced off (one line, no
+    state recorded), and the session keeps the later checkpoint, checked byte for byte."""
+    import ray
+    from mxload.orchestrator.runtime.detached import _connect, _keeper
+
+    assert session.returncode == 0, show(session)
+    stale = subprocess.Popen(
+        [*MXLOAD, "reload", ckpts["v3"]],
+        cwd=work / "cwd",
+        env=dict(env_of(work), MXLOAD_LEASE_TTL_S="2"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        with home_of(work):
+            _connect(None)
+            try:
+                keeper = _keeper("default")
+                deadline = time.monotonic() + 120
+                while ray.get(keeper.holder.remote()) is None:
+                    assert stale.poll() is None and time.monotonic() < deadline, stale.stderr
+                    time.sleep(0.02)
+                os.kill(stale.pid, signal.SIGSTOP)
+            finally:
+                ray.shutdown()
+        time.sleep(2.5)  # past its lease
+        later = mx_here(work, "reload", ckpts["v4"])
+        assert later.returncode == 0, show(later)
+        rc, mid = status_json(work)
+        assert rc == 0 and mid["identity"]["src"] == ckpts["v4"], mid["problems"]
+    finally:
+        os.kill(stale.pid, signal.SIGCONT)
+    t0 = time.monotonic()
+    _, err = stale.communicate(timeout=120)
+    print(f"a resumed stale reload: exit {stale.returncode} in {time.monotonic() - t0:.1f} s")
+    assert stale.returncode in (1, 2), err
+    first, *rest = err.splitlines()
+    assert first.startswith("mxload: error:") and "fenced off" in first, err
+    assert all(line.startswith("mxload: the traceback is in") for line in rest), err
+    rc, after = status_json(work)
+    assert rc == 0, after["problems"]
+    assert after["identity"] == mid["identity"], "the version went back"
+    assert any("refused" in n for n in after["notices"]), after["notices"]
+    assert dump_matches(work, ckpts["v4"], "dump-fenced") == []
+
+
+def test_a_killed_keeper_comes_back_and_one_gone_for_good_is_named(work: Path, ckpts, session):
+    """kill -9 of the session's keeper (an OOM victim): Ray restarts it with the state it
+    had (status, reload keep working). Ended for good (no restart): status and a new
+    `load --detach` of the name say in one line what to run; release ends the remains."""
+    import ray
+    from mxload.orchestrator.runtime.detached import _connect, _keeper
+
+    assert session.returncode == 0, show(session)
+    _, before = status_json(work)
+    with home_of(work):
+        _connect(None)
+        try:
+            pid = ray.get(_keeper("default").pid.remote())
+        finally:
+            ray.shutdown()
+    os.kill(pid, signal.SIGKILL)
+    t0 = time.monotonic()
+    rc, after = status_json(work)
+    print(f"status after the keeper's kill -9: {time.monotonic() - t0:.1f} s")
+    assert rc == 0 and after["identity"] == before["identity"], after["problems"]
+    assert any("keeper died and was restarted" in n for n in after["notices"])
+    done = mx_here(work, "reload", ckpts["v5"])
+    assert done.returncode == 0, show(done)
+    rc, after = status_json(work)
+    assert rc == 0 and after["identity"]["version"] == before["identity"]["version"] + 1
+
+    with home_of(work):
+        _connect(None)
+        try:
+            ray.kill(_keeper("default"))  # no restart
+        finally:
+            ray.shutdown()
+    for args in (["status"], ["load", ckpts["v1"], *LAYOUT, "--device", "cpu", "--detach"]):
+        t0 = time.monotonic()
+        proc = mx_here(work, *args)
+        print(f"{args[0]} with the keeper gone: {time.monotonic() - t0:.1f} s")
+        assert proc.returncode == 2, show(proc)
+        assert proc.stderr.count("\n") == 1 and "keeper is gone for good" in proc.stderr
+        assert "mxload release --session default" in proc.stderr
+    gone = mx_here(work, "release", "--json")
+    assert gone.returncode == 0 and json.loads(gone.stdout)["workers_ended"] == 4, show(gone)
+    assert "no such session" in mx_here(work, "status").stderr
+
+
 # --- session names ------------------------------------------------------------------------
 
 
@@ -323,10 +436,11 @@ def test_unsafe_session_names_are_refused(work: Path, ckpts) -> None:
 # --- 4: a head that crashed ---------------------------------------------------------------
 
 
-def _kill_and_check(work: Path, role: str) -> None:
+def _kill_and_check(work: Path, role: str, *, killed: bool = False) -> None:
     head = json.loads((work / "home" / "head.json").read_text())
     victim = next(p for p in head["processes"] if p["role"] == role)
-    os.kill(victim["pid"], signal.SIGKILL)
+    if not killed:
+        os.kill(victim["pid"], signal.SIGKILL)
     time.sleep(1.0)
 
     t0 = time.monotonic()
@@ -390,7 +504,39 @@ def test_status_address_of_the_recorded_head_uses_its_token_then_raylet_killed(
         st = mx(work, "status", "--address", address, "--json", timeout=120)
         assert st.returncode == 0, show(st)
         assert json.loads(st.stdout)["consistent"] is True
-    _kill_and_check(work, "raylet")
+    # The raylet dies while a reload runs (from a slow server, so that it is mid-way):
+    # the reload names the head, in seconds, in one line, with no Ray log or colour.
+    import ray
+    from mxload.orchestrator.runtime.detached import _connect, _keeper
+
+    from tests.servers import RangeHTTPServer
+
+    raylet = next(p for p in head["processes"] if p["role"] == "raylet")
+    root = Path(ckpts["v2"])
+    with RangeHTTPServer(str(root.parent), bandwidth=100_000) as server:
+        slow = started(work, "reload", f"{server.url}/{root.name}")
+        with home_of(work):
+            _connect(None)
+            try:
+                keeper = _keeper("default")
+                deadline = time.monotonic() + 120
+                while ray.get(keeper.holder.remote()) is None:
+                    assert slow.poll() is None and time.monotonic() < deadline
+                    time.sleep(0.05)
+            finally:
+                ray.shutdown()
+        time.sleep(1.0)  # reading
+        assert slow.poll() is None, "the reload ended before the raylet was killed"
+        os.kill(raylet["pid"], signal.SIGKILL)
+        t0 = time.monotonic()
+        _, err = slow.communicate(timeout=180)
+        took = time.monotonic() - t0
+    print(f"raylet killed during a reload: exit {slow.returncode} after {took:.1f} s")
+    first = err.splitlines()[0] if err else ""
+    assert slow.returncode == 1 and f"raylet (pid {raylet['pid']})" in first, err
+    assert "\x1b" not in err and len(err.splitlines()) <= 2, err
+    assert took < BOUND_S, took
+    _kill_and_check(work, "raylet", killed=True)
 
 
 def test_embedded_head_temp_dir_is_private() -> None:

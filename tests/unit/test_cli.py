@@ -280,7 +280,7 @@ REFUSALS: dict[str, tuple[Callable[[Path, dict[str, str]], list[str]], list[str]
     ),
     "convert-onto-itself": (
         lambda w, c: ["convert", c["v1"], c["v1"], "--overwrite"],
-        ["same location"],
+        ["DST", "is SRC", "no output may overwrite an input"],
     ),
     "convert-into-itself": (
         lambda w, c: ["convert", c["v1"], c["v1"] + "/out"],

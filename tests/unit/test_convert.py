@@ -534,18 +534,18 @@ def test_convert_refuses_src_and_dst_that_overlap(ckpt_factory, tmp_path) -> Non
     before = _tree_bytes(str(src))
     (tmp_path / "link").symlink_to(src)
     cases = [
-        (str(src), str(src), "same location"),
-        (str(src), str(tmp_path / "link"), "same location"),  # through a symlink
-        (str(src), f"file://{src}/", "same location"),
-        (str(src), str(src / "sub"), "inside"),
-        (str(src / "."), str(tmp_path), "inside"),
+        (str(src), str(src), "is SRC"),
+        (str(src), str(tmp_path / "link"), "is SRC"),  # through a symlink
+        (str(src), f"file://{src}/", "is SRC"),
+        (str(src), str(src / "sub"), "is inside SRC"),
+        (str(src / "."), str(tmp_path), "contains SRC"),
     ]
     for a, b, why in cases:
         with pytest.raises(OutputError, match=why) as err:
             convert_checkpoint(a, b, overwrite=True)
         assert err.value.exit_code == 2
     assert _tree_bytes(str(src)) == before
-    with pytest.raises(OutputError, match="same location"):
+    with pytest.raises(OutputError, match="no output may overwrite an input"):
         convert_checkpoint("memory://ck/a", "memory://ck//a/")
 
 

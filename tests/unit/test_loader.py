@@ -891,3 +891,71 @@ def test_a_worker_keeps_its_thread_share_whatever_the_backend_start_does(
         plan.ranks[0], model_dtype=meta.config.model_dtype, device="cpu", resource="NPU", threads=1
     )
     assert torch.get_num_threads() == 1
+
+
+def test_a_run_fenced_off_writes_no_further_unit(ckpt_factory) -> None:
+    """A reload suspended past its lease: a later lease's token reaches the rank while it
+    runs; it stops before its next unit's writes, and a run with the old token is
+    refused before it writes anything."""
+    import dataclasses
+
+    from mxload.orchestrator.errors import RunError
+
+    src = ckpt_factory("qwen3-dense-tiny", 1)
+    meta, plan = plan_of(src, ParallelLayout(tp=2))
+    rp = plan.ranks[0]
+    loader = RankLoader(rp, model_dtype=meta.config.model_dtype, backend=backend(False))
+    old = dataclasses.replace(source_of(src, meta), fence=4)
+    written: list[int] = []
+
+    def unit(i: int) -> None:
+        written.append(i)
+        if i == 1:  # while unit 1 converts, a later lease fences this run off
+            loader.fence.advance(5)
+
+    with on_each_unit(unit), pytest.raises(RunError, match="rank 0: this reload was fenced off"):
+        loader.load(list(rp.reads), old, version=2, staging_budget=rp.staging.budget_bytes)
+    assert loader.unit_ids[0] == (2, meta.fingerprint)
+    assert all(v == 0 for v in loader.unit_versions[1:]), loader.unit_versions
+    with on_each_unit(written.append), pytest.raises(RunError, match="token 4"):
+        written.clear()
+        loader.load(list(rp.reads), old, version=2, staging_budget=rp.staging.budget_bytes)
+    assert written == []
+    new = dataclasses.replace(old, fence=5)
+    loader.load(list(rp.reads), new, version=3, staging_budget=rp.staging.budget_bytes)
+    assert set(loader.unit_ids) == {(3, meta.fingerprint)}
+
+
+def test_a_shard_rewritten_while_a_run_reads_it_fails_the_run(ckpt_factory, tmp_path) -> None:
+    """A trainer rewrites a shard in place (same size, mtime put back) while a rank
+    reads it: the rank's run fails naming the file, and the units read from it hold no
+    identity, instead of mixed bytes under the checkpoint's fingerprint."""
+    import dataclasses
+    import shutil
+
+    from mxload.orchestrator.errors import RunError
+
+    src = str(tmp_path / "ck")
+    shutil.copytree(ckpt_factory("qwen3-dense-tiny", 1), src)
+    meta, plan = plan_of(src, ParallelLayout(tp=2))
+    rp = plan.ranks[0]
+    loader = RankLoader(rp, model_dtype=meta.config.model_dtype, backend=backend(False))
+    source = dataclasses.replace(source_of(src, meta), file_tags=dict(meta.file_tags))
+    shard = os.path.join(src, meta.files[-1])
+
+    def rewrite(i: int) -> None:
+        if i == 1:
+            st = os.stat(shard)
+            with open(shard, "r+b") as f:
+                f.seek(st.st_size - 16)
+                f.write(bytes(16))
+            os.utime(shard, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+    with on_each_unit(rewrite), pytest.raises(RunError, match="changed while this run read"):
+        loader.load(list(rp.reads), source, version=1, staging_budget=rp.staging.budget_bytes)
+    assert (0, "") in loader.unit_ids
+    # Unchanged since its fingerprint: the same run passes.
+    meta2, _ = plan_of(src, ParallelLayout(tp=2))
+    again = dataclasses.replace(source_of(src, meta2), file_tags=dict(meta2.file_tags))
+    loader.load(list(rp.reads), again, version=2, staging_budget=rp.staging.budget_bytes)
+    assert set(loader.unit_ids) == {(2, meta2.fingerprint)}

@@ -156,10 +156,10 @@ def test_memory_url_folder_is_moved_into_place() -> None:
 @pytest.mark.parametrize(
     ("src", "dst", "why"),
     [
-        ("s3://b/ck", "s3://b/ck/", "same location"),
-        ("s3://b/ck", "S3://b/./ck", "same location"),
-        ("s3://b/ck", "s3://b/ck/out", "inside"),
-        ("s3://b/ck/sub", "s3://b/ck", "inside"),
+        ("s3://b/ck", "s3://b/ck/", "DST s3://b/ck/ is SRC"),
+        ("s3://b/ck", "S3://b/./ck", "is SRC"),
+        ("s3://b/ck", "s3://b/ck/out", "is inside SRC"),
+        ("s3://b/ck/sub", "s3://b/ck", "contains SRC"),
     ],
 )
 def test_overlapping_urls_are_refused(src, dst, why) -> None:

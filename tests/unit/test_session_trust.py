@@ -85,6 +85,22 @@ def test_healthy_session_is_consistent(plan) -> None:
     assert m["consistent"] is True and m["problems"] == [] and m["replicated_tensors_agree"]
 
 
+def test_status_says_how_the_identity_was_established(plan) -> None:
+    from mxload.orchestrator.cli.rendering import status_headline
+
+    state = state_of(plan)
+    state.identity_basis = "unverified: the store gives no ETag or VersionId for x"
+    m = manifest_of(plan)
+    verdict(state, m)
+    assert m["identity"]["established_by"] == state.identity_basis
+    assert any("is unverified: the store gives no ETag" in n for n in m["notices"])
+    assert status_headline(m)[1] == f"identity: {state.identity_basis}"
+    state.identity_basis = "local files: inode, size, ctime and mtime (ns) of every shard"
+    m = manifest_of(plan)
+    verdict(state, m)
+    assert m["notices"] == [] and m["identity"]["established_by"].startswith("local files")
+
+
 def test_same_version_number_from_another_checkpoint_is_not_consistent(plan) -> None:
     """The bug: rank 3 at version 2 of one checkpoint, the others at version 2 of another."""
     m = manifest_of(plan, identity=(2, "fB"))
@@ -165,39 +181,44 @@ def holder(pid: int | None = None, **kw) -> LeaseHolder:
     )
 
 
+def got(k: SessionKeeper, h: LeaseHolder, ttl: float) -> bool:
+    """Whether ``h`` took the lease (else the keeper answered with another's)."""
+    return k.acquire(h, ttl).holder.token == h.token
+
+
 def test_lease_one_holder_at_a_time(plan) -> None:
-    k = SessionKeeper(state_of(plan))
-    assert k.acquire(holder(), 60) is None
+    k = SessionKeeper(state_of(plan), persist=False)
+    assert got(k, holder(), 60)
     busy = k.acquire(holder(token="t2", src="/b"), 60)
-    assert busy is not None and busy.holder.src == "/a" and busy.holder.pid == os.getpid()
+    assert busy.holder.token == "t1" and busy.holder.src == "/a" and busy.holder.pid == os.getpid()
     assert k.renew("t2", 60) is False and k.renew("t1", 60) is True
     k.release("t2")  # not the holder: no effect
     assert k.holder() is not None
     k.release("t1")
-    assert k.holder() is None and k.acquire(holder(token="t2"), 60) is None
+    assert k.holder() is None and got(k, holder(token="t2"), 60)
 
 
 def test_lease_of_a_dead_holder_or_expired_is_taken_over(plan) -> None:
     proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
-        k = SessionKeeper(state_of(plan))
-        assert k.acquire(holder(proc.pid, src="/dead"), 60) is None
-        assert k.acquire(holder(token="t2"), 60) is not None  # its holder is alive
+        k = SessionKeeper(state_of(plan), persist=False)
+        assert got(k, holder(proc.pid, src="/dead"), 60)
+        assert not got(k, holder(token="t2"), 60)  # its holder is alive
     finally:
         proc.kill()
         proc.wait()
-    assert k.acquire(holder(token="t2"), 60) is None  # killed with -9: taken over
+    assert got(k, holder(token="t2"), 60)  # killed with -9: taken over
     assert k.lease.took_over_from.src == "/dead"
     shown = k.lease.to_json()  # what status --json says of a running reload
     assert shown["took_over_from"]["src"] == "/dead" and shown["src"] == "/a"
     assert "token" not in shown, "the token renews and releases the lease: not shown"
     # A holder on another host is trusted until its lease expires.
-    k = SessionKeeper(state_of(plan))
-    assert k.acquire(holder(host="elsewhere"), 60) is None
-    assert k.acquire(holder(token="t2"), 60) is not None
-    k = SessionKeeper(state_of(plan))
-    assert k.acquire(holder(host="elsewhere"), 0) is None  # a lease that has expired
-    assert k.acquire(holder(token="t2"), 60) is None
+    k = SessionKeeper(state_of(plan), persist=False)
+    assert got(k, holder(host="elsewhere"), 60)
+    assert not got(k, holder(token="t2"), 60)
+    k = SessionKeeper(state_of(plan), persist=False)
+    assert got(k, holder(host="elsewhere"), 0)  # a lease that has expired
+    assert got(k, holder(token="t2"), 60)
 
 
 # --- names and addresses ---------------------------------------------------------------------

@@ -134,6 +134,11 @@ class RankWorker:
         )
         return self.report(stats)
 
+    def fence(self, token: int, wait_s: float = 30.0) -> bool:
+        """A new lease's token: runs with a smaller one write nothing more
+        (``RankLoader.advance_fence``); whether this rank is free now."""
+        return self.loader.advance_fence(token, wait_s)
+
     def fetch_shared(
         self, items: list[tuple[int, Unit, UnitReads]], source: SourceInfo, staging_budget: int
     ) -> dict[str, Any]:

@@ -6,11 +6,13 @@ so), plus the documented buffer checksum.
 from __future__ import annotations
 
 import hashlib
+import threading
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
+from mxload.orchestrator.errors import RunError
 from mxload.orchestrator.plan.types import Unit
 
 Identity = tuple[int, str]
@@ -118,3 +120,31 @@ class UnitIdentities:
             "stale_units": stale[:50],
             "stale_count": len(stale),
         }
+
+
+class Fence:
+    """The highest fencing token this rank has seen (docs/contract.md §4 "Reload"): each
+    lease on a detached session comes with a larger one, and a run carrying a smaller
+    one writes nothing more, checked before every unit's writes. So a reload that was
+    suspended past its lease (Ctrl-Z, a debugger, a stalled node) cannot come back and
+    write older weights over a later reload's. Token 0: an unfenced run (in-process)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.highest = 0
+
+    def advance(self, token: int) -> int:
+        """Raise the fence to ``token`` (never lowers it); the fence now."""
+        with self._lock:
+            self.highest = max(self.highest, int(token))
+            return self.highest
+
+    def check(self, token: int, rank: int) -> None:
+        """RunError when a run with ``token`` has been fenced off."""
+        if token and token < self.highest:
+            raise RunError(
+                f"rank {rank}: this reload was fenced off: its lease on the session (token "
+                f"{token}) lapsed and a later command (token {self.highest}) took the "
+                "session; it writes nothing more (run `mxload status`)",
+                rank=rank,
+            )

@@ -40,6 +40,7 @@ from mxload.workers.rank.convert import Converter
 from mxload.workers.rank.identities import (
     CHECKSUM_NAME,
     NOTHING,
+    Fence,
     Identity,
     UnitIdentities,
     checksum,
@@ -81,6 +82,7 @@ class RankLoader:
         self._ids = UnitIdentities(plan.units, self.buffers)
         self.last_stats = RunStats()
         self._busy = threading.Lock()
+        self.fence = Fence()
         self._counts = Counts()
         self._reader = Reader(self.rank, self._counts, storage_factory)
         self._converter = Converter(
@@ -122,6 +124,8 @@ class RankLoader:
                 f"rank {self.rank}: a load is already running on this rank", rank=self.rank
             )
         try:
+            self.fence.check(source.fence, self.rank)
+            self.fence.advance(source.fence)
             # The bytes are about to change: a run that fails part-way must not leave the
             # checksums of the previous bytes cached for status to report.
             self._checksums = None
@@ -207,7 +211,9 @@ class RankLoader:
             stats,
             meter,
             progress=progress,
+            fence=self.fence,
         ).run_steps(steps)
+        self._check_unchanged(source, reads, todo)
         meter.finish(stats)
         stats.measured_peak_staging_bytes = pool.high_water
         stats.extra["staging_estimate"] = estimate
@@ -215,6 +221,47 @@ class RankLoader:
         self._checksums = None
         self.verify_addresses()
         return stats
+
+    def _check_unchanged(
+        self, source: SourceInfo, reads: Sequence[UnitReads], todo: Sequence[bool]
+    ) -> None:
+        """The shards this run read still carry the change tags its fingerprint was made
+        from (``SourceInfo.file_tags``): one stat (or HEAD) per shard. A shard rewritten
+        meanwhile leaves the units read from it holding no one checkpoint: they are marked
+        so, and the run fails naming the file."""
+        if not source.file_tags or not any(todo):
+            return
+        used: dict[str, list[int]] = {}
+        for i, r in enumerate(reads):
+            if todo[i]:
+                for p in r.parts:
+                    for f in (p.file, p.scale_file):
+                        if f:
+                            used.setdefault(f, []).append(i)
+        storage = self._reader.storage(source)
+        changed = [f for f in sorted(used) if storage.version_tag(f) != source.file_tags.get(f, "")]
+        if changed:
+            for f in changed:
+                for i in used[f]:
+                    self._ids.ids[i] = NOTHING
+            more = f" and {len(changed) - 1} more" if len(changed) > 1 else ""
+            raise RunError(
+                f"rank {self.rank}: {storage.url(changed[0])}{more} changed while this run "
+                "read it (rewritten in place); the units read from it hold no one "
+                "checkpoint: run the reload again once the checkpoint is written",
+                rank=self.rank,
+                file=changed[0],
+            )
+
+    def advance_fence(self, token: int, wait_s: float) -> bool:
+        """Fence off every run with a smaller token (``identities.Fence``), then wait up
+        to ``wait_s`` for a run still going to stop (it does at its next unit); whether
+        this rank is free now."""
+        self.fence.advance(token)
+        if not self._busy.acquire(timeout=wait_s):
+            return False
+        self._busy.release()
+        return True
 
     def fetch_for_peers(
         self,

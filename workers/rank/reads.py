@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -35,12 +35,19 @@ class SourceInfo:
     docs/contract.md §4)."""
 
     root: str
-    storage_options: Mapping[str, Any] | None = None
+    storage_options: Mapping[str, Any] | None = field(default=None, repr=False)
+    """Never shown: it holds credentials."""
     quant: str = "block_fp8"
     """How this checkpoint stores quantized linears: block_fp8 | mxfp8 | none."""
     block_n: int = 128
     block_k: int = 128
     allow_nonfinite: bool = False
+    file_tags: Mapping[str, str] | None = field(default=None, repr=False)
+    """Per shard, its change tag as the fingerprint saw it (``CheckpointMeta.file_tags``);
+    None where the identity is unverified. A rank checks the shards it read against it
+    at the end of its run."""
+    fence: int = 0
+    """The fencing token of the lease this run holds (``identities.Fence``; 0: none)."""
     fingerprint: str = ""
     """Identity of the checkpoint as read (``mxload.orchestrator.runtime.catalog.fingerprint``).
     Every unit records (version, fingerprint) of the run that wrote it; "" (unknown) never

@@ -20,7 +20,7 @@ from mxload.orchestrator.plan.memory import ConvertOptions, StepPlan, sub_reads,
 from mxload.orchestrator.plan.types import Unit, UnitReads
 from mxload.workers.rank.accounting import Meter, RunStats
 from mxload.workers.rank.convert import Converter, Member
-from mxload.workers.rank.identities import NOTHING, Identity, UnitIdentities
+from mxload.workers.rank.identities import NOTHING, Fence, Identity, UnitIdentities
 from mxload.workers.rank.reads import (
     Leased,
     PeerUnit,
@@ -74,7 +74,9 @@ class StepRunner:
         meter: Meter,
         *,
         progress: Callable[[int, int, int], None] | None = None,
+        fence: Fence | None = None,
     ) -> None:
+        self.fence = fence or Fence()
         self.rank = rank
         self.reader = reader
         self.converter = converter
@@ -229,6 +231,7 @@ class StepRunner:
                     tensor=members[0][0].buffer,
                 ) from err
             reservations = converted.reservations
+            self.fence.check(run.source.fence, self.rank)  # before this unit's first write
             for write in converted.writes:
                 write()
             self.stats.convert_seconds += time.perf_counter() - t_c

@@ -8,9 +8,11 @@ the extra requests they make within one (one pread per row, one per gathered blo
 from __future__ import annotations
 
 import os
+import stat
 from collections.abc import Callable, Sequence
 
 import numpy as np
+from mxload.orchestrator.errors import CheckpointError
 from mxload.orchestrator.plan.ranges import ByteRange, CoalescePolicy
 from mxload.workers.storage.faults import ShortRead
 from mxload.workers.storage.jobs import Job
@@ -44,15 +46,67 @@ def pread_into(fd: int, buf: memoryview, offset: int) -> None:
         done += n
 
 
-def read_whole(path: str) -> bytes:
-    with open(path, "rb") as f:
-        return f.read()
+def open_regular(path: str, url: str = "") -> int:
+    """A read-only descriptor of ``path``, which must be a regular file: a FIFO would
+    block every read forever, a device (``/dev/zero``) never ends, a socket is no file.
+    Opened without blocking (a FIFO's open waits for a writer) and checked on the open
+    descriptor, so a file swapped after an earlier check is seen. CheckpointError."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise CheckpointError(
+                f"{url or path}: is {file_kind(mode)}, not a regular file; not read",
+                file=url or path,
+            )
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
-def read_at(path: str, start: int, length: int) -> bytes:
+def file_kind(mode: int) -> str:
+    """What a non-regular file is, as a message says it."""
+    for test, kind in (
+        (stat.S_ISDIR, "a folder"),
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISSOCK, "a socket"),
+    ):
+        if test(mode):
+            return kind
+    return "not a regular file"
+
+
+def read_whole(path: str, max_bytes: int, url: str = "") -> bytes:
+    """The whole of a small regular file; CheckpointError when it holds more than
+    ``max_bytes`` (checked by reading at most one byte more, not by trusting a stat)."""
+    fd = open_regular(path, url)
+    try:
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            data = f.read(max_bytes + 1)
+    finally:
+        os.close(fd)
+    if len(data) > max_bytes:
+        raise too_large(url or path, max_bytes)
+    return data
+
+
+def too_large(url: str, max_bytes: int) -> CheckpointError:
+    """A metadata file bigger than its cap (docs/contract.md §1.4)."""
+    return CheckpointError(
+        f"{url}: larger than {max_bytes} bytes, the most mxload reads of this file; not "
+        "read (is it the checkpoint's file?)",
+        file=url,
+    )
+
+
+def read_at(path: str, start: int, length: int, url: str = "") -> bytes:
     """``length`` bytes of ``path`` at ``start``, exactly."""
     buf = bytearray(length)
-    fd = os.open(path, os.O_RDONLY)
+    fd = open_regular(path, url)
     try:
         pread_into(fd, memoryview(buf), start)
     finally:
@@ -70,7 +124,7 @@ class _File:
     @property
     def fd(self) -> int:
         if self._fd is None:
-            self._fd = os.open(self.path, os.O_RDONLY)
+            self._fd = open_regular(self.path)
         return self._fd
 
     def close(self) -> None:

@@ -18,6 +18,7 @@ from mxload.orchestrator.errors import UsageError
 from mxload.workers.storage.faults import OverlongRead, ShortRead
 from mxload.workers.storage.jobs import Job
 from mxload.workers.storage.local import Runner
+from mxload.workers.storage.options import MxloadOptions
 from mxload.workers.storage.stats import StorageStats
 from mxload.workers.storage.urls import S3_PROTOCOLS, protocol
 
@@ -47,9 +48,46 @@ def is_local_fs(fs: Any) -> bool:
     return isinstance(fs, LocalFileSystem)
 
 
-def cat_checked(fs: Any, path: str, start: int, end: int) -> bytes:
-    """Bytes ``[start, end)`` of ``path``, exactly (ShortRead / OverlongRead otherwise)."""
-    data = fs.cat_file(path, start=start, end=end)
+def request_timeout(root_url: str, mine: MxloadOptions, nbytes: int) -> dict[str, Any]:
+    """Keywords that bound one request of ``nbytes`` in all (``request_budget_s``), where
+    the back end takes them per request: HTTP(S) (aiohttp's total timeout, beside the
+    connect and read timeouts). Others: nothing (their timeouts are per connection)."""
+    if protocol(root_url) not in ("http", "https"):
+        return {}
+    import aiohttp
+
+    return {
+        "timeout": aiohttp.ClientTimeout(
+            total=mine.request_budget_s(nbytes),
+            connect=mine.connect_timeout_s,
+            sock_connect=mine.connect_timeout_s,
+            sock_read=mine.read_timeout_s,
+        )
+    }
+
+
+def cat(
+    fs: Any, path: str, start: int | None, end: int | None, limits: Mapping[str, Any] | None
+) -> Any:
+    """``fs.cat_file``, with ``limits`` handed to the request itself: the synchronous
+    wrapper would take a ``timeout`` keyword as its own (how long to wait for the
+    coroutine, which then runs on unbounded)."""
+    if not limits:
+        return fs.cat_file(path, start=start, end=end)
+    from fsspec.asyn import sync  # type: ignore[import-untyped]
+
+    async def call() -> Any:
+        return await fs._cat_file(path, start=start, end=end, **limits)
+
+    return sync(fs.loop, call)
+
+
+def cat_checked(
+    fs: Any, path: str, start: int, end: int, limits: Mapping[str, Any] | None = None
+) -> bytes:
+    """Bytes ``[start, end)`` of ``path``, exactly (ShortRead / OverlongRead otherwise).
+    ``limits``: :func:`request_timeout`'s keywords."""
+    data = cat(fs, path, start, end, limits)
     want = end - start
     if len(data) < want:
         raise ShortRead(f"short read: got {len(data)} of {want} bytes")
@@ -68,14 +106,17 @@ def size(fs: Any, path: str, url: str) -> int:
     return int(value)
 
 
+STRONG_TAGS = ("VersionId", "version_id", "generation", "ETag", "etag", "Content-MD5", "md5Hash", "Digest")  # fmt: skip
+"""What a store says of an object that changes whenever its bytes do: S3's VersionId,
+GCS's generation, an ETag, a content digest. A modification time is not one (a second's
+resolution, and a writer can set it back)."""
+
+
 def version_tag(fs: Any, path: str) -> str:
-    """The store's ETag, else modification time, of ``path`` ("" if it says neither)."""
+    """The store's strong change tags of ``path`` (:data:`STRONG_TAGS`), "" when it gives
+    none: then nothing vouches for the bytes."""
     info = fs.info(path)
-    for key in ("ETag", "etag", "LastModified", "last_modified", "mtime", "Last-Modified"):
-        value = info.get(key)
-        if value:
-            return f"{key}={value}"
-    return ""
+    return ",".join(f"{key}={info[key]}" for key in STRONG_TAGS if info.get(key))
 
 
 def read_jobs(
@@ -86,14 +127,17 @@ def read_jobs(
     run: Runner,
     stats: StorageStats,
     pool: Callable[[], ThreadPoolExecutor],
+    limits: Callable[[int], Mapping[str, Any]] | None = None,
 ) -> int:
     """Run requests ``jobs`` into ``view``, concurrently on ``pool()`` when several.
     Fails with the first failure in request order, and never returns while a request
-    may still write into ``view``."""
+    may still write into ``view``. ``limits(nbytes)``: per-request keywords
+    (:func:`request_timeout`)."""
 
     def one(job: Job) -> int:
         def fetch() -> int:
-            data = cat_checked(fs, path, job.start, job.end)
+            extra = limits(job.nbytes) if limits is not None else None
+            data = cat_checked(fs, path, job.start, job.end, extra)
             stats.add(bytes_fetched=len(data))
             direct = job.direct_offset()
             if direct is not None:

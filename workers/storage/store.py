@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import os
 import posixpath
+import stat
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
-from mxload.orchestrator.errors import CheckpointError, StorageError
+from mxload.orchestrator.errors import CheckpointError, InputError, StorageError
 from mxload.orchestrator.plan.ranges import (
     LOCAL_POLICY,
     REMOTE_POLICY,
@@ -34,6 +35,10 @@ from mxload.workers.storage.urls import check_inside, check_location, check_relp
 T = TypeVar("T")
 
 _DEFAULT_MAX_REQUEST_BYTES = 32 << 20
+MAX_METADATA_BYTES = 64 << 20
+"""Most bytes of a whole-file read (config.json, the index; docs/contract.md §1.4): a
+DeepSeek-V3 index is 9 MB; a bigger file is not a checkpoint's, and would be held whole
+in memory (twice, as bytes and parsed) before the JSON parser could object."""
 _DEFAULT_RETRY = RetryPolicy()
 
 
@@ -70,6 +75,7 @@ class Storage:
         self.max_request_bytes = max_request_bytes
         self.stats = StorageStats()
         mine = MxloadOptions.parse(self.storage_options)
+        self.limits = mine
         self.connect_timeout_s = mine.connect_timeout_s
         self.read_timeout_s = mine.read_timeout_s
         self.allow_outside_links = mine.allow_outside_links
@@ -159,11 +165,21 @@ class Storage:
             self._inside[relpath] = True
         return path
 
-    def _not_a_folder(self, relpath: str, path: str) -> None:
-        """A checkpoint file that is a folder is the checkpoint's fault (exit status 2)."""
-        if self.is_local and os.path.isdir(path):
+    def _regular(self, relpath: str, path: str) -> None:
+        """A local checkpoint file that is a folder, a FIFO, a device or a socket is the
+        checkpoint's fault (exit status 2), refused before it is opened (links followed:
+        a link to ``/dev/zero`` is a device)."""
+        if not self.is_local:
+            return
+        try:
+            mode = os.stat(path).st_mode
+        except OSError:
+            return  # missing: the request itself says so
+        if not stat.S_ISREG(mode):
             url = self.url(relpath)
-            raise CheckpointError(f"{url}: is a folder, not a file", file=url)
+            raise CheckpointError(
+                f"{url}: is {local.file_kind(mode)}, not a regular file; not read", file=url
+            )
 
     # -- requests -------------------------------------------------------------------------
 
@@ -175,7 +191,7 @@ class Storage:
         self.stats.add(requests=1)
         try:
             return fn()
-        except StorageError:
+        except (StorageError, InputError):  # failed for good, or the checkpoint's fault
             raise
         except Exception as exc:
             first = exc
@@ -196,13 +212,23 @@ class Storage:
 
     # -- whole files and metadata ---------------------------------------------------------
 
-    def read_file(self, relpath: str) -> bytes:
-        """The whole file (config.json, the index): small files only."""
+    def read_file(self, relpath: str, max_bytes: int = MAX_METADATA_BYTES) -> bytes:
+        """The whole file (config.json, the index): small files only, at most
+        ``max_bytes`` (CheckpointError naming it when bigger, read no further)."""
         path = self._path(relpath)
-        self._not_a_folder(relpath, path)
+        self._regular(relpath, path)
+        url = self.url(relpath)
 
         def fetch() -> bytes:
-            data = local.read_whole(path) if self.is_local else bytes(self.fs.cat_file(path))
+            if self.is_local:
+                data = local.read_whole(path, max_bytes, url)
+            else:
+                size = remote.size(self.fs, path, url)
+                if size > max_bytes:
+                    raise local.too_large(url, max_bytes)
+                data = bytes(remote.cat(self.fs, path, None, None, self._limits(size)))
+                if len(data) > max_bytes:  # grew since: still not kept
+                    raise local.too_large(url, max_bytes)
             self.stats.add(bytes_fetched=len(data))
             return data
 
@@ -211,7 +237,7 @@ class Storage:
     def size(self, relpath: str) -> int:
         """Size in bytes of ``relpath`` (StorageError if it does not exist)."""
         path = self._path(relpath)
-        self._not_a_folder(relpath, path)
+        self._regular(relpath, path)
 
         def stat() -> int:
             if self.is_local:
@@ -221,14 +247,21 @@ class Storage:
         return self._call(relpath, None, stat)
 
     def version_tag(self, relpath: str) -> str:
-        """What the store says identifies this version of ``relpath`` beyond its size: the
-        ETag where it gives one (S3, most HTTP servers), else its modification time, else
-        "" (a checkpoint's fingerprint includes it, docs/contract.md §4 "Reload")."""
+        """What changes whenever the bytes of ``relpath`` do (a checkpoint's fingerprint
+        includes it, docs/contract.md §4 "Reload"), "" when the store gives nothing that
+        does. Local: device, inode, size, and ctime and mtime in nanoseconds (a writer can
+        set the mtime back with ``os.utime``, not the ctime; a file replaced by a rename is
+        another inode). Remote: the store's VersionId, ETag or digest
+        (``remote.STRONG_TAGS``); a modification time alone is not enough."""
         path = self._path(relpath)
 
         def stat() -> str:
             if self.is_local:
-                return f"mtime_ns={os.stat(path).st_mtime_ns}"
+                st = os.stat(path)
+                return (
+                    f"dev={st.st_dev},ino={st.st_ino},size={st.st_size},"
+                    f"ctime_ns={st.st_ctime_ns},mtime_ns={st.st_mtime_ns}"
+                )
             return remote.version_tag(self.fs, path)
 
         return self._call(relpath, None, stat)
@@ -255,9 +288,11 @@ class Storage:
 
         def fetch() -> bytes:
             if self.is_local:
-                data = local.read_at(path, start, length)
+                data = local.read_at(path, start, length, self.url(relpath))
             else:
-                data = remote.cat_checked(self.fs, path, start, start + length)
+                data = remote.cat_checked(
+                    self.fs, path, start, start + length, self._limits(length)
+                )
             self.stats.add(bytes_fetched=len(data))
             return data
 
@@ -288,4 +323,10 @@ class Storage:
             jobs = plan_jobs(ranges, self.policy, None)
             return local.read_jobs(path, jobs, view, run, self.stats)
         jobs = plan_jobs(ranges, self.policy, self.max_request_bytes)
-        return remote.read_jobs(self.fs, path, jobs, view, run, self.stats, self._get_pool)
+        return remote.read_jobs(
+            self.fs, path, jobs, view, run, self.stats, self._get_pool, self._limits
+        )
+
+    def _limits(self, nbytes: int) -> dict[str, Any]:
+        """Per-request keywords bounding a remote request of ``nbytes`` in all."""
+        return remote.request_timeout(self.root_url, self.limits, nbytes)

@@ -61,6 +61,15 @@ def local_path(url: str) -> str:
     return url
 
 
+def absolute(location: str) -> str:
+    """A local location as an absolute OS path (``file://`` dropped), made once in the
+    process that names it: a relative path means another folder in a worker whose
+    working directory differs. URLs and empty strings come back unchanged."""
+    if not location or is_remote(location):
+        return location
+    return os.path.abspath(local_path(location))
+
+
 def check_location(root_url: object) -> str:
     """``root_url`` if it is a non-empty string with a scheme mxload reads, else
     UsageError (bad input, refused before any connection)."""
