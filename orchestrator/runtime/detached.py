@@ -52,6 +52,7 @@ from typing import Any
 from mxload.orchestrator.errors import (
     HeadDown,
     HeadStopped,
+    MxloadError,
     RunError,
     SessionBusy,
     SessionError,
@@ -370,6 +371,57 @@ def check_recorded_head(record: Any) -> None:
     stopped = head_stopped(record)
     if stopped:
         raise _head_stopped_error(record, stopped)
+
+
+@contextmanager
+def watching_head(record: Any | None, period_s: float = 1.0) -> Iterator[None]:
+    """While the body runs, the recorded head is checked every ``period_s`` from its
+    recorded processes (:func:`check_recorded_head`). When it goes down or is stopped,
+    the body is interrupted wherever it waits on Ray (which then might wait minutes, or
+    for ever) and the head's error is raised instead: it names the head, not a rank."""
+    import signal
+
+    # Only the main thread can be interrupted, and only where Python handles SIGINT.
+    on_main = threading.current_thread() is threading.main_thread()
+    handled = signal.getsignal(signal.SIGINT) not in (signal.SIG_DFL, signal.SIG_IGN, None)
+    if record is None or not (on_main and handled):
+        yield
+        return
+    main = threading.main_thread().ident
+    found: list[MxloadError] = []
+    done = threading.Event()
+
+    def watch() -> None:
+        while not done.wait(period_s):
+            try:
+                check_recorded_head(record)
+            except MxloadError as err:
+                found.append(err)
+                # A real signal, so that a wait in a system call wakes up too.
+                if main is not None:
+                    signal.pthread_kill(main, signal.SIGINT)
+                return
+
+    threading.Thread(target=watch, name="mxload-head-watch", daemon=True).start()
+    try:
+        yield
+    except (KeyboardInterrupt, MxloadError, RuntimeError):
+        # Ray's own error for a lost raylet may surface before the interrupt does.
+        err = found[0] if found else _head_error(record)
+        if err is not None:
+            raise err from None
+        raise
+    finally:
+        done.set()
+
+
+def _head_error(record: Any) -> MxloadError | None:
+    """The recorded head's error if it is down or stopped now, else None."""
+    try:
+        check_recorded_head(record)
+    except MxloadError as err:
+        return err
+    return None
 
 
 def _connect(address: str | None) -> tuple[str, bool]:
@@ -788,10 +840,10 @@ def detached_reload(
     try:
         keeper, first, run = _attach(session, address)
         check_ranks_running(first)
-        record = _recorded_head(address)
-        if record is not None:
-            run.watch = lambda: check_recorded_head(record)
-        with session_lease(keeper, session, "reload", src) as lease:
+        with (
+            watching_head(_recorded_head(address)),
+            session_lease(keeper, session, "reload", src) as lease,
+        ):
             # Read under the lease: a reload that finished meanwhile moved the version.
             state: SessionState = ray.get(keeper.get.remote())
             _check_engine(session, state.plan, engine)

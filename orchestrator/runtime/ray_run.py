@@ -46,10 +46,6 @@ class RayRun:
         self.actors: list[Any] = []
         self.last_sharing: dict[str, Any] = {}
         """What the last run's read-once sharing planned and measured (manifest "sharing")."""
-        self.watch: Callable[[], None] | None = None
-        """Called about once a second while ranks run; raises to end the wait (a head
-        found dead: its error names the head within seconds, where Ray would take minutes
-        and blame a rank)."""
 
     # --- cluster ------------------------------------------------------------------------
 
@@ -181,12 +177,8 @@ class RayRun:
         reports: list[Report | None] = [None] * world
         failures: dict[int, MxloadError] = {}
         unavailable_since: dict[int, float] = {}
-        watched = time.monotonic()
         while refs:
             done, _ = ray.wait(list(refs), num_returns=1, timeout=0.5)
-            if self.watch is not None and time.monotonic() - watched >= 1.0:
-                self.watch()
-                watched = time.monotonic()
             if on_progress is not None:
                 on_progress(self._poll_progress())
             for ref in done:

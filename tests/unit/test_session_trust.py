@@ -452,3 +452,32 @@ def test_reload_records_the_new_identity_or_the_failure(plan, ckpt_factory) -> N
     with pytest.raises(ReloadMismatch):
         reload(refused, state, save, other)
     assert refused.ran == [] and len(saved) == 2, "refused before running or recording"
+
+
+def test_a_head_going_down_interrupts_a_command_waiting_on_it(monkeypatch) -> None:
+    """A command blocked on the head (here a sleep; in a run, a Ray call that would wait
+    minutes after its raylet died) ends within a period with the head's own error."""
+    import time
+
+    from mxload.orchestrator.errors import HeadDown
+    from mxload.orchestrator.runtime import detached
+
+    checks: list[float] = []
+
+    def check(record: object) -> None:
+        checks.append(time.monotonic())
+        if len(checks) >= 3:
+            raise HeadDown("head 127.0.0.1:6379 is down: its raylet (pid 4242) died")
+
+    monkeypatch.setattr(detached, "check_recorded_head", check)
+    t0 = time.monotonic()
+    with pytest.raises(HeadDown, match="raylet"):
+        with detached.watching_head(object(), period_s=0.05):
+            time.sleep(30)
+    assert time.monotonic() - t0 < 5
+    # Nothing is watched after the body: no later interrupt.
+    n = len(checks)
+    with detached.watching_head(object(), period_s=0.05):
+        pass
+    time.sleep(0.2)
+    assert len(checks) == n
