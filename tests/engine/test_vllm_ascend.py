@@ -67,6 +67,7 @@ import __future__
 
 import ast
 import enum
+import functools
 import importlib
 import logging
 import os
@@ -510,9 +511,11 @@ VLLM_STUBS = {
 """What vLLM's functions reach that is stood in for here, and what stands in."""
 
 
-def _take(root: Path, file: str, cls: str, name: str) -> tuple[str, str]:
-    """The source of ``cls.name`` (or top-level ``name``) in vLLM's ``file``, dedented,
-    decorators dropped, and how it was declared (staticmethod/classmethod/"")."""
+@functools.cache
+def _take(root: Path, file: str, cls: str, name: str) -> tuple[types.CodeType, str]:
+    """``cls.name`` (or top-level ``name``) of vLLM's ``file``, its source dedented and
+    decorators dropped, compiled with annotations left unevaluated (they name vLLM types
+    this test does not import); and how it was declared (staticmethod/classmethod/"")."""
     text, tree = _parsed(root / file)
     node = _node(tree, (cls, name) if cls else (name,))
     assert isinstance(node, ast.FunctionDef | ast.ClassDef)
@@ -524,15 +527,9 @@ def _take(root: Path, file: str, cls: str, name: str) -> tuple[str, str]:
         ),
         "",
     )
-    lines = text.splitlines()[node.lineno - 1 : node.end_lineno]
-    return textwrap.dedent("\n".join(lines)), kind
-
-
-def _define(ns: dict[str, Any], source: str, name: str) -> Any:
-    # annotations stay unevaluated: they name vLLM types this test does not import
+    source = textwrap.dedent("\n".join(text.splitlines()[node.lineno - 1 : node.end_lineno]))
     code = compile(source, f"<vllm {name}>", "exec", flags=_ANNOTATIONS, dont_inherit=True)
-    exec(code, ns)
-    return ns[name]
+    return code, kind
 
 
 def _default_weight_loader(*_: Any) -> None:
@@ -555,8 +552,9 @@ class _VllmLoaders:
             body: dict[str, Any] = {}
             src = sources.vllm_wheel(ROUTING) if what == "model" else root
             for name in names:
-                source, kind = _take(src, file, cls, name)
-                fn = _define(ns, source, name)
+                code, kind = _take(src, file, cls, name)
+                exec(code, ns)
+                fn = ns[name]
                 body[name] = {"staticmethod": staticmethod, "classmethod": classmethod}.get(
                     kind, lambda f: f
                 )(fn)
