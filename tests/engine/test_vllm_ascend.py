@@ -10,16 +10,27 @@ so this test runs vllm-ascend's real code, downloaded at test time, on CPU:
    ``sys.modules`` (nothing real can run there on CPU); ``quant_type.py``, ``base.py`` and
    ``registry.py`` are vllm-ascend's own.
 3. Per rank of each layout, the engine's MX parameters are created by the schemes' real
-   ``get_weight`` / ``get_pergroup_param`` / ``get_dynamic_quant_param`` (registered as
-   ``nn.Parameter`` the way ``method_adapters.create_weights`` does), filled from the
-   ModelOpt-MXFP8 checkpoint that ``mxload convert`` writes, sharded by vLLM's rules (the
-   weight loaders, written here from vLLM's conventions), then the real
-   ``process_weights_after_loading`` runs.
+   ``get_weight`` / ``get_pergroup_param`` / ``get_dynamic_quant_param``, each carrying the
+   weight loader of its vLLM layer, then filled from the ModelOpt-MXFP8 checkpoint that
+   ``mxload convert`` writes by vLLM's own loading code, taken unmodified out of the vLLM
+   wheel the release builds on (``pip download --no-deps``; :data:`VLLM_OF`, :data:`VLLM_TAKEN`):
+   ``Qwen3MoeModel.load_weights`` and ``get_expert_mapping`` (which checkpoint tensor goes
+   to which parameter with which shard id: q/k/v, gate/up, w1/w2/w3 per expert),
+   ``QKVParallelLinear`` / ``MergedColumnParallelLinear`` (with ``validate_shard_id``) /
+   ``RowParallelLinear.weight_loader``, the FusedMoE's ``weight_loader``, ``_load_w13``,
+   ``_load_w2``, ``_load_model_weight_or_group_weight_scale`` and the local-expert lookup
+   (``ExpertMapManager.map_global_to_local`` over ``determine_expert_map``'s placement),
+   the expert mapping (``make_expert_params_mapping``, ``EplbState``'s initial
+   physical-to-logical map) and the ``FusedMoeWeightScaleSupported`` kinds. vLLM 0.23.0
+   under 0.23.0.post1; vLLM 0.30.0 (its ``RoutedExperts`` loaders and its expert mapping,
+   which names the experts ``mlp.experts.routed_experts.*``) under 0.30.0rc2 and for the
+   main profile. Every parameter is filled with 0xFF first, so a byte no loader writes
+   cannot pass. Then the real ``process_weights_after_loading`` runs.
 4. mxload plans with ``--engine vllm-ascend-0.23`` and must give exactly those names,
    shapes, strides and dtypes; it adopts the engine's parameters and reloads the block-FP8
    checkpoint into them three times; each time, the parameters read through their views
-   equal what vllm-ascend's RL path gives (``restore_weights_for_rl_loading``, the
-   weight loaders with the new ModelOpt checkpoint, post-load again), and no ``data_ptr``
+   equal what vllm-ascend's RL path gives (``restore_weights_for_rl_loading``, vLLM's
+   loaders with the new ModelOpt checkpoint, post-load again), and no ``data_ptr``
    moves. A standalone mxload load (its own allocation, what ``--dump`` writes) holds the
    same views and bytes.
 
@@ -36,18 +47,32 @@ planned with ``--engine vllm-ascend-0.30.0rc2`` (the main profile): its own
 ``maybe_trans_nz*`` deciding) and its row-parallel K padding run on ``o_proj`` /
 ``down_proj`` (stubs: :func:`schemes_newest`).
 
-Not covered for real (nothing of them imports without vLLM/torch_npu): vLLM's own weight
-loaders and ``method_adapters.create_weights`` (reproduced here), the unquantized
-(fallback) MoE post-load, vllm-ascend main's own file and vLLM main's MoE naming.
+Still stood in for (:data:`VLLM_STUBS`): what the loaders read from vLLM's distributed
+state, config and layer constructors (the tp rank, the QKV head bookkeeping of
+``QKVParallelLinear.__init__``, ``output_sizes``, FusedMoE's ``moe_config``, ``quant_config``
+None, ``quant_method`` an object named ``AscendFusedMoEMethod``), ``is_pp_missing_parameter``
+(the checkpoint's plain tensors are not MX parameters here), ``maybe_remap_kv_scale_name``
+and ``default_weight_loader`` (never reached), and under vLLM 0.30 the routing of names,
+which 0.30 does through ``AutoWeightsLoader`` over a real module tree: 0.23's hand-rolled
+``Qwen3MoeModel.load_weights`` routes there too (:data:`ROUTING`), with 0.30's mapping and
+loaders. Not covered for real (nothing of them imports without vLLM/torch_npu):
+``method_adapters.create_weights`` (its attributes set here: ``output_dim`` 0 and
+``input_dim`` 1 on linear weights and MX scales, the MoE scales GROUP-quantized), the
+unquantized (fallback) MoE post-load, vllm-ascend main's own file and vLLM main's own
+MoE naming (0.30's is used).
 """
 
 from __future__ import annotations
+import __future__
 
+import ast
 import enum
+import functools
 import importlib
 import logging
 import os
 import sys
+import textwrap
 import types
 from collections.abc import Iterator
 from pathlib import Path
@@ -65,7 +90,10 @@ from mxload.workers.tools.convert import convert_checkpoint
 from safetensors.torch import load_file
 
 from tests.engine import sources
-from tests.reference_model import Layout, coords, experts_of, stage_layers
+from tests.engine.test_vllm_qwen3_5 import _namespace, _node, _parsed
+from tests.reference_model import Layout, coords
+
+_ANNOTATIONS = __future__.annotations.compiler_flag
 
 PIN = "0.23.0.post1"
 MOE_PREFIX = "mlp.experts"
@@ -257,11 +285,30 @@ def schemes_newest() -> SimpleNamespace:
 
 
 class _Engine:
-    """One rank's MX layers as vllm-ascend holds them (name -> module with Parameters)."""
+    """One rank's MX layers as vllm-ascend holds them (name -> module with Parameters),
+    each parameter carrying the weight loader of the vLLM layer it belongs to."""
 
-    def __init__(self, schemes: SimpleNamespace, plan_rank: Any, dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        schemes: SimpleNamespace,
+        plan_rank: Any,
+        dtype: torch.dtype,
+        vllm: _VllmLoaders,
+        cfg: dict,
+        layout: Layout,
+    ) -> None:
         self.layers: dict[str, tuple[Any, torch.nn.Module]] = {}
+        self.vllm, self.cfg = vllm, cfg
         bufs = {b.name: b for b in plan_rank.buffers}
+        _, _, tp_rank = coords(layout, plan_rank.rank)
+        tp = layout.tp
+        nq, nkv, hd = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
+        group = layout.dp * tp  # vLLM flattens dp x tp for the MoE
+        moe_rank = plan_rank.dp_rank * tp + tp_rank
+        n_local, expert_map, *_ = vllm.ns["determine_expert_map"](
+            group if layout.ep else 1, moe_rank if layout.ep else 0, cfg["num_experts"]
+        )
+        scale_kinds = vllm.ns["FusedMoeWeightScaleSupported"]
         for b in plan_rank.buffers:
             if b.layout == "mx_linear" and b.name.endswith(".weight"):
                 k, n = b.shape
@@ -270,33 +317,95 @@ class _Engine:
                 layer = schemes.row() if row and hasattr(schemes, "row") else torch.nn.Module()
                 if row:  # what vLLM's RowParallelLinear sets (K split over tp)
                     layer.tp_rank, layer.input_size_per_partition = plan_rank.tp_rank, k
-                # method_adapters.create_weights: each returned tensor becomes a Parameter
+                # the vLLM layer whose weight_loader the parameters carry (its __init__'s
+                # attributes as QKVParallelLinear / MergedColumnParallelLinear set them)
+                if b.name.endswith("qkv_proj.weight"):
+                    owner = vllm.layer(
+                        "qkv",
+                        tp_size=tp,
+                        tp_rank=tp_rank,
+                        total_num_heads=nq,
+                        total_num_kv_heads=nkv,
+                        head_size=hd,
+                        v_head_size=hd,
+                        num_heads=nq // tp,
+                        num_kv_heads=max(1, nkv // tp),
+                        num_kv_head_replicas=max(1, tp // nkv),
+                    )
+                elif b.name.endswith("gate_up_proj.weight"):
+                    inter = cfg["intermediate_size"]
+                    owner = vllm.layer(
+                        "merged", tp_size=tp, tp_rank=tp_rank, output_sizes=[inter] * 2
+                    )
+                else:
+                    owner = vllm.layer("row", tp_size=tp, tp_rank=tp_rank)
+                # method_adapters.AscendLinearMethod.create_weights: each tensor a Parameter
+                # with output_dim 0, input_dim 1 (MX scales too) and the layer's loader
                 for d in (
                     scheme.get_weight(k, n, dtype),
                     scheme.get_pergroup_param(k, n, dtype, layer_type="others"),
                 ):
                     for pname, t in d.items():
-                        layer.register_parameter(pname, torch.nn.Parameter(t, requires_grad=False))
+                        param = torch.nn.Parameter(t, requires_grad=False)
+                        param.output_dim, param.input_dim = 0, 1
+                        param.weight_loader = owner.weight_loader
+                        layer.register_parameter(pname, param)
                 self.layers[b.name[: -len(".weight")]] = (scheme, layer)
             elif b.layout == "mx_moe" and b.name.endswith(".w13_weight"):
                 e_l, h, two_i = b.shape
+                assert e_l == n_local, (b.name, e_l, n_local)
                 w2 = bufs[b.name.replace("w13_weight", "w2_weight")]
                 assert w2.shape == (e_l, two_i // 2, h)
                 scheme = schemes.moe()
                 layer = torch.nn.Module()
-                for d in (
-                    scheme.get_weight(e_l, two_i // 2, h, dtype),
-                    scheme.get_dynamic_quant_param(e_l, two_i // 2, h, dtype),
+                moe = vllm.layer(
+                    "moe",
+                    tp_size=1 if layout.ep else group,
+                    tp_rank=0 if layout.ep else moe_rank,
+                    quant_config=None,
+                    quant_method=type("AscendFusedMoEMethod", (), {})(),
+                    expert_map_manager=vllm.layer("expert_map", _expert_map=expert_map),
+                    moe_config=SimpleNamespace(
+                        is_act_and_mul=True,
+                        tp_rank=0 if layout.ep else moe_rank,
+                        moe_parallel_config=SimpleNamespace(tp_size=1 if layout.ep else group),
+                    ),
+                )
+                # method_adapters.AscendFusedMoEMethod.create_weights: the FusedMoE's loader
+                # on every parameter; the MX scales (group_size > 0) GROUP-quantized
+                for d, kind in (
+                    (scheme.get_weight(e_l, two_i // 2, h, dtype), None),
+                    (scheme.get_dynamic_quant_param(e_l, two_i // 2, h, dtype), "scale"),
                 ):
                     for pname, t in d.items():
-                        layer.register_parameter(pname, torch.nn.Parameter(t, requires_grad=False))
+                        param = torch.nn.Parameter(t, requires_grad=False)
+                        param.weight_loader = moe.weight_loader
+                        if kind:
+                            assert "weight_scale" in pname and scheme.group_size > 0, pname
+                            param.quant_method = scale_kinds.GROUP.value
+                        layer.register_parameter(pname, param)
                 self.layers[b.name[: -len(".w13_weight")]] = (scheme, layer)
 
-    def load(self, values: dict[str, torch.Tensor]) -> None:
-        """What vLLM's weight loaders leave in the parameters (before post-load)."""
-        for prefix, (_, layer) in self.layers.items():
-            for pname, p in layer.named_parameters():
-                p.data.copy_(values[f"{prefix}.{pname}"])
+    def load(self, checkpoint: dict[str, torch.Tensor]) -> set[str]:
+        """vLLM's own loading of a ModelOpt-MXFP8 checkpoint into the parameters (before
+        post-load): Qwen3MoeModel.load_weights routing each tensor to a parameter with its
+        shard id, the parameters' weight loaders sharding it. Returns what it loaded."""
+        params = self.params()
+        for p in params.values():  # what no loader writes cannot pass for a value
+            p.data.view(torch.uint8).fill_(0xFF)
+        inner = {n.removeprefix("model."): p for n, p in params.items()}
+        model = self.vllm.layer(
+            "model",
+            params=inner,
+            named_parameters=lambda: list(inner.items()),
+            config=SimpleNamespace(num_experts=self.cfg["num_experts"]),
+            num_redundant_experts=0,
+        )
+        # AutoWeightsLoader (Qwen3MoeForCausalLM.load_weights): model.* to the model
+        weights = [
+            (n.removeprefix("model."), t) for n, t in checkpoint.items() if n.startswith("model.")
+        ]
+        return {f"model.{n}" for n in model.load_weights(weights)}
 
     def post_load(self) -> None:
         for scheme, layer in self.layers.values():
@@ -314,84 +423,151 @@ class _Engine:
         }
 
 
-def _loader_values(
-    mx_ckpt: dict[str, torch.Tensor], cfg: dict, layout: Layout, rank: int, moe_prefix: str
-):
-    """Per parameter, the [N, K] payload / [N, K/32] scale a rank's parameters hold after
-    vLLM's weight loaders ran on the ModelOpt-MXFP8 checkpoint (vLLM's sharding: qkv with
-    kv-head replication, column/row splits, FusedMoE TP over dp*tp or EP whole experts),
-    the FusedMoE's under ``layers.N.<moe_prefix>``."""
-    dp_rank, pp_rank, tp_rank = coords(layout, rank)
-    tp = layout.tp
-    hd = cfg["head_dim"]
-    nq, nkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
-    out: dict[str, torch.Tensor] = {}
+VLLM_OF = {
+    "vllm-ascend-0.23": "0.23.0",
+    "vllm-ascend-main": "0.30.0",
+    f"vllm-ascend-{NEWEST}": "0.30.0",
+}
+"""The vLLM wheel whose weight loaders fill each engine's parameters: 0.23.0 under
+vllm-ascend 0.23.0.post1; 0.30.0 under 0.30.0rc2, and for main's names (vLLM 0.30 already
+registers a FusedMoE's experts under ``routed_experts``)."""
+_MOE = "vllm/model_executor/layers/fused_moe"
+VLLM_TAKEN: dict[str, dict[str, tuple[str, str, tuple[str, ...]]]] = {
+    v: {
+        # what: (file, class or "", names taken from it)
+        "qkv": (
+            "vllm/model_executor/layers/linear.py",
+            "QKVParallelLinear",
+            ("validate_shard_id", "weight_loader"),
+        ),
+        "merged": (
+            "vllm/model_executor/layers/linear.py",
+            "MergedColumnParallelLinear",
+            ("validate_shard_id", "weight_loader"),
+        ),
+        "row": ("vllm/model_executor/layers/linear.py", "RowParallelLinear", ("weight_loader",)),
+        "moe": (
+            f"{_MOE}/layer.py" if v == "0.23.0" else f"{_MOE}/routed_experts.py",
+            "FusedMoE" if v == "0.23.0" else "RoutedExperts",
+            (
+                "weight_loader",
+                "_load_w13",
+                "_load_w2",
+                "_get_hidden_dim",
+                "_narrow_expert_data_for_padding",
+                "_map_global_expert_id_to_local_expert_id",
+                "_load_model_weight_or_group_weight_scale",
+                "make_expert_params_mapping",
+                *(() if v == "0.23.0" else ("build_expert_params_mapping",)),
+            ),
+        ),
+        "scale_kinds": (
+            f"{_MOE}/layer.py" if v == "0.23.0" else f"{_MOE}/routed_experts.py",
+            "",
+            ("FusedMoeWeightScaleSupported",),
+        ),
+        "mapping": (f"{_MOE}/layer.py", "", ("fused_moe_make_expert_params_mapping",)),
+        "placement": (f"{_MOE}/expert_map_manager.py", "", ("determine_expert_map",)),
+        "expert_map": (
+            f"{_MOE}/expert_map_manager.py",
+            "ExpertMapManager",
+            ("map_global_to_local",),
+        ),
+        "eplb": (
+            "vllm/distributed/eplb/eplb_state.py",
+            "EplbState",
+            ("build_initial_global_physical_to_logical_map",),
+        ),
+        # the model's checkpoint -> parameter routing: always vLLM 0.23's (ROUTING)
+        "model": (
+            "vllm/model_executor/models/qwen3_moe.py",
+            "Qwen3MoeModel",
+            ("get_expert_mapping", "load_weights"),
+        ),
+    }
+    for v in ("0.23.0", "0.30.0")
+}
+"""The functions of vLLM's own files that run here, unmodified, per wheel."""
+ROUTING = "0.23.0"
+"""The wheel whose ``Qwen3MoeModel.load_weights`` routes checkpoint tensors to parameters
+(0.30's routes through ``AutoWeightsLoader`` over a real module tree: see VLLM_STUBS)."""
+VLLM_STUBS = {
+    "get_tensor_model_parallel_rank, tp_size/tp_rank": "the rank under test (vllm.distributed)",
+    "is_pp_missing_parameter": "models/utils.py: not a parameter of this engine (the plain "
+    "tensors: norms, embeddings, router, lm_head are not vllm-ascend's MX parameters)",
+    "maybe_remap_kv_scale_name": "weight_utils.py: no kv-cache scales in the checkpoint",
+    "default_weight_loader": "weight_utils.py: never reached (every MX parameter has a loader)",
+    "quant_config": "None (its get_name() is only compared with gpt_oss_mxfp4)",
+    "quant_method": "an object named AscendFusedMoEMethod (vllm-ascend's adapter's name)",
+    "moe_config": "FusedMoEConfig: is_act_and_mul, tp_rank, moe_parallel_config.tp_size",
+    "logger": "Python logging",
+    "the rest of _namespace": "tests/engine/test_vllm_qwen3_5.py's _STUBS (quantization-only "
+    "helpers that raise if reached, parameter classes no isinstance here may match)",
+    "model routing under vLLM 0.30": "0.30's Qwen3MoeModel routes through AutoWeightsLoader "
+    "over its module tree; 0.23's hand-rolled Qwen3MoeModel.load_weights runs instead, with "
+    "0.30's expert mapping (fused_moe_make_expert_params_mapping, its legacy entry point) "
+    "and 0.30's per-parameter loaders",
+}
+"""What vLLM's functions reach that is stood in for here, and what stands in."""
 
-    def w(module: str, rows: slice, cols: slice) -> tuple[torch.Tensor, torch.Tensor]:
-        payload = mx_ckpt[f"{module}.weight"].view(torch.uint8)[rows, cols]
-        c0 = cols.start or 0
-        c1 = cols.stop if cols.stop is not None else payload.shape[1] + c0
-        scale = mx_ckpt[f"{module}.weight_scale"][rows, c0 // 32 : c1 // 32]
-        return payload, scale
 
-    def split(total: int, parts: int, i: int) -> slice:
-        share = total // parts
-        return slice(i * share, (i + 1) * share)
+@functools.cache
+def _take(root: Path, file: str, cls: str, name: str) -> tuple[types.CodeType, str]:
+    """``cls.name`` (or top-level ``name``) of vLLM's ``file``, its source dedented and
+    decorators dropped, compiled with annotations left unevaluated (they name vLLM types
+    this test does not import); and how it was declared (staticmethod/classmethod/"")."""
+    text, tree = _parsed(root / file)
+    node = _node(tree, (cls, name) if cls else (name,))
+    assert isinstance(node, ast.FunctionDef | ast.ClassDef)
+    kind = next(
+        (
+            d.id
+            for d in getattr(node, "decorator_list", [])
+            if isinstance(d, ast.Name) and d.id in ("staticmethod", "classmethod")
+        ),
+        "",
+    )
+    source = textwrap.dedent("\n".join(text.splitlines()[node.lineno - 1 : node.end_lineno]))
+    code = compile(source, f"<vllm {name}>", "exec", flags=_ANNOTATIONS, dont_inherit=True)
+    return code, kind
 
-    def put(name: str, pieces: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        out[f"{name}.weight"] = torch.cat([p for p, _ in pieces]).view(torch.float8_e4m3fn)
-        out[f"{name}.weight_scale"] = torch.cat([s for _, s in pieces])
 
-    full = slice(None)
-    for i in stage_layers(cfg["num_hidden_layers"], layout.pp, pp_rank):
-        p = f"model.layers.{i}"
-        q_rows = split(nq * hd, tp, tp_rank)
-        if nkv % tp == 0:
-            kv_rows = split(nkv * hd, tp, tp_rank)
-        else:
-            head = tp_rank // (tp // nkv)
-            kv_rows = slice(head * hd, (head + 1) * hd)
-        put(
-            f"{p}.self_attn.qkv_proj",
-            [
-                w(f"{p}.self_attn.q_proj", q_rows, full),
-                w(f"{p}.self_attn.k_proj", kv_rows, full),
-                w(f"{p}.self_attn.v_proj", kv_rows, full),
-            ],
+def _default_weight_loader(*_: Any) -> None:
+    raise AssertionError("vLLM's default_weight_loader reached: an MX parameter has no loader")
+
+
+class _VllmLoaders:
+    """vLLM's weight loaders of one wheel, for one rank (``tp_rank`` of the attention/MLP
+    group): classes holding vLLM's methods, their globals the names in ``VLLM_STUBS``."""
+
+    def __init__(self, root: Path, version: str, tp_rank: int) -> None:
+        ns = self.ns = _namespace(tp_rank)
+        ns.update(
+            Enum=enum.Enum,
+            logger=sources.QuietLogger(),
+            default_weight_loader=_default_weight_loader,
         )
-        put(
-            f"{p}.self_attn.o_proj", [w(f"{p}.self_attn.o_proj", full, split(nq * hd, tp, tp_rank))]
-        )
-        if i in cfg.get("mlp_only_layers", []):
-            inter = split(cfg["intermediate_size"], tp, tp_rank)
-            put(
-                f"{p}.mlp.gate_up_proj",
-                [w(f"{p}.mlp.gate_proj", inter, full), w(f"{p}.mlp.up_proj", inter, full)],
-            )
-            put(f"{p}.mlp.down_proj", [w(f"{p}.mlp.down_proj", full, inter)])
-            continue
-        n_e, mi = cfg["num_experts"], cfg["moe_intermediate_size"]
-        moe_rank, moe_size = dp_rank * tp + tp_rank, layout.dp * tp
-        if layout.ep:
-            experts = experts_of(n_e, moe_size, moe_rank, layout.placement)
-            rows = slice(0, mi)
-        else:
-            experts, rows = list(range(n_e)), split(mi, moe_size, moe_rank)
-        w13, s13, w2, s2 = [], [], [], []
-        for e in experts:
-            m = f"{p}.mlp.experts.{e}"
-            (gp, gs), (up, us) = w(f"{m}.gate_proj", rows, full), w(f"{m}.up_proj", rows, full)
-            dp_, ds = w(f"{m}.down_proj", full, rows)
-            w13.append(torch.cat([gp, up]))
-            s13.append(torch.cat([gs, us]))
-            w2.append(dp_)
-            s2.append(ds)
-        x = f"{p}.{moe_prefix}"
-        out[f"{x}.w13_weight"] = torch.stack(w13).view(torch.float8_e4m3fn)
-        out[f"{x}.w13_weight_scale"] = torch.stack(s13)
-        out[f"{x}.w2_weight"] = torch.stack(w2).view(torch.float8_e4m3fn)
-        out[f"{x}.w2_weight_scale"] = torch.stack(s2)
-    return out
+        self.classes: dict[str, type] = {}
+        for what, (file, cls, names) in VLLM_TAKEN[version].items():
+            body: dict[str, Any] = {}
+            src = sources.vllm_wheel(ROUTING) if what == "model" else root
+            for name in names:
+                code, kind = _take(src, file, cls, name)
+                exec(code, ns)
+                fn = ns[name]
+                body[name] = {"staticmethod": staticmethod, "classmethod": classmethod}.get(
+                    kind, lambda f: f
+                )(fn)
+            if cls:
+                self.classes[what] = type(cls, (), body)
+        # what the functions call by their vLLM names
+        ns["FusedMoE"] = ns["RoutedExperts"] = self.classes["moe"]
+        ns["EplbState"] = self.classes["eplb"]
+
+    def layer(self, what: str, **attrs: Any) -> Any:
+        obj = self.classes[what]()
+        obj.__dict__.update(attrs)
+        return obj
 
 
 def _read_mx(path: str) -> dict[str, torch.Tensor]:
@@ -446,19 +622,18 @@ def test_adopts_vllm_ascend_parameters_and_reloads_to_its_own_values(
         ]
     dtype = torch.bfloat16
     inputs = {1: reload_inputs(held, src1), 2: reload_inputs(held, src2)}
+    vllm_root = sources.vllm_wheel(VLLM_OF[engine_name])
     for rank, rp in enumerate(held.ranks):
-        values = {
-            v: _loader_values(mx, cfg, ref_layout, rank, moe_prefix)
-            for v, mx in ((1, mx1), (2, mx2))
-        }
+        _, _, tp_rank = coords(ref_layout, rank)
+        vllm = _VllmLoaders(vllm_root, VLLM_OF[engine_name], tp_rank)
         # What vllm-ascend holds after loading version 1 (its engine start-up).
-        engine = _Engine(schemes, rp, dtype)
-        # 0. The plan names every MX parameter as the engine does: the schemes' own
-        #    parameter names under the modules vLLM's loaders fill (above).
+        engine = _Engine(schemes, rp, dtype, vllm, cfg, ref_layout)
+        # 0. The plan names every MX parameter as the engine does: vLLM's own loading
+        #    (its name routing and expert mapping) finds and fills every one of them.
         names = set(engine.params())
-        assert names == set(values[1]), f"rank {rank}: {sorted(names ^ set(values[1]))}"
+        loaded = engine.load(mx1)
+        assert loaded == names, f"rank {rank}: {sorted(loaded ^ names)}"
         assert any(f".{moe_prefix}.w13_weight_scale" in n for n in names), sorted(names)
-        engine.load(values[1])
         engine.post_load()
         params = engine.params()
         if NEWEST in name:  # its row-parallel K padding ran (and found the shards aligned)
@@ -477,11 +652,11 @@ def test_adopts_vllm_ascend_parameters_and_reloads_to_its_own_values(
         assert mx_specs == set(params), f"rank {rank}: {sorted(mx_specs ^ set(params))}"
 
         # vllm-ascend's RL path to version 2 on a second engine: restore, load, post-load.
-        ref2 = _Engine(schemes, rp, dtype)
-        ref2.load(values[1])
+        ref2 = _Engine(schemes, rp, dtype, vllm, cfg, ref_layout)
+        assert ref2.load(mx1) == names
         ref2.post_load()
         ref2.restore()
-        ref2.load(values[2])
+        assert ref2.load(mx2) == names
         ref2.post_load()
         want = {1: {n: _bytes(t).clone() for n, t in params.items()}}
         want[2] = {n: _bytes(t) for n, t in ref2.params().items()}
