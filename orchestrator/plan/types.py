@@ -331,6 +331,9 @@ class ParallelLayout:
     pp: int = 1
     enable_expert_parallel: bool = False
     expert_placement: Literal["linear", "round_robin"] = "linear"
+    language_model_only: bool = False
+    """vLLM's ``--language-model-only``: the engine builds no vision tower, so none is planned
+    (a model without one is unaffected)."""
 
     @property
     def world(self) -> int:
@@ -343,6 +346,7 @@ class ParallelLayout:
             "pp": self.pp,
             "enable_expert_parallel": self.enable_expert_parallel,
             "expert_placement": self.expert_placement,
+            "language_model_only": self.language_model_only,
             "world": self.world,
         }
 
