@@ -340,15 +340,17 @@ class ParallelLayout:
         return self.tp * self.dp * self.pp
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        out: dict[str, Any] = {
             "tp": self.tp,
             "dp": self.dp,
             "pp": self.pp,
             "enable_expert_parallel": self.enable_expert_parallel,
             "expert_placement": self.expert_placement,
-            "language_model_only": self.language_model_only,
             "world": self.world,
         }
+        if self.language_model_only:  # only when set: plans of other models read as before
+            out["language_model_only"] = True
+        return out
 
 
 @dataclass(frozen=True)
