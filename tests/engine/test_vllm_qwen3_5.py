@@ -31,8 +31,14 @@ Reproduced here (each from the vLLM constructor named beside it): the parameters
 and dtypes (``A_log`` float32, the rest the model dtype; the loaders' shape asserts check
 every shard against them), the QKV head bookkeeping of ``QKVParallelLinear.__init__``, and
 the routing of ``AutoWeightsLoader`` (``language_model.model.*`` to the model,
-``language_model.lm_head`` to the head, ``mtp.*`` skipped, the vision tower not built:
-language-model-only).
+``language_model.lm_head`` to the head, ``visual.*`` to the vision tower, ``mtp.*``
+skipped).
+
+The vision tower (built by default, as vLLM does) runs ``Qwen3_VisionTransformer.load_weights``
+(qwen3_vl.py) with the same linear loaders (``attn.qkv`` through
+``QKVParallelLinear.weight_loader`` with no shard id: the fused q/k/v split by it); its
+parameters' shapes are reproduced from ``Qwen3_VisionTransformer.__init__`` and the layers
+it builds (``vision_params``).
 
 Each rank's parameters after vLLM's loaders must equal, byte for byte, the buffers mxload
 loads for that rank (names, shapes, dtypes, bytes), for tp 1, 2 and 4, from the BF16 twin
@@ -73,7 +79,7 @@ from tests.independent_ref import mx_quantize_ref, same_e4m3_bytes
 PIN = "0.23.0"
 FILES = {
     "qwen3_5": "vllm/model_executor/models/qwen3_5.py",
-    "qwen3_vl": "vllm/model_executor/models/qwen3_vl.py",
+    "qwen3_vl": "vllm/model_executor/models/qwen3_vl.py",  # mapper, vision tower
     "gdn": "vllm/model_executor/layers/mamba/gdn/qwen_gdn_linear_attn.py",
     "linear": "vllm/model_executor/layers/linear.py",
     "mamba2": "vllm/model_executor/layers/mamba/mamba_mixer2.py",

@@ -238,8 +238,9 @@ PRESETS: dict[str, dict[str, Any]] = {
     },
     # Qwen3.8-27B-FP8 (Qwen3.5 dense) in miniature, in the real layout: the language model
     # under text_config and model.language_model.*, three Gated DeltaNet layers then one
-    # gated full-attention layer, a vision tower (model.visual.*) and one MTP layer
-    # (mtp.*) that no plan holds, and the FP8 release's modules_to_not_convert. The MLP is
+    # gated full-attention layer, a two-block vision tower (model.visual.*, planned unless
+    # language-model-only), one MTP layer (mtp.*) that no plan holds, and the FP8 release's
+    # modules_to_not_convert. The MLP is
     # 448 wide: 14 MX groups at tp 1, 7 (odd) at tp 2, and not a multiple of 32 at tp 4
     # (held resolved in the model dtype); vocab 1000 is not a multiple of 64.
     "qwen3.5-tiny": {
