@@ -174,7 +174,10 @@ class _Problems:
         dim = arch.dims[dim_name]
         count = dim.count(config)
         if count % ways != 0:
-            self.add(f"{dim.key} ({count}) is not divisible by {flag} ({ways})", flag, tensor)
+            hint = ""
+            if dim.key.startswith("vision_config."):
+                hint = " (--language-model-only plans no vision tower)"
+            self.add(f"{dim.key} ({count}) is not divisible by {flag} ({ways}){hint}", flag, tensor)
 
 
 def _source_problems(

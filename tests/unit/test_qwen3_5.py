@@ -95,6 +95,19 @@ def test_the_vision_tower_is_on_every_pipeline_stage_unless_language_model_only(
         assert not any(b.name.startswith("visual.") for b in lm_only)
 
 
+def test_a_tp_the_vision_tower_cannot_take_is_refused_naming_the_way_out() -> None:
+    from mxload.orchestrator.errors import LayoutError
+    from mxload.workers.tools.synth import preset_config
+
+    # among the reasons: the vision tower's 4 heads, with the flag that avoids them
+    cfg = parse_config(preset_config("qwen3.5-tiny"), "qwen3.5-tiny")
+    with pytest.raises(LayoutError) as err:
+        plan_rank(cfg, ParallelLayout(tp=8), 0)
+    assert "vision_config.num_heads (4) is not divisible by --tp (8) (--language-model-only" in str(
+        err.value
+    )
+
+
 def test_qwen3_8_27b_config_reads_the_nested_text_config() -> None:
     cfg = parse_config(model_config("qwen3.8-27b-fp8"), "qwen3.8-27b-fp8.json")
     assert (cfg.hidden_size, cfg.num_hidden_layers, cfg.vocab_size) == (H, LAYERS, V)
