@@ -679,6 +679,10 @@ _QWEN3_5_FINAL = (
 # * every parameter in the model dtype; no PP check: every pipeline stage builds the tower.
 # The quantization_config of the FP8 releases excludes ``model.visual``; a quantized vision
 # tensor is refused (``linear=False``), as mxload plans the tower unquantized.
+# vllm-ascend 0.23.0.post1 replaces only forward-time code of the tower
+# (patch/worker/patch_qwen3vl.py: the position-embedding interpolation; ops/conv.py:
+# AscendConv3dLayer.forward_oot; ops/mm_encoder_attention.py pads q/k/v activations to a
+# head size its kernel takes, not the weights), so it holds the same parameters.
 
 
 def _vdim(attr: str) -> Callable[[ModelConfig], int]:
