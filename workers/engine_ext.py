@@ -474,6 +474,18 @@ def engine_settings(vllm_config: Any) -> dict[str, str]:
     return out
 
 
+def _language_model_only(vllm_config: Any) -> bool:
+    """vLLM skips the vision tower when ``language_model_only`` is set or every modality's
+    ``limit_mm_per_prompt`` is 0 (``SupportsMultiModal._mark_tower_model``)."""
+    mm = getattr(getattr(vllm_config, "model_config", None), "multimodal_config", None)
+    if mm is None:
+        return False
+    if bool(getattr(mm, "language_model_only", False)):
+        return True
+    limit = getattr(mm, "get_limit_per_prompt", None)
+    return limit is not None and all(limit(m) == 0 for m in ("image", "video"))
+
+
 def vllm_facts(vllm_config: Any, engine: str | None = None) -> EngineFacts:
     """Layout and ranks from the worker's own vLLM configuration and process groups."""
     from vllm.distributed import (  # type: ignore[import-not-found]
@@ -492,6 +504,7 @@ def vllm_facts(vllm_config: Any, engine: str | None = None) -> EngineFacts:
         pp=int(pc.pipeline_parallel_size),
         enable_expert_parallel=bool(pc.enable_expert_parallel),
         expert_placement=placement,
+        language_model_only=_language_model_only(vllm_config),
     )
     return EngineFacts(
         layout=layout,

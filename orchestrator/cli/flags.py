@@ -111,6 +111,13 @@ FLAGS: tuple[Flag, ...] = (
         "linear",
         kwargs={"choices": ["linear", "round_robin"]},
     ),
+    Flag(
+        ("--language-model-only",),
+        LAYOUT,
+        "the engine runs vLLM's --language-model-only: no vision tower is planned or read "
+        "(default: planned, as vLLM builds it)",
+        kwargs={"action": "store_true"},
+    ),
     # engine
     Flag(
         ("--engine",),
@@ -723,6 +730,7 @@ def layout(args: argparse.Namespace) -> ParallelLayout:
         pp=args.pp,
         enable_expert_parallel=args.enable_expert_parallel,
         expert_placement=args.expert_placement,
+        language_model_only=args.language_model_only,
     )
 
 

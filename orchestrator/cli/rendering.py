@@ -208,6 +208,7 @@ def layout_header(par: dict[str, Any], defaults_used: Sequence[str] = ()) -> lis
         f"layout: tp={par['tp']} dp={par['dp']} pp={par['pp']} "
         f"ep={'on' if par['enable_expert_parallel'] else 'off'} "
         f"expert_placement={par.get('expert_placement', 'linear')} world={par['world']}"
+        + (" language-model-only" if par.get("language_model_only") else "")
     ]
     if defaults_used:
         lines.append("defaults used: " + ", ".join(defaults_used))

@@ -41,9 +41,12 @@ What stays in which dtype, and why:
   creates that parameter in float32 and DeepSeek-V3 ships it in F32, since the
   bias-corrected top-k routing is sensitive to its small values.
 
+Qwen3.5's vision tower (``model.visual.*``) is planned as vLLM holds it (model dtype,
+TP-sharded, on every pipeline stage) unless the layout is language-model-only.
+
 Limits: MTP layers (DeepSeek ``num_nextn_predict_layers``, index >= num_hidden_layers;
-Qwen3.5's ``mtp.*``) and Qwen3.5's vision tower are not in any table, so they are never
-planned or read (``ModelConfig.not_planned`` says so, with the reason).
+Qwen3.5's ``mtp.*``) are not in any table, so they are never planned or read
+(``ModelConfig.not_planned`` says so, with the reason).
 """
 
 from __future__ import annotations
@@ -56,9 +59,11 @@ from mxload.orchestrator.errors import UnsupportedError
 from mxload.orchestrator.plan.config import ModelConfig
 
 Style = Literal["column", "row", "replicated", "vocab", "moe"]
-Place = Literal["first", "layer", "last"]
+Place = Literal["first", "layer", "last", "vision", "vision_layer"]
 """first: pipeline stage 0 only; layer: each decoder layer of the rule's kind; last: the
-last pipeline stage only (docs/contract.md §3 "Pipeline")."""
+last pipeline stage only (docs/contract.md §3 "Pipeline"); vision: the vision tower's own
+rows, vision_layer: each of its blocks, both on every pipeline stage (vLLM builds the
+tower outside the pipeline split) unless the layout is language-model-only."""
 LayerKind = Literal[
     "all",
     "dense_mlp",
@@ -186,6 +191,10 @@ class Architecture:
     """Checkpoint prefix of decoder layer ``{i}``."""
     device_layer_prefix: str = LAYER_PREFIX
     """Device (engine parameter) prefix of decoder layer ``{i}``."""
+    vision_layer_prefix: str = ""
+    """Checkpoint prefix of vision block ``{i}`` (``vision_layer`` rules)."""
+    vision_device_layer_prefix: str = ""
+    """Device prefix of vision block ``{i}``."""
 
     def size(self, dim: str, config: ModelConfig) -> int:
         return self.dims[dim].size(config)
@@ -200,6 +209,20 @@ class Architecture:
 
     def rules_at(self, place: Place) -> tuple[int, ...]:
         return tuple(i for i, r in enumerate(self.rules) if r.place == place)
+
+    def vision_rules(
+        self, config: ModelConfig, language_model_only: bool
+    ) -> tuple[tuple[int, int], ...]:
+        """``(rule index, block)`` of every vision-tower row the engine builds (block -1 for
+        the tower's own rows); none for a model without a tower or a language-model-only
+        engine."""
+        if config.vision is None or language_model_only:
+            return ()
+        tower = tuple((i, -1) for i in self.rules_at("vision"))
+        blocks = tuple(
+            (i, b) for b in range(config.vision.depth) for i in self.rules_at("vision_layer")
+        )
+        return tower + blocks
 
 
 def _S(
@@ -443,7 +466,7 @@ DEEPSEEK_V3 = Architecture(
 #   replicated and never quantized (quant_config=None), ``mlp.shared_expert`` a TP MLP,
 #   the routed experts a FusedMoE;
 # * ``embed_tokens`` built on every pipeline stage (no PP check), norm and lm_head on the
-#   last; the vision tower and ``mtp.*`` are not planned (``ModelConfig.not_planned``).
+#   last; ``mtp.*`` is not planned (``ModelConfig.not_planned``), the vision tower below.
 # vllm-ascend 0.23.0.post1 replaces only forward-time methods of these classes
 # (patch/worker/patch_qwen3_5.py:195-209, ops/gdn.py: forward, _forward_core, state
 # shapes); parameters and weight loaders are vLLM's, so both engines hold the same layout.
@@ -637,20 +660,142 @@ _QWEN3_5_FINAL = (
     ),
 )
 
+# --- Qwen3.5's vision tower ----------------------------------------------------------------
+#
+# vLLM 0.23.0 models/qwen3_vl.py ``Qwen3_VisionTransformer`` (built by qwen3_5.py for both
+# Qwen3.5 architectures unless every image/video limit is 0, i.e. --language-model-only;
+# hf_to_vllm_mapper renames ``model.visual.`` to ``visual.``), with the default
+# ``mm_encoder_tp_mode="weights"`` (TP-sharded):
+# * each block: ``norm1``/``norm2`` LayerNorms (weight and bias) replicated;
+#   ``attn.qkv`` a QKVParallelLinear with bias whose checkpoint tensor holds q, k and v,
+#   loaded with no shard id, so each third is split over tp by heads on its own;
+#   ``attn.proj`` RowParallelLinear (its bias whole on every rank); ``mlp.linear_fc1``
+#   ColumnParallelLinear (bias split too), ``mlp.linear_fc2`` RowParallelLinear;
+# * ``patch_embed.proj`` a Conv3d [hidden, in_channels, t, p, p] with bias, ``pos_embed``
+#   an nn.Embedding: replicated, plain default_weight_loader;
+# * ``merger``: ``norm`` (hidden wide), ``linear_fc1`` column and ``linear_fc2`` row over
+#   hidden * spatial_merge_size**2; no deepstack mergers (Qwen3_5VisionConfig has no
+#   ``deepstack_visual_indexes``);
+# * every parameter in the model dtype; no PP check: every pipeline stage builds the tower.
+# The quantization_config of the FP8 releases excludes ``model.visual``; a quantized vision
+# tensor is refused (``linear=False``), as mxload plans the tower unquantized.
+# vllm-ascend 0.23.0.post1 replaces only forward-time code of the tower
+# (patch/worker/patch_qwen3vl.py: the position-embedding interpolation; ops/conv.py:
+# AscendConv3dLayer.forward_oot; ops/mm_encoder_attention.py pads q/k/v activations to a
+# head size its kernel takes, not the weights), so it holds the same parameters.
+
+
+def _vdim(attr: str) -> Callable[[ModelConfig], int]:
+    def get(c: ModelConfig) -> int:
+        return int(getattr(c.vision, attr)) if c.vision is not None else 0
+
+    return get
+
+
+def _vision_head_dim(c: ModelConfig) -> int:
+    return c.vision.hidden_size // c.vision.num_heads if c.vision is not None else 0
+
+
+_VISION_DIMS: Mapping[str, Dim] = {
+    "VH": Dim("vision_config.num_heads", _vdim("num_heads"), _vision_head_dim),
+    "VQKV": Dim("3 * vision_config.hidden_size", lambda c: 3 * _vdim("hidden_size")(c)),
+    "VI": Dim("vision_config.intermediate_size", _vdim("intermediate_size")),
+    "VM": Dim("vision_config.hidden_size * spatial_merge_size**2", _vdim("merger_size")),
+    "VO": Dim("vision_config.out_hidden_size", _vdim("out_hidden_size")),
+    "VC": Dim("vision_config.in_channels", _vdim("in_channels")),
+    "VT": Dim("vision_config.temporal_patch_size", _vdim("temporal_patch_size")),
+    "VP": Dim("vision_config.patch_size", _vdim("patch_size")),
+    "VPOS": Dim("vision_config.num_position_embeddings", _vdim("num_position_embeddings")),
+}
+
+
+def _vision_row(
+    name: str, style: Style, *sources: SourceSpec, place: Place = "vision_layer"
+) -> TensorRule:
+    return TensorRule(name, style, sources, place=place, held="model")
+
+
+def _weight_and_bias(
+    name: str, style: Style, n: str, k: str, place: Place = "vision_layer"
+) -> tuple[TensorRule, TensorRule]:
+    """A linear with bias: the bias follows the output rows (split with a column weight,
+    whole beside a row one)."""
+    module = name if place == "vision_layer" else f"model.{name}"
+    bias_style: Style = "column" if style == "column" else "replicated"
+    return (
+        _vision_row(name, style, _S(module, n, k), place=place),
+        _vision_row(name, bias_style, _S(module, n, tensor="bias"), place=place),
+    )
+
+
+def _layer_norm(name: str, dim: str, place: Place = "vision_layer") -> tuple[TensorRule, ...]:
+    module = name if place == "vision_layer" else f"model.{name}"
+    return tuple(
+        _vision_row(name, "replicated", _S(module, dim, tensor=t), place=place)
+        for t in ("weight", "bias")
+    )
+
+
+def _vision_qkv(tensor: str, *rest: str) -> tuple[SourceSpec, ...]:
+    whole = ("VQKV", *rest)
+    return tuple(
+        _S("attn.qkv", "VH", *rest, tensor=tensor, part_of=whole, before=("VH",) * j)
+        for j in range(3)
+    )
+
+
+_QWEN3_5_VISION = (
+    _vision_row(
+        "visual.patch_embed.proj",
+        "replicated",
+        _S("model.visual.patch_embed.proj", "VH", "VC", "VT", "VP", "VP"),
+        place="vision",
+    ),
+    _vision_row(
+        "visual.patch_embed.proj",
+        "replicated",
+        _S("model.visual.patch_embed.proj", "VH", tensor="bias"),
+        place="vision",
+    ),
+    _vision_row(
+        "visual.pos_embed", "replicated", _S("model.visual.pos_embed", "VPOS", "VH"), place="vision"
+    ),
+    *_layer_norm("visual.merger.norm", "VH", place="vision"),
+    *_weight_and_bias("visual.merger.linear_fc1", "column", "VM", "VM", place="vision"),
+    *_weight_and_bias("visual.merger.linear_fc2", "row", "VO", "VM", place="vision"),
+    *_layer_norm("norm1", "VH"),
+    *_layer_norm("norm2", "VH"),
+    _vision_row("attn.qkv", "column", *_vision_qkv("weight", "VH")),
+    _vision_row("attn.qkv", "column", *_vision_qkv("bias")),
+    *_weight_and_bias("attn.proj", "row", "VH", "VH"),
+    *_weight_and_bias("mlp.linear_fc1", "column", "VI", "VH"),
+    *_weight_and_bias("mlp.linear_fc2", "row", "VH", "VI"),
+)
+
 QWEN3_5 = Architecture(
     name="Qwen3_5ForConditionalGeneration",
-    dims=_QWEN3_5_DIMS,
-    rules=(_QWEN3_5_EMBED, *_QWEN3_5_LAYER, *_DENSE_MLP, *_QWEN3_5_FINAL),
+    dims={**_QWEN3_5_DIMS, **_VISION_DIMS},
+    rules=(*_QWEN3_5_VISION, _QWEN3_5_EMBED, *_QWEN3_5_LAYER, *_DENSE_MLP, *_QWEN3_5_FINAL),
     layer_prefix=f"{_QWEN3_5_LM}.layers.{{i}}",
     device_layer_prefix=f"{_QWEN3_5_DEV}.layers.{{i}}",
+    vision_layer_prefix="model.visual.blocks.{i}",
+    vision_device_layer_prefix="visual.blocks.{i}",
 )
 
 QWEN3_5_MOE = Architecture(
     name="Qwen3_5MoeForConditionalGeneration",
-    dims=_QWEN3_5_DIMS,
-    rules=(_QWEN3_5_EMBED, *_QWEN3_5_LAYER, *_QWEN3_5_MOE_MLP, *_QWEN3_5_FINAL),
+    dims={**_QWEN3_5_DIMS, **_VISION_DIMS},
+    rules=(
+        *_QWEN3_5_VISION,
+        _QWEN3_5_EMBED,
+        *_QWEN3_5_LAYER,
+        *_QWEN3_5_MOE_MLP,
+        *_QWEN3_5_FINAL,
+    ),
     layer_prefix=f"{_QWEN3_5_LM}.layers.{{i}}",
     device_layer_prefix=f"{_QWEN3_5_DEV}.layers.{{i}}",
+    vision_layer_prefix="model.visual.blocks.{i}",
+    vision_device_layer_prefix="visual.blocks.{i}",
 )
 
 ARCHITECTURES: Mapping[str, Architecture] = {
@@ -686,6 +831,8 @@ def source_module(
     if rule.place == "layer":
         prefix = arch.layer_prefix if arch is not None else LAYER_PREFIX
         return f"{prefix.format(i=layer)}.{module}"
+    if rule.place == "vision_layer" and arch is not None:
+        return f"{arch.vision_layer_prefix.format(i=layer)}.{module}"
     return module
 
 
@@ -694,4 +841,6 @@ def device_name(rule: TensorRule, layer: int, arch: Architecture | None = None) 
     if rule.place == "layer":
         prefix = arch.device_layer_prefix if arch is not None else LAYER_PREFIX
         return f"{prefix.format(i=layer)}.{rule.name}"
+    if rule.place == "vision_layer" and arch is not None:
+        return f"{arch.vision_device_layer_prefix.format(i=layer)}.{rule.name}"
     return rule.name

@@ -67,6 +67,43 @@ class QuantConfig:
 
 
 @dataclass(frozen=True)
+class VisionConfig:
+    """Qwen3.5's vision tower (``vision_config``), as vLLM's ``Qwen3_VisionTransformer`` builds
+    it; absent keys take the defaults of vLLM's ``Qwen3_5VisionConfig``."""
+
+    depth: int
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    in_channels: int
+    patch_size: int
+    temporal_patch_size: int
+    spatial_merge_size: int
+    out_hidden_size: int
+    num_position_embeddings: int
+
+    @property
+    def merger_size(self) -> int:
+        """Width of the patch merger's linears: ``hidden_size * spatial_merge_size**2``."""
+        return self.hidden_size * self.spatial_merge_size**2
+
+
+VISION_DEFAULTS: Mapping[str, int] = {
+    "depth": 27,
+    "hidden_size": 1152,
+    "intermediate_size": 4304,
+    "num_heads": 16,
+    "in_channels": 3,
+    "patch_size": 16,
+    "temporal_patch_size": 2,
+    "spatial_merge_size": 2,
+    "out_hidden_size": 3584,
+    "num_position_embeddings": 2304,
+}
+"""vLLM 0.23's ``Qwen3_5VisionConfig`` defaults."""
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """The fields of config.json mxload plans with, validated."""
 
@@ -112,8 +149,9 @@ class ModelConfig:
     """Qwen3.5-MoE: width of the one shared expert (with its own ``shared_expert_gate``)."""
     mtp_layers: int = 0
     """MTP (multi-token prediction) layers the checkpoint carries; never planned."""
-    has_vision: bool = False
-    """The checkpoint carries a vision tower (``model.visual.*``); never planned."""
+    vision: VisionConfig | None = None
+    """The vision tower (``model.visual.*``) the engine builds unless it runs
+    language-model-only (``ParallelLayout.language_model_only``)."""
     source: str = field(default="config.json", compare=False)
     """Where the config came from, for error messages."""
 
@@ -138,11 +176,6 @@ class ModelConfig:
     def not_planned(self) -> tuple[str, ...]:
         """Checkpoint scopes no plan holds, each with the reason (docs/contract.md §3)."""
         out = []
-        if self.has_vision:
-            out.append(
-                "model.visual.* (vision tower): planned for a language-model-only engine "
-                "(vLLM --language-model-only / limit_mm_per_prompt 0)"
-            )
         if self.mtp_layers:
             where = (
                 f"model.layers.{self.num_hidden_layers}.*"
@@ -179,6 +212,27 @@ class ModelConfig:
         if self.not_planned():
             out["not_planned"] = list(self.not_planned())
         return out
+
+
+def _vision_config(cfg: Mapping[str, Any], source: str) -> VisionConfig | None:
+    raw = cfg.get("vision_config")
+    if raw is None:
+        return None
+    vsrc = f"{source} (vision_config)"
+    if not isinstance(raw, Mapping):
+        raise ConfigError(
+            f"{source}: key 'vision_config' must be an object", file=source, key="vision_config"
+        )
+    values = {k: _positive(raw, k, vsrc, default=d) for k, d in VISION_DEFAULTS.items()}
+    vision = VisionConfig(**values)
+    if vision.hidden_size % vision.num_heads:
+        raise ConfigError(
+            f"{vsrc}: hidden_size ({vision.hidden_size}) is not a multiple of num_heads "
+            f"({vision.num_heads})",
+            file=source,
+            key="vision_config.num_heads",
+        )
+    return vision
 
 
 def _int(cfg: Mapping[str, Any], key: str, source: str, *, default: int | None = None) -> int:
@@ -483,6 +537,6 @@ def _parse_qwen3_5(
         linear_conv_kernel_dim=_positive(text, "linear_conv_kernel_dim", tsrc),
         attn_output_gate=bool(text.get("attn_output_gate", True)),
         mtp_layers=_int(text, "mtp_num_hidden_layers", tsrc, default=0),
-        has_vision=isinstance(cfg.get("vision_config"), Mapping),
+        vision=_vision_config(cfg, source),
         source=source,
     )

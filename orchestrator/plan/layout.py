@@ -142,7 +142,9 @@ def _check_degrees(layout: ParallelLayout) -> None:
         )
 
 
-def _rule_present(rule: TensorRule, config: ModelConfig) -> bool:
+def _rule_present(rule: TensorRule, config: ModelConfig, layout: ParallelLayout) -> bool:
+    if rule.place in ("vision", "vision_layer"):
+        return config.vision is not None and not layout.language_model_only
     if rule.place != "layer":
         return True
     kind = LAYER_KINDS[rule.when]
@@ -172,7 +174,10 @@ class _Problems:
         dim = arch.dims[dim_name]
         count = dim.count(config)
         if count % ways != 0:
-            self.add(f"{dim.key} ({count}) is not divisible by {flag} ({ways})", flag, tensor)
+            hint = ""
+            if dim.key.startswith("vision_config."):
+                hint = " (--language-model-only plans no vision tower)"
+            self.add(f"{dim.key} ({count}) is not divisible by {flag} ({ways}){hint}", flag, tensor)
 
 
 def _source_problems(
@@ -214,7 +219,7 @@ def validate_layout(config: ModelConfig, layout: ParallelLayout) -> None:
         )
     moe_group = ep_size(layout)
     for rule in arch.rules:
-        if not _rule_present(rule, config):
+        if not _rule_present(rule, config, layout):
             continue
         if rule.style == "vocab":
             vp = padded_vocab(config.vocab_size)

@@ -232,6 +232,7 @@ class _Planner:
         ]
         self.first_rules = self.arch.rules_at("first")
         self.last_rules = self.arch.rules_at("last")
+        self.vision_rules = self.arch.vision_rules(config, layout.language_model_only)
         # Rows the engine builds (and loads) on every pipeline stage, not only on the
         # first or last one (vLLM's Qwen3-MoE: embed_tokens, norm, lm_head).
         every = set(self.engine.every_stage.get(self.arch.name, ()))
@@ -269,8 +270,9 @@ class _Planner:
         )
 
     def blocks(self, c: RankCoords) -> list[_Block]:
-        """The rank's blocks in plan order: stage-0 rows, each layer's rows, last-stage rows."""
-        out: list[_Block] = []
+        """The rank's blocks in plan order: the vision tower's rows (every stage), stage-0
+        rows, each layer's rows, last-stage rows."""
+        out: list[_Block] = [self._block(i, block, c) for i, block in self.vision_rules]
         first, last = c.pp_rank == 0, c.pp_rank == self.layout.pp - 1
         out.extend(
             self._block(i, -1, c) for i in self.first_rules if first or i in self.every_stage
@@ -454,7 +456,8 @@ class _Planner:
             else:
                 dtype = SAFETENSORS_TO_BUFFER[facts.dtype]
             if one_d:
-                shape_l: tuple[int, ...] = (k_local,)
+                # merged 1-D parts (a qkv bias) of equal width: row j of [parts, k] is part j
+                shape_l: tuple[int, ...] = (n_local * k_local,)
             elif len(tail) > 1:
                 shape_l = (n_local, *tail)
             else:
@@ -898,6 +901,20 @@ def build_plan(
         )
 
 
+def _model_summary(config: ModelConfig, layout: ParallelLayout) -> dict[str, Any]:
+    """``config.summary()``, with the vision tower among the scopes not planned when the
+    layout is language-model-only."""
+    out = config.summary()
+    if config.vision is not None:
+        out["vision_depth"] = config.vision.depth
+        if layout.language_model_only:
+            out["not_planned"] = [
+                "model.visual.* (vision tower): the engine runs --language-model-only",
+                *out.get("not_planned", ()),
+            ]
+    return out
+
+
 def _build_plan(
     config: ModelConfig,
     layout: ParallelLayout,
@@ -1092,7 +1109,7 @@ def _build_plan(
     else:
         ranks = _LazyRanks(all_summaries, all_classes, tuple(makers))
     return Plan(
-        model=config.summary(),
+        model=_model_summary(config, layout),
         layout=layout,
         ranks=ranks,
         min_staging_load=load_min,

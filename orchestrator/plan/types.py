@@ -331,13 +331,16 @@ class ParallelLayout:
     pp: int = 1
     enable_expert_parallel: bool = False
     expert_placement: Literal["linear", "round_robin"] = "linear"
+    language_model_only: bool = False
+    """vLLM's ``--language-model-only``: the engine builds no vision tower, so none is planned
+    (a model without one is unaffected)."""
 
     @property
     def world(self) -> int:
         return self.tp * self.dp * self.pp
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        out: dict[str, Any] = {
             "tp": self.tp,
             "dp": self.dp,
             "pp": self.pp,
@@ -345,6 +348,9 @@ class ParallelLayout:
             "expert_placement": self.expert_placement,
             "world": self.world,
         }
+        if self.language_model_only:  # only when set: plans of other models read as before
+            out["language_model_only"] = True
+        return out
 
 
 @dataclass(frozen=True)

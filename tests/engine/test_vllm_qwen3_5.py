@@ -31,8 +31,14 @@ Reproduced here (each from the vLLM constructor named beside it): the parameters
 and dtypes (``A_log`` float32, the rest the model dtype; the loaders' shape asserts check
 every shard against them), the QKV head bookkeeping of ``QKVParallelLinear.__init__``, and
 the routing of ``AutoWeightsLoader`` (``language_model.model.*`` to the model,
-``language_model.lm_head`` to the head, ``mtp.*`` skipped, the vision tower not built:
-language-model-only).
+``language_model.lm_head`` to the head, ``visual.*`` to the vision tower, ``mtp.*``
+skipped).
+
+The vision tower (built by default, as vLLM does) runs ``Qwen3_VisionTransformer.load_weights``
+(qwen3_vl.py) with the same linear loaders (``attn.qkv`` through
+``QKVParallelLinear.weight_loader`` with no shard id: the fused q/k/v split by it); its
+parameters' shapes are reproduced from ``Qwen3_VisionTransformer.__init__`` and the layers
+it builds (``vision_params``).
 
 Each rank's parameters after vLLM's loaders must equal, byte for byte, the buffers mxload
 loads for that rank (names, shapes, dtypes, bytes), for tp 1, 2 and 4, from the BF16 twin
@@ -73,7 +79,7 @@ from tests.independent_ref import mx_quantize_ref, same_e4m3_bytes
 PIN = "0.23.0"
 FILES = {
     "qwen3_5": "vllm/model_executor/models/qwen3_5.py",
-    "qwen3_vl": "vllm/model_executor/models/qwen3_vl.py",
+    "qwen3_vl": "vllm/model_executor/models/qwen3_vl.py",  # mapper, vision tower
     "gdn": "vllm/model_executor/layers/mamba/gdn/qwen_gdn_linear_attn.py",
     "linear": "vllm/model_executor/layers/linear.py",
     "mamba2": "vllm/model_executor/layers/mamba/mamba_mixer2.py",
@@ -219,6 +225,8 @@ class _Vllm:
     ep: int = 1
     """FusedMoE's ep: dp*tp with expert parallel, 1 without."""
     ep_rank: int = 0
+    language_model_only: bool = False
+    """vLLM's --language-model-only: the vision tower is not built."""
 
     def __post_init__(self) -> None:
         ns = self.ns = _namespace(self.rank)
@@ -296,6 +304,11 @@ class _Vllm:
         )
         self.load_weights = _exec(
             ns, _source(self.src, "qwen3_5", "Qwen3_5Model", "load_weights"), "load_weights"
+        )
+        self.vision_load_weights = _exec(
+            ns,
+            _source(self.src, "qwen3_vl", "Qwen3_VisionTransformer", "load_weights"),
+            "load_weights",
         )
         mapper = ast.parse(_source(self.src, "qwen3_vl", "Qwen3VLForConditionalGeneration"))
         call = next(
@@ -468,10 +481,11 @@ def vllm_params(v: _Vllm, cfg: dict[str, Any], weights: dict[str, torch.Tensor])
             **({"num_experts": t["num_experts"]} if "num_experts" in t else {})
         ),
     )
-    # AutoWeightsLoader with hf_to_vllm_mapper: rename by prefix, skip mtp.* (skip_prefixes)
-    # and the vision tower (not built: language-model-only); route language_model.model.*
+    # AutoWeightsLoader with hf_to_vllm_mapper: rename by prefix, skip mtp.* (skip_prefixes);
+    # route visual.* to the vision tower's load_weights (when built), language_model.model.*
     # to the model's load_weights and language_model.lm_head to the head.
     to_model: list[tuple[str, torch.Tensor]] = []
+    to_visual: list[tuple[str, torch.Tensor]] = []
     for name, w in weights.items():
         if name.startswith("mtp."):
             continue
@@ -480,6 +494,7 @@ def vllm_params(v: _Vllm, cfg: dict[str, Any], weights: dict[str, torch.Tensor])
                 name = new + name[len(old) :]
                 break
         if name.startswith("visual."):
+            to_visual.append((name[len("visual.") :], w))
             continue
         if name.startswith("language_model.model."):
             to_model.append((name[len("language_model.model.") :], w))
@@ -490,9 +505,75 @@ def vllm_params(v: _Vllm, cfg: dict[str, Any], weights: dict[str, torch.Tensor])
     loaded = v.load_weights(model, to_model)
     assert set(params) <= loaded, set(params) - loaded
     out = {f"language_model.model.{k}": p for k, p in params.items()}
+    if "vision_config" in cfg and not v.language_model_only:
+        out.update(vision_params(v, cfg["vision_config"], to_visual))
     if last:
         out["language_model.lm_head.weight"] = head
     return out
+
+
+def vision_params(
+    v: _Vllm, vc: dict[str, Any], weights: list[tuple[str, torch.Tensor]]
+) -> dict[str, Any]:
+    """The vision tower's parameters on one rank, as ``Qwen3_VisionTransformer.__init__``
+    (qwen3_vl.py, mm_encoder_tp_mode "weights") builds them, filled by its own
+    ``load_weights`` and the linear layers' loaders. Names are the engine's (``visual.*``)."""
+    tp, dt = v.tp, torch.bfloat16
+    vh, nh, inter = vc["hidden_size"], vc["num_heads"], vc["intermediate_size"]
+    m = vh * vc["spatial_merge_size"] ** 2
+    out_h = vc["out_hidden_size"]
+    hd = vh // nh
+    default = v.ns["default_weight_loader"]
+
+    def plain(*shape: int) -> Any:  # LayerNorm, Conv3dLayer, nn.Embedding: no weight_loader
+        return _param(shape, dt, default)
+
+    def column(p: dict[str, Any], name: str, n: int, k: int) -> None:
+        loader = v.layer(v.column).weight_loader
+        p[f"{name}.weight"] = _param((n // tp, k), dt, loader, output_dim=0)
+        p[f"{name}.bias"] = _param((n // tp,), dt, loader, output_dim=0)
+
+    def row(p: dict[str, Any], name: str, n: int, k: int) -> None:
+        loader = v.layer(v.row).weight_loader
+        p[f"{name}.weight"] = _param((n, k // tp), dt, loader, input_dim=1)
+        p[f"{name}.bias"] = _param((n,), dt, loader, output_dim=0)
+
+    p: dict[str, Any] = {
+        "patch_embed.proj.weight": plain(
+            vh, vc["in_channels"], vc["temporal_patch_size"], vc["patch_size"], vc["patch_size"]
+        ),
+        "patch_embed.proj.bias": plain(vh),
+        "pos_embed.weight": plain(vc["num_position_embeddings"], vh),
+        "merger.norm.weight": plain(vh),
+        "merger.norm.bias": plain(vh),
+    }
+    column(p, "merger.linear_fc1", m, m)
+    row(p, "merger.linear_fc2", out_h, m)
+    # Qwen2_5_VisionAttention: QKVParallelLinear(total_num_heads = total_num_kv_heads = nh)
+    qkv = v.layer(
+        v.qkv,
+        total_num_heads=nh,
+        total_num_kv_heads=nh,
+        head_size=hd,
+        v_head_size=hd,
+        num_heads=nh // tp,
+        num_kv_heads=nh // tp,
+        num_kv_head_replicas=1,
+    )
+    for b in range(vc["depth"]):
+        q = f"blocks.{b}"
+        for norm in ("norm1", "norm2"):
+            p[f"{q}.{norm}.weight"], p[f"{q}.{norm}.bias"] = plain(vh), plain(vh)
+        rows = 3 * (nh // tp) * hd
+        p[f"{q}.attn.qkv.weight"] = _param((rows, vh), dt, qkv.weight_loader, output_dim=0)
+        p[f"{q}.attn.qkv.bias"] = _param((rows,), dt, qkv.weight_loader, output_dim=0)
+        row(p, f"{q}.attn.proj", vh, vh)
+        column(p, f"{q}.mlp.linear_fc1", inter, vh)
+        row(p, f"{q}.mlp.linear_fc2", vh, inter)
+    tower = types.SimpleNamespace(named_parameters=lambda remove_duplicate=True: list(p.items()))
+    loaded = v.vision_load_weights(tower, weights)
+    assert loaded == set(p), set(p) ^ loaded
+    return {f"visual.{k}": t for k, t in p.items()}
 
 
 ENGINE = "vllm-ascend-0.23"
@@ -601,6 +682,7 @@ def check_against_vllm(
             moe_tp_rank=0 if ep else moe_rank,
             ep=group if ep else 1,
             ep_rank=moe_rank if ep else 0,
+            language_model_only=layout.language_model_only,
         )
         engine_params = (params_of or vllm_params)(v, cfg, weights)
         # 1. the plain session: every buffer is the engine's parameter, byte for byte

@@ -480,3 +480,22 @@ def test_a_linear_the_engine_would_hold_quantized_is_refused_at_attach(
     _, mx = _one(src, engine, fake_vllm)  # the plan itself is made
     with pytest.raises(LayoutError, match=r"layers\.0\.mlp\.down_proj\.weight: its local K = 80"):
         mx.attach(src, engine=engine)
+
+
+def test_a_language_model_only_engine_is_planned_without_its_vision_tower(fake_vllm) -> None:
+    """vLLM's MultiModalConfig: ``language_model_only``, or every image/video limit 0, skips
+    the tower (SupportsMultiModal._mark_tower_model); a text model has no such config."""
+    from mxload.workers.engine_ext import vllm_facts
+
+    w = _Worker(LAYOUT, 0, 0, 0, None)
+    fake_vllm["w"] = w
+    limits = {"image": 0, "video": 0}
+    cases = [
+        (None, False),
+        (SimpleNamespace(language_model_only=True), True),
+        (SimpleNamespace(language_model_only=False, get_limit_per_prompt=limits.get), True),
+        (SimpleNamespace(language_model_only=False, get_limit_per_prompt=lambda m: 999), False),
+    ]
+    for mm, want in cases:
+        w.vllm_config.model_config = SimpleNamespace(multimodal_config=mm)
+        assert vllm_facts(w.vllm_config).layout.language_model_only is want, mm

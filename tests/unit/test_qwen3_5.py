@@ -3,8 +3,10 @@
 The persistent bytes of ``plan --model qwen3.8-27b-fp8`` are counted here by hand from the
 config's numbers (the issue's: hidden 5120, 64 layers of which every fourth is full
 attention, MLP 17408, vocab 248320, 24 heads / 4 kv heads of 256 with an output gate, GDN
-16 key heads and 48 value heads of 128, conv kernel 4), with the sharding vLLM 0.23's
-Qwen3.5 code gives (see ``tests/engine/test_vllm_qwen3_5.py`` for that code run for real).
+16 key heads and 48 value heads of 128, conv kernel 4; the vision tower's depth 27, hidden
+1152 of 16 heads, MLP 4304, 3 x 2 x 16 x 16 patches, 2304 positions, merge 2), with the
+sharding vLLM 0.23's Qwen3.5 code gives (see ``tests/engine/test_vllm_qwen3_5.py`` for that
+code run for real).
 """
 
 from __future__ import annotations
@@ -24,6 +26,30 @@ BF16, F32 = 2, 4
 def mx(n: int, k: int) -> int:
     """An MXFP8 linear [N, K]: K*N payload bytes + [ceil(K/64), N, 2] scale bytes."""
     return n * k + -(-k // 64) * n * 2
+
+
+VD, VH, VI, VPOS, VM = 27, 1152, 4304, 2304, 1152 * 2 * 2
+
+
+def vision_count(tp: int, out_hidden: int) -> int:
+    """The vision tower on every rank (vLLM's default mm_encoder_tp_mode "weights"), all BF16:
+    LayerNorms and patch/position embeddings whole, qkv / linear_fc1 split by rows with
+    their biases, proj / linear_fc2 by columns with their biases whole."""
+    tower = (
+        VH * 3 * 2 * 16 * 16 + VH  # patch_embed.proj: Conv3d weight and bias
+        + VPOS * VH  # pos_embed
+        + 2 * VH  # merger.norm weight, bias
+        + VM // tp * VM + VM // tp  # merger.linear_fc1
+        + out_hidden * VM // tp + out_hidden  # merger.linear_fc2
+    )  # fmt: skip
+    block = (
+        4 * VH  # norm1, norm2: weight and bias
+        + 3 * VH // tp * VH + 3 * VH // tp  # attn.qkv
+        + VH * VH // tp + VH  # attn.proj
+        + VI // tp * VH + VI // tp  # mlp.linear_fc1
+        + VH * VI // tp + VH  # mlp.linear_fc2
+    )  # fmt: skip
+    return (tower + VD * block) * BF16
 
 
 def hand_count(tp: int) -> int:
@@ -55,7 +81,31 @@ def hand_count(tp: int) -> int:
 def test_qwen3_8_27b_persistent_bytes_equal_a_hand_count(tp: int) -> None:
     cfg = parse_config(model_config("qwen3.8-27b-fp8"), "qwen3.8-27b-fp8.json")
     buffers, _ = plan_rank(cfg, ParallelLayout(tp=tp), tp - 1)
-    assert sum(b.nbytes for b in buffers) == hand_count(tp)
+    assert sum(b.nbytes for b in buffers) == hand_count(tp) + vision_count(tp, H)
+    lm_only, _ = plan_rank(cfg, ParallelLayout(tp=tp, language_model_only=True), tp - 1)
+    assert sum(b.nbytes for b in lm_only) == hand_count(tp)
+
+
+def test_the_vision_tower_is_on_every_pipeline_stage_unless_language_model_only() -> None:
+    cfg = parse_config(model_config("qwen3.8-27b-fp8"), "qwen3.8-27b-fp8.json")
+    for rank in (0, 1):  # tp 1 x pp 2: one rank per stage
+        names = [b.name for b in plan_rank(cfg, ParallelLayout(pp=2), rank)[0]]
+        assert sum(n.startswith("visual.") for n in names) == 9 + VD * 12
+        lm_only = plan_rank(cfg, ParallelLayout(pp=2, language_model_only=True), rank)[0]
+        assert not any(b.name.startswith("visual.") for b in lm_only)
+
+
+def test_a_tp_the_vision_tower_cannot_take_is_refused_naming_the_way_out() -> None:
+    from mxload.orchestrator.errors import LayoutError
+    from mxload.workers.tools.synth import preset_config
+
+    # among the reasons: the vision tower's 4 heads, with the flag that avoids them
+    cfg = parse_config(preset_config("qwen3.5-tiny"), "qwen3.5-tiny")
+    with pytest.raises(LayoutError) as err:
+        plan_rank(cfg, ParallelLayout(tp=8), 0)
+    assert "vision_config.num_heads (4) is not divisible by --tp (8) (--language-model-only" in str(
+        err.value
+    )
 
 
 def test_qwen3_8_27b_config_reads_the_nested_text_config() -> None:
@@ -63,7 +113,8 @@ def test_qwen3_8_27b_config_reads_the_nested_text_config() -> None:
     assert (cfg.hidden_size, cfg.num_hidden_layers, cfg.vocab_size) == (H, LAYERS, V)
     assert cfg.layer_types[:4] == ("linear_attention",) * 3 + ("full_attention",)
     assert cfg.quant.kind == "block_fp8" and cfg.attn_output_gate
-    assert [s.split(" ")[0] for s in cfg.not_planned()] == ["model.visual.*", "mtp.*"]
+    assert [s.split(" ")[0] for s in cfg.not_planned()] == ["mtp.*"]
+    assert cfg.vision is not None and (cfg.vision.depth, cfg.vision.out_hidden_size) == (27, H)
 
 
 def test_a_qwen3_5_session_reloads_a_bf16_trainer_checkpoint_in_place(tmp_path) -> None:
@@ -141,6 +192,7 @@ def test_qwen3_5_397b_moe_persistent_bytes_with_expert_parallel_equal_a_hand_cou
     moe = 512 * h * BF16 + h * BF16 + mx(2 * si // tp, h) + mx(h, si // tp) + experts
     per_layer = 2 * h * BF16 + moe
     want = 45 * gdn + 15 * attn + layers * per_layer + 2 * (v // tp) * h * BF16 + h * BF16
+    want += vision_count(tp, h)
     cfg = parse_config(model_config("qwen3.5-397b-a17b-fp8"), "qwen3.5-397b-a17b-fp8.json")
     layout = ParallelLayout(tp=8, dp=4, enable_expert_parallel=True)
     for rank in (0, 31):

@@ -89,7 +89,7 @@ def unit_buffers(
         w = w[unit.expert]
         s = s[unit.expert] if s is not None else None
     if w.dim() == 1:
-        w = w.view(1, -1)
+        w = w.view(unit.rows, -1)  # merged 1-D parts (a qkv bias): one row each
     elif w.dim() > 2 and unit.expert < 0:
         w = w.view(w.shape[0], -1)  # [N, 1, kernel] (conv1d) as the [N, K] parts address
     return w, s

@@ -59,6 +59,7 @@ from mxload.orchestrator.plan.config import (
     LOADABLE_ARCHITECTURES,
     QWEN3_5_ARCHITECTURES,
     ModelConfig,
+    VisionConfig,
     parse_config,
 )
 from mxload.orchestrator.plan.formats import (
@@ -108,11 +109,11 @@ _QWEN3_5_FP8: dict[str, Any] = {
 
 _QWEN3_5_VISION: dict[str, Any] = {
     "model_type": "qwen3_5",
-    "depth": 1,
+    "depth": 2,
     "hidden_size": 64,
     "hidden_act": "gelu_pytorch_tanh",
     "intermediate_size": 128,
-    "num_heads": 2,
+    "num_heads": 4,
     "in_channels": 3,
     "patch_size": 16,
     "spatial_merge_size": 2,
@@ -237,8 +238,9 @@ PRESETS: dict[str, dict[str, Any]] = {
     },
     # Qwen3.8-27B-FP8 (Qwen3.5 dense) in miniature, in the real layout: the language model
     # under text_config and model.language_model.*, three Gated DeltaNet layers then one
-    # gated full-attention layer, a vision tower (model.visual.*) and one MTP layer
-    # (mtp.*) that no plan holds, and the FP8 release's modules_to_not_convert. The MLP is
+    # gated full-attention layer, a two-block vision tower (model.visual.*, planned unless
+    # language-model-only), one MTP layer (mtp.*) that no plan holds, and the FP8 release's
+    # modules_to_not_convert. The MLP is
     # 448 wide: 14 MX groups at tp 1, 7 (odd) at tp 2, and not a multiple of 32 at tp 4
     # (held resolved in the model dtype); vocab 1000 is not a multiple of 64.
     "qwen3.5-tiny": {
@@ -514,6 +516,36 @@ def _deepseek_tensors(cfg: ModelConfig, quantized: bool, scale_dtype: str) -> li
 _QWEN3_5_LAYERS = "model.language_model.layers"
 
 
+def _qwen3_5_vision_tensors(vc: VisionConfig, plain: str) -> list[_Tensor]:
+    """The vision tower of a Qwen3.5 release (``model.visual.*``, unquantized): patch and
+    position embeddings, ``depth`` blocks (LayerNorms, fused qkv, proj, MLP, all with
+    biases) and the patch merger."""
+    vh, m = vc.hidden_size, vc.merger_size
+    patch = (vh, vc.in_channels, vc.temporal_patch_size, vc.patch_size, vc.patch_size)
+    out = [
+        _Tensor("model.visual.patch_embed.proj.weight", plain, patch, "router"),
+        _Tensor("model.visual.patch_embed.proj.bias", plain, (vh,), "router"),
+        _Tensor("model.visual.pos_embed.weight", plain, (vc.num_position_embeddings, vh), "embed"),
+    ]
+    linears = [("attn.qkv", 3 * vh, vh), ("attn.proj", vh, vh)]
+    linears += [("mlp.linear_fc1", vc.intermediate_size, vh)]
+    linears += [("mlp.linear_fc2", vh, vc.intermediate_size)]
+    for b in range(vc.depth):
+        p = f"model.visual.blocks.{b}"
+        for norm in ("norm1", "norm2"):
+            out.append(_Tensor(f"{p}.{norm}.weight", plain, (vh,), "norm"))
+            out.append(_Tensor(f"{p}.{norm}.bias", plain, (vh,), "router"))
+        for name, n, k in linears:
+            out.append(_Tensor(f"{p}.{name}.weight", plain, (n, k), "router"))
+            out.append(_Tensor(f"{p}.{name}.bias", plain, (n,), "router"))
+    out.append(_Tensor("model.visual.merger.norm.weight", plain, (vh,), "norm"))
+    out.append(_Tensor("model.visual.merger.norm.bias", plain, (vh,), "router"))
+    for name, n in (("linear_fc1", m), ("linear_fc2", vc.out_hidden_size)):
+        out.append(_Tensor(f"model.visual.merger.{name}.weight", plain, (n, m), "router"))
+        out.append(_Tensor(f"model.visual.merger.{name}.bias", plain, (n,), "router"))
+    return out
+
+
 def _qwen3_5_tensors(cfg: ModelConfig, quantized: bool, scale_dtype: str) -> list[_Tensor]:
     """A Qwen3.5 / Qwen3.5-MoE release's tensors (names as in Qwen's safetensors): the
     language model under ``model.language_model``, ``lm_head``, a small vision tower
@@ -594,13 +626,10 @@ def _qwen3_5_tensors(cfg: ModelConfig, quantized: bool, scale_dtype: str) -> lis
     out.append(_Tensor("model.language_model.norm.weight", plain, (h,), "norm"))
     if not cfg.tie_word_embeddings:
         out.append(_Tensor("lm_head.weight", plain, (v, h), "embed"))
+    if cfg.vision is not None:
+        out += _qwen3_5_vision_tensors(cfg.vision, plain)
     # Never planned (ModelConfig.not_planned), but there as in the release.
-    vis = 64
     out += [
-        _Tensor("model.visual.patch_embed.proj.weight", plain, (vis, 3, 2, 16, 16), "router"),
-        _Tensor("model.visual.blocks.0.attn.qkv.weight", plain, (3 * vis, vis), "router"),
-        _Tensor("model.visual.blocks.0.norm1.weight", plain, (vis,), "norm"),
-        _Tensor("model.visual.merger.linear_fc2.weight", plain, (h, 4 * vis), "router"),
         _Tensor("mtp.fc.weight", plain, (h, 2 * h), "router"),
         _Tensor("mtp.layers.0.input_layernorm.weight", plain, (h,), "norm"),
         _Tensor("mtp.norm.weight", plain, (h,), "norm"),
