@@ -77,9 +77,15 @@ def _plan_config(args: argparse.Namespace) -> tuple[Any, Any]:
             hint = os.path.join(args.config, "config.json")
             msg = f"--config {args.config}: is a folder; give its config.json ({hint})"
             raise UsageError(msg, file=args.config, key="--config")
+        from mxload.workers.storage.local import read_whole
+        from mxload.workers.storage.store import MAX_METADATA_BYTES
+
         try:
-            with open(args.config, "rb") as f:
-                raw = json.loads(f.read())
+            # A regular file under the metadata cap (docs/contract.md §1.4), as a
+            # checkpoint's own config.json: not a FIFO, a device or a 3 GiB sparse file.
+            raw = json.loads(read_whole(os.path.abspath(args.config), MAX_METADATA_BYTES))
+        except MxloadError as err:
+            raise UsageError(f"--config: {err}", file=args.config, key="--config") from None
         except OSError as err:
             msg = f"--config: cannot read {args.config}: {err}"
             raise UsageError(msg, file=args.config) from None

@@ -293,9 +293,10 @@ def engine_release(engine: str) -> EngineRelease | None:
 
 
 def known_engines() -> list[str]:
+    """What ``--engine`` takes: the profiles, then the release names (each once)."""
     from mxload.orchestrator.plan.engines import ENGINES
 
-    return [*ENGINES, *RELEASES]
+    return list(dict.fromkeys([*ENGINES, *RELEASES]))
 
 
 def release_of_version(version: str) -> EngineRelease:

@@ -150,6 +150,14 @@ def assert_refused(got: tuple[int, str, str], *names: str, code: int = 2) -> str
 
 # --- refusals: exit 2, `mxload: error:`, names what is wrong, starts nothing -------------------
 
+
+def _sparse(path: Path, size: int) -> str:
+    """A sparse file of ``size`` bytes (no disk used): a config nobody should read whole."""
+    with open(path, "wb") as f:
+        f.truncate(size)
+    return str(path)
+
+
 REFUSALS: dict[str, tuple[Callable[[Path, dict[str, str]], list[str]], list[str]]] = {
     "unknown-preset": (
         lambda w, c: ["make-checkpoint", str(w / "x"), "--preset", "nope"],
@@ -213,6 +221,14 @@ REFUSALS: dict[str, tuple[Callable[[Path, dict[str, str]], list[str]], list[str]
     "config-file-missing": (
         lambda w, c: ["plan", "--config", str(w / "absent.json")],
         ["--config", "absent.json"],
+    ),
+    "config-file-a-device": (
+        lambda w, c: ["plan", "--config", "/dev/zero"],
+        ["--config", "/dev/zero", "character device"],
+    ),
+    "config-file-too-large": (
+        lambda w, c: ["plan", "--config", _sparse(w / "huge.json", 65 << 20)],
+        ["--config", "huge.json", "larger than"],
     ),
     "unknown-flag": (lambda w, c: ["plan", c["v1"], "--frobnicate"], ["--frobnicate"]),
     "config-file-as-src": (
