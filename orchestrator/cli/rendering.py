@@ -76,8 +76,7 @@ def render_convert(src: str, dst: str, summary: dict[str, Any]) -> str:
     ]
     excluded = summary.get("excluded_modules") or []
     if excluded:
-        shown = ", ".join(excluded[:4]) + (f" and {len(excluded) - 4} more" if len(excluded) > 4 else "")  # fmt: skip
-        lines.append(f"  kept unquantized (not converted): {shown}")
+        lines.append(f"  kept unquantized (not converted): {_some(excluded)}")
     return "\n".join(lines)
 
 
@@ -180,7 +179,7 @@ def render_inspect(src: str, info: dict[str, Any]) -> str:
         f"hidden {info['hidden_size']}, vocab {info['vocab_size']}, dtype {info['dtype']}",
         f"  quantization  {quant}; {info['quantized_linears']} quantized linears"
         + (
-            f"; not converted: {', '.join(info['not_converted'])}"
+            f"; not converted: {_some(info['not_converted'])} (--json lists them)"
             if info.get("not_converted")
             else ""
         ),
@@ -416,3 +415,9 @@ def status_headline(manifest: dict[str, Any]) -> list[str]:
         lines.append(f"identity: {ident['established_by']}")
     lines += [f"note: {n}" for n in manifest.get("notices", [])]
     return lines
+
+
+def _some(names: list[str], shown: int = 4) -> str:
+    """The first ``shown`` names and how many more: a line stays a line."""
+    more = f" and {len(names) - shown} more" if len(names) > shown else ""
+    return ", ".join(names[:shown]) + more
