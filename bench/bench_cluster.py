@@ -51,6 +51,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -108,8 +109,15 @@ def make(work: Path, name: str, preset: str, overrides: dict[str, Any]) -> str:
     return str(path)
 
 
-def convert_rate(src: str) -> float:
-    """Source bytes per second one fused CPU rank converts (tp=1, local disk, warm)."""
+def convert_rate(
+    src: str,
+    layout: Any = None,
+    *,
+    runs: int = 3,
+    pick: Callable[[list[float]], float] = _median,
+) -> float:
+    """Source bytes per second one fused CPU rank converts (rank 0 of ``layout``, default
+    tp=1; local disk, warm): ``pick`` of ``runs`` loads."""
     from mxload.orchestrator.plan.planner import build_plan
     from mxload.orchestrator.plan.types import ParallelLayout
     from mxload.orchestrator.runtime.catalog import open_checkpoint
@@ -117,16 +125,16 @@ def convert_rate(src: str) -> float:
     from mxload.workers.rank.loader import RankLoader, SourceInfo
 
     meta = open_checkpoint(src)
-    plan = build_plan(meta.config, ParallelLayout(), checkpoint=meta)
+    plan = build_plan(meta.config, layout or ParallelLayout(), checkpoint=meta)
     q = meta.config.quant
     source = SourceInfo(root=src, quant=q.kind, block_n=q.block_n, block_k=q.block_k)
     rp = plan.ranks[0]
     rates = []
-    for _ in range(3):
+    for _ in range(runs):
         ldr = RankLoader(rp, model_dtype=plan.model["dtype"], backend=select_backend("cpu"))
         st = ldr.load(rp.reads, source, version=1, staging_budget=rp.staging.budget_bytes)
         rates.append(rp.bytes_needed / max(st.convert_seconds, 1e-9))
-    return _median(rates)
+    return pick(rates)
 
 
 class TwoNodes:
@@ -178,15 +186,17 @@ class TwoNodes:
         shutil.rmtree(self.temp, ignore_errors=True)
 
 
-def checkpoints(root: Path) -> tuple[dict[str, str], dict[str, float]]:
+def checkpoints(
+    root: Path, rate: Callable[[str], float] = convert_rate
+) -> tuple[dict[str, str], dict[str, float]]:
     """The dense and MoE checkpoints a section serves (in ``root``), and the convert rate
-    of one tp=1 rank on each, measured now."""
+    ``rate`` measures on each now (default: one tp=1 rank, median of three)."""
     root.mkdir()
     models = {
         "dense": make(root, "dense", "qwen3-dense-tiny", DENSE),
         "moe": make(root, "moe", "qwen3-moe-tiny", MOE),
     }
-    return models, {k: convert_rate(v) for k, v in models.items()}
+    return models, {k: rate(v) for k, v in models.items()}
 
 
 def predicted(manifest: dict[str, Any], rates: Any, *, requests: bool) -> list[Any]:

@@ -14,9 +14,14 @@ the planner for that load only), taking turns with whole rows.
 Reported per load, from the server's own log: requests per K-split tensor (most, mean),
 requests in all, bytes served against the unique bytes the ranks need; the data phase's
 wall time (``manifest["sharing"]["run_seconds"]``) and its ratio baseline / whole rows;
-predicted / measured, the time model's inputs measured in the same run as
-``bench_cluster.py --only timemodel`` does (request latency and rate of the server,
-conversion rate of one rank divided among the ranks sharing the cores).
+predicted / measured, the time model's inputs measured in the same run, as a user
+would pass them to ``mxload plan``: request latency and rate of the server (as
+``bench_cluster.py --only timemodel`` measures them); the conversion rate of the load's
+own rank (rank 0 of the tp 4 plan, from local disk, the fastest of five: other work on
+a shared machine only slows it; per-unit costs make a tp 4 slice convert slower per
+byte than tp 1) divided among the ranks sharing the cores; and the start cost of a
+fresh rank process (``Rates.start_seconds``: its first fetch of a shared read, less the
+same fetch warm, in a new process, median of three).
 
 Usage: ``python bench/bench_whole_rows.py [--quick] [--latency S] [--bandwidth B]``;
 prints markdown and writes ``bench/results/whole-rows.{md,json}``.
@@ -39,7 +44,13 @@ from typing import Any
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.bench_cluster import TwoNodes, checkpoints, predicted, probe_requests
+from bench.bench_cluster import (
+    TwoNodes,
+    checkpoints,
+    convert_rate,
+    predicted,
+    probe_requests,
+)
 from bench.common import Rate, Timing, load_average, machine_facts, md_table
 
 K_SPLIT = ("o_proj.weight", "down_proj.weight", "o_proj.weight_scale_inv")
@@ -72,6 +83,69 @@ def k_split_spans(src: str) -> dict[tuple[str, int, int], str]:
         if name.endswith(K_SPLIT) or name.endswith("down_proj.weight_scale_inv"):
             out[(info.file, info.start, info.start + info.nbytes)] = name
     return out
+
+
+START_PROBE = r"""
+import pickle, sys, time
+from mxload.workers.numerics.select import select_backend
+from mxload.workers.rank.loader import RankLoader
+rank, items, source, budget, dtype = pickle.load(open(sys.argv[1], "rb"))
+took = []
+for _ in range(2):
+    ldr = RankLoader(rank, model_dtype=dtype, backend=select_backend("cpu"))
+    t = time.perf_counter()
+    ldr.fetch_for_peers(items, source, staging_budget=budget, publish=lambda a: a.copy())
+    took.append(time.perf_counter() - t)
+print(took[0] - took[1])
+"""
+
+
+def _rank_inputs(src: str, layout: Any, *, remote: bool) -> tuple[Any, Any, Any]:
+    """The plan of ``layout`` on ``src``, its rank 0 and the source the loader reads."""
+    from mxload.orchestrator.plan.planner import build_plan
+    from mxload.orchestrator.runtime.catalog import open_checkpoint
+    from mxload.workers.rank.loader import SourceInfo
+
+    meta = open_checkpoint(src)
+    plan = build_plan(meta.config, layout, checkpoint=meta, remote=remote)
+    q = meta.config.quant
+    source = SourceInfo(root=src, quant=q.kind, block_n=q.block_n, block_k=q.block_k)
+    return plan, plan.ranks[0], source
+
+
+def probe_start(url: str, layout: Any, work: Path, *, runs: int = 3) -> float:
+    """Seconds a fresh process's first fetch of rank 0's largest shared read from ``url``
+    takes beyond the same fetch warm (median of ``runs`` processes): the start cost a
+    load's new rank processes pay (their first phase is fetching shared reads)."""
+    import pickle
+    import statistics
+    import subprocess
+
+    from mxload.orchestrator.runtime import shared_reads
+    from mxload.orchestrator.runtime.ray_run import staging_budget_of
+
+    plan, rp, source = _rank_inputs(url, layout, remote=True)
+    reads_all = [r.reads for r in plan.ranks]
+    budgets = [staging_budget_of(plan, r) for r in plan.ranks]
+    nodes = ["node"] * len(plan.ranks)
+    share, _ = shared_reads.plan_shares(plan, nodes, "cluster", reads_all, source, budgets, True)
+    owned = [next(i for r, i in s.users if r == 0) for s in share.owned_by(0)]
+    i = max(owned, key=lambda i: reads_all[0][i].nbytes)
+    items = [(0, rp.units[i], reads_all[0][i])]
+    path = work / "start-probe.pkl"
+    path.write_bytes(pickle.dumps((rp, items, source, budgets[0], plan.model["dtype"])))
+    cwd = str(Path(__file__).resolve().parents[1])
+    took = []
+    for _ in range(runs):
+        out = subprocess.run(
+            [sys.executable, "-c", START_PROBE, str(path)],
+            cwd=cwd,
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        took.append(float(out.stdout.strip().splitlines()[-1]))
+    return max(0.0, statistics.median(took))
 
 
 def _range(header: str | None) -> tuple[int, int]:
@@ -115,14 +189,18 @@ def run(work: Path, *, quick: bool, latency: float, bandwidth: float) -> dict[st
     from tests.servers import RangeHTTPServer
 
     srv_root = work / "srv"
-    models, rate_1 = checkpoints(srv_root)
     cores = os.cpu_count() or 1
     layout = ParallelLayout(tp=4)
+    # the fastest of five: other work on a shared machine only slows a run
+    models, rate_rank = checkpoints(
+        srv_root, rate=lambda src: convert_rate(src, layout, runs=5, pick=max)
+    )
     repeats = 1 if quick else 2
     rows: list[dict[str, Any]] = []
     shard = sorted(p.name for p in Path(models["dense"]).glob("*.safetensors"))[0]
     with RangeHTTPServer(str(srv_root), bandwidth=bandwidth, latency=latency) as server:
         probe = probe_requests(f"{server.url}/dense", shard)
+        start = {m: probe_start(f"{server.url}/{m}", layout, work) for m in models}
         with TwoNodes(4, count=1) as nodes:
             for model in ("dense", "moe"):
                 spans = k_split_spans(models[model])
@@ -144,10 +222,11 @@ def run(work: Path, *, quick: bool, latency: float, bandwidth: float) -> dict[st
                             storage_node=0.0,
                             storage_aggregate=bandwidth,
                             network_node=0.0,
-                            convert=rate_1[model] * min(1.0, cores / layout.world),
+                            convert=rate_rank[model] * min(1.0, cores / layout.world),
                             request_latency=probe["latency"],
                             request_concurrency=16,
                             storage_requests=probe["rate"],
+                            start_seconds=start[model],
                         )
                         times = predicted(manifest, rates, requests=True)
                         log = served(server, f"{model}/", spans)
@@ -186,7 +265,8 @@ def run(work: Path, *, quick: bool, latency: float, bandwidth: float) -> dict[st
         "latency": latency,
         "bandwidth": bandwidth,
         "probe": probe,
-        "convert_rate_1_rank": rate_1,
+        "convert_rate_rank": rate_rank,
+        "start_seconds": start,
         "cores": cores,
         "rows": rows,
     }
@@ -232,8 +312,11 @@ def render(res: dict[str, Any], command: str) -> str:
             f"{wr['bandwidth'] / 1e6:g} MB/s in all; measured request latency "
             f"{wr['probe']['latency'] * 1000:.1f} ms (one client), rate "
             f"{wr['probe']['rate']:.0f}/s (four clients, 16 in flight each); conversion "
-            f"{', '.join(f'{k} {v / 1e6:.0f} MB/s' for k, v in wr['convert_rate_1_rank'].items())}"
-            f" for one rank, shared by the ranks on {wr['cores']} cores. Requests and bytes from "
+            f"{', '.join(f'{k} {v / 1e6:.0f} MB/s' for k, v in wr['convert_rate_rank'].items())}"
+            f" for one tp 4 rank alone, shared by the ranks on {wr['cores']} cores; start cost "
+            "of a fresh rank process "
+            f"{', '.join(f'{k} {v:.2f} s' for k, v in wr['start_seconds'].items())}. "
+            "Requests and bytes from "
             "the server's log, planning pass left out; the data phase is "
             "`manifest.sharing.run_seconds`.",
             "",

@@ -31,8 +31,11 @@ and its requests are through). Request counts come from the same coalescing the 
 (``mxload.orchestrator.plan.readplan.predicted_reads``).
 
 A reload moves and converts the same bytes as a load (whole units, same reads), so it is
-predicted the same; what a first load adds (starting Ray and the workers, allocating
-buffers) is not modelled: the figures are from the first byte requested to the last unit
+predicted the same, less ``start_seconds``: the seconds a fresh rank process spends
+before its first byte arrives beyond the request itself (importing the store's client,
+opening its session), which a load pays once, at the start of its first phase, and a
+reload, whose processes are warm, does not. Starting Ray and the workers and allocating
+buffers are not modelled: the figures are from the first byte requested to the last unit
 written.
 """
 
@@ -107,6 +110,9 @@ class Rates:
     request_concurrency: int = REQUEST_CONCURRENCY
     storage_requests: float = 0.0
     """Requests per second the store serves the whole cluster (0 = unlimited)."""
+    start_seconds: float = 0.0
+    """Seconds a fresh rank process's first storage read takes beyond a warm one (the
+    store's client set up in that process); paid once per load, not by a reload."""
 
     def __post_init__(self) -> None:
         if self.request_concurrency < 1:
@@ -118,6 +124,7 @@ class Rates:
             "convert",
             "request_latency",
             "storage_requests",
+            "start_seconds",
         ):
             if getattr(self, name) < 0:
                 raise ValueError(f"rate {name} must be >= 0, got {getattr(self, name)}")
@@ -133,13 +140,16 @@ class RankTime:
     network_seconds: float
     convert_seconds: float
     load_seconds: float
-    """fetch + max(storage, network, convert)."""
+    """start + fetch + max(storage, network, convert)."""
     requests: int = 0
     """Storage requests the rank sends (its own reads and the shared reads it owns)."""
+    start_seconds: float = 0.0
+    """The fresh process's first-read cost (``Rates.start_seconds``), in ``load_seconds``."""
 
     @property
     def reload_seconds(self) -> float:
-        return self.load_seconds
+        """A reload's processes are warm: no start cost."""
+        return self.load_seconds - self.start_seconds
 
 
 def shared_link(sizes: Sequence[float], capacity: float) -> list[float]:
@@ -218,8 +228,9 @@ def predict(
                 storage_seconds=storage[i],
                 network_seconds=network[i],
                 convert_seconds=conv,
-                load_seconds=phase1 + max(storage[i], network[i], conv),
+                load_seconds=rates.start_seconds + phase1 + max(storage[i], network[i], conv),
                 requests=reqs[i][0] + reqs[i][1],
+                start_seconds=rates.start_seconds,
             )
         )
     return out

@@ -48,6 +48,26 @@ def test_two_phases_and_the_slowest_resource() -> None:
         Rates(convert=-1.0)
 
 
+def test_a_fresh_process_start_cost_is_paid_by_a_load_not_a_reload() -> None:
+    # The same cluster as above, with each fresh rank process taking 0.5 s longer over
+    # its first read: every load starts 0.5 s later (4.5 -> 5.0 s); a reload's processes
+    # are warm, so it stays at 4.5 s.
+    rates = Rates(
+        storage_node=100.0,
+        storage_aggregate=150.0,
+        network_node=50.0,
+        convert=40.0,
+        start_seconds=0.5,
+    )
+    t = [traffic(300, fetched=200), traffic(100), traffic(0, peers=100, remote=100)]
+    got = predict(t, [100, 100, 100], ["a", "a", "b"], rates)
+    assert [r.load_seconds for r in got] == pytest.approx([5.0, 5.0, 5.0])
+    assert [r.reload_seconds for r in got] == pytest.approx([4.5, 4.5, 4.5])
+    assert all(r.fetch_seconds == pytest.approx(2.0) for r in got)  # phases unchanged
+    with pytest.raises(ValueError, match="start_seconds"):
+        Rates(start_seconds=-0.1)
+
+
 def qwen_plan(layout: ParallelLayout):
     name = "qwen3-30b-a3b-fp8"
     cfg = parse_config(model_config(name), str(model_config_path(name)))
