@@ -720,6 +720,9 @@ def test_every_rank_equals_vllm_0_23_qwen3_5_parameters(
 
 
 MOE_LAYOUTS = {
+    "tp1": ParallelLayout(tp=1),
+    "tp4": ParallelLayout(tp=4),
+    "tp4-ep": ParallelLayout(tp=4, enable_expert_parallel=True),
     # experts over dp*tp = 4: TP-sharded (I / 4 = 32) or whole (2 per rank)
     "tp2xdp2": ParallelLayout(tp=2, dp=2),
     "tp2xdp2-ep": ParallelLayout(tp=2, dp=2, enable_expert_parallel=True),
