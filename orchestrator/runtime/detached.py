@@ -378,30 +378,33 @@ def watching_head(record: Any | None, period_s: float = 1.0) -> Iterator[None]:
     """While the body runs, the recorded head is checked every ``period_s`` from its
     recorded processes (:func:`check_recorded_head`). When it goes down or is stopped,
     the body is interrupted wherever it waits on Ray (which then might wait minutes, or
-    for ever) and the head's error is raised instead: it names the head, not a rank."""
+    for ever) and the head's error is raised instead: it names the head, not a rank.
+
+    The interrupt is a SIGUSR1 to the main thread, handled for the body's duration as a
+    KeyboardInterrupt (what Ray's waits give way to): SIGINT may be ignored, as in a
+    command started in the background by a script."""
     import signal
 
-    # Only the main thread can be interrupted, and only where Python handles SIGINT.
-    on_main = threading.current_thread() is threading.main_thread()
-    handled = signal.getsignal(signal.SIGINT) not in (signal.SIG_DFL, signal.SIG_IGN, None)
-    if record is None or not (on_main and handled):
+    if record is None or threading.current_thread() is not threading.main_thread():
         yield
         return
     main = threading.main_thread().ident
     found: list[MxloadError] = []
     done = threading.Event()
+    sending = threading.Lock()  # no signal once the body is over and the handler gone
 
     def watch() -> None:
         while not done.wait(period_s):
             try:
                 check_recorded_head(record)
             except MxloadError as err:
-                found.append(err)
-                # A real signal, so that a wait in a system call wakes up too.
-                if main is not None:
-                    signal.pthread_kill(main, signal.SIGINT)
+                with sending:
+                    if not done.is_set() and main is not None:
+                        found.append(err)
+                        signal.pthread_kill(main, signal.SIGUSR1)
                 return
 
+    previous = signal.signal(signal.SIGUSR1, signal.default_int_handler)
     threading.Thread(target=watch, name="mxload-head-watch", daemon=True).start()
     try:
         yield
@@ -412,7 +415,9 @@ def watching_head(record: Any | None, period_s: float = 1.0) -> Iterator[None]:
             raise err from None
         raise
     finally:
-        done.set()
+        with sending:
+            done.set()
+        signal.signal(signal.SIGUSR1, previous)
 
 
 def _head_error(record: Any) -> MxloadError | None:
