@@ -333,9 +333,7 @@ def check_not_input(output: str | None, flag: str, inputs: Iterable[tuple[str, s
     if not output:
         return
     b = normalise(output)
-    for what, location in inputs:
-        if not location:
-            continue
+    for what, location in _with_linked_files(inputs):
         a = normalise(location)
         if a == b:
             relation = "is"
@@ -351,6 +349,27 @@ def check_not_input(output: str | None, flag: str, inputs: Iterable[tuple[str, s
             file=output,
             key=flag,
         )
+
+
+def _with_linked_files(inputs: Iterable[tuple[str, str]]) -> Iterable[tuple[str, str]]:
+    """Each input, then the files a local input folder holds through links (a shard kept
+    elsewhere and linked in, allowed by ``--allow-outside-links``): an output over a
+    link's target destroys the input just as surely."""
+    for what, location in inputs:
+        if not location:
+            continue
+        yield what, location
+        folder = None if is_remote(location) else local_path(location)
+        if not folder or not os.path.isdir(folder):
+            continue
+        try:
+            names = sorted(os.listdir(folder))
+        except OSError:
+            continue
+        for name in names:
+            path = os.path.join(folder, name)
+            if os.path.islink(path):
+                yield f"{what}'s {name} (a link to {os.path.realpath(path)})", path
 
 
 def _remove_quietly(path: str) -> None:

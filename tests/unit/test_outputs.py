@@ -171,3 +171,18 @@ def test_disjoint_locations_pass(tmp_path) -> None:
     check_disjoint(str(tmp_path / "ck"), str(tmp_path / "ck-out"))  # a prefix, not inside
     check_disjoint("s3://b/ck", "s3://b/ck2")
     check_disjoint("s3://b/ck", "memory://b/ck")
+
+
+def test_an_output_over_the_target_of_an_input_link_is_refused(tmp_path) -> None:
+    """A shard kept elsewhere and linked into the checkpoint (--allow-outside-links): an
+    output folder holding the link's target would destroy the input."""
+    from mxload.orchestrator.runtime.outputs import check_not_input
+
+    ck, outside = tmp_path / "ck", tmp_path / "outside"
+    ck.mkdir()
+    outside.mkdir()
+    (outside / "model-00002.safetensors").write_bytes(b"shard")
+    (ck / "model-00002.safetensors").symlink_to(outside / "model-00002.safetensors")
+    with pytest.raises(OutputError, match=r"model-00002\.safetensors \(a link"):
+        check_not_input(str(outside), "DST", [("SRC", str(ck))])
+    check_not_input(str(outside / "elsewhere"), "DST", [("SRC", str(ck))])  # beside it: fine
