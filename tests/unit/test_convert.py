@@ -659,3 +659,26 @@ def test_ascend_format_describes_every_tensor_and_reads_back(ckpt_factory, tmp_p
         json.dump(desc, f)
     with pytest.raises(UnsupportedError, match=r"o_proj\.weight.*W4A8_DYNAMIC"):
         open_checkpoint(dst)
+
+
+def test_deepseek_kv_b_proj_stays_in_model_dtype_in_every_layer_mtp_included(
+    ckpt_factory, tmp_path
+) -> None:
+    """vllm-ascend's MLA requires kv_b_proj unquantized: in the decoder layers and in the
+    MTP layer after them (layer num_hidden_layers), each written resolved and ignored."""
+    src = ckpt_factory("deepseek-v3-tiny", 5)
+    with open(os.path.join(src, "config.json")) as f:
+        layers = json.load(f)["num_hidden_layers"]
+    dst = str(tmp_path / "out")
+    convert_checkpoint(src, dst)
+    with open(os.path.join(dst, "model.safetensors.index.json")) as f:
+        weight_map = json.load(f)["weight_map"]
+    kvb = sorted(n for n in weight_map if n.endswith("self_attn.kv_b_proj.weight"))
+    assert f"model.layers.{layers}.self_attn.kv_b_proj.weight" in kvb, kvb  # the MTP layer
+    for name in kvb:
+        with safe_open(os.path.join(dst, weight_map[name]), "pt") as f:
+            assert f.get_slice(name).get_dtype() == "BF16", name
+        assert name.replace(".weight", ".weight_scale") not in weight_map, name
+    with open(os.path.join(dst, "config.json")) as f:
+        ignored = set(json.load(f)["quantization_config"]["ignore"])
+    assert {n.removesuffix(".weight") for n in kvb} <= ignored

@@ -342,8 +342,17 @@ def _plan(meta: CheckpointMeta) -> tuple[Specs, list[_Job], list[str], dict[str,
             if name.endswith(".weight") and info.dtype == "F8_E4M3" and len(info.shape) == 2:
                 if info.shape[1] % MX_GROUP:
                     fallback.add(name[: -len(".weight")])
-        # Linears the engine needs unquantized (DeepSeek's kv_b_proj: MLA absorbs it).
-        fallback.update(dense_linear_modules(cfg))
+        # Linears the engine needs unquantized (DeepSeek's kv_b_proj: MLA absorbs it), also
+        # in layers past the decoder's (DeepSeek's MTP layer: the same MLA, not planned).
+        dense = dense_linear_modules(cfg)
+        fallback.update(dense)
+        kept = {m.split(".", 3)[3] for m in dense if m.startswith("model.layers.")}
+        for name in meta.tensors:
+            parts = name.split(".", 3)
+            if parts[:2] == ["model", "layers"] and parts[2].isdigit() and len(parts) == 4:
+                module = parts[3].rsplit(".", 1)[0]
+                if int(parts[2]) >= cfg.num_hidden_layers and module in kept:
+                    fallback.add(f"model.layers.{parts[2]}.{module}")
         for group in quantization_groups(cfg):
             if fallback.intersection(group):
                 fallback.update(group)
