@@ -44,7 +44,7 @@ from types import TracebackType
 from typing import Any
 
 from mxload.orchestrator.errors import OutputError
-from mxload.workers.storage.urls import is_remote, local_path
+from mxload.workers.storage.urls import PROTOCOLS, is_remote, local_path, protocol
 
 _DISK_ERRNOS = {
     errno.ENOSPC: "no space left on the device",
@@ -128,6 +128,10 @@ def _probe_parent(p: str, shown: str, flag: str) -> None:
 # --- folders -----------------------------------------------------------------------------------
 
 
+WRITE_PROTOCOLS = PROTOCOLS - {"http", "https"}
+"""Where outputs may go: every scheme mxload reads but HTTP, which fsspec only reads."""
+
+
 class OutputDir:
     """A folder written whole (see module doc). ``path`` is where to write meanwhile."""
 
@@ -154,6 +158,15 @@ class OutputDir:
         t, flag = self.target, self.flag
         if not t:
             raise OutputError(f"{flag}: an empty path", key=flag)
+        scheme = protocol(t)
+        if scheme not in WRITE_PROTOCOLS:
+            # Refused before any connection: ftp://, sftp://, http(s):// (read-only) ...
+            raise OutputError(
+                f"{flag} {t}: mxload does not write to {scheme}://; give a local folder or "
+                + ", ".join(f"{p}://" for p in sorted(WRITE_PROTOCOLS) if p),
+                file=t,
+                key=flag,
+            )
         if is_remote(t):
             fs = self._filesystem()
             root = self._root()

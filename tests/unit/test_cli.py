@@ -230,6 +230,14 @@ REFUSALS: dict[str, tuple[Callable[[Path, dict[str, str]], list[str]], list[str]
         lambda w, c: ["plan", "--config", _sparse(w / "huge.json", 65 << 20)],
         ["--config", "huge.json", "larger than"],
     ),
+    "convert-to-ftp": (
+        lambda w, c: ["convert", c["v1"], "ftp://nowhere.invalid/out"],
+        ["DST", "ftp://", "does not write"],
+    ),
+    "dump-to-http": (
+        lambda w, c: ["load", c["v1"], "--device", "cpu", "--dump", "http://127.0.0.1:9/d"],
+        ["--dump", "http://", "does not write"],
+    ),
     "unknown-flag": (lambda w, c: ["plan", c["v1"], "--frobnicate"], ["--frobnicate"]),
     "config-file-as-src": (
         lambda w, c: ["plan", c["config-static"]],
