@@ -447,10 +447,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--format",
         choices=("modelopt", "ascend"),
-        default="modelopt",
+        default=None,
         help="how the output describes its quantization: modelopt (vLLM's modelopt_mxfp8; "
         "vllm-ascend 0.27.1rc1+) or ascend (quant_model_description.json for "
-        "--quantization ascend; every vllm-ascend release, the only one 0.23.0.post1 serves)",
+        "--quantization ascend; every vllm-ascend release, the only one 0.23.0.post1 serves). "
+        "Default: modelopt, or ascend where --engine names a release that serves only it",
     )
     p.add_argument(
         "--numerics",

@@ -230,6 +230,18 @@ REFUSALS: dict[str, tuple[Callable[[Path, dict[str, str]], list[str]], list[str]
         lambda w, c: ["plan", "--config", _sparse(w / "huge.json", 65 << 20)],
         ["--config", "huge.json", "larger than"],
     ),
+    "convert-format-the-release-cannot-serve": (
+        lambda w, c: [
+            "convert",
+            c["v1"],
+            str(w / "never"),
+            "--format",
+            "modelopt",
+            "--engine",
+            "vllm-ascend-0.23.0.post1",
+        ],
+        ["--format modelopt", "vllm-ascend-0.23.0.post1", "--format ascend"],
+    ),
     "convert-to-ftp": (
         lambda w, c: ["convert", c["v1"], "ftp://nowhere.invalid/out"],
         ["DST", "ftp://", "does not write"],

@@ -682,3 +682,15 @@ def test_deepseek_kv_b_proj_stays_in_model_dtype_in_every_layer_mtp_included(
     with open(os.path.join(dst, "config.json")) as f:
         ignored = set(json.load(f)["quantization_config"]["ignore"])
     assert {n.removesuffix(".weight") for n in kvb} <= ignored
+
+
+def test_convert_for_a_release_that_serves_only_ascend_writes_ascend(ckpt_factory, tmp_path):
+    """No --format: ModelOpt, unless --engine names a release that cannot serve it
+    (vllm-ascend 0.23.0.post1 refuses modelopt_mxfp8 at start)."""
+    src = ckpt_factory("qwen3-dense-tiny", 5)
+    convert_checkpoint(src, str(tmp_path / "a"), engine="vllm-ascend-0.23.0.post1")
+    assert (tmp_path / "a" / "quant_model_description.json").is_file()
+    with open(tmp_path / "a" / "config.json") as f:
+        assert "quantization_config" not in json.load(f)
+    convert_checkpoint(src, str(tmp_path / "m"))
+    assert not (tmp_path / "m" / "quant_model_description.json").exists()

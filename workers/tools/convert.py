@@ -143,7 +143,7 @@ def convert_checkpoint(
     engine: str = "mxload",
     overwrite: bool = False,
     allow_outside_links: bool = False,
-    fmt: str = "modelopt",
+    fmt: str | None = None,
 ) -> dict[str, Any]:
     """Convert ``src`` into ``dst``; returns a summary (tensors, bytes, seconds, GB/s).
 
@@ -155,10 +155,19 @@ def convert_checkpoint(
     if numerics not in NUMERICS:
         raise UsageError(f"numerics must be one of {', '.join(NUMERICS)}, got {numerics!r}")
     from mxload.orchestrator.plan.engines import engine_profile
-    from mxload.orchestrator.plan.releases import FORMATS
+    from mxload.orchestrator.plan.releases import FORMATS, engine_release
 
+    release = engine_release(engine)
+    if fmt is None:  # ModelOpt, unless the named release cannot serve it
+        fmt = release.formats[0] if release and "modelopt" not in release.formats else "modelopt"
     if fmt not in FORMATS:
         raise UsageError(f"--format {fmt!r} is not one of {', '.join(FORMATS)}", key="--format")
+    if release is not None and fmt not in release.formats:
+        raise UsageError(
+            f"--format {fmt}: {release.name} does not serve it (it serves "
+            f"{', '.join(release.formats)}); give --format {release.formats[0]}",
+            key="--format",
+        )
 
     profile = engine_profile(engine)
     t0 = time.perf_counter()
