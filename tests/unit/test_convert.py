@@ -694,3 +694,20 @@ def test_convert_for_a_release_that_serves_only_ascend_writes_ascend(ckpt_factor
         assert "quantization_config" not in json.load(f)
     convert_checkpoint(src, str(tmp_path / "m"))
     assert not (tmp_path / "m" / "quant_model_description.json").exists()
+
+
+def test_an_ascend_form_output_converts_again_to_the_same_tensors(ckpt_factory, tmp_path):
+    """The ascend form has no quantization_config (its description file says it all):
+    converting it again, to ModelOpt, gives the same tensors, byte for byte."""
+    src = ckpt_factory("qwen3-dense-tiny", 5)
+    a, m = str(tmp_path / "a"), str(tmp_path / "m")
+    convert_checkpoint(src, a, fmt="ascend")
+    convert_checkpoint(a, m)
+    with open(os.path.join(m, "config.json")) as f:
+        assert json.load(f)["quantization_config"]["quant_method"] == "modelopt"
+    for name in sorted(os.listdir(a)):
+        if name.endswith(".safetensors"):
+            x, y = load_file(os.path.join(a, name)), load_file(os.path.join(m, name))
+            assert set(x) == set(y), name
+            for t in x:
+                assert torch.equal(x[t].view(torch.uint8), y[t].view(torch.uint8)), t

@@ -288,7 +288,6 @@ def _write(
     finally:
         stage_seconds.update(pipe.stage_seconds())
 
-    cfg = meta.config
     raw_config = json.loads(storage.read_file(CONFIG_FILE))
     if fmt == "ascend":
         # vllm-ascend's `--quantization ascend` reads the scheme of every tensor from its
@@ -301,9 +300,10 @@ def _write(
                 desc[name] = ASCEND_MXFP8 if f"{name}_scale" in names else "FLOAT"
         with fs.open(_join(root_path, ASCEND_DESCRIPTION_FILE), "w") as f:
             json.dump(desc, f, indent=2)
-    elif cfg.quant.kind == "block_fp8":
+    else:
         # config.json's flat form: vLLM reads the modules kept in the model dtype from
         # "ignore" (it reads "exclude_modules" only inside hf_quant_config.json's nesting).
+        # Written for an MXFP8 source too: one in the ascend form has no quantization_config.
         raw_config["quantization_config"] = {
             "quant_method": "modelopt",
             "quant_algo": "MXFP8",
