@@ -454,7 +454,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         return report_error(err, err.exit_code, argv, hidden)
     except KeyboardInterrupt:
-        sys.stderr.write("mxload: interrupted\n")
+        command = next((a for a in argv if not a.startswith("-")), "")
+        hint = " (`mxload status` says what the devices hold)" if command == "reload" else ""
+        sys.stderr.write(f"mxload: interrupted{hint}\n")
         return 130
     except BrokenPipeError:
         # `mxload plan ... | head`: the reader left; say nothing more, like other tools.
@@ -464,6 +466,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         if debug:
             raise
         return report_error(err, 1, argv, hidden)
+
+
+def run() -> None:
+    """The console script and ``python -m``: :func:`main`'s exit status, which a Ctrl-C
+    during the interpreter's own shutdown (Ray's, seconds long) no longer changes: the
+    command's outcome was already said."""
+    import signal
+
+    code = main()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    sys.exit(code)
 
 
 def _option_secrets(args: argparse.Namespace) -> list[str]:

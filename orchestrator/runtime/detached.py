@@ -650,13 +650,16 @@ def _attach(session: str, address: str | None) -> tuple[Any, SessionState, RayRu
     plan = state.plan
     assert state.request is not None, "a detached session records its request"
     run = RayRun(state.request, plan, detached_name=session)
-    try:
-        run.actors = [
-            ray.get_actor(_rank_name(session, r), namespace=NAMESPACE)
-            for r in range(plan.layout.world)
-        ]
-    except ValueError as err:
-        raise WorkerLost(f"session {session!r}: a rank actor is gone for good: {err}") from None
+    for r in range(plan.layout.world):
+        try:
+            run.actors.append(ray.get_actor(_rank_name(session, r), namespace=NAMESPACE))
+        except ValueError:  # Ray's text lists guesses; what is known is said here
+            raise WorkerLost(
+                f"session {session!r}: rank {r}'s worker is gone for good (lost more often "
+                f"than --max-restarts allows); `mxload release --session {session}` ends the "
+                "rest, then load again",
+                rank=r,
+            ) from None
     return keeper, state, run
 
 

@@ -718,3 +718,18 @@ def test_engine_takes_release_names_and_refuses_unknown_ones(
     assert rc == 0 and json.loads(out)["engine"] == "vllm-ascend-0.23"
     rc, _, err = mxload(*PLAN_30B, "--engine", "vllm-ascend-0.26.0rc1")
     assert rc == 2 and "vllm-ascend-0.23.0.post1" in err and "vllm-ascend-0.30.0rc2" in err
+
+
+def test_an_interrupted_reload_says_where_to_look(monkeypatch, capsys) -> None:
+    """Ctrl-C during a reload: exit 130, and the line says how to learn what the devices
+    hold (the reload may have finished, or stopped part-way)."""
+    from mxload.orchestrator.cli import commands
+
+    def interrupted(args: object) -> int:
+        raise KeyboardInterrupt
+
+    monkeypatch.setitem(commands.COMMANDS, "reload", interrupted)
+    assert main(["reload", "/nowhere"]) == 130
+    assert capsys.readouterr().err == (
+        "mxload: interrupted (`mxload status` says what the devices hold)\n"
+    )
