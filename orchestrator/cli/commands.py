@@ -37,6 +37,11 @@ def cmd_make_checkpoint(args: argparse.Namespace) -> int:
             key="--preset",
         )
     options = flags.storage_options(args)
+    if args.bf16 and args.scale_dtype:
+        raise UsageError(
+            "--scale-dtype: a --bf16 checkpoint has no block scales; give one or the other",
+            key="--scale-dtype",
+        )
     out = OutputDir(args.out, "OUT", overwrite=args.overwrite, storage_options=options)
     out.check()
     with out:
@@ -48,7 +53,7 @@ def cmd_make_checkpoint(args: argparse.Namespace) -> int:
             shards=args.shards,
             storage_options=options,
             bf16=args.bf16,
-            scale_dtype=args.scale_dtype,
+            scale_dtype=args.scale_dtype or "F32",
         )
     summary["out"] = args.out  # the place it now is, not the folder it was written in
     show.emit(args, summary, show.render_made(summary, bf16=args.bf16))

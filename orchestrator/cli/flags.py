@@ -410,7 +410,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--bf16", action="store_true", help="write the same model as plain BF16")
     p.add_argument(
         "--scale-dtype",
-        default="F32",
+        default=None,
         choices=("F32", "BF16"),
         help="dtype of the block scales weight_scale_inv (default F32; BF16 as third-party "
         "Qwen3.5 FP8 copies store them)",

@@ -242,6 +242,13 @@ REFUSALS: dict[str, tuple[Callable[[Path, dict[str, str]], list[str]], list[str]
         ],
         ["--format modelopt", "vllm-ascend-0.23.0.post1", "--format ascend"],
     ),
+    "bf16-with-scale-dtype": (
+        lambda w, c: [
+            *("make-checkpoint", str(w / "never"), "--preset", "qwen3.5-tiny"),
+            *("--bf16", "--scale-dtype", "BF16"),
+        ],
+        ["--scale-dtype", "--bf16"],
+    ),
     "convert-to-ftp": (
         lambda w, c: ["convert", c["v1"], "ftp://nowhere.invalid/out"],
         ["DST", "ftp://", "does not write"],
