@@ -90,7 +90,7 @@ from mxload.workers.tools.convert import convert_checkpoint
 from safetensors.torch import load_file
 
 from tests.engine import sources
-from tests.engine.test_vllm_qwen3_5 import _namespace, _node, _parsed
+from tests.engine.vllm_code import _namespace, _node, _parsed
 from tests.reference_model import Layout, coords
 
 _ANNOTATIONS = __future__.annotations.compiler_flag
@@ -501,7 +501,7 @@ VLLM_STUBS = {
     "quant_method": "an object named AscendFusedMoEMethod (vllm-ascend's adapter's name)",
     "moe_config": "FusedMoEConfig: is_act_and_mul, tp_rank, moe_parallel_config.tp_size",
     "logger": "Python logging",
-    "the rest of _namespace": "tests/engine/test_vllm_qwen3_5.py's _STUBS (quantization-only "
+    "the rest of _namespace": "tests/engine/vllm_code.py's _STUBS (quantization-only "
     "helpers that raise if reached, parameter classes no isinstance here may match)",
     "model routing under vLLM 0.30": "0.30's Qwen3MoeModel routes through AutoWeightsLoader "
     "over its module tree; 0.23's hand-rolled Qwen3MoeModel.load_weights runs instead, with "

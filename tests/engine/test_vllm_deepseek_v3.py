@@ -26,8 +26,9 @@ import torch
 from mxload.orchestrator.plan.types import ParallelLayout
 
 from tests.engine import test_vllm_qwen3_5 as q35
-from tests.engine.test_vllm_qwen3_5 import _exec, _param, _source, _Vllm
+from tests.engine.test_vllm_qwen3_5 import _param, _source, _Vllm
 from tests.engine.test_vllm_qwen3_5 import vllm_src as vllm_src  # the module fixture
+from tests.engine.vllm_code import _exec
 
 PRESET = "deepseek-v3-tiny"
 

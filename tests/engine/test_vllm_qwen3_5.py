@@ -11,7 +11,7 @@ config, distributed, compilation, platform and triton layers and their dependenc
 download brings and none of which install on this CPU-only image within the test's budget.
 So the test takes the functions that decide the layout out of vLLM's own files by name
 (``ast``) and runs them, unmodified, with the names they reach stubbed (listed in
-``_STUBS``):
+``_STUBS`` of tests/engine/vllm_code.py):
 
 * ``Qwen3_5Model.load_weights`` (qwen3_5.py): which checkpoint tensor goes to which
   parameter with which shard id (``in_proj_qkv`` -> ``in_proj_qkvz`` shards (0, 1, 2),
@@ -53,7 +53,6 @@ from __future__ import annotations
 import ast
 import functools
 import hashlib
-import logging
 import textwrap
 import types
 from collections.abc import Callable
@@ -74,6 +73,7 @@ from mxload.workers.tools.synth import make_checkpoint, preset_config
 from safetensors.torch import load_file
 
 from tests.engine import sources
+from tests.engine.vllm_code import _exec, _namespace, _node, _parsed, _Stub
 from tests.independent_ref import mx_quantize_ref, same_e4m3_bytes
 
 PIN = "0.23.0"
@@ -104,28 +104,6 @@ def vllm_src() -> Path:
 # --- taking vLLM's functions out of its files ---------------------------------------------------
 
 
-def _node(tree: ast.Module, path: tuple[str, ...]) -> ast.AST:
-    """The definition at ``path``; the last one of a name (``@overload`` stubs come first)."""
-    body: list[ast.stmt] = tree.body
-    found: ast.AST | None = None
-    for name in path:
-        found = [
-            n
-            for n in body
-            if isinstance(n, ast.FunctionDef | ast.ClassDef | ast.AsyncFunctionDef)
-            and n.name == name
-        ][-1]
-        body = getattr(found, "body", [])
-    assert found is not None
-    return found
-
-
-@functools.cache
-def _parsed(path: Path) -> tuple[str, ast.Module]:
-    text = path.read_text()
-    return text, ast.parse(text)
-
-
 @functools.cache
 def _source(src: Path, key: str, *path: str) -> str:
     """The source of ``path`` (a top-level def/class, or Class.method) in vLLM's file
@@ -141,73 +119,12 @@ def _source(src: Path, key: str, *path: str) -> str:
     return textwrap.dedent("\n".join(lines))
 
 
-class _Stub:
-    """A named stand-in for a vLLM class only used in ``isinstance`` checks that must be
-    false here (no quantized, GGUF, packed or uninitialized parameter is built)."""
-
-
-_STUBS = {
-    "BlockQuantScaleParameter": "linear.py: block-FP8 scale parameter (none here: BF16 load)",
-    "BasevLLMParameter": "parameter.py: v2 parameters (the unquantized method uses plain ones)",
-    "UninitializedParameter": "torch lazy parameter (GGUF only)",
-    "adjust_*": "linear.py quantization helpers, reached only for packed/quantized params",
-    "get_tensor_model_parallel_rank": "vllm.distributed: the rank under test",
-    "is_pp_missing_parameter": "models/utils.py: the name is not a parameter of this stage",
-    "envs": "vllm.envs: VLLM_PP_LAYER_PARTITION unset",
-    "maybe_remap_kv_scale_name": "weight_utils.py: no kv-cache scales in the checkpoint",
-    "logger": "vllm.logger: Python logging",
-    "quant_method": "FusedMoE.quant_method: an object named UnquantizedFusedMoEMethod",
-    "expert_map_manager": "its map_global_to_local (vLLM's) over determine_expert_map's map",
-}
-
-
-def _namespace(tp_rank: int) -> dict[str, Any]:
-    def unreachable(*_: Any, **__: Any) -> Any:
-        raise AssertionError("a quantization-only vLLM helper was reached")
-
-    ns: dict[str, Any] = {
-        "torch": torch,
-        "Parameter": torch.nn.Parameter,
-        "BlockQuantScaleParameter": type("BlockQuantScaleParameter", (_Stub,), {}),
-        "BasevLLMParameter": type("BasevLLMParameter", (_Stub,), {}),
-        "UninitializedParameter": type("UninitializedParameter", (_Stub,), {}),
-        "adjust_block_scale_shard": unreachable,
-        "adjust_marlin_shard": unreachable,
-        "adjust_bitsandbytes_4bit_shard": unreachable,
-        "adjust_scalar_to_fused_array": unreachable,
-        "get_tensor_model_parallel_rank": lambda: tp_rank,
-        "is_pp_missing_parameter": lambda name, model: name not in model.params,
-        "envs": types.SimpleNamespace(VLLM_PP_LAYER_PARTITION=None),
-        "maybe_remap_kv_scale_name": lambda name, params: name,
-        "logger": _Logger(),
-        "dataclass": dataclass,
-        "typing": __import__("typing"),
-        "Callable": Callable,
-        "LoaderFunction": Callable,
-        "itertools": __import__("itertools"),
-    }
-    return ns
-
-
 _STATIC = {
     "_get_hidden_dim",
     "_narrow_expert_data_for_padding",
     "build_initial_global_physical_to_logical_map",
 }
 """Methods vLLM declares ``@staticmethod``."""
-
-
-class _Logger:
-    def warning(self, msg: str, *a: Any) -> None:
-        logging.getLogger("vllm").warning(msg, *a)
-
-    warning_once = warning
-    info = warning
-
-
-def _exec(ns: dict[str, Any], source: str, name: str) -> Any:
-    exec(compile(source, f"<vllm {name}>", "exec"), ns)
-    return ns[name]
 
 
 @dataclass
