@@ -148,12 +148,11 @@ _ASCEND_ODD_GROUPS = (
     "contract asks, but the engine has no such buffer to write"
 )
 _ASCEND_ROUND_ROBIN = (
-    "vLLM honours round_robin expert placement only for models with expert groups "
-    "(num_expert_group > 1; Qwen3-MoE has none) and no redundant experts, and with "
-    "dp > 1 only on the DeepEP low-latency or NIXL all2all backend; otherwise it falls back "
-    "to linear placement, and mxload cannot see the engine's backend. Writing round_robin "
-    "experts into the engine's buffers would put the wrong experts there; use "
-    "--expert-placement linear (what the engine does)"
+    "vllm-ascend builds every MoE layer's expert map itself (init_eplb_config calls vLLM's "
+    "determine_expert_map without a placement, so linear), whatever the engine's "
+    "expert_placement_strategy and whatever the model, DeepSeek-V3's expert groups "
+    "included; writing round_robin experts into its buffers would put the wrong experts "
+    "there: use --expert-placement linear (what the engine does)"
 )
 _ASCEND_K_UNALIGNED = (
     "vllm-ascend quantizes it anyway (0.23-0.27 with a partial last scale group, 0.28+ "

@@ -158,7 +158,7 @@ def test_attach_refuses_nz_round_robin_and_foreign_layouts(ckpt_factory, fake_vl
     # The engine's own parallel config asks for round_robin: vLLM would place linearly.
     rr = ParallelLayout(tp=2, dp=2, enable_expert_parallel=True, expert_placement="round_robin")
     workers = _workers(src, "mxload", layout=rr)
-    with pytest.raises(LayoutError, match="falls back to linear"):
+    with pytest.raises(LayoutError, match="init_eplb_config"):
         EngineReloader(_llm(workers, fake_vllm)).attach(src, engine=engine)
     # Parameters held contiguous where the profile says transposed views: every
     # difference listed, nothing written.
