@@ -686,16 +686,25 @@ def storage_options(args: argparse.Namespace) -> dict[str, Any] | None:
             raise UsageError(f"{where}: not valid JSON ({pos})", key="--storage-options") from None
         if not isinstance(value, dict):
             raise UsageError(f"{where}: must be a JSON object", key="--storage-options")
-    # The source flags travel as storage options: every worker then reads under them.
-    if getattr(args, "allow_outside_links", False):
-        value[ALLOW_OUTSIDE_LINKS] = True
-    for flag, key in (
-        ("connect_timeout", CONNECT_TIMEOUT),
-        ("read_timeout", READ_TIMEOUT),
-        ("min_read_rate", MIN_READ_RATE),
-    ):
-        if getattr(args, flag, None) is not None:
-            value[key] = getattr(args, flag)
+    # The source flags travel as storage options: every worker then reads under them. A
+    # flag and the same key in the JSON must agree: neither silently wins.
+    given = {
+        ALLOW_OUTSIDE_LINKS: True if getattr(args, "allow_outside_links", False) else None,
+        CONNECT_TIMEOUT: getattr(args, "connect_timeout", None),
+        READ_TIMEOUT: getattr(args, "read_timeout", None),
+        MIN_READ_RATE: getattr(args, "min_read_rate", None),
+    }
+    for key, flag_value in given.items():
+        if flag_value is None:
+            continue
+        flag = "--" + key.removeprefix("mxload_").removesuffix("_s").replace("_", "-")
+        if key in value and value[key] != flag_value:
+            raise UsageError(
+                f"{flag} {flag_value!r} and --storage-options {key}: {value[key]!r} disagree; "
+                "give one of them",
+                key=flag,
+            )
+        value[key] = flag_value
     return value or None
 
 

@@ -171,6 +171,27 @@ REFUSALS: dict[str, tuple[Callable[[Path, dict[str, str]], list[str]], list[str]
         lambda w, c: ["inspect", c["v1"], "--storage-options", "[1]"],
         ["--storage-options"],
     ),
+    "flag-and-storage-option-disagree": (
+        lambda w, c: [
+            "inspect",
+            c["v1"],
+            "--min-read-rate",
+            "2MiB",
+            "--storage-options",
+            '{"mxload_min_read_rate": 1000}',
+        ],
+        ["--min-read-rate", "2097152", "mxload_min_read_rate", "1000", "disagree"],
+    ),
+    "outside-links-flag-and-option-disagree": (
+        lambda w, c: [
+            "inspect",
+            c["v1"],
+            "--allow-outside-links",
+            "--storage-options",
+            '{"mxload_allow_outside_links": false}',
+        ],
+        ["--allow-outside-links", "mxload_allow_outside_links", "disagree"],
+    ),
     "missing-dir": (lambda w, c: ["inspect", str(w / "nowhere")], [str(Path("nowhere"))]),
     "per-tensor-fp8": (
         lambda w, c: ["plan", "--config", c["config-per-tensor"]],

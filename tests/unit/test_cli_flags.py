@@ -126,3 +126,22 @@ def test_presets_named_in_help_are_the_writers_presets() -> None:
     from mxload.workers.tools.synth import PRESETS
 
     assert cli.preset_names() == sorted(PRESETS)
+
+
+def test_a_flag_and_the_same_storage_option_that_agree_are_one_setting() -> None:
+    import argparse
+
+    from mxload.orchestrator.cli.flags import storage_options
+
+    args = argparse.Namespace(
+        storage_options='{"mxload_min_read_rate": 2097152, "mxload_read_timeout_s": 5}',
+        min_read_rate=2097152,
+        read_timeout=5.0,
+        connect_timeout=None,
+        allow_outside_links=True,
+    )
+    assert storage_options(args) == {
+        "mxload_min_read_rate": 2097152,
+        "mxload_read_timeout_s": 5.0,
+        "mxload_allow_outside_links": True,
+    }
