@@ -83,15 +83,22 @@ def check_file_target(path: str | None, flag: str) -> None:
         raise OutputError(f"{flag}: an empty path", key=flag)
     if is_remote(path):
         raise OutputError(f"{flag} {path}: must be a local path", file=path, key=flag)
-    p = local_path(path)
+    p = _through_link(local_path(path))
     if os.path.isdir(p):
         raise OutputError(f"{flag} {path}: is a folder; give a file name", file=path, key=flag)
     _probe_parent(p, path, flag)
 
 
+def _through_link(p: str) -> str:
+    """The file a link names (as a shell's ``>`` writes it): a file output replaces the
+    target's contents, never the link itself."""
+    return os.path.realpath(p) if os.path.islink(p) else p
+
+
 def write_file_atomic(path: str, data: bytes, flag: str) -> None:
-    """``data`` into ``path`` via a temporary file beside it and a rename."""
-    p = local_path(path)
+    """``data`` into ``path`` (through a link, into its target) via a temporary file beside
+    it and a rename."""
+    p = _through_link(local_path(path))
     parent = os.path.dirname(os.path.abspath(p))
     fd, tmp = tempfile.mkstemp(dir=parent, prefix="." + os.path.basename(p) + _TMP_TAG)
     try:

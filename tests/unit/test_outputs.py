@@ -118,6 +118,28 @@ def test_file_targets(tmp_path) -> None:
     assert path.read_text() == "new" and os.listdir(tmp_path) == ["r.json"]
 
 
+def test_a_file_output_through_a_link_writes_the_target(tmp_path) -> None:
+    (tmp_path / "reports").mkdir()
+    target = tmp_path / "reports" / "r.json"
+    target.write_text("old")
+    link = tmp_path / "latest.json"
+    link.symlink_to(target)
+    check_file_target(str(link), "--report")
+    write_file_atomic(str(link), b"new", "--report")
+    assert os.path.islink(link) and os.readlink(link) == str(target), "the link stays a link"
+    assert target.read_text() == "new"
+    assert sorted(os.listdir(tmp_path / "reports")) == ["r.json"]
+    # A link to a folder is a folder; a dangling link's target folder must exist.
+    folder_link = tmp_path / "dir-link"
+    folder_link.symlink_to(tmp_path / "reports")
+    with pytest.raises(OutputError, match="is a folder"):
+        check_file_target(str(folder_link), "--report")
+    dangling = tmp_path / "dangling.json"
+    dangling.symlink_to(tmp_path / "nowhere" / "r.json")
+    with pytest.raises(OutputError, match="does not exist"):
+        check_file_target(str(dangling), "--report")
+
+
 def test_read_only_parent_is_found_before_work(tmp_path) -> None:
     """A read-only folder (as root, permission bits do not stop writes: a read-only
     bind is what a root user meets; skipped where neither applies)."""
