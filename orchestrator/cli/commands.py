@@ -325,7 +325,7 @@ def cmd_load(args: argparse.Namespace) -> int:
         if bar:
             bar.close()
     _write_report(args.report, manifest)
-    header = show.layout_header(manifest["parallel"], args.defaults_used)
+    header = show.layout_header(manifest["parallel"], args.defaults_used, manifest.get("model"))
     show.emit(args, manifest, "\n".join([*header, show.render_load_table(manifest)]))
     if args.detach:
         # On stderr under --json, so stdout stays one JSON object.

@@ -201,13 +201,22 @@ def render_inspect(src: str, info: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def layout_header(par: dict[str, Any], defaults_used: Sequence[str] = ()) -> list[str]:
+def layout_header(
+    par: dict[str, Any], defaults_used: Sequence[str] = (), model: dict[str, Any] | None = None
+) -> list[str]:
     """The layout a table is for, and the defaults that filled in what was not given."""
+    placement = par.get("expert_placement", "linear")
+    no_experts = (
+        model is not None
+        and not model.get("num_experts")
+        and (par["enable_expert_parallel"] or placement != "linear")
+    )
     lines = [
         f"layout: tp={par['tp']} dp={par['dp']} pp={par['pp']} "
         f"ep={'on' if par['enable_expert_parallel'] else 'off'} "
-        f"expert_placement={par.get('expert_placement', 'linear')} world={par['world']}"
+        f"expert_placement={placement} world={par['world']}"
         + (" language-model-only" if par.get("language_model_only") else "")
+        + (" (a dense model: ep and expert_placement change nothing)" if no_experts else "")
     ]
     if defaults_used:
         lines.append("defaults used: " + ", ".join(defaults_used))
@@ -231,7 +240,7 @@ def render_plan_table(
     lines = [
         f"model: {obj['model'].get('architecture')}, planned for device {device}"
         + _DEVICE_NOTES.get(device, ""),
-        *layout_header(obj["parallel"], defaults_used),
+        *layout_header(obj["parallel"], defaults_used, obj.get("model")),
         *_plan_rows(obj),
         *_time_model_lines(obj.get("time_model")),
         "minimum staging budget: load "

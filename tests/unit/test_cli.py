@@ -610,6 +610,23 @@ def test_size_help_says_which_unit_is_binary(capsys: pytest.CaptureFixture[str])
     assert "64G are refused" in text
 
 
+@pytest.mark.parametrize(
+    "model,extra,noted",
+    [
+        ("qwen3-32b-fp8", ["--enable-expert-parallel"], True),
+        ("qwen3-32b-fp8", ["--expert-placement", "round_robin"], True),
+        ("qwen3-32b-fp8", [], False),
+        ("qwen3-30b-a3b-fp8", ["--enable-expert-parallel"], False),
+    ],
+)
+def test_expert_flags_on_a_dense_model_are_called_out(
+    model: str, extra: list[str], noted: bool, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["plan", "--model", model, "--tp", "4", *extra]) == 0
+    layout = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("layout:"))
+    assert ("a dense model: ep and expert_placement change nothing" in layout) == noted
+
+
 PLAN_30B = ["plan", "--config", str(CONFIGS / "qwen3-30b-a3b-fp8.json"), "--tp", "4", "--dp", "2", "--enable-expert-parallel"]  # fmt: skip
 
 
