@@ -16,14 +16,21 @@ at test time, ``tests/engine/sources.py``):
   ``get_model_file``), ``get_quant_method`` dispatches per layer and
   ``create_scheme_for_layer`` builds the scheme through the real registry
   (``methods/registry.py``, ``methods/__init__.py``) into the real
-  ``AscendW8A8MXFP8Dynamic*Method`` (``methods/w8a8_mxfp8.py``).
+  ``AscendW8A8MXFP8Dynamic*Method`` (``methods/w8a8_mxfp8.py``);
+* ``--format ascend`` of the Qwen3.5 dense and MoE and DeepSeek-V3 presets through the same
+  dispatch, after vLLM's own ``WeightsMapper`` (``models/utils.py``) has renamed the
+  description's keys with the model's ``hf_to_vllm_mapper`` (read as data from
+  ``qwen3_vl.py``), as vLLM's loader does: every linear, embedding and fused MoE of a rank
+  gets an MXFP8 method exactly where mxload holds it MX (merged ``in_proj_qkvz`` /
+  ``in_proj_ba`` / ``fused_qkv_a_proj`` judged shard by shard by the engine; the vision
+  tower, routers and ``kv_b_proj`` kept).
 
 Stand-ins: every other ``vllm`` / ``vllm_ascend`` / ``transformers`` / ``torch_npu``
 module is a named :class:`tests.engine.sources.Stub` (its names are placeholder classes
 that compute nothing); the layer classes the dispatch tests with ``isinstance``
 (``LinearBase``, ``VocabParallelEmbedding``, ``ParallelLMHead`` its subclass,
 ``FusedMoE``) are those placeholders; ``get_current_vllm_config`` answers the model type
-(``qwen3_moe``) and ``group_size``; ``vllm_ascend.utils.vllm_version_is`` answers the
+(``qwen3_moe``, or the family's) and ``group_size``; ``vllm_ascend.utils.vllm_version_is`` answers the
 release's own vLLM (0.23.0).
 """
 
@@ -240,3 +247,150 @@ def test_ascend_output_through_vllm_ascend_0_23(outputs: dict[str, str]) -> None
     assert methods == WANT
     assert schemes["model.layers.0.self_attn.qkv_proj"] is mx.AscendW8A8MXFP8DynamicLinearMethod
     assert schemes["model.layers.1.mlp.experts"] is mx.AscendW8A8MXFP8DynamicFusedMoEMethod
+
+
+# --- the Qwen3.5 and DeepSeek-V3 families through vllm-ascend 0.23's ModelSlim dispatch ------
+
+FAMILIES = {
+    # preset: (hf model_type, the model class whose hf_to_vllm_mapper vLLM applies, its file)
+    "qwen3.5-tiny": ("qwen3_5", "Qwen3VLForConditionalGeneration", "qwen3_vl.py"),
+    "qwen3.5-moe-tiny": ("qwen3_5_moe", "Qwen3VLForConditionalGeneration", "qwen3_vl.py"),
+    "deepseek-v3-tiny": ("deepseek_v3", None, None),
+}
+
+
+def _mapper_prefixes(vllm_root: Path, cls: str | None, file: str | None) -> dict[str, str]:
+    """``hf_to_vllm_mapper``'s ``orig_to_new_prefix`` of ``cls``, read as data from vLLM's file
+    (``Qwen3_5ForConditionalGeneration`` inherits it from ``Qwen3VLForConditionalGeneration``)."""
+    if cls is None or file is None:
+        return {}
+    import ast
+
+    tree = ast.parse((vllm_root / "vllm" / "model_executor" / "models" / file).read_text())
+    node = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls)
+    assign = next(
+        n
+        for n in node.body
+        if isinstance(n, ast.Assign)
+        and any(isinstance(t, ast.Name) and t.id == "hf_to_vllm_mapper" for t in n.targets)
+    )
+    assert isinstance(assign.value, ast.Call)
+    kw = next(k for k in assign.value.keywords if k.arg == "orig_to_new_prefix")
+    return dict(ast.literal_eval(kw.value))
+
+
+def _layers_of(names: list[str]) -> list[tuple[str, str, bool]]:
+    """(vLLM layer prefix, layer class, held MX by mxload) for every quantizable layer among
+    a rank's buffers: linears, embeddings and the fused MoE. Norms, ``A_log``/``dt_bias``,
+    the vision tower's patch conv and position embedding are not layers vLLM gives a
+    quantization method (plain parameters, ``Conv3d``, ``nn.Embedding``)."""
+    out = []
+    held = set(names)
+    for name in names:
+        if name.endswith(".w13_weight"):
+            prefix = name.removesuffix(".w13_weight")
+            out.append((prefix, "FusedMoE", f"{prefix}.w13_weight_scale" in held))
+            continue
+        if not name.endswith(".weight"):
+            continue
+        prefix = name.removesuffix(".weight")
+        leaf = prefix.rsplit(".", 1)[-1]
+        if "norm" in leaf or leaf in ("pos_embed",) or prefix.endswith("patch_embed.proj"):
+            continue
+        kind = (
+            "ParallelLMHead"
+            if leaf == "lm_head"
+            else "VocabParallelEmbedding"
+            if leaf == "embed_tokens"
+            else "LinearBase"
+        )
+        out.append((prefix, kind, f"{prefix}.weight_scale" in held))
+    return out
+
+
+@pytest.mark.parametrize("preset", sorted(FAMILIES))
+def test_family_ascend_output_through_vllm_ascend_0_23(
+    preset: str, ckpt_factory, tmp_path_factory
+) -> None:
+    from mxload import ParallelLayout, build_plan
+
+    model_type, mapper_cls, mapper_file = FAMILIES[preset]
+    src = ckpt_factory(preset, seed=1)
+    out = str(tmp_path_factory.mktemp(f"convert-ascend-{preset}"))
+    convert_checkpoint(src, out, fmt="ascend")
+    # mxload's own decision per layer: the buffers of one tp 1 rank of the FP8 source.
+    names = [
+        b.name for b in build_plan(open_checkpoint(src).config, ParallelLayout()).ranks[0].buffers
+    ]
+    layers = _layers_of(names)
+    assert {k for _, k, _ in layers} >= {"LinearBase", "VocabParallelEmbedding", "ParallelLMHead"}
+    assert any(mx for _, _, mx in layers) and any(not mx for _, _, mx in layers)
+
+    va = sources.vllm_ascend_sdist("0.23.0.post1")
+    vllm = sources.vllm_wheel("0.23.0")
+    q = "vllm_ascend.quantization"
+    real = {
+        **_real(
+            va,
+            [
+                f"{q}.modelslim_config",
+                f"{q}.utils",
+                f"{q}.quant_type",
+                f"{q}.methods",
+                f"{q}.methods.base",
+                f"{q}.methods.registry",
+                f"{q}.methods.w8a8_mxfp8",
+            ],
+        ),
+        **_real(vllm, ["vllm.model_executor.models.utils"]),
+    }
+    vllm_config = SimpleNamespace(
+        model_config=SimpleNamespace(hf_config=SimpleNamespace(model_type=model_type)),
+        quant_config=SimpleNamespace(quant_description={"group_size": 32}),
+        compilation_config=SimpleNamespace(mode=0),
+        use_v2_model_runner=False,
+    )
+    given: dict[str, Any] = {
+        "vllm.config": Stub(
+            "vllm.config",
+            Path("/nonexistent"),
+            get_current_vllm_config=lambda: vllm_config,
+            get_current_vllm_config_or_none=lambda: vllm_config,
+        ),
+        "vllm_ascend.utils": Stub(
+            "vllm_ascend.utils",
+            ASCEND_QUANTIZATION_METHOD="ascend",
+            vllm_version_is=lambda v: v == "0.23.0",
+        ),
+        "vllm.logger": Stub("vllm.logger", logger=sources.QuietLogger()),
+    }
+    classes = _vllm_layers(given)
+    roots = {"vllm", "vllm_ascend", "transformers", "torch_npu"}
+    with stubbed_packages(roots, real, given):
+        ms = importlib.import_module(f"{q}.modelslim_config")
+        utils = importlib.import_module("vllm.model_executor.models.utils")
+        cfg = ms.AscendModelSlimConfig()
+        cfg.maybe_update_config(out)
+        # What vLLM's loader does before building the model (configure_quant_config).
+        cfg.apply_vllm_mapper(
+            utils.WeightsMapper(orig_to_new_prefix=_mapper_prefixes(vllm, mapper_cls, mapper_file))
+        )
+        got = {
+            prefix: type(cfg.get_quant_method(_layer(classes, kind), prefix)).__name__
+            for prefix, kind, _ in layers
+        }
+    want = {
+        prefix: (
+            "AscendFusedMoEMethod"
+            if kind == "FusedMoE" and mx
+            else "AscendUnquantizedFusedMoEMethod"
+            if kind == "FusedMoE"
+            else "AscendLinearMethod"
+            if mx
+            else "AscendUnquantizedLinearMethod"
+            if kind == "LinearBase"
+            else "UnquantizedEmbeddingMethod"
+        )
+        for prefix, kind, mx in layers
+    }
+    assert got == want
