@@ -17,10 +17,11 @@ at test time, ``tests/engine/sources.py``):
   ``create_scheme_for_layer`` builds the scheme through the real registry
   (``methods/registry.py``, ``methods/__init__.py``) into the real
   ``AscendW8A8MXFP8Dynamic*Method`` (``methods/w8a8_mxfp8.py``);
-* ``--format ascend`` of the Qwen3.5 dense and MoE and DeepSeek-V3 presets through the same
-  dispatch, after vLLM's own ``WeightsMapper`` (``models/utils.py``) has renamed the
-  description's keys with the model's ``hf_to_vllm_mapper`` (read as data from
-  ``qwen3_vl.py``), as vLLM's loader does: every linear, embedding and fused MoE of a rank
+* both formats of the Qwen3.5 dense and MoE and DeepSeek-V3 presets through the same two
+  dispatches, after vLLM's own ``WeightsMapper`` (``models/utils.py``) has renamed the
+  kept modules with the model's ``hf_to_vllm_mapper`` and its ``packed_modules_mapping``
+  is set (both run from the model classes' bodies in ``qwen3_vl.py`` / ``qwen3_5.py`` /
+  ``deepseek_v2.py``), as vLLM's loader does: every linear, embedding and fused MoE of a rank
   gets an MXFP8 method exactly where mxload holds it MX (merged ``in_proj_qkvz`` /
   ``in_proj_ba`` / ``fused_qkv_a_proj`` judged shard by shard by the engine; the vision
   tower, routers and ``kv_b_proj`` kept).
@@ -252,31 +253,51 @@ def test_ascend_output_through_vllm_ascend_0_23(outputs: dict[str, str]) -> None
 # --- the Qwen3.5 and DeepSeek-V3 families through vllm-ascend 0.23's ModelSlim dispatch ------
 
 FAMILIES = {
-    # preset: (hf model_type, the model class whose hf_to_vllm_mapper vLLM applies, its file)
-    "qwen3.5-tiny": ("qwen3_5", "Qwen3VLForConditionalGeneration", "qwen3_vl.py"),
-    "qwen3.5-moe-tiny": ("qwen3_5_moe", "Qwen3VLForConditionalGeneration", "qwen3_vl.py"),
-    "deepseek-v3-tiny": ("deepseek_v3", None, None),
-}
+    # preset: (hf model_type, vLLM's model class: file and name, its bases' first)
+    "qwen3.5-tiny": (
+        "qwen3_5",
+        [("qwen3_vl.py", "Qwen3VLForConditionalGeneration"), ("qwen3_5.py", "Qwen3_5ForConditionalGeneration")],
+    ),
+    "qwen3.5-moe-tiny": (
+        "qwen3_5_moe",
+        [
+            ("qwen3_vl.py", "Qwen3VLForConditionalGeneration"),
+            ("qwen3_5.py", "Qwen3_5ForConditionalGeneration"),
+            ("qwen3_5.py", "Qwen3_5MoeForConditionalGeneration"),
+        ],
+    ),
+    "deepseek-v3-tiny": ("deepseek_v3", [("deepseek_v2.py", "DeepseekV2ForCausalLM")]),
+}  # fmt: skip
+
+# DeepseekV2ForCausalLM.__init__ adds this entry when q_lora_rank is set (DeepSeek-V3's is):
+# code in a constructor, not a class attribute, so it is the one fact written here.
+_INIT_PACKED = {"deepseek_v3": {"fused_qkv_a_proj": ["q_a_proj", "kv_a_proj_with_mqa"]}}
 
 
-def _mapper_prefixes(vllm_root: Path, cls: str | None, file: str | None) -> dict[str, str]:
-    """``hf_to_vllm_mapper``'s ``orig_to_new_prefix`` of ``cls``, read as data from vLLM's file
-    (``Qwen3_5ForConditionalGeneration`` inherits it from ``Qwen3VLForConditionalGeneration``)."""
-    if cls is None or file is None:
-        return {}
+def _model_class_attrs(vllm_root: Path, chain: list[tuple[str, str]], weights_mapper: type) -> Any:
+    """``hf_to_vllm_mapper`` and ``packed_modules_mapping`` of the last class of ``chain``:
+    the assignments of each class body, run as vLLM wrote them (``Base.attr | {...}``),
+    each class seeing its bases' values; a class without one inherits its base's."""
     import ast
 
-    tree = ast.parse((vllm_root / "vllm" / "model_executor" / "models" / file).read_text())
-    node = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls)
-    assign = next(
-        n
-        for n in node.body
-        if isinstance(n, ast.Assign)
-        and any(isinstance(t, ast.Name) and t.id == "hf_to_vllm_mapper" for t in n.targets)
-    )
-    assert isinstance(assign.value, ast.Call)
-    kw = next(k for k in assign.value.keywords if k.arg == "orig_to_new_prefix")
-    return dict(ast.literal_eval(kw.value))
+    attrs: dict[str, Any] = {"hf_to_vllm_mapper": None, "packed_modules_mapping": {}}
+    ns: dict[str, Any] = {"WeightsMapper": weights_mapper}
+    for file, cls in chain:
+        tree = ast.parse((vllm_root / "vllm" / "model_executor" / "models" / file).read_text())
+        node = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls)
+        for stmt in node.body:
+            target = (
+                stmt.targets[0]
+                if isinstance(stmt, ast.Assign)
+                else stmt.target
+                if isinstance(stmt, ast.AnnAssign)
+                else None
+            )
+            if isinstance(target, ast.Name) and target.id in attrs and stmt.value is not None:
+                expr = ast.Expression(stmt.value)
+                attrs[target.id] = eval(compile(expr, f"<vllm {file}:{cls}>", "eval"), ns)
+        ns[cls] = SimpleNamespace(**attrs)
+    return SimpleNamespace(**attrs)
 
 
 def _layers_of(names: list[str]) -> list[tuple[str, str, bool]]:
@@ -308,24 +329,86 @@ def _layers_of(names: list[str]) -> list[tuple[str, str, bool]]:
     return out
 
 
+def _want(layers: list[tuple[str, str, bool]]) -> dict[str, str]:
+    """The method each layer needs for what mxload holds there (an MXFP8 weight and scale,
+    or the model-dtype tensor): the engines' class names, as in ``WANT``."""
+    out = {}
+    for prefix, kind, mx in layers:
+        if kind == "FusedMoE":
+            out[prefix] = "AscendFusedMoEMethod" if mx else "AscendUnquantizedFusedMoEMethod"
+        elif kind == "LinearBase":
+            out[prefix] = "AscendLinearMethod" if mx else "AscendUnquantizedLinearMethod"
+        else:
+            out[prefix] = "AscendLinearMethod" if mx else "UnquantizedEmbeddingMethod"
+    return out
+
+
+def _family(preset: str, fmt: str, ckpt_factory, tmp_path_factory) -> tuple[str, list, str]:
+    """(hf model_type, the layers of one tp 1 rank with mxload's MX decision, convert's DST)."""
+    from mxload import ParallelLayout, build_plan
+
+    src = ckpt_factory(preset, seed=1)
+    out = str(tmp_path_factory.mktemp(f"convert-{fmt}-{preset}"))
+    convert_checkpoint(src, out, fmt=fmt)
+    config = open_checkpoint(src).config
+    layers = _layers_of([b.name for b in build_plan(config, ParallelLayout()).ranks[0].buffers])
+    assert {k for _, k, _ in layers} >= {"LinearBase", "VocabParallelEmbedding", "ParallelLMHead"}
+    assert any(mx for _, _, mx in layers) and any(not mx for _, _, mx in layers)
+    return FAMILIES[preset][0], layers, out
+
+
+@pytest.mark.parametrize("preset", sorted(FAMILIES))
+def test_family_modelopt_output_through_vllm_ascend_0_30(
+    preset: str, ckpt_factory, tmp_path_factory
+) -> None:
+    model_type, layers, out = _family(preset, "modelopt", ckpt_factory, tmp_path_factory)
+    va = sources.vllm_ascend_sdist("0.30.0rc2")
+    vllm = sources.vllm_wheel("0.30.0")
+    real = {
+        **_real(
+            vllm,
+            [
+                "vllm.model_executor.layers.quantization.modelopt",
+                "vllm.model_executor.layers.quantization.base_config",
+                "vllm.model_executor.layers.quantization.utils.quant_utils",
+                "vllm.model_executor.models.utils",
+            ],
+        ),
+        **_real(
+            va,
+            [
+                "vllm_ascend.quantization.configs.modelopt_mxfp8_config",
+                "vllm_ascend.quantization.utils",
+            ],
+        ),
+    }
+    given: dict[str, Any] = {}
+    classes = _vllm_layers(given)
+    with open(os.path.join(out, "config.json")) as f:
+        qc = json.load(f)["quantization_config"]
+    roots = {"vllm", "vllm_ascend", "transformers", "torch_npu"}
+    with stubbed_packages(roots, real, given):
+        m = importlib.import_module("vllm_ascend.quantization.configs.modelopt_mxfp8_config")
+        utils = importlib.import_module("vllm.model_executor.models.utils")
+        classes["FusedMoE"] = classes["RoutedExperts"]  # vLLM 0.30's MoE layer
+        model = _model_class_attrs(vllm, FAMILIES[preset][1], utils.WeightsMapper)
+        cfg = m.AscendModelOptMxFp8Config.from_config(qc)
+        # What vLLM's loader does before building the model (configure_quant_config).
+        cfg.packed_modules_mapping = model.packed_modules_mapping | _INIT_PACKED.get(model_type, {})
+        if model.hf_to_vllm_mapper is not None:
+            cfg.apply_vllm_mapper(model.hf_to_vllm_mapper)
+        got = {
+            prefix: type(cfg.get_quant_method(_layer(classes, kind), prefix)).__name__
+            for prefix, kind, _ in layers
+        }
+    assert got == _want(layers)
+
+
 @pytest.mark.parametrize("preset", sorted(FAMILIES))
 def test_family_ascend_output_through_vllm_ascend_0_23(
     preset: str, ckpt_factory, tmp_path_factory
 ) -> None:
-    from mxload import ParallelLayout, build_plan
-
-    model_type, mapper_cls, mapper_file = FAMILIES[preset]
-    src = ckpt_factory(preset, seed=1)
-    out = str(tmp_path_factory.mktemp(f"convert-ascend-{preset}"))
-    convert_checkpoint(src, out, fmt="ascend")
-    # mxload's own decision per layer: the buffers of one tp 1 rank of the FP8 source.
-    names = [
-        b.name for b in build_plan(open_checkpoint(src).config, ParallelLayout()).ranks[0].buffers
-    ]
-    layers = _layers_of(names)
-    assert {k for _, k, _ in layers} >= {"LinearBase", "VocabParallelEmbedding", "ParallelLMHead"}
-    assert any(mx for _, _, mx in layers) and any(not mx for _, _, mx in layers)
-
+    model_type, layers, out = _family(preset, "ascend", ckpt_factory, tmp_path_factory)
     va = sources.vllm_ascend_sdist("0.23.0.post1")
     vllm = sources.vllm_wheel("0.23.0")
     q = "vllm_ascend.quantization"
@@ -369,28 +452,15 @@ def test_family_ascend_output_through_vllm_ascend_0_23(
     with stubbed_packages(roots, real, given):
         ms = importlib.import_module(f"{q}.modelslim_config")
         utils = importlib.import_module("vllm.model_executor.models.utils")
+        model = _model_class_attrs(vllm, FAMILIES[preset][1], utils.WeightsMapper)
         cfg = ms.AscendModelSlimConfig()
         cfg.maybe_update_config(out)
-        # What vLLM's loader does before building the model (configure_quant_config).
-        cfg.apply_vllm_mapper(
-            utils.WeightsMapper(orig_to_new_prefix=_mapper_prefixes(vllm, mapper_cls, mapper_file))
-        )
+        # What vLLM's loader does before building the model (configure_quant_config); the
+        # packed modules are vllm-ascend's own table for the model type.
+        if model.hf_to_vllm_mapper is not None:
+            cfg.apply_vllm_mapper(model.hf_to_vllm_mapper)
         got = {
             prefix: type(cfg.get_quant_method(_layer(classes, kind), prefix)).__name__
             for prefix, kind, _ in layers
         }
-    want = {
-        prefix: (
-            "AscendFusedMoEMethod"
-            if kind == "FusedMoE" and mx
-            else "AscendUnquantizedFusedMoEMethod"
-            if kind == "FusedMoE"
-            else "AscendLinearMethod"
-            if mx
-            else "AscendUnquantizedLinearMethod"
-            if kind == "LinearBase"
-            else "UnquantizedEmbeddingMethod"
-        )
-        for prefix, kind, mx in layers
-    }
-    assert got == want
+    assert got == _want(layers)
