@@ -208,6 +208,16 @@ def layout_header(par: dict[str, Any], defaults_used: Sequence[str] = ()) -> lis
         f"ep={'on' if par['enable_expert_parallel'] else 'off'} "
         f"expert_placement={par.get('expert_placement', 'linear')} world={par['world']}"
         + (" language-model-only" if par.get("language_model_only") else "")
+        + (
+            f" speculative={par['speculative_config']['method']}"
+            if par.get("speculative_config")
+            else ""
+        )
+        + (
+            f" mm-encoder-tp-mode={par['mm_encoder_tp_mode']}"
+            if par.get("mm_encoder_tp_mode")
+            else ""
+        )
     ]
     if defaults_used:
         lines.append("defaults used: " + ", ".join(defaults_used))

@@ -217,7 +217,9 @@ MTP_PP_REASON = (
     "vLLM 0.23 builds the MTP drafter on the last pipeline stage only, where "
     "Qwen3_5MultiTokenPredictor.forward expects the intermediate tensors of a previous "
     "stage that the proposer never passes (qwen3_5_mtp.py forward, "
-    "v1/spec_decode/llm_base_proposer.py build_model_inputs_first_pass); use --pp 1"
+    "v1/spec_decode/llm_base_proposer.py build_model_inputs_first_pass; vllm-ascend "
+    "0.23.0.post1 lets the drafter's config through with pp > 1 but runs that forward "
+    "unchanged); use --pp 1"
 )
 """Why MTP with pipeline parallelism is refused."""
 
@@ -231,26 +233,27 @@ def _speculative_problems(
     flag = "--speculative-config"
     if layout.speculative_method not in SPECULATIVE_METHODS:
         problems.add(
-            f"speculative method {layout.speculative_method!r} is not one mxload plans "
+            f"{flag} method {layout.speculative_method!r} is not one mxload plans "
             f"({', '.join(SPECULATIVE_METHODS)})",
             flag,
         )
     elif not config.mtp_layers:
         problems.add(
-            "method 'mtp' needs the checkpoint's MTP layers, and the config declares none "
+            f"{flag} method 'mtp' needs the checkpoint's MTP layers, and the config declares none "
             "(mtp_num_hidden_layers / num_nextn_predict_layers)",
             flag,
         )
     elif not arch.rules_at("mtp_layer"):
         problems.add(
-            f"mxload plans the MTP module of Qwen3.5 and Qwen3.5-MoE only: {arch.name}'s "
+            f"{flag} method 'mtp': mxload plans the MTP module of Qwen3.5 and Qwen3.5-MoE "
+            f"only; {arch.name}'s "
             f"MTP layer (model.layers.{config.num_hidden_layers}.*) is vLLM's DeepSeekMTP "
             "(enorm, hnorm, a replicated eh_proj, shared_head and an MLA decoder layer), "
             "which no table describes",
             flag,
         )
     elif layout.pp > 1:
-        problems.add(f"method 'mtp' with --pp {layout.pp}: {MTP_PP_REASON}", flag)
+        problems.add(f"{flag} method 'mtp' with --pp {layout.pp}: {MTP_PP_REASON}", flag)
 
 
 def validate_layout(config: ModelConfig, layout: ParallelLayout) -> None:

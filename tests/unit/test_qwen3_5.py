@@ -193,8 +193,8 @@ def test_the_mtp_drafter_is_on_the_last_tp_ranks_only_and_named_as_vllm_holds_it
         (
             "deepseek-v3-tiny",
             ParallelLayout(speculative_method="mtp"),
-            "mxload plans the MTP module of Qwen3.5 and Qwen3.5-MoE only: DeepseekV3ForCausalLM's "
-            "MTP layer (model.layers.3.*)",
+            "mxload plans the MTP module of Qwen3.5 and Qwen3.5-MoE only; "
+            "DeepseekV3ForCausalLM's MTP layer (model.layers.3.*)",
         ),
     ],
 )
