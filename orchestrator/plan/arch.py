@@ -846,7 +846,11 @@ _QWEN3_5_VISION = (
 # on the last pipeline stage only (v1/worker/gpu_model_runner.py:541-545).
 # The FP8 releases list ``mtp`` in modules_to_not_convert: the module ships in BF16.
 
-_QWEN3_5_DRAFTER = "drafter.model"
+DRAFTER_PREFIX = "drafter."
+"""Device names of the MTP drafter's rows: this, then the drafter model's own parameter
+name (vLLM's ``model_runner.drafter.model``)."""
+
+_QWEN3_5_DRAFTER = f"{DRAFTER_PREFIX}model"
 _QWEN3_5_MTP_ROWS = (
     TensorRule(
         f"{_QWEN3_5_DRAFTER}.fc", "column", (_S("mtp.fc", "H", "H2"),), place="mtp", linear=True
@@ -862,7 +866,7 @@ _QWEN3_5_MTP_ROWS = (
         for norm in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm")
     ),
     TensorRule(
-        "drafter.lm_head",
+        f"{DRAFTER_PREFIX}lm_head",
         "vocab",
         (_S("lm_head", "V", "H"),),
         place="mtp",
