@@ -13,7 +13,9 @@ as the engine holds them after its post-load. This module lets the engine host m
     from arguments), pick the engine profile (the installed vllm-ascend's, unless named),
     refuse what the engine would not honour (FRACTAL_NZ on, round_robin placement that
     falls back), and adopt the worker's own parameters (``RankLoader(buffers=...)``: shape,
-    dtype, device, stride and storage are checked, every difference listed);
+    dtype, device, stride and storage are checked, every difference listed), with an MTP
+    drafter's (``speculative_config`` method ``mtp``: ``model_runner.drafter.model``,
+    named ``drafter.*`` in the plan);
   - ``mxload_reload(src)``: preflight, then rewrite the adopted tensors in place from a new
     checkpoint (block-FP8, MXFP8 or the BF16 an RL trainer writes); verifies no address
     moved (the reload of every session host: ``mxload.orchestrator.runtime.reload``);
