@@ -184,9 +184,14 @@ class ModelConfig:
                 if self.architecture == "DeepseekV3ForCausalLM"
                 else "mtp.*"
             )
+            how = (
+                "mxload plans the engine without it"
+                if self.architecture == "DeepseekV3ForCausalLM"
+                else "--speculative-config with method 'mtp' plans them"
+            )
             out.append(
                 f"{where} ({self.mtp_layers} MTP layer(s)): vLLM skips them unless "
-                "speculative decoding is configured, and mxload plans the engine without it"
+                f"speculative decoding is configured; {how}"
             )
         return tuple(out)
 
