@@ -23,6 +23,11 @@ Reproduced here from ``Qwen3_5MultiTokenPredictor.__init__`` and the layers it b
 drafter's parameters' shapes and dtypes (``fc`` a ColumnParallelLinear [H/tp, 2H], three
 Qwen3_5RMSNorms, the full-attention ``Qwen3_5DecoderLayer`` with the model's MLP).
 
+Which of the drafter's rows each engine then replaces by the target's is read by running
+the engines' own ``_maybe_share_embeddings`` / ``_maybe_share_lm_head`` (vLLM 0.23.0's
+``SpecDecodeBaseProposer``, vllm-ascend 0.23.0.post1's ``AscendSpecDecodeBaseProposer``)
+and compared with the profiles' ``drafter_own``.
+
 Each rank's target and drafter parameters after vLLM's loaders must equal, byte for byte,
 the buffers mxload loads for that rank, for tp 1, 2 and 4 (and the MoE drafter's experts
 under expert parallelism), from the BF16 twin of a ``qwen3.5-tiny`` whose block-FP8
@@ -296,3 +301,76 @@ def test_every_rank_drafter_equals_vllm_0_23_qwen3_5_mtp_parameters(
     ranks = layout.world
     assert len([n for n in seen if n == "drafter.model.fc.weight"]) == ranks
     assert ("drafter.lm_head.weight" in seen) == own
+
+
+# --- which drafter rows each engine shares with the target --------------------------------
+
+VLLM_PROPOSER = ("vllm/v1/spec_decode/llm_base_proposer.py", "SpecDecodeBaseProposer")
+ASCEND_PIN = "0.23.0.post1"
+ASCEND_PROPOSER = ("vllm_ascend/spec_decode/llm_base_proposer.py", "AscendSpecDecodeBaseProposer")
+
+
+def _shared_by(root: Path, file: str, cls: str) -> set[str]:
+    """Run the engine's own ``_maybe_share_embeddings`` and ``_maybe_share_lm_head`` on a
+    Qwen3.5 MTP drafter (method "mtp", not MLA, pp 1) and say which of the drafter's
+    ``embed_tokens`` / ``lm_head`` became the target's."""
+    target_lm = types.SimpleNamespace(
+        model=types.SimpleNamespace(embed_tokens=torch.nn.Embedding(4, 2)),
+        lm_head=torch.nn.Linear(2, 4),
+    )
+    drafter = types.SimpleNamespace(
+        model=types.SimpleNamespace(embed_tokens=torch.nn.Embedding(4, 2)),
+        lm_head=torch.nn.Linear(2, 4),
+    )
+    ns: dict[str, Any] = {
+        "torch": torch,
+        "nn": torch.nn,
+        "logger": types.SimpleNamespace(info=lambda *a: None, warning=lambda *a: None),
+        "get_pp_group": lambda: types.SimpleNamespace(world_size=1),
+    }
+    # the proposer's own state these methods read: a Qwen3.5 MTP drafter, no graph capture
+    me = types.SimpleNamespace(
+        model=drafter,
+        method="mtp",
+        use_compress=False,
+        use_cuda_graph=False,
+        use_local_argmax_reduction=False,
+        vllm_config=types.SimpleNamespace(
+            speculative_config=None,
+            model_config=types.SimpleNamespace(is_deepseek_mla=False),
+            compilation_config=types.SimpleNamespace(
+                cudagraph_mode=types.SimpleNamespace(has_full_cudagraphs=lambda: False)
+            ),
+        ),
+    )
+    for meth in ("_maybe_share_embeddings", "_maybe_share_lm_head"):
+        fn = _exec(ns, _mtp_source(root, file, cls, meth), meth)
+        # vLLM passes the target's language model to both; vllm-ascend the whole
+        # multimodal model to _maybe_share_lm_head, whose lm_head is the language model's
+        fn(me, target_lm)
+    return {
+        name
+        for name, mine, theirs in (
+            ("embed_tokens", drafter.model.embed_tokens, target_lm.model.embed_tokens),
+            ("lm_head", drafter.lm_head, target_lm.lm_head),
+        )
+        if mine is theirs
+    }
+
+
+def test_the_engines_share_what_their_profiles_say(vllm_src: Path) -> None:
+    """vLLM 0.23 shares the drafter's embedding and lm_head with the target (the mxload
+    profile plans neither); vllm-ascend 0.23.0.post1 shares the embedding only (its
+    profile plans ``drafter.lm_head``)."""
+    from mxload.orchestrator.plan.engines import engine_profile
+
+    ascend = sources.vllm_ascend_sdist(ASCEND_PIN)
+    arch = "Qwen3_5ForConditionalGeneration"
+    for root, (file, cls), profile in (
+        (vllm_src, VLLM_PROPOSER, "mxload"),
+        (ascend, ASCEND_PROPOSER, "vllm-ascend-0.23"),
+    ):
+        shared = _shared_by(root, file, cls)
+        assert "embed_tokens" in shared, (profile, shared)
+        own = engine_profile(profile).drafter_own.get(arch, ())
+        assert ("drafter.lm_head" in own) == ("lm_head" not in shared), (profile, shared)
