@@ -33,7 +33,10 @@ the buffers mxload loads for that rank, for tp 1, 2 and 4 (and the MoE drafter's
 under expert parallelism), from the BF16 twin of a ``qwen3.5-tiny`` whose block-FP8
 checkpoint quantizes the MTP module too (the releases leave it BF16: ``mtp`` in
 modules_to_not_convert), so that the MX session's drafter units are checked against the
-independent reference's MXFP8 of vLLM's values.
+independent reference's MXFP8 of vLLM's values. One layout runs the vision tower in
+``--mm-encoder-tp-mode data``: every vision linear is built ``disable_tp`` (tp_size 1,
+tp_rank 0: layers/linear.py ``LinearBase.__init__``), so each rank's tower is
+``vision_params`` of tp 1, filled by the same loaders.
 """
 
 from __future__ import annotations
@@ -54,7 +57,14 @@ from mxload.orchestrator.runtime.catalog import open_checkpoint
 from mxload.workers.tools.synth import make_checkpoint, preset_config
 
 from tests.engine import sources
-from tests.engine.test_vllm_qwen3_5 import PIN, _param, _Vllm, check_against_vllm, vllm_params
+from tests.engine.test_vllm_qwen3_5 import (
+    PIN,
+    _param,
+    _Vllm,
+    check_against_vllm,
+    vision_params,
+    vllm_params,
+)
 from tests.engine.vllm_code import _exec, _node, _parsed
 
 MTP_FILE = "vllm/model_executor/models/qwen3_5_mtp.py"
@@ -258,8 +268,13 @@ CASES = {
     # vLLM 0.23 shares embed_tokens and lm_head with the target
     "tp1": ("qwen3.5-tiny", ParallelLayout(tp=1, **MTP), "mxload"),
     "tp4": ("qwen3.5-tiny", ParallelLayout(tp=4, **MTP), "mxload"),
-    # vllm-ascend 0.23.0.post1 keeps the drafter's own lm_head
-    "tp2-ascend": ("qwen3.5-tiny", ParallelLayout(tp=2, **MTP), "vllm-ascend-0.23"),
+    # vllm-ascend 0.23.0.post1 keeps the drafter's own lm_head; with the vision tower in
+    # --mm-encoder-tp-mode data (whole on every TP rank)
+    "tp2-ascend-vision-data": (
+        "qwen3.5-tiny",
+        ParallelLayout(tp=2, speculative_method="mtp", mm_encoder_tp_mode="data"),
+        "vllm-ascend-0.23",
+    ),
     # the MTP layer's experts placed as the model's: whole under EP over dp*tp = 2
     "moe-tp2-ep": (
         "qwen3.5-moe-tiny",
@@ -277,9 +292,27 @@ def test_every_rank_drafter_equals_vllm_0_23_qwen3_5_mtp_parameters(
     own = engine != "mxload"
     seen: list[str] = []
 
+    data = layout.mm_encoder_tp_mode == "data"
+    whole: list[_Vllm] = []
+
     def params_of(v: _Vllm, _: dict[str, Any], weights: dict[str, torch.Tensor]) -> Any:
         cfg = preset_config(preset, OVERRIDES[preset])  # the checkpoints' config
+        if data:
+            v.language_model_only = True  # the tower is built below, whole
         target = vllm_params(v, cfg, weights)
+        if data:
+            # every vision linear built with disable_tp: tp_size 1, tp_rank 0 whatever the
+            # rank (layers/linear.py LinearBase.__init__), i.e. the tp-1 tower
+            whole[:] = whole or [_Vllm(v.src, 1, 0)]
+            to_visual = []
+            for name, w in weights.items():
+                for old, new in v.prefixes.items():
+                    if name.startswith(old):
+                        name = new + name[len(old) :]
+                        break
+                if name.startswith("visual."):
+                    to_visual.append((name[len("visual.") :], w))
+            target.update(vision_params(whole[0], cfg["vision_config"], to_visual))
         drafter = drafter_params(v, cfg, weights, own)
         # the proposer replaces the drafter's embedding by the target's, which holds the
         # same values: mxload writes the target's only
