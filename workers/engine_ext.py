@@ -13,7 +13,9 @@ as the engine holds them after its post-load. This module lets the engine host m
     from arguments), pick the engine profile (the installed vllm-ascend's, unless named),
     refuse what the engine would not honour (FRACTAL_NZ on, round_robin placement that
     falls back), and adopt the worker's own parameters (``RankLoader(buffers=...)``: shape,
-    dtype, device, stride and storage are checked, every difference listed);
+    dtype, device, stride and storage are checked, every difference listed), with an MTP
+    drafter's (``speculative_config`` method ``mtp``: ``model_runner.drafter.model``,
+    named ``drafter.*`` in the plan);
   - ``mxload_reload(src)``: preflight, then rewrite the adopted tensors in place from a new
     checkpoint (block-FP8, MXFP8 or the BF16 an RL trainer writes); verifies no address
     moved (the reload of every session host: ``mxload.orchestrator.runtime.reload``);
@@ -43,6 +45,7 @@ from typing import Any, Literal, cast
 
 import torch
 from mxload.orchestrator.errors import AddressMoved, AdoptionError, RunError
+from mxload.orchestrator.plan.arch import DRAFTER_PREFIX
 from mxload.orchestrator.plan.engines import check_mx_k, engine_profile
 from mxload.orchestrator.plan.releases import (
     ACL_FORMAT_FRACTAL_NZ,
@@ -486,6 +489,28 @@ def _language_model_only(vllm_config: Any) -> bool:
     return limit is not None and all(limit(m) == 0 for m in ("image", "video"))
 
 
+def _mm_encoder_tp_mode(vllm_config: Any) -> Literal["weights", "data"]:
+    """vLLM's ``--mm-encoder-tp-mode`` as the engine resolved it (``data``: the vision
+    tower whole on every TP rank)."""
+    mm = getattr(getattr(vllm_config, "model_config", None), "multimodal_config", None)
+    return "data" if getattr(mm, "mm_encoder_tp_mode", "weights") == "data" else "weights"
+
+
+def _speculative_method(vllm_config: Any) -> Literal["", "mtp"]:
+    """``mtp`` when the engine runs the checkpoint's own MTP module as its drafter (vLLM
+    renames the per-model MTP methods to ``mtp``); any other method is refused by the
+    release's ``speculative_config`` refusal, or by the planner for a model without one."""
+    spec = getattr(vllm_config, "speculative_config", None)
+    return "mtp" if getattr(spec, "method", None) == "mtp" else ""
+
+
+def drafter_model(model_runner: Any) -> torch.nn.Module | None:
+    """The speculative drafter's model (vLLM's ``model_runner.drafter.model``: on the last
+    pipeline stage only), or None."""
+    found = getattr(getattr(model_runner, "drafter", None), "model", None)
+    return found if isinstance(found, torch.nn.Module) else None
+
+
 def vllm_facts(vllm_config: Any, engine: str | None = None) -> EngineFacts:
     """Layout and ranks from the worker's own vLLM configuration and process groups."""
     from vllm.distributed import (  # type: ignore[import-not-found]
@@ -505,6 +530,8 @@ def vllm_facts(vllm_config: Any, engine: str | None = None) -> EngineFacts:
         enable_expert_parallel=bool(pc.enable_expert_parallel),
         expert_placement=placement,
         language_model_only=_language_model_only(vllm_config),
+        speculative_method=_speculative_method(vllm_config),
+        mm_encoder_tp_mode=_mm_encoder_tp_mode(vllm_config),
     )
     return EngineFacts(
         layout=layout,
@@ -533,14 +560,14 @@ class MxloadWorkerExtension:
         load: bool = False,
     ) -> dict[str, Any]:
         facts = vllm_facts(self.vllm_config, engine)  # type: ignore[attr-defined]
-        model = self.model_runner.model  # type: ignore[attr-defined]
-        self._mxload = Attachment(
-            src,
-            facts,
-            engine_params(model),
-            storage_options=storage_options,
-            maps=expert_maps(model),
-        )
+        runner = self.model_runner  # type: ignore[attr-defined]
+        params = engine_params(runner.model)
+        maps = expert_maps(runner.model)
+        drafter = drafter_model(runner)
+        if drafter is not None:  # the plan names its parameters DRAFTER_PREFIX + name
+            params.update({DRAFTER_PREFIX + n: p for n, p in engine_params(drafter).items()})
+            maps.update({DRAFTER_PREFIX + n: m for n, m in expert_maps(drafter).items()})
+        self._mxload = Attachment(src, facts, params, storage_options=storage_options, maps=maps)
         if load:  # an engine started with load_format="dummy" gets its weights from mxload
             self._mxload.load(storage_options=storage_options)
         return self._mxload.status(checksums=False)

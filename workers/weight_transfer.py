@@ -20,7 +20,8 @@ the live-tensor check, reload):
 It needs no worker extension, so it composes with any other (verl's, one's own); the
 worker extension (:class:`mxload.workers.engine_ext.MxloadWorkerExtension`) is the path
 for vLLM releases without this API (before 0.30). The speculative draft model is not
-planned: ``supports_draft_weight_update`` is False, so vLLM refuses draft updates.
+planned here, even an MTP one the worker extension reloads: ``supports_draft_weight_update``
+is False, so vLLM refuses draft updates.
 
 This module imports vLLM (it subclasses vLLM's base class); register it from a process
 that has vLLM with :func:`mxload.workers.engine_ext.register_weight_transfer`, which vLLM
@@ -29,7 +30,7 @@ runs in every process as a ``vllm.general_plugins`` entry point of mxload.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from mxload.orchestrator.errors import RunError
@@ -73,6 +74,9 @@ class MxloadWeightTransferEngine(WeightTransferEngine):  # type: ignore[misc]
 
     def init_transfer_engine(self, init_info: MxloadInitInfo) -> None:
         facts = vllm_facts(self.vllm_config, init_info.engine)
+        # The API hands this backend the target model only (supports_draft_weight_update
+        # is False): an MTP drafter is not planned here.
+        facts = replace(facts, layout=replace(facts.layout, speculative_method=""))
         self.attachment = Attachment(
             init_info.src,
             facts,

@@ -18,7 +18,7 @@ import os
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from mxload.cluster.local import mxload_home
 from mxload.orchestrator.errors import MxloadError, UsageError
@@ -117,6 +117,21 @@ FLAGS: tuple[Flag, ...] = (
         "the engine runs vLLM's --language-model-only: no vision tower is planned or read "
         "(default: planned, as vLLM builds it)",
         kwargs={"action": "store_true"},
+    ),
+    Flag(
+        ("--speculative-config",),
+        LAYOUT,
+        "the engine's vLLM speculative_config as JSON: "
+        '\'{"method": "mtp", "num_speculative_tokens": 1}\' plans the checkpoint\'s own MTP '
+        "module (Qwen3.5; --pp 1) as vLLM's drafter holds it; other methods are refused",
+        kwargs={"metavar": "JSON"},
+    ),
+    Flag(
+        ("--mm-encoder-tp-mode",),
+        LAYOUT,
+        "the engine's vLLM --mm-encoder-tp-mode: weights (vLLM's default) TP-shards the "
+        "vision tower, data holds it whole on every TP rank",
+        kwargs={"choices": ["weights", "data"]},
     ),
     # engine
     Flag(
@@ -741,7 +756,51 @@ def layout(args: argparse.Namespace) -> ParallelLayout:
         enable_expert_parallel=args.enable_expert_parallel,
         expert_placement=args.expert_placement,
         language_model_only=args.language_model_only,
+        speculative_method=speculative_method(args.speculative_config),
+        mm_encoder_tp_mode=args.mm_encoder_tp_mode or "weights",
     )
+
+
+MTP_METHODS = ("mtp", "qwen3_5_mtp")
+"""``method`` values vLLM 0.23 runs as its MTP proposer for Qwen3.5 ("qwen3_5_mtp" is
+deprecated there and renamed "mtp")."""
+
+
+def speculative_method(text: str | None) -> Literal["", "mtp"]:
+    """The layout's speculative method from ``--speculative-config`` (vLLM's JSON):
+    ``mtp`` for the MTP methods with a positive ``num_speculative_tokens``; UsageError for
+    anything else."""
+    if text is None:
+        return ""
+    flag = "--speculative-config"
+    try:
+        cfg = json.loads(text)
+    except ValueError as err:
+        raise UsageError(f"{flag}: not valid JSON ({err})", key=flag) from None
+    if not isinstance(cfg, dict):
+        raise UsageError(f"{flag}: must be a JSON object, like vLLM's", key=flag)
+    extra = sorted(set(cfg) - {"method", "num_speculative_tokens"})
+    if extra:
+        raise UsageError(
+            f"{flag}: key {extra[0]!r} is not one mxload plans (method, num_speculative_tokens): "
+            "only the checkpoint's own MTP module, on the target's layout, is planned",
+            key=flag,
+        )
+    method = cfg.get("method")
+    if method not in MTP_METHODS:
+        raise UsageError(
+            f"{flag}: method {method!r} is not one mxload plans ({', '.join(MTP_METHODS)}): "
+            "a draft model, EAGLE or n-gram drafter is neither planned nor reloaded",
+            key=flag,
+        )
+    tokens = cfg.get("num_speculative_tokens")
+    if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1:
+        raise UsageError(
+            f"{flag}: num_speculative_tokens must be an integer >= 1 (vLLM requires it for "
+            f"method {method!r}), got {tokens!r}",
+            key=flag,
+        )
+    return "mtp"
 
 
 def size(args: argparse.Namespace, name: str) -> int | None:

@@ -216,6 +216,16 @@ def layout_header(
         f"ep={'on' if par['enable_expert_parallel'] else 'off'} "
         f"expert_placement={placement} world={par['world']}"
         + (" language-model-only" if par.get("language_model_only") else "")
+        + (
+            f" speculative={par['speculative_config']['method']}"
+            if par.get("speculative_config")
+            else ""
+        )
+        + (
+            f" mm-encoder-tp-mode={par['mm_encoder_tp_mode']}"
+            if par.get("mm_encoder_tp_mode")
+            else ""
+        )
         + (" (a dense model: ep and expert_placement change nothing)" if no_experts else "")
     ]
     if defaults_used:

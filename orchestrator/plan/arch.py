@@ -42,28 +42,39 @@ What stays in which dtype, and why:
   bias-corrected top-k routing is sensitive to its small values.
 
 Qwen3.5's vision tower (``model.visual.*``) is planned as vLLM holds it (model dtype,
-TP-sharded, on every pipeline stage) unless the layout is language-model-only.
+TP-sharded, on every pipeline stage) unless the layout is language-model-only; with
+``mm_encoder_tp_mode="data"`` every TP rank holds it whole (:meth:`Architecture.for_layout`).
 
-Limits: MTP layers (DeepSeek ``num_nextn_predict_layers``, index >= num_hidden_layers;
-Qwen3.5's ``mtp.*``) are not in any table, so they are never planned or read
-(``ModelConfig.not_planned`` says so, with the reason).
+Qwen3.5's MTP module (``mtp.*``) is planned when the layout configures vLLM's MTP
+speculative decoding (``ParallelLayout.speculative_method == "mtp"``): the drafter's own
+rows (``place="mtp"``) and its decoder layer (``place="mtp_layer"``: the model's
+full-attention layer and MLP rows under ``mtp.layers.{i}``), on the last pipeline stage,
+TP-sharded like the model; device names are the drafter model's parameter names under
+``drafter.``. Rows the engine shares with the target model (``shared_with_target``) are
+planned only where the engine profile says it keeps its own copy.
+
+Limits: DeepSeek's MTP layer (``num_nextn_predict_layers``, index >= num_hidden_layers) is
+in no table, so it is never planned or read (``ModelConfig.not_planned`` says so, with the
+reason).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 from mxload.orchestrator.errors import UnsupportedError
 from mxload.orchestrator.plan.config import ModelConfig
 
 Style = Literal["column", "row", "replicated", "vocab", "moe"]
-Place = Literal["first", "layer", "last", "vision", "vision_layer"]
+Place = Literal["first", "layer", "last", "vision", "vision_layer", "mtp", "mtp_layer"]
 """first: pipeline stage 0 only; layer: each decoder layer of the rule's kind; last: the
 last pipeline stage only (docs/contract.md §3 "Pipeline"); vision: the vision tower's own
 rows, vision_layer: each of its blocks, both on every pipeline stage (vLLM builds the
-tower outside the pipeline split) unless the layout is language-model-only."""
+tower outside the pipeline split) unless the layout is language-model-only; mtp: the MTP
+drafter's own rows, mtp_layer: each of its decoder layers, both on the last pipeline stage
+(where vLLM builds the drafter) when the layout plans MTP."""
 LayerKind = Literal[
     "all",
     "dense_mlp",
@@ -164,6 +175,10 @@ class TensorRule:
     held: Held = ""
     """The engine casts it to this dtype on load, whatever the checkpoint stores (vLLM's
     ``A_log`` is a float32 parameter; its norms and ``conv1d`` are model dtype)."""
+    shared_with_target: bool = False
+    """An MTP drafter row the engine replaces by the target model's tensor after loading
+    (vLLM shares the lm_head); planned only where the engine profile keeps its own copy
+    (``EngineProfile.drafter_own``)."""
 
 
 LAYER_KINDS: Mapping[str, Callable[[ModelConfig, int], bool]] = {
@@ -195,6 +210,10 @@ class Architecture:
     """Checkpoint prefix of vision block ``{i}`` (``vision_layer`` rules)."""
     vision_device_layer_prefix: str = ""
     """Device prefix of vision block ``{i}``."""
+    mtp_layer_prefix: str = ""
+    """Checkpoint prefix of MTP decoder layer ``{i}`` (``mtp_layer`` rules)."""
+    mtp_device_layer_prefix: str = ""
+    """Device prefix of MTP decoder layer ``{i}``."""
 
     def size(self, dim: str, config: ModelConfig) -> int:
         return self.dims[dim].size(config)
@@ -223,6 +242,39 @@ class Architecture:
             (i, b) for b in range(config.vision.depth) for i in self.rules_at("vision_layer")
         )
         return tower + blocks
+
+    def mtp_rules(
+        self, config: ModelConfig, planned: bool, own: tuple[str, ...] = ()
+    ) -> tuple[tuple[int, int], ...]:
+        """``(rule index, MTP layer)`` of every MTP row the engine's drafter holds (layer
+        -1 for the drafter's own rows); none unless ``planned`` and the checkpoint has MTP
+        layers. ``own``: names of ``shared_with_target`` rows the engine keeps its own
+        copy of. Every MTP layer is a full-attention decoder layer with the MLP every
+        Qwen3.5 layer has (dense, or a sparse MoE block for Qwen3.5-MoE), so a layer
+        row's kind is read at layer 0 for its MLP."""
+        if not planned or not config.mtp_layers:
+            return ()
+        rows = tuple(
+            (i, -1)
+            for i in self.rules_at("mtp")
+            if not self.rules[i].shared_with_target or self.rules[i].name in own
+        )
+        layer = tuple(
+            i for i in self.rules_at("mtp_layer") if LAYER_KINDS[self.rules[i].when](config, 0)
+        )
+        return rows + tuple((i, j) for j in range(config.mtp_layers) for i in layer)
+
+    def for_layout(self, mm_encoder_tp_mode: str) -> Architecture:
+        """This table as the engine builds it under ``mm_encoder_tp_mode``: with ``data``
+        (vLLM's ``is_vit_use_data_parallel``: every vision linear ``disable_tp``) each
+        vision row is replicated; rule indices are unchanged."""
+        if mm_encoder_tp_mode != "data":
+            return self
+        rules = tuple(
+            replace(r, style="replicated") if r.place in ("vision", "vision_layer") else r
+            for r in self.rules
+        )
+        return replace(self, rules=rules)
 
 
 def _S(
@@ -499,6 +551,7 @@ _QWEN3_5_DIMS: Mapping[str, Dim] = {
         ),
     ),
     "CK": Dim("linear_conv_kernel_dim", lambda c: c.linear_conv_kernel_dim),
+    "H2": Dim("2 * hidden_size", lambda c: 2 * c.hidden_size),
 }
 
 _QWEN3_5_LM = "model.language_model"
@@ -772,31 +825,90 @@ _QWEN3_5_VISION = (
     *_weight_and_bias("mlp.linear_fc2", "row", "VH", "VI"),
 )
 
-QWEN3_5 = Architecture(
-    name="Qwen3_5ForConditionalGeneration",
-    dims={**_QWEN3_5_DIMS, **_VISION_DIMS},
-    rules=(*_QWEN3_5_VISION, _QWEN3_5_EMBED, *_QWEN3_5_LAYER, *_DENSE_MLP, *_QWEN3_5_FINAL),
-    layer_prefix=f"{_QWEN3_5_LM}.layers.{{i}}",
-    device_layer_prefix=f"{_QWEN3_5_DEV}.layers.{{i}}",
-    vision_layer_prefix="model.visual.blocks.{i}",
-    vision_device_layer_prefix="visual.blocks.{i}",
+# --- Qwen3.5's MTP module (vLLM's MTP speculative decoding) -------------------------------
+#
+# vLLM 0.23.0 models/qwen3_5_mtp.py: ``speculative_config={"method": "mtp", ...}`` (the
+# deprecated "qwen3_5_mtp" is renamed "mtp", config/speculative.py:550-554) builds
+# ``Qwen3_5MTP`` / ``Qwen3_5MoeMTP`` from the target's own checkpoint; its
+# ``load_weights`` renames ``mtp.`` to ``model.`` and takes ``embed_tokens`` and
+# ``lm_head`` besides. ``Qwen3_5MultiTokenPredictor`` holds:
+# * ``fc``: ColumnParallelLinear(2H -> H, gather_output) with the model's quant_config:
+#   rows split over tp, a linear the checkpoint may quantize;
+# * ``pre_fc_norm_hidden``, ``pre_fc_norm_embedding``, ``norm``: Qwen3_5RMSNorm, replicated;
+# * ``layers.{i}`` (``mtp_num_hidden_layers``): Qwen3_5DecoderLayer(layer_type
+#   "full_attention"), the MLP of every layer of the model, sharded as the model's;
+# * ``embed_tokens`` and ``lm_head``: after loading, the proposer (v1/spec_decode/
+#   llm_base_proposer.py:1275-1276, 1293-1430) replaces
+#   both by the target's when pp is 1. vllm-ascend 0.23.0.post1 shares embed_tokens the
+#   same way but keeps the drafter's own lm_head for method "mtp" on a non-MLA model
+#   (vllm_ascend/spec_decode/llm_base_proposer.py:456-509): the engine profile says so.
+# The drafter is built with the target's vllm_config (same TP group, same MoE/EP groups)
+# on the last pipeline stage only (v1/worker/gpu_model_runner.py:541-545).
+# The FP8 releases list ``mtp`` in modules_to_not_convert: the module ships in BF16.
+
+DRAFTER_PREFIX = "drafter."
+"""Device names of the MTP drafter's rows: this, then the drafter model's own parameter
+name (vLLM's ``model_runner.drafter.model``)."""
+
+_QWEN3_5_DRAFTER = f"{DRAFTER_PREFIX}model"
+_QWEN3_5_MTP_ROWS = (
+    TensorRule(
+        f"{_QWEN3_5_DRAFTER}.fc", "column", (_S("mtp.fc", "H", "H2"),), place="mtp", linear=True
+    ),
+    *(
+        TensorRule(
+            f"{_QWEN3_5_DRAFTER}.{norm}",
+            "replicated",
+            (_S(f"mtp.{norm}", "H"),),
+            place="mtp",
+            held="model",
+        )
+        for norm in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm")
+    ),
+    TensorRule(
+        f"{DRAFTER_PREFIX}lm_head",
+        "vocab",
+        (_S("lm_head", "V", "H"),),
+        place="mtp",
+        tied_source=f"{_QWEN3_5_LM}.embed_tokens",
+        shared_with_target=True,
+    ),
 )
 
-QWEN3_5_MOE = Architecture(
-    name="Qwen3_5MoeForConditionalGeneration",
-    dims={**_QWEN3_5_DIMS, **_VISION_DIMS},
-    rules=(
-        *_QWEN3_5_VISION,
-        _QWEN3_5_EMBED,
-        *_QWEN3_5_LAYER,
-        *_QWEN3_5_MOE_MLP,
-        *_QWEN3_5_FINAL,
-    ),
-    layer_prefix=f"{_QWEN3_5_LM}.layers.{{i}}",
-    device_layer_prefix=f"{_QWEN3_5_DEV}.layers.{{i}}",
-    vision_layer_prefix="model.visual.blocks.{i}",
-    vision_device_layer_prefix="visual.blocks.{i}",
-)
+
+def _mtp_layer(rules: tuple[TensorRule, ...]) -> tuple[TensorRule, ...]:
+    """The model's layer rows of a full-attention layer, as rows of the MTP layer."""
+    return tuple(
+        replace(r, place="mtp_layer", when="all" if r.when == "full_attention" else r.when)
+        for r in rules
+        if r.when != "linear_attention"
+    )
+
+
+def _qwen3_5(name: str, mlp: tuple[TensorRule, ...]) -> Architecture:
+    return Architecture(
+        name=name,
+        dims={**_QWEN3_5_DIMS, **_VISION_DIMS},
+        rules=(
+            *_QWEN3_5_VISION,
+            _QWEN3_5_EMBED,
+            *_QWEN3_5_LAYER,
+            *mlp,
+            *_QWEN3_5_FINAL,
+            *_QWEN3_5_MTP_ROWS,
+            *_mtp_layer((*_QWEN3_5_LAYER, *mlp)),
+        ),
+        layer_prefix=f"{_QWEN3_5_LM}.layers.{{i}}",
+        device_layer_prefix=f"{_QWEN3_5_DEV}.layers.{{i}}",
+        vision_layer_prefix="model.visual.blocks.{i}",
+        vision_device_layer_prefix="visual.blocks.{i}",
+        mtp_layer_prefix="mtp.layers.{i}",
+        mtp_device_layer_prefix=f"{_QWEN3_5_DRAFTER}.layers.{{i}}",
+    )
+
+
+QWEN3_5 = _qwen3_5("Qwen3_5ForConditionalGeneration", _DENSE_MLP)
+QWEN3_5_MOE = _qwen3_5("Qwen3_5MoeForConditionalGeneration", _QWEN3_5_MOE_MLP)
 
 ARCHITECTURES: Mapping[str, Architecture] = {
     a.name: a for a in (QWEN3, QWEN3_MOE, QWEN3_5, QWEN3_5_MOE, DEEPSEEK_V3)
@@ -833,6 +945,8 @@ def source_module(
         return f"{prefix.format(i=layer)}.{module}"
     if rule.place == "vision_layer" and arch is not None:
         return f"{arch.vision_layer_prefix.format(i=layer)}.{module}"
+    if rule.place == "mtp_layer" and arch is not None:
+        return f"{arch.mtp_layer_prefix.format(i=layer)}.{module}"
     return module
 
 
@@ -843,4 +957,6 @@ def device_name(rule: TensorRule, layer: int, arch: Architecture | None = None) 
         return f"{prefix.format(i=layer)}.{rule.name}"
     if rule.place == "vision_layer" and arch is not None:
         return f"{arch.vision_device_layer_prefix.format(i=layer)}.{rule.name}"
+    if rule.place == "mtp_layer" and arch is not None:
+        return f"{arch.mtp_device_layer_prefix.format(i=layer)}.{rule.name}"
     return rule.name

@@ -148,7 +148,8 @@ class ModelConfig:
     shared_expert_intermediate_size: int = 0
     """Qwen3.5-MoE: width of the one shared expert (with its own ``shared_expert_gate``)."""
     mtp_layers: int = 0
-    """MTP (multi-token prediction) layers the checkpoint carries; never planned."""
+    """MTP (multi-token prediction) layers the checkpoint carries; planned only for a
+    layout with MTP speculative decoding (Qwen3.5)."""
     vision: VisionConfig | None = None
     """The vision tower (``model.visual.*``) the engine builds unless it runs
     language-model-only (``ParallelLayout.language_model_only``)."""
@@ -173,18 +174,24 @@ class ModelConfig:
         """Qwen3.5: decoder layer ``i`` is a Gated DeltaNet layer (``layer_types``)."""
         return bool(self.layer_types) and self.layer_types[i] == "linear_attention"
 
-    def not_planned(self) -> tuple[str, ...]:
-        """Checkpoint scopes no plan holds, each with the reason (docs/contract.md §3)."""
+    def not_planned(self, mtp: bool = False) -> tuple[str, ...]:
+        """Checkpoint scopes no plan holds, each with the reason (docs/contract.md §3);
+        ``mtp``: the layout plans the MTP module (``ParallelLayout.speculative_method``)."""
         out = []
-        if self.mtp_layers:
+        if self.mtp_layers and not mtp:
             where = (
                 f"model.layers.{self.num_hidden_layers}.*"
                 if self.architecture == "DeepseekV3ForCausalLM"
                 else "mtp.*"
             )
+            how = (
+                "mxload plans the engine without it"
+                if self.architecture == "DeepseekV3ForCausalLM"
+                else "--speculative-config with method 'mtp' plans them"
+            )
             out.append(
                 f"{where} ({self.mtp_layers} MTP layer(s)): vLLM skips them unless "
-                "speculative decoding is configured, and mxload plans the engine without it"
+                f"speculative decoding is configured; {how}"
             )
         return tuple(out)
 

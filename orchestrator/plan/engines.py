@@ -109,6 +109,9 @@ class EngineProfile:
     """Non-empty: writing into the live engine is refused for a quantized linear whose
     local K is not a multiple of 32 (mxload plans it in the model dtype), with this
     reason: the engine holds it quantized. Plans and standalone loads are not refused."""
+    drafter_own: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    """Per architecture: MTP drafter rows (``TensorRule.shared_with_target``) the engine
+    keeps its own copy of instead of the target model's tensor."""
     model_dtype_modules: tuple[str, ...] = ("lm_head",)
     """Module patterns (ModelOpt ``ignore`` wildcards) the engine must keep in the model
     dtype because mxload holds them so: without them in ``ignore`` the engine quantizes
@@ -170,6 +173,13 @@ _QWEN3_MOE_EVERY_STAGE = {
     "Qwen3_5MoeForConditionalGeneration": ("language_model.model.embed_tokens",),
 }
 
+# vllm-ascend's proposer shares the target's lm_head only for eagle/dflash (and MLA MTP):
+# a Qwen3.5 MTP drafter keeps the ParallelLMHead it loaded from ``lm_head``.
+_ASCEND_DRAFTER_OWN = {
+    "Qwen3_5ForConditionalGeneration": ("drafter.lm_head",),
+    "Qwen3_5MoeForConditionalGeneration": ("drafter.lm_head",),
+}
+
 VLLM_ASCEND_0_23 = EngineProfile(
     name="vllm-ascend-0.23",
     description="vllm-ascend 0.23.0.post1 on vLLM 0.23.0: W8A8_MXFP8 post-load parameters",
@@ -182,9 +192,16 @@ VLLM_ASCEND_0_23 = EngineProfile(
     round_robin=_ASCEND_ROUND_ROBIN,
     every_stage=_QWEN3_MOE_EVERY_STAGE,
     mx_k_unaligned=_ASCEND_K_UNALIGNED,
+    drafter_own=_ASCEND_DRAFTER_OWN,
     sources=(
         SourceRef(
             "pinned vLLM", "vllm-ascend 0.23.0.post1 docs/source/conf.py:78,86 (vLLM 0.23.0)"
+        ),
+        SourceRef(
+            "MTP drafter: embed_tokens shared at pp 1, its own lm_head kept for method mtp "
+            "on a non-MLA model (vLLM 0.23 shares both)",
+            "vllm_ascend/spec_decode/llm_base_proposer.py:373-375,388-454,456-509; "
+            "vllm 0.23.0 v1/spec_decode/llm_base_proposer.py:1275-1276,1293-1430",
         ),
         SourceRef(
             "MoE names mlp.experts.w13_weight (AscendFusedMoE of fused_moe_0_23_0)",
@@ -233,7 +250,13 @@ VLLM_ASCEND_MAIN = EngineProfile(
     round_robin=_ASCEND_ROUND_ROBIN,
     every_stage=_QWEN3_MOE_EVERY_STAGE,
     mx_k_unaligned=_ASCEND_K_UNALIGNED,
+    drafter_own=_ASCEND_DRAFTER_OWN,
     sources=(
+        SourceRef(
+            "MTP drafter keeps its own lm_head for method mtp on a non-MLA model",
+            "vllm-ascend 0.27.1rc1 vllm_ascend/spec_decode/llm_base_proposer.py:525-; "
+            "0.30.0rc2 the same file:568-",
+        ),
         SourceRef(
             "MoE names mlp.experts.routed_experts.w13_weight (MoERunner -> routed_experts)",
             "vllm 0.33.0 model_executor/layers/fused_moe/layer.py:415-470,480; "

@@ -145,6 +145,8 @@ def _check_degrees(layout: ParallelLayout) -> None:
 def _rule_present(rule: TensorRule, config: ModelConfig, layout: ParallelLayout) -> bool:
     if rule.place in ("vision", "vision_layer"):
         return config.vision is not None and not layout.language_model_only
+    if rule.place in ("mtp", "mtp_layer"):
+        return layout.speculative_method == "mtp" and config.mtp_layers > 0
     if rule.place != "layer":
         return True
     kind = LAYER_KINDS[rule.when]
@@ -176,7 +178,10 @@ class _Problems:
         if count % ways != 0:
             hint = ""
             if dim.key.startswith("vision_config."):
-                hint = " (--language-model-only plans no vision tower)"
+                hint = (
+                    " (--language-model-only plans no vision tower; --mm-encoder-tp-mode "
+                    "data holds it whole on every TP rank)"
+                )
             self.add(f"{dim.key} ({count}) is not divisible by {flag} ({ways}){hint}", flag, tensor)
 
 
@@ -205,12 +210,59 @@ def _source_problems(
         problems.split(arch, config, src.dims[1], tp, "--tp", rule.name)
 
 
+SPECULATIVE_METHODS = ("mtp",)
+"""vLLM ``speculative_config`` methods mxload plans (the checkpoint's own MTP module)."""
+
+MTP_PP_REASON = (
+    "vLLM 0.23 builds the MTP drafter on the last pipeline stage only, where "
+    "Qwen3_5MultiTokenPredictor.forward expects the intermediate tensors of a previous "
+    "stage that the proposer never passes (qwen3_5_mtp.py forward, "
+    "v1/spec_decode/llm_base_proposer.py build_model_inputs_first_pass; vllm-ascend "
+    "0.23.0.post1 lets the drafter's config through with pp > 1 but runs that forward "
+    "unchanged); use --pp 1"
+)
+"""Why MTP with pipeline parallelism is refused."""
+
+
+def _speculative_problems(
+    problems: _Problems, arch: Architecture, config: ModelConfig, layout: ParallelLayout
+) -> None:
+    """MTP needs the checkpoint's MTP layers, a table that plans them, and --pp 1."""
+    if not layout.speculative_method:
+        return
+    flag = "--speculative-config"
+    if layout.speculative_method not in SPECULATIVE_METHODS:
+        problems.add(
+            f"{flag} method {layout.speculative_method!r} is not one mxload plans "
+            f"({', '.join(SPECULATIVE_METHODS)})",
+            flag,
+        )
+    elif not config.mtp_layers:
+        problems.add(
+            f"{flag} method 'mtp' needs the checkpoint's MTP layers, and the config declares none "
+            "(mtp_num_hidden_layers / num_nextn_predict_layers)",
+            flag,
+        )
+    elif not arch.rules_at("mtp_layer"):
+        problems.add(
+            f"{flag} method 'mtp': mxload plans the MTP module of Qwen3.5 and Qwen3.5-MoE "
+            f"only; {arch.name}'s "
+            f"MTP layer (model.layers.{config.num_hidden_layers}.*) is vLLM's DeepSeekMTP "
+            "(enorm, hnorm, a replicated eh_proj, shared_head and an MLA decoder layer), "
+            "which no table describes",
+            flag,
+        )
+    elif layout.pp > 1:
+        problems.add(f"{flag} method 'mtp' with --pp {layout.pp}: {MTP_PP_REASON}", flag)
+
+
 def validate_layout(config: ModelConfig, layout: ParallelLayout) -> None:
     """Refuse a layout the model cannot take: one LayoutError listing every reason, each
     with the tensors it concerns (docs/contract.md §5); ``key`` names the flag of the first reason."""
     _check_degrees(layout)
-    arch = architecture_for(config)
+    arch = architecture_for(config).for_layout(layout.mm_encoder_tp_mode)
     problems = _Problems()
+    _speculative_problems(problems, arch, config, layout)
     if layout.pp > config.num_hidden_layers:
         problems.add(
             f"--pp ({layout.pp}) is more pipeline stages than num_hidden_layers "
@@ -256,7 +308,8 @@ def validate_layout(config: ModelConfig, layout: ParallelLayout) -> None:
         first_flag = next(iter(problems.reasons.values()))[0]
         raise LayoutError(
             f"{config.source}: layout tp={layout.tp} dp={layout.dp} pp={layout.pp}"
-            f"{' with expert parallel' if layout.enable_expert_parallel else ''} does not fit "
+            f"{' with expert parallel' if layout.enable_expert_parallel else ''}"
+            f"{' with MTP' if layout.speculative_method else ''} does not fit "
             f"{config.architecture}: " + "; ".join(listed),
             file=config.source,
             key="--dp" if first_flag == "dp*tp" else first_flag,

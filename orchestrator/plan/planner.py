@@ -222,7 +222,7 @@ class _Planner:
         self.layout = layout
         self.checkpoint = checkpoint
         self.engine = engine_profile(engine)
-        self.arch: Architecture = architecture_for(config)
+        self.arch: Architecture = architecture_for(config).for_layout(layout.mm_encoder_tp_mode)
         self.size = {name: dim.size(config) for name, dim in self.arch.dims.items()}
         self.ep = uses_expert_parallel(config, layout)
         self.model_st = MODEL_DTYPES[config.model_dtype]
@@ -233,6 +233,11 @@ class _Planner:
         self.first_rules = self.arch.rules_at("first")
         self.last_rules = self.arch.rules_at("last")
         self.vision_rules = self.arch.vision_rules(config, layout.language_model_only)
+        self.mtp_rules = self.arch.mtp_rules(
+            config,
+            layout.speculative_method == "mtp",
+            self.engine.drafter_own.get(self.arch.name, ()),
+        )
         # Rows the engine builds (and loads) on every pipeline stage, not only on the
         # first or last one (vLLM's Qwen3-MoE: embed_tokens, norm, lm_head).
         every = set(self.engine.every_stage.get(self.arch.name, ()))
@@ -271,7 +276,7 @@ class _Planner:
 
     def blocks(self, c: RankCoords) -> list[_Block]:
         """The rank's blocks in plan order: the vision tower's rows (every stage), stage-0
-        rows, each layer's rows, last-stage rows."""
+        rows, each layer's rows, last-stage rows, the MTP drafter's rows (last stage)."""
         out: list[_Block] = [self._block(i, block, c) for i, block in self.vision_rules]
         first, last = c.pp_rank == 0, c.pp_rank == self.layout.pp - 1
         out.extend(
@@ -280,6 +285,8 @@ class _Planner:
         for layer in c.layers:
             out.extend(self._block(i, layer, c) for i in self.layer_rules[layer])
         out.extend(self._block(i, -1, c) for i in self.last_rules if last or i in self.every_stage)
+        if last:
+            out.extend(self._block(i, layer, c) for i, layer in self.mtp_rules)
         return out
 
     def _block(self, idx: int, layer: int, c: RankCoords) -> _Block:
@@ -903,15 +910,18 @@ def build_plan(
 
 def _model_summary(config: ModelConfig, layout: ParallelLayout) -> dict[str, Any]:
     """``config.summary()``, with the vision tower among the scopes not planned when the
-    layout is language-model-only."""
+    layout is language-model-only, and the MTP module planned when it plans MTP."""
     out = config.summary()
+    not_planned = list(config.not_planned(mtp=layout.speculative_method == "mtp"))
     if config.vision is not None:
         out["vision_depth"] = config.vision.depth
         if layout.language_model_only:
-            out["not_planned"] = [
-                "model.visual.* (vision tower): the engine runs --language-model-only",
-                *out.get("not_planned", ()),
-            ]
+            not_planned.insert(
+                0, "model.visual.* (vision tower): the engine runs --language-model-only"
+            )
+    out.pop("not_planned", None)
+    if not_planned:
+        out["not_planned"] = not_planned
     return out
 
 

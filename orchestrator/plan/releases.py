@@ -138,10 +138,12 @@ _REDUNDANT = Refusal(
 )
 _SPECULATIVE = Refusal(
     "speculative_config",
-    ("",),
+    ("", "mtp"),
     "",
-    "start the engine without speculative_config, or reload the draft model yourself",
-    "the draft model's weights (MTP, EAGLE, a draft checkpoint) are neither planned nor "
+    "start the engine without speculative_config, or with method 'mtp' on a Qwen3.5 "
+    "checkpoint (whose MTP module mxload plans and reloads), or reload the draft model "
+    "yourself",
+    "other draft models' weights (EAGLE, a draft checkpoint) are neither planned nor "
     "updated by mxload, so it would keep drafting from the old weights",
 )
 _EPLB_ALL = (_EPLB, _DYNAMIC_EPLB, _EXPERT_MAP, _REDUNDANT, _SPECULATIVE)

@@ -334,6 +334,12 @@ class ParallelLayout:
     language_model_only: bool = False
     """vLLM's ``--language-model-only``: the engine builds no vision tower, so none is planned
     (a model without one is unaffected)."""
+    speculative_method: Literal["", "mtp"] = ""
+    """vLLM's ``speculative_config`` method: ``mtp`` plans the checkpoint's own MTP module
+    as the engine's drafter holds it (``mxload.orchestrator.plan.arch``); ``""`` none."""
+    mm_encoder_tp_mode: Literal["weights", "data"] = "weights"
+    """vLLM's ``--mm-encoder-tp-mode``: ``weights`` TP-shards the vision tower, ``data``
+    holds it whole on every TP rank."""
 
     @property
     def world(self) -> int:
@@ -348,8 +354,13 @@ class ParallelLayout:
             "expert_placement": self.expert_placement,
             "world": self.world,
         }
-        if self.language_model_only:  # only when set: plans of other models read as before
+        # only when set: plans of other layouts read as before
+        if self.language_model_only:
             out["language_model_only"] = True
+        if self.speculative_method:
+            out["speculative_config"] = {"method": self.speculative_method}
+        if self.mm_encoder_tp_mode != "weights":
+            out["mm_encoder_tp_mode"] = self.mm_encoder_tp_mode
         return out
 
 

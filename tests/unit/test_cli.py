@@ -158,6 +158,13 @@ def _sparse(path: Path, size: int) -> str:
     return str(path)
 
 
+_PLAN_27B = ("plan", "--model", "qwen3.8-27b-fp8", "--tp", "4")
+
+
+def _spec(method: str, tokens: int, **more: str) -> str:
+    return json.dumps({"method": method, "num_speculative_tokens": tokens, **more})
+
+
 REFUSALS: dict[str, tuple[Callable[[Path, dict[str, str]], list[str]], list[str]]] = {
     "unknown-preset": (
         lambda w, c: ["make-checkpoint", str(w / "x"), "--preset", "nope"],
@@ -269,6 +276,38 @@ REFUSALS: dict[str, tuple[Callable[[Path, dict[str, str]], list[str]], list[str]
             *("--bf16", "--scale-dtype", "BF16"),
         ],
         ["--scale-dtype", "--bf16"],
+    ),
+    # vLLM's speculative_config: only the checkpoint's own Qwen3.5 MTP module is planned
+    "speculative-method-not-mtp": (
+        lambda w, c: [*_PLAN_27B, "--speculative-config", _spec("eagle", 1)],
+        ["--speculative-config", "'eagle'", "mtp"],
+    ),
+    "speculative-without-tokens": (
+        lambda w, c: [*_PLAN_27B, "--speculative-config", '{"method": "mtp"}'],
+        ["--speculative-config", "num_speculative_tokens"],
+    ),
+    "speculative-draft-model": (
+        lambda w, c: [*_PLAN_27B, "--speculative-config", _spec("mtp", 1, model="x/y")],
+        ["--speculative-config", "'model'"],
+    ),
+    "mtp-with-pipeline-parallel": (
+        lambda w, c: [*_PLAN_27B, "--pp", "2", "--speculative-config", _spec("mtp", 2)],
+        ["--speculative-config", "--pp 2", "last pipeline stage"],
+    ),
+    "mtp-on-a-model-without-mtp": (
+        lambda w, c: ["plan", c["v1"], "--speculative-config", _spec("qwen3_5_mtp", 1)],
+        ["--speculative-config", "mtp_num_hidden_layers"],
+    ),
+    "mtp-on-deepseek": (
+        lambda w, c: [
+            *("plan", "--model", "deepseek-v3", "--tp", "8"),
+            *("--speculative-config", _spec("mtp", 1)),
+        ],
+        ["--speculative-config", "model.layers.61.*", "Qwen3.5"],
+    ),
+    "mm-encoder-tp-mode-typo": (
+        lambda w, c: [*_PLAN_27B, "--mm-encoder-tp-mode", "dat"],
+        ["--mm-encoder-tp-mode", "did you mean data?"],
     ),
     "convert-to-ftp": (
         lambda w, c: ["convert", c["v1"], "ftp://nowhere.invalid/out"],

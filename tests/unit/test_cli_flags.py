@@ -63,6 +63,8 @@ PRESENT = {
     "--allow-nonfinite": ["load", "convert"],
     "--storage-options": ["inspect", "plan", "load", "reload", "convert", "make-checkpoint"],
     "--tp": ["plan", "load"],
+    "--speculative-config": ["plan", "load"],
+    "--mm-encoder-tp-mode": ["plan", "load"],
     "--address": ["load", "reload", "status", "release"],
     "--json": list(COMMANDS),
     "--debug": list(COMMANDS),

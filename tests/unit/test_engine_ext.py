@@ -285,8 +285,8 @@ def ascend_config(monkeypatch):
         ),
         (
             "vllm-ascend-0.23.0.post1",
-            {"speculative": SimpleNamespace(method="mtp")},
-            "speculative_config='mtp'",
+            {"speculative": SimpleNamespace(method="eagle")},
+            "speculative_config='eagle'",
             "without speculative_config",
         ),
     ],
@@ -499,3 +499,67 @@ def test_a_language_model_only_engine_is_planned_without_its_vision_tower(fake_v
     for mm, want in cases:
         w.vllm_config.model_config = SimpleNamespace(multimodal_config=mm)
         assert vllm_facts(w.vllm_config).layout.language_model_only is want, mm
+
+
+def _drafter_worker(plan_rank: Any, layout: ParallelLayout) -> _Worker:
+    """A worker whose model runner holds the target model and, as vLLM's MTP proposer
+    does, the drafter at ``model_runner.drafter.model`` (its parameters named without
+    mxload's ``drafter.`` prefix)."""
+    from dataclasses import replace
+
+    target = [b for b in plan_rank.buffers if not b.name.startswith("drafter.")]
+    own = [
+        replace(b, name=b.name[len("drafter.") :])
+        for b in plan_rank.buffers
+        if b.name.startswith("drafter.")
+    ]
+    w = _Worker(layout, 0, 0, plan_rank.tp_rank, _engine_model(SimpleNamespace(buffers=target)))
+    w.model_runner.drafter = SimpleNamespace(model=_engine_model(SimpleNamespace(buffers=own)))
+    w.vllm_config.speculative_config = SimpleNamespace(method="mtp")
+    return w
+
+
+def test_an_mtp_engine_attaches_and_reloads_the_drafter_in_place(
+    ckpt_factory, fake_vllm, ascend_config
+):
+    """speculative_config method "mtp" on Qwen3.5: the drafter's parameters (vLLM's
+    model_runner.drafter.model) are adopted and rewritten in place; each holds the BF16
+    checkpoint's mtp.* tensors (tp 1: whole), the drafter's own lm_head (vllm-ascend
+    keeps it) the lm_head's rows."""
+    from safetensors.torch import load_file
+
+    src1 = ckpt_factory("qwen3.5-tiny", seed=1)
+    src2 = ckpt_factory("qwen3.5-tiny", seed=2, bf16=True)
+    engine = "vllm-ascend-0.23.0.post1"
+    ascend_config.weight_nz_mode = 0
+    layout = ParallelLayout(tp=1, speculative_method="mtp")
+    meta = open_checkpoint(src1)
+    plan = build_plan(meta.config, layout, checkpoint=meta, engine=engine)
+    worker = _drafter_worker(plan.ranks[0], layout)
+    mx = EngineReloader(_llm([worker], fake_vllm))
+    status = mx.attach(src1, engine=engine)
+    assert status[0]["parallel"]["speculative_config"] == {"method": "mtp"}
+    drafter = worker.model_runner.drafter.model
+    before = {n: p.data_ptr() for n, p in drafter.named_parameters()}
+    assert "model.fc.weight" in before and "lm_head.weight" in before
+    mx.reload(src2)
+    assert {n: p.data_ptr() for n, p in drafter.named_parameters()} == before
+    ckpt: dict[str, torch.Tensor] = {}
+    for f in sorted(__import__("pathlib").Path(src2).glob("*.safetensors")):
+        ckpt.update(load_file(str(f)))
+    got = dict(drafter.named_parameters())
+    for name in ("fc", "norm", "pre_fc_norm_hidden", "layers.0.mlp.down_proj"):
+        assert torch.equal(got[f"model.{name}.weight"], ckpt[f"mtp.{name}.weight"]), name
+    qkv = [ckpt[f"mtp.layers.0.self_attn.{x}_proj.weight"] for x in "qkv"]
+    assert torch.equal(got["model.layers.0.self_attn.qkv_proj.weight"], torch.cat(qkv))
+    vocab = ckpt["lm_head.weight"].shape[0]
+    assert torch.equal(got["lm_head.weight"][:vocab], ckpt["lm_head.weight"])
+
+
+def test_mtp_on_a_model_without_an_mtp_module_is_refused(ckpt_factory, fake_vllm):
+    src = ckpt_factory("qwen3-moe-tiny", seed=1, overrides=OVERRIDES)
+    workers, mx = _one(src, "mxload", fake_vllm)
+    _configure(workers, {"speculative": SimpleNamespace(method="mtp")})
+    with pytest.raises(LayoutError) as err:
+        mx.attach(src, engine="mxload")
+    assert "--speculative-config method 'mtp' needs the checkpoint's MTP layers" in str(err.value)

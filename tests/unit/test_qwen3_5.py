@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 from mxload.orchestrator.plan.config import parse_config
-from mxload.orchestrator.plan.planner import plan_rank
+from mxload.orchestrator.plan.planner import build_plan, plan_rank
 from mxload.orchestrator.plan.types import ParallelLayout
 from mxload.orchestrator.runtime.models import model_config
 
@@ -77,6 +77,21 @@ def hand_count(tp: int) -> int:
     return layers + 2 * vocab + H * BF16  # embed, lm_head, final norm
 
 
+def mtp_count(tp: int) -> int:
+    """The MTP drafter (vLLM's Qwen3_5MTP) on every rank, all BF16 ("mtp" is in the
+    release's modules_to_not_convert): fc [H, 2H] split by rows; pre_fc_norm_embedding,
+    pre_fc_norm_hidden and norm whole; one full-attention decoder layer with the MLP,
+    sharded as the model's. embed_tokens and lm_head are the target's (vLLM shares them)."""
+    kv_rows = KV * HD // tp if KV >= tp else HD
+    layer = (
+        2 * H  # input_layernorm, post_attention_layernorm
+        + ((HEADS * 2 * HD) // tp + 2 * kv_rows) * H + 2 * HD  # qkv_proj, q_norm, k_norm
+        + H * (HEADS * HD // tp)  # o_proj
+        + 2 * MLP // tp * H + H * (MLP // tp)  # gate_up_proj, down_proj
+    )  # fmt: skip
+    return (H // tp * 2 * H + 3 * H + layer) * BF16
+
+
 @pytest.mark.parametrize("tp", [1, 2, 4, 8])
 def test_qwen3_8_27b_persistent_bytes_equal_a_hand_count(tp: int) -> None:
     cfg = parse_config(model_config("qwen3.8-27b-fp8"), "qwen3.8-27b-fp8.json")
@@ -84,6 +99,115 @@ def test_qwen3_8_27b_persistent_bytes_equal_a_hand_count(tp: int) -> None:
     assert sum(b.nbytes for b in buffers) == hand_count(tp) + vision_count(tp, H)
     lm_only, _ = plan_rank(cfg, ParallelLayout(tp=tp, language_model_only=True), tp - 1)
     assert sum(b.nbytes for b in lm_only) == hand_count(tp)
+    # vLLM's --mm-encoder-tp-mode data: the whole tower on every TP rank
+    data, _ = plan_rank(cfg, ParallelLayout(tp=tp, mm_encoder_tp_mode="data"), tp - 1)
+    assert sum(b.nbytes for b in data) == hand_count(tp) + vision_count(1, H)
+    # speculative_config method "mtp": the drafter's rows besides the target's
+    mtp = ParallelLayout(tp=tp, language_model_only=True, speculative_method="mtp")
+    assert sum(b.nbytes for b in plan_rank(cfg, mtp, tp - 1)[0]) == hand_count(tp) + mtp_count(tp)
+    # vllm-ascend keeps the drafter's own lm_head (V / tp rows of H, BF16)
+    ascend, _ = plan_rank(cfg, mtp, tp - 1, engine="vllm-ascend-0.23")
+    assert sum(b.nbytes for b in ascend) == hand_count(tp) + mtp_count(tp) + V // tp * H * BF16
+
+
+def test_the_vision_tower_in_data_mode_is_whole_and_alike_on_every_tp_rank() -> None:
+    """--mm-encoder-tp-mode data (vLLM: every vision linear disable_tp): each tp-4 rank's
+    vision buffers are the tp-1 rank's, same names, shapes and source rectangles."""
+    from mxload.orchestrator.errors import LayoutError
+    from mxload.workers.tools.synth import preset_config
+
+    # a tower of 2 heads: tp 4 cannot split it ("weights"), and holds it whole ("data")
+    raw = preset_config("qwen3.5-tiny")
+    raw["vision_config"]["num_heads"] = 2
+    cfg = parse_config(raw, "qwen3.5-tiny")
+    whole_b, whole_u = plan_rank(cfg, ParallelLayout(tp=1), 0)
+    want_b = [b for b in whole_b if b.name.startswith("visual.")]
+    want_u = [u for u in whole_u if u.buffer.startswith("visual.")]
+    assert len(want_b) == 9 + 2 * 12
+    for rank in (0, 3):
+        got_b, got_u = plan_rank(cfg, ParallelLayout(tp=4, mm_encoder_tp_mode="data"), rank)
+        assert [b for b in got_b if b.name.startswith("visual.")] == want_b
+        assert [u for u in got_u if u.buffer.startswith("visual.")] == want_u
+    with pytest.raises(LayoutError, match=r"vision_config.num_heads \(2\) is not divisible"):
+        plan_rank(cfg, ParallelLayout(tp=4), 0)
+    # "weights" mode splits the same tower (qkv rows by heads) at tp 2
+    split = plan_rank(cfg, ParallelLayout(tp=2), 1)[0]
+    qkv = {b.name: b.shape for b in split}["visual.blocks.0.attn.qkv.weight"]
+    assert qkv == (3 * 64 // 2, 64)
+
+
+def test_the_mtp_drafter_is_on_the_last_tp_ranks_only_and_named_as_vllm_holds_it() -> None:
+    from mxload.workers.tools.synth import preset_config
+
+    cfg = parse_config(preset_config("qwen3.5-moe-tiny"), "qwen3.5-moe-tiny")
+    layout = ParallelLayout(tp=2, dp=2, enable_expert_parallel=True, speculative_method="mtp")
+    names = [b.name for b in plan_rank(cfg, layout, 3)[0] if b.name.startswith("drafter.")]
+    assert names == [
+        "drafter.model.fc.weight",
+        "drafter.model.pre_fc_norm_embedding.weight",
+        "drafter.model.pre_fc_norm_hidden.weight",
+        "drafter.model.norm.weight",
+        *(
+            f"drafter.model.layers.0.{n}.weight"
+            for n in (
+                "input_layernorm",
+                "self_attn.qkv_proj",
+                "self_attn.q_norm",
+                "self_attn.k_norm",
+                "self_attn.o_proj",
+                "post_attention_layernorm",
+                "mlp.gate",
+                "mlp.shared_expert_gate",
+                "mlp.shared_expert.gate_up_proj",
+                "mlp.shared_expert.down_proj",
+            )
+        ),
+        "drafter.model.layers.0.mlp.experts.w13_weight",
+        "drafter.model.layers.0.mlp.experts.w2_weight",
+    ]
+    # the MTP layer's experts are placed as the model's: 8 experts over EP 4
+    _, units = plan_rank(cfg, layout, 3)
+    drafter = [u for u in units if u.buffer.startswith("drafter.") and u.global_expert >= 0]
+    assert {u.global_expert for u in drafter} == {6, 7}
+    summary_mtp = build_plan(cfg, layout).model
+    assert "not_planned" not in summary_mtp
+    assert [
+        s.split(" ")[0] for s in build_plan(cfg, ParallelLayout(tp=2)).model["not_planned"]
+    ] == ["mtp.*"]
+
+
+@pytest.mark.parametrize(
+    ("preset", "layout", "says"),
+    [
+        (
+            "qwen3.5-tiny",
+            ParallelLayout(pp=2, speculative_method="mtp"),
+            "method 'mtp' with --pp 2: vLLM 0.23 builds the MTP drafter on the last pipeline "
+            "stage only",
+        ),
+        (
+            "qwen3-dense-tiny",
+            ParallelLayout(speculative_method="mtp"),
+            "method 'mtp' needs the checkpoint's MTP layers, and the config declares none",
+        ),
+        (
+            "deepseek-v3-tiny",
+            ParallelLayout(speculative_method="mtp"),
+            "mxload plans the MTP module of Qwen3.5 and Qwen3.5-MoE only; "
+            "DeepseekV3ForCausalLM's MTP layer (model.layers.3.*)",
+        ),
+    ],
+)
+def test_mtp_layouts_vllm_cannot_serve_are_refused_with_the_reason(
+    preset: str, layout: ParallelLayout, says: str
+) -> None:
+    from mxload.orchestrator.errors import LayoutError
+    from mxload.workers.tools.synth import preset_config
+
+    cfg = parse_config(preset_config(preset), preset)
+    with pytest.raises(LayoutError) as err:
+        plan_rank(cfg, layout, 0)
+    assert says in str(err.value) and err.value.key == "--speculative-config"
 
 
 def test_the_vision_tower_is_on_every_pipeline_stage_unless_language_model_only() -> None:

@@ -239,7 +239,8 @@ PRESETS: dict[str, dict[str, Any]] = {
     # Qwen3.8-27B-FP8 (Qwen3.5 dense) in miniature, in the real layout: the language model
     # under text_config and model.language_model.*, three Gated DeltaNet layers then one
     # gated full-attention layer, a two-block vision tower (model.visual.*, planned unless
-    # language-model-only), one MTP layer (mtp.*) that no plan holds, and the FP8 release's
+    # language-model-only), one MTP layer (mtp.*, planned with MTP speculative decoding),
+    # and the FP8 release's
     # modules_to_not_convert. The MLP is
     # 448 wide: 14 MX groups at tp 1, 7 (odd) at tp 2, and not a multiple of 32 at tp 4
     # (held resolved in the model dtype); vocab 1000 is not a multiple of 64.
@@ -583,6 +584,24 @@ def _qwen3_5_tensors(cfg: ModelConfig, quantized: bool, scale_dtype: str) -> lis
         ]
         return mods
 
+    def full_attention(p: str) -> None:
+        a = f"{p}.self_attn"
+        mods = [
+            (f"{a}.q_proj", q_rows, h),
+            (f"{a}.k_proj", kv_rows, h),
+            (f"{a}.v_proj", kv_rows, h),
+            (f"{a}.o_proj", h, cfg.num_attention_heads * cfg.head_dim),
+        ]
+        _emit(out, cfg, mods, quantized, scale_dtype)
+        out.append(_Tensor(f"{a}.q_norm.weight", plain, (cfg.head_dim,), "norm"))
+        out.append(_Tensor(f"{a}.k_norm.weight", plain, (cfg.head_dim,), "norm"))
+
+    def mlp(p: str) -> None:
+        if cfg.is_moe:
+            out.append(_Tensor(f"{p}.mlp.gate.weight", plain, (cfg.num_experts, h), "router"))
+            out.append(_Tensor(f"{p}.mlp.shared_expert_gate.weight", plain, (1, h), "router"))
+        _emit(out, cfg, mlp_of(p), quantized, scale_dtype)
+
     for i in range(cfg.num_hidden_layers):
         p = f"{_QWEN3_5_LAYERS}.{i}"
         out.append(_Tensor(f"{p}.input_layernorm.weight", plain, (h,), "norm"))
@@ -608,32 +627,26 @@ def _qwen3_5_tensors(cfg: ModelConfig, quantized: bool, scale_dtype: str) -> lis
             out.append(_Tensor(f"{a}.norm.weight", plain, (cfg.linear_value_head_dim,), "norm"))
             _emit(out, cfg, [(f"{a}.out_proj", h, value)], quantized, scale_dtype)
         else:
-            a = f"{p}.self_attn"
-            mods = [
-                (f"{a}.q_proj", q_rows, h),
-                (f"{a}.k_proj", kv_rows, h),
-                (f"{a}.v_proj", kv_rows, h),
-                (f"{a}.o_proj", h, cfg.num_attention_heads * cfg.head_dim),
-            ]
-            _emit(out, cfg, mods, quantized, scale_dtype)
-            out.append(_Tensor(f"{a}.q_norm.weight", plain, (cfg.head_dim,), "norm"))
-            out.append(_Tensor(f"{a}.k_norm.weight", plain, (cfg.head_dim,), "norm"))
-        if cfg.is_moe:
-            out.append(_Tensor(f"{p}.mlp.gate.weight", plain, (cfg.num_experts, h), "router"))
-            out.append(_Tensor(f"{p}.mlp.shared_expert_gate.weight", plain, (1, h), "router"))
-        _emit(out, cfg, mlp_of(p), quantized, scale_dtype)
+            full_attention(p)
+        mlp(p)
         out.append(_Tensor(f"{p}.post_attention_layernorm.weight", plain, (h,), "norm"))
     out.append(_Tensor("model.language_model.norm.weight", plain, (h,), "norm"))
     if not cfg.tie_word_embeddings:
         out.append(_Tensor("lm_head.weight", plain, (v, h), "embed"))
     if cfg.vision is not None:
         out += _qwen3_5_vision_tensors(cfg.vision, plain)
-    # Never planned (ModelConfig.not_planned), but there as in the release.
-    out += [
-        _Tensor("mtp.fc.weight", plain, (h, 2 * h), "router"),
-        _Tensor("mtp.layers.0.input_layernorm.weight", plain, (h,), "norm"),
-        _Tensor("mtp.norm.weight", plain, (h,), "norm"),
-    ]
+    # The MTP module as released (planned only with MTP speculative decoding): fc, its
+    # norms, and full-attention decoder layers with the model's MLP; unquantized unless
+    # the quantization config leaves out "mtp" from modules_to_not_convert.
+    _emit(out, cfg, [("mtp.fc", h, 2 * h)], quantized, scale_dtype)
+    for i in range(cfg.mtp_layers):
+        p = f"mtp.layers.{i}"
+        out.append(_Tensor(f"{p}.input_layernorm.weight", plain, (h,), "norm"))
+        full_attention(p)
+        mlp(p)
+        out.append(_Tensor(f"{p}.post_attention_layernorm.weight", plain, (h,), "norm"))
+    for norm in ("mtp.norm", "mtp.pre_fc_norm_embedding", "mtp.pre_fc_norm_hidden"):
+        out.append(_Tensor(f"{norm}.weight", plain, (h,), "norm"))
     return out
 
 
