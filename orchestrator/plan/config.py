@@ -242,6 +242,22 @@ def _vision_config(cfg: Mapping[str, Any], source: str) -> VisionConfig | None:
     return vision
 
 
+MAX_DIM = 1 << 21
+"""Largest width, head count or vocabulary a config may give (released models stay below
+2^19): the plan holds per-row reads of a tensor, so a hostile 10^9 would exhaust memory."""
+
+MAX_COUNT = {
+    "num_hidden_layers": 1024,
+    "depth": 1024,
+    "num_experts": 4096,
+    "n_routed_experts": 4096,
+    "num_nextn_predict_layers": 16,
+    "mtp_num_hidden_layers": 16,
+}
+"""Largest layer and expert counts a config may give (released models: at most 128 layers
+and 512 experts); the plan holds one unit per layer and expert."""
+
+
 def _int(cfg: Mapping[str, Any], key: str, source: str, *, default: int | None = None) -> int:
     value = cfg.get(key, default)
     if value is None:
@@ -252,6 +268,24 @@ def _int(cfg: Mapping[str, Any], key: str, source: str, *, default: int | None =
         )
     if value < 0:
         raise ConfigError(f"{source}: key {key!r} must be >= 0, got {value}", file=source, key=key)
+    cap = MAX_COUNT.get(key, MAX_DIM)
+    if value > cap:
+        raise ConfigError(
+            f"{source}: key {key!r} is {value}, above the most mxload plans ({cap}); no "
+            "released model comes near it",
+            file=source,
+            key=key,
+        )
+    return value
+
+
+def _flag(cfg: Mapping[str, Any], key: str, source: str, *, default: bool) -> bool:
+    """A JSON boolean: ``"false"`` (a non-empty string) must not read as true."""
+    value = cfg.get(key, default)
+    if not isinstance(value, bool):
+        raise ConfigError(
+            f"{source}: key {key!r} must be true or false, got {value!r}", file=source, key=key
+        )
     return value
 
 
@@ -390,10 +424,28 @@ def ascend_description_quant(desc: Any, source: str) -> dict[str, Any]:
     return {"quant_method": "mxfp8", "modules_to_not_convert": sorted(floats)}
 
 
+MAX_EXPERT_UNITS = 1 << 17
+"""Most routed experts over all layers (experts x layers) a config may give: 4x the largest
+released model; each is a unit of the plan on every rank that holds it."""
+
+
 def parse_config(
     cfg: Mapping[str, Any], source: str = "config.json", *, dtype: str | None = None
 ) -> ModelConfig:
     """Validate a decoded config.json. ``dtype`` is the ``--dtype`` override."""
+    model = _parse_config(cfg, source, dtype)
+    if model.num_experts * model.num_hidden_layers > MAX_EXPERT_UNITS:
+        raise ConfigError(
+            f"{source}: {model.num_experts} experts x {model.num_hidden_layers} layers is "
+            f"above the most mxload plans ({MAX_EXPERT_UNITS} expert-layers); no released "
+            "model comes near it",
+            file=source,
+            key="num_experts",
+        )
+    return model
+
+
+def _parse_config(cfg: Mapping[str, Any], source: str, dtype: str | None) -> ModelConfig:
     if not isinstance(cfg, Mapping):
         raise ConfigError(f"{source}: not a JSON object", file=source)
     archs = cfg.get("architectures")
@@ -427,7 +479,7 @@ def parse_config(
         num_key_value_heads=kv_heads,
         intermediate_size=_positive(cfg, "intermediate_size", source),
         vocab_size=_positive(cfg, "vocab_size", source),
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        tie_word_embeddings=_flag(cfg, "tie_word_embeddings", source, default=False),
         model_dtype=model_dtype_of(cfg, dtype),
         quant=quant,
         source=source,
@@ -526,8 +578,10 @@ def _parse_qwen3_5(
         head_dim=_positive(text, "head_dim", tsrc, default=256),
         intermediate_size=0 if moe else _positive(text, "intermediate_size", tsrc),
         vocab_size=_positive(text, "vocab_size", tsrc),
-        tie_word_embeddings=bool(
-            text.get("tie_word_embeddings", cfg.get("tie_word_embeddings", False))
+        tie_word_embeddings=(
+            _flag(text, "tie_word_embeddings", tsrc, default=False)
+            if "tie_word_embeddings" in text
+            else _flag(cfg, "tie_word_embeddings", source, default=False)
         ),
         model_dtype=model_dtype_of(dtype_holder, dtype),
         quant=quant,
@@ -542,7 +596,7 @@ def _parse_qwen3_5(
         linear_key_head_dim=_positive(text, "linear_key_head_dim", tsrc),
         linear_value_head_dim=_positive(text, "linear_value_head_dim", tsrc),
         linear_conv_kernel_dim=_positive(text, "linear_conv_kernel_dim", tsrc),
-        attn_output_gate=bool(text.get("attn_output_gate", True)),
+        attn_output_gate=_flag(text, "attn_output_gate", tsrc, default=True),
         mtp_layers=_int(text, "mtp_num_hidden_layers", tsrc, default=0),
         vision=_vision_config(cfg, source),
         source=source,

@@ -323,3 +323,42 @@ def test_real_deepseek_v3() -> None:
     assert mc.first_k_dense_replace == 3
     assert [i for i in range(61) if not mc.is_moe_layer(i)] == [0, 1, 2]
     assert (mc.quant.kind, mc.quant.block_n, mc.quant.block_k) == ("block_fp8", 128, 128)
+
+
+HOSTILE_SIZES = [
+    # (file, where the key lives, key, value, what the message says)
+    ("qwen3-32b-fp8.json", (), "hidden_size", 10**9, "above the most mxload plans (2097152)"),
+    ("qwen3-32b-fp8.json", (), "vocab_size", 10**15, "above the most mxload plans (2097152)"),
+    ("qwen3-32b-fp8.json", (), "num_hidden_layers", 10**7, "above the most mxload plans (1024)"),
+    ("qwen3-32b-fp8.json", (), "tie_word_embeddings", "false", "must be true or false"),
+    ("qwen3.8-27b-fp8.json", ("vision_config",), "depth", 10**9, "(1024)"),
+    ("qwen3.8-27b-fp8.json", ("text_config",), "attn_output_gate", "yes", "true or false"),
+    ("qwen3.8-27b-fp8.json", ("text_config",), "tie_word_embeddings", 0, "true or false"),
+    ("deepseek-v3.json", (), "n_routed_experts", 5000, "above the most mxload plans (4096)"),
+]
+
+
+@pytest.mark.parametrize("file,where,key,value,says", HOSTILE_SIZES)
+def test_hostile_sizes_and_switches_are_refused_naming_the_key(
+    file: str, where: tuple[str, ...], key: str, value: Any, says: str
+) -> None:
+    # Each of these ran out of memory in plan (or read "false" as true) before the bounds.
+    cfg = real(file)
+    holder = cfg
+    for part in where:
+        holder = holder[part]
+    holder[key] = value
+    with pytest.raises(ConfigError) as info:
+        parse_config(cfg, SRC)
+    msg = str(info.value)
+    assert info.value.key == key and key in msg and SRC in msg and says in msg
+    assert "\n" not in msg
+
+
+def test_experts_times_layers_is_bounded() -> None:
+    cfg = real("qwen3-30b-a3b-fp8.json")
+    cfg["num_hidden_layers"], cfg["num_experts"] = 128, 1024  # exactly the bound: planned
+    assert parse_config(cfg, SRC).num_experts == 1024
+    cfg["num_hidden_layers"] = 129
+    with pytest.raises(ConfigError, match=r"1024 experts x 129 layers .* \(131072 expert-layers\)"):
+        parse_config(cfg, SRC)
