@@ -99,7 +99,11 @@ def fetch_shares(
     budgets: Sequence[int],
 ) -> Shared:
     """The owners fetch every shared read and publish it in Ray's object store. An owner
-    whose process is lost publishes nothing: its users read storage themselves."""
+    whose process is lost publishes nothing: its users read storage themselves.
+
+    An owner fetches several of its units at once within the staging of its run's
+    largest unit read: every unit's reads are staged whole at some point of the load,
+    so this is within the rank's predicted staging."""
     import ray
     from mxload.workers.rank.loader import PeerUnit
 
@@ -112,7 +116,8 @@ def fetch_shares(
         for s in share.owned_by(rank):
             i = next(i for r, i in s.users if r == rank)
             items.append((s.key, units_all[rank][i], reads_all[rank][i]))
-        refs[rank] = actors[rank].fetch_shared.remote(items, source, budgets[rank])
+        window = max((r.nbytes for r in reads_all[rank]), default=0)
+        refs[rank] = actors[rank].fetch_shared.remote(items, source, budgets[rank], window)
     handles: dict[Any, Any] = {}
     for rank, ref in refs.items():
         try:

@@ -111,3 +111,70 @@ def test_tp_ranks_share_whole_rows_and_load_the_same_buffers(ckpt_factory) -> No
     predicted = rows.ranks[rank].staging.staging_bytes
     measured = stats.measured_peak_staging_bytes
     assert measured <= predicted <= 1.10 * measured
+
+
+def test_owner_keeps_several_units_in_flight_within_its_window(ckpt_factory) -> None:
+    """An owner fetches its shared units several at a time (not one request latency per
+    unit), never holding more staging than the window the driver gives it, and
+    publishes the same bytes as a unit-by-unit fetch."""
+    import threading
+    import time
+
+    from mxload.workers.storage import Storage
+
+    src = ckpt_factory("qwen3-moe-tiny", 3)
+    meta = open_checkpoint(src)
+    plan = build_plan(meta.config, ParallelLayout(tp=2), checkpoint=meta, remote=True)
+    q = meta.config.quant
+    source = SourceInfo(root=src, quant=q.kind, block_n=q.block_n, block_k=q.block_k)
+    items = [read_items(rp.reads, lambda r: r.nbytes) for rp in plan.ranks]
+    share = plan_sharing(["a", "a"], "cluster", items.__getitem__)
+    rp = plan.ranks[0]
+    owned = [
+        (s.key, rp.units[i], rp.reads[i])
+        for s in share.owned_by(0)
+        for i in [next(i for r, i in s.users if r == 0)]
+    ]
+    assert len(owned) > 4
+    lock = threading.Lock()
+    now = [0]
+    most = [0]
+
+    class Slow(Storage):  # a store's time to first byte, and what is in flight
+        def read_ranges_into(self, relpath, ranges, out):  # type: ignore[no-untyped-def]
+            with lock:
+                now[0] += 1
+                most[0] = max(most[0], now[0])
+            time.sleep(0.01)
+            try:
+                return super().read_ranges_into(relpath, ranges, out)
+            finally:
+                with lock:
+                    now[0] -= 1
+
+    window = max(r.nbytes for r in rp.reads)
+    budget = rp.staging.budget_bytes
+    got = {}
+    for w in (0, window):
+        store: dict[int, bytes] = {}
+
+        def publish(arr, store=store) -> int:
+            store[len(store)] = arr.tobytes()
+            return len(store) - 1
+
+        ldr = RankLoader(
+            rp, model_dtype="bf16", backend=select_backend("cpu"), storage_factory=Slow
+        )
+        most[0] = 0
+        res = ldr.fetch_for_peers(
+            owned, source, staging_budget=budget, publish=publish, window_bytes=w
+        )
+        got[w] = (
+            most[0],
+            res.peak_staging_bytes,
+            {k: [store[h] for _, h in v] for k, v in res.handles.items()},
+        )
+    assert got[0][0] == 1  # one unit at a time
+    assert got[window][0] > 1, "several units in flight"
+    assert got[window][1] <= window <= rp.staging.staging_bytes
+    assert got[window][2] == got[0][2]
