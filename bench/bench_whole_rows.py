@@ -180,7 +180,9 @@ def served(server: Any, prefix: str, spans: dict[tuple[str, int, int], str]) -> 
     }
 
 
-def run(work: Path, *, quick: bool, latency: float, bandwidth: float) -> dict[str, Any]:
+def run(
+    work: Path, *, quick: bool, latency: float, bandwidth: float, runs_each: int = 3
+) -> dict[str, Any]:
     from mxload.orchestrator.plan.timemodel import Rates
     from mxload.orchestrator.plan.types import ParallelLayout
     from mxload.orchestrator.runtime.driver import load
@@ -195,7 +197,7 @@ def run(work: Path, *, quick: bool, latency: float, bandwidth: float) -> dict[st
     models, rate_rank = checkpoints(
         srv_root, rate=lambda src: convert_rate(src, layout, runs=5, pick=max)
     )
-    repeats = 1 if quick else 2
+    repeats = 1 if quick else runs_each
     rows: list[dict[str, Any]] = []
     shard = sorted(p.name for p in Path(models["dense"]).glob("*.safetensors"))[0]
     with RangeHTTPServer(str(srv_root), bandwidth=bandwidth, latency=latency) as server:
@@ -237,6 +239,11 @@ def run(work: Path, *, quick: bool, latency: float, bandwidth: float) -> dict[st
                                 "measured": sh["run_seconds"],
                                 "predicted": max(t.load_seconds for t in times),
                                 "predicted_requests": sum(t.requests for t in times),
+                                # phases apart: the owners' fetch (start cost included)
+                                # and the slowest rank's load after it
+                                "fetch_measured": sh["fetch_seconds"],
+                                "fetch_predicted": times[0].start_seconds + times[0].fetch_seconds,
+                                "load_average": load_average()[0],
                             }
                         )
                 for policy, got in runs.items():
@@ -259,6 +266,7 @@ def run(work: Path, *, quick: bool, latency: float, bandwidth: float) -> dict[st
                                     for a, b in zip(runs["rows"], runs["whole"], strict=True)
                                 )
                             ),
+                            "runs": got,
                         }
                     )
     return {
@@ -338,6 +346,7 @@ def _jsonable(o: Any) -> Any:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="one load per policy")
+    ap.add_argument("--runs", type=int, default=3, help="loads per policy and model")
     ap.add_argument("--latency", type=float, default=0.005, help="seconds added per request")
     ap.add_argument("--bandwidth", type=float, default=50e6, help="server bytes/s in all")
     ap.add_argument("--out", default="bench/results")
@@ -353,7 +362,11 @@ def main(argv: list[str] | None = None) -> int:
             "load_before": load_average(),
         }
         res["whole_rows"] = run(
-            work, quick=args.quick, latency=args.latency, bandwidth=args.bandwidth
+            work,
+            quick=args.quick,
+            latency=args.latency,
+            bandwidth=args.bandwidth,
+            runs_each=args.runs,
         )
         res["load_after"] = load_average()
         text = render(res, command)

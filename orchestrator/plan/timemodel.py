@@ -272,20 +272,20 @@ def plan_times(
     canon: dict[Hashable, int] = {}
     item_of: dict[int, ClassItem] = {}
 
-    fanout = policy.whole_rows_fanout
+    whole = policy.whole_rows
 
     def cost(unit: Unit, reads: UnitReads | None) -> tuple[int, int, int]:
         if reads is not None:
             fetch, requests = predicted_reads((reads,), policy, max_request)
             return reads.nbytes, fetch, requests
-        nbytes = estimated_fetch(unit, config, fanout=fanout)
-        return nbytes, nbytes, estimated_requests(unit, config, remote=remote, fanout=fanout)
+        nbytes = estimated_fetch(unit, config, whole=whole)
+        return nbytes, nbytes, estimated_requests(unit, config, remote=remote, whole=whole)
 
     def item_for(unit: Unit, reads: UnitReads | None) -> ClassItem:
         o: Any = reads if reads is not None else unit
         item = item_of.get(id(o))
         if item is None:
-            fetched = reads.fetch_key if reads is not None else share_key(unit, fanout=fanout)
+            fetched = reads.fetch_key if reads is not None else share_key(unit, whole=whole)
             key = canon.setdefault(fetched, len(canon))
             item = item_of[id(o)] = (key, *cost(unit, reads))
         return item
@@ -296,7 +296,7 @@ def plan_times(
         """Per unit of a config-only sample: whether it is read as whole rows."""
         got = windowed.get(id(sample))
         if got is None:
-            got = windowed[id(sample)] = [share_key(u, fanout=fanout) is not u for u in sample]
+            got = windowed[id(sample)] = [share_key(u, whole=whole) is not u for u in sample]
         return got
 
     # Classes whose shareable reads are the same (a TP rank's attention on every MoE
@@ -328,7 +328,7 @@ def plan_times(
             for j, u in enumerate(g.expand()):
                 c = sample[j % n]
                 if rows[j % n]:
-                    key = canon.setdefault(share_key(u, fanout=fanout), len(canon))
+                    key = canon.setdefault(share_key(u, whole=whole), len(canon))
                     items.append((key, c[1], c[2], c[3]))
                 else:
                     fetch_p += c[2]

@@ -178,3 +178,55 @@ def test_owner_keeps_several_units_in_flight_within_its_window(ckpt_factory) -> 
     assert got[window][0] > 1, "several units in flight"
     assert got[window][1] <= window <= rp.staging.staging_bytes
     assert got[window][2] == got[0][2]
+
+
+def test_any_split_width_reads_whole_rows_once_per_group() -> None:
+    """Experts TP-sharded over dp x tp = 32 ranks (wider than a node) without EP: each
+    rank keeps 32 of an expert w2's 1024 columns. Its slice is planned as the whole rows,
+    the 32 ranks read the same rows (one fetch with sharing), the rows are in each
+    rank's staging, and the plan's requests drop from one per row to a few per expert."""
+    from mxload.orchestrator.plan.ranges import ROW_REMOTE_POLICY
+    from mxload.orchestrator.plan.timemodel import Rates, plan_times
+
+    from tests.unit.test_planner import L, fake_meta, synthetic
+
+    cfg = synthetic("moe", moe_intermediate_size=1024)  # 4 MoE layers of 10 experts
+    layout = L(tp=4, dp=8)
+    plan = build_plan(cfg, layout, checkpoint=fake_meta(cfg), remote=True)
+    keys = set()
+    for rp in plan.ranks:
+        w2 = [r for u, r in zip(rp.units, rp.reads, strict=True) if u.kind == "moe_w2"]
+        assert len(w2) == 4 * 10
+        for r in w2:
+            (p,) = r.parts
+            # hidden 256 rows of 1024 FP8 bytes, 32 of them kept; 2 x 8 F32 scale tiles
+            assert (p.weight.nbytes, p.weight_window[0], p.weight_window[2]) == (
+                256 * 1024,
+                1024,
+                32,
+            )
+            assert p.scale is not None and p.scale.nbytes == 2 * 8 * 4
+            keys.add(r.fetch_key)
+        assert rp.staging.read_bytes >= 256 * 1024 + 2 * 8 * 4
+    assert len(keys) == 4 * 10  # every rank reads the same rows: fetched once per cluster
+    # Config-only, from an object store: the slowest rank's w2 requests (a shared read
+    # counted for each use) are 2 per expert (weight, scale tiles), against one per row
+    # and one per tile row (256 + 2) read as slices.
+    config_plan = build_plan(cfg, layout)
+    got = {
+        name: plan_times(
+            config_plan,
+            cfg,
+            rates=Rates(),
+            scope="cluster",
+            devices_per_node=16,
+            local=False,
+            policy=policy,
+        )
+        for name, policy in (("whole", REMOTE_POLICY), ("rows", ROW_REMOTE_POLICY))
+    }
+    assert got["whole"]["slowest_rank_requests_by_kind"]["moe_w2"] == 4 * 10 * 2
+    assert got["rows"]["slowest_rank_requests_by_kind"]["moe_w2"] == 4 * 10 * (256 + 2)
+    # in the cluster: 40 w2 whole-row reads of 2 requests once, against 32 ranks' rows
+    drop = got["rows"]["requests_to_storage"] - got["whole"]["requests_to_storage"]
+    assert drop >= 32 * 4 * 10 * (256 + 2) - 4 * 10 * 2
