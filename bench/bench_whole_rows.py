@@ -242,6 +242,11 @@ def run(
                                 # phases apart: the owners' fetch (start cost included)
                                 # and the slowest rank's load after it
                                 "fetch_measured": sh["fetch_seconds"],
+                                "plan_measured": sh["plan_seconds"],
+                                "owner_fetch_measured": max(
+                                    (r.get("fetch_seconds") or 0.0 for r in manifest["ranks"]),
+                                    default=0.0,
+                                ),
                                 "fetch_predicted": times[0].start_seconds + times[0].fetch_seconds,
                                 "load_average": load_average()[0],
                             }

@@ -76,6 +76,10 @@ def plan_shares(
     share = plan_sharing(list(nodes), scope, items.__getitem__)
     traffic = rank_traffic(share, items.__getitem__)
     requests = rank_requests(share, lambda rank: [reads_cost(r)[1] for r in reads_all[rank]])
+    used: list[set[int]] = [set() for _ in reads_all]
+    for s in share.shared:
+        for rank, i in s.users:
+            used[rank].add(i)
     info = {
         "scope": share.scope,
         "requested_scope": requested,
@@ -86,6 +90,11 @@ def plan_shares(
         "predicted": [t.__dict__ for t in traffic],
         # per rank: storage requests of its own reads, of the shared reads it owns
         "predicted_requests": [list(r) for r in requests],
+        # per rank: units it reads from storage itself while loading, one after another
+        "predicted_storage_units": [
+            sum(1 for i, r in enumerate(reads) if r.nbytes and i not in used[rank])
+            for rank, reads in enumerate(reads_all)
+        ],
     }
     return share, info
 
