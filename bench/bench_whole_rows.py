@@ -21,7 +21,8 @@ own rank (rank 0 of the tp 4 plan, from local disk, the fastest of five: other w
 a shared machine only slows it; per-unit costs make a tp 4 slice convert slower per
 byte than tp 1) divided among the ranks sharing the cores; and the start cost of a
 fresh rank process (``Rates.start_seconds``: its first fetch of a shared read, less the
-same fetch warm, in a new process, median of three).
+same fetch warm, in a new process, median of three), multiplied likewise by the ranks
+per core, since it is CPU work the ranks do at once.
 
 Usage: ``python bench/bench_whole_rows.py [--quick] [--latency S] [--bandwidth B]``;
 prints markdown and writes ``bench/results/whole-rows.{md,json}``.
@@ -234,7 +235,10 @@ def run(
                             request_latency=probe["latency"],
                             request_concurrency=16,
                             storage_requests=probe["rate"],
-                            start_seconds=start[model],
+                            # a fresh process's start is CPU work (imports, the
+                            # store client's session): the ranks start at once and
+                            # share the cores, as they share them converting
+                            start_seconds=start[model] * max(1.0, layout.world / cores),
                         )
                         times = predicted(manifest, rates, requests=True)
                         log = served(server, f"{model}/", spans)
