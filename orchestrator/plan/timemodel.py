@@ -150,8 +150,9 @@ class RankTime:
     start_seconds: float = 0.0
     """The fresh process's first-read cost (``Rates.start_seconds``), in ``load_seconds``."""
     request_seconds: float = 0.0
-    """What the rank waits on request latency: its requests over the concurrency, plus
-    a latency per unit it reads from storage one after another (``Rates.unit_waits``)."""
+    """What the rank waits on request latency: its requests over the concurrency, or a
+    latency per unit it reads from storage one after another (``Rates.unit_waits``),
+    whichever is longer (the model takes the two as overlapping)."""
 
     @property
     def reload_seconds(self) -> float:
@@ -256,7 +257,8 @@ def predict(
                 load_seconds=rates.start_seconds + phase1 + max(storage[i], network[i], conv),
                 requests=n,
                 start_seconds=rates.start_seconds,
-                request_seconds=rates.request_latency * (n / rates.request_concurrency + serial[i]),
+                request_seconds=rates.request_latency
+                * max(n / rates.request_concurrency, serial[i]),
             )
         )
     return out

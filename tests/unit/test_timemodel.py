@@ -153,7 +153,7 @@ def test_units_read_one_after_another_each_wait_a_latency() -> None:
     (got,) = predict(t, [0], ["a"], rates, [(4, 2)], [3])
     assert got.storage_seconds == pytest.approx(1.0 + 1.5)
     assert got.fetch_seconds == pytest.approx(2.0)  # 200 B; 2 requests in flight
-    assert got.request_seconds == pytest.approx(0.5 * (6 / 16 + 3))
+    assert got.request_seconds == pytest.approx(0.5 * 3)  # 3 waits over 6 / 16 paced
     # 40 units of 1 B: their waits (20 s) over the requests' pacing (40 x 0.5 / 16)
     (many,) = predict([traffic(40)], [0], ["a"], rates, [(40, 0)], [40])
     assert many.storage_seconds == pytest.approx(0.4 + 20.0)
