@@ -212,6 +212,7 @@ def predicted(manifest: dict[str, Any], rates: Any, *, requests: bool) -> list[A
         [r["node_id"] for r in ranks],
         rates,
         [tuple(x) for x in sh["predicted_requests"]] if requests else None,
+        sh.get("predicted_storage_units") if requests else None,
     )
 
 

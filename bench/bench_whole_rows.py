@@ -21,7 +21,8 @@ own rank (rank 0 of the tp 4 plan, from local disk, the fastest of five: other w
 a shared machine only slows it; per-unit costs make a tp 4 slice convert slower per
 byte than tp 1) divided among the ranks sharing the cores; and the start cost of a
 fresh rank process (``Rates.start_seconds``: its first fetch of a shared read, less the
-same fetch warm, in a new process, median of three).
+same fetch warm, in a new process, median of three), multiplied likewise by the ranks
+per core, since it is CPU work the ranks do at once.
 
 Usage: ``python bench/bench_whole_rows.py [--quick] [--latency S] [--bandwidth B]``;
 prints markdown and writes ``bench/results/whole-rows.{md,json}``.
@@ -180,7 +181,15 @@ def served(server: Any, prefix: str, spans: dict[tuple[str, int, int], str]) -> 
     }
 
 
-def run(work: Path, *, quick: bool, latency: float, bandwidth: float) -> dict[str, Any]:
+def run(
+    work: Path,
+    *,
+    quick: bool,
+    latency: float,
+    bandwidth: float,
+    runs_each: int = 3,
+    only: tuple[str, ...] = (),
+) -> dict[str, Any]:
     from mxload.orchestrator.plan.timemodel import Rates
     from mxload.orchestrator.plan.types import ParallelLayout
     from mxload.orchestrator.runtime.driver import load
@@ -195,14 +204,14 @@ def run(work: Path, *, quick: bool, latency: float, bandwidth: float) -> dict[st
     models, rate_rank = checkpoints(
         srv_root, rate=lambda src: convert_rate(src, layout, runs=5, pick=max)
     )
-    repeats = 1 if quick else 2
+    repeats = 1 if quick else runs_each
     rows: list[dict[str, Any]] = []
     shard = sorted(p.name for p in Path(models["dense"]).glob("*.safetensors"))[0]
     with RangeHTTPServer(str(srv_root), bandwidth=bandwidth, latency=latency) as server:
         probe = probe_requests(f"{server.url}/dense", shard)
         start = {m: probe_start(f"{server.url}/{m}", layout, work) for m in models}
         with TwoNodes(4, count=1) as nodes:
-            for model in ("dense", "moe"):
+            for model in only or ("dense", "moe"):
                 spans = k_split_spans(models[model])
                 runs: dict[str, list[dict[str, Any]]] = {"rows": [], "whole": []}
                 for _ in range(repeats):
@@ -226,7 +235,10 @@ def run(work: Path, *, quick: bool, latency: float, bandwidth: float) -> dict[st
                             request_latency=probe["latency"],
                             request_concurrency=16,
                             storage_requests=probe["rate"],
-                            start_seconds=start[model],
+                            # a fresh process's start is CPU work (imports, the
+                            # store client's session): the ranks start at once and
+                            # share the cores, as they share them converting
+                            start_seconds=start[model] * max(1.0, layout.world / cores),
                         )
                         times = predicted(manifest, rates, requests=True)
                         log = served(server, f"{model}/", spans)
@@ -237,6 +249,16 @@ def run(work: Path, *, quick: bool, latency: float, bandwidth: float) -> dict[st
                                 "measured": sh["run_seconds"],
                                 "predicted": max(t.load_seconds for t in times),
                                 "predicted_requests": sum(t.requests for t in times),
+                                # phases apart: the owners' fetch (start cost included)
+                                # and the slowest rank's load after it
+                                "fetch_measured": sh["fetch_seconds"],
+                                "plan_measured": sh["plan_seconds"],
+                                "owner_fetch_measured": max(
+                                    (r.get("fetch_seconds") or 0.0 for r in manifest["ranks"]),
+                                    default=0.0,
+                                ),
+                                "fetch_predicted": times[0].start_seconds + times[0].fetch_seconds,
+                                "load_average": load_average()[0],
                             }
                         )
                 for policy, got in runs.items():
@@ -259,6 +281,7 @@ def run(work: Path, *, quick: bool, latency: float, bandwidth: float) -> dict[st
                                     for a, b in zip(runs["rows"], runs["whole"], strict=True)
                                 )
                             ),
+                            "runs": got,
                         }
                     )
     return {
@@ -272,8 +295,49 @@ def run(work: Path, *, quick: bool, latency: float, bandwidth: float) -> dict[st
     }
 
 
+def _samples(o: Any, cls: Any) -> Any:
+    """A Timing or Rate, also from its JSON (``--render``)."""
+    if isinstance(o, dict):
+        return cls(tuple(o["samples_s"] if "samples_s" in o else o["samples"]))
+    return o
+
+
+def _phases(wr: dict[str, Any]) -> list[list[Any]]:
+    """Per model and policy: the owners' phase and the loads after it, measured against
+    predicted, and the machine's load average over the runs."""
+    out = []
+    for r in wr["rows"]:
+        runs = r["runs"]
+        fetch = Timing(tuple(x["fetch_measured"] for x in runs))
+        planned = Timing(tuple(x["plan_measured"] for x in runs))
+        owners = Timing(tuple(x["owner_fetch_measured"] for x in runs))
+        fetch_p = Timing(tuple(x["fetch_predicted"] for x in runs))
+        load = Timing(tuple(x["measured"] - x["fetch_measured"] for x in runs))
+        load_p = Timing(tuple(x["predicted"] - x["fetch_predicted"] for x in runs))
+        la = [x["load_average"] for x in runs]
+        out.append(
+            [
+                r["model"],
+                "one request per row" if r["policy"] == "rows" else "whole rows",
+                fetch.text(2),
+                planned.text(2),
+                owners.text(2),
+                fetch_p.text(2),
+                load.text(2),
+                load_p.text(2),
+                f"{min(la):.1f}-{max(la):.1f}",
+            ]
+        )
+    return out
+
+
 def render(res: dict[str, Any], command: str) -> str:
     wr = res["whole_rows"]
+    for r in wr["rows"]:
+        for k in ("measured", "predicted"):
+            r[k] = _samples(r[k], Timing)
+        for k in ("ratio", "speedup"):
+            r[k] = _samples(r[k], Rate)
     table = [
         [
             r["model"],
@@ -321,6 +385,26 @@ def render(res: dict[str, Any], command: str) -> str:
             "`manifest.sharing.run_seconds`.",
             "",
             md_table(head, table),
+            "",
+            "Phases (median, range): phase 1 is from the load's first request to the last "
+            "owner's publication, the driver's sharing plan and the owners' own fetch "
+            "(slowest owner) within it; predicted phase 1 includes the start cost. Phase 2 "
+            "is the rest of the data phase. Load average (1 min) after each load.",
+            "",
+            md_table(
+                [
+                    "model",
+                    "K-split reads",
+                    "phase 1 (s)",
+                    "of which sharing plan",
+                    "owners' fetch",
+                    "predicted",
+                    "phase 2 (s)",
+                    "predicted",
+                    "load average",
+                ],
+                _phases(wr),
+            ),
         ]
     )
 
@@ -338,22 +422,35 @@ def _jsonable(o: Any) -> Any:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="one load per policy")
+    ap.add_argument("--runs", type=int, default=3, help="loads per policy and model")
+    ap.add_argument("--models", nargs="+", choices=("dense", "moe"), default=())
     ap.add_argument("--latency", type=float, default=0.005, help="seconds added per request")
     ap.add_argument("--bandwidth", type=float, default=50e6, help="server bytes/s in all")
     ap.add_argument("--out", default="bench/results")
+    ap.add_argument("--render", metavar="JSON", help="print a recorded run's markdown again")
     args = ap.parse_args(argv)
+    if args.render:
+        res = json.loads(Path(args.render).read_text())
+        print(render(res, res.get("command", "python bench/bench_whole_rows.py")))
+        return 0
     work = Path(tempfile.mkdtemp(prefix="mxbench-rows-"))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     command = ("python bench/bench_whole_rows.py " + " ".join(argv or sys.argv[1:])).strip()
     try:
         res: dict[str, Any] = {
+            "command": command,
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
             "machine": machine_facts(),
             "load_before": load_average(),
         }
         res["whole_rows"] = run(
-            work, quick=args.quick, latency=args.latency, bandwidth=args.bandwidth
+            work,
+            quick=args.quick,
+            latency=args.latency,
+            bandwidth=args.bandwidth,
+            runs_each=args.runs,
+            only=tuple(args.models),
         )
         res["load_after"] = load_average()
         text = render(res, command)

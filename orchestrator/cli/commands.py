@@ -192,21 +192,14 @@ def request_bound(
     from dataclasses import replace
 
     from mxload.orchestrator.errors import MxloadError
-    from mxload.orchestrator.plan.layout import ep_size
     from mxload.orchestrator.plan.planner import build_plan
-    from mxload.orchestrator.plan.ranges import WHOLE_ROWS_FANOUT
     from mxload.orchestrator.plan.timemodel import plan_times
 
     kinds = sorted(got["slowest_rank_requests_by_kind"].items(), key=lambda kv: -kv[1])
     layout = plan.layout
     cause = ", ".join(f"{REQUEST_KINDS.get(k, k)} {n}" for k, n in kinds if n)
     moe_split = config.is_moe and not layout.enable_expert_parallel
-    if moe_split and ep_size(layout) > WHOLE_ROWS_FANOUT:
-        cause += (
-            f"; experts are TP-sharded over dp x tp = {ep_size(layout)} ranks: each expert's "
-            f"w2 slice is one request per row (whole rows are read up to {WHOLE_ROWS_FANOUT}-way)"
-        )
-    elif moe_split:
+    if moe_split:
         cause += "; every rank reads its slice of every expert"
     options: list[tuple[str, Any, str]] = []
     if moe_split:

@@ -982,7 +982,7 @@ def _build_plan(
             for u in units:
                 r = reads_of.get(id(u))
                 if r is None:
-                    r = reads_of[id(u)] = unit_reads(u, checkpoint, fanout=policy.whole_rows_fanout)
+                    r = reads_of[id(u)] = unit_reads(u, checkpoint, whole=policy.whole_rows)
                     fetch_of[id(u)] = predicted_read_bytes((r,), policy)
                 rank_reads.append(r)
                 to_read += fetch_of[id(u)]

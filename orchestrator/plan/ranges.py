@@ -17,7 +17,7 @@ needed_bytes_in_request`` and the gap is at most ``max_gap_bytes``.
   2048 of them). Wider gaps are read row by row;
 * remote stores (``REMOTE_POLICY``): gaps up to 1 MiB are bridged while each request
   reads at most 1.25x what it needs (an HTTP/S3 request costs milliseconds), and a
-  K-split slice up to 16-way is planned as its whole rows (``whole_rows_fanout``).
+  K-split slice, however wide the split, is planned as its whole rows (``whole_rows``).
 """
 
 from __future__ import annotations
@@ -88,11 +88,11 @@ class CoalescePolicy:
     span_gap_bytes: int = 0
     """A strided range whose gaps (``stride - length``) are below this is read as one
     span (its first segment's start to its last segment's end) and gathered; 0: never."""
-    whole_rows_fanout: int = 0
-    """A K-split slice (a column window of every row) whose tensor rows are at most this
-    many times its width is planned as whole rows (``PartRead.weight_window``): a few
-    large requests instead of one per row, fetched once and shared by the ranks that
-    hold the other columns; 0: never."""
+    whole_rows: bool = False
+    """A K-split slice (a column window of every row) is planned as its whole rows
+    (``PartRead.weight_window``): a few large requests instead of one per row, fetched
+    once per sharing scope and shared by the ranks that hold the other columns, each
+    cutting its columns out locally."""
 
     def __post_init__(self) -> None:
         if self.max_gap_bytes < 0 or self.max_overread_ratio < 1.0 or self.span_gap_bytes < 0:
@@ -110,15 +110,11 @@ PAGE_BYTES = 4096
 """A page: the unit the kernel reads a file in, whatever a pread asks for."""
 
 LOCAL_POLICY = CoalescePolicy(max_gap_bytes=0, max_overread_ratio=1.0, span_gap_bytes=PAGE_BYTES)
-WHOLE_ROWS_FANOUT = 16
-"""Widest K split read as whole rows from an object store: at most a node's ranks (16)
-share a row, so a row is fetched at most 16x its slice when nothing is shared, and the
-published rows stay within a node's object store. Wider splits (experts TP-sharded over
-dp x tp without EP) keep one request per row."""
-
-REMOTE_POLICY = CoalescePolicy(
-    max_gap_bytes=1 << 20, max_overread_ratio=1.25, whole_rows_fanout=WHOLE_ROWS_FANOUT
-)
+REMOTE_POLICY = CoalescePolicy(max_gap_bytes=1 << 20, max_overread_ratio=1.25, whole_rows=True)
+"""Whole rows at any split width: one request per row costs a store's latency per row
+(a 1536-way split of an expert's w2 is 4096 requests of 1 byte each), while whole rows
+cost bytes: fetched once per sharing scope, or once per rank with ``--share none`` (the
+split width times the slice, still far cheaper than a request per row)."""
 ROW_REMOTE_POLICY = CoalescePolicy(max_gap_bytes=1 << 20, max_overread_ratio=1.25)
 """The remote policy without whole rows: every K-split row its own request."""
 

@@ -103,24 +103,24 @@ def whole_rows(
     itemsize: int,
     rows: tuple[int, int],
     cols: tuple[int, int],
-    fanout: int,
+    whole: bool,
 ) -> tuple[ByteRange, tuple[int, int, int]]:
     """The range and window of ``rows x cols`` of a row-major tensor: its whole rows and
-    (row bytes, offset, width) when it is a column window of several rows at most
-    ``fanout`` times narrower than a row (``CoalescePolicy.whole_rows_fanout``), else the
-    rectangle itself and no window."""
+    (row bytes, offset, width) when ``whole`` (``CoalescePolicy.whole_rows``) and it is
+    a column window of several rows, else the rectangle itself and no window."""
     width = (cols[1] - cols[0]) * itemsize
     nrows = rows[1] - rows[0]
-    if fanout and nrows > 1 and 0 < width < row_bytes and row_bytes <= fanout * width:
+    if whole and nrows > 1 and 0 < width < row_bytes:
         rng = contiguous(start + rows[0] * row_bytes, nrows * row_bytes)
         return rng, (row_bytes, cols[0] * itemsize, width)
     return rect_range(start, row_bytes, itemsize, rows, cols), (0, 0, 0)
 
 
-def part_read(part: Part, checkpoint: CheckpointMeta, unit: Unit, *, fanout: int = 0) -> PartRead:
+def part_read(
+    part: Part, checkpoint: CheckpointMeta, unit: Unit, *, whole: bool = False
+) -> PartRead:
     """The reads of one part: its weight rectangle and, for a quantized weight, the scale
-    tiles covering it; whole rows with a window when ``fanout`` says so (see
-    :func:`whole_rows`)."""
+    tiles covering it; whole rows with a window when ``whole`` (see :func:`whole_rows`)."""
     info = _tensor(checkpoint, part.tensor_name, unit)
     n, k = _matrix_shape(info)
     if not (0 <= part.rows[0] <= part.rows[1] <= n and 0 <= part.cols[0] <= part.cols[1] <= k):
@@ -131,7 +131,7 @@ def part_read(part: Part, checkpoint: CheckpointMeta, unit: Unit, *, fanout: int
             tensor=info.name,
         )
     itemsize = SAFETENSORS_ITEMSIZE[info.dtype]
-    weight, window = whole_rows(info.start, k * itemsize, itemsize, part.rows, part.cols, fanout)
+    weight, window = whole_rows(info.start, k * itemsize, itemsize, part.rows, part.cols, whole)
     if info.dtype != QUANT_WEIGHT_DTYPE:
         return PartRead(
             file=info.file, weight=weight, weight_dtype=info.dtype, weight_window=window
@@ -171,8 +171,8 @@ def part_read(part: Part, checkpoint: CheckpointMeta, unit: Unit, *, fanout: int
     s_item = SAFETENSORS_ITEMSIZE[scale.dtype]
     # The scale tiles of a windowed weight are read as whole tile rows too, however
     # narrow their window: they are shared with the weight's rows.
-    s_fanout = tk * s_item if window != (0, 0, 0) else 0
-    s_range, s_window = whole_rows(scale.start, tk * s_item, s_item, t_rows, t_cols, s_fanout)
+    s_whole = window != (0, 0, 0)
+    s_range, s_window = whole_rows(scale.start, tk * s_item, s_item, t_rows, t_cols, s_whole)
     return PartRead(
         file=info.file,
         weight=weight,
@@ -187,10 +187,10 @@ def part_read(part: Part, checkpoint: CheckpointMeta, unit: Unit, *, fanout: int
     )
 
 
-def unit_reads(unit: Unit, checkpoint: CheckpointMeta, *, fanout: int = 0) -> UnitReads:
-    """Byte ranges of every part of ``unit`` (same order as ``unit.parts``); ``fanout``:
-    the policy's ``whole_rows_fanout`` (0: the rectangles themselves)."""
-    return UnitReads(parts=tuple(part_read(p, checkpoint, unit, fanout=fanout) for p in unit.parts))
+def unit_reads(unit: Unit, checkpoint: CheckpointMeta, *, whole: bool = False) -> UnitReads:
+    """Byte ranges of every part of ``unit`` (same order as ``unit.parts``); ``whole``:
+    the policy's ``whole_rows`` (False: the rectangles themselves)."""
+    return UnitReads(parts=tuple(part_read(p, checkpoint, unit, whole=whole) for p in unit.parts))
 
 
 def needed_bytes(
@@ -227,50 +227,50 @@ def needed_bytes(
     return total
 
 
-def _windowed(part: Part, fanout: int) -> bool:
-    """Whether a config-only part is read as whole rows under ``fanout``
-    (``CoalescePolicy.whole_rows_fanout``; :func:`whole_rows` for a checkpoint)."""
+def _windowed(part: Part, whole: bool) -> bool:
+    """Whether a config-only part is read as whole rows when ``whole``
+    (``CoalescePolicy.whole_rows``; :func:`whole_rows` for a checkpoint)."""
     full_k = part.source_shape[-1] if part.source_shape else part.ncols
-    return bool(fanout) and part.nrows > 1 and 0 < part.ncols < full_k <= fanout * part.ncols
+    return whole and part.nrows > 1 and 0 < part.ncols < full_k
 
 
-def estimated_fetch(unit: Unit, config: ModelConfig, *, fanout: int = 0) -> int:
+def estimated_fetch(unit: Unit, config: ModelConfig, *, whole: bool = False) -> int:
     """Bytes a config-only unit's reads bring in: :func:`needed_bytes`, with a part read
-    as whole rows (``fanout``) counting its whole rows and whole tile rows."""
-    if not any(_windowed(p, fanout) for p in unit.parts):
+    as whole rows (``whole``) counting its whole rows and whole tile rows."""
+    if not any(_windowed(p, whole) for p in unit.parts):
         return needed_bytes(unit, config)
-    whole = Unit(
+    rows_unit = Unit(
         unit.buffer,
         unit.kind,
         unit.layout,
         unit.rows,
         unit.cols,
         tuple(
-            replace(p, cols=(0, p.source_shape[-1])) if _windowed(p, fanout) else p
+            replace(p, cols=(0, p.source_shape[-1])) if _windowed(p, whole) else p
             for p in unit.parts
         ),
         unit.quantized,
     )
-    return needed_bytes(whole, config)
+    return needed_bytes(rows_unit, config)
 
 
-def share_key(unit: Unit, *, fanout: int = 0) -> Hashable:
+def share_key(unit: Unit, *, whole: bool = False) -> Hashable:
     """Read-once sharing's key of a config-only unit: the unit itself (equal units read
     equal slices), or, when a part is read as whole rows, what is fetched: the tensors
     and rows, whichever columns each rank keeps."""
-    if not any(_windowed(p, fanout) for p in unit.parts):
+    if not any(_windowed(p, whole) for p in unit.parts):
         return unit
     return tuple(
-        (p.tensor_name, p.rows, None if _windowed(p, fanout) else p.cols) for p in unit.parts
+        (p.tensor_name, p.rows, None if _windowed(p, whole) else p.cols) for p in unit.parts
     )
 
 
 def estimated_requests(
-    unit: Unit, config: ModelConfig, *, remote: bool = True, fanout: int = 0
+    unit: Unit, config: ModelConfig, *, remote: bool = True, whole: bool = False
 ) -> int:
     """Storage requests for one unit of a config-only plan (no headers, so no offsets):
     per part, its weight and its scale. A slice narrower than its source tensor's K
-    (K-split) is read as whole rows when ``fanout`` allows (a few requests of 32 MiB),
+    (K-split) is read as whole rows when ``whole`` (a few requests of 32 MiB),
     else one request per row from an object store, whose coalescing bridges no gap of a
     row's other columns; a local read takes the span (gaps under a page) or preads row
     by row. Anything else is one request (split at 32 MiB when remote)."""
@@ -279,7 +279,7 @@ def estimated_requests(
     quant = config.quant.kind
     for p in unit.parts:
         full_k = p.source_shape[-1] if p.source_shape else p.ncols
-        windowed = remote and _windowed(p, fanout)
+        windowed = remote and _windowed(p, whole)
         k_split = p.ncols < full_k and p.nrows > 1 and not windowed
         item = 1 if unit.quantized else 2
         nbytes = p.nrows * (full_k if windowed else p.ncols) * item

@@ -333,15 +333,18 @@ def rank_traffic(
 def class_traffic(
     sh: ClassSharing,
     class_items: Sequence[Sequence[ClassItem]],
-    private: Sequence[tuple[int, int]],
-) -> tuple[list[RankTraffic], list[tuple[int, int]]]:
+    private: Sequence[tuple[int, int, int]],
+) -> tuple[list[RankTraffic], list[tuple[int, int]], list[int]]:
     """Per rank: what :func:`rank_traffic` and :func:`rank_requests` give, from a
-    :class:`ClassSharing`, summed once per class and node instead of per rank.
-    ``private[rank]``: (bytes, requests) storage is asked for by the rank's reads that
-    no other rank needs, beyond its class's ``class_items``."""
+    :class:`ClassSharing`, summed once per class and node instead of per rank, and the
+    units it reads from storage itself (not served by a shared read).
+    ``private[rank]``: (bytes, requests, units) storage is asked for by the rank's reads
+    that no other rank needs, beyond its class's ``class_items``."""
     total_fetch = [sum(f for _, _, f, _ in items) for items in class_items]
     total_req = [sum(n for _, _, _, n in items) for items in class_items]
-    # Per (class, where): uses of shared reads, their bytes, fetched bytes, requests.
+    total_units = [sum(1 for _, b, _, _ in items if b) for items in class_items]
+    # Per (class, where): uses of shared reads, their bytes, fetched bytes, requests,
+    # uses.
     shared_acc: dict[tuple[int, str], list[int]] = {}
     local_credit: dict[tuple[int, str], int] = {}
     world = len(sh.node_of_rank)
@@ -353,10 +356,11 @@ def class_traffic(
         owner_node = sh.node_of_rank[s.owner]
         for k in s.classes:
             uses = len(sh.positions[k][s.key])
-            acc = shared_acc.setdefault((k, s.where), [0, 0, 0])
+            acc = shared_acc.setdefault((k, s.where), [0, 0, 0, 0])
             acc[0] += uses * s.nbytes
             acc[1] += uses * s.fetch_bytes
             acc[2] += uses * s.requests
+            acc[3] += uses
             local_credit[(k, owner_node)] = local_credit.get((k, owner_node), 0) + uses * s.nbytes
         k_owner = sh.class_of_rank[s.owner]
         self_uses[s.owner] += len(sh.positions[k_owner][s.key]) * s.nbytes
@@ -365,7 +369,8 @@ def class_traffic(
         owned_req[s.owner] += s.requests
     traffic = []
     requests = []
-    zero = [0, 0, 0]
+    units = []
+    zero = [0, 0, 0, 0]
     for rank in range(world):
         k = sh.class_of_rank[rank]
         node = sh.node_of_rank[rank]
@@ -376,7 +381,8 @@ def class_traffic(
         remote = acc[0] - local_credit.get((k, node), 0)
         traffic.append(RankTraffic(own_fetch + first[rank], peers, remote, put[rank], first[rank]))
         requests.append((own_req, owned_req[rank]))
-    return traffic, requests
+        units.append(total_units[k] - acc[3] + private[rank][2])
+    return traffic, requests, units
 
 
 def rank_requests(

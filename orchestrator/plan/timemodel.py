@@ -113,6 +113,10 @@ class Rates:
     start_seconds: float = 0.0
     """Seconds a fresh rank process's first storage read takes beyond a warm one (the
     store's client set up in that process); paid once per load, not by a reload."""
+    unit_waits: bool = True
+    """Whether each unit a rank reads from storage in phase 2 waits a request latency
+    before its bytes flow (the loader reads one unit ahead of the one converting, so
+    its units' reads follow one another)."""
 
     def __post_init__(self) -> None:
         if self.request_concurrency < 1:
@@ -145,6 +149,10 @@ class RankTime:
     """Storage requests the rank sends (its own reads and the shared reads it owns)."""
     start_seconds: float = 0.0
     """The fresh process's first-read cost (``Rates.start_seconds``), in ``load_seconds``."""
+    request_seconds: float = 0.0
+    """What the rank waits on request latency: its requests over the concurrency, or a
+    latency per unit it reads from storage one after another (``Rates.unit_waits``),
+    whichever is longer (the model takes the two as overlapping)."""
 
     @property
     def reload_seconds(self) -> float:
@@ -169,7 +177,11 @@ def shared_link(sizes: Sequence[float], capacity: float) -> list[float]:
 
 
 def _storage_finish(
-    sizes: Sequence[float], requests: Sequence[int], nodes: Sequence[str], rates: Rates
+    sizes: Sequence[float],
+    requests: Sequence[int],
+    nodes: Sequence[str],
+    rates: Rates,
+    serial: Sequence[int] | None = None,
 ) -> list[float]:
     """When each rank's storage transfer ends, all starting together: the latest of its
     node's link (bytes), the store's aggregate bandwidth (bytes), the store's request
@@ -178,12 +190,18 @@ def _storage_finish(
     The store's bandwidth and its request handling are two resources, each shared
     equally among the ranks using it, working at the same time: a transfer ends when
     both its bytes and its requests are through (the larger, not the sum: the two
-    overlap)."""
+    overlap). ``serial``: per rank, reads it sends one after another (the units of its
+    load: the loader reads one unit ahead of the one converting), each waiting a
+    request latency before its bytes flow: that wait adds to its bytes' time."""
     agg = shared_link(sizes, rates.storage_aggregate)
     handled = shared_link([float(r) for r in requests], rates.storage_requests)
     per_node = _per_node(sizes, nodes, rates.storage_node)
     pace = [r * rates.request_latency / rates.request_concurrency for r in requests]
-    return [max(v) for v in zip(agg, handled, per_node, pace, strict=True)]
+    waits = [n * rates.request_latency for n in (serial or [0] * len(sizes))]
+    return [
+        max(max(a, b) + w, h, p)
+        for a, b, w, h, p in zip(agg, per_node, waits, handled, pace, strict=True)
+    ]
 
 
 def _per_node(sizes: Sequence[float], nodes: Sequence[str], capacity: float) -> list[float]:
@@ -207,21 +225,29 @@ def predict(
     node_of_rank: Sequence[str],
     rates: Rates,
     requests: Sequence[tuple[int, int]] | None = None,
+    units: Sequence[int] | None = None,
 ) -> list[RankTime]:
     """Per rank: predicted load (and reload) seconds, itemised. ``requests``: per rank,
     (requests of its own reads, requests of the shared reads it owns), from
-    :func:`mxload.orchestrator.plan.sharing.rank_requests`; None: requests cost nothing."""
+    :func:`mxload.orchestrator.plan.sharing.rank_requests`; None: requests cost nothing.
+    ``units``: per rank, the units it reads from storage itself in phase 2, one after
+    another, each waiting a request latency (None: not counted). Phase 1 has no such
+    term: an owner keeps ``request_concurrency`` of its shared units in flight."""
     nodes = list(node_of_rank)
     reqs = list(requests) if requests is not None else [(0, 0)] * len(traffic)
     fetch = [float(t.bytes_fetched_for_sharing) for t in traffic]
     phase1 = max(_storage_finish(fetch, [r[1] for r in reqs], nodes, rates), default=0.0)
     own = [float(t.bytes_from_storage - t.bytes_fetched_for_sharing) for t in traffic]
-    storage = _storage_finish(own, [r[0] for r in reqs], nodes, rates)
+    storage = _storage_finish(
+        own, [r[0] for r in reqs], nodes, rates, units if rates.unit_waits else None
+    )
     remote = [float(t.bytes_from_other_nodes) for t in traffic]
     network = _per_node(remote, nodes, rates.network_node)
+    serial = list(units) if units is not None and rates.unit_waits else [0] * len(traffic)
     out = []
     for i in range(len(traffic)):
         conv = convert_bytes[i] / rates.convert if rates.convert > 0 else 0.0
+        n = reqs[i][0] + reqs[i][1]
         out.append(
             RankTime(
                 fetch_seconds=phase1,
@@ -229,8 +255,10 @@ def predict(
                 network_seconds=network[i],
                 convert_seconds=conv,
                 load_seconds=rates.start_seconds + phase1 + max(storage[i], network[i], conv),
-                requests=reqs[i][0] + reqs[i][1],
+                requests=n,
                 start_seconds=rates.start_seconds,
+                request_seconds=rates.request_latency
+                * max(n / rates.request_concurrency, serial[i]),
             )
         )
     return out
@@ -272,20 +300,20 @@ def plan_times(
     canon: dict[Hashable, int] = {}
     item_of: dict[int, ClassItem] = {}
 
-    fanout = policy.whole_rows_fanout
+    whole = policy.whole_rows
 
     def cost(unit: Unit, reads: UnitReads | None) -> tuple[int, int, int]:
         if reads is not None:
             fetch, requests = predicted_reads((reads,), policy, max_request)
             return reads.nbytes, fetch, requests
-        nbytes = estimated_fetch(unit, config, fanout=fanout)
-        return nbytes, nbytes, estimated_requests(unit, config, remote=remote, fanout=fanout)
+        nbytes = estimated_fetch(unit, config, whole=whole)
+        return nbytes, nbytes, estimated_requests(unit, config, remote=remote, whole=whole)
 
     def item_for(unit: Unit, reads: UnitReads | None) -> ClassItem:
         o: Any = reads if reads is not None else unit
         item = item_of.get(id(o))
         if item is None:
-            fetched = reads.fetch_key if reads is not None else share_key(unit, fanout=fanout)
+            fetched = reads.fetch_key if reads is not None else share_key(unit, whole=whole)
             key = canon.setdefault(fetched, len(canon))
             item = item_of[id(o)] = (key, *cost(unit, reads))
         return item
@@ -296,7 +324,7 @@ def plan_times(
         """Per unit of a config-only sample: whether it is read as whole rows."""
         got = windowed.get(id(sample))
         if got is None:
-            got = windowed[id(sample)] = [share_key(u, fanout=fanout) is not u for u in sample]
+            got = windowed[id(sample)] = [share_key(u, whole=whole) is not u for u in sample]
         return got
 
     # Classes whose shareable reads are the same (a TP rank's attention on every MoE
@@ -304,10 +332,10 @@ def plan_times(
     sharing_class: dict[tuple[ClassItem, ...], int] = {}
     class_items: list[tuple[ClassItem, ...]] = []
     of_class: list[int] = []
-    private: list[tuple[int, int]] = []
+    private: list[tuple[int, int, int]] = []
     for k in plan.classes:
         items: list[ClassItem] = []
-        fetch_p = requests_p = 0
+        fetch_p = requests_p = units_p = 0
         for g in k.groups:
             sample = [
                 item_for(u, g.reads[j] if g.reads is not None else None)
@@ -320,6 +348,7 @@ def plan_times(
             if not any(rows) or g.expand is None:
                 fetch_p += sum(c[2] for c in sample) * g.repeat
                 requests_p += sum(c[3] for c in sample) * g.repeat
+                units_p += sum(1 for c in sample if c[1]) * g.repeat
                 continue
             # Experts whose slices are read as whole rows: the other MoE ranks of the
             # group read the same rows, so those are items of their own (keyed by the
@@ -328,23 +357,26 @@ def plan_times(
             for j, u in enumerate(g.expand()):
                 c = sample[j % n]
                 if rows[j % n]:
-                    key = canon.setdefault(share_key(u, fanout=fanout), len(canon))
+                    key = canon.setdefault(share_key(u, whole=whole), len(canon))
                     items.append((key, c[1], c[2], c[3]))
                 else:
                     fetch_p += c[2]
                     requests_p += c[3]
+                    units_p += 1 if c[1] else 0
         shared_items = tuple(items)
         sc = sharing_class.get(shared_items)
         if sc is None:
             sc = sharing_class[shared_items] = len(class_items)
             class_items.append(shared_items)
         of_class.append(sc)
-        private.append((fetch_p, requests_p))
+        private.append((fetch_p, requests_p, units_p))
     class_of_rank = [s.rank_class for s in plan.summaries]
     share = share_classes(nodes, [of_class[k] for k in class_of_rank], scope, class_items)
-    traffic, requests = class_traffic(share, class_items, [private[k] for k in class_of_rank])
+    traffic, requests, units = class_traffic(
+        share, class_items, [private[k] for k in class_of_rank]
+    )
     convert = [plan.classes[k].bytes_needed for k in class_of_rank]
-    times = predict(traffic, convert, nodes, rates, requests)
+    times = predict(traffic, convert, nodes, rates, requests, units)
     slowest = max(range(world), key=lambda r: times[r].load_seconds, default=0)
     by_kind: dict[str, int] = {}
     if world:
@@ -371,10 +403,7 @@ def plan_times(
         "request_concurrency": rates.request_concurrency,
         "storage_requests_per_s": rates.storage_requests,
         "requests_to_storage": sum(a + b for a, b in requests),
-        "slowest_request_seconds": max(
-            (t.requests * rates.request_latency / rates.request_concurrency for t in times),
-            default=0.0,
-        ),
+        "slowest_request_seconds": max((t.request_seconds for t in times), default=0.0),
         "slowest_rank": slowest,
         # its units' requests by unit kind (a shared read counted for every user)
         "slowest_rank_requests_by_kind": by_kind,

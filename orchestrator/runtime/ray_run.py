@@ -132,6 +132,7 @@ class RayRun:
             budgets,
             whole_units,
         )
+        t_planned = time.perf_counter()
         shared = shared_reads.fetch_shares(self.actors, share, units_all, reads, source, budgets)
         t_fetched = time.perf_counter()
 
@@ -155,6 +156,8 @@ class RayRun:
         if self.last_sharing:
             # the data phases the time model predicts (mxload.orchestrator.plan.timemodel)
             self.last_sharing["fetch_seconds"] = round(t_fetched - t_run, 4)
+            # of which the driver's placement lookup and sharing plan
+            self.last_sharing["plan_seconds"] = round(t_planned - t_run, 4)
             self.last_sharing["run_seconds"] = round(time.perf_counter() - t_run, 4)
         return reports
 

@@ -89,6 +89,8 @@ def build_manifest(plan: Plan, reports: list[Report]) -> dict[str, Any]:
             "shared_put_bytes": rep.get("shared_put_bytes", 0),
             "peer_fallbacks": rep.get("peer_fallbacks", 0),
             "seconds": rep.get("seconds"),
+            # the shared reads it fetched for its peers before loading (owners only)
+            "fetch_seconds": rep.get("fetch_seconds"),
             "restarts": rep.get("restarts", 0),
             "addresses_changed": rep.get("addresses_changed", False),
         }

@@ -76,6 +76,10 @@ def plan_shares(
     share = plan_sharing(list(nodes), scope, items.__getitem__)
     traffic = rank_traffic(share, items.__getitem__)
     requests = rank_requests(share, lambda rank: [reads_cost(r)[1] for r in reads_all[rank]])
+    used: list[set[int]] = [set() for _ in reads_all]
+    for s in share.shared:
+        for rank, i in s.users:
+            used[rank].add(i)
     info = {
         "scope": share.scope,
         "requested_scope": requested,
@@ -86,6 +90,11 @@ def plan_shares(
         "predicted": [t.__dict__ for t in traffic],
         # per rank: storage requests of its own reads, of the shared reads it owns
         "predicted_requests": [list(r) for r in requests],
+        # per rank: units it reads from storage itself while loading, one after another
+        "predicted_storage_units": [
+            sum(1 for i, r in enumerate(reads) if r.nbytes and i not in used[rank])
+            for rank, reads in enumerate(reads_all)
+        ],
     }
     return share, info
 
@@ -99,7 +108,11 @@ def fetch_shares(
     budgets: Sequence[int],
 ) -> Shared:
     """The owners fetch every shared read and publish it in Ray's object store. An owner
-    whose process is lost publishes nothing: its users read storage themselves."""
+    whose process is lost publishes nothing: its users read storage themselves.
+
+    An owner fetches several of its units at once within the staging of its run's
+    largest unit read: every unit's reads are staged whole at some point of the load,
+    so this is within the rank's predicted staging."""
     import ray
     from mxload.workers.rank.loader import PeerUnit
 
@@ -112,7 +125,8 @@ def fetch_shares(
         for s in share.owned_by(rank):
             i = next(i for r, i in s.users if r == rank)
             items.append((s.key, units_all[rank][i], reads_all[rank][i]))
-        refs[rank] = actors[rank].fetch_shared.remote(items, source, budgets[rank])
+        window = max((r.nbytes for r in reads_all[rank]), default=0)
+        refs[rank] = actors[rank].fetch_shared.remote(items, source, budgets[rank], window)
     handles: dict[Any, Any] = {}
     for rank, ref in refs.items():
         try:

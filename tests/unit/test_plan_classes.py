@@ -93,7 +93,8 @@ def test_config_plan_per_class_equals_per_rank(case: dict[str, Any]) -> None:
         want = {
             scope: case["times"][f"{scope}-{'local' if local else 'remote'}"] for scope in SCOPES
         }
-        rates = Rates(request_latency=0.0001 if local else 0.01, convert=20e9)
+        # the per-rank code had no per-unit wait (Rates.unit_waits)
+        rates = Rates(request_latency=0.0001 if local else 0.01, convert=20e9, unit_waits=False)
         diffs += check_times(plan, config, want, local=local, rates=rates)
     assert not diffs, "\n".join(diffs[:20])
 
@@ -108,7 +109,11 @@ def test_checkpoint_plan_per_class_equals_per_rank(ckpt_factory, case: dict[str,
     plan = build_plan(meta.config, ParallelLayout(**case["layout"]), checkpoint=meta)
     diffs = same(plan_to_json(plan), case["plan"], "plan")
     diffs += check_times(
-        plan, meta.config, case["times"], local=True, rates=Rates(request_latency=0.0001)
+        plan,
+        meta.config,
+        case["times"],
+        local=True,
+        rates=Rates(request_latency=0.0001, unit_waits=False),
     )
     assert not diffs, "\n".join(diffs[:20])
 

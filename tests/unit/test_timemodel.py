@@ -5,6 +5,7 @@ model is checked against measured loads in ``bench/bench_cluster.py``)."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 from mxload.orchestrator.cli.commands import main
@@ -134,6 +135,30 @@ def test_request_latency_paces_a_rank() -> None:
     assert (many.requests, few.requests) == (1000, 10)
     with pytest.raises(ValueError, match="concurrency"):
         Rates(request_concurrency=0)
+
+
+def test_units_read_one_after_another_each_wait_a_latency() -> None:
+    # Phase 2 reads a rank's own units one after another: 3 units of 100 B in all on a
+    # 100 B/s link with 0.5 s to first byte wait 3 x 0.5 s besides the bytes' 1 s (2.5 s),
+    # where their 4 requests 16 in flight alone would say 0.125 s; the owners' phase 1
+    # has no such wait (their shared units are in flight together).
+    rates = Rates(
+        storage_node=100.0,
+        storage_aggregate=0.0,
+        network_node=0.0,
+        convert=0.0,
+        request_latency=0.5,
+    )
+    t = [traffic(300, fetched=200)]
+    (got,) = predict(t, [0], ["a"], rates, [(4, 2)], [3])
+    assert got.storage_seconds == pytest.approx(1.0 + 1.5)
+    assert got.fetch_seconds == pytest.approx(2.0)  # 200 B; 2 requests in flight
+    assert got.request_seconds == pytest.approx(0.5 * 3)  # 3 waits over 6 / 16 paced
+    # 40 units of 1 B: their waits (20 s) over the requests' pacing (40 x 0.5 / 16)
+    (many,) = predict([traffic(40)], [0], ["a"], rates, [(40, 0)], [40])
+    assert many.storage_seconds == pytest.approx(0.4 + 20.0)
+    (off,) = predict(t, [0], ["a"], replace(rates, unit_waits=False), [(4, 2)], [3])
+    assert off.storage_seconds == pytest.approx(1.0)
 
 
 def test_store_request_rate_is_shared_like_its_bandwidth() -> None:

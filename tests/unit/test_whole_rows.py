@@ -111,3 +111,122 @@ def test_tp_ranks_share_whole_rows_and_load_the_same_buffers(ckpt_factory) -> No
     predicted = rows.ranks[rank].staging.staging_bytes
     measured = stats.measured_peak_staging_bytes
     assert measured <= predicted <= 1.10 * measured
+
+
+def test_owner_keeps_several_units_in_flight_within_its_window(ckpt_factory) -> None:
+    """An owner fetches its shared units several at a time (not one request latency per
+    unit), never holding more staging than the window the driver gives it, and
+    publishes the same bytes as a unit-by-unit fetch."""
+    import threading
+    import time
+
+    from mxload.workers.storage import Storage
+
+    src = ckpt_factory("qwen3-moe-tiny", 3)
+    meta = open_checkpoint(src)
+    plan = build_plan(meta.config, ParallelLayout(tp=2), checkpoint=meta, remote=True)
+    q = meta.config.quant
+    source = SourceInfo(root=src, quant=q.kind, block_n=q.block_n, block_k=q.block_k)
+    items = [read_items(rp.reads, lambda r: r.nbytes) for rp in plan.ranks]
+    share = plan_sharing(["a", "a"], "cluster", items.__getitem__)
+    rp = plan.ranks[0]
+    owned = [
+        (s.key, rp.units[i], rp.reads[i])
+        for s in share.owned_by(0)
+        for i in [next(i for r, i in s.users if r == 0)]
+    ]
+    assert len(owned) > 4
+    lock = threading.Lock()
+    now = [0]
+    most = [0]
+
+    class Slow(Storage):  # a store's time to first byte, and what is in flight
+        def read_ranges_into(self, relpath, ranges, out):  # type: ignore[no-untyped-def]
+            with lock:
+                now[0] += 1
+                most[0] = max(most[0], now[0])
+            time.sleep(0.01)
+            try:
+                return super().read_ranges_into(relpath, ranges, out)
+            finally:
+                with lock:
+                    now[0] -= 1
+
+    window = max(r.nbytes for r in rp.reads)
+    budget = rp.staging.budget_bytes
+    got = {}
+    for w in (0, window):
+        store: dict[int, bytes] = {}
+
+        def publish(arr, store=store) -> int:
+            store[len(store)] = arr.tobytes()
+            return len(store) - 1
+
+        ldr = RankLoader(
+            rp, model_dtype="bf16", backend=select_backend("cpu"), storage_factory=Slow
+        )
+        most[0] = 0
+        res = ldr.fetch_for_peers(
+            owned, source, staging_budget=budget, publish=publish, window_bytes=w
+        )
+        got[w] = (
+            most[0],
+            res.peak_staging_bytes,
+            {k: [store[h] for _, h in v] for k, v in res.handles.items()},
+        )
+    assert got[0][0] == 1  # one unit at a time
+    assert got[window][0] > 1, "several units in flight"
+    assert got[window][1] <= window <= rp.staging.staging_bytes
+    assert got[window][2] == got[0][2]
+
+
+def test_any_split_width_reads_whole_rows_once_per_group() -> None:
+    """Experts TP-sharded over dp x tp = 32 ranks (wider than a node) without EP: each
+    rank keeps 32 of an expert w2's 1024 columns. Its slice is planned as the whole rows,
+    the 32 ranks read the same rows (one fetch with sharing), the rows are in each
+    rank's staging, and the plan's requests drop from one per row to a few per expert."""
+    from mxload.orchestrator.plan.ranges import ROW_REMOTE_POLICY
+    from mxload.orchestrator.plan.timemodel import Rates, plan_times
+
+    from tests.unit.test_planner import L, fake_meta, synthetic
+
+    cfg = synthetic("moe", moe_intermediate_size=1024)  # 4 MoE layers of 10 experts
+    layout = L(tp=4, dp=8)
+    plan = build_plan(cfg, layout, checkpoint=fake_meta(cfg), remote=True)
+    keys = set()
+    for rp in plan.ranks:
+        w2 = [r for u, r in zip(rp.units, rp.reads, strict=True) if u.kind == "moe_w2"]
+        assert len(w2) == 4 * 10
+        for r in w2:
+            (p,) = r.parts
+            # hidden 256 rows of 1024 FP8 bytes, 32 of them kept; 2 x 8 F32 scale tiles
+            assert (p.weight.nbytes, p.weight_window[0], p.weight_window[2]) == (
+                256 * 1024,
+                1024,
+                32,
+            )
+            assert p.scale is not None and p.scale.nbytes == 2 * 8 * 4
+            keys.add(r.fetch_key)
+        assert rp.staging.read_bytes >= 256 * 1024 + 2 * 8 * 4
+    assert len(keys) == 4 * 10  # every rank reads the same rows: fetched once per cluster
+    # Config-only, from an object store: the slowest rank's w2 requests (a shared read
+    # counted for each use) are 2 per expert (weight, scale tiles), against one per row
+    # and one per tile row (256 + 2) read as slices.
+    config_plan = build_plan(cfg, layout)
+    got = {
+        name: plan_times(
+            config_plan,
+            cfg,
+            rates=Rates(),
+            scope="cluster",
+            devices_per_node=16,
+            local=False,
+            policy=policy,
+        )
+        for name, policy in (("whole", REMOTE_POLICY), ("rows", ROW_REMOTE_POLICY))
+    }
+    assert got["whole"]["slowest_rank_requests_by_kind"]["moe_w2"] == 4 * 10 * 2
+    assert got["rows"]["slowest_rank_requests_by_kind"]["moe_w2"] == 4 * 10 * (256 + 2)
+    # in the cluster: 40 w2 whole-row reads of 2 requests once, against 32 ranks' rows
+    drop = got["rows"]["requests_to_storage"] - got["whole"]["requests_to_storage"]
+    assert drop >= 32 * 4 * 10 * (256 + 2) - 4 * 10 * 2

@@ -140,16 +140,25 @@ class RankWorker:
         return self.loader.advance_fence(token, wait_s)
 
     def fetch_shared(
-        self, items: list[tuple[int, Unit, UnitReads]], source: SourceInfo, staging_budget: int
+        self,
+        items: list[tuple[int, Unit, UnitReads]],
+        source: SourceInfo,
+        staging_budget: int,
+        window_bytes: int = 0,
     ) -> dict[str, Any]:
         """Fetch the shared reads this rank owns from storage and ``ray.put`` their raw
         bytes (uint8 arrays: plasma shares them within a node, the object manager moves
         them to other nodes). The refs go back to the driver, which hands them to the
-        users; this process owns the objects while it lives."""
+        users; this process owns the objects while it lives. ``window_bytes``: staging
+        the units fetched at once may hold (``RankLoader.fetch_for_peers``)."""
         import ray
 
         got = self.loader.fetch_for_peers(
-            items, source, staging_budget=staging_budget, publish=ray.put
+            items,
+            source,
+            staging_budget=staging_budget,
+            publish=ray.put,
+            window_bytes=window_bytes,
         )
         return {
             "handles": got.handles,

@@ -21,7 +21,9 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -48,6 +50,10 @@ from mxload.workers.rank.identities import (
 from mxload.workers.rank.reads import PeerUnit, Reader, SourceInfo
 from mxload.workers.rank.run import RunInputs, StepRunner
 from mxload.workers.rank.staging import StagingPool
+
+FETCH_IN_FLIGHT = 16
+"""Shared units an owner fetches at once (as many as ``Storage`` keeps requests in
+flight: the time model's ``request_concurrency``)."""
 
 
 class RankLoader:
@@ -270,29 +276,71 @@ class RankLoader:
         *,
         staging_budget: int,
         publish: Callable[[Any], Any],
+        window_bytes: int = 0,
+        in_flight: int = FETCH_IN_FLIGHT,
     ) -> FetchResult:
         """Fetch the shared reads this rank owns and publish their bytes for every user.
 
-        ``items``: (key, unit, reads), one per shared read. Each unit's bytes are read
-        into pool leases exactly as for a load (one lease per file), handed to
-        ``publish`` (which copies them out, e.g. ``ray.put``) and released, one unit at a
-        time: the pool peaks at the largest owned unit's reads, which never exceeds the
-        rank's predicted staging (shared units run whole, docs/contract.md §6)."""
+        ``items``: (key, unit, reads), one per shared read, published in this order.
+        Each unit's bytes are read into pool leases exactly as for a load (one lease per
+        file), handed to ``publish`` on this thread (which copies them out, e.g.
+        ``ray.put``) and released. Up to ``in_flight`` units are fetched at once, so an
+        owner of many small units keeps the store's link busy instead of waiting a
+        request's latency per unit; the units in flight hold at most ``window_bytes``
+        of staging together (0: one unit at a time), and a unit larger than that waits
+        until it is alone. The driver passes the largest unit read of the rank's run:
+        every unit's reads are staged whole at some point of the load (shared units run
+        whole, docs/contract.md §6), so the pool's peak stays within the rank's
+        predicted staging."""
         pool = StagingPool(staging_budget, rank=self.rank)
         result = FetchResult()
         t0 = time.perf_counter()
-        for key, unit, reads in items:
-            taken = self._reader.take_leases(unit, reads, pool)
-            leases, _, fetched = self._reader.fill(unit, reads, source, pool, taken, keep_rows=True)
+        todo = deque(items)
+        pending: deque[tuple[int, int, list[str], Future[Any]]] = deque()
+        held = 0
+
+        def fill(unit: Unit, reads: UnitReads, taken: Any) -> Any:
+            return self._reader.fill(unit, reads, source, pool, taken, keep_rows=True)
+
+        with ThreadPoolExecutor(
+            max_workers=max(1, min(in_flight, len(items))), thread_name_prefix="mxload-fetch"
+        ) as executor:
             try:
-                result.handles[key] = tuple(
-                    (file, publish(lease.tensor.numpy())) for file, _, lease in taken
-                )
-                result.published_bytes += sum(lease.nbytes for lease in leases)
-            finally:
-                for lease in leases:
-                    pool.release(lease)
-            result.bytes_from_storage += fetched
+                while todo or pending:
+                    while todo and len(pending) < in_flight:
+                        key, unit, reads = todo[0]
+                        if pending and held + reads.nbytes > window_bytes:
+                            break
+                        todo.popleft()
+                        taken = self._reader.take_leases(unit, reads, pool)
+                        held += reads.nbytes
+                        files = [file for file, _, _ in taken]
+                        pending.append(
+                            (key, reads.nbytes, files, executor.submit(fill, unit, reads, taken))
+                        )
+                    key, nbytes, files, future = pending.popleft()
+                    leases, _, fetched = future.result()
+                    held -= nbytes
+                    try:
+                        result.handles[key] = tuple(
+                            (file, publish(lease.tensor.numpy()))
+                            for file, lease in zip(files, leases, strict=True)
+                        )
+                        result.published_bytes += sum(lease.nbytes for lease in leases)
+                    finally:
+                        for lease in leases:
+                            pool.release(lease)
+                    result.bytes_from_storage += fetched
+            except BaseException:
+                # The units still in flight finish (a failed one released its leases).
+                for _, _, _, future in pending:
+                    try:
+                        leases, _, _ = future.result()
+                    except BaseException:
+                        continue
+                    for lease in leases:
+                        pool.release(lease)
+                raise
         result.peak_staging_bytes = pool.high_water
         result.seconds = time.perf_counter() - t0
         return result
