@@ -170,6 +170,7 @@ class Models:
             set_current_vllm_config,
         )
         from vllm.distributed import parallel_state
+        from vllm.model_executor.models import utils as model_utils
         from vllm.utils.torch_utils import set_default_torch_dtype
 
         self.config = types.SimpleNamespace(
@@ -183,6 +184,7 @@ class Models:
             dtype=set_default_torch_dtype,
         )
         self.parallel_state = parallel_state
+        self.model_utils = model_utils
 
     def _groups(self, at: RankOf) -> None:
         ps = self.parallel_state
@@ -239,6 +241,9 @@ class Models:
         weights: dict[str, torch.Tensor] = {}
         for f in sorted(glob.glob(os.path.join(checkpoint, "*.safetensors"))):
             weights.update(load_file(f))
+        # each rank of vLLM is its own process: its cache of pipeline-missing layers, keyed
+        # by id(model), must not answer for an earlier (freed) model of this process
+        self.model_utils._model_to_pp_missing_layer_names.clear()
         with c.current(vllm_config), c.dtype(model_config.dtype), torch.device("cpu"):
             model = cls(vllm_config=vllm_config)
             loaded = model.load_weights(iter(weights.items()))
