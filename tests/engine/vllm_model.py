@@ -13,13 +13,15 @@ name, shape, dtype and value is vLLM's; nothing of vLLM is copied into the repos
 
 What is not vLLM's, each named:
 
-* :data:`PROCESS_GROUPS`: vLLM's ``GroupCoordinator`` objects (``_TP``, ``_PP``, ``_DP``,
-  ``_EP``, ``_PCP``, ``_DCP`` of ``vllm.distributed.parallel_state``) are made with
-  ``GroupCoordinator.__new__`` and given the rank under test (its properties such as
-  ``is_last_rank`` are vLLM's), because ``GroupCoordinator.__init__`` creates
+* the process groups (``Models._groups``): vLLM's ``GroupCoordinator`` objects (``_TP``,
+  ``_PP``, ``_DP``, ``_EP``, ``_PCP``, ``_DCP`` of ``vllm.distributed.parallel_state``) are
+  made with ``GroupCoordinator.__new__`` and given the rank under test (its properties
+  such as ``is_last_rank`` are vLLM's), because ``GroupCoordinator.__init__`` creates
   ``torch.distributed`` process groups; their ``device_group``/``cpu_group`` are
   :class:`_ProcessGroup`, answering ``size()``/``rank()`` only.
-* :class:`_Platform`: vLLM's own ``CpuPlatform``, except that it names the Triton MLA
+* the platform: vLLM finds none here (no installed ``vllm`` distribution to read a version
+  from), so ``vllm.platforms._current_platform`` is set, before anything reads it, to
+  vLLM's own ``CpuPlatform`` (:class:`_Platform`), except that it names the Triton MLA
   backend for DeepSeek's MLA layers, which ``CpuPlatform.get_attn_backend_cls`` refuses
   (MLA has no CPU kernel). No kernel runs: only parameters are built and loaded.
 * ``flash_attn_varlen_func`` of ``v1/attention/backends/mla/prefill/flash_attn.py``: a
@@ -30,15 +32,24 @@ What is not vLLM's, each named:
   tests/engine/sources.py's ``Stub``, given only to imports, never to availability probes
   such as ``importlib.util.find_spec``).
 
+Settings, each as vLLM or vllm-ascend would have them: the three architectures are
+registered with ``ModelRegistry.register_model`` as classes (its lazy entries would
+inspect them in a subprocess); ``all2all_backend`` is :data:`ALL2ALL`, what vllm-ascend
+0.23 sets; prefix caching off, as ``CpuPlatform`` would turn it for linear attention; the
+cache vLLM keeps of each model's pipeline-missing layers, keyed by ``id(model)``, is
+emptied before each build (vLLM runs one model per process; here a freed model's id
+comes back).
+
 The installed ones (the ``test`` extra of pyproject.toml) are those whose code runs or
 which cannot be placeholders: transformers (the configs subclass ``PretrainedConfig``;
 below 5, whose Qwen2-VL processors import torchvision), pillow (transformers' image
 utilities), msgspec (vLLM subclasses ``msgspec.Struct``), cachetools (vLLM subclasses
 ``cachetools.LRUCache[...]``). pydantic comes with the rest of the test extra.
 
-Nothing stays global: the environment vLLM's import edits is restored, and vLLM's modules
-leave ``sys.modules`` when the context ends (kept aside, so the next module's tests
-reuse the one import).
+What the context changes is undone after: the environment vLLM's import edits is
+restored, and vLLM's modules and the placeholders leave ``sys.modules`` (kept aside, so
+the next module's tests reuse the one import). What cannot be undone stays: the operators
+vLLM's import registers with torch, and the real third-party modules it imported.
 """
 
 from __future__ import annotations
@@ -83,9 +94,6 @@ ABSENT = {
 
 ALL2ALL = "flashinfer_all2allv"
 """The all2all backend vllm-ascend 0.23 gives vLLM (without its sequence parallelism)."""
-
-PROCESS_GROUPS = ("_TP", "_PP", "_DP", "_EP", "_PCP", "_DCP")
-"""The ``parallel_state`` groups given the rank under test."""
 
 _ARCHS = {
     "Qwen3_5ForConditionalGeneration": "qwen3_5",
