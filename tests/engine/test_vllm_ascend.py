@@ -71,7 +71,6 @@ import functools
 import importlib
 import logging
 import os
-import sys
 import textwrap
 import types
 from collections.abc import Iterator
@@ -205,20 +204,15 @@ def schemes(vllm_ascend_root: Path) -> Iterator[SimpleNamespace]:
             "vllm_ascend.ops.fused_moe.moe_runtime_args", build_fused_experts_input=None
         ),
     }
-    before = set(sys.modules)
-    saved = {k: sys.modules[k] for k in stubs if k in sys.modules}
-    sys.modules.update(stubs)
-    try:
+    # only the stubs' packages are dropped after: torch's submodules imported meanwhile
+    # must stay (their TORCH_LIBRARY registrations do, and cannot be made twice)
+    with sources.modules(stubs):
         mx = importlib.import_module("vllm_ascend.quantization.methods.w8a8_mxfp8")
         assert Path(mx.__file__).resolve() == (vllm_ascend_root / MX_FILE).resolve()
         yield SimpleNamespace(
             linear=mx.AscendW8A8MXFP8DynamicLinearMethod,
             moe=mx.AscendW8A8MXFP8DynamicFusedMoEMethod,
         )
-    finally:
-        for k in set(sys.modules) - before:
-            del sys.modules[k]
-        sys.modules.update(saved)
 
 
 @pytest.fixture(scope="module")

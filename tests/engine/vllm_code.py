@@ -1,9 +1,10 @@
-"""vLLM's own functions, taken unmodified out of its files and run on CPU: the pieces
-shared by the tests that compare mxload's buffers with what vLLM's weight loaders make.
+"""vLLM's own functions, taken unmodified out of its files and run on CPU, for
+tests/engine/test_vllm_ascend.py (the Qwen3.5 and DeepSeek-V3 tests build vLLM's whole
+models instead: tests/engine/vllm_model.py).
 
 Nothing of vLLM is copied into the repository: ``_node`` and ``_parsed`` find a
-definition in a downloaded file (tests/engine/sources.py), ``_exec`` compiles it into a
-namespace from ``_namespace``, whose stand-ins are the ones named in ``_STUBS``.
+definition in a downloaded file (tests/engine/sources.py), compiled into a namespace from
+``_namespace``, whose stand-ins are the ones named in ``_STUBS``.
 """
 
 from __future__ import annotations
@@ -96,8 +97,3 @@ class _Logger:
 
     warning_once = warning
     info = warning
-
-
-def _exec(ns: dict[str, Any], source: str, name: str) -> Any:
-    exec(compile(source, f"<vllm {name}>", "exec"), ns)
-    return ns[name]
