@@ -17,7 +17,9 @@ and of the ranks' byte ranges (none: config-only plans have no reads).
 Limits: config-only plans (no checkpoint headers, so no byte ranges); DeepSeek-V3 is
 planning-only in mxload. Wall-clock on a shared machine: read the spread column.
 
-Usage: ``python bench/bench_plan.py [--quick]`` prints the section as markdown.
+Usage: ``python bench/bench_plan.py [--quick]`` prints the section as markdown;
+``python bench/bench_plan.py --scaling`` runs only the rank-count table (8 to 4,096
+ranks, five series over four models) and writes ``bench/results/plan-scale.{md,json}``.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -38,7 +41,9 @@ from bench.common import (
     Timing,
     fmt_bytes,
     interleave,
+    load_average,
     log,
+    machine_facts,
     run_timed,
 )
 
@@ -88,11 +93,47 @@ def _plan_once(case: PlanCase) -> Any:
     return build_plan(cfg, layout)
 
 
+@dataclass(frozen=True)
+class ScaleCase:
+    """One layout of a scaling series: ``mxload plan --model M ... --json``."""
+
+    model: str
+    tp: int
+    dp: int
+    pp: int = 1
+    ep: bool = False
+
+    @property
+    def ranks(self) -> int:
+        return self.tp * self.dp * self.pp
+
+    def flags(self) -> list[str]:
+        out = ["plan", "--model", self.model, "--tp", str(self.tp), "--dp", str(self.dp)]
+        out += ["--pp", str(self.pp)] if self.pp > 1 else []
+        return out + (["--enable-expert-parallel"] if self.ep else []) + ["--json"]
+
+    def label(self) -> str:
+        pp = f" x pp {self.pp}" if self.pp > 1 else ""
+        return f"{self.model}, tp {self.tp} x dp {self.dp}{pp}{' EP' if self.ep else ''}"
+
+
+def _series(
+    model: str, tp: int, layouts: tuple[tuple[int, int], ...], ep: bool = False
+) -> tuple[ScaleCase, ...]:
+    return tuple(ScaleCase(model, tp, dp, pp, ep) for dp, pp in layouts)
+
+
 SCALING = (
-    # (model, tp, dp values, EP): plan --json of a growing cluster; the first is the baseline
-    ("qwen3-235b-a22b-fp8", 4, (2, 8, 32, 128), False),
-    ("qwen3-32b-fp8", 8, (1, 8, 64, 512), False),
-    ("deepseek-v3", 8, (2, 8, 32), True),
+    # (dp, pp) from 8 ranks to the largest valid layout up to 4,096; the first of each
+    # series is its baseline. Experts TP-sharded over dp x tp (no EP) are the hard case:
+    # every MoE rank holds a different slice of every expert.
+    _series(
+        "qwen3-235b-a22b-fp8", 4, ((2, 1), (8, 1), (32, 1), (128, 1), (384, 1), (384, 2), (128, 8))
+    ),
+    _series("deepseek-v3", 8, ((1, 1), (4, 1), (16, 1), (64, 1), (256, 1), (256, 2))),
+    _series("deepseek-v3", 8, ((1, 1), (4, 1), (32, 1), (32, 8)), ep=True),
+    _series("qwen3.5-397b-a17b-fp8", 8, ((1, 1), (16, 1), (128, 1), (128, 4))),
+    _series("qwen3-32b-fp8", 8, ((1, 1), (8, 1), (64, 1), (512, 1))),
 )
 
 _MEASURE = (
@@ -102,46 +143,90 @@ _MEASURE = (
     "with contextlib.redirect_stdout(io.StringIO()) as out:\n"
     "    rc = main(sys.argv[1:])\n"
     "wall = time.perf_counter() - t\n"
+    # VmHWM: the peak of this process's own memory (ru_maxrss keeps, across exec, the
+    # RSS of the parent that forked it: the bench process's, larger than a plan's).
     "rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024\n"
+    "for line in open('/proc/self/status'):\n"
+    "    if line.startswith('VmHWM:'):\n"
+    "        rss = int(line.split()[1]) * 1024\n"
     "print(json.dumps({'rc': rc, 'seconds': wall, 'max_rss_bytes': rss, 'json_bytes': len(out.getvalue())}))\n"
 )
 
 
-def plan_scaling(*, quick: bool) -> tuple[list[list[object]], list[dict[str, Any]]]:
-    """``mxload plan --model M --tp T --dp N --json`` in a fresh process per layout: its
-    planning seconds (imports excluded) and peak RSS, each against the smallest layout of
-    the same model in the same run (the ratio should stay near 1 as ranks grow)."""
+def _measure(case: ScaleCase) -> dict[str, Any]:
     import subprocess
 
+    done = subprocess.run(
+        [sys.executable, "-c", _MEASURE, *case.flags()],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    got: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    if got["rc"] != 0:
+        raise RuntimeError(f"mxload {' '.join(case.flags())} exited {got['rc']}")
+    return got
+
+
+def plan_scaling(*, quick: bool) -> tuple[list[list[object]], list[dict[str, Any]]]:
+    """``mxload plan --model M LAYOUT --json`` in a fresh process per layout: its
+    planning seconds (interpreter start and imports excluded; JSON text included) and
+    peak RSS (imports included), each against the first layout of its series measured
+    in the same run (the ratio should stay near 1 as ranks grow). The layouts of a
+    series take turns within each repeat, so background load hits them alike."""
+    repeats = 1 if quick else 3
     rows: list[list[object]] = []
     data: list[dict[str, Any]] = []
-    for model, tp, dps, ep in SCALING:
-        base: dict[str, Any] | None = None
-        for dp in dps[:3] if quick else dps:
-            flags = ["plan", "--model", model, "--tp", str(tp), "--dp", str(dp), "--json"]
-            flags += ["--enable-expert-parallel"] if ep else []
-            log(f"plan scaling: {model} tp {tp} x dp {dp}")
-            done = subprocess.run(
-                [sys.executable, "-c", _MEASURE, *flags],
-                capture_output=True,
-                text=True,
-                check=True,
-            )
-            got = json.loads(done.stdout.strip().splitlines()[-1])
-            base = base or got
+    for series in SCALING:
+        cases = series[:3] if quick else series
+        runs: list[list[dict[str, Any]]] = [[] for _ in cases]
+        for r in range(repeats):
+            for i, case in enumerate(cases):
+                log(f"plan scaling ({r + 1}/{repeats}): {case.label()}")
+                runs[i].append(_measure(case))
+        base_t = Timing(tuple(x["seconds"] for x in runs[0]))
+        base_m = max(x["max_rss_bytes"] for x in runs[0])
+        for case, got in zip(cases, runs, strict=True):
+            t = Timing(tuple(x["seconds"] for x in got))
+            rss = max(x["max_rss_bytes"] for x in got)
             rows.append(
                 [
-                    f"{model}, tp {tp} x dp {dp}{' EP' if ep else ''}",
-                    tp * dp,
-                    f"{got['seconds']:.2f} s",
-                    f"{got['seconds'] / base['seconds']:.2f}",
-                    fmt_bytes(got["max_rss_bytes"]),
-                    f"{got['max_rss_bytes'] / base['max_rss_bytes']:.2f}",
-                    fmt_bytes(got["json_bytes"]),
+                    case.label(),
+                    case.ranks,
+                    t.text(2),
+                    f"{t.median / base_t.median:.2f}",
+                    fmt_bytes(rss),
+                    f"{rss / base_m:.2f}",
+                    fmt_bytes(got[0]["json_bytes"]),
                 ]
             )
-            data.append({"model": model, "tp": tp, "dp": dp, "ep": ep, "ranks": tp * dp, **got})
+            data.append(
+                {
+                    "model": case.model,
+                    "tp": case.tp,
+                    "dp": case.dp,
+                    "pp": case.pp,
+                    "ep": case.ep,
+                    "ranks": case.ranks,
+                    "planning": t.to_json(),
+                    "planning_x_first": t.median / base_t.median,
+                    "max_rss_bytes": rss,
+                    "max_rss_x_first": rss / base_m,
+                    "json_bytes": got[0]["json_bytes"],
+                }
+            )
     return rows, data
+
+
+SCALING_HEADERS = [
+    "layout (plan --json, config only)",
+    "ranks",
+    "planning",
+    "x first",
+    "peak RSS",
+    "x first",
+    "JSON",
+]
 
 
 def bench_plan(*, quick: bool) -> dict[str, Any]:
@@ -237,35 +322,81 @@ def bench_plan(*, quick: bool) -> dict[str, Any]:
                 ],
                 "rows": rows,
             },
-            {
-                "headers": [
-                    "layout (plan --json, config only)",
-                    "ranks",
-                    "planning",
-                    "x smallest",
-                    "peak RSS",
-                    "x smallest",
-                    "JSON",
-                ],
-                "rows": scale_rows,
-            },
+            {"headers": SCALING_HEADERS, "rows": scale_rows},
         ],
         "notes": [
             'docs/contract.md §4 asks for a 256-rank DeepSeek-V3 plan "in seconds"; the in-process '
             "column is that number. The command column adds interpreter start and imports.",
-            "Second table: the planner's cost against rank count. Ranks at the same stage, "
-            "TP rank and MoE rank are one class, planned once; the per-rank JSON grows with "
-            "ranks, the planning should not.",
+            "Second table: the planner's cost against rank count, each layout against the "
+            "first of its series (8 ranks). Ranks of one kind (stage, TP rank, and the shape "
+            "of their experts' slices) are planned once (docs/time-model.md, 'How the "
+            "planner scales'); what still grows with ranks is the per-rank JSON and the "
+            "time model's per-rank arithmetic. The 8-rank layouts without EP do more: "
+            "experts split at most 16 ways are read as whole rows their ranks share (the "
+            "time model expands them once per layer and set of experts held), and the "
+            "request-bound advice plans the EP layout too.",
         ],
         "key_ratios": key,
         "data": {"cases": data, "scaling": scale_data},
     }
 
 
+def scaling_report(*, quick: bool, command: str) -> tuple[str, dict[str, Any]]:
+    """The scaling table alone, as ``bench/results/plan-scale.md`` and ``.json``."""
+    res: dict[str, Any] = {
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "machine": machine_facts(),
+        "load_before": load_average(),
+    }
+    rows, data = plan_scaling(quick=quick)
+    res["load_after"] = load_average()
+    res["scaling"] = data
+    lines = [
+        "# Planning cost against rank count",
+        "",
+        f"`{command}`, {res['date']}; load average {res['load_before']} before, "
+        f"{res['load_after']} after; {res['machine'].get('nproc')} cores, "
+        f"commit {res['machine'].get('git_commit')}.",
+        "",
+        "`mxload plan --model M LAYOUT --json` in a fresh process per layout (stdout "
+        "captured): planning seconds from `main()` called to the JSON written (imports "
+        "excluded), median of the repeats with min-max, layouts of a series taking turns; "
+        "peak RSS of the process (imports included). `x first`: against the first (8-rank) "
+        "layout of the same series, in the same run. Peak RSS includes the JSON text, "
+        "captured in memory.",
+        "",
+        "The 8-rank layouts without EP are not the cheapest of their series: experts split "
+        "at most 16 ways are read from an object store as whole rows their ranks share, "
+        "which the time model expands over every expert (once per layer and set of experts "
+        "held), and the request-bound advice plans the EP alternative (valid at 8 ranks) "
+        "as well.",
+        "",
+        "| " + " | ".join(SCALING_HEADERS) + " |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+        *("| " + " | ".join(str(c) for c in row) + " |" for row in rows),
+    ]
+    return "\n".join(lines), res
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument(
+        "--scaling",
+        action="store_true",
+        help="only the rank-count table, written to OUT/plan-scale.{md,json}",
+    )
+    parser.add_argument("--out", default="bench/results")
     args = parser.parse_args(argv)
+    if args.scaling:
+        command = ("python bench/bench_plan.py " + " ".join(argv or sys.argv[1:])).strip()
+        text, res = scaling_report(quick=args.quick, command=command)
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "plan-scale.md").write_text(text + "\n")
+        (out / "plan-scale.json").write_text(json.dumps(res, indent=1, default=str))
+        print(text)
+        return 0
     from bench.run import render_section
 
     print(render_section(bench_plan(quick=args.quick)))

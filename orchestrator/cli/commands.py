@@ -214,14 +214,19 @@ def request_bound(
     helps = []
     for flag, lay, scope in options:
         try:
-            alt = build_plan(
-                config,
-                lay,
-                checkpoint=meta,
-                staging_budget=flags.size(args, "staging_budget"),
-                device=args.device,
-                remote=flags.is_remote(args.src),
-                engine=args.engine,
+            # The same layout under another share scope: the same plan.
+            alt = (
+                plan
+                if lay == layout
+                else build_plan(
+                    config,
+                    lay,
+                    checkpoint=meta,
+                    staging_budget=flags.size(args, "staging_budget"),
+                    device=args.device,
+                    remote=flags.is_remote(args.src),
+                    engine=args.engine,
+                )
             )
         except MxloadError as err:  # the layout cannot take it (e.g. fewer experts than ranks)
             helps.append({"flags": flag, "refused": str(err)})

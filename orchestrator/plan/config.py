@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import Any, Literal
 
 from mxload.orchestrator.errors import ConfigError, UnsupportedError
@@ -55,15 +56,31 @@ class QuantConfig:
     def is_excluded(self, module: str) -> bool:
         """docs/contract.md §1.4: a pattern matches a module when equal to it, a dotted prefix of it,
         or its last component. Patterns ending in ``*`` (ModelOpt style) match by prefix."""
-        last = module.rsplit(".", 1)[-1]
-        for pattern in self.not_converted:
-            if pattern.endswith("*"):
-                if module.startswith(pattern[:-1]):
-                    return True
-                continue
-            if module == pattern or module.startswith(pattern + ".") or last == pattern:
+        exact, starred = _patterns(self.not_converted)
+        if any(module.startswith(p) for p in starred):
+            return True
+        if not exact:
+            return False
+        # Equal to a pattern, a dotted prefix of it, or its last component: a few set
+        # lookups (a plan asks for every expert of every layer, against every pattern).
+        parts = module.split(".")
+        if parts[-1] in exact:
+            return True
+        prefix = parts[0]
+        if prefix in exact:
+            return True
+        for part in parts[1:]:
+            prefix += "." + part
+            if prefix in exact:
                 return True
         return False
+
+
+@lru_cache(maxsize=64)
+def _patterns(not_converted: tuple[str, ...]) -> tuple[frozenset[str], tuple[str, ...]]:
+    """(patterns matched whole, prefixes of the ``*`` patterns)."""
+    exact = frozenset(p for p in not_converted if not p.endswith("*"))
+    return exact, tuple(p[:-1] for p in not_converted if p.endswith("*"))
 
 
 @dataclass(frozen=True)

@@ -28,18 +28,25 @@ Speed: ranks that share a shard share the objects that describe it. A block (one
 row in one layer for one shard) is built once and cached by ``(row, layer, shard key)``,
 where the shard key is what the row depends on: the tp rank for column/row/vocab styles,
 the MoE rank for experts, nothing for replicated rows. Ranks at the same pipeline stage,
-TP rank and MoE rank hold the same blocks: they are one **rank class**, planned once
-(``Plan.classes``; ``Plan.summaries`` says each rank's class and coordinates). In a
-config-only plan a routed-expert block keeps one expert's pair as a sample of its
-geometry (shared by every block of that shape), so no rank's expert units are built
-until ``Plan.ranks[i]`` is asked for. The memory model is run once per distinct unit
-geometry (and once per distinct sequence of them, for a class's staging), and the cyclic
-garbage collector is paused while the (acyclic) plan objects are built. A 512-rank
-Qwen3-235B-A22B plan without EP takes seconds.
+TP rank and MoE rank hold the same blocks. In a plan from a config alone ranks go
+further into one **kind** (``Plan.classes``; ``Plan.summaries`` says each rank's kind and
+coordinates): the same stage and TP rank, as many experts, and a slice of each expert
+covering as many scale tiles and MX groups. Such ranks hold equal buffers, need equal
+bytes and stage alike; only which experts, or which rows of them, differ, and a config
+alone gives no offsets for that to change. A kind is planned once, from its first rank;
+its routed experts are ``own`` read groups (a sample unit pair and a repeat count), which
+the time model counts per rank and expands (once per layer and set of experts held)
+only where other ranks read the same whole rows. No rank's expert units are built until ``Plan.ranks[i]`` is asked for.
+The memory model is run once per distinct unit geometry (and once per distinct sequence
+of them, for a kind's staging), and the cyclic garbage collector is paused while the
+(acyclic) plan objects are built. Kinds are at most a handful per (stage, TP rank), so
+the planning of 4,096 ranks costs about what 8 do; what still grows with ranks is the
+per-rank arithmetic of the time model and the per-rank JSON (docs/time-model.md, "How
+the planner scales").
 
 Limits: with a checkpoint every unit's reads are planned (each expert's tensors sit at
-their own offsets), so a checkpoint plan of a very large MoE world without EP still
-builds every rank's unit list.
+their own offsets), so a checkpoint plan is made once per stage, TP rank and MoE rank,
+and one of a very large MoE world without EP still builds every rank's unit list.
 """
 
 from __future__ import annotations
@@ -104,7 +111,12 @@ from mxload.orchestrator.plan.layout import (
     validate_layout,
 )
 from mxload.orchestrator.plan.ranges import LOCAL_POLICY, REMOTE_POLICY
-from mxload.orchestrator.plan.readplan import needed_bytes, predicted_read_bytes, unit_reads
+from mxload.orchestrator.plan.readplan import (
+    needed_bytes,
+    predicted_read_bytes,
+    tile_span,
+    unit_reads,
+)
 from mxload.orchestrator.plan.types import (
     BufferSpec,
     ParallelLayout,
@@ -242,12 +254,15 @@ class _Planner:
         # first or last one (vLLM's Qwen3-MoE: embed_tokens, norm, lm_head).
         every = set(self.engine.every_stage.get(self.arch.name, ()))
         self.every_stage = {i for i, r in enumerate(self.arch.rules) if r.name in every}
+        self._all_experts = tuple(range(config.num_experts))
+        self.moe_rules = [r for r in self.arch.rules if r.style == "moe"] if config.is_moe else []
         check_expert_placement(self.engine, layout.expert_placement, self.ep)
         self._facts: dict[tuple[int, int], _Facts] = {}
         self._blocks: dict[tuple[int, int, int], _Block] = {}
         self._moe_buffers: dict[tuple[int, int, int], tuple[BufferSpec, ...]] = {}
         self._moe_samples: dict[tuple[Any, ...], tuple[tuple[Unit, ...], tuple[int, ...]]] = {}
         self._copy_cap: int | None = None
+        self._expanders: dict[tuple[int, int], Callable[[int], tuple[Unit, ...]]] = {}
 
     # --- coordinates ---------------------------------------------------------------------
 
@@ -262,7 +277,7 @@ class _Planner:
                 config.num_experts, ep_size(layout), moe_rank, layout.expert_placement
             )
         else:
-            experts = tuple(range(config.num_experts))
+            experts = self._all_experts
         return RankCoords(
             rank=rank,
             dp_rank=dp_rank,
@@ -274,20 +289,68 @@ class _Planner:
             experts=experts,
         )
 
-    def blocks(self, c: RankCoords) -> list[_Block]:
-        """The rank's blocks in plan order: the vision tower's rows (every stage), stage-0
-        rows, each layer's rows, last-stage rows, the MTP drafter's rows (last stage)."""
-        out: list[_Block] = [self._block(i, block, c) for i, block in self.vision_rules]
+    def placed(self, c: RankCoords) -> list[tuple[int, int]]:
+        """(table row, layer) of the rank's blocks in plan order: the vision tower's rows
+        (every stage), stage-0 rows, each layer's rows, last-stage rows, the MTP drafter's
+        rows (last stage)."""
+        out: list[tuple[int, int]] = list(self.vision_rules)
         first, last = c.pp_rank == 0, c.pp_rank == self.layout.pp - 1
-        out.extend(
-            self._block(i, -1, c) for i in self.first_rules if first or i in self.every_stage
-        )
+        out.extend((i, -1) for i in self.first_rules if first or i in self.every_stage)
         for layer in c.layers:
-            out.extend(self._block(i, layer, c) for i in self.layer_rules[layer])
-        out.extend(self._block(i, -1, c) for i in self.last_rules if last or i in self.every_stage)
+            out.extend((i, layer) for i in self.layer_rules[layer])
+        out.extend((i, -1) for i in self.last_rules if last or i in self.every_stage)
         if last:
-            out.extend(self._block(i, layer, c) for i, layer in self.mtp_rules)
+            out.extend(self.mtp_rules)
         return out
+
+    def blocks(self, c: RankCoords) -> list[_Block]:
+        """The rank's blocks in plan order (:meth:`placed`)."""
+        return [self._block(i, layer, c) for i, layer in self.placed(c)]
+
+    def kind_key(self, c: RankCoords) -> tuple[int, ...]:
+        """What a plan from a config alone of the rank depends on: its stage, its TP rank
+        and the shape of its MoE blocks: how many experts, and how many scale tiles and
+        MX groups its slice of each expert covers (a config-only plan has no offsets:
+        its needed bytes, staging and predicted requests follow those counts). Ranks of
+        one kind hold equal buffers and units of equal geometry; only which experts, or
+        which rows of them, differ."""
+        q = self.config.quant
+        blocks = sorted({q.block_n or 1, q.block_k or 1, MX_GROUP})
+        covered = []
+        for rule in self.moe_rules:
+            i_local, lo = self._moe_slice(c, rule)
+            for b in blocks:
+                t0, t1 = tile_span(lo, lo + i_local, b)
+                covered.append(t1 - t0)
+        return (c.pp_rank, c.tp_rank, len(c.experts), *covered)
+
+    def class_key(self, c: RankCoords) -> tuple[int, int, int]:
+        """What a plan with byte ranges depends on: the stage, the TP rank and the MoE rank
+        (each expert's bytes sit at their own offsets)."""
+        return (c.pp_rank, c.tp_rank, c.moe_rank if self.config.is_moe else 0)
+
+    def expand_on(self, idx: int, layer: int) -> Callable[[int], tuple[Unit, ...]]:
+        """Every unit of the MoE block of table row ``idx`` in ``layer``, on a given rank
+        (one function per block, whichever kind asks)."""
+        found = self._expanders.get((idx, layer))
+        if found is None:
+            found = self._expanders[(idx, layer)] = lambda rank: self._block(
+                idx, layer, self.coords(rank)
+            ).units()
+        return found
+
+    def _moe_slice(self, c: RankCoords, rule: TensorRule) -> tuple[int, int]:
+        """(I_local, first row) of the rank's slice of each expert's intermediate dim."""
+        inter = self.size[rule.sources[0].dims[0]]
+        if self.ep:
+            return inter, 0
+        i_local = inter // ep_size(self.layout)
+        return i_local, c.moe_rank * i_local
+
+    def _moe_tile(self) -> int:
+        """Rows after which a slice's position within scale tiles and MX groups repeats."""
+        q = self.config.quant
+        return math.lcm(q.block_n or 1, q.block_k or 1, MX_GROUP)
 
     def _block(self, idx: int, layer: int, c: RankCoords) -> _Block:
         rule = self.arch.rules[idx]
@@ -557,11 +620,7 @@ class _Planner:
         gate, up, down = rule.sources
         inter = self.size[gate.dims[0]]
         hidden = self.size[gate.dims[1]]
-        if self.ep:
-            i_local, lo = inter, 0
-        else:
-            i_local = inter // ep_size(self.layout)
-            lo = c.moe_rank * i_local
+        i_local, lo = self._moe_slice(c, rule)
         mx = facts.quantized and rule.mx and hidden % MX_GROUP == 0 and i_local % MX_GROUP == 0
         layout = LAYOUT_MX_MOE if mx else LAYOUT_DENSE
         prefix = device_name(rule, layer, self.arch) + self.engine.moe_infix
@@ -664,9 +723,7 @@ class _Planner:
         # The sample stands for the geometry only: blocks of other layers and MoE ranks
         # whose halves cover the same tiles (the slice's offset within a scale tile)
         # share one, so sizing and the time model see each shape once.
-        q = self.config.quant
-        tile = math.lcm(q.block_n or 1, q.block_k or 1, MX_GROUP)
-        skey = (idx, facts, layout, i_local, lo % tile)
+        skey = (idx, facts, layout, i_local, lo % self._moe_tile())
         found = self._moe_samples.get(skey)
         if found is None:
             pair = build(experts[:1])
@@ -697,18 +754,15 @@ class _Staged:
 class _LazyRanks(Sequence[RankPlan]):
     """``Plan.ranks`` of a config-only plan: each rank's full plan is built when asked
     for (a 512-rank plan of a 128-expert model holds millions of units), and its units
-    kept per class."""
+    kept for the ranks that hold the same ones (same stage, TP rank and MoE rank)."""
 
     def __init__(
-        self,
-        summaries: tuple[RankSummary, ...],
-        classes: tuple[RankClass, ...],
-        unit_makers: tuple[Callable[[], tuple[Unit, ...]], ...],
+        self, summaries: tuple[RankSummary, ...], classes: tuple[RankClass, ...], planner: _Planner
     ) -> None:
         self._summaries = summaries
         self._classes = classes
-        self._makers = unit_makers
-        self._units: dict[int, tuple[Unit, ...]] = {}
+        self._planner = planner
+        self._units: dict[tuple[int, int, int], tuple[Unit, ...]] = {}
 
     def __len__(self) -> int:
         return len(self._summaries)
@@ -723,9 +777,13 @@ class _LazyRanks(Sequence[RankPlan]):
         if isinstance(index, slice):
             return [self[i] for i in range(*index.indices(len(self)))]
         s = self._summaries[index]
-        units = self._units.get(s.rank_class)
+        planner = self._planner
+        c = planner.coords(s.rank)
+        key = planner.class_key(c)
+        units = self._units.get(key)
         if units is None:
-            units = self._units[s.rank_class] = self._makers[s.rank_class]()
+            with _gc_paused():
+                units = self._units[key] = _flatten(planner.blocks(c))[1]
         return _rank_plan(s, self._classes[s.rank_class], units, None)
 
 
@@ -747,13 +805,6 @@ def _rank_plan(
         reads=reads,
         staging=k.staging,
     )
-
-
-def _all_units(blocks: Sequence[_Block]) -> Callable[[], tuple[Unit, ...]]:
-    def make() -> tuple[Unit, ...]:
-        return tuple(u for b in blocks for u in b.units())
-
-    return make
 
 
 def _geometry(unit: Unit, reads: UnitReads | int, align: int) -> tuple[Any, ...]:
@@ -936,7 +987,10 @@ def _build_plan(
     remote: bool,
     fused: bool = True,
     engine: str | EngineProfile = DEFAULT_ENGINE,
+    by_kind: bool = True,
 ) -> Plan:
+    """``by_kind`` False plans a config alone once per stage, TP rank and MoE rank, as a
+    plan with byte ranges is (the reference the kinds are checked against)."""
     from mxload.orchestrator.plan.memory import (
         ConvertOptions,
         min_budgets,
@@ -998,7 +1052,15 @@ def _build_plan(
                 pos += n
         else:
             needed = to_read = sum(block.needed_bytes for block in blocks)
-            groups = [ReadGroup(b.sample, None, b.needed, b.repeat, b.expand) for b in blocks]
+            # Routed experts are the rank's own (no other rank holds the same ones, or the
+            # same rows of them): the kind's ranks differ in them, so they are counted,
+            # and expanded per rank only where other ranks read the same whole rows.
+            for (idx, layer), b in zip(planner.placed(c), blocks, strict=True):
+                if planner.arch.rules[idx].style == "moe":
+                    expand = planner.expand_on(idx, layer)
+                    groups.append(ReadGroup(b.sample, None, b.needed, b.repeat, expand, own=True))
+                else:
+                    groups.append(ReadGroup(b.sample, None, b.needed, b.repeat))
         signature: list[tuple[tuple[int, ...], int]] = []
         pos = 0
         for block in blocks:
@@ -1046,13 +1108,16 @@ def _build_plan(
             tuple(groups),
         )
 
-    class_of_key: dict[tuple[int, int, int], int] = {}
+    class_of_key: dict[tuple[int, ...], int] = {}
     staged: list[_Staged] = []
     summaries: list[RankSummary] = []
+    # Blocks depend on the stage, the TP rank and the MoE rank only (docs/contract.md §3);
+    # without byte ranges, ranks whose MoE blocks differ only in which experts (or rows
+    # of them) they hold are one kind, planned once.
+    key_of = planner.kind_key if checkpoint is None and by_kind else planner.class_key
     for rank in range(layout.world):
         c = planner.coords(rank)
-        # Blocks depend on the stage, the TP rank and the MoE rank only (docs/contract.md §3).
-        ckey = (c.pp_rank, c.tp_rank, c.moe_rank if config.is_moe else 0)
+        ckey = key_of(c)
         k = class_of_key.get(ckey)
         if k is None:
             k = class_of_key[ckey] = len(staged)
@@ -1078,17 +1143,15 @@ def _build_plan(
             key="--staging-budget",
         )
     classes: list[RankClass] = []
-    makers: list[Callable[[], tuple[Unit, ...]]] = []
     staging_of: dict[tuple[tuple[tuple[int, ...], int], ...], StagingEstimate] = {}
     bytes_of: dict[int, int] = {}
     for st in staged:
-        make = _all_units(st.blocks)
         staging = staging_of.get(st.signature)
         if staging is None:
             if st.units is not None and st.read_fn is not None:
                 staging = rank_staging(st.units, st.read_fn, opts, budget)
             else:
-                every = make()
+                every = tuple(u for b in st.blocks for u in b.units())
                 sizes = [n for b in st.blocks for _ in range(b.repeat) for n in b.needed]
                 staging = rank_staging(every, sizes, opts, budget)
             staging_of[st.signature] = staging
@@ -1102,7 +1165,6 @@ def _build_plan(
         classes.append(
             RankClass(st.buffers, count, st.needed, st.to_read, staging, st.groups, persistent)
         )
-        makers.append(make)
     all_summaries = tuple(summaries)
     all_classes = tuple(classes)
     ranks: Sequence[RankPlan]
@@ -1117,7 +1179,7 @@ def _build_plan(
             for s in all_summaries
         )
     else:
-        ranks = _LazyRanks(all_summaries, all_classes, tuple(makers))
+        ranks = _LazyRanks(all_summaries, all_classes, planner)
     return Plan(
         model=_model_summary(config, layout),
         layout=layout,

@@ -59,7 +59,7 @@ from mxload.orchestrator.plan.sharing import (
     class_traffic,
     share_classes,
 )
-from mxload.orchestrator.plan.types import Plan, Unit, UnitReads
+from mxload.orchestrator.plan.types import Plan, ReadGroup, Unit, UnitReads
 
 GB = 1e9
 
@@ -327,22 +327,64 @@ def plan_times(
             got = windowed[id(sample)] = [share_key(u, whole=whole) is not u for u in sample]
         return got
 
+    def slice_free(sample: tuple[Unit, ...], rows: list[bool]) -> bool:
+        """Whether the whole-row keys of a group's units name nothing but tensors and
+        whole source rows: every part of a unit read as whole rows covers its source's
+        rows, and its columns too unless the key leaves them out. Then ranks that hold
+        the same experts have the same keys, whichever slice of them each holds."""
+        for u, read_whole in zip(sample, rows, strict=True):
+            if not read_whole:
+                continue
+            key = share_key(u, whole=whole)
+            assert isinstance(key, tuple)
+            for p, (_, part_rows, part_cols) in zip(u.parts, key, strict=True):
+                src = p.source_shape
+                if len(src) != 2 or part_rows != (0, src[0]):
+                    return False
+                if part_cols is not None and part_cols != (0, src[1]):
+                    return False
+        return True
+
+    # A rank's own experts read as whole rows, by (block, the sample's costs, experts
+    # held): ranks holding the same experts read the same whole rows (see slice_free),
+    # and ranks whose samples cost the same count the same bytes for them.
+    expanded: dict[tuple[Any, ...], tuple[list[ClassItem], int, int, int]] = {}
+
     # Classes whose shareable reads are the same (a TP rank's attention on every MoE
-    # rank) are one class for sharing; what only one class reads is counted apart.
+    # rank) are one class for sharing; what only one rank reads is counted apart.
+    class_of_rank = [s.rank_class for s in plan.summaries]
+    members: list[list[int]] = [[] for _ in plan.classes]
+    for rank, k in enumerate(class_of_rank):
+        members[k].append(rank)
     sharing_class: dict[tuple[ClassItem, ...], int] = {}
     class_items: list[tuple[ClassItem, ...]] = []
-    of_class: list[int] = []
-    private: list[tuple[int, int, int]] = []
-    for k in plan.classes:
-        items: list[ClassItem] = []
+    of_rank = [0] * world
+    private_of_rank: list[tuple[int, int, int]] = [(0, 0, 0)] * world
+
+    def sharing_class_of(items: tuple[ClassItem, ...]) -> int:
+        sc = sharing_class.get(items)
+        if sc is None:
+            sc = sharing_class[items] = len(class_items)
+            class_items.append(items)
+        return sc
+
+    for k, rank_class in enumerate(plan.classes):
+        # The class's reads in unit order: items every member reads, and groups of each
+        # member's own experts whose whole rows other ranks read too (expanded per rank).
+        segments: list[list[ClassItem] | tuple[ReadGroup, list[ClassItem], list[bool], bool]]
+        segments = [[]]
         fetch_p = requests_p = units_p = 0
-        for g in k.groups:
+        for g in rank_class.groups:
             sample = [
                 item_for(u, g.reads[j] if g.reads is not None else None)
                 for j, u in enumerate(g.units)
             ]
             if not g.private:
-                items.extend(sample)
+                last = segments[-1]
+                if isinstance(last, list):
+                    last.extend(sample)
+                else:
+                    segments.append(sample)
                 continue
             rows = windowed_of(g.units)
             if not any(rows) or g.expand is None:
@@ -350,31 +392,52 @@ def plan_times(
                 requests_p += sum(c[3] for c in sample) * g.repeat
                 units_p += sum(1 for c in sample if c[1]) * g.repeat
                 continue
-            # Experts whose slices are read as whole rows: the other MoE ranks of the
-            # group read the same rows, so those are items of their own (keyed by the
-            # rows); the rest of the group is still this rank's alone.
-            n = len(g.units)
-            for j, u in enumerate(g.expand()):
-                c = sample[j % n]
-                if rows[j % n]:
-                    key = canon.setdefault(share_key(u, whole=whole), len(canon))
-                    items.append((key, c[1], c[2], c[3]))
-                else:
-                    fetch_p += c[2]
-                    requests_p += c[3]
-                    units_p += 1 if c[1] else 0
-        shared_items = tuple(items)
-        sc = sharing_class.get(shared_items)
-        if sc is None:
-            sc = sharing_class[shared_items] = len(class_items)
-            class_items.append(shared_items)
-        of_class.append(sc)
-        private.append((fetch_p, requests_p, units_p))
-    class_of_rank = [s.rank_class for s in plan.summaries]
-    share = share_classes(nodes, [of_class[k] for k in class_of_rank], scope, class_items)
-    traffic, requests, units = class_traffic(
-        share, class_items, [private[k] for k in class_of_rank]
-    )
+            segments.append((g, sample, rows, slice_free(g.units, rows)))
+        if len(segments) == 1 and isinstance(segments[0], list):
+            sc = sharing_class_of(tuple(segments[0]))
+            for rank in members[k]:
+                of_rank[rank] = sc
+                private_of_rank[rank] = (fetch_p, requests_p, units_p)
+            continue
+        for rank in members[k]:
+            items: list[ClassItem] = []
+            fetch_r, requests_r, units_r = fetch_p, requests_p, units_p
+            for seg in segments:
+                if isinstance(seg, list):
+                    items.extend(seg)
+                    continue
+                # Experts whose slices are read as whole rows: the other MoE ranks of the
+                # group read the same rows, so those are items of their own (keyed by the
+                # rows); the rest of the group is still this rank's alone.
+                g, sample, rows, free = seg
+                assert g.expand is not None
+                costs = tuple(c[1:] for c in sample)
+                memo = (id(g.expand), costs, plan.summaries[rank].experts) if free else None
+                got = expanded.get(memo) if memo is not None else None
+                if got is None:
+                    seg_items: list[ClassItem] = []
+                    seg_fetch = seg_requests = seg_units = 0
+                    n = len(g.units)
+                    for j, u in enumerate(g.expand(rank)):
+                        c = sample[j % n]
+                        if rows[j % n]:
+                            key = canon.setdefault(share_key(u, whole=whole), len(canon))
+                            seg_items.append((key, c[1], c[2], c[3]))
+                        else:
+                            seg_fetch += c[2]
+                            seg_requests += c[3]
+                            seg_units += 1 if c[1] else 0
+                    got = (seg_items, seg_fetch, seg_requests, seg_units)
+                    if memo is not None:
+                        expanded[memo] = got
+                items.extend(got[0])
+                fetch_r += got[1]
+                requests_r += got[2]
+                units_r += got[3]
+            of_rank[rank] = sharing_class_of(tuple(items))
+            private_of_rank[rank] = (fetch_r, requests_r, units_r)
+    share = share_classes(nodes, of_rank, scope, class_items)
+    traffic, requests, units = class_traffic(share, class_items, private_of_rank)
     convert = [plan.classes[k].bytes_needed for k in class_of_rank]
     times = predict(traffic, convert, nodes, rates, requests, units)
     slowest = max(range(world), key=lambda r: times[r].load_seconds, default=0)
@@ -388,7 +451,8 @@ def plan_times(
     for its in class_items:
         for item in its:
             distinct[item[0]] = item[2]
-    private_fetch = sum(private[k][0] for k in set(class_of_rank))
+    # What only one rank reads (its experts), once per rank.
+    private_fetch = sum(f for f, _, _ in private_of_rank)
     return {
         "share": scope,
         "devices_per_node": devices_per_node,

@@ -267,9 +267,9 @@ class ReadGroup:
     """Some of a rank's units as the time model and read-once sharing see them.
 
     Either units each read on their own (``repeat`` 1: any other rank needing equal
-    reads may share them), or ``repeat`` copies of the geometry of ``units`` that no
-    other rank needs (one MoE rank's experts of one layer: their reads are only
-    counted, never built)."""
+    reads may share them), or the rank's ``own`` units: ``repeat`` copies of the
+    geometry of ``units`` (one MoE rank's experts of one layer, whose reads are only
+    counted, never built), which ranks of one class hold different ones of."""
 
     units: tuple[Unit, ...]
     reads: tuple[UnitReads, ...] | None
@@ -277,20 +277,24 @@ class ReadGroup:
     needed: tuple[int, ...]
     """Checkpoint bytes each unit needs (docs/contract.md §6)."""
     repeat: int = 1
-    expand: Callable[[], tuple[Unit, ...]] | None = field(default=None, compare=False)
-    """Every unit of a ``repeat`` group (each expert's), for a policy under which other
-    ranks read the same bytes (whole rows of a K-split slice)."""
+    expand: Callable[[int], tuple[Unit, ...]] | None = field(default=None, compare=False)
+    """Every unit of the group on a given rank (each of its experts'), for a policy under
+    which other ranks read the same bytes (whole rows of a K-split slice)."""
+    own: bool = False
+    """The units stand for each rank's own (its experts), whatever ``repeat``."""
 
     @property
     def private(self) -> bool:
-        return self.repeat > 1
+        return self.repeat > 1 or self.own
 
 
 @dataclass(frozen=True)
 class RankClass:
     """What every rank of one class holds and reads: ranks at the same pipeline stage,
     TP rank and MoE rank hold the same buffers and read the same bytes (data-parallel
-    replicas of a dense model, for one), so they are planned once."""
+    replicas of a dense model, for one), so they are planned once. In a plan from a
+    config alone, ranks whose experts (or slices of them) differ but have the same
+    shapes are one class too: their ``own`` groups stand for each rank's experts."""
 
     buffers: tuple[BufferSpec, ...]
     unit_count: int

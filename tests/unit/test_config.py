@@ -243,6 +243,15 @@ def test_is_excluded_rules() -> None:
     assert not q.is_excluded("model.layers.0.mlp.down_proj")
     assert not q.is_excluded("lm_head_extra")
     assert q.is_excluded("some.wrapper.lm_head")
+    # ModelOpt-style patterns match by prefix; a dotted pattern only from the start.
+    q = QuantConfig(
+        kind="block_fp8", block_n=128, block_k=128, not_converted=("model.visual*", "mlp.gate")
+    )
+    assert q.is_excluded("model.visual.blocks.0.attn")
+    assert q.is_excluded("model.visualizer")
+    assert not q.is_excluded("model.vis")
+    assert q.is_excluded("mlp.gate.weight")
+    assert not q.is_excluded("model.layers.0.mlp.gate")
 
 
 @pytest.mark.parametrize(

@@ -136,3 +136,137 @@ def test_lazy_ranks_are_the_classes_units() -> None:
         assert {u.parts[0].cols for u in moe} == {
             (192 * (2 * s.dp_rank + s.tp_rank), 192 * (2 * s.dp_rank + s.tp_rank + 1))
         }
+
+
+def _small(name: str, **over: Any) -> Any:
+    from mxload.orchestrator.runtime.models import model_config
+
+    raw = dict(model_config(name))
+    raw.update(over)
+    return parse_config(raw, name)
+
+
+KIND_CASES = [
+    # Experts TP-sharded over dp*tp: slices at different offsets within their scale tiles
+    # (192 rows from 0, 192, 384, 576) are one kind; 48-row slices cover one or two tiles.
+    ("moe", {"tp": 1, "dp": 4}),
+    ("moe", {"tp": 2, "dp": 8}),
+    ("moe", {"tp": 2, "dp": 6, "pp": 2}),
+    # Expert parallel: 8 experts over 6 ranks (two of them hold two).
+    ("ds", {"tp": 2, "dp": 3, "enable_expert_parallel": True}),
+    ("ds", {"tp": 1, "dp": 8, "enable_expert_parallel": True, "pp": 2}),
+]
+
+
+def _kind_config(name: str) -> Any:
+    if name == "moe":
+        return _small(
+            "qwen3-30b-a3b-fp8", num_hidden_layers=2, num_experts=8, moe_intermediate_size=768
+        )
+    return _small(
+        "deepseek-v3",
+        num_hidden_layers=3,
+        first_k_dense_replace=1,
+        n_routed_experts=8,
+        num_nextn_predict_layers=0,
+    )
+
+
+@pytest.mark.parametrize("case", KIND_CASES, ids=[f"{c}-{lay}" for c, lay in KIND_CASES])
+def test_kinds_equal_classes_per_moe_rank(case: tuple[str, dict[str, Any]]) -> None:
+    """A config-only plan made once per kind (ranks whose experts differ but not their
+    shapes) gives every rank the JSON entry, traffic and time, and units, that the plan
+    made once per stage, TP rank and MoE rank gives (the path the golden file checks)."""
+    from mxload.orchestrator.plan.planner import _build_plan, plan_rank
+
+    name, lay = case
+    config = _kind_config(name)
+    layout = ParallelLayout(**lay)
+    common: dict[str, Any] = {
+        "checkpoint": None,
+        "staging_budget": None,
+        "device_memory": None,
+        "device": "npu",
+        "remote": False,
+    }
+    fast = _build_plan(config, layout, **common)
+    slow = _build_plan(config, layout, **common, by_kind=False)
+    assert len(fast.classes) < len(slow.classes)  # kinds merged MoE ranks
+    diffs = same(plan_to_json(fast), plan_to_json(slow), "plan")
+    for local in (True, False):
+        rates = Rates(request_latency=0.0001 if local else 0.01, convert=20e9)
+        for scope in SCOPES:
+            got, want = (
+                plan_times(p, config, rates=rates, scope=scope, devices_per_node=3, local=local)
+                for p in (fast, slow)
+            )
+            diffs += same(per_rank(got), per_rank(want), f"{scope}-{local}.ranks")
+            keys = [k for k in want if k not in ("times", "traffic")]
+            diffs += same({k: got[k] for k in keys}, {k: want[k] for k in keys}, f"{scope}")
+    for rank in (0, layout.world // 2 + 1, layout.world - 1):
+        assert fast.ranks[rank].units == plan_rank(config, layout, rank)[1]
+    assert not diffs, "\n".join(diffs[:20])
+
+
+@pytest.mark.parametrize("case", KIND_CASES[:3], ids=[f"{c}-{lay}" for c, lay in KIND_CASES[:3]])
+def test_kinds_traffic_equals_rank_by_rank_sharing(case: tuple[str, dict[str, Any]]) -> None:
+    """Under an object store's policy, experts sharded over dp x tp are read as whole
+    rows that those ranks share: the traffic the time model gives over kinds equals
+    read-once sharing run rank by rank over each rank's own units (``plan_sharing``)."""
+    from mxload.orchestrator.plan.ranges import REMOTE_POLICY
+    from mxload.orchestrator.plan.readplan import estimated_fetch, share_key
+    from mxload.orchestrator.plan.sharing import plan_sharing, rank_traffic
+
+    name, lay = case
+    config = _kind_config(name)
+    layout = ParallelLayout(**lay)
+    plan = build_plan(config, layout, device="npu")
+    whole = REMOTE_POLICY.whole_rows
+    keys: dict[Any, int] = {}
+
+    def items_of(rank: int) -> list[tuple[Any, int, int]]:
+        out = []
+        for u in plan.ranks[rank].units:
+            key = keys.setdefault(share_key(u, whole=whole), len(keys))
+            nbytes = estimated_fetch(u, config, whole=whole)
+            out.append((key, nbytes, nbytes))
+        return out
+
+    nodes = [f"node{r // 3}" for r in range(layout.world)]
+    for scope in SCOPES:
+        got = plan_times(plan, config, rates=Rates(), scope=scope, devices_per_node=3, local=False)
+        want = rank_traffic(plan_sharing(nodes, scope, items_of), items_of)
+        assert got["traffic"] == want, scope
+
+
+def test_plan_json_text_is_json_dump_indent_1() -> None:
+    """``--json`` is written by a faster writer: byte for byte ``json.dump(indent=1)``,
+    on a plan (lists of expert ids met again on every rank) and on values where equal
+    Python values have different JSON text (1, 1.0 and True; lists and tuples)."""
+    import io
+
+    from mxload.orchestrator.cli.rendering import write_json
+
+    config = _kind_config("moe")
+    obj = plan_to_json(build_plan(config, ParallelLayout(tp=2, dp=4), device="npu"))
+    ints = list(range(8))
+    odd = {
+        "ints": ints,
+        "again": list(ints),
+        "bools": [False, True, *ints[2:]],  # == ints
+        "floats": [0.0, 1.0, *ints[2:]],  # == ints
+        "tuple": tuple(ints),
+        "nested": [ints, {"x": (1, 2.5, None)}, [], {}],
+        "special": [float("nan"), float("inf"), -float("inf"), -0.0, 1e-300, 10**30],
+        "text": ['é"\\\n', "\u2603", ""],
+        1: "int key",
+        2.5: "float key",
+        None: "none key",
+        False: [False],
+    }
+    for value in (obj, odd, [], {}, "x", 3):
+        want = io.StringIO()
+        json.dump(value, want, indent=1)
+        got = io.StringIO()
+        write_json(value, got)
+        assert got.getvalue() == want.getvalue()
