@@ -87,7 +87,7 @@ def check_engine_settings(engine: str, settings: Mapping[str, str]) -> None:
     """Refuse engine settings the release cannot be reloaded under (AdoptionError, one
     line: the setting, why, and what to change)."""
     release = engine_release(engine)
-    bad = check_settings(release, settings) if release is not None else []
+    bad = check_settings(release, settings)
     if bad:
         raise AdoptionError(
             f"--engine {engine}: cannot write into this engine's parameters: " + " | ".join(bad),

@@ -21,7 +21,7 @@ from typing import Any
 from mxload.cluster.local import mxload_home
 from mxload.orchestrator.cli import flags
 from mxload.orchestrator.cli import rendering as show
-from mxload.orchestrator.errors import MxloadError, UsageError
+from mxload.orchestrator.errors import MxloadError, OutputError, UsageError
 from mxload.orchestrator.runtime.models import model_config, model_config_path, model_names
 
 log = logging.getLogger(__name__)
@@ -94,8 +94,9 @@ def _plan_config(args: argparse.Namespace) -> tuple[Any, Any]:
         except OSError as err:
             msg = f"--config: cannot read {args.config}: {err}"
             raise UsageError(msg, file=args.config) from None
-        except ValueError as err:
-            msg = f"--config: {args.config} is not JSON: {err}"
+        except (ValueError, RecursionError) as err:
+            reason = str(err) if isinstance(err, ValueError) else "nested too deeply"
+            msg = f"--config: {args.config} is not JSON: {reason}"
             raise UsageError(msg, file=args.config) from None
         return parse_config(raw, args.config, dtype=args.dtype), None
     if args.src:
@@ -285,7 +286,12 @@ def _outputs(args: argparse.Namespace) -> Any:
     """Check --report and --dump before any work (outputs.py): writable, and overwriting
     no input (SRC; a session's checkpoint is checked where it is known). The checked
     --dump target."""
-    from mxload.orchestrator.runtime.outputs import OutputDir, check_file_target, check_not_input
+    from mxload.orchestrator.runtime.outputs import (
+        OutputDir,
+        check_file_target,
+        check_not_input,
+        normalise,
+    )
 
     src = getattr(args, "src", None)
     inputs = [("SRC", src)] if src else []
@@ -295,6 +301,14 @@ def _outputs(args: argparse.Namespace) -> Any:
     dump = getattr(args, "dump", None)
     if dump is None:
         return None
+    report = getattr(args, "report", None)
+    if report is not None and normalise(report) == normalise(dump):
+        raise OutputError(
+            f"--report {report} and --dump {dump} are the same path: the report is a file, "
+            "the dump a folder; give two paths",
+            file=report,
+            key="--report",
+        )
     target = OutputDir(dump, "--dump", overwrite=args.overwrite)
     target.check()
     return target

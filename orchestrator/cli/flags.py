@@ -699,6 +699,13 @@ def storage_options(args: argparse.Namespace) -> dict[str, Any] | None:
             # The position only: the text may hold a secret.
             pos = f"line {err.lineno} column {err.colno}"
             raise UsageError(f"{where}: not valid JSON ({pos})", key="--storage-options") from None
+        except (ValueError, RecursionError) as err:
+            # An integer past Python's digit limit, or nesting past the recursion limit
+            # (neither message quotes the text).
+            reason = "nested too deeply" if isinstance(err, RecursionError) else str(err)
+            raise UsageError(
+                f"{where}: not valid JSON ({reason})", key="--storage-options"
+            ) from None
         if not isinstance(value, dict):
             raise UsageError(f"{where}: must be a JSON object", key="--storage-options")
     # The source flags travel as storage options: every worker then reads under them. A
@@ -713,10 +720,14 @@ def storage_options(args: argparse.Namespace) -> dict[str, Any] | None:
         if flag_value is None:
             continue
         flag = "--" + key.removeprefix("mxload_").removesuffix("_s").replace("_", "-")
-        if key in value and value[key] != flag_value:
+        given_json = value.get(key)
+        # JSON true is not the number 1: compare types too (bool is an int in Python).
+        if key in value and (
+            given_json != flag_value or isinstance(given_json, bool) != isinstance(flag_value, bool)
+        ):
             raise UsageError(
-                f"{flag} {flag_value!r} and --storage-options {key}: {value[key]!r} disagree; "
-                "give one of them",
+                f"{flag} {json.dumps(flag_value)} and --storage-options {key}: "
+                f"{json.dumps(given_json)} disagree; give one of them",
                 key=flag,
             )
         value[key] = flag_value
@@ -775,8 +786,9 @@ def speculative_method(text: str | None) -> Literal["", "mtp"]:
     flag = "--speculative-config"
     try:
         cfg = json.loads(text)
-    except ValueError as err:
-        raise UsageError(f"{flag}: not valid JSON ({err})", key=flag) from None
+    except (ValueError, RecursionError) as err:
+        reason = str(err) if isinstance(err, ValueError) else "nested too deeply"
+        raise UsageError(f"{flag}: not valid JSON ({reason})", key=flag) from None
     if not isinstance(cfg, dict):
         raise UsageError(f"{flag}: must be a JSON object, like vLLM's", key=flag)
     extra = sorted(set(cfg) - {"method", "num_speculative_tokens"})

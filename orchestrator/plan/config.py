@@ -451,15 +451,57 @@ def parse_config(
 ) -> ModelConfig:
     """Validate a decoded config.json. ``dtype`` is the ``--dtype`` override."""
     model = _parse_config(cfg, source, dtype)
-    if model.num_experts * model.num_hidden_layers > MAX_EXPERT_UNITS:
+    layers = model.num_hidden_layers + model.mtp_layers
+    if model.num_experts * layers > MAX_EXPERT_UNITS:
         raise ConfigError(
-            f"{source}: {model.num_experts} experts x {model.num_hidden_layers} layers is "
+            f"{source}: {model.num_experts} experts x {layers} layers (MTP included) is "
             f"above the most mxload plans ({MAX_EXPERT_UNITS} expert-layers); no released "
             "model comes near it",
             file=source,
             key="num_experts",
         )
+    for keys, width in _derived_widths(model).items():
+        if width > MAX_DIM:
+            raise ConfigError(
+                f"{source}: {keys} is {width}, above the widest tensor mxload plans "
+                f"({MAX_DIM} rows or columns); no released model comes near it",
+                file=source,
+                key=keys.split(" x ")[0],
+            )
     return model
+
+
+def _derived_widths(m: ModelConfig) -> dict[str, int]:
+    """Tensor widths the config gives as products of its keys (each key alone is bounded)."""
+    out = {
+        "num_attention_heads x head_dim x 2": m.num_attention_heads * m.head_dim * 2,
+        "num_key_value_heads x head_dim": m.num_key_value_heads * m.head_dim,
+        "n_shared_experts x moe_intermediate_size x 2": (
+            m.n_shared_experts * m.moe_intermediate_size * 2
+        ),
+        "shared_expert_intermediate_size x 2": m.shared_expert_intermediate_size * 2,
+        "moe_intermediate_size x 2": m.moe_intermediate_size * 2,
+        "intermediate_size x 2": m.intermediate_size * 2,
+        "linear_num_key_heads x linear_key_head_dim x 2 + linear_num_value_heads x "
+        "linear_value_head_dim x 2": (
+            2 * m.linear_num_key_heads * m.linear_key_head_dim
+            + 2 * m.linear_num_value_heads * m.linear_value_head_dim
+        ),
+        "num_attention_heads x (qk_nope_head_dim + qk_rope_head_dim)": (
+            m.num_attention_heads * (m.qk_nope_head_dim + m.qk_rope_head_dim)
+        ),
+        "num_attention_heads x (qk_nope_head_dim + v_head_dim)": (
+            m.num_attention_heads * (m.qk_nope_head_dim + m.v_head_dim)
+        ),
+    }
+    if m.vision is not None:
+        v = m.vision
+        out["vision_config.hidden_size x spatial_merge_size^2"] = v.merger_size
+        out["vision_config.hidden_size x 3"] = v.hidden_size * 3
+        out["vision_config in_channels x temporal_patch_size x patch_size^2"] = (
+            v.in_channels * v.temporal_patch_size * v.patch_size**2
+        )
+    return out
 
 
 def _parse_config(cfg: Mapping[str, Any], source: str, dtype: str | None) -> ModelConfig:
@@ -591,21 +633,20 @@ def _parse_qwen3_5(
         hidden_size=hidden,
         num_hidden_layers=layers,
         num_attention_heads=heads,
-        num_key_value_heads=_positive(text, "num_key_value_heads", tsrc, default=heads),
+        # vLLM's Qwen3_5TextConfig / Qwen3_5MoeTextConfig defaults.
+        num_key_value_heads=_positive(text, "num_key_value_heads", tsrc, default=2 if moe else 4),
         head_dim=_positive(text, "head_dim", tsrc, default=256),
         intermediate_size=0 if moe else _positive(text, "intermediate_size", tsrc),
         vocab_size=_positive(text, "vocab_size", tsrc),
-        tie_word_embeddings=(
-            _flag(text, "tie_word_embeddings", tsrc, default=False)
-            if "tie_word_embeddings" in text
-            else _flag(cfg, "tie_word_embeddings", source, default=False)
-        ),
+        # vLLM's Qwen3_5TextConfig sets its own (default false) after the base class has
+        # read any top-level value, and the model reads the text config's.
+        tie_word_embeddings=_flag(text, "tie_word_embeddings", tsrc, default=False),
         model_dtype=model_dtype_of(dtype_holder, dtype),
         quant=quant,
         num_experts=num_experts,
         moe_intermediate_size=_positive(text, "moe_intermediate_size", tsrc) if moe else 0,
         shared_expert_intermediate_size=(
-            _int(text, "shared_expert_intermediate_size", tsrc, default=0) if moe else 0
+            _int(text, "shared_expert_intermediate_size", tsrc, default=512) if moe else 0
         ),
         layer_types=types,
         linear_num_key_heads=_positive(text, "linear_num_key_heads", tsrc),

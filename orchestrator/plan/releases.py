@@ -148,6 +148,10 @@ _SPECULATIVE = Refusal(
 )
 _EPLB_ALL = (_EPLB, _DYNAMIC_EPLB, _EXPERT_MAP, _REDUNDANT, _SPECULATIVE)
 
+VLLM_REFUSALS = (_EPLB, _REDUNDANT, _SPECULATIVE)
+"""vLLM's own settings that no in-place reload can serve, whatever platform runs it: they
+apply to an engine without vllm-ascend (``--engine mxload``) too."""
+
 _DEEPSEEK = {
     "DeepseekV3ForCausalLM": (
         "vllm-ascend's MLA post-load derives W_UK_T and W_UV from kv_b_proj as new "
@@ -315,10 +319,11 @@ def release_of_version(version: str) -> EngineRelease:
     )
 
 
-def check_settings(release: EngineRelease, settings: Mapping[str, str]) -> list[str]:
-    """One line per engine setting ``release`` cannot be reloaded under (empty = fine)."""
+def check_settings(release: EngineRelease | None, settings: Mapping[str, str]) -> list[str]:
+    """One line per engine setting ``release`` (None: vLLM without vllm-ascend) cannot be
+    reloaded under (empty = fine)."""
     bad = []
-    for r in release.refusals:
+    for r in release.refusals if release is not None else VLLM_REFUSALS:
         value = settings.get(r.setting, r.default)
         if value not in r.allowed:
             bad.append(f"{r.setting}={value!r}: {r.reason}; {r.fix}")

@@ -86,6 +86,14 @@ def check_file_target(path: str | None, flag: str) -> None:
     p = _through_link(local_path(path))
     if os.path.isdir(p):
         raise OutputError(f"{flag} {path}: is a folder; give a file name", file=path, key=flag)
+    if os.path.lexists(p) and not os.path.isfile(p):
+        # The rename would replace a device, FIFO or socket (as root, /dev/null itself).
+        raise OutputError(
+            f"{flag} {path}: exists and is not a regular file (a device, FIFO or socket); "
+            "give a file name",
+            file=path,
+            key=flag,
+        )
     _probe_parent(p, path, flag)
 
 

@@ -151,6 +151,11 @@ def assert_refused(got: tuple[int, str, str], *names: str, code: int = 2) -> str
 # --- refusals: exit 2, `mxload: error:`, names what is wrong, starts nothing -------------------
 
 
+def _fifo(path: Path) -> str:
+    os.mkfifo(path)
+    return str(path)
+
+
 def _sparse(path: Path, size: int) -> str:
     """A sparse file of ``size`` bytes (no disk used): a config nobody should read whole."""
     with open(path, "wb") as f:
@@ -165,7 +170,55 @@ def _spec(method: str, tokens: int, **more: str) -> str:
     return json.dumps({"method": method, "num_speculative_tokens": tokens, **more})
 
 
+def _written(path: Path, text: str) -> str:
+    path.write_text(text)
+    return str(path)
+
+
 REFUSALS: dict[str, tuple[Callable[[Path, dict[str, str]], list[str]], list[str]]] = {
+    "config-nested-too-deeply": (
+        lambda w, c: ["plan", "--config", _written(w / "deep.json", "[" * 30000 + "]" * 30000)],
+        ["--config", "deep.json", "nested too deeply"],
+    ),
+    "speculative-config-nested-too-deeply": (
+        lambda w, c: ["plan", "--model", "qwen3.8-27b-fp8", "--speculative-config", "[" * 30000],
+        ["--speculative-config", "nested too deeply"],
+    ),
+    "storage-options-file-nested-too-deeply": (
+        lambda w, c: [
+            "inspect",
+            c["v1"],
+            "--storage-options",
+            "@" + _written(w / "o.json", "[" * 30000),
+        ],
+        ["--storage-options", "o.json", "nested too deeply"],
+    ),
+    "storage-options-huge-integer": (
+        lambda w, c: [
+            "inspect",
+            c["v1"],
+            "--storage-options",
+            '{"mxload_read_timeout_s": ' + "1" * 5000 + "}",
+        ],
+        ["--storage-options", "not valid JSON", "digits"],
+    ),
+    "report-is-a-fifo": (
+        lambda w, c: ["load", c["v1"], "--device", "cpu", "--report", _fifo(w / "fifo")],
+        ["--report", "fifo", "not a regular file"],
+    ),
+    "report-and-dump-same-path": (
+        lambda w, c: [
+            "load",
+            c["v1"],
+            "--device",
+            "cpu",
+            "--report",
+            str(w / "o"),
+            "--dump",
+            str(w / "o"),
+        ],
+        ["--report", "--dump", "same path"],
+    ),
     "unknown-preset": (
         lambda w, c: ["make-checkpoint", str(w / "x"), "--preset", "nope"],
         ["--preset", "nope", "qwen3-moe-tiny"],

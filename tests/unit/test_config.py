@@ -371,3 +371,48 @@ def test_experts_times_layers_is_bounded() -> None:
     cfg["num_hidden_layers"] = 129
     with pytest.raises(ConfigError, match=r"1024 experts x 129 layers .* \(131072 expert-layers\)"):
         parse_config(cfg, SRC)
+
+
+@pytest.mark.parametrize(
+    "file,where,changes,names",
+    [
+        ("qwen3-32b-fp8.json", (), {"num_attention_heads": 1 << 20, "head_dim": 1 << 20}, "num_attention_heads x head_dim"),
+        ("qwen3.8-27b-fp8.json", ("vision_config",), {"spatial_merge_size": 1 << 11}, "spatial_merge_size^2"),
+        ("deepseek-v3.json", (), {"n_shared_experts": 1 << 11, "moe_intermediate_size": 1 << 11}, "n_shared_experts x moe_intermediate_size"),
+        ("qwen3.8-27b-fp8.json", ("text_config",), {"linear_num_value_heads": 1 << 12, "linear_value_head_dim": 1 << 12}, "linear_num_key_heads"),
+        ("qwen3.5-397b-a17b-fp8.json", ("text_config",), {"num_experts": 4096, "mtp_num_hidden_layers": 16, "num_hidden_layers": 24, "layer_types": None}, "(MTP included)"),
+    ],
+)  # fmt: skip
+def test_widths_that_are_products_of_bounded_keys_are_bounded(
+    file: str, where: tuple[str, ...], changes: dict[str, Any], names: str
+) -> None:
+    # Each key alone within its bound; the tensor width (or expert count) they make ran
+    # plan out of memory before.
+    cfg = real(file)
+    holder = cfg
+    for part in where:
+        holder = holder[part]
+    for key, value in changes.items():
+        if value is None:
+            holder.pop(key, None)
+        else:
+            holder[key] = value
+    with pytest.raises(ConfigError) as info:
+        parse_config(cfg, SRC)
+    assert names in str(info.value) and "above" in str(info.value)
+
+
+def test_qwen3_5_defaults_are_vllms_text_config_defaults() -> None:
+    # vLLM's Qwen3_5(Moe)TextConfig: tie_word_embeddings false whatever the top level says,
+    # num_key_value_heads 4 (dense) / 2 (MoE), shared_expert_intermediate_size 512.
+    dense = real("qwen3.8-27b-fp8.json")
+    dense["tie_word_embeddings"] = True
+    for key in ("tie_word_embeddings", "num_key_value_heads"):
+        dense["text_config"].pop(key, None)
+    mc = parse_config(dense, SRC)
+    assert mc.tie_word_embeddings is False and mc.num_key_value_heads == 4
+    moe = real("qwen3.5-397b-a17b-fp8.json")
+    for key in ("num_key_value_heads", "shared_expert_intermediate_size"):
+        moe["text_config"].pop(key, None)
+    mc = parse_config(moe, SRC)
+    assert mc.num_key_value_heads == 2 and mc.shared_expert_intermediate_size == 512

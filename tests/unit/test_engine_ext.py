@@ -316,6 +316,28 @@ def test_engine_settings_are_refused_naming_the_setting(
     assert mx.attach(src, engine=engine)[0]["engine"] == engine_profile(engine).name
 
 
+@pytest.mark.parametrize(
+    ("change", "setting"),
+    [
+        ({"speculative": SimpleNamespace(method="eagle")}, "speculative_config='eagle'"),
+        ({"enable_eplb": True}, "enable_eplb='1'"),
+        ({"redundant": 2}, "num_redundant_experts='2'"),
+    ],
+)
+def test_vllm_settings_are_refused_without_vllm_ascend(change, setting, ckpt_factory, fake_vllm):
+    # Plain vLLM (--engine mxload, no vllm-ascend installed): an EAGLE drafter or EPLB
+    # would leave weights mxload never writes, as under any release.
+    src = ckpt_factory("qwen3-moe-tiny", seed=1, overrides=OVERRIDES)
+    workers, mx = _one(src, "mxload", fake_vllm)
+    _configure(workers, change)
+    with pytest.raises(AdoptionError) as err:
+        mx.attach(src, engine="mxload")
+    msg = str(err.value)
+    assert "\n" not in msg and setting in msg and "--engine mxload" in msg, msg
+    _configure(workers, {})
+    assert mx.attach(src, engine="mxload")[0]["engine"] == "mxload"
+
+
 def test_one_llm_per_dp_rank_reloads_as_one_engine(ckpt_factory, fake_vllm, monkeypatch):
     monkeypatch.setenv("VLLM_ASCEND_ENABLE_NZ", "0")
     src1 = ckpt_factory("qwen3-moe-tiny", seed=1)
