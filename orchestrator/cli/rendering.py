@@ -338,6 +338,11 @@ def layout_header(
         and not model.get("num_experts")
         and (par["enable_expert_parallel"] or placement != "linear")
     )
+    no_tower = (
+        model is not None
+        and par.get("mm_encoder_tp_mode") == "data"
+        and (not model.get("vision_depth") or bool(par.get("language_model_only")))
+    )
     lines = [
         f"layout: tp={par['tp']} dp={par['dp']} pp={par['pp']} "
         f"ep={'on' if par['enable_expert_parallel'] else 'off'} "
@@ -354,6 +359,7 @@ def layout_header(
             else ""
         )
         + (" (a dense model: ep and expert_placement change nothing)" if no_experts else "")
+        + (" (no vision tower planned: mm-encoder-tp-mode changes nothing)" if no_tower else "")
     ]
     if defaults_used:
         lines.append("defaults used: " + ", ".join(defaults_used))

@@ -711,6 +711,24 @@ def test_size_help_says_which_unit_is_binary(capsys: pytest.CaptureFixture[str])
         ("qwen3-30b-a3b-fp8", ["--enable-expert-parallel"], False),
     ],
 )
+@pytest.mark.parametrize(
+    "model,extra,noted",
+    [
+        ("qwen3-32b-fp8", [], True),
+        ("qwen3.8-27b-fp8", ["--language-model-only"], True),
+        ("qwen3.8-27b-fp8", [], False),
+    ],
+)
+def test_encoder_mode_without_a_planned_tower_is_called_out(
+    model: str, extra: list[str], noted: bool, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert (
+        main(["plan", "--model", model, "--tp", "4", "--mm-encoder-tp-mode", "data", *extra]) == 0
+    )
+    layout = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("layout:"))
+    assert ("mm-encoder-tp-mode changes nothing" in layout) == noted
+
+
 def test_expert_flags_on_a_dense_model_are_called_out(
     model: str, extra: list[str], noted: bool, capsys: pytest.CaptureFixture[str]
 ) -> None:
