@@ -24,7 +24,7 @@ not have at tp 2 and 4.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import numpy as np
 import pytest
@@ -119,11 +119,17 @@ def _mx_of(engine_value: torch.Tensor, held: torch.Tensor, scale: torch.Tensor, 
 
 
 def check_against_vllm(
-    models: Models, ckpts: tuple[str, str], layout: ParallelLayout, engine: str
+    models: Models,
+    ckpts: tuple[str, str],
+    layout: ParallelLayout,
+    engine: str,
+    parameters: Callable[[str, RankOf], dict[str, torch.Tensor]] | None = None,
 ) -> int:
     """Every rank of ``layout``: the plain session equals vLLM's parameters byte for byte;
     the MX session's MX units are the independent reference's MXFP8 of them. Returns how
-    many MX buffers were compared."""
+    many MX buffers were compared. ``parameters`` gives a rank's engine parameters by
+    mxload's names (default: the model's, ``Models.parameters``)."""
+    parameters = parameters or models.parameters
     fp8, bf16 = ckpts
     plain_meta, mx_meta = open_checkpoint(bf16), open_checkpoint(fp8)
     plain_plan = build_plan(plain_meta.config, layout, checkpoint=plain_meta, engine=engine)
@@ -131,7 +137,7 @@ def check_against_vllm(
     plain, mx = mxload_ranks(plain_plan, bf16), mxload_ranks(mx_plan, bf16)
     n_mx = 0
     for r, rp in enumerate(plain_plan.ranks):
-        engine_params = models.parameters(
+        engine_params = parameters(
             bf16,
             RankOf(
                 tp=layout.tp,
@@ -142,6 +148,8 @@ def check_against_vllm(
                 dp_rank=rp.dp_rank,
                 expert_parallel=layout.enable_expert_parallel,
                 language_model_only=layout.language_model_only,
+                mm_encoder_tp_mode=layout.mm_encoder_tp_mode,
+                speculative_method=layout.speculative_method,
             ),
         )
         # 1. the plain session: every buffer is the engine's parameter, byte for byte

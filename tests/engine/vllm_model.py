@@ -10,6 +10,13 @@ config names (``Qwen3_5ForConditionalGeneration``, ``Qwen3_5MoeForConditionalGen
 ``load_weights`` (its ``AutoWeightsLoader``, mapper, ``make_layers``/``PPMissingLayer``,
 ``FusedMoE``, ``QKVParallelLinear``, ...) on every tensor of the checkpoint. Every parameter's
 name, shape, dtype and value is vLLM's; nothing of vLLM is copied into the repository.
+With a speculative method (``RankOf.speculative_method``), :meth:`Models.with_drafter`
+also builds the drafter: the ``VllmConfig`` carries vLLM's own ``SpeculativeConfig``
+(``num_speculative_tokens`` 1, the target's model and parallel configs, as
+``EngineArgs.create_speculative_config`` passes them), whose draft model config names
+the class (``hf_config_override``: ``Qwen3_5MTP``, ``Qwen3_5MoeMTP`` of
+``models/qwen3_5_mtp.py``); that class is built under the target's ``VllmConfig`` and
+loaded by its own ``load_weights``, as the proposer's ``get_model`` does.
 
 What is not vLLM's, each named:
 
@@ -32,7 +39,7 @@ What is not vLLM's, each named:
   tests/engine/sources.py's ``Stub``, given only to imports, never to availability probes
   such as ``importlib.util.find_spec``).
 
-Settings, each as vLLM or vllm-ascend would have them: the three architectures are
+Settings, each as vLLM or vllm-ascend would have them: the architectures (and drafters) are
 registered with ``ModelRegistry.register_model`` as classes (its lazy entries would
 inspect them in a subprocess); ``all2all_backend`` is :data:`ALL2ALL`, what vllm-ascend
 0.23 sets; prefix caching off, as ``CpuPlatform`` would turn it for linear attention; the
@@ -99,6 +106,9 @@ _ARCHS = {
     "Qwen3_5ForConditionalGeneration": "qwen3_5",
     "Qwen3_5MoeForConditionalGeneration": "qwen3_5",
     "DeepseekV3ForCausalLM": "deepseek_v2",
+    # the MTP drafters SpeculativeConfig names for method "mtp" (hf_config_override)
+    "Qwen3_5MTP": "qwen3_5_mtp",
+    "Qwen3_5MoeMTP": "qwen3_5_mtp",
 }
 
 
@@ -162,6 +172,8 @@ class RankOf:
     dp_rank: int = 0
     expert_parallel: bool = False
     language_model_only: bool = False
+    mm_encoder_tp_mode: str = "weights"
+    speculative_method: str = ""
 
 
 class Models:
@@ -174,6 +186,7 @@ class Models:
             LoadConfig,
             ModelConfig,
             ParallelConfig,
+            SpeculativeConfig,
             VllmConfig,
             set_current_vllm_config,
         )
@@ -187,6 +200,7 @@ class Models:
             load=LoadConfig,
             model=ModelConfig,
             parallel=ParallelConfig,
+            speculative=SpeculativeConfig,
             vllm=VllmConfig,
             current=set_current_vllm_config,
             dtype=set_default_torch_dtype,
@@ -212,9 +226,10 @@ class Models:
             g.device_group = g.cpu_group = _ProcessGroup(world, rank)
             setattr(ps, name, g)
 
-    def parameters(self, checkpoint: str, at: RankOf) -> dict[str, torch.nn.Parameter]:
-        """One rank's parameters: vLLM's model of ``checkpoint``'s config built for ``at``,
-        after its own ``load_weights`` over every tensor of ``checkpoint``."""
+    def _vllm_config(self, checkpoint: str, at: RankOf) -> Any:
+        """vLLM's ``VllmConfig`` of ``checkpoint`` for the rank ``at``; with its
+        ``speculative_config`` made as ``EngineArgs.create_speculative_config`` makes it from
+        ``--speculative-config '{"method": ..., "num_speculative_tokens": 1}'``."""
         c = self.config
         self._groups(at)
         model_config = c.model(
@@ -223,27 +238,43 @@ class Models:
             dtype="bfloat16",
             enforce_eager=True,
             language_model_only=at.language_model_only,
+            mm_encoder_tp_mode=at.mm_encoder_tp_mode,
         )
-        vllm_config = c.vllm(
+        parallel_config = c.parallel(
+            tensor_parallel_size=at.tp,
+            pipeline_parallel_size=at.pp,
+            data_parallel_size=at.dp,
+            data_parallel_rank=at.dp_rank,
+            enable_expert_parallel=at.expert_parallel,
+            # what vllm-ascend 0.23's NPUPlatform.check_and_update_config sets
+            # (platform.py:659-662) to turn vLLM's sequence-parallel MoE off; vLLM's
+            # default (allgather_reducescatter) replicates the shared experts
+            # (disable_tp) when tp > 1, dp > 1 and expert parallel
+            all2all_backend=ALL2ALL,
+        )
+        speculative = None
+        if at.speculative_method:
+            speculative = c.speculative(
+                method=at.speculative_method,
+                num_speculative_tokens=1,
+                target_model_config=model_config,
+                target_parallel_config=parallel_config,
+            )
+        return c.vllm(
             model_config=model_config,
-            parallel_config=c.parallel(
-                tensor_parallel_size=at.tp,
-                pipeline_parallel_size=at.pp,
-                data_parallel_size=at.dp,
-                data_parallel_rank=at.dp_rank,
-                enable_expert_parallel=at.expert_parallel,
-                # what vllm-ascend 0.23's NPUPlatform.check_and_update_config sets
-                # (platform.py:659-662) to turn vLLM's sequence-parallel MoE off; vLLM's
-                # default (allgather_reducescatter) replicates the shared experts
-                # (disable_tp) when tp > 1, dp > 1 and expert parallel
-                all2all_backend=ALL2ALL,
-            ),
+            parallel_config=parallel_config,
+            speculative_config=speculative,
             device_config=c.device("cpu"),
             load_config=c.load(),
             # CpuPlatform turns prefix caching off for linear attention; said here so
             # that the mamba block size it implies is not set
             cache_config=c.cache(enable_prefix_caching=False),
         )
+
+    def _built(self, checkpoint: str, vllm_config: Any, model_config: Any) -> torch.nn.Module:
+        """The class ``model_config`` names, built under ``vllm_config`` as vLLM's
+        ``initialize_model`` builds it, after its own ``load_weights`` over every tensor of
+        ``checkpoint``."""
         arch = model_config.architectures[0]
         cls = getattr(sys.modules[f"vllm.model_executor.models.{_ARCHS[arch]}"], arch)
         weights: dict[str, torch.Tensor] = {}
@@ -252,12 +283,44 @@ class Models:
         # each rank of vLLM is its own process: its cache of pipeline-missing layers, keyed
         # by id(model), must not answer for an earlier (freed) model of this process
         self.model_utils._model_to_pp_missing_layer_names.clear()
+        c = self.config
         with c.current(vllm_config), c.dtype(model_config.dtype), torch.device("cpu"):
-            model = cls(vllm_config=vllm_config)
+            model: torch.nn.Module = cls(vllm_config=vllm_config)
             loaded = model.load_weights(iter(weights.items()))
         params = dict(model.named_parameters())
         assert set(params) <= set(loaded), set(params) - set(loaded)
-        return params
+        return model
+
+    def parameters(self, checkpoint: str, at: RankOf) -> dict[str, torch.nn.Parameter]:
+        """One rank's parameters: vLLM's model of ``checkpoint``'s config built for ``at``,
+        after its own ``load_weights`` over every tensor of ``checkpoint``."""
+        vllm_config = self._vllm_config(checkpoint, at)
+        model = self._built(checkpoint, vllm_config, vllm_config.model_config)
+        return dict(model.named_parameters())
+
+    def with_drafter(self, checkpoint: str, at: RankOf) -> Built:
+        """One rank's target model and drafter (``at.speculative_method``), each after its
+        own ``load_weights`` over every tensor of ``checkpoint``: the drafter is the class
+        of the draft model config ``SpeculativeConfig`` derives (``Qwen3_5MTP``, ...),
+        built under the target's ``VllmConfig`` as the proposer's ``get_model`` builds it
+        (its ``_create_draft_vllm_config`` changes the attention backend only)."""
+        assert at.speculative_method, at
+        vllm_config = self._vllm_config(checkpoint, at)
+        draft = vllm_config.speculative_config.draft_model_config
+        return Built(
+            vllm_config,
+            self._built(checkpoint, vllm_config, vllm_config.model_config),
+            self._built(checkpoint, vllm_config, draft),
+        )
+
+
+@dataclass(frozen=True)
+class Built:
+    """A rank's ``VllmConfig``, its target model and its drafter, as vLLM built them."""
+
+    vllm_config: Any
+    target: torch.nn.Module
+    drafter: torch.nn.Module
 
 
 @contextmanager
