@@ -40,6 +40,8 @@ from __future__ import annotations
 import importlib
 import json
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -54,6 +56,7 @@ from tests.engine import sources
 from tests.engine.sources import Stub, stubbed_packages
 
 OVERRIDES = {"moe_intermediate_size": 256}
+ROOTS = {"vllm", "vllm_ascend", "transformers", "torch_npu"}
 
 # (vLLM prefix, layer class, kept in the model dtype)
 LAYERS = [
@@ -137,7 +140,10 @@ def _real(root: Path, names: list[str]) -> dict[str, Path]:
     return out
 
 
-def test_modelopt_output_through_vllm_ascend_0_30(outputs: dict[str, str]) -> None:
+@contextmanager
+def _modelopt_0_30() -> Iterator[SimpleNamespace]:
+    """vllm-ascend 0.30.0rc2's ModelOpt MXFP8 config on vLLM 0.30.0's real modelopt.py, and
+    vLLM's ``models/utils.py`` (``WeightsMapper``), with the layer placeholders."""
     va = sources.vllm_ascend_sdist("0.30.0rc2")
     vllm = sources.vllm_wheel("0.30.0")
     real = {
@@ -147,6 +153,7 @@ def test_modelopt_output_through_vllm_ascend_0_30(outputs: dict[str, str]) -> No
                 "vllm.model_executor.layers.quantization.modelopt",
                 "vllm.model_executor.layers.quantization.base_config",
                 "vllm.model_executor.layers.quantization.utils.quant_utils",
+                "vllm.model_executor.models.utils",
             ],
         ),
         **_real(
@@ -159,49 +166,42 @@ def test_modelopt_output_through_vllm_ascend_0_30(outputs: dict[str, str]) -> No
     }
     given: dict[str, Any] = {}
     classes = _vllm_layers(given)
-    with open(os.path.join(outputs["modelopt"], "config.json")) as f:
-        qc = json.load(f)["quantization_config"]
-    roots = {"vllm", "vllm_ascend", "transformers", "torch_npu"}
-    with stubbed_packages(roots, real, given):
+    with stubbed_packages(ROOTS, real, given):
         m = importlib.import_module("vllm_ascend.quantization.configs.modelopt_mxfp8_config")
         # vLLM 0.30's MoE layer: is_fused_moe_layer asks for RoutedExperts / MoERunner
         classes["FusedMoE"] = classes["RoutedExperts"]
-
-        def dispatch(config: dict[str, Any]) -> dict[str, str]:
-            cfg = m.AscendModelOptMxFp8Config.from_config(config)
-            return {
-                prefix: type(cfg.get_quant_method(_layer(classes, kind), prefix)).__name__
-                for prefix, kind, _ in LAYERS
-            }
-
-        got = dispatch(qc)
-        # What convert wrote under the key vLLM reads in config.json ("exclude_modules"
-        # in this flat form is not read: everything would be quantized).
-        old = {k: v for k, v in qc.items() if k != "ignore"} | {"exclude_modules": qc["ignore"]}
-        before = dispatch(old)
-    assert got == WANT
-    # Under "exclude_modules" the engine gives lm_head and the router MXFP8 methods, whose
-    # FP8 weight and scale do not fit the checkpoint's BF16 tensors.
-    assert before["lm_head"] == before["model.layers.1.mlp.gate"] == "AscendLinearMethod"
+        yield SimpleNamespace(
+            config=m.AscendModelOptMxFp8Config,
+            classes=classes,
+            utils=importlib.import_module("vllm.model_executor.models.utils"),
+            vllm=vllm,
+        )
 
 
-def test_ascend_output_through_vllm_ascend_0_23(outputs: dict[str, str]) -> None:
+@contextmanager
+def _modelslim_0_23(model_type: str) -> Iterator[SimpleNamespace]:
+    """vllm-ascend 0.23.0.post1's ModelSlim config and MXFP8 schemes, and vLLM 0.23.0's
+    ``models/utils.py``, under a current vLLM config of ``model_type``."""
     va = sources.vllm_ascend_sdist("0.23.0.post1")
+    vllm = sources.vllm_wheel("0.23.0")
     q = "vllm_ascend.quantization"
-    real = _real(
-        va,
-        [
-            f"{q}.modelslim_config",
-            f"{q}.utils",
-            f"{q}.quant_type",
-            f"{q}.methods",
-            f"{q}.methods.base",
-            f"{q}.methods.registry",
-            f"{q}.methods.w8a8_mxfp8",
-        ],
-    )
+    real = {
+        **_real(
+            va,
+            [
+                f"{q}.modelslim_config",
+                f"{q}.utils",
+                f"{q}.quant_type",
+                f"{q}.methods",
+                f"{q}.methods.base",
+                f"{q}.methods.registry",
+                f"{q}.methods.w8a8_mxfp8",
+            ],
+        ),
+        **_real(vllm, ["vllm.model_executor.models.utils"]),
+    }
     vllm_config = SimpleNamespace(
-        model_config=SimpleNamespace(hf_config=SimpleNamespace(model_type="qwen3_moe")),
+        model_config=SimpleNamespace(hf_config=SimpleNamespace(model_type=model_type)),
         quant_config=SimpleNamespace(quant_description={"group_size": 32}),
         compilation_config=SimpleNamespace(mode=0),
         use_v2_model_runner=False,
@@ -221,15 +221,47 @@ def test_ascend_output_through_vllm_ascend_0_23(outputs: dict[str, str]) -> None
         "vllm.logger": Stub("vllm.logger", logger=sources.QuietLogger()),
     }
     classes = _vllm_layers(given)
-    roots = {"vllm", "vllm_ascend", "transformers", "torch_npu"}
-    with stubbed_packages(roots, real, given):
-        ms = importlib.import_module(f"{q}.modelslim_config")
-        mx = importlib.import_module(f"{q}.methods.w8a8_mxfp8")
+    with stubbed_packages(ROOTS, real, given):
+        yield SimpleNamespace(
+            ms=importlib.import_module(f"{q}.modelslim_config"),
+            mx=importlib.import_module(f"{q}.methods.w8a8_mxfp8"),
+            classes=classes,
+            utils=importlib.import_module("vllm.model_executor.models.utils"),
+            vllm=vllm,
+        )
+
+
+def test_modelopt_output_through_vllm_ascend_0_30(outputs: dict[str, str]) -> None:
+    with open(os.path.join(outputs["modelopt"], "config.json")) as f:
+        qc = json.load(f)["quantization_config"]
+    with _modelopt_0_30() as eng:
+
+        def dispatch(config: dict[str, Any]) -> dict[str, str]:
+            cfg = eng.config.from_config(config)
+            return {
+                prefix: type(cfg.get_quant_method(_layer(eng.classes, kind), prefix)).__name__
+                for prefix, kind, _ in LAYERS
+            }
+
+        got = dispatch(qc)
+        # What convert wrote under the key vLLM reads in config.json ("exclude_modules"
+        # in this flat form is not read: everything would be quantized).
+        old = {k: v for k, v in qc.items() if k != "ignore"} | {"exclude_modules": qc["ignore"]}
+        before = dispatch(old)
+    assert got == WANT
+    # Under "exclude_modules" the engine gives lm_head and the router MXFP8 methods, whose
+    # FP8 weight and scale do not fit the checkpoint's BF16 tensors.
+    assert before["lm_head"] == before["model.layers.1.mlp.gate"] == "AscendLinearMethod"
+
+
+def test_ascend_output_through_vllm_ascend_0_23(outputs: dict[str, str]) -> None:
+    with _modelslim_0_23("qwen3_moe") as eng:
+        ms = eng.ms
         cfg = ms.AscendModelSlimConfig()
         cfg.maybe_update_config(outputs["ascend"])
         assert cfg.quant_description["group_size"] == 32
         methods = {
-            prefix: type(cfg.get_quant_method(_layer(classes, kind), prefix)).__name__
+            prefix: type(cfg.get_quant_method(_layer(eng.classes, kind), prefix)).__name__
             for prefix, kind, _ in LAYERS
         }
         mapping = ms.get_packed_modules_mapping("qwen3_moe")
@@ -245,6 +277,7 @@ def test_ascend_output_through_vllm_ascend_0_23(outputs: dict[str, str]) -> None
             for prefix, kind, kept in LAYERS
             if not kept
         }
+        mx = eng.mx
     assert methods == WANT
     assert schemes["model.layers.0.self_attn.qkv_proj"] is mx.AscendW8A8MXFP8DynamicLinearMethod
     assert schemes["model.layers.1.mlp.experts"] is mx.AscendW8A8MXFP8DynamicFusedMoEMethod
@@ -362,43 +395,17 @@ def test_family_modelopt_output_through_vllm_ascend_0_30(
     preset: str, ckpt_factory, tmp_path_factory
 ) -> None:
     model_type, layers, out = _family(preset, "modelopt", ckpt_factory, tmp_path_factory)
-    va = sources.vllm_ascend_sdist("0.30.0rc2")
-    vllm = sources.vllm_wheel("0.30.0")
-    real = {
-        **_real(
-            vllm,
-            [
-                "vllm.model_executor.layers.quantization.modelopt",
-                "vllm.model_executor.layers.quantization.base_config",
-                "vllm.model_executor.layers.quantization.utils.quant_utils",
-                "vllm.model_executor.models.utils",
-            ],
-        ),
-        **_real(
-            va,
-            [
-                "vllm_ascend.quantization.configs.modelopt_mxfp8_config",
-                "vllm_ascend.quantization.utils",
-            ],
-        ),
-    }
-    given: dict[str, Any] = {}
-    classes = _vllm_layers(given)
     with open(os.path.join(out, "config.json")) as f:
         qc = json.load(f)["quantization_config"]
-    roots = {"vllm", "vllm_ascend", "transformers", "torch_npu"}
-    with stubbed_packages(roots, real, given):
-        m = importlib.import_module("vllm_ascend.quantization.configs.modelopt_mxfp8_config")
-        utils = importlib.import_module("vllm.model_executor.models.utils")
-        classes["FusedMoE"] = classes["RoutedExperts"]  # vLLM 0.30's MoE layer
-        model = _model_class_attrs(vllm, FAMILIES[preset][1], utils.WeightsMapper)
-        cfg = m.AscendModelOptMxFp8Config.from_config(qc)
+    with _modelopt_0_30() as eng:
+        model = _model_class_attrs(eng.vllm, FAMILIES[preset][1], eng.utils.WeightsMapper)
+        cfg = eng.config.from_config(qc)
         # What vLLM's loader does before building the model (configure_quant_config).
         cfg.packed_modules_mapping = model.packed_modules_mapping | _INIT_PACKED.get(model_type, {})
         if model.hf_to_vllm_mapper is not None:
             cfg.apply_vllm_mapper(model.hf_to_vllm_mapper)
         got = {
-            prefix: type(cfg.get_quant_method(_layer(classes, kind), prefix)).__name__
+            prefix: type(cfg.get_quant_method(_layer(eng.classes, kind), prefix)).__name__
             for prefix, kind, _ in layers
         }
     assert got == _want(layers)
@@ -409,58 +416,16 @@ def test_family_ascend_output_through_vllm_ascend_0_23(
     preset: str, ckpt_factory, tmp_path_factory
 ) -> None:
     model_type, layers, out = _family(preset, "ascend", ckpt_factory, tmp_path_factory)
-    va = sources.vllm_ascend_sdist("0.23.0.post1")
-    vllm = sources.vllm_wheel("0.23.0")
-    q = "vllm_ascend.quantization"
-    real = {
-        **_real(
-            va,
-            [
-                f"{q}.modelslim_config",
-                f"{q}.utils",
-                f"{q}.quant_type",
-                f"{q}.methods",
-                f"{q}.methods.base",
-                f"{q}.methods.registry",
-                f"{q}.methods.w8a8_mxfp8",
-            ],
-        ),
-        **_real(vllm, ["vllm.model_executor.models.utils"]),
-    }
-    vllm_config = SimpleNamespace(
-        model_config=SimpleNamespace(hf_config=SimpleNamespace(model_type=model_type)),
-        quant_config=SimpleNamespace(quant_description={"group_size": 32}),
-        compilation_config=SimpleNamespace(mode=0),
-        use_v2_model_runner=False,
-    )
-    given: dict[str, Any] = {
-        "vllm.config": Stub(
-            "vllm.config",
-            Path("/nonexistent"),
-            get_current_vllm_config=lambda: vllm_config,
-            get_current_vllm_config_or_none=lambda: vllm_config,
-        ),
-        "vllm_ascend.utils": Stub(
-            "vllm_ascend.utils",
-            ASCEND_QUANTIZATION_METHOD="ascend",
-            vllm_version_is=lambda v: v == "0.23.0",
-        ),
-        "vllm.logger": Stub("vllm.logger", logger=sources.QuietLogger()),
-    }
-    classes = _vllm_layers(given)
-    roots = {"vllm", "vllm_ascend", "transformers", "torch_npu"}
-    with stubbed_packages(roots, real, given):
-        ms = importlib.import_module(f"{q}.modelslim_config")
-        utils = importlib.import_module("vllm.model_executor.models.utils")
-        model = _model_class_attrs(vllm, FAMILIES[preset][1], utils.WeightsMapper)
-        cfg = ms.AscendModelSlimConfig()
+    with _modelslim_0_23(model_type) as eng:
+        model = _model_class_attrs(eng.vllm, FAMILIES[preset][1], eng.utils.WeightsMapper)
+        cfg = eng.ms.AscendModelSlimConfig()
         cfg.maybe_update_config(out)
         # What vLLM's loader does before building the model (configure_quant_config); the
         # packed modules are vllm-ascend's own table for the model type.
         if model.hf_to_vllm_mapper is not None:
             cfg.apply_vllm_mapper(model.hf_to_vllm_mapper)
         got = {
-            prefix: type(cfg.get_quant_method(_layer(classes, kind), prefix)).__name__
+            prefix: type(cfg.get_quant_method(_layer(eng.classes, kind), prefix)).__name__
             for prefix, kind, _ in layers
         }
     assert got == _want(layers)
