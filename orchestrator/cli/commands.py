@@ -127,6 +127,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         device=args.device,
         remote=flags.is_remote(args.src),
         engine=args.engine,
+        # the time model takes a plan without --src as read from an object store
+        read_ahead=not (bool(args.src) and not flags.is_remote(args.src)),
     )
     if budget is not None and budget < plan.min_staging_load:
         raise StagingBudgetError(
@@ -227,6 +229,7 @@ def request_bound(
                     device=args.device,
                     remote=flags.is_remote(args.src),
                     engine=args.engine,
+                    read_ahead=not (bool(args.src) and not flags.is_remote(args.src)),
                 )
             )
         except MxloadError as err:  # the layout cannot take it (e.g. fewer experts than ranks)

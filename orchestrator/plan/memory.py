@@ -66,6 +66,11 @@ class UnitCost:
         return self.pool + self.transient
 
 
+REMOTE_READ_AHEAD = 8
+"""Steps a rank reading an object store keeps in flight ahead of the one converting
+(within its staging budget). bench/bench_whole_rows.py measured it."""
+
+
 @dataclass(frozen=True)
 class ConvertOptions:
     """What decides the per-unit cost besides the unit itself."""
@@ -78,6 +83,11 @@ class ConvertOptions:
     device: str = "cpu"
     block_n: int = 128
     """Row alignment of chunks: the source's tile height for block-FP8, else 1."""
+    read_ahead: int = 1
+    """Most steps whose reads are in flight ahead of the converting one. Remote reads
+    wait a request latency each, so a rank reading an object store keeps
+    :data:`REMOTE_READ_AHEAD` of them going; a local read has no such wait and keeps
+    one, read on the converting thread when small."""
 
     @classmethod
     def for_source(
@@ -88,16 +98,19 @@ class ConvertOptions:
         *,
         fused: bool = True,
         device: str = "cpu",
+        remote: bool = False,
     ) -> ConvertOptions:
         """The options of a run reading a ``source_quant`` checkpoint whose block-FP8
-        tiles are ``source_block_n`` rows high. The planner, a session and every rank
-        build theirs here, so the plan's estimate and the rank's schedule chunk alike."""
+        tiles are ``source_block_n`` rows high, from an object store when ``remote``.
+        The planner, a session and every rank build theirs here, so the plan's estimate
+        and the rank's schedule chunk and read ahead alike."""
         return cls(
             model_dtype=model_dtype,
             source_quant=source_quant,
             fused=fused,
             device=device,
             block_n=source_block_n if source_quant == "block_fp8" else 1,
+            read_ahead=REMOTE_READ_AHEAD if remote else 1,
         )
 
 
@@ -178,6 +191,9 @@ class StepPlan:
     chunks: tuple[Chunk, ...]
     """Row chunks of unit ``first`` (one whole-unit chunk when it is not chunked)."""
     prefetch_next: bool
+    ahead_to: int = -1
+    """The last step whose reads are taken (and in flight) while this one converts;
+    below the next step's index when none is."""
 
     @property
     def units(self) -> range:
@@ -265,6 +281,11 @@ def schedule(
     whole = [unit_cost(u, u.rows, read_fn(u, 0, u.rows), opts) for u in units]
     spans = _steps(units, whole, opts, budget)
     step_cost = [whole[f] if n == 1 else _sum_costs(whole[f : f + n]) for f, n in spans]
+    reads_to = [0]
+    for cost_s in step_cost:
+        reads_to.append(reads_to[-1] + cost_s.read)
+    end = -1  # the last step whose reads are taken so far
+    waits = 0.0
     for s, (first, count) in enumerate(spans):
         unit = units[first]
         if step_cost[s].pool <= budget:
@@ -291,16 +312,15 @@ def schedule(
                 unit_cost(unit, c.end - c.start, read_fn(unit, c.start, c.end), opts)
                 for c in chunks
             ]
-        prefetch = (
-            len(chunks) == 1
-            and s + 1 < len(spans)
-            and step_cost[s + 1].pool <= budget
-            and step_cost[s].pool + step_cost[s + 1].read <= budget
-        )
+        if len(chunks) == 1:
+            end = _extend_ahead(s, max(end, s), step_cost, reads_to, budget, opts.read_ahead)
+        prefetch = end > s
         any_prefetch = any_prefetch or prefetch
-        ahead = step_cost[s + 1].read if prefetch else 0
-        # While this step's reads land, the previous step may have prefetched them already;
-        # the pool holds this step's chunk (read + out + scratch) plus the next step's reads.
+        waits += 1.0 / (end - s) if prefetch else 1.0
+        ahead = reads_to[end + 1] - reads_to[s + 1] if prefetch else 0
+        # While this step's reads land, earlier steps may have read them ahead already;
+        # the pool holds this step's chunk (read + out + scratch) plus the reads of the
+        # steps read ahead of it.
         rows = max(units[i].rows for i in range(first, first + count))
         for c, cost in zip(chunks, costs, strict=True):
             pool = cost.pool + ahead
@@ -314,7 +334,15 @@ def schedule(
                     peak_device, peak_host = 0, total
                 else:
                     peak_device, peak_host = peak_scratch, peak_read
-        steps.append(StepPlan(first=first, count=count, chunks=chunks, prefetch_next=prefetch))
+        steps.append(
+            StepPlan(
+                first=first,
+                count=count,
+                chunks=chunks,
+                prefetch_next=prefetch,
+                ahead_to=end if prefetch else s,
+            )
+        )
     estimate = StagingEstimate(
         budget_bytes=budget,
         read_bytes=peak_read,
@@ -324,8 +352,24 @@ def schedule(
         host_bytes=peak_host,
         chunk_rows=max_chunk_rows,
         prefetch=any_prefetch,
+        read_ahead=len(spans) / waits if waits else 1.0,
     )
     return tuple(steps), estimate
+
+
+def _extend_ahead(
+    s: int, end: int, cost: Sequence[UnitCost], reads_to: Sequence[int], budget: int, most: int
+) -> int:
+    """The last step read ahead while step ``s`` converts: ``end`` (what earlier steps
+    already read ahead) extended by whole steps, at most ``most`` past ``s``, while every
+    step from ``s`` to the new one holds its own staging plus the reads ahead of it within
+    ``budget`` (so a window, once taken, fits each step it spans)."""
+    while end + 1 < len(cost) and end + 1 - s <= most and cost[end + 1].pool <= budget:
+        j = end + 1
+        if any(cost[t].pool + reads_to[j + 1] - reads_to[t + 1] > budget for t in range(s, j)):
+            break
+        end = j
+    return end
 
 
 def min_budgets(

@@ -933,6 +933,7 @@ def build_plan(
     remote: bool = False,
     fused: bool = True,
     engine: str | EngineProfile = DEFAULT_ENGINE,
+    read_ahead: bool | None = None,
 ) -> Plan:
     """Every rank's plan, with reads (when there is a checkpoint) and staging (docs/contract.md §6).
 
@@ -942,7 +943,9 @@ def build_plan(
     workers convert with the fused CPU kernel (no resolve scratch). ``remote``
     picks the coalescing policy the predicted ``bytes_to_read`` assumes; it sums each
     unit's coalesced requests, as the loader issues them unit by unit. A config-only plan
-    has no byte ranges: it predicts ``bytes_to_read`` = ``bytes_needed``."""
+    has no byte ranges: it predicts ``bytes_to_read`` = ``bytes_needed``. ``read_ahead``:
+    whether the ranks read from an object store, keeping several steps' reads in flight
+    (their staging counts them); default ``remote``."""
     # A large plan creates hundreds of thousands of small acyclic objects; the cyclic
     # collector would rescan the growing heap over and over while they are built.
     with _gc_paused():
@@ -956,6 +959,7 @@ def build_plan(
             remote=remote,
             fused=fused,
             engine=engine,
+            read_ahead=remote if read_ahead is None else read_ahead,
         )
 
 
@@ -988,6 +992,7 @@ def _build_plan(
     fused: bool = True,
     engine: str | EngineProfile = DEFAULT_ENGINE,
     by_kind: bool = True,
+    read_ahead: bool = False,
 ) -> Plan:
     """``by_kind`` False plans a config alone once per stage, TP rank and MoE rank, as a
     plan with byte ranges is (the reference the kinds are checked against)."""
@@ -1003,7 +1008,12 @@ def _build_plan(
     policy = REMOTE_POLICY if remote else LOCAL_POLICY
     quant = config.quant.kind
     opts = ConvertOptions.for_source(
-        config.model_dtype, quant, config.quant.block_n, fused=fused, device=device
+        config.model_dtype,
+        quant,
+        config.quant.block_n,
+        fused=fused,
+        device=device,
+        remote=read_ahead,
     )
     block_n = opts.block_n
     reads_of: dict[int, UnitReads] = {}

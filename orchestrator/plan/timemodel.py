@@ -59,7 +59,7 @@ from mxload.orchestrator.plan.sharing import (
     class_traffic,
     share_classes,
 )
-from mxload.orchestrator.plan.types import Plan, ReadGroup, Unit, UnitReads
+from mxload.orchestrator.plan.types import Plan, ReadGroup, StagingEstimate, Unit, UnitReads
 
 GB = 1e9
 
@@ -181,7 +181,7 @@ def _storage_finish(
     requests: Sequence[int],
     nodes: Sequence[str],
     rates: Rates,
-    serial: Sequence[int] | None = None,
+    serial: Sequence[float] | None = None,
 ) -> list[float]:
     """When each rank's storage transfer ends, all starting together: the latest of its
     node's link (bytes), the store's aggregate bandwidth (bytes), the store's request
@@ -225,13 +225,14 @@ def predict(
     node_of_rank: Sequence[str],
     rates: Rates,
     requests: Sequence[tuple[int, int]] | None = None,
-    units: Sequence[int] | None = None,
+    units: Sequence[float] | None = None,
 ) -> list[RankTime]:
     """Per rank: predicted load (and reload) seconds, itemised. ``requests``: per rank,
     (requests of its own reads, requests of the shared reads it owns), from
     :func:`mxload.orchestrator.plan.sharing.rank_requests`; None: requests cost nothing.
-    ``units``: per rank, the units it reads from storage itself in phase 2, one after
-    another, each waiting a request latency (None: not counted). Phase 1 has no such
+    ``units``: per rank, the request latencies its phase-2 reads wait one after another:
+    the units it reads from storage itself over the steps its schedule keeps in flight
+    (``StagingEstimate.read_ahead``; None: not counted). Phase 1 has no such
     term: an owner keeps ``request_concurrency`` of its shared units in flight."""
     nodes = list(node_of_rank)
     reqs = list(requests) if requests is not None else [(0, 0)] * len(traffic)
@@ -262,6 +263,11 @@ def predict(
             )
         )
     return out
+
+
+def _read_ahead(staging: StagingEstimate | None) -> float:
+    """Steps a rank's schedule keeps in flight per request latency (1: none ahead)."""
+    return max(1.0, staging.read_ahead) if staging is not None else 1.0
 
 
 def plan_times(
@@ -439,7 +445,11 @@ def plan_times(
     share = share_classes(nodes, of_rank, scope, class_items)
     traffic, requests, units = class_traffic(share, class_items, private_of_rank)
     convert = [plan.classes[k].bytes_needed for k in class_of_rank]
-    times = predict(traffic, convert, nodes, rates, requests, units)
+    # A rank keeps the reads of several steps in flight where its schedule reads ahead
+    # that far (an object store): its units' waits overlap that many at a time.
+    depth = [_read_ahead(plan.classes[k].staging) for k in class_of_rank]
+    serial = [n / d for n, d in zip(units, depth, strict=True)]
+    times = predict(traffic, convert, nodes, rates, requests, serial)
     slowest = max(range(world), key=lambda r: times[r].load_seconds, default=0)
     by_kind: dict[str, int] = {}
     if world:

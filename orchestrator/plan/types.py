@@ -229,6 +229,10 @@ class StagingEstimate:
     """Rows per conversion chunk of the largest unit (its full N when it fits)."""
     prefetch: bool
     """Whether the next unit's reads are issued while the current unit converts."""
+    read_ahead: float = 1.0
+    """Steps whose reads are in flight per request latency waited, over the run: its
+    steps over the sum of 1/depth, a step's depth being the steps it keeps in flight
+    ahead of itself (at least 1). The time model divides a rank's per-unit waits by it."""
 
 
 @dataclass(frozen=True)

@@ -959,3 +959,66 @@ def test_a_shard_rewritten_while_a_run_reads_it_fails_the_run(ckpt_factory, tmp_
     again = dataclasses.replace(source_of(src, meta2), file_tags=dict(meta2.file_tags))
     loader.load(list(rp.reads), again, version=2, staging_budget=rp.staging.budget_bytes)
     assert set(loader.unit_ids) == {(2, meta2.fingerprint)}
+
+
+def test_a_remote_load_keeps_several_steps_reads_in_flight(ckpt_factory, monkeypatch) -> None:
+    """From an object store (a loopback HTTP server waiting 5 ms per request) a rank
+    keeps up to ``REMOTE_READ_AHEAD`` steps' reads in flight ahead of the converting one,
+    as its plan counts them: the dump equals the reference and the staging it measures
+    is within the plan's prediction (measured <= predicted <= 1.10 x measured)."""
+    from mxload.orchestrator.plan.memory import REMOTE_READ_AHEAD
+    from mxload.workers.rank.reads import Reader
+
+    from tests.servers import RangeHTTPServer
+
+    lock = threading.Lock()
+    now = [0]
+    most = [0]
+    real_fill = Reader.fill
+
+    def counted_fill(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        with lock:
+            now[0] += 1
+            most[0] = max(most[0], now[0])
+        try:
+            return real_fill(self, *args, **kwargs)
+        finally:
+            with lock:
+                now[0] -= 1
+
+    queued = [0]
+    real_ahead = StepRunner._read_ahead
+
+    def counted_ahead(self, *args):  # type: ignore[no-untyped-def]
+        got = real_ahead(self, *args)
+        queued[0] = max(queued[0], len(self._pending))
+        return got
+
+    monkeypatch.setattr(Reader, "fill", counted_fill)
+    monkeypatch.setattr(StepRunner, "_read_ahead", counted_ahead)
+    src = ckpt_factory("qwen3-moe-tiny", 1)
+    layout = ParallelLayout(tp=2, dp=2, enable_expert_parallel=True)
+    with RangeHTTPServer(src, latency=0.005) as server:
+        meta = open_checkpoint(server.url)
+        plan = build_plan(
+            meta.config,
+            layout,
+            checkpoint=meta,
+            remote=True,
+            fused=False,
+            staging_budget=64 << 20,
+        )
+        rp = plan.ranks[0]
+        assert rp.staging is not None and rp.staging.read_ahead > 1
+        loader = RankLoader(rp, model_dtype=meta.config.model_dtype, backend=backend(False))
+        stats = loader.load(
+            list(rp.reads), source_of(server.url, meta), version=1, staging_budget=64 << 20
+        )
+    # Issued: exactly the schedule's depth. In flight at once through HTTP: more than
+    # one, at most that depth (how many overlap depends on the conversion's pace).
+    assert queued[0] == REMOTE_READ_AHEAD, queued[0]
+    assert 2 <= most[0] <= REMOTE_READ_AHEAD, most[0]
+    m, p = stats.measured_peak_staging_bytes, stats.predicted_peak_staging_bytes
+    assert p == rp.staging.staging_bytes
+    assert 0 < m <= p <= 1.10 * m, (m, p)
+    assert_rank_matches(ref_of(src), layout, 0, loader)

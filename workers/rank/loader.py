@@ -50,6 +50,7 @@ from mxload.workers.rank.identities import (
 from mxload.workers.rank.reads import PeerUnit, Reader, SourceInfo
 from mxload.workers.rank.run import RunInputs, StepRunner
 from mxload.workers.rank.staging import StagingPool
+from mxload.workers.storage.urls import is_remote
 
 FETCH_IN_FLIGHT = 16
 """Shared units an owner fetches at once (as many as ``Storage`` keeps requests in
@@ -190,6 +191,7 @@ class RankLoader:
             source.block_n,
             fused=bool(getattr(self.backend, "fused", False)),
             device=torch.device(self.backend.device).type,
+            remote=is_remote(source.root),
         )
         read_fn = read_fn_from_reads(
             units, reads, block_n=source.block_n, source_quant=source.quant

@@ -2,14 +2,18 @@
 
 A step is one unit, several small units converted together, or one unit in row chunks.
 Each step is read (:mod:`.reads`), converted (:mod:`.convert`) and written
-(:mod:`.writes`); the next step's read is issued before the current one converts when
-the schedule allows it (reads overlap conversion, docs/contract.md §4 "Streaming"). A unit
+(:mod:`.writes`); the reads of the steps after it that the schedule reads ahead
+(``StepPlan.ahead_to``: the next one, or from an object store up to
+``ConvertOptions.read_ahead`` of them, each on its own reader thread) are issued before
+the current one converts (reads overlap conversion and each other, docs/contract.md §4
+"Streaming"). A unit
 records the run's identity once its step is written whole (:mod:`.identities`).
 """
 
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -61,7 +65,8 @@ class RunInputs:
 
 
 class StepRunner:
-    """Runs the steps of one load on this thread, with one reader thread beside it."""
+    """Runs the steps of one load on this thread, with reader threads beside it (one per
+    step read ahead)."""
 
     def __init__(
         self,
@@ -85,7 +90,8 @@ class StepRunner:
         self.stats = stats
         self.meter = meter
         self.progress = progress
-        self._pending: Future[StepFilled] | None = None
+        self._pending: deque[tuple[int, Future[StepFilled]]] = deque()
+        """Steps read ahead (index, read), in step order."""
         self._executor: ThreadPoolExecutor | None = None
         self._local = False
         self._merge = False
@@ -94,7 +100,8 @@ class StepRunner:
         """Every step with a unit to write, in order; then the backend synchronized.
         Nothing is left leased or running when this returns or raises."""
         self._executor = ThreadPoolExecutor(
-            max_workers=1, thread_name_prefix=f"mxload-read-{self.rank}"
+            max_workers=max(1, self.run.opts.read_ahead),
+            thread_name_prefix=f"mxload-read-{self.rank}",
         )
         try:
             if any(self.run.todo):
@@ -140,13 +147,12 @@ class StepRunner:
         run, reader = self.run, self.reader
         t_r = time.perf_counter()
         plan = self._step_read(members)
-        fut = self._pending
-        if fut is None:
-            if self._inline(plan):
-                fut = _done(reader.read_step, plan, run.source, run.pool)
-            else:
-                fut = self._submit(reader.read_step, plan, run.source, run.pool)
-        self._pending = None
+        if self._pending and self._pending[0][0] == s:
+            fut = self._pending.popleft()[1]
+        elif self._inline(plan):
+            fut = _done(reader.read_step, plan, run.source, run.pool)
+        else:
+            fut = self._submit(reader.read_step, plan, run.source, run.pool)
         leases, raw, fetched = fut.result()
         self.stats.read_seconds += time.perf_counter() - t_r
         self.stats.bytes_read += fetched
@@ -161,32 +167,36 @@ class StepRunner:
             )
         except BaseException:
             if later is not None:
-                release_all(run.pool, later[1])
+                release_all(run.pool, later[2])
             raise
         if later is not None:
             t_r = time.perf_counter()
-            self._pending = _done(reader.fill_step, later[0], run.source, run.pool, later[1])
+            t, nxt, taken = later
+            self._pending.append((t, _done(reader.fill_step, nxt, run.source, run.pool, taken)))
             self.stats.read_seconds += time.perf_counter() - t_r
 
     def _read_ahead(
         self, steps: Sequence[StepPlan], s: int
-    ) -> tuple[StepRead, list[Leased]] | None:
-        """The next step's leases, taken before this one converts (the schedule's peak).
-        A small local read is returned, to be filled on this thread after the conversion
-        (an accelerator converts meanwhile); any other is filled on the reader thread
-        now."""
-        if not steps[s].prefetch_next or s + 1 >= len(steps):
+    ) -> tuple[int, StepRead, list[Leased]] | None:
+        """The leases of the steps read ahead of this one (up to ``ahead_to``) that no
+        earlier step took, taken before this one converts (the schedule's peak). A small
+        local read (only ever the next step) is returned, to be filled on this thread
+        after the conversion (an accelerator converts meanwhile); any other is filled on
+        a reader thread now."""
+        if not steps[s].prefetch_next:
             return None
-        ahead = [j for j in steps[s + 1].units if self.run.todo[j]]
-        if not ahead:
-            return None
-        nxt = self._step_read(ahead)
-        taken = self.reader.take_step(nxt, self.run.pool)
-        if self._inline(nxt):
-            return nxt, taken
-        self._pending = self._submit(
-            self.reader.fill_step, nxt, self.run.source, self.run.pool, taken
-        )
+        first = self._pending[-1][0] + 1 if self._pending else s + 1
+        for t in range(first, min(steps[s].ahead_to, len(steps) - 1) + 1):
+            ahead = [j for j in steps[t].units if self.run.todo[j]]
+            if not ahead:
+                continue
+            nxt = self._step_read(ahead)
+            taken = self.reader.take_step(nxt, self.run.pool)
+            if self._inline(nxt):
+                return t, nxt, taken
+            self._pending.append(
+                (t, self._submit(self.reader.fill_step, nxt, self.run.source, self.run.pool, taken))
+            )
         return None
 
     def _chunked_step(self, step: StepPlan) -> None:
@@ -244,16 +254,15 @@ class StepRunner:
         return self._executor.submit(fn, *args)
 
     def _drain(self) -> None:
-        """Release the leases of a read-ahead the run did not reach (it failed)."""
-        if self._pending is None:
-            return
-        try:
-            leases, _, _ = self._pending.result()
-            for lease in leases:
-                self.run.pool.release(lease)
-        except BaseException:  # the run already failed; keep its error
-            pass
-        self._pending = None
+        """Release the leases of the read-aheads the run did not reach (it failed)."""
+        while self._pending:
+            _, fut = self._pending.popleft()
+            try:
+                leases, _, _ = fut.result()
+                for lease in leases:
+                    self.run.pool.release(lease)
+            except BaseException:  # the run already failed; keep its error
+                pass
 
 
 def _done(fn: Callable[..., T], *args: Any) -> Future[T]:
