@@ -111,25 +111,38 @@ def _plan_config(args: argparse.Namespace) -> tuple[Any, Any]:
     )
 
 
+def _local_source(args: argparse.Namespace) -> bool:
+    """``plan`` reads a local checkpoint; without SRC the time model takes an object store."""
+    return bool(args.src) and not flags.is_remote(args.src)
+
+
+def _build_plan(
+    args: argparse.Namespace, config: Any, meta: Any, layout: Any, *, device_memory: bool
+) -> Any:
+    """The plan of ``layout`` under the command's flags (``device_memory``: checked too)."""
+    from mxload.orchestrator.plan.planner import build_plan
+
+    return build_plan(
+        config,
+        layout,
+        checkpoint=meta,
+        staging_budget=flags.size(args, "staging_budget"),
+        device_memory=flags.size(args, "device_memory") if device_memory else None,
+        device=args.device,
+        remote=flags.is_remote(args.src),
+        engine=args.engine,
+        read_ahead=not _local_source(args),
+    )
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
     from mxload.orchestrator.errors import StagingBudgetError
-    from mxload.orchestrator.plan.planner import build_plan, plan_to_json
+    from mxload.orchestrator.plan.planner import plan_to_json
 
     layout = flags.layout(args)
     config, meta = _plan_config(args)
     budget = flags.size(args, "staging_budget")
-    plan = build_plan(
-        config,
-        layout,
-        checkpoint=meta,
-        staging_budget=budget,
-        device_memory=flags.size(args, "device_memory"),
-        device=args.device,
-        remote=flags.is_remote(args.src),
-        engine=args.engine,
-        # the time model takes a plan without --src as read from an object store
-        read_ahead=not (bool(args.src) and not flags.is_remote(args.src)),
-    )
+    plan = _build_plan(args, config, meta, layout, device_memory=True)
     if budget is not None and budget < plan.min_staging_load:
         raise StagingBudgetError(
             f"--staging-budget {budget} bytes is below the minimum a load can run under "
@@ -155,7 +168,7 @@ def add_times(
     from mxload.orchestrator.plan.timemodel import plan_times
 
     rates = flags.time_model_rates(args)
-    local = bool(args.src) and not flags.is_remote(args.src)
+    local = _local_source(args)
     got = plan_times(
         plan,
         config,
@@ -195,7 +208,6 @@ def request_bound(
     from dataclasses import replace
 
     from mxload.orchestrator.errors import MxloadError
-    from mxload.orchestrator.plan.planner import build_plan
     from mxload.orchestrator.plan.timemodel import plan_times
 
     kinds = sorted(got["slowest_rank_requests_by_kind"].items(), key=lambda kv: -kv[1])
@@ -219,18 +231,7 @@ def request_bound(
         try:
             # The same layout under another share scope: the same plan.
             alt = (
-                plan
-                if lay == layout
-                else build_plan(
-                    config,
-                    lay,
-                    checkpoint=meta,
-                    staging_budget=flags.size(args, "staging_budget"),
-                    device=args.device,
-                    remote=flags.is_remote(args.src),
-                    engine=args.engine,
-                    read_ahead=not (bool(args.src) and not flags.is_remote(args.src)),
-                )
+                plan if lay == layout else _build_plan(args, config, meta, lay, device_memory=False)
             )
         except MxloadError as err:  # the layout cannot take it (e.g. fewer experts than ranks)
             helps.append({"flags": flag, "refused": str(err)})
@@ -241,7 +242,7 @@ def request_bound(
             rates=flags.time_model_rates(args),
             scope=scope,
             devices_per_node=args.devices_per_node,
-            local=bool(args.src) and not flags.is_remote(args.src),
+            local=_local_source(args),
         )
         helps.append(
             {

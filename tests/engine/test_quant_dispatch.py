@@ -390,6 +390,17 @@ def _family(preset: str, fmt: str, ckpt_factory, tmp_path_factory) -> tuple[str,
     return FAMILIES[preset][0], layers, out
 
 
+def _dispatch(cfg: Any, model: Any, classes: dict[str, type], layers: list) -> dict[str, str]:
+    """What vLLM's loader does before building the model (``configure_quant_config``:
+    the model's mapper over the kept modules), then the method each layer gets."""
+    if model.hf_to_vllm_mapper is not None:
+        cfg.apply_vllm_mapper(model.hf_to_vllm_mapper)
+    return {
+        prefix: type(cfg.get_quant_method(_layer(classes, kind), prefix)).__name__
+        for prefix, kind, _ in layers
+    }
+
+
 @pytest.mark.parametrize("preset", sorted(FAMILIES))
 def test_family_modelopt_output_through_vllm_ascend_0_30(
     preset: str, ckpt_factory, tmp_path_factory
@@ -400,14 +411,9 @@ def test_family_modelopt_output_through_vllm_ascend_0_30(
     with _modelopt_0_30() as eng:
         model = _model_class_attrs(eng.vllm, FAMILIES[preset][1], eng.utils.WeightsMapper)
         cfg = eng.config.from_config(qc)
-        # What vLLM's loader does before building the model (configure_quant_config).
+        # The model's packed modules, as vLLM's loader sets them.
         cfg.packed_modules_mapping = model.packed_modules_mapping | _INIT_PACKED.get(model_type, {})
-        if model.hf_to_vllm_mapper is not None:
-            cfg.apply_vllm_mapper(model.hf_to_vllm_mapper)
-        got = {
-            prefix: type(cfg.get_quant_method(_layer(eng.classes, kind), prefix)).__name__
-            for prefix, kind, _ in layers
-        }
+        got = _dispatch(cfg, model, eng.classes, layers)
     assert got == _want(layers)
 
 
@@ -420,12 +426,6 @@ def test_family_ascend_output_through_vllm_ascend_0_23(
         model = _model_class_attrs(eng.vllm, FAMILIES[preset][1], eng.utils.WeightsMapper)
         cfg = eng.ms.AscendModelSlimConfig()
         cfg.maybe_update_config(out)
-        # What vLLM's loader does before building the model (configure_quant_config); the
-        # packed modules are vllm-ascend's own table for the model type.
-        if model.hf_to_vllm_mapper is not None:
-            cfg.apply_vllm_mapper(model.hf_to_vllm_mapper)
-        got = {
-            prefix: type(cfg.get_quant_method(_layer(eng.classes, kind), prefix)).__name__
-            for prefix, kind, _ in layers
-        }
+        # The packed modules are vllm-ascend's own table for the model type.
+        got = _dispatch(cfg, model, eng.classes, layers)
     assert got == _want(layers)
