@@ -102,7 +102,7 @@ def _median(xs: list[float]) -> float:
 
 
 def make(work: Path, name: str, preset: str, overrides: dict[str, Any]) -> str:
-    from mxload.workers.tools.synth import make_checkpoint
+    from mxload.orchestrator.tools.synth import make_checkpoint
 
     path = work / name
     make_checkpoint(str(path), preset, seed=13, shards=2, overrides=overrides)

@@ -17,8 +17,8 @@ from mxload.orchestrator.plan.planner import build_plan
 from mxload.orchestrator.plan.types import ParallelLayout
 from mxload.orchestrator.runtime.catalog import open_checkpoint
 from mxload.orchestrator.runtime.request import source_info
+from mxload.orchestrator.tools.synth import make_checkpoint
 from mxload.workers.rank.loader import RankLoader
-from mxload.workers.tools.synth import make_checkpoint
 
 OVERRIDES = {
     "hidden_size": 1024,

@@ -3,7 +3,7 @@ reload vs cold load. Every headline is a ratio against a baseline timed in the s
 
 Purpose: tell the truth about where a load's time goes on the CPU path, on checkpoints
 with the real shapes of Qwen3-30B-A3B-FP8 (hidden 2048, 32 q / 4 kv heads of 128,
-experts of 768, 128x128 block scales), made by ``mxload.workers.tools.synth.make_checkpoint`` with
+experts of 768, 128x128 block scales), made by ``mxload.orchestrator.tools.synth.make_checkpoint`` with
 fewer layers (and, for the small size, fewer experts) and a smaller vocabulary so the
 files are ~2 GB (``--quick``: ~200 MB). What each benchmark measures and against what:
 
@@ -29,7 +29,7 @@ files are ~2 GB (``--quick``: ~200 MB). What each benchmark measures and against
 
 Limits: CPU only (``device="cpu"``); the page cache is warm except where a row says
 "cold" (evicted with posix_fadvise); synthetic weights have the value distribution of
-``mxload.workers.tools.synth`` (six binades of row magnitude, tile scales over ten binades), which the
+``mxload.orchestrator.tools.synth`` (six binades of row magnitude, tile scales over ten binades), which the
 fast kernel's speed depends on a little (tables per tile and scale). No timing is
 asserted anywhere.
 
@@ -148,7 +148,7 @@ def _tmpfs_dir(need: int) -> Path | None:
 
 
 def make_ckpt(path: Path, label: str, *, preset: str, seed: int, size: Size | None) -> Checkpoint:
-    from mxload.workers.tools.synth import make_checkpoint
+    from mxload.orchestrator.tools.synth import make_checkpoint
 
     t0 = time.perf_counter()
     summary = make_checkpoint(
@@ -174,7 +174,7 @@ def _same_mx(a: tuple[torch.Tensor, torch.Tensor], b: tuple[torch.Tensor, torch.
 
 
 def block_fp8(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """A block-FP8 weight with ``mxload.workers.tools.synth``'s value distribution: Gaussian rows whose
+    """A block-FP8 weight with ``mxload.orchestrator.tools.synth``'s value distribution: Gaussian rows whose
     magnitudes span six binades, saturated to +-448; tile scales log-uniform in 2^-14..2^-4."""
     g = torch.Generator().manual_seed(seed)
     row = torch.exp2(-6.0 * torch.rand(n, 1, generator=g)) * 150.0

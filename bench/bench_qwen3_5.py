@@ -27,10 +27,10 @@ from common import interleave, load_average, log, machine_facts, md_table, paire
 from mxload.orchestrator.plan.planner import build_plan
 from mxload.orchestrator.plan.types import ParallelLayout
 from mxload.orchestrator.runtime.catalog import open_checkpoint
+from mxload.orchestrator.tools.convert import convert_checkpoint
+from mxload.orchestrator.tools.synth import make_checkpoint, preset_config
 from mxload.workers.numerics.select import select_backend
 from mxload.workers.rank.loader import RankLoader, SourceInfo
-from mxload.workers.tools.convert import convert_checkpoint
-from mxload.workers.tools.synth import make_checkpoint, preset_config
 
 SIZE = {
     "hidden_size": 2048,

@@ -33,8 +33,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from mxload.cluster import raycompat
-from mxload.orchestrator.errors import SessionError
+from ..orchestrator.errors import SessionError
+from . import raycompat
 
 log = logging.getLogger(__name__)
 

@@ -58,7 +58,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from mxload.cluster.local import (
+from ..orchestrator.errors import InputError, SessionError
+from .local import (
     LOOPBACK,
     RAY_ENV,
     client_server_port_flags,
@@ -67,7 +68,6 @@ from mxload.cluster.local import (
     mxload_home,
     short_temp_dir,
 )
-from mxload.orchestrator.errors import InputError, SessionError
 
 RECORD_NAME = "sim-cluster.json"
 DEFAULT_OBJECT_STORE = 256 * 1024 * 1024
@@ -77,7 +77,7 @@ DEFAULT_OBJECT_STORE = 256 * 1024 * 1024
 # (see the module docstring): pass the multi-node check, keep 127.0.0.1 as given.
 _WORKER_LAUNCHER = """
 import sys
-from mxload.cluster.raycompat import allow_loopback_worker_node
+from .raycompat import allow_loopback_worker_node
 
 allow_loopback_worker_node()
 from ray.scripts.scripts import main
@@ -89,7 +89,7 @@ main()
 # the environment) and waits until every node is alive: proves the recorded env works.
 _CHECK = """
 import json, sys, time
-from mxload.cluster.local import connect
+from .local import connect
 import ray
 expected, timeout_s = int(sys.argv[2]), float(sys.argv[3])
 connect(sys.argv[1])

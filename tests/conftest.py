@@ -79,7 +79,7 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
 @pytest.fixture(scope="session")
 def ckpt_factory(tmp_path_factory: pytest.TempPathFactory):
     """make(preset, seed, **kw) -> path of a synthetic checkpoint (cached per arguments)."""
-    from mxload.workers.tools.synth import make_checkpoint
+    from mxload.orchestrator.tools.synth import make_checkpoint
 
     cache: dict[tuple, str] = {}
 

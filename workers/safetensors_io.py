@@ -39,8 +39,9 @@ from typing import Any
 
 import fsspec  # type: ignore[import-untyped]
 import numpy as np
-from mxload.orchestrator.plan.formats import SAFETENSORS_ITEMSIZE
-from mxload.workers.storage.urls import is_remote, local_path
+
+from ..orchestrator.plan.formats import SAFETENSORS_ITEMSIZE
+from .storage.urls import is_remote, local_path
 
 if sys.byteorder != "little":  # pragma: no cover - safetensors is little-endian only
     raise ImportError("mxload's safetensors I/O assumes a little-endian host")

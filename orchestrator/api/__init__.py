@@ -21,10 +21,10 @@ _EXPORTS: dict[str, str] = {
     "LoadRequest": "mxload.orchestrator.runtime.request",
     "Session": "mxload.orchestrator.runtime.session",
     "reload_inputs": "mxload.orchestrator.runtime.reload",
-    "convert_checkpoint": "mxload.workers.tools.convert",
+    "convert_checkpoint": "mxload.orchestrator.tools.convert",
     "RankLoader": "mxload.workers.rank.loader",
-    "MxloadWorkerExtension": "mxload.workers.engine_ext",
-    "EngineReloader": "mxload.workers.engine_ext",
+    "MxloadWorkerExtension": "mxload.orchestrator.hosts.engine_ext",
+    "EngineReloader": "mxload.orchestrator.hosts.engine_ext",
     "MxloadError": "mxload.orchestrator.errors",
 }
 
@@ -46,17 +46,17 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
-    from mxload.orchestrator.errors import MxloadError
-    from mxload.orchestrator.plan.planner import build_plan
-    from mxload.orchestrator.plan.types import ParallelLayout, Plan
-    from mxload.orchestrator.runtime.catalog import open_checkpoint
-    from mxload.orchestrator.runtime.driver import load
-    from mxload.orchestrator.runtime.reload import reload_inputs
-    from mxload.orchestrator.runtime.request import LoadRequest
-    from mxload.orchestrator.runtime.session import Session
-    from mxload.workers.engine_ext import EngineReloader, MxloadWorkerExtension
-    from mxload.workers.rank.loader import RankLoader
-    from mxload.workers.tools.convert import convert_checkpoint
+    from .orchestrator.errors import MxloadError
+    from .orchestrator.hosts.engine_ext import EngineReloader, MxloadWorkerExtension
+    from .orchestrator.plan.planner import build_plan
+    from .orchestrator.plan.types import ParallelLayout, Plan
+    from .orchestrator.runtime.catalog import open_checkpoint
+    from .orchestrator.runtime.driver import load
+    from .orchestrator.runtime.reload import reload_inputs
+    from .orchestrator.runtime.request import LoadRequest
+    from .orchestrator.runtime.session import Session
+    from .orchestrator.tools.convert import convert_checkpoint
+    from .workers.rank.loader import RankLoader
 
 
 def __getattr__(name: str) -> Any:

@@ -1,6 +1,6 @@
 """The ``mxload`` command: flags, commands and what they print (``main(argv)`` runs one
 command and returns its exit status; ``run`` is the console script)."""
 
-from mxload.orchestrator.cli.commands import main, run
+from .commands import main, run
 
 __all__ = ["main", "run"]

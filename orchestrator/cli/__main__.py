@@ -1,5 +1,5 @@
 """``python -m mxload.orchestrator.cli``: the same as the ``mxload`` console script."""
 
-from mxload.orchestrator.cli.commands import run
+from .commands import run
 
 run()

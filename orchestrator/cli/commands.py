@@ -18,18 +18,18 @@ import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from mxload.cluster.local import mxload_home
-from mxload.orchestrator.cli import flags
-from mxload.orchestrator.cli import rendering as show
-from mxload.orchestrator.errors import MxloadError, OutputError, UsageError
-from mxload.orchestrator.runtime.models import model_config, model_config_path, model_names
+from ...cluster.local import mxload_home
+from ..errors import MxloadError, OutputError, UsageError
+from ..runtime.models import model_config, model_config_path, model_names
+from . import flags
+from . import rendering as show
 
 log = logging.getLogger(__name__)
 
 
 def cmd_make_checkpoint(args: argparse.Namespace) -> int:
-    from mxload.orchestrator.runtime.outputs import OutputDir
-    from mxload.workers.tools.synth import PRESETS, make_checkpoint
+    from ..runtime.outputs import OutputDir
+    from ..tools.synth import PRESETS, make_checkpoint
 
     if args.preset not in PRESETS:
         raise UsageError(
@@ -61,7 +61,7 @@ def cmd_make_checkpoint(args: argparse.Namespace) -> int:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    from mxload.orchestrator.runtime.catalog import describe, open_checkpoint
+    from ..runtime.catalog import describe, open_checkpoint
 
     opts = flags.storage_options(args)
     meta = open_checkpoint(args.src, storage_options=opts, dtype=args.dtype)
@@ -72,7 +72,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 def _plan_config(args: argparse.Namespace) -> tuple[Any, Any]:
     """The model config ``plan`` is for, and the checkpoint when it reads one."""
-    from mxload.orchestrator.plan.config import parse_config
+    from ..plan.config import parse_config
 
     if args.model:
         path = str(model_config_path(args.model))
@@ -82,8 +82,8 @@ def _plan_config(args: argparse.Namespace) -> tuple[Any, Any]:
             hint = os.path.join(args.config, "config.json")
             msg = f"--config {args.config}: is a folder; give its config.json ({hint})"
             raise UsageError(msg, file=args.config, key="--config")
-        from mxload.workers.storage.local import read_whole
-        from mxload.workers.storage.store import MAX_METADATA_BYTES
+        from ...workers.storage.local import read_whole
+        from ...workers.storage.store import MAX_METADATA_BYTES
 
         try:
             # A regular file under the metadata cap (docs/contract.md §1.4), as a
@@ -100,7 +100,7 @@ def _plan_config(args: argparse.Namespace) -> tuple[Any, Any]:
             raise UsageError(msg, file=args.config) from None
         return parse_config(raw, args.config, dtype=args.dtype), None
     if args.src:
-        from mxload.orchestrator.runtime.catalog import open_checkpoint
+        from ..runtime.catalog import open_checkpoint
 
         flags.check_plan_source(args.src)
         opts = flags.storage_options(args)
@@ -120,7 +120,7 @@ def _build_plan(
     args: argparse.Namespace, config: Any, meta: Any, layout: Any, *, device_memory: bool
 ) -> Any:
     """The plan of ``layout`` under the command's flags (``device_memory``: checked too)."""
-    from mxload.orchestrator.plan.planner import build_plan
+    from ..plan.planner import build_plan
 
     return build_plan(
         config,
@@ -136,8 +136,8 @@ def _build_plan(
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from mxload.orchestrator.errors import StagingBudgetError
-    from mxload.orchestrator.plan.planner import plan_to_json
+    from ..errors import StagingBudgetError
+    from ..plan.planner import plan_to_json
 
     layout = flags.layout(args)
     config, meta = _plan_config(args)
@@ -165,7 +165,7 @@ def add_times(
     """The time model's prediction (``mxload.orchestrator.plan.timemodel``) into the plan
     object: per rank ``predicted_load_seconds`` / ``predicted_reload_seconds`` and its
     traffic, and the totals under ``time_model``."""
-    from mxload.orchestrator.plan.timemodel import plan_times
+    from ..plan.timemodel import plan_times
 
     rates = flags.time_model_rates(args)
     local = _local_source(args)
@@ -207,8 +207,8 @@ def request_bound(
     predicted time (the plan rebuilt under it)."""
     from dataclasses import replace
 
-    from mxload.orchestrator.errors import MxloadError
-    from mxload.orchestrator.plan.timemodel import plan_times
+    from ..errors import MxloadError
+    from ..plan.timemodel import plan_times
 
     kinds = sorted(got["slowest_rank_requests_by_kind"].items(), key=lambda kv: -kv[1])
     layout = plan.layout
@@ -255,7 +255,7 @@ def request_bound(
 
 
 def _load_request(args: argparse.Namespace) -> Any:
-    from mxload.orchestrator.runtime.request import LoadRequest
+    from ..runtime.request import LoadRequest
 
     if args.max_restarts < 0:
         raise UsageError(
@@ -280,7 +280,7 @@ def _load_request(args: argparse.Namespace) -> Any:
 
 
 def _write_report(path: str | None, manifest: dict[str, Any]) -> None:
-    from mxload.orchestrator.runtime.outputs import write_file_atomic
+    from ..runtime.outputs import write_file_atomic
 
     if path is not None:
         write_file_atomic(path, json.dumps(manifest, indent=1).encode(), "--report")
@@ -290,7 +290,7 @@ def _outputs(args: argparse.Namespace) -> Any:
     """Check --report and --dump before any work (outputs.py): writable, and overwriting
     no input (SRC; a session's checkpoint is checked where it is known). The checked
     --dump target."""
-    from mxload.orchestrator.runtime.outputs import (
+    from ..runtime.outputs import (
         OutputDir,
         check_file_target,
         check_not_input,
@@ -330,11 +330,11 @@ def cmd_load(args: argparse.Namespace) -> int:
     bar = show.progress(args.json, "load")
     try:
         if args.detach:
-            from mxload.orchestrator.runtime.detached import detached_load
+            from ..runtime.detached import detached_load
 
             manifest = detached_load(req, session=args.session, dump=dump, on_progress=bar)
         else:
-            from mxload.orchestrator.runtime.driver import load
+            from ..runtime.driver import load
 
             manifest, _ = load(req, dump=dump, on_progress=bar)
     finally:
@@ -351,7 +351,7 @@ def cmd_load(args: argparse.Namespace) -> int:
 
 
 def cmd_reload(args: argparse.Namespace) -> int:
-    from mxload.orchestrator.runtime.detached import detached_reload
+    from ..runtime.detached import detached_reload
 
     _outputs(args)
     bar = show.progress(args.json, "reload")
@@ -375,7 +375,7 @@ def cmd_reload(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from mxload.orchestrator.runtime.detached import detached_status
+    from ..runtime.detached import detached_status
 
     dump = _outputs(args)
     manifest = detached_status(
@@ -386,7 +386,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_release(args: argparse.Namespace) -> int:
-    from mxload.orchestrator.runtime.detached import detached_release
+    from ..runtime.detached import detached_release
 
     info = detached_release(session=args.session, address=args.address, force=args.force)
     show.emit(args, info, show.render_release(info, args.session))
@@ -394,7 +394,7 @@ def cmd_release(args: argparse.Namespace) -> int:
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
-    from mxload.workers.tools.convert import convert_checkpoint
+    from ..tools.convert import convert_checkpoint
 
     bar = show.convert_progress(args.json)
     try:
@@ -418,7 +418,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from mxload.orchestrator.cli.demo import run_demo
+    from .demo import run_demo
 
     return run_demo(workdir=args.workdir, json_out=args.json, preset=args.preset)
 
@@ -446,7 +446,7 @@ def configure_logging(debug: bool, verbose: bool) -> None:
     logging.basicConfig(level=level, format="mxload: %(levelname)s %(name)s: %(message)s")
     logging.getLogger("mxload").setLevel(level)
     if not debug:
-        from mxload.cluster.local import quiet_ray_logging
+        from ...cluster.local import quiet_ray_logging
 
         warnings.filterwarnings("ignore")
         quiet_ray_logging()
@@ -457,7 +457,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     debug = "--debug" in argv
     configure_logging(debug, verbose=bool({"-v", "--verbose"} & set(argv)))
     # Before anything imports Ray: loopback only, no usage stats (cluster/local.py).
-    import mxload.cluster.local  # noqa: F401
+    from ...cluster import local  # noqa: F401
 
     hidden: list[str] = []  # storage option values: never printed, never logged
     try:
@@ -502,7 +502,7 @@ def run() -> None:
 
 def _option_secrets(args: argparse.Namespace) -> list[str]:
     """The values of the command's storage options (``options.secret_values``)."""
-    from mxload.workers.storage.options import secret_values
+    from ...workers.storage.options import secret_values
 
     if not getattr(args, "storage_options", None):
         return []
@@ -515,7 +515,7 @@ def _option_secrets(args: argparse.Namespace) -> list[str]:
 def shown_argv(argv: Sequence[str]) -> list[str]:
     """``argv`` as a log may show it: the value of ``--storage-options`` hidden (an
     ``@FILE`` names only a file, and is kept)."""
-    from mxload.workers.storage.options import HIDDEN
+    from ...workers.storage.options import HIDDEN
 
     out: list[str] = []
     hide_next = False
@@ -536,8 +536,8 @@ def report_error(
     and with no storage option's value (``hidden``). A failed run or a worker's error
     also gets a log file (the traceback, the worker's remote traceback) whose path is
     printed on a second line; ``--debug`` shows them."""
-    from mxload.orchestrator.runtime.reports import first_line, plain
-    from mxload.workers.storage.options import scrub
+    from ...workers.storage.options import scrub
+    from ..runtime.reports import first_line, plain
 
     context = err.context if isinstance(err, MxloadError) else {}
     if isinstance(err, MxloadError):
@@ -562,7 +562,7 @@ def write_error_log(
     import time
     import traceback
 
-    from mxload.workers.storage.options import scrub
+    from ...workers.storage.options import scrub
 
     body = [
         f"mxload {' '.join(shown_argv(argv))}",

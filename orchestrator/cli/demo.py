@@ -19,15 +19,15 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from mxload.orchestrator.plan.types import ParallelLayout
+from ..plan.types import ParallelLayout
 
 
 def reference_checksums(src: str, layout: ParallelLayout, rank: int) -> dict[str, str]:
     """Checksums of one rank's buffers converted in-process by the CPU reference path."""
-    from mxload.orchestrator.plan.planner import build_plan
-    from mxload.orchestrator.runtime.catalog import open_checkpoint
-    from mxload.workers.numerics.select import select_backend
-    from mxload.workers.rank.loader import RankLoader, SourceInfo
+    from ...workers.numerics.select import select_backend
+    from ...workers.rank.loader import RankLoader, SourceInfo
+    from ..plan.planner import build_plan
+    from ..runtime.catalog import open_checkpoint
 
     meta = open_checkpoint(src)
     plan = build_plan(meta.config, layout, checkpoint=meta)
@@ -64,7 +64,7 @@ def _verify(
 @contextmanager
 def _progress(json_out: bool, label: str) -> Iterator[Any]:
     """A progress bar on a terminal (None in a pipe or with --json), closed afterwards."""
-    from mxload.orchestrator.cli.rendering import progress
+    from .rendering import progress
 
     bar = progress(json_out, label)
     try:
@@ -77,10 +77,10 @@ def _progress(json_out: bool, label: str) -> Iterator[Any]:
 def run_demo(
     workdir: str | None = None, json_out: bool = False, preset: str = "qwen3-moe-tiny"
 ) -> int:
-    from mxload.orchestrator.cli.rendering import render_load_table
-    from mxload.orchestrator.plan.config import parse_config
-    from mxload.orchestrator.runtime.session import Session
-    from mxload.workers.tools.synth import make_checkpoint, preset_config
+    from ..plan.config import parse_config
+    from ..runtime.session import Session
+    from ..tools.synth import make_checkpoint, preset_config
+    from .rendering import render_load_table
 
     cfg = parse_config(preset_config(preset), f"preset {preset}")
 

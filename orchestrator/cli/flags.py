@@ -20,16 +20,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from mxload.cluster.local import mxload_home
-from mxload.orchestrator.errors import MxloadError, UsageError
-from mxload.orchestrator.plan.engines import DEFAULT_ENGINE
-from mxload.orchestrator.plan.releases import known_engines
-from mxload.orchestrator.plan.sharing import DEFAULT_SHARE, SHARE_SCOPES
-from mxload.orchestrator.plan.sizes import parse_size
-from mxload.orchestrator.plan.types import ParallelLayout
-from mxload.orchestrator.runtime.models import model_names, resolve_model
-from mxload.workers.storage.urls import absolute, local_path
-from mxload.workers.storage.urls import is_remote as is_remote_url
+from ...cluster.local import mxload_home
+from ...workers.storage.urls import absolute, local_path
+from ...workers.storage.urls import is_remote as is_remote_url
+from ..errors import MxloadError, UsageError
+from ..plan.engines import DEFAULT_ENGINE
+from ..plan.releases import known_engines
+from ..plan.sharing import DEFAULT_SHARE, SHARE_SCOPES
+from ..plan.sizes import parse_size
+from ..plan.types import ParallelLayout
+from ..runtime.models import model_names, resolve_model
 
 
 class Parser(argparse.ArgumentParser):
@@ -390,7 +390,7 @@ def _add_flags(p: argparse.ArgumentParser, command: str) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from mxload import __version__
+    from ... import __version__
 
     parser = Parser(
         prog="mxload",
@@ -683,8 +683,8 @@ def check_plan_source(src: str) -> None:
 
 
 def storage_options(args: argparse.Namespace) -> dict[str, Any] | None:
-    from mxload.workers.storage import ALLOW_OUTSIDE_LINKS, CONNECT_TIMEOUT, READ_TIMEOUT
-    from mxload.workers.storage.options import MIN_READ_RATE
+    from ...workers.storage import ALLOW_OUTSIDE_LINKS, CONNECT_TIMEOUT, READ_TIMEOUT
+    from ...workers.storage.options import MIN_READ_RATE
 
     raw = getattr(args, "storage_options", None)
     value: dict[str, Any] = {}
@@ -740,7 +740,7 @@ OPTIONS_FILE_MAX_BYTES = 1 << 20
 
 def _options_file(path: str, where: str) -> str:
     """The text of ``--storage-options @FILE`` (a regular file, at most 1 MiB)."""
-    from mxload.workers.storage.local import read_whole
+    from ...workers.storage.local import read_whole
 
     try:
         data = read_whole(os.path.abspath(path), OPTIONS_FILE_MAX_BYTES, path)
@@ -827,7 +827,7 @@ def is_remote(src: str | None) -> bool:
 
 def time_model_rates(args: argparse.Namespace) -> Any:
     """The time model's rates from ``plan``'s flags (``timemodel.Rates``), checked."""
-    from mxload.orchestrator.plan.timemodel import (
+    from ..plan.timemodel import (
         CPU_CONVERT_BYTES_PER_S,
         LOCAL_REQUEST_LATENCY_S,
         NPU_CONVERT_BYTES_PER_S,

@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import IO, Any
 
-from mxload.orchestrator.plan.sizes import format_size
+from ..plan.sizes import format_size
 
 RankCounters = tuple[int, int, int]
 """(units done, units total, bytes read) of one rank, as the driver polls them."""

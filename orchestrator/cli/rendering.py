@@ -15,7 +15,7 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
-from mxload.orchestrator.plan.sizes import format_size
+from ..plan.sizes import format_size
 
 STATUS_INCONSISTENT = 4
 """``mxload status`` exit status while the session does not hold one checkpoint everywhere
@@ -167,7 +167,7 @@ def progress(json_out: bool, label: str) -> Any:
     otherwise (pipes and scripts see no control characters)."""
     if json_out or not sys.stderr.isatty():
         return None
-    from mxload.orchestrator.cli.progress import RankProgress
+    from .progress import RankProgress
 
     return RankProgress(label)
 
@@ -176,7 +176,7 @@ def convert_progress(json_out: bool) -> Any:
     """``convert``'s byte progress bar, under the same terms as :func:`progress`."""
     if json_out or not sys.stderr.isatty():
         return None
-    from mxload.orchestrator.cli.progress import ConvertBar
+    from .progress import ConvertBar
 
     return ConvertBar()
 

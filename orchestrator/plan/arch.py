@@ -64,8 +64,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import Literal
 
-from mxload.orchestrator.errors import UnsupportedError
-from mxload.orchestrator.plan.config import ModelConfig
+from ..errors import UnsupportedError
+from .config import ModelConfig
 
 Style = Literal["column", "row", "replicated", "vocab", "moe"]
 Place = Literal["first", "layer", "last", "vision", "vision_layer", "mtp", "mtp_layer"]

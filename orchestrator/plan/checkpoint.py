@@ -33,7 +33,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from mxload.orchestrator.errors import (
+from ..errors import (
     CheckpointError,
     DuplicateTensor,
     IndexError_,
@@ -41,8 +41,8 @@ from mxload.orchestrator.errors import (
     MissingTensor,
     UnpairedTensor,
 )
-from mxload.orchestrator.plan.config import ModelConfig, QuantKind
-from mxload.orchestrator.plan.formats import (
+from .config import ModelConfig, QuantKind
+from .formats import (
     BLOCK_SCALE_DTYPES,
     BLOCK_SCALE_SUFFIX,
     INDEX_FILE,
@@ -53,7 +53,7 @@ from mxload.orchestrator.plan.formats import (
     SINGLE_FILE,
     ceil_div,
 )
-from mxload.orchestrator.plan.safetensors_header import (
+from .safetensors_header import (
     FileHeader,
     JsonObject,
     TensorInfo,

@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any, Literal
 
-from mxload.orchestrator.errors import ConfigError, UnsupportedError
-from mxload.orchestrator.plan.formats import ASCEND_MXFP8, MODEL_DTYPES, TORCH_DTYPE_ALIASES
+from ..errors import ConfigError, UnsupportedError
+from .formats import ASCEND_MXFP8, MODEL_DTYPES, TORCH_DTYPE_ALIASES
 
 QuantKind = Literal["block_fp8", "mxfp8", "none"]
 

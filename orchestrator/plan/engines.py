@@ -50,11 +50,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from mxload.orchestrator.errors import LayoutError, UsageError
-from mxload.orchestrator.plan.formats import LAYOUT_DENSE, MX_GROUP
+from ..errors import LayoutError, UsageError
+from .formats import LAYOUT_DENSE, MX_GROUP
 
 if TYPE_CHECKING:
-    from mxload.orchestrator.plan.types import RankPlan
+    from .types import RankPlan
 
 BUFFER_KINDS = ("mx_linear", "mx_linear_scale", "mx_moe", "mx_moe_scale", "dense_moe")
 """Buffer kinds a profile may lay out differently (canonical shapes in the module doc)."""
@@ -302,7 +302,7 @@ DEFAULT_ENGINE = MXLOAD.name
 def engine_profile(name: str | EngineProfile) -> EngineProfile:
     """The profile called ``name``, or the profile of the release called ``name``;
     UsageError naming ``--engine`` and the known ones."""
-    from mxload.orchestrator.plan.releases import RELEASES, known_engines
+    from .releases import RELEASES, known_engines
 
     if isinstance(name, EngineProfile):
         return name

@@ -22,17 +22,17 @@ Decision: ``--enable-expert-parallel`` on a dense model is accepted and does not
 
 from __future__ import annotations
 
-from mxload.orchestrator.errors import LayoutError
-from mxload.orchestrator.plan.arch import (
+from ..errors import LayoutError
+from .arch import (
     LAYER_KINDS,
     Architecture,
     SourceSpec,
     TensorRule,
     architecture_for,
 )
-from mxload.orchestrator.plan.config import ModelConfig
-from mxload.orchestrator.plan.formats import VOCAB_PAD, ceil_div
-from mxload.orchestrator.plan.types import ParallelLayout
+from .config import ModelConfig
+from .formats import VOCAB_PAD, ceil_div
+from .types import ParallelLayout
 
 PLACEMENTS = ("linear", "round_robin")
 """Expert placements vLLM knows (``--expert-placement``)."""

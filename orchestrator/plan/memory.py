@@ -32,10 +32,10 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from mxload.orchestrator.errors import StagingBudgetError
-from mxload.orchestrator.plan.formats import MX_GROUP, ceil_div
-from mxload.orchestrator.plan.ranges import ByteRange
-from mxload.orchestrator.plan.types import StagingEstimate, Unit, UnitReads
+from ..errors import StagingBudgetError
+from .formats import MX_GROUP, ceil_div
+from .ranges import ByteRange
+from .types import StagingEstimate, Unit, UnitReads
 
 MODEL_DTYPE_SIZE = {"bf16": 2, "fp16": 2, "fp32": 4}
 

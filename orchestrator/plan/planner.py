@@ -58,13 +58,13 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, overload
 
-from mxload.orchestrator.errors import (
+from ..errors import (
     CheckpointError,
     MissingTensor,
     MixedQuantization,
     StagingBudgetError,
 )
-from mxload.orchestrator.plan.arch import (
+from .arch import (
     EXPERT_PLACEHOLDER,
     SCALE_SUFFIX,
     W2_BUFFER,
@@ -75,9 +75,9 @@ from mxload.orchestrator.plan.arch import (
     device_name,
     source_module,
 )
-from mxload.orchestrator.plan.checkpoint import CheckpointMeta
-from mxload.orchestrator.plan.config import ModelConfig
-from mxload.orchestrator.plan.engines import (
+from .checkpoint import CheckpointMeta
+from .config import ModelConfig
+from .engines import (
     DEFAULT_ENGINE,
     EngineProfile,
     check_expert_placement,
@@ -85,7 +85,7 @@ from mxload.orchestrator.plan.engines import (
     engine_profile,
     held_as,
 )
-from mxload.orchestrator.plan.formats import (
+from .formats import (
     LAYOUT_DENSE,
     LAYOUT_MX_LINEAR,
     LAYOUT_MX_MOE,
@@ -98,7 +98,7 @@ from mxload.orchestrator.plan.formats import (
     SAFETENSORS_TO_BUFFER,
     ceil_div,
 )
-from mxload.orchestrator.plan.layout import (
+from .layout import (
     ep_rank_of,
     ep_size,
     even_split,
@@ -110,14 +110,14 @@ from mxload.orchestrator.plan.layout import (
     uses_expert_parallel,
     validate_layout,
 )
-from mxload.orchestrator.plan.ranges import LOCAL_POLICY, REMOTE_POLICY
-from mxload.orchestrator.plan.readplan import (
+from .ranges import LOCAL_POLICY, REMOTE_POLICY
+from .readplan import (
     needed_bytes,
     predicted_read_bytes,
     tile_span,
     unit_reads,
 )
-from mxload.orchestrator.plan.types import (
+from .types import (
     BufferSpec,
     ParallelLayout,
     Part,
@@ -996,7 +996,7 @@ def _build_plan(
 ) -> Plan:
     """``by_kind`` False plans a config alone once per stage, TP rank and MoE rank, as a
     plan with byte ranges is (the reference the kinds are checked against)."""
-    from mxload.orchestrator.plan.memory import (
+    from .memory import (
         ConvertOptions,
         min_budgets,
         proportional_read_fn,

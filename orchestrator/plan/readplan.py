@@ -29,10 +29,10 @@ import math
 from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import replace
 
-from mxload.orchestrator.errors import CheckpointError, MissingTensor
-from mxload.orchestrator.plan.checkpoint import CheckpointMeta
-from mxload.orchestrator.plan.config import ModelConfig
-from mxload.orchestrator.plan.formats import (
+from ..errors import CheckpointError, MissingTensor
+from .checkpoint import CheckpointMeta
+from .config import ModelConfig
+from .formats import (
     BLOCK_SCALE_DTYPES,
     MODEL_DTYPES,
     MX_GROUP,
@@ -40,9 +40,9 @@ from mxload.orchestrator.plan.formats import (
     QUANT_WEIGHT_DTYPE,
     SAFETENSORS_ITEMSIZE,
 )
-from mxload.orchestrator.plan.ranges import PAGE_BYTES, ByteRange, CoalescePolicy, contiguous
-from mxload.orchestrator.plan.safetensors_header import TensorInfo
-from mxload.orchestrator.plan.types import Part, PartRead, Unit, UnitReads
+from .ranges import PAGE_BYTES, ByteRange, CoalescePolicy, contiguous
+from .safetensors_header import TensorInfo
+from .types import Part, PartRead, Unit, UnitReads
 
 
 def tile_span(lo: int, hi: int, block: int) -> tuple[int, int]:

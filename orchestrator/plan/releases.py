@@ -20,8 +20,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from mxload.orchestrator.errors import UsageError
-from mxload.orchestrator.plan.engines import SourceRef
+from ..errors import UsageError
+from .engines import SourceRef
 
 ACL_FORMAT_FRACTAL_NZ = 29
 """torch_npu's storage-format code of FRACTAL_NZ (vllm_ascend/utils.py:56 in 0.23.0.post1)."""
@@ -300,7 +300,7 @@ def engine_release(engine: str) -> EngineRelease | None:
 
 def known_engines() -> list[str]:
     """What ``--engine`` takes: the profiles, then the release names (each once)."""
-    from mxload.orchestrator.plan.engines import ENGINES
+    from .engines import ENGINES
 
     return list(dict.fromkeys([*ENGINES, *RELEASES]))
 

@@ -39,7 +39,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
-from mxload.orchestrator.errors import (
+from ..errors import (
     HeaderTooLarge,
     InvalidHeaderJson,
     InvalidOffset,
@@ -50,7 +50,7 @@ from mxload.orchestrator.errors import (
     TruncatedFile,
     UnknownDtype,
 )
-from mxload.orchestrator.plan.formats import HEADER_MAX_BYTES, SAFETENSORS_ITEMSIZE
+from .formats import HEADER_MAX_BYTES, SAFETENSORS_ITEMSIZE
 
 PREFIX_BYTES = 8
 """Length of the little-endian u64 header-length prefix."""

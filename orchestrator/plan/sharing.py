@@ -34,9 +34,9 @@ from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from mxload.orchestrator.plan.ranges import ByteRange, CoalescePolicy
-from mxload.orchestrator.plan.readplan import requested_bytes_fast
-from mxload.orchestrator.plan.types import UnitReads
+from .ranges import ByteRange, CoalescePolicy
+from .readplan import requested_bytes_fast
+from .types import UnitReads
 
 SHARE_SCOPES = ("none", "node", "cluster")
 DEFAULT_SHARE = "cluster"

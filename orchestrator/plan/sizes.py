@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-from mxload.orchestrator.errors import UsageError
+from ..errors import UsageError
 
 _UNITS = {
     "": 1,

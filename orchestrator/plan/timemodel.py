@@ -45,21 +45,21 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from mxload.orchestrator.plan.config import ModelConfig
-from mxload.orchestrator.plan.ranges import LOCAL_POLICY, REMOTE_POLICY, CoalescePolicy
-from mxload.orchestrator.plan.readplan import (
+from .config import ModelConfig
+from .ranges import LOCAL_POLICY, REMOTE_POLICY, CoalescePolicy
+from .readplan import (
     estimated_fetch,
     estimated_requests,
     predicted_reads,
     share_key,
 )
-from mxload.orchestrator.plan.sharing import (
+from .sharing import (
     ClassItem,
     RankTraffic,
     class_traffic,
     share_classes,
 )
-from mxload.orchestrator.plan.types import Plan, ReadGroup, StagingEstimate, Unit, UnitReads
+from .types import Plan, ReadGroup, StagingEstimate, Unit, UnitReads
 
 GB = 1e9
 

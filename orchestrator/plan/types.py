@@ -24,8 +24,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from mxload.orchestrator.plan.formats import BUFFER_ITEMSIZE
-from mxload.orchestrator.plan.ranges import ByteRange
+from .formats import BUFFER_ITEMSIZE
+from .ranges import ByteRange
 
 UnitKind = Literal["linear", "moe_w13", "moe_w2", "copy"]
 """linear: a (merged) quantized-or-not linear; moe_w13/moe_w2: one expert's half;

@@ -30,17 +30,17 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import Any, Protocol
 
-from mxload.orchestrator.errors import CheckpointError, ConfigError, StorageError, TruncatedFile
-from mxload.orchestrator.plan.checkpoint import CheckpointMeta, build_meta, parse_index
-from mxload.orchestrator.plan.config import ascend_description_quant, parse_config
-from mxload.orchestrator.plan.formats import (
+from ..errors import CheckpointError, ConfigError, StorageError, TruncatedFile
+from ..plan.checkpoint import CheckpointMeta, build_meta, parse_index
+from ..plan.config import ascend_description_quant, parse_config
+from ..plan.formats import (
     ASCEND_DESCRIPTION_FILE,
     BLOCK_SCALE_SUFFIX,
     CONFIG_FILE,
     INDEX_FILE,
     SINGLE_FILE,
 )
-from mxload.orchestrator.plan.safetensors_header import (
+from ..plan.safetensors_header import (
     PREFIX_BYTES,
     FileHeader,
     parse_header,
@@ -76,7 +76,7 @@ def open_checkpoint(
     if storage is not None:
         return _open(src, storage, dtype=dtype, max_workers=max_workers)
     # Imported here so that importing the orchestrator never pulls in fsspec.
-    from mxload.workers.storage import Storage
+    from ...workers.storage import Storage
 
     with Storage(src, storage_options) as own:
         return _open(src, own, dtype=dtype, max_workers=max_workers)

@@ -49,7 +49,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from mxload.orchestrator.errors import (
+from ..errors import (
     HeadDown,
     HeadStopped,
     MxloadError,
@@ -58,14 +58,14 @@ from mxload.orchestrator.errors import (
     SessionError,
     WorkerLost,
 )
-from mxload.orchestrator.plan.types import Plan
-from mxload.orchestrator.runtime.driver import first_load, plan_load
-from mxload.orchestrator.runtime.outputs import OutputDir, check_not_input
-from mxload.orchestrator.runtime.ray_run import RayRun
-from mxload.orchestrator.runtime.reload import RayRanks, reload, repair
-from mxload.orchestrator.runtime.reports import build_manifest, first_line, write_dump
-from mxload.orchestrator.runtime.request import LoadRequest
-from mxload.orchestrator.runtime.state import Lease, LeaseHolder, Progress, SessionState, verdict
+from ..plan.types import Plan
+from .driver import first_load, plan_load
+from .outputs import OutputDir, check_not_input
+from .ray_run import RayRun
+from .reload import RayRanks, reload, repair
+from .reports import build_manifest, first_line, write_dump
+from .request import LoadRequest
+from .state import Lease, LeaseHolder, Progress, SessionState, verdict
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +84,7 @@ class SessionKeeper:
     atomic across every process that reaches the session."""
 
     def __init__(self, state: SessionState, persist: bool = True) -> None:
-        from mxload.cluster.local import tighten_own_temp_dir
+        from ...cluster.local import tighten_own_temp_dir
 
         tighten_own_temp_dir()  # this process's start made Ray's folders 0777 again
         self.persist = persist
@@ -111,7 +111,7 @@ class SessionKeeper:
             return None
         import pickle
 
-        from mxload.cluster import raycompat
+        from ...cluster import raycompat
 
         raw = raycompat.kv_get(self._key())
         if raw is None:
@@ -125,14 +125,14 @@ class SessionKeeper:
             return
         import pickle
 
-        from mxload.cluster import raycompat
+        from ...cluster import raycompat
 
         raycompat.kv_put(self._key(), pickle.dumps((self.state, self.fence, self.notes)))
 
     def forget(self) -> None:
         """Drop the persisted state (release)."""
         if self.persist:
-            from mxload.cluster import raycompat
+            from ...cluster import raycompat
 
             raycompat.kv_del(self._key())
 
@@ -215,7 +215,8 @@ def _holder_alive(holder: LeaseHolder) -> bool:
         return True
     try:
         import psutil  # type: ignore[import-untyped]
-        from mxload.cluster.local import same_process
+
+        from ...cluster.local import same_process
 
         return same_process(psutil.Process(holder.pid), holder.process())
     except Exception:  # no such process, or not ours to inspect
@@ -245,7 +246,8 @@ def session_lease(keeper: Any, session: str, what: str, src: str = "") -> Iterat
     command that holds it. Renewed from a thread, so a long reload keeps it."""
     import psutil
     import ray
-    from mxload.cluster.local import process_identity
+
+    from ...cluster.local import process_identity
 
     me = process_identity(psutil.Process(os.getpid()))
     holder = LeaseHolder(
@@ -316,7 +318,7 @@ def check_session_name(name: str) -> str:
 
 def _recorded_head(address: str | None) -> Any:
     """The head recorded under $MXLOAD_HOME if ``address`` is None or names it."""
-    from mxload.cluster.local import read_head_record
+    from ...cluster.local import read_head_record
 
     record = read_head_record()
     if record is None or address is None or same_address(address, record.address):
@@ -336,7 +338,7 @@ def same_address(a: str, b: str) -> bool:
 
 
 def _head_down_error(record: Any, down: list[str]) -> HeadDown:
-    from mxload.cluster.local import mxload_home
+    from ...cluster.local import mxload_home
 
     since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(record.started_at))
     return HeadDown(
@@ -348,7 +350,7 @@ def _head_down_error(record: Any, down: list[str]) -> HeadDown:
 
 
 def _head_stopped_error(record: Any, stopped: list[str]) -> HeadStopped:
-    from mxload.cluster.local import mxload_home
+    from ...cluster.local import mxload_home
 
     pids = " ".join(s.rsplit("pid ", 1)[-1].rstrip(")") for s in stopped)
     return HeadStopped(
@@ -363,7 +365,7 @@ def _head_stopped_error(record: Any, stopped: list[str]) -> HeadStopped:
 def check_recorded_head(record: Any) -> None:
     """Before any Ray call to a recorded head, from its recorded processes alone: HeadDown
     when its GCS or raylet died (or nothing listens), HeadStopped when one is stopped."""
-    from mxload.cluster.local import head_down, head_stopped
+    from ...cluster.local import head_down, head_stopped
 
     down = head_down(record)
     if down:
@@ -435,7 +437,8 @@ def _connect(address: str | None) -> tuple[str, bool]:
     processes (:func:`check_recorded_head`: at once, when its GCS or raylet died or is
     stopped) and joined with its token."""
     import ray
-    from mxload.cluster.local import connect, mxload_home
+
+    from ...cluster.local import connect, mxload_home
 
     if ray.is_initialized():
         return "", False
@@ -461,7 +464,7 @@ def _connect(address: str | None) -> tuple[str, bool]:
 
 
 def _session_file(session: str) -> Path:
-    from mxload.cluster.local import mxload_home
+    from ...cluster.local import mxload_home
 
     return mxload_home() / "sessions" / f"{check_session_name(session)}.json"
 
@@ -469,7 +472,7 @@ def _session_file(session: str) -> Path:
 def _record_session(session: str, address: str, pids: list[int | None]) -> None:
     """$MXLOAD_HOME/sessions/<session>.json: the session's worker and keeper processes on
     this machine (pid and start time), so `release` can end them when Ray cannot."""
-    from mxload.cluster.local import describe_processes
+    from ...cluster.local import describe_processes
 
     try:
         import psutil
@@ -494,7 +497,7 @@ def _record_session(session: str, address: str, pids: list[int | None]) -> None:
 
 def _recorded_sessions(address: str) -> dict[str, dict[str, Any]]:
     """Every session file recorded for the head at ``address``: path -> contents."""
-    from mxload.cluster.local import mxload_home
+    from ...cluster.local import mxload_home
 
     out = {}
     for path in sorted((mxload_home() / "sessions").glob("*.json")):
@@ -569,7 +572,8 @@ def detached_load(
 ) -> dict[str, Any]:
     """Load and leave the workers running under ``session``; returns the manifest."""
     import ray
-    from mxload.cluster.local import start_detached_head
+
+    from ...cluster.local import start_detached_head
 
     check_session_name(session)
     meta, plan = plan_load(req)  # refuse bad input before starting anything
@@ -582,7 +586,7 @@ def detached_load(
         )
         req = replace(req, address=record.address)
         started_head = True
-        from mxload.cluster.local import connect
+        from ...cluster.local import connect
 
         check_recorded_head(record)  # a head already recorded here may be stopped
         connect(record.address, token=record.token)
@@ -706,7 +710,8 @@ def check_ranks_running(state: SessionState) -> None:
     debugger), before a call to it waits minutes. Only processes recorded for the
     session here (pid *and* start time: a pid reused elsewhere is not taken for one)."""
     import psutil
-    from mxload.cluster.local import live_process
+
+    from ...cluster.local import live_process
 
     try:
         recorded = json.loads(_session_file(state.session).read_text())["processes"]
@@ -758,7 +763,7 @@ def ask_ranks(run: RayRun, method: str, timeout_s: float = 30.0) -> list[Any]:
 def _check_engine(session: str, held: Plan, engine: str | None) -> None:
     """``--engine`` on reload/status names what the caller expects; the session's buffers
     are laid out for the engine it was loaded with, and cannot change."""
-    from mxload.orchestrator.plan.engines import engine_profile
+    from ..plan.engines import engine_profile
 
     if engine is not None and engine_profile(engine).name != held.engine:
         raise SessionError(
@@ -842,7 +847,8 @@ def detached_reload(
     ``outputs``: (path, flag) of what the caller will write, refused before any work
     when it would overwrite the session's checkpoint."""
     import ray
-    from mxload.workers.storage.urls import absolute
+
+    from ...workers.storage.urls import absolute
 
     src = absolute(src)
     try:
@@ -905,7 +911,8 @@ def detached_release(
     records, the head's temp dir. ``force`` ends the whole head mxload started, every
     session on it, without asking Ray (for a head that is up but does not answer)."""
     import ray
-    from mxload.cluster.local import head_down, read_head_record, stop_detached_head
+
+    from ...cluster.local import head_down, read_head_record, stop_detached_head
 
     check_session_name(session)
     record = _recorded_head(address)
@@ -960,7 +967,7 @@ def detached_release(
 
 def _release_without_ray(session: str, record: Any, down: list[str]) -> dict[str, Any]:
     """End a recorded head and every session recorded on it, by pid, and remove their files."""
-    from mxload.cluster.local import end_head
+    from ...cluster.local import end_head
 
     sessions = _recorded_sessions(record.address)
     extra = [p for data in sessions.values() for p in data.get("processes", [])]

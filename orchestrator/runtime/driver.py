@@ -11,41 +11,41 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from mxload.orchestrator.errors import InputError, PlanDoesNotFit, StagingBudgetError, UsageError
-from mxload.orchestrator.plan.types import Plan
-from mxload.orchestrator.runtime.outputs import OutputDir
-from mxload.orchestrator.runtime.ray_run import RayRun
-from mxload.orchestrator.runtime.reports import (
+from ...workers.storage.urls import is_remote
+from ..errors import InputError, PlanDoesNotFit, StagingBudgetError, UsageError
+from ..plan.types import Plan
+from .outputs import OutputDir
+from .ray_run import RayRun
+from .reports import (
     build_manifest,
     dump_target,
     sharing_summary,
     write_dump,
 )
-from mxload.orchestrator.runtime.request import (
+from .request import (
     LoadRequest,
     source_info,
     workers_fused,
 )
-from mxload.workers.storage.urls import is_remote
 
 
 def plan_load(req: LoadRequest) -> tuple[Any, Plan]:
     """Read config and headers, build and check the plan. Pure apart from the reads."""
     if req.address:
         # First: a dead --address is refused in seconds, before the slow imports.
-        from mxload.cluster.local import check_reachable
+        from ...cluster.local import check_reachable
 
         check_reachable(req.address)
-    from mxload.orchestrator.plan.planner import build_plan
-    from mxload.orchestrator.plan.sharing import SHARE_SCOPES
-    from mxload.orchestrator.runtime.catalog import open_checkpoint
+    from ..plan.planner import build_plan
+    from ..plan.sharing import SHARE_SCOPES
+    from .catalog import open_checkpoint
 
     if req.share not in SHARE_SCOPES:
         raise UsageError(
             f"--share: {req.share!r} is not one of {', '.join(SHARE_SCOPES)}", key="--share"
         )
     meta = open_checkpoint(req.src, storage_options=req.storage_options, dtype=req.dtype)
-    from mxload.orchestrator.plan.config import LOADABLE_ARCHITECTURES
+    from ..plan.config import LOADABLE_ARCHITECTURES
 
     if meta.config.architecture not in LOADABLE_ARCHITECTURES:
         raise InputError(

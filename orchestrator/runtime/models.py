@@ -16,7 +16,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from mxload.orchestrator.errors import UsageError
+from ..errors import UsageError
 
 MODELS: dict[str, str] = {
     "qwen3-30b-a3b-fp8": "Qwen/Qwen3-30B-A3B-FP8",

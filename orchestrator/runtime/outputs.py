@@ -43,8 +43,8 @@ from collections.abc import Iterable, Mapping
 from types import TracebackType
 from typing import Any
 
-from mxload.orchestrator.errors import OutputError
-from mxload.workers.storage.urls import PROTOCOLS, is_remote, local_path, protocol
+from ...workers.storage.urls import PROTOCOLS, is_remote, local_path, protocol
+from ..errors import OutputError
 
 _DISK_ERRNOS = {
     errno.ENOSPC: "no space left on the device",

@@ -10,12 +10,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from mxload.orchestrator.errors import InputError, RunError
-from mxload.orchestrator.plan.types import Plan
-from mxload.orchestrator.runtime.request import LoadRequest
+from ..errors import InputError, RunError
+from ..plan.types import Plan
+from .request import LoadRequest
 
 if TYPE_CHECKING:
-    from mxload.workers.rank.actor import RankWorker
+    from ...workers.rank.actor import RankWorker
 
 PLACEMENTS = {
     "pack": "PACK",
@@ -27,7 +27,7 @@ PLACEMENTS = {
 
 def start_ray(req: LoadRequest, world: int) -> str | None:
     """Join ``req.address``, or start the embedded head (returns its temp dir)."""
-    from mxload.cluster.local import connect, start_embedded
+    from ...cluster.local import connect, start_embedded
 
     if req.address:
         connect(req.address)
@@ -35,7 +35,7 @@ def start_ray(req: LoadRequest, world: int) -> str | None:
     if req.device in ("npu", "cuda"):
         # The embedded head's one node is this machine: ask here, in a second, rather
         # than after Ray has started.
-        from mxload.workers.rank.actor import probe_device
+        from ...workers.rank.actor import probe_device
 
         problem = probe_device(req.device, req.accelerator)
         if problem:
@@ -127,8 +127,9 @@ def check_devices(req: LoadRequest, placed: Placement) -> None:
     if req.device not in ("npu", "cuda"):
         return
     import ray
-    from mxload.workers.rank.actor import probe_device
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    from ...workers.rank.actor import probe_device
 
     table = placed.node_of_bundle()
     first_bundle: dict[str, int] = {}
@@ -161,8 +162,9 @@ def spawn(
     """One ``worker`` actor per rank in its bundle, restarted by Ray up to
     ``--max-restarts``; its torch threads are its share of its node's cores."""
     import ray
-    from mxload.workers.rank.actor import remote_class
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    from ...workers.rank.actor import remote_class
 
     cls = remote_class(worker)
     table = placed.node_of_bundle()

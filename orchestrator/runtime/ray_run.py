@@ -10,16 +10,16 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from mxload.orchestrator.errors import MxloadError, RunError, WorkerLost
-from mxload.orchestrator.plan.types import Plan, Unit, UnitReads
-from mxload.orchestrator.runtime import placement, shared_reads
-from mxload.orchestrator.runtime.reports import first_line, plain, rank_error
-from mxload.orchestrator.runtime.request import LoadRequest, staging_budget_of
-from mxload.orchestrator.runtime.state import Progress, Report
+from ..errors import MxloadError, RunError, WorkerLost
+from ..plan.types import Plan, Unit, UnitReads
+from . import placement, shared_reads
+from .reports import first_line, plain, rank_error
+from .request import LoadRequest, staging_budget_of
+from .state import Progress, Report
 
 if TYPE_CHECKING:
-    from mxload.workers.rank.actor import RankWorker
-    from mxload.workers.rank.loader import SourceInfo
+    from ...workers.rank.actor import RankWorker
+    from ...workers.rank.loader import SourceInfo
 
 
 class RayRun:
@@ -73,7 +73,7 @@ class RayRun:
         placement.check_devices(self.req, self.placed)
 
     def spawn(self) -> None:
-        from mxload.workers.rank.actor import RankWorker
+        from ...workers.rank.actor import RankWorker
 
         assert self.placed is not None, "place() first"
         self.actors = placement.spawn(

@@ -20,25 +20,25 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Protocol
 
-from mxload.orchestrator.errors import (
+from ...workers.storage.urls import absolute, is_remote
+from ..errors import (
     AddressMoved,
     HeadDown,
     HeadStopped,
     ReloadMismatch,
     StagingBudgetError,
 )
-from mxload.orchestrator.plan.types import Plan, Unit, UnitReads
-from mxload.orchestrator.runtime.request import (
+from ..plan.types import Plan, Unit, UnitReads
+from .request import (
     source_info,
     staging_budget_of,
     workers_fused,
 )
-from mxload.orchestrator.runtime.state import Progress, ReloadRecord, Report, SessionState
-from mxload.workers.storage.urls import absolute, is_remote
+from .state import Progress, ReloadRecord, Report, SessionState
 
 if TYPE_CHECKING:
-    from mxload.orchestrator.runtime.ray_run import RayRun
-    from mxload.workers.rank.loader import SourceInfo
+    from ...workers.rank.loader import SourceInfo
+    from .ray_run import RayRun
 
 log = logging.getLogger(__name__)
 
@@ -125,7 +125,7 @@ def reload_budgets(
 ) -> list[int]:
     """Staging budget of every rank for a reload: the given one, else the largest whole
     unit of any rank as the reload will convert it (held layouts, new source)."""
-    from mxload.orchestrator.plan.memory import ConvertOptions, min_budgets, read_fn_from_reads
+    from ..plan.memory import ConvertOptions, min_budgets, read_fn_from_reads
 
     quant = config.quant.kind
     block_n = config.quant.block_n if quant == "block_fp8" else 1
@@ -150,8 +150,8 @@ def plan_reload(
 ) -> tuple[Any, Plan]:
     """Open ``src`` and plan it for the held layout; ReloadMismatch (nothing touched)
     listing every difference from what the ranks hold. Returns (checkpoint, plan)."""
-    from mxload.orchestrator.plan.planner import build_plan
-    from mxload.orchestrator.runtime.catalog import open_checkpoint
+    from ..plan.planner import build_plan
+    from .catalog import open_checkpoint
 
     meta = open_checkpoint(src, storage_options=storage_options, dtype=held.model["dtype"])
     problems: list[str] = []

@@ -8,14 +8,14 @@ import os
 import re
 from typing import TYPE_CHECKING, Any
 
-from mxload.orchestrator.errors import MxloadError, RunError
-from mxload.orchestrator.plan.formats import DUMP_FORMAT
-from mxload.orchestrator.plan.types import Plan
-from mxload.orchestrator.runtime.outputs import OutputDir
-from mxload.orchestrator.runtime.state import Report
+from ..errors import MxloadError, RunError
+from ..plan.formats import DUMP_FORMAT
+from ..plan.types import Plan
+from .outputs import OutputDir
+from .state import Report
 
 if TYPE_CHECKING:
-    from mxload.orchestrator.runtime.ray_run import RayRun
+    from .ray_run import RayRun
 
 _ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 
@@ -95,7 +95,7 @@ def build_manifest(plan: Plan, reports: list[Report]) -> dict[str, Any]:
             "addresses_changed": rep.get("addresses_changed", False),
         }
         ranks.append(entry)
-    from mxload.workers.rank.loader import CHECKSUM_NAME
+    from ...workers.rank.loader import CHECKSUM_NAME
 
     return {
         "format": DUMP_FORMAT,
@@ -123,8 +123,9 @@ def write_dump(run: RayRun, manifest: dict[str, Any], out_dir: str | OutputDir) 
     import json
 
     import ray
-    from mxload.orchestrator.plan.formats import BUFFER_TO_SAFETENSORS
-    from mxload.workers.safetensors_io import SafetensorsWriter
+
+    from ...workers.safetensors_io import SafetensorsWriter
+    from ..plan.formats import BUFFER_TO_SAFETENSORS
 
     out = out_dir if isinstance(out_dir, OutputDir) else dump_target(out_dir)
     with out:

@@ -10,12 +10,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from mxload.orchestrator.plan.sharing import DEFAULT_SHARE
-from mxload.orchestrator.plan.types import ParallelLayout, Plan, RankPlan
-from mxload.workers.storage.urls import absolute
+from ...workers.storage.urls import absolute
+from ..plan.sharing import DEFAULT_SHARE
+from ..plan.types import ParallelLayout, Plan, RankPlan
 
 if TYPE_CHECKING:
-    from mxload.workers.rank.loader import SourceInfo
+    from ...workers.rank.loader import SourceInfo
 
 
 @dataclass
@@ -62,7 +62,7 @@ def workers_fused(device: str) -> bool:
     if device not in ("cpu", "auto"):
         return False
     try:
-        from mxload.workers.numerics.fast import fast_available
+        from ...workers.numerics.fast import fast_available
 
         return bool(fast_available())
     except ImportError:
@@ -80,7 +80,7 @@ def source_info(
     meta: Any, allow_nonfinite: bool, src: str, storage_options: Mapping[str, Any] | None
 ) -> SourceInfo:
     """The checkpoint ``meta`` (opened from ``src``) as the rank loaders read it."""
-    from mxload.workers.rank.loader import SourceInfo
+    from ...workers.rank.loader import SourceInfo
 
     q = meta.config.quant
     return SourceInfo(

@@ -3,7 +3,7 @@
 
 :class:`Session` is the Python API an RL trainer uses in-process::
 
-    from mxload import ParallelLayout, Session
+    from ... import ParallelLayout, Session
 
     s = Session.load("s3://bucket/step-0", ParallelLayout(tp=2, dp=2, enable_expert_parallel=True),
                      storage_options={"endpoint_url": "http://127.0.0.1:9000"})
@@ -23,14 +23,14 @@ import threading
 from collections.abc import Mapping
 from typing import Any
 
-from mxload.orchestrator.errors import SessionBusy
-from mxload.orchestrator.plan.types import ParallelLayout
-from mxload.orchestrator.runtime.driver import load as driver_load
-from mxload.orchestrator.runtime.ray_run import RayRun
-from mxload.orchestrator.runtime.reload import RayRanks, reload
-from mxload.orchestrator.runtime.reports import build_manifest
-from mxload.orchestrator.runtime.request import LoadRequest
-from mxload.orchestrator.runtime.state import Progress, SessionState, verdict
+from ..errors import SessionBusy
+from ..plan.types import ParallelLayout
+from .driver import load as driver_load
+from .ray_run import RayRun
+from .reload import RayRanks, reload
+from .reports import build_manifest
+from .request import LoadRequest
+from .state import Progress, SessionState, verdict
 
 
 class Session:

@@ -10,14 +10,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from mxload.orchestrator.errors import MxloadError, RunError
-from mxload.orchestrator.plan.types import Plan, Unit, UnitReads
-from mxload.orchestrator.runtime.state import Report
-from mxload.workers.storage.urls import is_remote
+from ...workers.storage.urls import is_remote
+from ..errors import MxloadError, RunError
+from ..plan.types import Plan, Unit, UnitReads
+from .state import Report
 
 if TYPE_CHECKING:
-    from mxload.orchestrator.plan.sharing import SharePlan
-    from mxload.workers.rank.loader import PeerUnit, SourceInfo
+    from ...workers.rank.loader import PeerUnit, SourceInfo
+    from ..plan.sharing import SharePlan
 
 
 @dataclass
@@ -44,16 +44,16 @@ def plan_shares(
     A unit converted in row chunks is read chunk by chunk, so sharing needs every unit
     whole: a load whose staging budget is below the largest unit does not share (the
     manifest says so)."""
-    from mxload.orchestrator.plan.ranges import LOCAL_POLICY, REMOTE_POLICY
-    from mxload.orchestrator.plan.readplan import predicted_reads
-    from mxload.orchestrator.plan.sharing import (
+    from ..plan.ranges import LOCAL_POLICY, REMOTE_POLICY
+    from ..plan.readplan import predicted_reads
+    from ..plan.sharing import (
         plan_sharing,
         rank_requests,
         rank_traffic,
         read_items,
         unique_bytes,
     )
-    from mxload.orchestrator.plan.timemodel import MAX_REQUEST_BYTES
+    from ..plan.timemodel import MAX_REQUEST_BYTES
 
     local = not is_remote(source.root)
     policy = LOCAL_POLICY if local else REMOTE_POLICY
@@ -114,7 +114,8 @@ def fetch_shares(
     largest unit read: every unit's reads are staged whole at some point of the load,
     so this is within the rank's predicted staging."""
     import ray
-    from mxload.workers.rank.loader import PeerUnit
+
+    from ...workers.rank.loader import PeerUnit
 
     out = Shared()
     if not share.shared:

@@ -15,10 +15,10 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from mxload.orchestrator.plan.types import Plan
+from ..plan.types import Plan
 
 if TYPE_CHECKING:
-    from mxload.orchestrator.runtime.request import LoadRequest
+    from .request import LoadRequest
 
 Report = dict[str, Any]
 """A rank's report as its worker sends it: a manifest entry (docs/contract.md §5) in the

@@ -49,7 +49,7 @@ from typing import Any
 import pytest
 import torch
 from mxload.orchestrator.runtime.catalog import open_checkpoint
-from mxload.workers.tools.convert import convert_checkpoint
+from mxload.orchestrator.tools.convert import convert_checkpoint
 from safetensors.torch import load_file
 
 from tests.engine import sources

@@ -84,8 +84,8 @@ from mxload.orchestrator.plan.planner import build_plan
 from mxload.orchestrator.plan.types import ParallelLayout
 from mxload.orchestrator.runtime.catalog import open_checkpoint
 from mxload.orchestrator.runtime.reload import reload_inputs
+from mxload.orchestrator.tools.convert import convert_checkpoint
 from mxload.workers.rank.loader import RankLoader
-from mxload.workers.tools.convert import convert_checkpoint
 from safetensors.torch import load_file
 
 from tests.engine import sources

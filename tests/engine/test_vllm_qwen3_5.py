@@ -33,9 +33,9 @@ from mxload.orchestrator.plan.planner import build_plan
 from mxload.orchestrator.plan.types import ParallelLayout, Plan
 from mxload.orchestrator.runtime.catalog import open_checkpoint
 from mxload.orchestrator.runtime.reload import reload_inputs
+from mxload.orchestrator.tools.synth import make_checkpoint
 from mxload.workers.numerics.select import select_backend
 from mxload.workers.rank.loader import RankLoader
-from mxload.workers.tools.synth import make_checkpoint
 
 from tests.engine.vllm_model import Models, RankOf, vllm_models
 from tests.independent_ref import mx_quantize_ref, same_e4m3_bytes

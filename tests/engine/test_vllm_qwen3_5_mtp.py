@@ -46,7 +46,7 @@ import torch
 from mxload.orchestrator.plan.planner import plan_rank
 from mxload.orchestrator.plan.types import ParallelLayout
 from mxload.orchestrator.runtime.catalog import open_checkpoint
-from mxload.workers.tools.synth import make_checkpoint, preset_config
+from mxload.orchestrator.tools.synth import make_checkpoint, preset_config
 
 from tests.engine import sources
 from tests.engine.test_vllm_qwen3_5 import check_against_vllm

@@ -8,7 +8,7 @@ time, ``tests/engine/sources.py``):
 
 * ``vllm/distributed/weight_transfer/base.py`` and ``factory.py`` are imported for real:
   mxload's backend subclasses that ``WeightTransferEngine``, registers itself with that
-  factory (:func:`mxload.workers.engine_ext.register_weight_transfer`, mxload's
+  factory (:func:`mxload.orchestrator.hosts.engine_ext.register_weight_transfer`, mxload's
   ``vllm.general_plugins`` entry point) and is built by ``create_engine``;
 * the worker's methods (``init_weight_transfer_engine``, ``start_weight_update``,
   ``_start_weight_update``, ``start_draft_weight_update``, ``update_weights``,
@@ -34,10 +34,10 @@ from typing import Any
 import pytest
 import torch
 from mxload.orchestrator.errors import AddressMoved
+from mxload.orchestrator.hosts.engine_ext import register_weight_transfer
 from mxload.orchestrator.plan.planner import build_plan
 from mxload.orchestrator.plan.types import ParallelLayout
 from mxload.orchestrator.runtime.catalog import open_checkpoint
-from mxload.workers.engine_ext import register_weight_transfer
 
 from tests.engine import sources
 from tests.engine.sources import Stub, stubbed_packages
@@ -113,7 +113,7 @@ def test_backend_through_vllm_factory_and_worker(ckpt_factory, monkeypatch) -> N
         backend = factory.WeightTransferEngineFactory.create_engine(
             SimpleNamespace(backend="mxload"), vllm_config, torch.device("cpu"), model
         )
-        from mxload.workers.weight_transfer import weight_identity
+        from mxload.orchestrator.hosts.weight_transfer import weight_identity
 
         Worker = worker_class(
             root / "vllm/v1/worker/gpu_worker.py",

@@ -18,7 +18,7 @@ import pytest
 SCRIPT = """
 import json
 from mxload import ParallelLayout, build_plan, open_checkpoint
-from mxload.workers.tools.synth import make_checkpoint
+from mxload.orchestrator.tools.synth import make_checkpoint
 import mxload.cluster.local
 
 make_checkpoint("ckpt", "qwen3-moe-tiny", seed=3)
@@ -59,7 +59,7 @@ print(json.dumps({
     "error": issubclass(MxloadError, Exception),
     "version": __version__,
     "extension": resolve("mxload.MxloadWorkerExtension")
-    is resolve("mxload.workers.engine_ext.MxloadWorkerExtension"),
+    is resolve("mxload.orchestrator.hosts.engine_ext.MxloadWorkerExtension"),
 }))
 """
 

@@ -125,7 +125,7 @@ def test_sizes_need_a_unit() -> None:
 
 
 def test_presets_named_in_help_are_the_writers_presets() -> None:
-    from mxload.workers.tools.synth import PRESETS
+    from mxload.orchestrator.tools.synth import PRESETS
 
     assert cli.preset_names() == sorted(PRESETS)
 

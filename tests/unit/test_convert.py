@@ -20,7 +20,7 @@ import pytest
 import torch
 from mxload.orchestrator.errors import UnsupportedError
 from mxload.orchestrator.runtime.catalog import open_checkpoint
-from mxload.workers.tools.convert import convert_checkpoint
+from mxload.orchestrator.tools.convert import convert_checkpoint
 from safetensors import safe_open
 from safetensors.torch import load_file
 
@@ -439,7 +439,7 @@ def test_storage_failure_mid_run_names_the_range_and_leaves_no_shard(
     file and byte range, and no output shard left behind -- neither the one being
     written nor the one finished before the failure."""
     from mxload.orchestrator.errors import StorageError
-    from mxload.workers.tools import convert as convert_mod
+    from mxload.orchestrator.tools import convert as convert_mod
 
     from tests.servers import Faults, RangeHTTPServer
 
@@ -482,7 +482,7 @@ def test_failed_convert_leaves_an_earlier_conversion_byte_for_byte(
     read; with it, the run fails and DST is still the earlier conversion, byte for byte,
     with nothing beside it."""
     from mxload.orchestrator.errors import OutputError, StorageError
-    from mxload.workers.tools import convert as convert_mod
+    from mxload.orchestrator.tools import convert as convert_mod
 
     from tests.servers import Faults, RangeHTTPServer
 
@@ -557,7 +557,7 @@ def test_convert_process_never_imports_torch(ckpt_factory, tmp_path) -> None:
     src = ckpt_factory("qwen3-moe-tiny", 5)
     code = (
         "import sys, json\n"
-        "from mxload.workers.tools.convert import convert_checkpoint\n"
+        "from mxload.orchestrator.tools.convert import convert_checkpoint\n"
         "s = convert_checkpoint(sys.argv[1], sys.argv[2], numerics='fast')\n"
         "print(json.dumps([s['backend'], 'torch' in sys.modules]))\n"
     )

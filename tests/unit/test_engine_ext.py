@@ -18,11 +18,11 @@ from typing import Any
 import pytest
 import torch
 from mxload.orchestrator.errors import AddressMoved, AdoptionError, LayoutError, RunError
+from mxload.orchestrator.hosts.engine_ext import EngineReloader, MxloadWorkerExtension
 from mxload.orchestrator.plan.engines import engine_profile
 from mxload.orchestrator.plan.planner import build_plan
 from mxload.orchestrator.plan.types import ParallelLayout
 from mxload.orchestrator.runtime.catalog import open_checkpoint
-from mxload.workers.engine_ext import EngineReloader, MxloadWorkerExtension
 
 from tests.reference_model import Layout, RefCheckpoint, compare_rank, expected_rank
 
@@ -172,7 +172,7 @@ def test_attach_refuses_nz_round_robin_and_foreign_layouts(ckpt_factory, fake_vl
 
 def test_module_imports_without_vllm() -> None:
     code = (
-        "import sys, mxload.workers.engine_ext as m; "
+        "import sys, mxload.orchestrator.hosts.engine_ext as m; "
         "bad = [k for k in sys.modules if k.split('.')[0] in ('vllm', 'vllm_ascend', 'torch_npu')]; "
         "assert not bad, bad; print(m.installed_engine())"
     )
@@ -447,7 +447,7 @@ def test_the_installed_release_is_matched_by_exact_version(monkeypatch) -> None:
     import importlib.metadata as md
 
     from mxload.orchestrator.errors import UsageError
-    from mxload.workers.engine_ext import installed_engine
+    from mxload.orchestrator.hosts.engine_ext import installed_engine
 
     def installed(v: str):
         def version(name: str) -> str:
@@ -472,7 +472,7 @@ def test_parameters_the_engine_stored_as_fractal_nz_are_refused(
 ):
     """On an NPU the storage format is read through torch_npu (``get_npu_format``); here
     that one function is stood in for, answering FRACTAL_NZ (29) for one parameter."""
-    import mxload.workers.engine_ext as ext
+    import mxload.orchestrator.hosts.engine_ext as ext
 
     monkeypatch.setenv("VLLM_ASCEND_ENABLE_NZ", "0")
     src = ckpt_factory("qwen3-moe-tiny", seed=1, overrides=OVERRIDES)
@@ -507,7 +507,7 @@ def test_a_linear_the_engine_would_hold_quantized_is_refused_at_attach(
 def test_a_language_model_only_engine_is_planned_without_its_vision_tower(fake_vllm) -> None:
     """vLLM's MultiModalConfig: ``language_model_only``, or every image/video limit 0, skips
     the tower (SupportsMultiModal._mark_tower_model); a text model has no such config."""
-    from mxload.workers.engine_ext import vllm_facts
+    from mxload.orchestrator.hosts.engine_ext import vllm_facts
 
     w = _Worker(LAYOUT, 0, 0, 0, None)
     fake_vllm["w"] = w

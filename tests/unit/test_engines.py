@@ -10,8 +10,8 @@ from mxload.orchestrator.plan.engines import BUFFER_KINDS, ENGINES, engine_profi
 from mxload.orchestrator.plan.planner import build_plan
 from mxload.orchestrator.plan.types import ParallelLayout
 from mxload.orchestrator.runtime.catalog import open_checkpoint
+from mxload.orchestrator.tools.synth import preset_config
 from mxload.workers.rank.loader import RankLoader
-from mxload.workers.tools.synth import preset_config
 
 ASCEND = ("vllm-ascend-0.23", "vllm-ascend-main")
 

@@ -706,7 +706,7 @@ def test_a_failed_reload_then_another_checkpoint_rewrites_every_unit(ckpt_factor
 def test_a_checkpoint_rewritten_at_the_same_url_is_another_identity(tmp_path) -> None:
     """Same path, new contents (a trainer overwriting step-N): a new fingerprint, so an
     interrupted reload run again rewrites every unit from the new bytes."""
-    from mxload.workers.tools.synth import make_checkpoint
+    from mxload.orchestrator.tools.synth import make_checkpoint
 
     v1, same = str(tmp_path / "v1"), str(tmp_path / "step")
     make_checkpoint(v1, "qwen3-dense-tiny", seed=1)

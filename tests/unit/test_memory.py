@@ -65,7 +65,7 @@ def plans(ckpt_factory, tmp_path_factory):
             preset, layout = CASES[case]
             src = ckpt_factory(preset.removeprefix("mxfp8:"), 3)
             if preset.startswith("mxfp8:"):
-                from mxload.workers.tools.convert import convert_checkpoint
+                from mxload.orchestrator.tools.convert import convert_checkpoint
 
                 dst = str(tmp_path_factory.mktemp("mxfp8") / "ckpt")
                 convert_checkpoint(src, dst)

@@ -114,7 +114,7 @@ def test_the_vision_tower_in_data_mode_is_whole_and_alike_on_every_tp_rank() -> 
     """--mm-encoder-tp-mode data (vLLM: every vision linear disable_tp): each tp-4 rank's
     vision buffers are the tp-1 rank's, same names, shapes and source rectangles."""
     from mxload.orchestrator.errors import LayoutError
-    from mxload.workers.tools.synth import preset_config
+    from mxload.orchestrator.tools.synth import preset_config
 
     # a tower of 2 heads: tp 4 cannot split it ("weights"), and holds it whole ("data")
     raw = preset_config("qwen3.5-tiny")
@@ -137,7 +137,7 @@ def test_the_vision_tower_in_data_mode_is_whole_and_alike_on_every_tp_rank() -> 
 
 
 def test_the_mtp_drafter_is_on_the_last_tp_ranks_only_and_named_as_vllm_holds_it() -> None:
-    from mxload.workers.tools.synth import preset_config
+    from mxload.orchestrator.tools.synth import preset_config
 
     cfg = parse_config(preset_config("qwen3.5-moe-tiny"), "qwen3.5-moe-tiny")
     layout = ParallelLayout(tp=2, dp=2, enable_expert_parallel=True, speculative_method="mtp")
@@ -202,7 +202,7 @@ def test_mtp_layouts_vllm_cannot_serve_are_refused_with_the_reason(
     preset: str, layout: ParallelLayout, says: str
 ) -> None:
     from mxload.orchestrator.errors import LayoutError
-    from mxload.workers.tools.synth import preset_config
+    from mxload.orchestrator.tools.synth import preset_config
 
     cfg = parse_config(preset_config(preset), preset)
     with pytest.raises(LayoutError) as err:
@@ -221,7 +221,7 @@ def test_the_vision_tower_is_on_every_pipeline_stage_unless_language_model_only(
 
 def test_a_tp_the_vision_tower_cannot_take_is_refused_naming_the_way_out() -> None:
     from mxload.orchestrator.errors import LayoutError
-    from mxload.workers.tools.synth import preset_config
+    from mxload.orchestrator.tools.synth import preset_config
 
     # among the reasons: the vision tower's 4 heads, with the flag that avoids them
     cfg = parse_config(preset_config("qwen3.5-tiny"), "qwen3.5-tiny")
@@ -250,8 +250,8 @@ def test_a_qwen3_5_session_reloads_a_bf16_trainer_checkpoint_in_place(tmp_path) 
     from mxload.orchestrator.plan.planner import build_plan
     from mxload.orchestrator.runtime.catalog import open_checkpoint
     from mxload.orchestrator.runtime.reload import reload_inputs
+    from mxload.orchestrator.tools.synth import make_checkpoint
     from mxload.workers.rank.loader import RankLoader, SourceInfo
-    from mxload.workers.tools.synth import make_checkpoint
 
     fp8, bf16 = str(tmp_path / "fp8"), str(tmp_path / "bf16")
     make_checkpoint(fp8, "qwen3.5-tiny", seed=1)

@@ -1,4 +1,4 @@
-"""Synthetic checkpoints (workers/tools/synth.py): real HF layout, shapes per preset, determinism.
+"""Synthetic checkpoints (orchestrator/tools/synth.py): real HF layout, shapes per preset, determinism.
 
 Expected names and shapes are written out by hand from the preset numbers (docs/contract.md §1.1:
 scale ``[ceil(N/128), ceil(K/128)]``); the files are read with the official safetensors
@@ -18,7 +18,7 @@ import pytest
 import torch
 from mxload.orchestrator.errors import UsageError
 from mxload.orchestrator.plan.config import parse_config
-from mxload.workers.tools.synth import PRESETS, make_checkpoint
+from mxload.orchestrator.tools.synth import PRESETS, make_checkpoint
 from safetensors import safe_open
 
 from tests.servers import moto_s3

@@ -17,8 +17,9 @@ from collections.abc import Callable, Sequence
 from typing import NamedTuple, Protocol
 
 import torch
-from mxload.orchestrator.errors import NumericsError
-from mxload.workers.numerics import reference
+
+from ...orchestrator.errors import NumericsError
+from . import reference
 
 ResolveFn = Callable[..., torch.Tensor]
 QuantizeFn = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
@@ -151,7 +152,7 @@ class Backend:
             return self._convert_fn(
                 on_device, block_n=block_n, block_k=block_k, dtype=dtype, into=into
             )
-        from mxload.workers.numerics.repack import write_rows
+        from .repack import write_rows
 
         results: list[tuple[torch.Tensor, torch.Tensor]] = []
         for i, p in enumerate(parts):

@@ -19,12 +19,13 @@ from collections.abc import Sequence
 
 import numpy as np
 import torch
-from mxload.orchestrator.errors import NumericsError
-from mxload.orchestrator.plan.formats import MX_GROUP, MX_PAIR, ceil_div
-from mxload.workers.numerics import kernels
-from mxload.workers.numerics.backend import ConvertPart, PackedOut
-from mxload.workers.numerics.kernels import MODE_FP32
-from mxload.workers.numerics.reference import MODEL_TORCH_DTYPE
+
+from ...orchestrator.errors import NumericsError
+from ...orchestrator.plan.formats import MX_GROUP, MX_PAIR, ceil_div
+from . import kernels
+from .backend import ConvertPart, PackedOut
+from .kernels import MODE_FP32
+from .reference import MODEL_TORCH_DTYPE
 
 __all__ = [
     "convert",

@@ -67,8 +67,9 @@ from dataclasses import dataclass
 from typing import Any, Literal, TypeVar, cast
 
 import numpy as np
-from mxload.orchestrator.errors import NumericsError
-from mxload.orchestrator.plan.formats import MX_GROUP, ceil_div
+
+from ...orchestrator.errors import NumericsError
+from ...orchestrator.plan.formats import MX_GROUP, ceil_div
 
 log = logging.getLogger(__name__)
 

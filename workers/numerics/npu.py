@@ -29,10 +29,11 @@ import importlib
 from typing import Any
 
 import torch
-from mxload.orchestrator.errors import ConversionError, NumericsError
-from mxload.orchestrator.plan.formats import E8M0_NAN, MX_GROUP, MX_PAIR, ceil_div
-from mxload.workers.numerics import reference
-from mxload.workers.numerics.backend import Backend
+
+from ...orchestrator.errors import ConversionError, NumericsError
+from ...orchestrator.plan.formats import E8M0_NAN, MX_GROUP, MX_PAIR, ceil_div
+from . import reference
+from .backend import Backend
 
 _NPU_OP_DTYPES = (torch.bfloat16, torch.float16)
 _E4M3_NAN_BYTE = 0x7F

@@ -23,9 +23,10 @@ pads a ragged K; callers decide the K % 32 fallback (docs/contract.md §2.2) bef
 from __future__ import annotations
 
 import torch
-from mxload.orchestrator.errors import NumericsError
-from mxload.orchestrator.plan.formats import E4M3_EMAX, E4M3_MAX, E8M0_BIAS, E8M0_NAN, MX_GROUP
-from mxload.workers.numerics import scales as _scales
+
+from ...orchestrator.errors import NumericsError
+from ...orchestrator.plan.formats import E4M3_EMAX, E4M3_MAX, E8M0_BIAS, E8M0_NAN, MX_GROUP
+from . import scales as _scales
 
 MODEL_TORCH_DTYPE: dict[str, torch.dtype] = {
     "bf16": torch.bfloat16,

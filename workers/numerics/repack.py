@@ -22,8 +22,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-from mxload.orchestrator.errors import NumericsError
-from mxload.orchestrator.plan.formats import MX_GROUP, MX_PAIR, ceil_div
+
+from ...orchestrator.errors import NumericsError
+from ...orchestrator.plan.formats import MX_GROUP, MX_PAIR, ceil_div
 
 _SCALE_DTYPES = (torch.uint8, torch.float8_e8m0fnu)
 

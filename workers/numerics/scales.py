@@ -8,7 +8,8 @@ directly.
 from __future__ import annotations
 
 import numpy as np
-from mxload.orchestrator.errors import NonFiniteScale
+
+from ...orchestrator.errors import NonFiniteScale
 
 
 def check_block_scales(

@@ -13,9 +13,10 @@ from types import ModuleType
 from typing import Any
 
 import torch
-from mxload.orchestrator.errors import UsageError
-from mxload.workers.numerics.backend import DEVICE_CHOICES, Backend, CudaBackend
-from mxload.workers.numerics.npu import NpuBackend
+
+from ...orchestrator.errors import UsageError
+from .backend import DEVICE_CHOICES, Backend, CudaBackend
+from .npu import NpuBackend
 
 
 def _cpu_backend(prefer_fast: bool, why: str) -> Backend:

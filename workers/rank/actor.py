@@ -18,8 +18,9 @@ import threading
 from typing import Any
 
 import torch
-from mxload.orchestrator.plan.types import RankPlan, Unit, UnitReads
-from mxload.workers.rank.loader import PeerUnit, RankLoader, RunStats, SourceInfo
+
+from ...orchestrator.plan.types import RankPlan, Unit, UnitReads
+from .loader import PeerUnit, RankLoader, RunStats, SourceInfo
 
 VISIBLE_DEVICE_VARS = {
     "NPU": "ASCEND_RT_VISIBLE_DEVICES",
@@ -40,13 +41,13 @@ class RankWorker:
         threads: int,
         incarnation_note: str = "",
     ) -> None:
-        from mxload.cluster.local import tighten_own_temp_dir
+        from ...cluster.local import tighten_own_temp_dir
 
         tighten_own_temp_dir()  # this process's start made Ray's folders 0777 again
         self.resource = resource
         var = VISIBLE_DEVICE_VARS.get(resource, "")
         self.visible_devices = os.environ.get(var, "") if var else ""
-        from mxload.workers.numerics.select import select_backend
+        from ..numerics.select import select_backend
 
         self.backend = select_backend(device, visible_devices=self.visible_devices or None)
         # After the backend: its first kernel compile and self-test reset torch's thread
@@ -214,8 +215,8 @@ def probe_device(device: str, resource: str) -> str:
     line, naming the node). Run by the driver as a small task on every node of the
     placement group before any worker starts, so a node without torch_npu or CUDA is a
     refusal in seconds rather than workers failing, restarting and failing again."""
-    from mxload.orchestrator.errors import MxloadError
-    from mxload.workers.numerics.select import select_backend
+    from ...orchestrator.errors import MxloadError
+    from ..numerics.select import select_backend
 
     var = VISIBLE_DEVICE_VARS.get(resource, "")
     visible = os.environ.get(var, "") if var else ""

@@ -12,8 +12,9 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 import torch
-from mxload.orchestrator.errors import AdoptionError
-from mxload.orchestrator.plan.types import BufferSpec, RankPlan, Unit
+
+from ...orchestrator.errors import AdoptionError
+from ...orchestrator.plan.types import BufferSpec, RankPlan, Unit
 
 TORCH_DTYPES: dict[str, torch.dtype] = {
     "float8_e4m3fn": torch.float8_e4m3fn,

@@ -16,16 +16,17 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from mxload.orchestrator.plan.formats import MX_GROUP, ceil_div
-from mxload.orchestrator.plan.memory import ConvertOptions, unit_cost
-from mxload.orchestrator.plan.types import Part, PartRead, Unit, UnitReads
-from mxload.workers.numerics.backend import ConvertPart, PackedOut
-from mxload.workers.numerics.reference import MODEL_TORCH_DTYPE
-from mxload.workers.rank import writes
-from mxload.workers.rank.reads import PartBytes, SourceInfo
-from mxload.workers.rank.staging import Lease, StagingPool
-from mxload.workers.rank.writes import Write
-from mxload.workers.safetensors_io import SAFETENSORS_TO_TORCH
+
+from ...orchestrator.plan.formats import MX_GROUP, ceil_div
+from ...orchestrator.plan.memory import ConvertOptions, unit_cost
+from ...orchestrator.plan.types import Part, PartRead, Unit, UnitReads
+from ..numerics.backend import ConvertPart, PackedOut
+from ..numerics.reference import MODEL_TORCH_DTYPE
+from ..safetensors_io import SAFETENSORS_TO_TORCH
+from . import writes
+from .reads import PartBytes, SourceInfo
+from .staging import Lease, StagingPool
+from .writes import Write
 
 Member = tuple[Unit, UnitReads, list[PartBytes], int]
 """One unit of a step as converted: the unit (or a row chunk of it), its reads, its
@@ -188,7 +189,7 @@ class Converter:
         source: SourceInfo,
     ) -> torch.Tensor:
         """One part of a plain unit in the model dtype: resolved when quantized."""
-        from mxload.workers.numerics.reference import resolve_mx
+        from ..numerics.reference import resolve_mx
 
         be = self.backend
         if unit.quantized and source.quant == "block_fp8":
@@ -273,7 +274,7 @@ def source_part(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One part's read bytes as its weight ``[rows, cols]`` and scale tensors (block
     scales checked, docs/contract.md §1.1)."""
-    from mxload.workers.numerics.reference import check_block_scales
+    from ..numerics.reference import check_block_scales
 
     nr, nc = part.nrows, part.ncols
     w = _typed(wb, SAFETENSORS_TO_TORCH[pr.weight_dtype], (nr, nc))

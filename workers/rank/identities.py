@@ -12,8 +12,9 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
-from mxload.orchestrator.errors import RunError
-from mxload.orchestrator.plan.types import Unit
+
+from ...orchestrator.errors import RunError
+from ...orchestrator.plan.types import Unit
 
 Identity = tuple[int, str]
 """(version number, checkpoint fingerprint): what a unit holds."""

@@ -27,19 +27,21 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
-from mxload.orchestrator.errors import AddressMoved, RunError
-from mxload.orchestrator.plan.memory import (
+
+from ...orchestrator.errors import AddressMoved, RunError
+from ...orchestrator.plan.memory import (
     ConvertOptions,
     StepPlan,
     read_fn_from_reads,
     schedule,
 )
-from mxload.orchestrator.plan.types import BufferSpec, PartRead, RankPlan, Unit, UnitReads
-from mxload.workers.rank import buffers as rank_buffers
-from mxload.workers.rank.accounting import Counts, FetchResult, Meter, RunStats
-from mxload.workers.rank.buffers import TORCH_DTYPES
-from mxload.workers.rank.convert import Converter
-from mxload.workers.rank.identities import (
+from ...orchestrator.plan.types import BufferSpec, PartRead, RankPlan, Unit, UnitReads
+from ..storage.urls import is_remote
+from . import buffers as rank_buffers
+from .accounting import Counts, FetchResult, Meter, RunStats
+from .buffers import TORCH_DTYPES
+from .convert import Converter
+from .identities import (
     CHECKSUM_NAME,
     NOTHING,
     Fence,
@@ -47,10 +49,9 @@ from mxload.workers.rank.identities import (
     UnitIdentities,
     checksum,
 )
-from mxload.workers.rank.reads import PeerUnit, Reader, SourceInfo
-from mxload.workers.rank.run import RunInputs, StepRunner
-from mxload.workers.rank.staging import StagingPool
-from mxload.workers.storage.urls import is_remote
+from .reads import PeerUnit, Reader, SourceInfo
+from .run import RunInputs, StepRunner
+from .staging import StagingPool
 
 FETCH_IN_FLIGHT = 16
 """Shared units an owner fetches at once (as many as ``Storage`` keeps requests in
@@ -71,7 +72,7 @@ class RankLoader:
         storage_factory: Callable[..., Any] | None = None,
     ) -> None:
         if backend is None:
-            from mxload.workers.numerics.select import select_backend
+            from ..numerics.select import select_backend
 
             backend = select_backend(device)
         self.plan = plan

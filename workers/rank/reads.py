@@ -16,10 +16,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from mxload.orchestrator.errors import StorageError
-from mxload.orchestrator.plan.ranges import ByteRange
-from mxload.orchestrator.plan.types import Unit, UnitReads
-from mxload.workers.rank.staging import Lease, StagingPool
+
+from ...orchestrator.errors import StorageError
+from ...orchestrator.plan.ranges import ByteRange
+from ...orchestrator.plan.types import Unit, UnitReads
+from .staging import Lease, StagingPool
 
 PartBytes = tuple[torch.Tensor, "torch.Tensor | None"]
 """One part's (weight bytes, scale bytes) as read: flat uint8 views into a lease."""
@@ -145,7 +146,7 @@ class Reader:
             if self._storage_factory is not None:
                 st = self._storage_factory(source.root, source.storage_options)
             else:
-                from mxload.workers.storage import Storage
+                from ..storage import Storage
 
                 st = Storage(source.root, source.storage_options)
             self._storages[key] = st

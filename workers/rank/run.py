@@ -19,13 +19,13 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from mxload.orchestrator.errors import MxloadError, RunError
-from mxload.orchestrator.plan.memory import ConvertOptions, StepPlan, sub_reads, sub_unit
-from mxload.orchestrator.plan.types import Unit, UnitReads
-from mxload.workers.rank.accounting import Meter, RunStats
-from mxload.workers.rank.convert import Converter, Member
-from mxload.workers.rank.identities import NOTHING, Fence, Identity, UnitIdentities
-from mxload.workers.rank.reads import (
+from ...orchestrator.errors import MxloadError, RunError
+from ...orchestrator.plan.memory import ConvertOptions, StepPlan, sub_reads, sub_unit
+from ...orchestrator.plan.types import Unit, UnitReads
+from .accounting import Meter, RunStats
+from .convert import Converter, Member
+from .identities import NOTHING, Fence, Identity, UnitIdentities
+from .reads import (
     Leased,
     PeerUnit,
     Reader,
@@ -34,7 +34,7 @@ from mxload.workers.rank.reads import (
     StepRead,
     release_all,
 )
-from mxload.workers.rank.staging import Lease, StagingPool
+from .staging import Lease, StagingPool
 
 T = TypeVar("T")
 

@@ -19,7 +19,8 @@ import threading
 from dataclasses import dataclass, field
 
 import torch
-from mxload.orchestrator.errors import RunError
+
+from ...orchestrator.errors import RunError
 
 
 @dataclass

@@ -10,7 +10,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-from mxload.orchestrator.plan.types import Unit
+
+from ...orchestrator.plan.types import Unit
 
 Write = Callable[[], None]
 
@@ -30,7 +31,7 @@ def mx_rows(
     """Row-major MX ``payload`` and ``scale`` as rows ``row..`` of an MX unit's buffers,
     in whatever layout they hold (``repack.write_rows``)."""
 
-    from mxload.workers.numerics.repack import write_rows
+    from ..numerics.repack import write_rows
 
     def write() -> None:
         write_rows(w_buf, s_buf, payload, scale, row)

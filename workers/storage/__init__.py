@@ -51,12 +51,12 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
-    from mxload.workers.storage.faults import ShortRead, is_retryable
-    from mxload.workers.storage.options import ALLOW_OUTSIDE_LINKS, CONNECT_TIMEOUT, READ_TIMEOUT
-    from mxload.workers.storage.retry import RetryPolicy
-    from mxload.workers.storage.stats import StorageStats
-    from mxload.workers.storage.store import Storage
-    from mxload.workers.storage.urls import is_remote, local_path
+    from .faults import ShortRead, is_retryable
+    from .options import ALLOW_OUTSIDE_LINKS, CONNECT_TIMEOUT, READ_TIMEOUT
+    from .retry import RetryPolicy
+    from .stats import StorageStats
+    from .store import Storage
+    from .urls import is_remote, local_path
 
 
 def __getattr__(name: str) -> Any:

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from mxload.orchestrator.plan.ranges import ByteRange, CoalescePolicy, coalesce
+from ...orchestrator.plan.ranges import ByteRange, CoalescePolicy, coalesce
 
 
 @dataclass(frozen=True)

@@ -12,11 +12,12 @@ import stat
 from collections.abc import Callable, Sequence
 
 import numpy as np
-from mxload.orchestrator.errors import CheckpointError
-from mxload.orchestrator.plan.ranges import ByteRange, CoalescePolicy
-from mxload.workers.storage.faults import ShortRead
-from mxload.workers.storage.jobs import Job
-from mxload.workers.storage.stats import StorageStats
+
+from ...orchestrator.errors import CheckpointError
+from ...orchestrator.plan.ranges import ByteRange, CoalescePolicy
+from .faults import ShortRead
+from .jobs import Job
+from .stats import StorageStats
 
 GATHER_BYTES = 1 << 20
 """Largest block of a spanned strided range read at once (the gather scratch buffer, one

@@ -32,8 +32,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from mxload.orchestrator.errors import UsageError
-from mxload.workers.storage.urls import S3_PROTOCOLS, protocol
+from ...orchestrator.errors import UsageError
+from .urls import S3_PROTOCOLS, protocol
 
 CONNECT_TIMEOUT = "mxload_connect_timeout_s"
 READ_TIMEOUT = "mxload_read_timeout_s"

@@ -14,13 +14,14 @@ from typing import Any
 
 import fsspec  # type: ignore[import-untyped]
 from fsspec.implementations.local import LocalFileSystem  # type: ignore[import-untyped]
-from mxload.orchestrator.errors import UsageError
-from mxload.workers.storage.faults import OverlongRead, ShortRead
-from mxload.workers.storage.jobs import Job
-from mxload.workers.storage.local import Runner
-from mxload.workers.storage.options import MxloadOptions
-from mxload.workers.storage.stats import StorageStats
-from mxload.workers.storage.urls import S3_PROTOCOLS, protocol
+
+from ...orchestrator.errors import UsageError
+from .faults import OverlongRead, ShortRead
+from .jobs import Job
+from .local import Runner
+from .options import MxloadOptions
+from .stats import StorageStats
+from .urls import S3_PROTOCOLS, protocol
 
 
 def open_fs(root_url: str, fs_options: Mapping[str, Any], given: Mapping[str, Any]) -> Any:

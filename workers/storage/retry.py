@@ -17,10 +17,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
-from mxload.orchestrator.errors import StorageError
-from mxload.workers.storage.faults import classify, is_retryable, is_timeout
-from mxload.workers.storage.stats import StorageStats
 from tenacity import RetryCallState, Retrying, retry_if_exception, stop_after_attempt
+
+from ...orchestrator.errors import StorageError
+from .faults import classify, is_retryable, is_timeout
+from .stats import StorageStats
 
 T = TypeVar("T")
 logger = logging.getLogger(__name__)

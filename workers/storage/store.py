@@ -17,20 +17,20 @@ from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
-from mxload.orchestrator.errors import CheckpointError, InputError, StorageError
-from mxload.orchestrator.plan.ranges import (
+from ...orchestrator.errors import CheckpointError, InputError, StorageError
+from ...orchestrator.plan.ranges import (
     LOCAL_POLICY,
     REMOTE_POLICY,
     ByteRange,
     CoalescePolicy,
     contiguous,
 )
-from mxload.workers.storage import local, remote
-from mxload.workers.storage.jobs import as_byte_view, plan_jobs
-from mxload.workers.storage.options import MxloadOptions, fsspec_options
-from mxload.workers.storage.retry import RetryPolicy, retry_after_first_failure
-from mxload.workers.storage.stats import StorageStats
-from mxload.workers.storage.urls import check_inside, check_location, check_relpath, file_url
+from . import local, remote
+from .jobs import as_byte_view, plan_jobs
+from .options import MxloadOptions, fsspec_options
+from .retry import RetryPolicy, retry_after_first_failure
+from .stats import StorageStats
+from .urls import check_inside, check_location, check_relpath, file_url
 
 T = TypeVar("T")
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import os
 
-from mxload.orchestrator.errors import CheckpointError, UsageError
+from ...orchestrator.errors import CheckpointError, UsageError
 
 PROTOCOLS = frozenset(
     {

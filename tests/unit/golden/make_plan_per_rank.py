@@ -15,7 +15,7 @@ from mxload.orchestrator.plan.timemodel import Rates, plan_times
 from mxload.orchestrator.plan.types import ParallelLayout
 from mxload.orchestrator.runtime.catalog import open_checkpoint
 from mxload.orchestrator.runtime.models import model_config
-from mxload.workers.tools.synth import make_checkpoint
+from mxload.orchestrator.tools.synth import make_checkpoint
 
 
 def small(name, **over):

@@ -5,7 +5,7 @@ own parameters. The only reload that keeps it valid writes into those tensors, l
 as the engine holds them after its post-load. This module lets the engine host mxload:
 
 * :class:`MxloadWorkerExtension` is what vLLM mixes into each of its workers when started
-  with ``worker_extension_cls="mxload.workers.engine_ext.MxloadWorkerExtension"``; its
+  with ``worker_extension_cls="mxload.orchestrator.hosts.engine_ext.MxloadWorkerExtension"``; its
   methods run on every worker through ``LLM.collective_rpc``:
 
   - ``mxload_attach(src)``: plan the checkpoint for the engine's own parallel layout (read
@@ -44,20 +44,21 @@ from dataclasses import dataclass
 from typing import Any, Literal, cast
 
 import torch
-from mxload.orchestrator.errors import AddressMoved, AdoptionError, RunError
-from mxload.orchestrator.plan.arch import DRAFTER_PREFIX
-from mxload.orchestrator.plan.engines import check_mx_k, engine_profile
-from mxload.orchestrator.plan.releases import (
+
+from ...workers.rank.loader import RankLoader, RunStats
+from ..errors import AddressMoved, AdoptionError, RunError
+from ..plan.arch import DRAFTER_PREFIX
+from ..plan.engines import check_mx_k, engine_profile
+from ..plan.releases import (
     ACL_FORMAT_FRACTAL_NZ,
     check_architecture,
     check_settings,
     engine_release,
     release_of_version,
 )
-from mxload.orchestrator.plan.types import ParallelLayout, Plan
-from mxload.orchestrator.runtime.reload import ReloadInputs, reload
-from mxload.orchestrator.runtime.state import Progress, Report, SessionState
-from mxload.workers.rank.loader import RankLoader, RunStats
+from ..plan.types import ParallelLayout, Plan
+from ..runtime.reload import ReloadInputs, reload
+from ..runtime.state import Progress, Report, SessionState
 
 ExpertPlacement = Literal["linear", "round_robin"]
 
@@ -278,8 +279,8 @@ class Attachment:
         """``params``: name -> (module, attribute) of every engine tensor
         (:func:`engine_params`); ``maps``: the MoE modules' expert-map holders
         (:func:`expert_maps`), read at attach and before every reload and status."""
-        from mxload.orchestrator.plan.planner import build_plan
-        from mxload.orchestrator.runtime.catalog import open_checkpoint
+        from ..plan.planner import build_plan
+        from ..runtime.catalog import open_checkpoint
 
         self.profile = engine_profile(facts.engine)
         check_engine_settings(facts.engine, facts.settings)
@@ -546,7 +547,7 @@ def vllm_facts(vllm_config: Any, engine: str | None = None) -> EngineFacts:
 class MxloadWorkerExtension:
     """Methods vLLM adds to each worker (``self`` is the worker).
 
-    ``LLM(..., worker_extension_cls="mxload.workers.engine_ext.MxloadWorkerExtension")``,
+    ``LLM(..., worker_extension_cls="mxload.orchestrator.hosts.engine_ext.MxloadWorkerExtension")``,
     then ``llm.collective_rpc("mxload_attach", args=(src,))`` etc., or
     :class:`EngineReloader`."""
 
@@ -681,5 +682,5 @@ def register_weight_transfer() -> None:
         return
     if "mxload" not in WeightTransferEngineFactory._registry:
         WeightTransferEngineFactory.register_engine(
-            "mxload", "mxload.workers.weight_transfer", "MxloadWeightTransferEngine"
+            "mxload", "mxload.orchestrator.hosts.weight_transfer", "MxloadWeightTransferEngine"
         )

@@ -54,15 +54,18 @@ from typing import Any
 
 import fsspec  # type: ignore[import-untyped]
 import torch
-from mxload.orchestrator.errors import UnsupportedError, UsageError
-from mxload.orchestrator.plan.config import (
+
+from ...workers.safetensors_io import SAFETENSORS_TO_TORCH, SafetensorsWriter
+from ...workers.storage.urls import is_remote, local_path
+from ..errors import UnsupportedError, UsageError
+from ..plan.config import (
     LOADABLE_ARCHITECTURES,
     QWEN3_5_ARCHITECTURES,
     ModelConfig,
     VisionConfig,
     parse_config,
 )
-from mxload.orchestrator.plan.formats import (
+from ..plan.formats import (
     BLOCK_SCALE_DTYPE,
     BLOCK_SCALE_DTYPES,
     BLOCK_SCALE_SUFFIX,
@@ -75,8 +78,6 @@ from mxload.orchestrator.plan.formats import (
     SINGLE_FILE,
     ceil_div,
 )
-from mxload.workers.safetensors_io import SAFETENSORS_TO_TORCH, SafetensorsWriter
-from mxload.workers.storage.urls import is_remote, local_path
 
 _FP8_BLOCK_QUANT: dict[str, Any] = {
     "quant_method": "fp8",

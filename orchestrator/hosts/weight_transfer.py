@@ -18,13 +18,13 @@ the live-tensor check, reload):
   ``weight_version``.
 
 It needs no worker extension, so it composes with any other (verl's, one's own); the
-worker extension (:class:`mxload.workers.engine_ext.MxloadWorkerExtension`) is the path
+worker extension (:class:`mxload.orchestrator.hosts.engine_ext.MxloadWorkerExtension`) is the path
 for vLLM releases without this API (before 0.30). The speculative draft model is not
 planned here, even an MTP one the worker extension reloads: ``supports_draft_weight_update``
 is False, so vLLM refuses draft updates.
 
 This module imports vLLM (it subclasses vLLM's base class); register it from a process
-that has vLLM with :func:`mxload.workers.engine_ext.register_weight_transfer`, which vLLM
+that has vLLM with :func:`mxload.orchestrator.hosts.engine_ext.register_weight_transfer`, which vLLM
 runs in every process as a ``vllm.general_plugins`` entry point of mxload.
 """
 
@@ -33,13 +33,14 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
-from mxload.orchestrator.errors import RunError
-from mxload.workers.engine_ext import Attachment, engine_params, expert_maps, vllm_facts
 from vllm.distributed.weight_transfer.base import (  # type: ignore[import-not-found]
     WeightTransferEngine,
     WeightTransferInitInfo,
     WeightTransferUpdateInfo,
 )
+
+from ..errors import RunError
+from .engine_ext import Attachment, engine_params, expert_maps, vllm_facts
 
 BACKEND = "mxload"
 

@@ -68,9 +68,14 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from mxload.orchestrator.errors import UnsupportedError, UsageError
-from mxload.orchestrator.plan.checkpoint import CheckpointMeta
-from mxload.orchestrator.plan.formats import (
+
+from ...workers.numerics import kernels
+from ...workers.numerics.scales import check_block_scales
+from ...workers.safetensors_io import SafetensorsWriter, data_order
+from ...workers.storage import ALLOW_OUTSIDE_LINKS, Storage
+from ..errors import UnsupportedError, UsageError
+from ..plan.checkpoint import CheckpointMeta
+from ..plan.formats import (
     ASCEND_DESCRIPTION_FILE,
     ASCEND_MXFP8,
     BLOCK_SCALE_SUFFIX,
@@ -82,19 +87,15 @@ from mxload.orchestrator.plan.formats import (
     SAFETENSORS_ITEMSIZE,
     SINGLE_FILE,
 )
-from mxload.orchestrator.plan.planner import (
+from ..plan.planner import (
     check_checkpoint,
     dense_linear_modules,
     quantization_groups,
 )
-from mxload.orchestrator.plan.ranges import contiguous
-from mxload.orchestrator.plan.safetensors_header import TensorInfo
-from mxload.orchestrator.runtime.catalog import open_checkpoint
-from mxload.orchestrator.runtime.outputs import OutputDir, check_disjoint
-from mxload.workers.numerics import kernels
-from mxload.workers.numerics.scales import check_block_scales
-from mxload.workers.safetensors_io import SafetensorsWriter, data_order
-from mxload.workers.storage import ALLOW_OUTSIDE_LINKS, Storage
+from ..plan.ranges import contiguous
+from ..plan.safetensors_header import TensorInfo
+from ..runtime.catalog import open_checkpoint
+from ..runtime.outputs import OutputDir, check_disjoint
 
 ConvertProgress = Callable[[int, int, int, int], None]
 """``on_progress(tensors_done, tensors_total, bytes_done, bytes_total)`` after each tensor."""
@@ -154,8 +155,8 @@ def convert_checkpoint(
     ``on_progress`` is called after each tensor (:data:`ConvertProgress`)."""
     if numerics not in NUMERICS:
         raise UsageError(f"numerics must be one of {', '.join(NUMERICS)}, got {numerics!r}")
-    from mxload.orchestrator.plan.engines import engine_profile
-    from mxload.orchestrator.plan.releases import FORMATS, engine_release
+    from ..plan.engines import engine_profile
+    from ..plan.releases import FORMATS, engine_release
 
     release = engine_release(engine)
     if fmt is None:  # ModelOpt, unless the named release cannot serve it
@@ -431,9 +432,10 @@ def _reference_converters(
     """The reference backend (eager torch, ``select_backend("cpu", prefer_fast=False)``)
     on the same arrays."""
     import torch
-    from mxload.workers.numerics.backend import ConvertPart
-    from mxload.workers.numerics.reference import MODEL_TORCH_DTYPE
-    from mxload.workers.numerics.select import select_backend
+
+    from ...workers.numerics.backend import ConvertPart
+    from ...workers.numerics.reference import MODEL_TORCH_DTYPE
+    from ...workers.numerics.select import select_backend
 
     backend = select_backend("cpu", prefer_fast=False)
     dtype = MODEL_TORCH_DTYPE[model_dtype]
