@@ -33,6 +33,7 @@ PURE_MODULES = (
     "mxload.orchestrator.plan.checkpoint",
     "mxload.orchestrator.plan.sharing",
     "mxload.orchestrator.plan.timemodel",
+    "mxload.orchestrator.plan.trainer",
 )
 HEAVY = ("torch", "ray", "numpy", "fsspec")
 ROOT = Path(__file__).resolve().parents[2]

@@ -1,0 +1,242 @@
+"""A trainer's memory as a source: which trainer rank holds which slice of each tensor.
+
+A refit reads from a trainer's ranks instead of a checkpoint's files (docs/contract.md,
+"Trainer sources"). The manifest names every tensor by its checkpoint (Hugging Face) name,
+with its global shape and dtype, and says for each trainer rank which contiguous slice it
+holds along one dimension: FSDP2 holds dim-0 shards, Megatron's tensor parallelism dim 0
+(column-parallel) or dim 1 (row-parallel) shards; a tensor no rank splits is held whole by
+one or more ranks (replicas). It is pure data: validated on construction, hashed for the
+refit's identity (trainer step + manifest hash), read from and written to JSON.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from ..errors import InputError
+
+TRAINER_DTYPES = {"bfloat16": 2, "float16": 2, "float32": 4}
+"""Element sizes of the dtypes a trainer may hold (the BF16 twin of a model, mostly)."""
+
+
+@dataclass(frozen=True)
+class TrainerSlice:
+    """What one trainer rank holds of a tensor: ``[start, stop)`` along ``dim`` (``dim`` None:
+    the whole tensor, ``start``/``stop`` 0)."""
+
+    rank: int
+    dim: int | None = None
+    start: int = 0
+    stop: int = 0
+
+
+@dataclass(frozen=True)
+class TrainerTensor:
+    """One tensor of the trainer's model, by its checkpoint name."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    placement: tuple[TrainerSlice, ...]
+
+    @property
+    def itemsize(self) -> int:
+        return TRAINER_DTYPES[self.dtype]
+
+    @property
+    def nbytes(self) -> int:
+        n = self.itemsize
+        for d in self.shape:
+            n *= d
+        return n
+
+
+@dataclass(frozen=True)
+class TrainerManifest:
+    """The trainer's side of a refit: ``world`` ranks, ``nodes[r]`` the node of rank ``r``
+    (ranks on one node share memory and a link), and every tensor's placement."""
+
+    world: int
+    tensors: tuple[TrainerTensor, ...]
+    nodes: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.world < 1:
+            raise InputError(f"trainer manifest: world {self.world} must be at least 1")
+        if self.nodes and len(self.nodes) != self.world:
+            raise InputError(
+                f"trainer manifest: 'nodes' names {len(self.nodes)} ranks, world is {self.world}"
+            )
+        seen: set[str] = set()
+        for t in self.tensors:
+            if t.name in seen:
+                raise InputError(f"trainer manifest: tensor {t.name!r} is listed twice")
+            seen.add(t.name)
+            _check_tensor(t, self.world)
+
+    def node_of(self, rank: int) -> int:
+        return self.nodes[rank] if self.nodes else rank
+
+    def by_name(self) -> dict[str, TrainerTensor]:
+        return {t.name: t for t in self.tensors}
+
+    def digest(self) -> str:
+        """The manifest's hash: a refit's identity is (trainer step, this)."""
+        text = json.dumps(manifest_to_json(self), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _check_tensor(t: TrainerTensor, world: int) -> None:
+    where = f"trainer manifest: tensor {t.name!r}"
+    if t.dtype not in TRAINER_DTYPES:
+        raise InputError(f"{where}: dtype {t.dtype!r} is not one of {sorted(TRAINER_DTYPES)}")
+    if not t.shape or any(d < 1 for d in t.shape):
+        raise InputError(f"{where}: shape {list(t.shape)} must have positive sizes")
+    if not t.placement:
+        raise InputError(f"{where}: no rank holds it")
+    split = [s for s in t.placement if s.dim is not None]
+    for s in t.placement:
+        if not 0 <= s.rank < world:
+            raise InputError(f"{where}: rank {s.rank} is outside the trainer's world {world}")
+        if s.dim is None:
+            if s.start or s.stop:
+                raise InputError(f"{where}: rank {s.rank} holds it whole but names a range")
+            continue
+        if not 0 <= s.dim < len(t.shape):
+            raise InputError(f"{where}: rank {s.rank} splits dim {s.dim} of {list(t.shape)}")
+        if not 0 <= s.start < s.stop <= t.shape[s.dim]:
+            raise InputError(
+                f"{where}: rank {s.rank} holds [{s.start}, {s.stop}) of dim {s.dim}, "
+                f"size {t.shape[s.dim]}"
+            )
+    if not split:
+        return
+    if len(split) != len(t.placement) or len({s.dim for s in split}) != 1:
+        raise InputError(f"{where}: ranks split it along different dims or mix whole and split")
+    covered = sorted((s.start, s.stop, s.rank) for s in split)
+    end = 0
+    for start, stop, rank in covered:
+        if start != end:
+            what = "overlaps" if start < end else "leaves a gap before"
+            raise InputError(f"{where}: rank {rank}'s slice [{start}, {stop}) {what} {end}")
+        end = stop
+    if end != t.shape[split[0].dim or 0]:
+        raise InputError(f"{where}: the slices end at {end}, the dim's size is not covered")
+
+
+def manifest_to_json(m: TrainerManifest) -> dict[str, Any]:
+    return {
+        "world": m.world,
+        "nodes": list(m.nodes),
+        "tensors": [
+            {
+                "name": t.name,
+                "shape": list(t.shape),
+                "dtype": t.dtype,
+                "placement": [
+                    {"rank": s.rank, "dim": s.dim, "start": s.start, "stop": s.stop}
+                    if s.dim is not None
+                    else {"rank": s.rank}
+                    for s in t.placement
+                ],
+            }
+            for t in m.tensors
+        ],
+    }
+
+
+def _int(value: Any, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InputError(f"trainer manifest: {what} must be an integer, not {value!r}")
+    return value
+
+
+def manifest_from_json(data: Any, *, file: str = "manifest") -> TrainerManifest:
+    """Parse a manifest; every malformed field is one :class:`InputError` naming ``file``."""
+    try:
+        return _parse(data)
+    except InputError as e:
+        raise InputError(f"{file}: {e}") from None
+
+
+def _parse(data: Any) -> TrainerManifest:
+    if not isinstance(data, Mapping):
+        raise InputError("trainer manifest: must be a JSON object")
+    unknown = set(data) - {"world", "nodes", "tensors"}
+    if unknown:
+        raise InputError(f"trainer manifest: unknown keys {sorted(unknown)}")
+    tensors = data.get("tensors")
+    if not isinstance(tensors, Sequence) or isinstance(tensors, str):
+        raise InputError("trainer manifest: 'tensors' must be a list")
+    nodes = data.get("nodes", [])
+    if not isinstance(nodes, Sequence) or isinstance(nodes, str):
+        raise InputError("trainer manifest: 'nodes' must be a list")
+    parsed: list[TrainerTensor] = []
+    for i, t in enumerate(tensors):
+        if not isinstance(t, Mapping) or not isinstance(t.get("name"), str):
+            raise InputError(f"trainer manifest: tensor {i} needs a string 'name'")
+        name = t["name"]
+        extra = set(t) - {"name", "shape", "dtype", "placement"}
+        if extra:
+            raise InputError(f"trainer manifest: tensor {name!r}: unknown keys {sorted(extra)}")
+        shape = t.get("shape")
+        if not isinstance(shape, Sequence) or isinstance(shape, str):
+            raise InputError(f"trainer manifest: tensor {name!r}: 'shape' must be a list")
+        placement = t.get("placement")
+        if not isinstance(placement, Sequence) or isinstance(placement, str):
+            raise InputError(f"trainer manifest: tensor {name!r}: 'placement' must be a list")
+        slices: list[TrainerSlice] = []
+        for p in placement:
+            if not isinstance(p, Mapping) or set(p) - {"rank", "dim", "start", "stop"}:
+                raise InputError(
+                    f"trainer manifest: tensor {name!r}: a placement is "
+                    "{rank, dim?, start?, stop?}"
+                )
+            dim = p.get("dim")
+            slices.append(
+                TrainerSlice(
+                    rank=_int(p.get("rank"), f"tensor {name!r} placement rank"),
+                    dim=None if dim is None else _int(dim, f"tensor {name!r} placement dim"),
+                    start=_int(p.get("start", 0), f"tensor {name!r} placement start"),
+                    stop=_int(p.get("stop", 0), f"tensor {name!r} placement stop"),
+                )
+            )
+        dtype = t.get("dtype")
+        if not isinstance(dtype, str):
+            raise InputError(f"trainer manifest: tensor {name!r}: 'dtype' must be a string")
+        parsed.append(
+            TrainerTensor(
+                name=name,
+                shape=tuple(_int(d, f"tensor {name!r} shape") for d in shape),
+                dtype=dtype,
+                placement=tuple(slices),
+            )
+        )
+    return TrainerManifest(
+        world=_int(data.get("world"), "'world'"),
+        tensors=tuple(parsed),
+        nodes=tuple(_int(n, "a node") for n in nodes),
+    )
+
+
+def fsdp_manifest(
+    shapes: Mapping[str, tuple[int, ...]], world: int, *, dtype: str = "bfloat16"
+) -> TrainerManifest:
+    """The manifest of FSDP2's placement: every tensor's dim 0 split over ``world`` ranks in
+    ``torch.chunk``'s sizes (ceil(n / world) per rank, the last ones shorter or empty); a
+    tensor with fewer rows than ranks is held by the first ranks only."""
+    tensors = []
+    for name, shape in shapes.items():
+        rows = shape[0]
+        step = -(-rows // world)
+        slices = tuple(
+            TrainerSlice(rank=r, dim=0, start=r * step, stop=min(rows, (r + 1) * step))
+            for r in range(world)
+            if r * step < rows
+        )
+        tensors.append(TrainerTensor(name=name, shape=tuple(shape), dtype=dtype, placement=slices))
+    return TrainerManifest(world=world, tensors=tuple(tensors))
