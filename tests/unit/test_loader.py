@@ -28,11 +28,12 @@ import numpy as np
 import pytest
 import torch
 from mxload.orchestrator.errors import AdoptionError, InputError, NonFiniteScale, RunError
+from mxload.orchestrator.plan.message import SourceInfo
 from mxload.orchestrator.plan.planner import build_plan
 from mxload.orchestrator.plan.types import ParallelLayout, Plan, RankPlan
 from mxload.orchestrator.runtime.catalog import open_checkpoint
 from mxload.workers.numerics.select import select_backend
-from mxload.workers.rank.loader import TORCH_DTYPES, RankLoader, SourceInfo
+from mxload.workers.rank.loader import TORCH_DTYPES, RankLoader
 from mxload.workers.rank.run import StepRunner
 
 from tests.reference_model import Layout, RefCheckpoint, compare_rank, expected_rank

@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from ...orchestrator.errors import StorageError
+from ...orchestrator.plan.message import PeerUnit, SourceInfo
 from ...orchestrator.plan.ranges import ByteRange
 from ...orchestrator.plan.types import Unit, UnitReads
 from .staging import Lease, StagingPool
@@ -28,43 +29,6 @@ PartBytes = tuple[torch.Tensor, "torch.Tensor | None"]
 Leased = list[tuple[str, list[tuple[int, str, ByteRange]], Lease]]
 """A read's pool leases, one per file, with the (part, weight-or-scale, range) items each
 lease holds in order."""
-
-
-@dataclass(frozen=True)
-class SourceInfo:
-    """The checkpoint a load or reload reads (each version plans from its own headers,
-    docs/contract.md §4)."""
-
-    root: str
-    storage_options: Mapping[str, Any] | None = field(default=None, repr=False)
-    """Never shown: it holds credentials."""
-    quant: str = "block_fp8"
-    """How this checkpoint stores quantized linears: block_fp8 | mxfp8 | none."""
-    block_n: int = 128
-    block_k: int = 128
-    allow_nonfinite: bool = False
-    file_tags: Mapping[str, str] | None = field(default=None, repr=False)
-    """Per shard, its change tag as the fingerprint saw it (``CheckpointMeta.file_tags``);
-    None where the identity is unverified. A rank checks the shards it read against it
-    at the end of its run."""
-    fence: int = 0
-    """The fencing token of the lease this run holds (``identities.Fence``; 0: none)."""
-    fingerprint: str = ""
-    """Identity of the checkpoint as read (``mxload.orchestrator.runtime.catalog.fingerprint``).
-    Every unit records (version, fingerprint) of the run that wrote it; "" (unknown) never
-    matches, so a unit is never skipped on the word of a source that cannot say what it is."""
-
-
-@dataclass(frozen=True)
-class PeerUnit:
-    """Where a shared unit's bytes are (``mxload.orchestrator.plan.sharing``): published by rank
-    ``owner`` as one handle per file, in the order the unit's reads group by file."""
-
-    owner: int
-    fetch_bytes: int
-    """Bytes the owner requested from storage for the unit (what ``bytes_read`` counts)."""
-    handles: tuple[tuple[str, Any], ...]
-    """(file, handle) per file; ``peer_get(handle)`` gives the bytes (a uint8 buffer)."""
 
 
 @dataclass

@@ -21,15 +21,14 @@ from typing import Any, TypeVar
 
 from ...orchestrator.errors import MxloadError, RunError
 from ...orchestrator.plan.memory import ConvertOptions, StepPlan, sub_reads, sub_unit
+from ...orchestrator.plan.message import PeerUnit, RankJob, SourceInfo
 from ...orchestrator.plan.types import Unit, UnitReads
 from .accounting import Meter, RunStats
 from .convert import Converter, Member
 from .identities import NOTHING, Fence, Identity, UnitIdentities
 from .reads import (
     Leased,
-    PeerUnit,
     Reader,
-    SourceInfo,
     StepFilled,
     StepRead,
     release_all,
@@ -51,17 +50,28 @@ reader thread."""
 
 @dataclass
 class RunInputs:
-    """What one run reads, where, and under which budget and identity."""
+    """One run: the job it was given, and under which units, budget and identity."""
 
+    job: RankJob
     units: Sequence[Unit]
-    reads: Sequence[UnitReads]
-    source: SourceInfo
-    peers: Mapping[int, PeerUnit]
+    """The units it fills (``job.units`` or the plan's)."""
     opts: ConvertOptions
     pool: StagingPool
     target: Identity
     todo: list[bool]
     """Per unit, whether this run writes it (units already at the target are skipped)."""
+
+    @property
+    def reads(self) -> Sequence[UnitReads]:
+        return self.job.reads
+
+    @property
+    def source(self) -> SourceInfo:
+        return self.job.source
+
+    @property
+    def peers(self) -> Mapping[int, PeerUnit]:
+        return self.job.peers
 
 
 class StepRunner:
