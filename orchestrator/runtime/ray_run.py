@@ -15,9 +15,9 @@ from ..errors import MxloadError, RunError, WorkerLost
 from ..plan.message import RankJob
 from ..plan.types import Plan
 from . import placement, shared_reads
-from .reports import first_line, plain, rank_error
 from .request import LoadRequest
 from .state import Progress, Report
+from .worker_errors import first_line, plain, rank_error
 
 if TYPE_CHECKING:
     from ...workers.rank.actor import RankWorker
