@@ -23,7 +23,6 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -50,13 +49,13 @@ from .identities import (
     UnitIdentities,
     checksum,
 )
-from .reads import Reader
+from .reads import InFlight, Reader
 from .run import RunInputs, StepRunner
 from .staging import StagingPool
 
 FETCH_IN_FLIGHT = 16
-"""Shared units an owner fetches at once (as many as ``Storage`` keeps requests in
-flight: the time model's ``request_concurrency``)."""
+"""Shared units an owner keeps in flight (:class:`.reads.InFlight`'s depth): as many as
+``Storage`` keeps requests going, the time model's ``request_concurrency``."""
 
 
 class RankLoader:
@@ -307,51 +306,37 @@ class RankLoader:
         result = FetchResult()
         t0 = time.perf_counter()
         todo = deque(items)
-        pending: deque[tuple[int, int, list[str], Future[Any]]] = deque()
         held = 0
 
         def fill(unit: Unit, reads: UnitReads, taken: Any) -> Any:
             return self._reader.fill(unit, reads, source, pool, taken, keep_rows=True)
 
-        with ThreadPoolExecutor(
-            max_workers=max(1, min(in_flight, len(items))), thread_name_prefix="mxload-fetch"
-        ) as executor:
-            try:
-                while todo or pending:
-                    while todo and len(pending) < in_flight:
-                        key, unit, reads = todo[0]
-                        if pending and held + reads.nbytes > window_bytes:
-                            break
-                        todo.popleft()
-                        taken = self._reader.take_leases(unit, reads, pool)
-                        held += reads.nbytes
-                        files = [file for file, _, _ in taken]
-                        pending.append(
-                            (key, reads.nbytes, files, executor.submit(fill, unit, reads, taken))
-                        )
-                    key, nbytes, files, future = pending.popleft()
-                    leases, _, fetched = future.result()
-                    held -= nbytes
-                    try:
-                        result.handles[key] = tuple(
-                            (file, publish(lease.tensor.numpy()))
-                            for file, lease in zip(files, leases, strict=True)
-                        )
-                        result.published_bytes += sum(lease.nbytes for lease in leases)
-                    finally:
-                        for lease in leases:
-                            pool.release(lease)
-                    result.bytes_from_storage += fetched
-            except BaseException:
-                # The units still in flight finish (a failed one released its leases).
-                for _, _, _, future in pending:
-                    try:
-                        leases, _, _ = future.result()
-                    except BaseException:
-                        continue
+        # (key, bytes, files) of each unit in flight, in publishing order
+        flying: InFlight[tuple[int, int, list[str]]]
+        flying = InFlight(pool, min(in_flight, len(items)), name="mxload-fetch")
+        with flying:
+            while todo or flying:
+                while todo and len(flying) < flying.depth:
+                    key, unit, reads = todo[0]
+                    if flying and held + reads.nbytes > window_bytes:
+                        break
+                    todo.popleft()
+                    taken = self._reader.take_leases(unit, reads, pool)
+                    held += reads.nbytes
+                    files = [file for file, _, _ in taken]
+                    flying.issue((key, reads.nbytes, files), fill, unit, reads, taken)
+                (key, nbytes, files), (leases, _, fetched) = flying.collect()
+                held -= nbytes
+                try:
+                    result.handles[key] = tuple(
+                        (file, publish(lease.tensor.numpy()))
+                        for file, lease in zip(files, leases, strict=True)
+                    )
+                    result.published_bytes += sum(lease.nbytes for lease in leases)
+                finally:
                     for lease in leases:
                         pool.release(lease)
-                raise
+                result.bytes_from_storage += fetched
         result.peak_staging_bytes = pool.high_water
         result.seconds = time.perf_counter() - t0
         return result
