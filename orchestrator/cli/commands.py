@@ -537,7 +537,7 @@ def report_error(
     also gets a log file (the traceback, the worker's remote traceback) whose path is
     printed on a second line; ``--debug`` shows them."""
     from ...workers.storage.options import scrub
-    from ..runtime.reports import first_line, plain
+    from ..runtime.worker_errors import first_line, plain
 
     context = err.context if isinstance(err, MxloadError) else {}
     if isinstance(err, MxloadError):

@@ -24,8 +24,7 @@ from ...cluster.local import mxload_home
 from ...workers.storage.urls import absolute, local_path
 from ...workers.storage.urls import is_remote as is_remote_url
 from ..errors import MxloadError, UsageError
-from ..plan.engines import DEFAULT_ENGINE
-from ..plan.releases import known_engines
+from ..plan.engines import DEFAULT_ENGINE, known_engines
 from ..plan.sharing import DEFAULT_SHARE, SHARE_SCOPES
 from ..plan.sizes import parse_size
 from ..plan.types import ParallelLayout

@@ -63,9 +63,10 @@ from .driver import first_load, plan_load
 from .outputs import OutputDir, check_not_input
 from .ray_run import RayRun
 from .reload import RayRanks, reload, repair
-from .reports import build_manifest, first_line, write_dump
+from .reports import build_manifest, write_dump
 from .request import LoadRequest
 from .state import Lease, LeaseHolder, Progress, SessionState, verdict
+from .worker_errors import first_line
 
 log = logging.getLogger(__name__)
 

@@ -28,6 +28,7 @@ from ..errors import (
     ReloadMismatch,
     StagingBudgetError,
 )
+from ..plan.message import RankJob, SourceInfo
 from ..plan.types import Plan, Unit, UnitReads
 from .request import (
     source_info,
@@ -37,7 +38,6 @@ from .request import (
 from .state import Progress, ReloadRecord, Report, SessionState
 
 if TYPE_CHECKING:
-    from ...workers.rank.loader import SourceInfo
     from .ray_run import RayRun
 
 log = logging.getLogger(__name__)
@@ -208,6 +208,17 @@ class ReloadInputs:
     identity: str = ""
     """How the new checkpoint's fingerprint was established (``CheckpointMeta.identity``)."""
 
+    def job(self, rank: int, version: int) -> RankJob:
+        """Rank ``rank``'s reload to ``version``."""
+        return RankJob(
+            reads=self.reads[rank],
+            source=self.source,
+            version=version,
+            staging_budget=self.budgets[rank],
+            whole_units=True,
+            units=self.units[rank],
+        )
+
 
 def reload_inputs(
     held: Plan,
@@ -337,15 +348,8 @@ class RayRanks:
     def run_ranks(
         self, inputs: ReloadInputs, version: int, on_progress: Progress | None
     ) -> list[Report]:
-        return self.ray_run.run_all(
-            [list(r) for r in inputs.reads],
-            inputs.source,
-            units=[list(u) for u in inputs.units],
-            version=version,
-            whole_units=True,
-            on_progress=on_progress,
-            budgets=list(inputs.budgets),
-        )
+        jobs = [inputs.job(rank, version) for rank in range(len(inputs.reads))]
+        return self.ray_run.run_all(jobs, on_progress=on_progress)
 
 
 def repair(
@@ -371,14 +375,14 @@ def repair(
     reports = []
     for rank in lost:
         budget = staging_budget_of(state.plan, state.plan.ranks[rank])
-        ref = run.actors[rank].load.remote(
-            list(inputs.reads[rank]),
-            source,
-            state.version,
-            budget,
-            False,
-            list(inputs.units[rank]),
+        job = RankJob(
+            reads=inputs.reads[rank],
+            source=source,
+            version=state.version,
+            staging_budget=budget,
+            units=inputs.units[rank],
         )
+        ref = run.actors[rank].load.remote(job)
         reports.append(ray.get(ref))
     state.observe(reports)
     save(state)

@@ -236,8 +236,8 @@ def test_storage_options_from_a_file(tmp_path) -> None:
 
 
 def test_objects_that_carry_options_do_not_show_them(plan_and_src) -> None:
+    from mxload.orchestrator.plan.message import SourceInfo
     from mxload.orchestrator.runtime.state import SessionState
-    from mxload.workers.rank.reads import SourceInfo
 
     opts = {"key": KEY, "secret": SECRET}
     held, src = plan_and_src

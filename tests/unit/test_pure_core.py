@@ -23,6 +23,7 @@ PURE_MODULES = (
     "mxload.orchestrator.plan.config",
     "mxload.orchestrator.plan.ranges",
     "mxload.orchestrator.plan.types",
+    "mxload.orchestrator.plan.message",
     "mxload.orchestrator.plan.arch",
     "mxload.orchestrator.plan.engines",
     "mxload.orchestrator.plan.layout",
