@@ -226,7 +226,8 @@ def test_reload_refused_while_another_holds_the_session(work: Path, ckpts, sessi
     naming the holder, and touches nothing."""
     import ray
     from mxload.cluster.local import connect, read_head_record
-    from mxload.orchestrator.runtime.detached import NAMESPACE, session_lease
+    from mxload.orchestrator.runtime.keeper import session_lease
+    from mxload.orchestrator.runtime.records import NAMESPACE
 
     _, before = status_json(work)
     with home_of(work):
@@ -314,7 +315,8 @@ def test_a_reload_suspended_past_its_lease_writes_nothing(work: Path, ckpts, ses
     reload is admitted and completes; the first, resumed, is fenced off (one line, no
     state recorded), and the session keeps the later checkpoint, checked byte for byte."""
     import ray
-    from mxload.orchestrator.runtime.detached import _connect, _keeper
+    from mxload.orchestrator.runtime.detached import _keeper
+    from mxload.orchestrator.runtime.heads import connect_session
 
     assert session.returncode == 0, show(session)
     stale = subprocess.Popen(
@@ -327,7 +329,7 @@ def test_a_reload_suspended_past_its_lease_writes_nothing(work: Path, ckpts, ses
     )
     try:
         with home_of(work):
-            _connect(None)
+            connect_session(None)
             try:
                 keeper = _keeper("default")
                 deadline = time.monotonic() + 120
@@ -363,12 +365,13 @@ def test_a_killed_keeper_comes_back_and_one_gone_for_good_is_named(work: Path, c
     had (status, reload keep working). Ended for good (no restart): status and a new
     `load --detach` of the name say in one line what to run; release ends the remains."""
     import ray
-    from mxload.orchestrator.runtime.detached import _connect, _keeper
+    from mxload.orchestrator.runtime.detached import _keeper
+    from mxload.orchestrator.runtime.heads import connect_session
 
     assert session.returncode == 0, show(session)
     _, before = status_json(work)
     with home_of(work):
-        _connect(None)
+        connect_session(None)
         try:
             pid = ray.get(_keeper("default").pid.remote())
         finally:
@@ -385,7 +388,7 @@ def test_a_killed_keeper_comes_back_and_one_gone_for_good_is_named(work: Path, c
     assert rc == 0 and after["identity"]["version"] == before["identity"]["version"] + 1
 
     with home_of(work):
-        _connect(None)
+        connect_session(None)
         try:
             ray.kill(_keeper("default"))  # no restart
         finally:
@@ -412,7 +415,7 @@ def test_unsafe_session_names_are_refused(work: Path, ckpts) -> None:
     """Every unsafe name is refused by the library (the CLI's path) before anything starts;
     one per command through the CLI (exit 2, naming --session, no traceback)."""
     from mxload.orchestrator.errors import SessionError
-    from mxload.orchestrator.runtime.detached import check_session_name
+    from mxload.orchestrator.runtime.records import check_session_name
 
     for name in UNSAFE_NAMES:
         with pytest.raises(SessionError, match="--session"):
@@ -507,7 +510,8 @@ def test_status_address_of_the_recorded_head_uses_its_token_then_raylet_killed(
     # The raylet dies while a reload runs (from a slow server, so that it is mid-way):
     # the reload names the head, in seconds, in one line, with no Ray log or colour.
     import ray
-    from mxload.orchestrator.runtime.detached import _connect, _keeper
+    from mxload.orchestrator.runtime.detached import _keeper
+    from mxload.orchestrator.runtime.heads import connect_session
 
     from tests.servers import RangeHTTPServer
 
@@ -516,7 +520,7 @@ def test_status_address_of_the_recorded_head_uses_its_token_then_raylet_killed(
     with RangeHTTPServer(str(root.parent), bandwidth=100_000) as server:
         slow = started(work, "reload", f"{server.url}/{root.name}")
         with home_of(work):
-            _connect(None)
+            connect_session(None)
             try:
                 keeper = _keeper("default")
                 deadline = time.monotonic() + 120

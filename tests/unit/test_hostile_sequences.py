@@ -351,7 +351,7 @@ def test_a_lapsed_lease_can_neither_renew_nor_record(plan_and_src) -> None:
     import time
 
     import psutil
-    from mxload.orchestrator.runtime.detached import SessionKeeper
+    from mxload.orchestrator.runtime.keeper import SessionKeeper
     from mxload.orchestrator.runtime.state import LeaseHolder, SessionState
 
     held, src = plan_and_src

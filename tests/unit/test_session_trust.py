@@ -23,12 +23,9 @@ from mxload.orchestrator.errors import HeadStopped, SessionError
 from mxload.orchestrator.plan.planner import build_plan
 from mxload.orchestrator.plan.types import ParallelLayout
 from mxload.orchestrator.runtime.catalog import open_checkpoint
-from mxload.orchestrator.runtime.detached import (
-    SessionKeeper,
-    check_recorded_head,
-    check_session_name,
-    same_address,
-)
+from mxload.orchestrator.runtime.heads import check_recorded_head, same_address
+from mxload.orchestrator.runtime.keeper import SessionKeeper
+from mxload.orchestrator.runtime.records import check_session_name
 from mxload.orchestrator.runtime.state import (
     Lease,
     LeaseHolder,
@@ -460,7 +457,7 @@ def test_a_head_going_down_interrupts_a_command_waiting_on_it(monkeypatch) -> No
     import time
 
     from mxload.orchestrator.errors import HeadDown
-    from mxload.orchestrator.runtime import detached
+    from mxload.orchestrator.runtime import heads
 
     checks: list[float] = []
 
@@ -469,15 +466,15 @@ def test_a_head_going_down_interrupts_a_command_waiting_on_it(monkeypatch) -> No
         if len(checks) >= 3:
             raise HeadDown("head 127.0.0.1:6379 is down: its raylet (pid 4242) died")
 
-    monkeypatch.setattr(detached, "check_recorded_head", check)
+    monkeypatch.setattr(heads, "check_recorded_head", check)
     t0 = time.monotonic()
     with pytest.raises(HeadDown, match="raylet"):
-        with detached.watching_head(object(), period_s=0.05):
+        with heads.watching_head(object(), period_s=0.05):
             time.sleep(30)
     assert time.monotonic() - t0 < 5
     # Nothing is watched after the body: no later interrupt.
     n = len(checks)
-    with detached.watching_head(object(), period_s=0.05):
+    with heads.watching_head(object(), period_s=0.05):
         pass
     time.sleep(0.2)
     assert len(checks) == n
