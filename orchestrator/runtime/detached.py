@@ -55,14 +55,17 @@ from ..errors import (
 from ..plan.types import Plan
 from .driver import first_load, plan_load
 from .heads import check_recorded_head, connect_session, recorded_head, watching_head
-from .keeper import SessionKeeper, session_lease
+from .keeper import SessionKeeper, session_lease, store
 from .outputs import OutputDir, check_not_input
 from .ray_run import RayRun
 from .records import (
     NAMESPACE,
     check_ranks_running,
     check_session_name,
+    keep_options,
     keeper_name,
+    kept_options,
+    options_file,
     rank_name,
     record_session,
     recorded_sessions,
@@ -71,7 +74,7 @@ from .records import (
 from .reload import RayRanks, reload, repair
 from .reports import build_manifest, first_line, write_dump
 from .request import LoadRequest
-from .state import Lease, Progress, SessionState, verdict
+from .state import Lease, Progress, SessionState, caller_options, verdict
 
 log = logging.getLogger(__name__)
 
@@ -194,16 +197,22 @@ def detached_load(
         session=session,
         started_head=started_head,
     )
+    if not keep_options(session, state.created, req.storage_options):
+        log.warning(
+            "the storage options could not be kept in %s: give --storage-options again "
+            "to reload this session",
+            options_file(session),
+        )
     keeper_cls = ray.remote(num_cpus=0)(SessionKeeper)
-    # Restarted by Ray when it dies (an OOM victim, a kill): it restores its state from
-    # the GCS, and calls made meanwhile wait for it.
+    # Restarted by Ray when it dies (an OOM victim, a kill): it reads its record from
+    # the GCS (store), and calls made meanwhile wait for it.
     keeper: Any = keeper_cls.options(
         name=keeper_name(session),
         namespace=NAMESPACE,
         lifetime="detached",
         max_restarts=-1,
         max_task_retries=-1,
-    ).remote(state)
+    ).remote(store(state))
     keeper_pid = ray.get(keeper.pid.remote())
     if recorded_head(req.address) is not None:
         record_session(session, str(req.address), [*state.pids.values(), keeper_pid])
@@ -219,7 +228,7 @@ def _attach(session: str, address: str | None) -> tuple[Any, SessionState, RayRu
     check_session_name(session)
     connect_session(address)
     keeper = _keeper(session)
-    state: SessionState = ray.get(keeper.get.remote())
+    state = _state_of(keeper)
     plan = state.plan
     assert state.request is not None, "a detached session records its request"
     run = RayRun(state.request, plan, detached_name=session)
@@ -236,6 +245,15 @@ def _attach(session: str, address: str | None) -> tuple[Any, SessionState, RayRu
     return keeper, state, run
 
 
+def _state_of(keeper: Any) -> SessionState:
+    """The session's state as its keeper holds it, with the caller's storage options
+    kept on this machine (:func:`records.kept_options`) added."""
+    import ray
+
+    state: SessionState = ray.get(keeper.get.remote())
+    return state.with_credentials(kept_options(state.session, state.created))
+
+
 def _saver(keeper: Any, state: SessionState, lease: Lease) -> Callable[[SessionState], None]:
     """Where a detached session's state lives: its keeper, which takes it only from the
     holder of the live ``lease`` (SessionError when that lapsed: a later command may
@@ -244,9 +262,12 @@ def _saver(keeper: Any, state: SessionState, lease: Lease) -> Callable[[SessionS
     import ray
 
     recorded = dict(state.pids)
+    kept = caller_options(state.storage_options)
 
     def save(state: SessionState) -> None:
-        why = ray.get(keeper.put.remote(state, lease.holder.token), timeout=60)
+        why = ray.get(
+            keeper.put.remote(state.without_credentials(), lease.holder.token), timeout=60
+        )
         if why:
             raise SessionError(
                 f"session {state.session!r}: this {lease.holder.what} was fenced off, its "
@@ -258,6 +279,8 @@ def _saver(keeper: Any, state: SessionState, lease: Lease) -> Callable[[SessionS
             _refresh_session_file(keeper, state)
             recorded.clear()
             recorded.update(state.pids)
+        if caller_options(state.storage_options) != kept:
+            keep_options(state.session, state.created, state.storage_options)
 
     return save
 
@@ -341,7 +364,7 @@ def detached_status(
         if busy is None:
             try:
                 with session_lease(keeper, session, "status repairing restarted ranks") as lease:
-                    state = ray.get(keeper.get.remote())
+                    state = _state_of(keeper)
                     repaired = repair(run, state, _saver(keeper, state, lease), lease.fence)
             except SessionBusy:
                 busy = ray.get(keeper.holder.remote())
@@ -393,7 +416,7 @@ def detached_reload(
             session_lease(keeper, session, "reload", src) as lease,
         ):
             # Read under the lease: a reload that finished meanwhile moved the version.
-            state: SessionState = ray.get(keeper.get.remote())
+            state = _state_of(keeper)
             _check_engine(session, state.plan, engine)
             _check_outputs(state, outputs)
             fence_ranks(run, lease.fence)
@@ -492,10 +515,11 @@ def detached_release(
     # A keeper gone for good took with it whether this session started the head: kept.
     if own_head and state is not None and state.started_head and not others:
         stopped = stop_detached_head(read_head_record())
-    try:
-        session_file(session).unlink(missing_ok=True)
-    except OSError:
-        pass
+    for path in (session_file(session), options_file(session)):
+        try:
+            path.unlink(missing_ok=True)
+        except OSError:
+            pass
     return {"session": session, "workers_ended": killed, "head_stopped": stopped}
 
 
@@ -506,10 +530,11 @@ def _release_without_ray(session: str, record: Any, down: list[str]) -> dict[str
     sessions = recorded_sessions(record.address)
     extra = [p for data in sessions.values() for p in data.get("processes", [])]
     ended = end_head(record, extra, grace_s=2.0 if down else 10.0)
-    for path in sessions:
+    for path, data in sessions.items():
         try:
             os.unlink(path)
-        except OSError:
+            options_file(str(data.get("session"))).unlink(missing_ok=True)
+        except (OSError, SessionError):  # SessionError: not a session's name
             pass
     return {
         "session": session,

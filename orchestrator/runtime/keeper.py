@@ -8,6 +8,7 @@ its holder's process is gone or it expired, each lease with a larger fencing tok
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import secrets
 import socket
@@ -26,62 +27,57 @@ LEASE_TTL_S = 60.0
 
 
 class SessionKeeper:
-    """Actor body holding a detached session's state (pickled by Ray), and the lease that
-    serialises reloads. Ray runs one call of this actor at a time, so taking the lease is
-    atomic across every process that reaches the session."""
+    """Actor body holding a detached session's state and the lease that serialises
+    reloads. Ray runs one call of this actor at a time, so taking the lease is atomic
+    across every process that reaches the session.
 
-    def __init__(self, state: SessionState, persist: bool = True) -> None:
+    Its one constructor argument is the key of its record in the GCS (:func:`store`):
+    an argument larger than Ray passes inline is owned by the process that created the
+    actor, and gone with it, so a keeper given the state itself could not be restarted
+    once the ``load`` that made it exited. The record (state, fencing counter, lease,
+    notes) is rewritten on every change, so a keeper that Ray restarts (it died: OOM, a
+    kill) has all of it, the running reload's lease included. It never holds the
+    caller's storage options (credentials: docs/contract.md §4 "Credentials")."""
+
+    def __init__(self, key: str, state: SessionState | None = None) -> None:
+        """``state``: held in this process only, nothing stored (an in-process keeper)."""
         from ...cluster.local import tighten_own_temp_dir
 
         tighten_own_temp_dir()  # this process's start made Ray's folders 0777 again
-        self.persist = persist
-        self.state = state
+        self.key = key
+        self.persist = state is None
         self.lease: Lease | None = None
         self.fence = 0
         """The last fencing token handed out (with a lease)."""
         self.notes: list[str] = []
         """What status should say happened to the session: commands refused because
         their lease had lapsed, a restart of this keeper."""
-        saved = self._restore()
-        if saved is not None:
-            # Ray restarted this actor (it died: OOM, a kill) with its first arguments;
-            # the state and fence it had are in the GCS.
-            self.state, self.fence, self.notes = saved
+        self.starts = 0
+        """How often a keeper of this session started (more than once: restarted)."""
+        if state is not None:
+            self.state = state.without_credentials()
+            return
+        record = _read(key)
+        if record is None:
+            raise SessionError(f"the session's record {key!r} is not in the Ray cluster")
+        self.state, self.fence, self.notes, self.lease, self.starts = record
+        self.starts += 1
+        if self.starts > 1:
             self._note("the session's keeper died and was restarted; its state restored")
         self._save()
 
-    def _key(self) -> str:
-        return f"{self.state.session}/{self.state.created!r}/keeper"
-
-    def _restore(self) -> tuple[SessionState, int, list[str]] | None:
-        if not self.persist:
-            return None
-        import pickle
-
-        from ...cluster import raycompat
-
-        raw = raycompat.kv_get(self._key())
-        if raw is None:
-            return None
-        saved: tuple[SessionState, int, list[str]] = pickle.loads(raw)
-        return saved
-
     def _save(self) -> None:
-        """The state and the fence into the GCS, where a restarted keeper finds them."""
-        if not self.persist:
-            return
-        import pickle
-
-        from ...cluster import raycompat
-
-        raycompat.kv_put(self._key(), pickle.dumps((self.state, self.fence, self.notes)))
+        """The record into the GCS, where a restarted keeper finds it."""
+        if self.persist:
+            _write(self.key, self.state, self.fence, self.notes, self.lease, self.starts)
 
     def forget(self) -> None:
-        """Drop the persisted state (release)."""
+        """Drop the stored record (release)."""
         if self.persist:
             from ...cluster import raycompat
 
-            raycompat.kv_del(self._key())
+            raycompat.kv_del(self.key)
+            raycompat.kv_del(self.key + PLAN_SUFFIX)
 
     def _note(self, what: str) -> None:
         stamp = time.strftime("%H:%M:%S", time.localtime())
@@ -105,7 +101,7 @@ class SessionKeeper:
             self._note(f"a command's result was refused: {why} (nothing it wrote counts)")
             self._save()
             return why
-        self.state = state
+        self.state = state.without_credentials()
         self._save()
         return ""
 
@@ -120,7 +116,6 @@ class SessionKeeper:
         if cur is not None and cur.expires > now and _holder_alive(cur.holder):
             return cur
         self.fence += 1
-        self._save()  # a restarted keeper never hands out a token twice
         self.lease = Lease(
             holder,
             since=now,
@@ -128,6 +123,7 @@ class SessionKeeper:
             took_over_from=cur.holder if cur else None,
             fence=self.fence,
         )
+        self._save()  # a restarted keeper never hands out a token twice, nor drops a lease
         return self.lease
 
     def renew(self, token: str, ttl_s: float) -> bool:
@@ -137,6 +133,7 @@ class SessionKeeper:
         if self.lease is None or self.lease.holder.token != token or self.lease.expires <= now:
             return False
         self.lease = replace(self.lease, expires=now + ttl_s)
+        self._save()
         return True
 
     def events(self) -> list[str]:
@@ -146,6 +143,7 @@ class SessionKeeper:
     def release(self, token: str) -> None:
         if self.lease is not None and self.lease.holder.token == token:
             self.lease = None
+            self._save()
 
     def holder(self) -> Lease | None:
         """The lease, while its holder lives and it has not expired."""
@@ -153,6 +151,53 @@ class SessionKeeper:
         if cur is None or cur.expires <= time.time() or not _holder_alive(cur.holder):
             return None
         return cur
+
+
+PLAN_SUFFIX = "/plan"
+"""The plan is stored once, under the keeper's key and this: it never changes, and is
+the bulk of the state (megabytes for a large model)."""
+
+
+def keeper_key(state: SessionState) -> str:
+    """The key of a session's record in the GCS: one per load of the name."""
+    return f"{state.session}/{state.created!r}/keeper"
+
+
+def store(state: SessionState) -> str:
+    """Record a new session's state in the GCS (before its keeper starts, which reads
+    it); returns the key to give the keeper. Without credentials."""
+    import pickle
+
+    from ...cluster import raycompat
+
+    key = keeper_key(state)
+    raycompat.kv_put(key + PLAN_SUFFIX, pickle.dumps(state.plan))
+    _write(key, state.without_credentials(), 0, [], None, 0)
+    return key
+
+
+def _write(
+    key: str, state: SessionState, fence: int, notes: list[str], lease: Lease | None, starts: int
+) -> None:
+    import pickle
+
+    from ...cluster import raycompat
+
+    fields = {f.name: getattr(state, f.name) for f in dataclasses.fields(state)}
+    del fields["plan"]  # stored once (PLAN_SUFFIX)
+    raycompat.kv_put(key, pickle.dumps((fields, fence, notes, lease, starts)))
+
+
+def _read(key: str) -> tuple[SessionState, int, list[str], Lease | None, int] | None:
+    import pickle
+
+    from ...cluster import raycompat
+
+    raw, plan = raycompat.kv_get(key), raycompat.kv_get(key + PLAN_SUFFIX)
+    if raw is None or plan is None:
+        return None
+    fields, fence, notes, lease, starts = pickle.loads(raw)
+    return SessionState(plan=pickle.loads(plan), **fields), fence, notes, lease, starts
 
 
 def _holder_alive(holder: LeaseHolder) -> bool:

@@ -7,13 +7,15 @@ named before a call to it waits minutes.
 from __future__ import annotations
 
 import json
+import os
 import re
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from ..errors import RunError, SessionError
 from .heads import same_address
-from .state import SessionState
+from .state import SessionState, caller_options
 
 NAMESPACE = "mxload"
 
@@ -72,6 +74,50 @@ def record_session(session: str, address: str, pids: list[int | None]) -> None:
         tmp.replace(path)
     except OSError:  # a read-only home: release still works through Ray
         pass
+
+
+def options_file(session: str) -> Path:
+    """$MXLOAD_HOME/sessions/<session>.options: the caller's storage options of a
+    detached session (docs/contract.md §4 "Credentials"), private to the user."""
+    from ...cluster.local import mxload_home
+
+    return mxload_home() / "sessions" / f"{check_session_name(session)}.options"
+
+
+def keep_options(session: str, created: float, options: Mapping[str, Any] | None) -> bool:
+    """Keep the caller's part of ``options`` (credentials) for later commands on this
+    load of ``session`` (``created``), in a file only the user can read (0600 in a 0700
+    folder), never in the cluster; remove it when there is none. False when the file
+    cannot be written (then later commands need --storage-options again)."""
+    theirs = caller_options(options)
+    path = options_file(session)
+    try:
+        if theirs is None:
+            path.unlink(missing_ok=True)
+            return True
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp.unlink(missing_ok=True)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        with os.fdopen(fd, "w") as f:
+            json.dump({"session": session, "created": created, "options": theirs}, f)
+        tmp.replace(path)
+        return True
+    except (OSError, TypeError, ValueError):
+        return False
+
+
+def kept_options(session: str, created: float) -> dict[str, Any] | None:
+    """The caller's storage options kept for this load of ``session`` (``created``:
+    a file left by an earlier load of the name is not taken), None if none."""
+    try:
+        data = json.loads(options_file(session).read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(data, dict) or data.get("created") != created:
+        return None
+    options = data.get("options")
+    return options if isinstance(options, dict) else None
 
 
 def recorded_sessions(address: str) -> dict[str, dict[str, Any]]:

@@ -360,7 +360,7 @@ def test_a_lapsed_lease_can_neither_renew_nor_record(plan_and_src) -> None:
     def holder(token: str) -> LeaseHolder:
         return LeaseHolder(token, me.pid, me.create_time(), socket.gethostname(), "reload", src)
 
-    k = SessionKeeper(SessionState(held, src, "f4", {}, {}, version=4), persist=False)
+    k = SessionKeeper("k", SessionState(held, src, "f4", {}, {}, version=4))
     first = k.acquire(holder("stopped"), 0.2)
     time.sleep(0.3)  # suspended past its lease
     assert k.renew("stopped", 60) is False

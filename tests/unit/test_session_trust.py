@@ -184,7 +184,7 @@ def got(k: SessionKeeper, h: LeaseHolder, ttl: float) -> bool:
 
 
 def test_lease_one_holder_at_a_time(plan) -> None:
-    k = SessionKeeper(state_of(plan), persist=False)
+    k = SessionKeeper("k", state_of(plan))
     assert got(k, holder(), 60)
     busy = k.acquire(holder(token="t2", src="/b"), 60)
     assert busy.holder.token == "t1" and busy.holder.src == "/a" and busy.holder.pid == os.getpid()
@@ -198,7 +198,7 @@ def test_lease_one_holder_at_a_time(plan) -> None:
 def test_lease_of_a_dead_holder_or_expired_is_taken_over(plan) -> None:
     proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
-        k = SessionKeeper(state_of(plan), persist=False)
+        k = SessionKeeper("k", state_of(plan))
         assert got(k, holder(proc.pid, src="/dead"), 60)
         assert not got(k, holder(token="t2"), 60)  # its holder is alive
     finally:
@@ -210,10 +210,10 @@ def test_lease_of_a_dead_holder_or_expired_is_taken_over(plan) -> None:
     assert shown["took_over_from"]["src"] == "/dead" and shown["src"] == "/a"
     assert "token" not in shown, "the token renews and releases the lease: not shown"
     # A holder on another host is trusted until its lease expires.
-    k = SessionKeeper(state_of(plan), persist=False)
+    k = SessionKeeper("k", state_of(plan))
     assert got(k, holder(host="elsewhere"), 60)
     assert not got(k, holder(token="t2"), 60)
-    k = SessionKeeper(state_of(plan), persist=False)
+    k = SessionKeeper("k", state_of(plan))
     assert got(k, holder(host="elsewhere"), 0)  # a lease that has expired
     assert got(k, holder(token="t2"), 60)
 
@@ -478,3 +478,34 @@ def test_a_head_going_down_interrupts_a_command_waiting_on_it(monkeypatch) -> No
         pass
     time.sleep(0.2)
     assert len(checks) == n
+
+
+def test_the_credentials_are_kept_in_a_file_only_the_user_reads(tmp_path, monkeypatch, plan):
+    """A detached session's storage options, the caller's part (credentials), are kept
+    outside the cluster, in a file only the user can read, for this load of the name."""
+    import stat
+
+    from mxload.orchestrator.runtime.records import keep_options, kept_options, options_file
+    from mxload.orchestrator.runtime.request import LoadRequest
+
+    options = {
+        "key": "AKIA-not-a-real-key-0123",
+        "client_kwargs": {"headers": {"X-Token": 987654321}},
+        "mxload_connect_timeout_s": 7.0,
+    }
+    state = dataclasses.replace(
+        state_of(plan),
+        storage_options=options,
+        request=LoadRequest(src="/ckpt/v1", layout=plan.layout, storage_options=options),
+    )
+    monkeypatch.setenv("MXLOAD_HOME", str(tmp_path / "home"))
+    assert keep_options("s1", state.created, options)
+    path = options_file("s1")
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert stat.S_IMODE(path.parent.stat().st_mode) == 0o700
+    theirs = {k: v for k, v in options.items() if not k.startswith("mxload_")}
+    assert kept_options("s1", state.created) == theirs
+    assert kept_options("s1", state.created + 1) is None  # an earlier load of the name
+    assert state.without_credentials().with_credentials(theirs).storage_options == options
+    assert keep_options("s1", time.time(), {"mxload_connect_timeout_s": 7.0})
+    assert not path.exists()  # nothing of the caller's: no file
