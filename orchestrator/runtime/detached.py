@@ -145,12 +145,15 @@ def detached_load(
     """Load and leave the workers running under ``session``; returns the manifest."""
     import ray
 
-    from ...cluster.local import start_detached_head
+    from ...cluster.local import check_home_writable, start_detached_head
 
     check_session_name(session)
+    starts_head = req.address is None and not ray.is_initialized()
+    if starts_head:
+        check_home_writable()  # where the head is recorded: before anything starts
     meta, plan = plan_load(req)  # refuse bad input before starting anything
     started_head = False
-    if req.address is None and not ray.is_initialized():
+    if starts_head:
         # One node's worth of virtual devices (at least the layout's), so a second
         # session (a reference model beside the policy) fits on the same head.
         record = start_detached_head(

@@ -509,3 +509,63 @@ def test_the_credentials_are_kept_in_a_file_only_the_user_reads(tmp_path, monkey
     assert state.without_credentials().with_credentials(theirs).storage_options == options
     assert keep_options("s1", time.time(), {"mxload_connect_timeout_s": 7.0})
     assert not path.exists()  # nothing of the caller's: no file
+
+
+# --- mxload's own state is an input ---------------------------------------------------------
+
+
+def test_no_output_may_overwrite_mxloads_own_state(tmp_path, monkeypatch, capsys, ckpt_factory):
+    """`--dump $MXLOAD_HOME --overwrite` would replace head.json and the session records
+    (the head orphaned), `--dump` onto the recorded head's folder delete its sockets, a
+    `--report` onto head.json its token: each refused in one line, exit 2, before any
+    work (no head is asked: the one recorded here is not running)."""
+    from mxload.orchestrator.cli.commands import main
+
+    home = tmp_path / "home"
+    head_dir = tmp_path / "mxhead-x"
+    (head_dir / "r" / "sockets").mkdir(parents=True)
+    (home / "sessions").mkdir(parents=True)
+    record = {"address": "127.0.0.1:9", "temp_dir": str(head_dir), "resource": "NPU"}
+    record.update(num_devices=1, started_at=0.0)
+    (home / "head.json").write_text(json.dumps(record))
+    (home / "sessions" / "default.json").write_text("{}")
+    monkeypatch.setenv("MXLOAD_HOME", str(home))
+    src = ckpt_factory("qwen3-moe-tiny", 1)
+    cases = [
+        (["status", "--dump", str(home), "--overwrite"], "mxload's record of its Ray head"),
+        (["status", "--dump", str(home / "sessions"), "--overwrite"], "session records"),
+        (["status", "--dump", str(head_dir), "--overwrite"], "the folder of the Ray head"),
+        (["status", "--dump", str(head_dir / "r" / "sockets")], "the folder of the Ray head"),
+        (["load", src, "--device", "cpu", "--report", str(home / "head.json")], "Ray head"),
+        (
+            ["make-checkpoint", str(tmp_path), "--preset", "qwen3-moe-tiny", "--overwrite"],
+            "Ray head",
+        ),
+    ]
+    for argv, said in cases:
+        rc = main(argv)
+        err = capsys.readouterr().err
+        assert rc == 2 and err.count("\n") == 1 and said in err, (argv, err)
+    assert json.loads((home / "head.json").read_text()) == record
+    assert (head_dir / "r" / "sockets").is_dir() and (home / "sessions" / "default.json").exists()
+
+
+def test_load_detach_with_an_unwritable_home_starts_nothing(
+    tmp_path, monkeypatch, capsys, ckpt_factory
+):
+    """A $MXLOAD_HOME that cannot be written (here under a file; a read-only mount for a
+    user) is refused before any head starts: one line naming it, exit 2."""
+    import ray
+    from mxload.orchestrator.cli.commands import main
+
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    monkeypatch.setenv("MXLOAD_HOME", str(blocker / "home"))
+    before = {p.pid for p in psutil.process_iter()}
+    rc = main(["load", ckpt_factory("qwen3-moe-tiny", 1), "--device", "cpu", "--detach"])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.count("\n") == 1, err
+    assert f"$MXLOAD_HOME {blocker / 'home'}" in err and "nothing was started" in err
+    assert not ray.is_initialized()
+    started = [p for p in psutil.process_iter(["name"]) if p.pid not in before]
+    assert not [p for p in started if p.info["name"] in ("gcs_server", "raylet")]
