@@ -707,6 +707,7 @@ def storage_options(args: argparse.Namespace) -> dict[str, Any] | None:
             ) from None
         if not isinstance(value, dict):
             raise UsageError(f"{where}: must be a JSON object", key="--storage-options")
+        _check_option_shapes(value, where)
     # The source flags travel as storage options: every worker then reads under them. A
     # flag and the same key in the JSON must agree: neither silently wins.
     given = {
@@ -731,6 +732,42 @@ def storage_options(args: argparse.Namespace) -> dict[str, Any] | None:
             )
         value[key] = flag_value
     return value or None
+
+
+OPTION_OBJECTS = ("client_kwargs", "config_kwargs", "headers")
+"""Storage options fsspec's back ends take as objects (keyword arguments, HTTP headers)."""
+
+
+def _check_option_shapes(value: dict[str, Any], where: str) -> None:
+    """Refuse what fsspec would fail on later, and say so here: an HTTP back end turns
+    any failure of a request (a header that is a number, ``client_kwargs`` that is not
+    an object) into "no such file". Names keys only: the values may be secrets."""
+    places = [("", value)]
+    if isinstance(value.get("client_kwargs"), dict):
+        places.append(("client_kwargs.", value["client_kwargs"]))
+    for prefix, holder in places:
+        for key in OPTION_OBJECTS:
+            if key in holder and not isinstance(holder[key], dict):
+                raise UsageError(
+                    f"{where}: {prefix}{key} must be a JSON object", key="--storage-options"
+                )
+        for name, header in (holder.get("headers") or {}).items():
+            if not isinstance(header, str):
+                raise UsageError(
+                    f"{where}: {prefix}headers {name!r} must be a JSON string (an HTTP "
+                    f"header's value is text), not {_json_kind(header)}",
+                    key="--storage-options",
+                )
+
+
+def _json_kind(value: Any) -> str:
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, int | float):
+        return "a number"
+    if isinstance(value, list):
+        return "an array"
+    return "an object" if isinstance(value, dict) else "null"
 
 
 OPTIONS_FILE_MAX_BYTES = 1 << 20
