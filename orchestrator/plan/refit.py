@@ -19,7 +19,6 @@ end on the receiver's 32-column groups is refused at plan time.
 from __future__ import annotations
 
 import bisect
-import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -224,6 +223,7 @@ class _Held:
     """One trainer rank's rectangle of a tensor's ``[N, K]`` view."""
 
     rank: int
+    node: int
     rows: tuple[int, int]
     cols: tuple[int, int]
 
@@ -241,22 +241,24 @@ class _Source:
     starts: tuple[int, ...]
 
 
-def _source(t: TrainerTensor) -> _Source:
+def _source(t: TrainerTensor, manifest: TrainerManifest) -> _Source:
     n, k = matrix_shape(t.shape)
     held: list[_Held] = []
     split: Literal["rows", "cols", "whole"] = "whole"
     for s in t.placement:
         if s.dim is None:
-            held.append(_Held(s.rank, (0, n), (0, k)))
+            held.append(_Held(s.rank, manifest.node_of(s.rank), (0, n), (0, k)))
         elif s.dim == 0 and len(t.shape) >= 2:
             split = "rows"
-            held.append(_Held(s.rank, (s.start, s.stop), (0, k)))
+            held.append(_Held(s.rank, manifest.node_of(s.rank), (s.start, s.stop), (0, k)))
         elif math.prod(t.shape[1 : s.dim]) == 1:
             # A slice along dim d is a column range of [N, K] when every dim between
             # 0 and d is 1 wide (a 1-D tensor's dim 0, a matrix's dim 1).
             inner = math.prod(t.shape[s.dim + 1 :])
             split = "cols"
-            held.append(_Held(s.rank, (0, n), (s.start * inner, s.stop * inner)))
+            held.append(
+                _Held(s.rank, manifest.node_of(s.rank), (0, n), (s.start * inner, s.stop * inner))
+            )
         else:
             raise InputError(
                 f"trainer manifest: tensor {t.name!r}: rank {s.rank}'s slice along dim "
@@ -272,6 +274,63 @@ def _source(t: TrainerTensor) -> _Source:
     else:
         starts = ()
     return _Source(t, n, k, split, tuple(held), starts)
+
+
+class _Streams:
+    """The buckets of every (sender, landing receiver) stream, filled greedily in the
+    order pieces come: sizes are tracked, not kept (first, last, largest, largest two
+    in a row, count), which is all the senders' staging needs."""
+
+    def __init__(self, senders: int, receivers: int, bucket_bytes: int) -> None:
+        n = senders * receivers
+        self.receivers = receivers
+        self.cap = bucket_bytes
+        self.fill = [0] * n
+        self.first = [0] * n
+        self.last = [0] * n
+        self.single = [0] * n
+        self.pair = [0] * n
+        self.count = [0] * n
+
+    def add(self, key: int, nbytes: int) -> bool:
+        """Put ``nbytes`` into stream ``key``'s open bucket; True when a bucket closed
+        first (it would have grown past the cap)."""
+        f = self.fill[key]
+        closed = bool(f) and f + nbytes > self.cap
+        if closed:
+            self.close(key)
+            f = 0
+        self.fill[key] = f + nbytes
+        return closed
+
+    def close(self, key: int) -> None:
+        f = self.fill[key]
+        if not f:
+            return
+        if self.count[key]:
+            self.pair[key] = max(self.pair[key], self.last[key] + f)
+        else:
+            self.first[key] = f
+        self.last[key] = f
+        self.single[key] = max(self.single[key], f)
+        self.count[key] += 1
+        self.fill[key] = 0
+
+    def per_sender(self, sender: int, order: Sequence[int]) -> tuple[int, int]:
+        """(buckets, peak of two in flight) of ``sender``, its streams sent in ``order``
+        of receivers."""
+        count = peak = prev = 0
+        for r in order:
+            key = sender * self.receivers + r
+            self.close(key)
+            if not self.count[key]:
+                continue
+            peak = max(peak, self.single[key], self.pair[key])
+            if prev:
+                peak = max(peak, prev + self.first[key])
+            prev = self.last[key]
+            count += self.count[key]
+        return count, peak
 
 
 class _Walk:
@@ -307,32 +366,36 @@ class _Walk:
                     f"receiver nodes name {len(receiver_nodes)} ranks, the plan has {world}"
                 )
             self.rnode = tuple(receiver_nodes)
-        self.sources = {t.name: _source(t) for t in manifest.tensors}
+        self.world = world
+        self.nodes = max(self.rnode, default=-1) + 1
+        self.order = sorted(range(world), key=lambda r: (self.rnode[r], r))
+        # Tensors sharing a placement (and shape) share its rectangles.
+        shared: dict[tuple[int, tuple[int, ...]], _Source] = {}
+        self.sources: dict[str, _Source] = {}
+        for t in manifest.tensors:
+            like = shared.get((id(t.placement), t.shape))
+            if like is None:
+                like = shared[(id(t.placement), t.shape)] = _source(t, manifest)
+            self.sources[t.name] = replace(like, tensor=t)
         self.used: set[str] = set()
-        self.links: dict[tuple[int, int], int] = {}
+        # bytes from each trainer rank to each engine node
+        self.to_node = [[0] * self.nodes for _ in range(manifest.world)]
         self.needed = self.wire = self.mx_needed = self.mx_wire = 0
-        self.fanout: dict[int, int] = {}
+        self.fanout = [0] * self.nodes
         self.receiver_bytes = [0] * world
         self.receiver_staging = [0] * world
-        self.sender_bytes = [0] * manifest.world
-        # Buckets per (sender, landing receiver): the sizes of closed ones and the fill of
-        # the open one; in detail, their pieces.
-        self.fill: dict[tuple[int, int], int] = {}
-        self.closed: dict[tuple[int, int], list[int]] = {}
+        self.streams = _Streams(manifest.world, world, bucket_bytes)
         self.count = 0
         self.detail = False
-        self.open: dict[tuple[int, int], list[list[object]]] = {}
-        self.done: dict[tuple[int, int], list[list[list[object]]]] = {}
-
-    # -- one receiver's parts ---------------------------------------------------------
+        # detail: per stream, its closed buckets' records and the open one's
+        self.open: dict[int, list[list[object]]] = {}
+        self.done: dict[int, list[list[list[object]]]] = {}
 
     def run(self, *, detail: bool) -> None:
         self.detail = detail
-        world = len(self.rnode)
-        # Pieces already on a node: (tensor, rows, cols) -> the piece records (detail),
-        # or True.
+        # Pieces already on a node: (tensor, rows, cols) -> their records (detail).
         on_node: dict[int, dict[tuple[str, tuple[int, int], tuple[int, int]], list[object]]] = {}
-        for rank in sorted(range(world), key=lambda r: (self.rnode[r], r)):
+        for rank in self.order:
             node = self.rnode[rank]
             seen = on_node.setdefault(node, {})
             units = self.plan.ranks[rank].units
@@ -347,11 +410,20 @@ class _Walk:
                     key = (part.tensor_name, part.rows, part.cols)
                     got = seen.get(key)
                     if got is not None:
-                        self.fanout[node] = self.fanout.get(node, 0) + wire
+                        self.fanout[node] += wire
                         for rec in got:
                             assert isinstance(rec, list)
                             rec[1].append(rank)
                         continue
+                    # The slices cover each tensor once (the manifest is checked so):
+                    # the pieces of a part add up to it.
+                    source = part.nrows * part.ncols * src.tensor.itemsize
+                    self.needed += source
+                    self.wire += wire
+                    if mx:
+                        self.mx_needed += source
+                        self.mx_wire += wire
+                    self.receiver_bytes[rank] += wire
                     seen[key] = self._cut(part, src, mx, rank, node)
                 wires.append(unit_wire)
             self.receiver_staging[rank] = self._staging(units, wires)
@@ -384,10 +456,11 @@ class _Walk:
         return rows * cols * src.tensor.itemsize
 
     def _cut(self, part: Part, src: _Source, mx: bool, rank: int, node: int) -> list[object]:
-        """The pieces of a part no rank of ``node`` had yet: sent and counted."""
+        """The pieces of a part no rank of ``node`` had yet: counted on their links and
+        in their senders' buckets (and kept, in detail)."""
         (r0, r1), (c0, c1) = part.rows, part.cols
         if src.split == "whole":
-            near = [h for h in src.held if self.manifest.node_of(h.rank) == node]
+            near = [h for h in src.held if h.node == node]
             pool = near or list(src.held)
             held: Sequence[_Held] = [pool[node % len(pool)]]
         else:
@@ -396,78 +469,64 @@ class _Walk:
             last = bisect.bisect_left(src.starts, hi)
             held = src.held[first:last]
         records: list[object] = []
+        check = mx and self.on_sender
+        cap = self.bucket_bytes
+        add = self.streams.add
+        to_node = self.to_node
+        detail = self.detail
+        base = rank
+        world = self.world
+        width = row_wire = 0
         for h in held:
-            rows = (max(r0, h.rows[0]), min(r1, h.rows[1]))
-            cols = (max(c0, h.cols[0]), min(c1, h.cols[1]))
-            if rows[0] >= rows[1] or cols[0] >= cols[1]:
+            a, b = h.rows
+            x, y = h.cols
+            a = r0 if r0 > a else a
+            b = r1 if r1 < b else b
+            x = c0 if c0 > x else x
+            y = c1 if c1 < y else y
+            if a >= b or x >= y:
                 continue
-            if mx and self.on_sender:
-                for edge in (cols[0] - c0, cols[1] - c0):
-                    if edge % MX_GROUP and edge != c1 - c0:
-                        raise InputError(
-                            f"trainer manifest: tensor {part.tensor_name!r}: trainer rank "
-                            f"{h.rank} holds cols {list(h.cols)}, which cuts an MX group of "
-                            f"engine rank {rank}'s cols {list(part.cols)} (K groups of "
-                            f"{MX_GROUP} from {c0}): a sender cannot convert it; convert on "
-                            "the receiver or cut at a group",
-                            tensor=part.tensor_name,
-                            rank=rank,
-                        )
-            records.extend(self._send(h, rows, cols, src, mx, part.tensor_name, rank, node))
-        return records
-
-    def _send(
-        self,
-        h: _Held,
-        rows: tuple[int, int],
-        cols: tuple[int, int],
-        src: _Source,
-        mx: bool,
-        tensor: str,
-        rank: int,
-        node: int,
-    ) -> list[object]:
-        """One piece from ``h.rank`` to ``rank``, split along rows into bucket-sized
-        pieces; counted on its link and in the sender's buckets."""
-        row_wire = self._wire(1, cols[1] - cols[0], src, mx)
-        per = self.bucket_bytes // row_wire
-        if per < 1:
-            raise InputError(
-                f"bucket bytes {self.bucket_bytes} are below one row of tensor {tensor!r} "
-                f"on the wire ({row_wire} bytes, for engine rank {rank})",
-                tensor=tensor,
-                rank=rank,
-            )
-        item = src.tensor.itemsize
-        ncols = cols[1] - cols[0]
-        link = (self.manifest.node_of(h.rank), node)
-        out: list[object] = []
-        for a in range(rows[0], rows[1], per):
-            b = min(rows[1], a + per)
+            if check and ((x - c0) % MX_GROUP or ((y - c0) % MX_GROUP and y != c1)):
+                raise InputError(
+                    f"trainer manifest: tensor {part.tensor_name!r}: trainer rank {h.rank} "
+                    f"holds cols {list(h.cols)}, which cuts an MX group of engine rank "
+                    f"{rank}'s cols {list(part.cols)} (K groups of {MX_GROUP} from {c0}): "
+                    "a sender cannot convert it; convert on the receiver or cut at a group",
+                    tensor=part.tensor_name,
+                    rank=rank,
+                )
+            if y - x != width:
+                width = y - x
+                row_wire = self._wire(1, width, src, mx)
             wire = (b - a) * row_wire
-            source = (b - a) * ncols * item
-            self.links[link] = self.links.get(link, 0) + wire
-            self.needed += source
-            self.wire += wire
-            if mx:
-                self.mx_needed += source
-                self.mx_wire += wire
-            self.receiver_bytes[rank] += wire
-            self.sender_bytes[h.rank] += wire
-            self.count += 1
-            key = (h.rank, rank)
-            fill = self.fill.get(key, 0)
-            if fill and fill + wire > self.bucket_bytes:
-                self.closed.setdefault(key, []).append(fill)
-                fill = 0
-                if self.detail:
-                    self.done.setdefault(key, []).append(self.open.pop(key))
-            self.fill[key] = fill + wire
-            if self.detail:
-                rec: list[object] = [h, [rank], tensor, (a, b), cols, wire, source, mx]
-                self.open.setdefault(key, []).append(rec)
-                out.append(rec)
-        return out
+            to_node[h.rank][node] += wire
+            key = h.rank * world + base
+            if wire <= cap and not detail:
+                add(key, wire)
+                self.count += 1
+                continue
+            per = cap // row_wire
+            if per < 1:
+                raise InputError(
+                    f"bucket bytes {cap} are below one row of tensor {part.tensor_name!r} "
+                    f"on the wire ({row_wire} bytes, for engine rank {rank})",
+                    tensor=part.tensor_name,
+                    rank=rank,
+                )
+            for i in range(a, b, per):
+                j = min(b, i + per)
+                nbytes = (j - i) * row_wire
+                closed = add(key, nbytes)
+                self.count += 1
+                if detail:
+                    if closed:
+                        self.done.setdefault(key, []).append(self.open.pop(key))
+                    source = (j - i) * (y - x) * src.tensor.itemsize
+                    rec: list[object] = [h, [rank], part.tensor_name, (i, j), (x, y)]
+                    rec += [nbytes, source, mx]
+                    self.open.setdefault(key, []).append(rec)
+                    records.append(rec)
+        return records
 
     def _staging(self, units: Sequence[Unit], wires: Sequence[int]) -> int:
         """Peak staging of one receiver: a unit's received bytes and conversion output
@@ -475,47 +534,43 @@ class _Walk:
         the next unit's bytes arriving while it is written."""
         opts = ConvertOptions(source_quant="mxfp8" if self.on_sender else "none")
         peak = 0
+        cost: dict[tuple[int, int, str, bool, int], int] = {}
         for i, (u, w) in enumerate(zip(units, wires, strict=True)):
-            as_sent = replace(u, quantized=self.on_sender and u.layout in MX_LAYOUTS)
-            here = unit_cost(as_sent, u.rows, w, opts).pool
+            quantized = self.on_sender and u.layout in MX_LAYOUTS
+            ckey = (u.rows, u.cols, u.layout, quantized, w)
+            here = cost.get(ckey)
+            if here is None:
+                here = cost[ckey] = unit_cost(replace(u, quantized=quantized), u.rows, w, opts).pool
             peak = max(peak, here + (wires[i + 1] if i + 1 < len(wires) else 0))
         return peak
 
     # -- results ------------------------------------------------------------------------
 
-    def _sender_buckets(self) -> dict[int, list[tuple[int, int]]]:
-        """Per sender, (landing receiver, bytes) of its buckets in sending order."""
-        out: dict[int, list[tuple[int, int]]] = {}
-        for key in sorted(
-            set(self.fill) | set(self.closed), key=lambda k: (k[0], self.rnode[k[1]], k[1])
-        ):
-            sizes = [*self.closed.get(key, []), self.fill.get(key, 0)]
-            out.setdefault(key[0], []).extend((key[1], s) for s in sizes if s)
-        return out
-
     def summary(self) -> RefitSummary:
-        by_sender = self._sender_buckets()
         staging = [0] * self.manifest.world
         counts = [0] * self.manifest.world
-        for sender, buckets in by_sender.items():
-            sizes = [s for _, s in buckets]
-            counts[sender] = len(sizes)
-            staging[sender] = max((a + b for a, b in itertools.pairwise(sizes)), default=sizes[0])
-        nodes = max(self.rnode, default=-1) + 1
+        for s in range(self.manifest.world):
+            counts[s], staging[s] = self.streams.per_sender(s, self.order)
+        links: dict[tuple[int, int], int] = {}
+        for s, row in enumerate(self.to_node):
+            for node, nbytes in enumerate(row):
+                if nbytes:
+                    key = (self.manifest.node_of(s), node)
+                    links[key] = links.get(key, 0) + nbytes
         return RefitSummary(
             convert_on=self.convert_on,
             bucket_bytes=self.bucket_bytes,
             manifest_digest=self.manifest.digest(),
-            links=tuple(Link(s, r, n) for (s, r), n in sorted(self.links.items())),
+            links=tuple(Link(s, r, n) for (s, r), n in sorted(links.items())),
             needed_bytes=self.needed,
             wire_bytes=self.wire,
             mx_needed_bytes=self.mx_needed,
             mx_wire_bytes=self.mx_wire,
-            fanout_bytes=tuple(self.fanout.get(n, 0) for n in range(nodes)),
+            fanout_bytes=tuple(self.fanout),
             receiver_nodes=self.rnode,
             receiver_bytes=tuple(self.receiver_bytes),
             receiver_staging=tuple(self.receiver_staging),
-            sender_bytes=tuple(self.sender_bytes),
+            sender_bytes=tuple(sum(row) for row in self.to_node),
             sender_staging=tuple(staging),
             sender_buckets=tuple(counts),
             transfers=self.count,
@@ -526,15 +581,13 @@ class _Walk:
         for key, recs in self.open.items():
             self.done.setdefault(key, []).append(recs)
         out: list[Bucket] = []
-        index: dict[int, int] = {}
-        keys = sorted(self.done, key=lambda k: (k[0], self.rnode[k[1]], k[1]))
-        for key in keys:
-            for recs in self.done[key]:
-                i = index.get(key[0], 0)
-                index[key[0]] = i + 1
-                out.append(
-                    Bucket(key[0], key[1], i, tuple(_transfer(r, self.on_sender) for r in recs))
-                )
+        for sender in range(self.manifest.world):
+            index = 0
+            for rank in self.order:
+                for recs in self.done.get(sender * self.world + rank, []):
+                    transfers = tuple(_transfer(r, self.on_sender) for r in recs)
+                    out.append(Bucket(sender, rank, index, transfers))
+                    index += 1
         return tuple(out)
 
 
