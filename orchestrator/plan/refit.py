@@ -208,6 +208,23 @@ def refit_summary(
     return walk.summary()
 
 
+def needed_shapes(plan: Plan) -> dict[str, tuple[int, ...]]:
+    """Every tensor some rank of ``plan`` holds a part of, with the shape the config
+    predicts for it (what a trainer holding the same model holds): the input of
+    ``trainer.fsdp_manifest`` / ``megatron_manifest`` for a manifest on paper."""
+    shapes: dict[str, tuple[int, ...]] = {}
+    for rank in range(len(plan.summaries) or len(plan.ranks)):
+        for unit in plan.ranks[rank].units:
+            for part in unit.parts:
+                if not part.source_shape:
+                    raise InputError(
+                        f"the plan does not say the shape of tensor {part.tensor_name!r}",
+                        tensor=part.tensor_name,
+                    )
+                shapes.setdefault(part.tensor_name, part.source_shape)
+    return shapes
+
+
 # --- the walk -----------------------------------------------------------------------------
 
 
