@@ -59,7 +59,7 @@ from .sharing import (
     class_traffic,
     share_classes,
 )
-from .types import Plan, ReadGroup, StagingEstimate, Unit, UnitReads
+from .types import Plan, RankClass, ReadGroup, StagingEstimate, Unit, UnitReads
 
 GB = 1e9
 
@@ -300,150 +300,11 @@ def plan_times(
     remote = bool(coalescing.get("remote")) if local is None else not local
     if policy is None:
         policy = REMOTE_POLICY if remote else LOCAL_POLICY
-    max_request = MAX_REQUEST_BYTES if remote else 0
-    # Classes share their unit (and reads) objects: each object is hashed by value and
-    # sized once, then known by a small int.
-    canon: dict[Hashable, int] = {}
-    item_of: dict[int, ClassItem] = {}
-
-    whole = policy.whole_rows
-
-    def cost(unit: Unit, reads: UnitReads | None) -> tuple[int, int, int]:
-        if reads is not None:
-            fetch, requests = predicted_reads((reads,), policy, max_request)
-            return reads.nbytes, fetch, requests
-        nbytes = estimated_fetch(unit, config, whole=whole)
-        return nbytes, nbytes, estimated_requests(unit, config, remote=remote, whole=whole)
-
-    def item_for(unit: Unit, reads: UnitReads | None) -> ClassItem:
-        o: Any = reads if reads is not None else unit
-        item = item_of.get(id(o))
-        if item is None:
-            fetched = reads.fetch_key if reads is not None else share_key(unit, whole=whole)
-            key = canon.setdefault(fetched, len(canon))
-            item = item_of[id(o)] = (key, *cost(unit, reads))
-        return item
-
-    windowed: dict[int, list[bool]] = {}
-
-    def windowed_of(sample: tuple[Unit, ...]) -> list[bool]:
-        """Per unit of a config-only sample: whether it is read as whole rows."""
-        got = windowed.get(id(sample))
-        if got is None:
-            got = windowed[id(sample)] = [share_key(u, whole=whole) is not u for u in sample]
-        return got
-
-    def slice_free(sample: tuple[Unit, ...], rows: list[bool]) -> bool:
-        """Whether the whole-row keys of a group's units name nothing but tensors and
-        whole source rows: every part of a unit read as whole rows covers its source's
-        rows, and its columns too unless the key leaves them out. Then ranks that hold
-        the same experts have the same keys, whichever slice of them each holds."""
-        for u, read_whole in zip(sample, rows, strict=True):
-            if not read_whole:
-                continue
-            key = share_key(u, whole=whole)
-            assert isinstance(key, tuple)
-            for p, (_, part_rows, part_cols) in zip(u.parts, key, strict=True):
-                src = p.source_shape
-                if len(src) != 2 or part_rows != (0, src[0]):
-                    return False
-                if part_cols is not None and part_cols != (0, src[1]):
-                    return False
-        return True
-
-    # A rank's own experts read as whole rows, by (block, the sample's costs, experts
-    # held): ranks holding the same experts read the same whole rows (see slice_free),
-    # and ranks whose samples cost the same count the same bytes for them.
-    expanded: dict[tuple[Any, ...], tuple[list[ClassItem], int, int, int]] = {}
-
-    # Classes whose shareable reads are the same (a TP rank's attention on every MoE
-    # rank) are one class for sharing; what only one rank reads is counted apart.
+    items = _Items(config, policy, remote)
+    sharing = _sharing(plan, items)
+    share = share_classes(nodes, sharing.of_rank, scope, sharing.class_items)
+    traffic, requests, units = class_traffic(share, sharing.class_items, sharing.private_of_rank)
     class_of_rank = [s.rank_class for s in plan.summaries]
-    members: list[list[int]] = [[] for _ in plan.classes]
-    for rank, k in enumerate(class_of_rank):
-        members[k].append(rank)
-    sharing_class: dict[tuple[ClassItem, ...], int] = {}
-    class_items: list[tuple[ClassItem, ...]] = []
-    of_rank = [0] * world
-    private_of_rank: list[tuple[int, int, int]] = [(0, 0, 0)] * world
-
-    def sharing_class_of(items: tuple[ClassItem, ...]) -> int:
-        sc = sharing_class.get(items)
-        if sc is None:
-            sc = sharing_class[items] = len(class_items)
-            class_items.append(items)
-        return sc
-
-    for k, rank_class in enumerate(plan.classes):
-        # The class's reads in unit order: items every member reads, and groups of each
-        # member's own experts whose whole rows other ranks read too (expanded per rank).
-        segments: list[list[ClassItem] | tuple[ReadGroup, list[ClassItem], list[bool], bool]]
-        segments = [[]]
-        fetch_p = requests_p = units_p = 0
-        for g in rank_class.groups:
-            sample = [
-                item_for(u, g.reads[j] if g.reads is not None else None)
-                for j, u in enumerate(g.units)
-            ]
-            if not g.private:
-                last = segments[-1]
-                if isinstance(last, list):
-                    last.extend(sample)
-                else:
-                    segments.append(sample)
-                continue
-            rows = windowed_of(g.units)
-            if not any(rows) or g.expand is None:
-                fetch_p += sum(c[2] for c in sample) * g.repeat
-                requests_p += sum(c[3] for c in sample) * g.repeat
-                units_p += sum(1 for c in sample if c[1]) * g.repeat
-                continue
-            segments.append((g, sample, rows, slice_free(g.units, rows)))
-        if len(segments) == 1 and isinstance(segments[0], list):
-            sc = sharing_class_of(tuple(segments[0]))
-            for rank in members[k]:
-                of_rank[rank] = sc
-                private_of_rank[rank] = (fetch_p, requests_p, units_p)
-            continue
-        for rank in members[k]:
-            items: list[ClassItem] = []
-            fetch_r, requests_r, units_r = fetch_p, requests_p, units_p
-            for seg in segments:
-                if isinstance(seg, list):
-                    items.extend(seg)
-                    continue
-                # Experts whose slices are read as whole rows: the other MoE ranks of the
-                # group read the same rows, so those are items of their own (keyed by the
-                # rows); the rest of the group is still this rank's alone.
-                g, sample, rows, free = seg
-                assert g.expand is not None
-                costs = tuple(c[1:] for c in sample)
-                memo = (id(g.expand), costs, plan.summaries[rank].experts) if free else None
-                got = expanded.get(memo) if memo is not None else None
-                if got is None:
-                    seg_items: list[ClassItem] = []
-                    seg_fetch = seg_requests = seg_units = 0
-                    n = len(g.units)
-                    for j, u in enumerate(g.expand(rank)):
-                        c = sample[j % n]
-                        if rows[j % n]:
-                            key = canon.setdefault(share_key(u, whole=whole), len(canon))
-                            seg_items.append((key, c[1], c[2], c[3]))
-                        else:
-                            seg_fetch += c[2]
-                            seg_requests += c[3]
-                            seg_units += 1 if c[1] else 0
-                    got = (seg_items, seg_fetch, seg_requests, seg_units)
-                    if memo is not None:
-                        expanded[memo] = got
-                items.extend(got[0])
-                fetch_r += got[1]
-                requests_r += got[2]
-                units_r += got[3]
-            of_rank[rank] = sharing_class_of(tuple(items))
-            private_of_rank[rank] = (fetch_r, requests_r, units_r)
-    share = share_classes(nodes, of_rank, scope, class_items)
-    traffic, requests, units = class_traffic(share, class_items, private_of_rank)
     convert = [plan.classes[k].bytes_needed for k in class_of_rank]
     # A rank keeps the reads of several steps in flight where its schedule reads ahead
     # that far (an object store): its units' waits overlap that many at a time.
@@ -451,18 +312,13 @@ def plan_times(
     serial = [n / d for n, d in zip(units, depth, strict=True)]
     times = predict(traffic, convert, nodes, rates, requests, serial)
     slowest = max(range(world), key=lambda r: times[r].load_seconds, default=0)
-    by_kind: dict[str, int] = {}
-    if world:
-        for g in plan.classes[class_of_rank[slowest]].groups:
-            for j, u in enumerate(g.units):
-                item = item_for(u, g.reads[j] if g.reads is not None else None)
-                by_kind[u.kind] = by_kind.get(u.kind, 0) + item[3] * g.repeat
+    by_kind = _requests_by_kind(plan.classes[class_of_rank[slowest]], items) if world else {}
     distinct: dict[Hashable, int] = {}
-    for its in class_items:
+    for its in sharing.class_items:
         for item in its:
             distinct[item[0]] = item[2]
     # What only one rank reads (its experts), once per rank.
-    private_fetch = sum(f for f, _, _ in private_of_rank)
+    private_fetch = sum(f for f, _, _ in sharing.private_of_rank)
     return {
         "share": scope,
         "devices_per_node": devices_per_node,
@@ -488,3 +344,203 @@ def plan_times(
         "predicted_load_seconds": max((t.load_seconds for t in times), default=0.0),
         "predicted_reload_seconds": max((t.reload_seconds for t in times), default=0.0),
     }
+
+
+class _Items:
+    """What a unit's reads cost and which reads are the same, for sharing
+    (``sharing.ClassItem``: share key, bytes, fetched bytes, requests).
+
+    Classes share their unit (and reads) objects: each object is hashed by value and
+    sized once, then known by a small int."""
+
+    def __init__(self, config: ModelConfig, policy: CoalescePolicy, remote: bool) -> None:
+        self.config = config
+        self.policy = policy
+        self.remote = remote
+        self.whole = policy.whole_rows
+        self.max_request = MAX_REQUEST_BYTES if remote else 0
+        self.canon: dict[Hashable, int] = {}
+        self.item_of: dict[int, ClassItem] = {}
+        self.windowed: dict[int, list[bool]] = {}
+        # A rank's own experts read as whole rows, by (block, the sample's costs, experts
+        # held): ranks holding the same experts read the same whole rows (see
+        # slice_free), and ranks whose samples cost the same count the same bytes.
+        self.expanded: dict[tuple[Any, ...], tuple[list[ClassItem], int, int, int]] = {}
+
+    def cost(self, unit: Unit, reads: UnitReads | None) -> tuple[int, int, int]:
+        if reads is not None:
+            fetch, requests = predicted_reads((reads,), self.policy, self.max_request)
+            return reads.nbytes, fetch, requests
+        nbytes = estimated_fetch(unit, self.config, whole=self.whole)
+        requests = estimated_requests(unit, self.config, remote=self.remote, whole=self.whole)
+        return nbytes, nbytes, requests
+
+    def item(self, unit: Unit, reads: UnitReads | None) -> ClassItem:
+        o: Any = reads if reads is not None else unit
+        item = self.item_of.get(id(o))
+        if item is None:
+            fetched = reads.fetch_key if reads is not None else share_key(unit, whole=self.whole)
+            key = self.canon.setdefault(fetched, len(self.canon))
+            item = self.item_of[id(o)] = (key, *self.cost(unit, reads))
+        return item
+
+    def key(self, unit: Unit) -> int:
+        """The share key of a config-only unit read as whole rows."""
+        return self.canon.setdefault(share_key(unit, whole=self.whole), len(self.canon))
+
+    def windowed_of(self, sample: tuple[Unit, ...]) -> list[bool]:
+        """Per unit of a config-only sample: whether it is read as whole rows."""
+        got = self.windowed.get(id(sample))
+        if got is None:
+            whole = self.whole
+            got = self.windowed[id(sample)] = [share_key(u, whole=whole) is not u for u in sample]
+        return got
+
+    def slice_free(self, sample: tuple[Unit, ...], rows: list[bool]) -> bool:
+        """Whether the whole-row keys of a group's units name nothing but tensors and
+        whole source rows: every part of a unit read as whole rows covers its source's
+        rows, and its columns too unless the key leaves them out. Then ranks that hold
+        the same experts have the same keys, whichever slice of them each holds."""
+        for u, read_whole in zip(sample, rows, strict=True):
+            if not read_whole:
+                continue
+            key = share_key(u, whole=self.whole)
+            assert isinstance(key, tuple)
+            for p, (_, part_rows, part_cols) in zip(u.parts, key, strict=True):
+                src = p.source_shape
+                if len(src) != 2 or part_rows != (0, src[0]):
+                    return False
+                if part_cols is not None and part_cols != (0, src[1]):
+                    return False
+        return True
+
+
+_Segment = list[ClassItem] | tuple[ReadGroup, list[ClassItem], list[bool], bool]
+"""A class's reads in unit order: items every member reads, or a group of each member's
+own experts whose whole rows other ranks read too (expanded per rank)."""
+
+
+@dataclass(frozen=True)
+class _Sharing:
+    """Every rank's sharing class (``of_rank``), the classes' shareable items, and
+    per rank (fetched bytes, requests, units) of what it alone reads."""
+
+    of_rank: list[int]
+    class_items: list[tuple[ClassItem, ...]]
+    private_of_rank: list[tuple[int, int, int]]
+
+
+def _sharing(plan: Plan, items: _Items) -> _Sharing:
+    """Classes whose shareable reads are the same (a TP rank's attention on every MoE
+    rank) are one class for sharing; what only one rank reads is counted apart."""
+    world = len(plan.summaries)
+    members: list[list[int]] = [[] for _ in plan.classes]
+    for rank, s in enumerate(plan.summaries):
+        members[s.rank_class].append(rank)
+    sharing_class: dict[tuple[ClassItem, ...], int] = {}
+    class_items: list[tuple[ClassItem, ...]] = []
+    of_rank = [0] * world
+    private_of_rank: list[tuple[int, int, int]] = [(0, 0, 0)] * world
+
+    def sharing_class_of(its: tuple[ClassItem, ...]) -> int:
+        sc = sharing_class.get(its)
+        if sc is None:
+            sc = sharing_class[its] = len(class_items)
+            class_items.append(its)
+        return sc
+
+    for k, rank_class in enumerate(plan.classes):
+        segments, private = _segments(rank_class, items)
+        if len(segments) == 1 and isinstance(segments[0], list):
+            sc = sharing_class_of(tuple(segments[0]))
+            for rank in members[k]:
+                of_rank[rank] = sc
+                private_of_rank[rank] = private
+            continue
+        for rank in members[k]:
+            its, private_r = _rank_items(plan, rank, segments, private, items)
+            of_rank[rank] = sharing_class_of(its)
+            private_of_rank[rank] = private_r
+    return _Sharing(of_rank, class_items, private_of_rank)
+
+
+def _segments(rank_class: RankClass, items: _Items) -> tuple[list[_Segment], tuple[int, int, int]]:
+    """A class's reads in unit order, and (fetched bytes, requests, units) of the groups
+    only each member reads, none of whose rows any other rank reads."""
+    segments: list[_Segment] = [[]]
+    fetch_p = requests_p = units_p = 0
+    for g in rank_class.groups:
+        sample = [
+            items.item(u, g.reads[j] if g.reads is not None else None)
+            for j, u in enumerate(g.units)
+        ]
+        if not g.private:
+            last = segments[-1]
+            if isinstance(last, list):
+                last.extend(sample)
+            else:
+                segments.append(sample)
+            continue
+        rows = items.windowed_of(g.units)
+        if not any(rows) or g.expand is None:
+            fetch_p += sum(c[2] for c in sample) * g.repeat
+            requests_p += sum(c[3] for c in sample) * g.repeat
+            units_p += sum(1 for c in sample if c[1]) * g.repeat
+            continue
+        segments.append((g, sample, rows, items.slice_free(g.units, rows)))
+    return segments, (fetch_p, requests_p, units_p)
+
+
+def _rank_items(
+    plan: Plan,
+    rank: int,
+    segments: Sequence[_Segment],
+    private: tuple[int, int, int],
+    items: _Items,
+) -> tuple[tuple[ClassItem, ...], tuple[int, int, int]]:
+    """One member's shareable items and what it alone reads, its own experts' groups
+    expanded."""
+    out: list[ClassItem] = []
+    fetch_r, requests_r, units_r = private
+    for seg in segments:
+        if isinstance(seg, list):
+            out.extend(seg)
+            continue
+        # Experts whose slices are read as whole rows: the other MoE ranks of the
+        # group read the same rows, so those are items of their own (keyed by the
+        # rows); the rest of the group is still this rank's alone.
+        g, sample, rows, free = seg
+        assert g.expand is not None
+        costs = tuple(c[1:] for c in sample)
+        memo = (id(g.expand), costs, plan.summaries[rank].experts) if free else None
+        got = items.expanded.get(memo) if memo is not None else None
+        if got is None:
+            seg_items: list[ClassItem] = []
+            seg_fetch = seg_requests = seg_units = 0
+            n = len(g.units)
+            for j, u in enumerate(g.expand(rank)):
+                c = sample[j % n]
+                if rows[j % n]:
+                    seg_items.append((items.key(u), c[1], c[2], c[3]))
+                else:
+                    seg_fetch += c[2]
+                    seg_requests += c[3]
+                    seg_units += 1 if c[1] else 0
+            got = (seg_items, seg_fetch, seg_requests, seg_units)
+            if memo is not None:
+                items.expanded[memo] = got
+        out.extend(got[0])
+        fetch_r += got[1]
+        requests_r += got[2]
+        units_r += got[3]
+    return tuple(out), (fetch_r, requests_r, units_r)
+
+
+def _requests_by_kind(rank_class: RankClass, items: _Items) -> dict[str, int]:
+    """A class's units' requests by unit kind (a shared read counted for every user)."""
+    by_kind: dict[str, int] = {}
+    for g in rank_class.groups:
+        for j, u in enumerate(g.units):
+            item = items.item(u, g.reads[j] if g.reads is not None else None)
+            by_kind[u.kind] = by_kind.get(u.kind, 0) + item[3] * g.repeat
+    return by_kind
