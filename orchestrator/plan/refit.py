@@ -137,6 +137,11 @@ class RefitSummary:
     """Per trainer rank, peak bytes of its buckets in flight: two consecutive buckets."""
     sender_buckets: tuple[int, ...]
     """Per trainer rank, how many buckets it sends."""
+    sender_convert_bytes: tuple[int, ...]
+    """Per trainer rank, bytes (its dtype) it converts to MXFP8 (none on the receiver)."""
+    receiver_mx_bytes: tuple[int, ...]
+    """Per engine rank, bytes of its MX units as they arrive: what it converts (BF16),
+    or repacks (MXFP8, converted on the sender)."""
     transfers: int
     """Pieces sent (after splitting pieces larger than a bucket)."""
     unused_tensors: tuple[str, ...] = ()
@@ -401,6 +406,8 @@ class _Walk:
         self.fanout = [0] * self.nodes
         self.receiver_bytes = [0] * world
         self.receiver_staging = [0] * world
+        self.receiver_mx = [0] * world
+        self.sender_convert = [0] * manifest.world
         self.streams = _Streams(manifest.world, world, bucket_bytes)
         self.count = 0
         self.detail = False
@@ -424,6 +431,8 @@ class _Walk:
                     src = self._check(part, unit, rank)
                     wire = self._wire(part.nrows, part.ncols, src, mx)
                     unit_wire += wire
+                    if mx:
+                        self.receiver_mx[rank] += wire
                     key = (part.tensor_name, part.rows, part.cols)
                     got = seen.get(key)
                     if got is not None:
@@ -517,6 +526,8 @@ class _Walk:
                 row_wire = self._wire(1, width, src, mx)
             wire = (b - a) * row_wire
             to_node[h.rank][node] += wire
+            if check:
+                self.sender_convert[h.rank] += (b - a) * (y - x) * src.tensor.itemsize
             key = h.rank * world + base
             if wire <= cap and not detail:
                 add(key, wire)
@@ -590,6 +601,8 @@ class _Walk:
             sender_bytes=tuple(sum(row) for row in self.to_node),
             sender_staging=tuple(staging),
             sender_buckets=tuple(counts),
+            sender_convert_bytes=tuple(self.sender_convert),
+            receiver_mx_bytes=tuple(self.receiver_mx),
             transfers=self.count,
             unused_tensors=tuple(sorted(set(self.sources) - self.used)),
         )

@@ -53,6 +53,7 @@ from .readplan import (
     predicted_reads,
     share_key,
 )
+from .refit import RefitSummary
 from .sharing import (
     ClassItem,
     RankTraffic,
@@ -94,6 +95,42 @@ REQUEST_CONCURRENCY = 16
 
 MAX_REQUEST_BYTES = 32 << 20
 """Longest remote request ``Storage`` sends; a longer coalesced range is split."""
+
+
+GLOO_BYTES_PER_S = 2 * GB
+"""torch.distributed's gloo backend, one node's sends or receives: ~2 GB/s, as measured
+on this project's test machine (host memory over TCP)."""
+
+SHM_BYTES_PER_S = 6.7 * GB
+"""Host shared memory within a node (buffers exported once, copied by the receiver):
+6.7 GB/s, as measured on this project's test machine."""
+
+DEVICE_IPC_BYTES_PER_S = 50 * GB
+"""Device to device within a node (HCCS, NVLink; HCCL/NCCL's intra-node path), per
+node: an estimate until measured, a fraction of the links' peak."""
+
+RAY_PULL_BYTES_PER_S = 2.5 * GB
+"""A node pulling objects from other nodes' Ray object stores: an estimate until
+measured (Ray's object manager moves objects in chunks over gRPC, well under the
+NIC's rate); within a node Ray's store is shared memory."""
+
+NPU_REPACK_BYTES_PER_S = 200 * GB
+"""One NPU repacking MXFP8 that arrived already converted into its kernel layout (a
+permute over HBM, a few passes at 1.6 TB/s): an estimate until measured."""
+
+CPU_REPACK_BYTES_PER_S = 2 * GB
+"""One CPU core repacking MXFP8 (one strided copy per byte): an estimate until
+measured."""
+
+TRAINER_LINKS: dict[str, tuple[float, float]] = {
+    "hccl": (NETWORK_NODE_BYTES_PER_S, DEVICE_IPC_BYTES_PER_S),
+    "nccl": (NETWORK_NODE_BYTES_PER_S, DEVICE_IPC_BYTES_PER_S),
+    "gloo": (GLOO_BYTES_PER_S, GLOO_BYTES_PER_S),
+    "ray": (RAY_PULL_BYTES_PER_S, SHM_BYTES_PER_S),
+    "shm": (0.0, SHM_BYTES_PER_S),
+}
+"""Per link kind of a refit: (bytes/s a node sends or takes in from other nodes, bytes/s
+moved within a node). ``shm`` reaches no other node (0)."""
 
 
 @dataclass(frozen=True)
@@ -544,3 +581,132 @@ def _requests_by_kind(rank_class: RankClass, items: _Items) -> dict[str, int]:
             item = items.item(u, g.reads[j] if g.reads is not None else None)
             by_kind[u.kind] = by_kind.get(u.kind, 0) + item[3] * g.repeat
     return by_kind
+
+
+# --- refit from a trainer's memory ---------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RefitRates:
+    """A refit's rates (bytes per second): ``network`` a node's sends or receipts from
+    other nodes, ``same_node`` what moves within one node (links whose sender and
+    receiver share a node, and pieces passed on to a node's other ranks), ``convert``
+    one rank converting BF16 to MXFP8 (source bytes), ``repack`` one engine rank laying
+    out MXFP8 converted on the sender (wire bytes)."""
+
+    link: str = "hccl"
+    network: float = NETWORK_NODE_BYTES_PER_S
+    same_node: float = DEVICE_IPC_BYTES_PER_S
+    convert: float = NPU_CONVERT_BYTES_PER_S
+    repack: float = NPU_REPACK_BYTES_PER_S
+
+    def __post_init__(self) -> None:
+        for name in ("same_node", "convert", "repack"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"refit rate {name} must be > 0, got {getattr(self, name)}")
+        if not self.network >= 0:
+            raise ValueError(f"refit rate network must be >= 0, got {self.network}")
+
+    @classmethod
+    def for_link(
+        cls, link: str, *, network: float | None = None, device: str = "npu", **rates: float
+    ) -> RefitRates:
+        """The rates of link kind ``link`` (:data:`TRAINER_LINKS`), its network rate
+        replaced by ``network`` where given (not for ``shm``, which has none), and the
+        conversion rates of ``device`` unless given."""
+        if link not in TRAINER_LINKS:
+            raise ValueError(f"link {link!r} is not one of {', '.join(TRAINER_LINKS)}")
+        net, same = TRAINER_LINKS[link]
+        cpu = device == "cpu"
+        return cls(
+            link=link,
+            network=net if network is None or link == "shm" else network,
+            same_node=rates.get("same_node", same),
+            convert=rates.get(
+                "convert", CPU_CONVERT_BYTES_PER_S if cpu else NPU_CONVERT_BYTES_PER_S
+            ),
+            repack=rates.get("repack", CPU_REPACK_BYTES_PER_S if cpu else NPU_REPACK_BYTES_PER_S),
+        )
+
+
+@dataclass(frozen=True)
+class RefitTime:
+    """Predicted seconds of one refit, itemised; the stages overlap bucket by bucket."""
+
+    network_seconds: float
+    """The busiest node's sends or receipts over the network, whichever is larger."""
+    same_node_seconds: float
+    """The busiest node's bytes within itself (same-node links and pieces passed on)."""
+    sender_convert_seconds: float
+    """The slowest trainer rank converting its MX pieces (0 converting on the receiver)."""
+    receiver_seconds: float
+    """The slowest engine rank converting (or repacking) its MX units."""
+    fill_seconds: float
+    """The pipeline's fill: one bucket through the stages before the slowest one ends."""
+    seconds: float
+    """max(network, same node, sender convert, receiver) + fill."""
+    slowest_node: int
+
+
+def refit_times(summary: RefitSummary, rates: RefitRates) -> RefitTime:
+    """Predicted seconds of a refit of ``summary`` (``refit.refit_summary``).
+
+    Every link carries its bytes at once: a node's network sends and receipts each
+    share its ``network`` rate (full duplex: the larger of the two bounds it), its
+    same-node bytes share ``same_node``; senders convert and receivers convert or
+    repack while buckets flow (each stage works on another bucket), so the refit takes
+    its slowest stage plus one bucket's way through the others (docs/time-model.md,
+    "Refit")."""
+    out: dict[int, int] = {}
+    into: dict[int, int] = {}
+    within = dict(enumerate(summary.fanout_bytes))
+    for link in summary.links:
+        if link.same_node:
+            within[link.receiver_node] = within.get(link.receiver_node, 0) + link.nbytes
+        else:
+            out[link.sender_node] = out.get(link.sender_node, 0) + link.nbytes
+            into[link.receiver_node] = into.get(link.receiver_node, 0) + link.nbytes
+    if (out or into) and rates.network <= 0:
+        crossing = sum(out.values())
+        raise ValueError(
+            f"link {rates.link} moves bytes within a node only; this refit sends {crossing} "
+            "bytes between nodes"
+        )
+    nodes = sorted(set(out) | set(into) | set(within))
+    net = {
+        n: max(out.get(n, 0), into.get(n, 0)) / rates.network if rates.network else 0.0
+        for n in nodes
+    }
+    same = {n: within.get(n, 0) / rates.same_node for n in nodes}
+    slowest = max(nodes, key=lambda n: max(net[n], same[n]), default=0)
+    sender = max(summary.sender_convert_bytes, default=0) / rates.convert
+    per = rates.repack if summary.convert_on == "sender" else rates.convert
+    receiver = max(summary.receiver_mx_bytes, default=0) / per
+    stages = {
+        "network": (max(net.values(), default=0.0), rates.network),
+        "same_node": (max(same.values(), default=0.0), rates.same_node),
+        "sender": (sender, rates.convert),
+        "receiver": (receiver, per),
+    }
+    slow = max(stages, key=lambda k: stages[k][0])
+    bucket = min(summary.bucket_bytes, max(summary.sender_bytes, default=0))
+    fill = sum(bucket / rate for k, (t, rate) in stages.items() if k != slow and t > 0 and rate > 0)
+    return RefitTime(
+        network_seconds=stages["network"][0],
+        same_node_seconds=stages["same_node"][0],
+        sender_convert_seconds=sender,
+        receiver_seconds=receiver,
+        fill_seconds=fill,
+        seconds=stages[slow][0] + fill,
+        slowest_node=slowest,
+    )
+
+
+def save_seconds(node_bytes: dict[int, int], rates: Rates) -> float:
+    """A trainer writing a checkpoint and fsyncing it: each node's bytes through its
+    link to the store, the whole through the store's aggregate, as a load reads them
+    (the same rates: ``Rates.storage_node``, ``Rates.storage_aggregate``)."""
+    node = max(node_bytes.values(), default=0) / rates.storage_node if rates.storage_node else 0.0
+    total = sum(node_bytes.values())
+    agg = total / rates.storage_aggregate if rates.storage_aggregate else 0.0
+    return max(node, agg)

@@ -91,6 +91,21 @@ class TrainerManifest:
     def by_name(self) -> dict[str, TrainerTensor]:
         return {t.name: t for t in self.tensors}
 
+    def node_bytes(self) -> dict[int, int]:
+        """Bytes each trainer node holds, a tensor held whole by several ranks counted
+        at its first (what a checkpoint of the trainer writes from each node)."""
+        out: dict[int, int] = {}
+        for t in self.tensors:
+            for s in t.placement:
+                if s.dim is None:
+                    node = self.node_of(s.rank)
+                    out[node] = out.get(node, 0) + t.nbytes
+                    break
+                part = t.nbytes * (s.stop - s.start) // t.shape[s.dim]
+                node = self.node_of(s.rank)
+                out[node] = out.get(node, 0) + part
+        return out
+
     def digest(self) -> str:
         """The manifest's hash: a refit's identity is (trainer step, this)."""
         return hashlib.sha256(_canonical_json(self).encode()).hexdigest()[:16]

@@ -23,11 +23,14 @@ from mxload.orchestrator.plan.config import parse_config
 from mxload.orchestrator.plan.planner import build_plan
 from mxload.orchestrator.plan.refit import (
     MX_LAYOUTS,
+    Link,
     RefitPlan,
+    RefitSummary,
     needed_shapes,
     refit_plan,
     refit_summary,
 )
+from mxload.orchestrator.plan.timemodel import Rates, RefitRates, refit_times, save_seconds
 from mxload.orchestrator.plan.trainer import (
     TrainerManifest,
     TrainerSlice,
@@ -357,3 +360,62 @@ def test_real_models_bytes_over_links_are_what_the_nodes_need(
     # what the engine holds in BF16 (norms, embeddings, routers) stays BF16 on the wire
     assert mxfp8.wire_ratio < 0.55
     assert max(mxfp8.sender_staging) <= 2 * mxfp8.bucket_bytes
+
+
+def _summary(**over: object) -> RefitSummary:
+    base: dict[str, object] = {
+        "convert_on": "receiver",
+        "bucket_bytes": 10,
+        "manifest_digest": "x",
+        "links": (),
+        "needed_bytes": 0,
+        "wire_bytes": 0,
+        "mx_needed_bytes": 0,
+        "mx_wire_bytes": 0,
+        "fanout_bytes": (),
+        "receiver_nodes": (),
+        "receiver_bytes": (),
+        "receiver_staging": (),
+        "sender_bytes": (),
+        "sender_staging": (),
+        "sender_buckets": (),
+        "sender_convert_bytes": (),
+        "receiver_mx_bytes": (),
+        "transfers": 0,
+    }
+    base.update(over)
+    return RefitSummary(**base)  # type: ignore[arg-type]
+
+
+def test_refit_time_by_hand() -> None:
+    # node 0 sends 300 to node 1 and 100 to itself; node 1 sends 200 to node 0 and passes
+    # 50 on to a second rank: node 0 sends 300 and takes in 200 (network 300/100 = 3 s),
+    # node 1 has 50 within (0.5 s at 100); receivers convert 400 at 200/s (2 s).
+    s = _summary(
+        links=(Link(0, 0, 100), Link(0, 1, 300), Link(1, 0, 200)),
+        fanout_bytes=(0, 50),
+        sender_bytes=(400, 200),
+        receiver_mx_bytes=(400, 100),
+        sender_convert_bytes=(0, 0),
+    )
+    rates = RefitRates(link="x", network=100.0, same_node=100.0, convert=200.0, repack=1000.0)
+    t = refit_times(s, rates)
+    assert (t.network_seconds, t.receiver_seconds, t.sender_convert_seconds) == (3.0, 2.0, 0.0)
+    assert t.same_node_seconds == 1.0  # node 0: its own 100 bytes
+    # fill: one bucket (10 bytes) through the other stages: same node 0.1 + receiver 0.05
+    assert t.seconds == pytest.approx(3.0 + 0.1 + 0.05)
+    assert t.slowest_node == 0
+    # converted on the sender, the receiver repacks its MX bytes at the repack rate
+    t = refit_times(replace(s, convert_on="sender", sender_convert_bytes=(800, 0)), rates)
+    assert (t.sender_convert_seconds, t.receiver_seconds) == (4.0, 0.4)
+    assert t.seconds == pytest.approx(4.0 + 0.1 + 0.1 + 0.01)
+    with pytest.raises(ValueError, match="within a node only"):
+        refit_times(s, RefitRates.for_link("shm", device="cpu"))
+    only_here = replace(s, links=(Link(0, 0, 100),), fanout_bytes=(0, 0))
+    assert refit_times(only_here, RefitRates.for_link("shm", device="cpu")).seconds > 0
+
+
+def test_storage_save_by_hand() -> None:
+    rates = Rates(storage_node=10.0, storage_aggregate=25.0)
+    assert save_seconds({0: 100, 1: 50}, rates) == 10.0  # node 0's link
+    assert save_seconds({0: 100, 1: 100, 2: 100}, rates) == 12.0  # the aggregate
