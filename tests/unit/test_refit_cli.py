@@ -135,3 +135,23 @@ def test_refit_flags_without_a_trainer_and_links_that_cannot_carry_it(
     assert "--trainer-link shm" in err and "between nodes" in err
     err = refused(capsys, plan(config, "--from-trainer", "fsdp:2", "--bucket-size", "100B"))
     assert "below one row" in err
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("model", "layout", "most"),
+    [
+        ("qwen3-235b-a22b-fp8", ["--tp", "8", "--dp", "8", "--enable-expert-parallel"], 5.0),
+        ("qwen3.8-27b-fp8", ["--tp", "8", "--dp", "8"], 2.0),
+    ],
+)
+def test_on_paper_refits_of_real_models(
+    model: str, layout: list[str], most: float, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # docs/time-model.md "Refit": FSDP over 64 trainer ranks -> 64 engine ranks, 16 a
+    # node, hccl at the default 25 GB/s a node; a prediction, not a measured time.
+    argv = ["plan", "--model", model, *layout, "--device", "npu", "--from-trainer", "fsdp:64"]
+    assert main([*argv, "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)["refit"]
+    assert r["wire_bytes"] == r["needed_bytes"]
+    assert r["predicted_seconds"] <= most < r["storage_round_trip"]["predicted_seconds"]
