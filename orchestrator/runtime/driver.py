@@ -13,6 +13,7 @@ from typing import Any
 
 from ...workers.storage.urls import is_remote
 from ..errors import InputError, PlanDoesNotFit, StagingBudgetError, UsageError
+from ..plan.checkpoint import CheckpointMeta
 from ..plan.message import RankJob
 from ..plan.types import Plan
 from .outputs import OutputDir
@@ -31,7 +32,7 @@ from .request import (
 )
 
 
-def plan_load(req: LoadRequest) -> tuple[Any, Plan]:
+def plan_load(req: LoadRequest) -> tuple[CheckpointMeta, Plan]:
     """Read config and headers, build and check the plan. Pure apart from the reads."""
     if req.address:
         # First: a dead --address is refused in seconds, before the slow imports.
@@ -111,7 +112,7 @@ def load(
 
 def first_load(
     run: RayRun,
-    meta: Any,
+    meta: CheckpointMeta,
     *,
     on_progress: Callable[[list[tuple[int, int, int]]], None] | None = None,
 ) -> dict[str, Any]:

@@ -28,6 +28,8 @@ from ..errors import (
     ReloadMismatch,
     StagingBudgetError,
 )
+from ..plan.checkpoint import CheckpointMeta
+from ..plan.config import ModelConfig
 from ..plan.message import RankJob, SourceInfo
 from ..plan.types import Plan, Unit, UnitReads
 from .request import (
@@ -121,7 +123,7 @@ def reload_units(held: Plan, new: Plan, rank: int) -> list[Unit]:
 
 
 def reload_budgets(
-    held: Plan, new: Plan, config: Any, staging_budget: int | None, fused: bool
+    held: Plan, new: Plan, config: ModelConfig, staging_budget: int | None, fused: bool
 ) -> list[int]:
     """Staging budget of every rank for a reload: the given one, else the largest whole
     unit of any rank as the reload will convert it (held layouts, new source)."""
@@ -147,7 +149,7 @@ def reload_budgets(
 
 def plan_reload(
     held: Plan, src: str, storage_options: Mapping[str, Any] | None, *, fused: bool
-) -> tuple[Any, Plan]:
+) -> tuple[CheckpointMeta, Plan]:
     """Open ``src`` and plan it for the held layout; ReloadMismatch (nothing touched)
     listing every difference from what the ranks hold. Returns (checkpoint, plan)."""
     from ..plan.planner import build_plan

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ...workers.storage.urls import absolute
+from ..plan.checkpoint import CheckpointMeta
 from ..plan.message import SourceInfo
 from ..plan.sharing import DEFAULT_SHARE
 from ..plan.types import ParallelLayout, Plan, RankPlan
@@ -75,7 +76,10 @@ def staging_budget_of(plan: Plan, rank: RankPlan) -> int:
 
 
 def source_info(
-    meta: Any, allow_nonfinite: bool, src: str, storage_options: Mapping[str, Any] | None
+    meta: CheckpointMeta,
+    allow_nonfinite: bool,
+    src: str,
+    storage_options: Mapping[str, Any] | None,
 ) -> SourceInfo:
     """The checkpoint ``meta`` (opened from ``src``) as the rank loaders read it."""
     q = meta.config.quant

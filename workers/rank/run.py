@@ -6,7 +6,8 @@ Each step is read (:mod:`.reads`), converted (:mod:`.convert`) and written
 (``StepPlan.ahead_to``: the next one, or from an object store up to
 ``ConvertOptions.read_ahead`` of them, kept in flight by one :class:`.reads.InFlight` of
 that depth) are issued before the current one converts (reads overlap conversion and
-each other, docs/contract.md §4 "Streaming"). A unit records the run's identity once its step is written whole (:mod:`.identities`).
+each other, docs/contract.md §4 "Streaming"). A unit records the run's identity once its
+step is written whole (:mod:`.identities`).
 """
 
 from __future__ import annotations
