@@ -175,6 +175,48 @@ class RefitPlan:
         return tuple(b for b in self.buckets if b.sender == sender)
 
 
+@dataclass(frozen=True)
+class Placement:
+    """Where a piece lands in one of a rank's units: rows ``rows`` and cols ``cols`` of
+    unit ``unit`` (source orientation ``[N, K]``, rows from the unit's first) take rows
+    ``piece_rows`` and cols ``piece_cols`` of the piece (counted from its own first)."""
+
+    unit: int
+    part: int
+    rows: tuple[int, int]
+    cols: tuple[int, int]
+    piece_rows: tuple[int, int]
+    piece_cols: tuple[int, int]
+
+
+def placements(units: Sequence[Unit], transfer: Transfer) -> tuple[Placement, ...]:
+    """Every place among ``units`` (one engine rank's, in plan order) that ``transfer``'s
+    piece fills: each part of that tensor whose rectangle meets the piece's."""
+    out = []
+    for i, unit in enumerate(units):
+        for j, part in enumerate(unit.parts):
+            if part.tensor_name != transfer.tensor:
+                continue
+            a = max(part.rows[0], transfer.rows[0])
+            b = min(part.rows[1], transfer.rows[1])
+            x = max(part.cols[0], transfer.cols[0])
+            y = min(part.cols[1], transfer.cols[1])
+            if a >= b or x >= y:
+                continue
+            dst = part.dst_row - part.rows[0]
+            out.append(
+                Placement(
+                    unit=i,
+                    part=j,
+                    rows=(dst + a, dst + b),
+                    cols=(x - part.cols[0], y - part.cols[0]),
+                    piece_rows=(a - transfer.rows[0], b - transfer.rows[0]),
+                    piece_cols=(x - transfer.cols[0], y - transfer.cols[0]),
+                )
+            )
+    return tuple(out)
+
+
 def refit_plan(
     plan: Plan,
     manifest: TrainerManifest,
