@@ -459,8 +459,11 @@ class _Walk:
 
     def run(self, *, detail: bool) -> None:
         self.detail = detail
-        # Pieces already on a node: (tensor, rows, cols) -> their records (detail).
-        on_node: dict[int, dict[tuple[str, tuple[int, int], tuple[int, int]], list[object]]] = {}
+        # Pieces already on a node: (tensor, rows, cols) -> the ranks needing them and
+        # their records (detail).
+        on_node: dict[
+            int, dict[tuple[str, tuple[int, int], tuple[int, int]], tuple[set[int], list[object]]]
+        ] = {}
         for rank in self.order:
             node = self.rnode[rank]
             seen = on_node.setdefault(node, {})
@@ -478,10 +481,13 @@ class _Walk:
                     key = (part.tensor_name, part.rows, part.cols)
                     got = seen.get(key)
                     if got is not None:
-                        self.fanout[node] += wire
-                        for rec in got:
-                            assert isinstance(rec, list)
-                            rec[1].append(rank)
+                        ranks, recs = got
+                        if rank not in ranks:  # (a tied embedding: twice on one rank)
+                            ranks.add(rank)
+                            self.fanout[node] += wire
+                            for rec in recs:
+                                assert isinstance(rec, list)
+                                rec[1].append(rank)
                         continue
                     # The slices cover each tensor once (the manifest is checked so):
                     # the pieces of a part add up to it.
@@ -492,7 +498,7 @@ class _Walk:
                         self.mx_needed += source
                         self.mx_wire += wire
                     self.receiver_bytes[rank] += wire
-                    seen[key] = self._cut(part, src, mx, rank, node)
+                    seen[key] = ({rank}, self._cut(part, src, mx, rank, node))
                 wires.append(unit_wire)
             self.receiver_staging[rank] = self._staging(units, wires)
 
