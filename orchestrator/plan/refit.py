@@ -548,7 +548,6 @@ class _Walk:
         add = self.streams.add
         to_node = self.to_node
         detail = self.detail
-        base = rank
         world = self.world
         width = row_wire = 0
         for h in held:
@@ -576,7 +575,7 @@ class _Walk:
             to_node[h.rank][node] += wire
             if check:
                 self.sender_convert[h.rank] += (b - a) * (y - x) * src.tensor.itemsize
-            key = h.rank * world + base
+            key = h.rank * world + rank
             if wire <= cap and not detail:
                 add(key, wire)
                 self.count += 1
