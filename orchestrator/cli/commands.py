@@ -152,7 +152,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from ..plan.planner import plan_to_json
 
     layout = flags.layout(args)
-    if not args.from_trainer:
+    if args.from_trainer is None:
         from .refit import refuse_refit_flags
 
         refuse_refit_flags(args)
@@ -172,7 +172,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     add_times(obj, plan, config, args, meta)
     per_node = max(1, args.devices_per_node)
     human = show.render_plan_table(obj, per_node, args.defaults_used)
-    if args.from_trainer:
+    if args.from_trainer is not None:
         from .refit import add_refit
 
         human += "\n" + add_refit(obj, plan, config, args)

@@ -19,7 +19,6 @@ REFIT_FLAGS = ("trainer_link", "convert_on", "bucket_size")
 MANIFEST_MAX_BYTES = 1 << 30
 """Largest trainer manifest file read (a 1T-parameter model over 1024 ranks is ~300 MB)."""
 DEFAULT_LINK = "hccl"
-DEFAULT_BUCKET = "256MiB"
 
 
 def refuse_refit_flags(args: argparse.Namespace) -> None:
@@ -73,10 +72,18 @@ def add_refit(obj: dict[str, Any], plan: Any, config: Any, args: argparse.Namesp
     from ..plan.timemodel import RefitRates, plan_times, refit_times, save_seconds
 
     source = args.from_trainer
+    if not source:
+        raise UsageError(
+            "--from-trainer: an empty value; give a manifest file, fsdp:N or megatron:N",
+            key="--from-trainer",
+        )
+    bucket = flags.size(args, "bucket_size")
+    if bucket is not None and bucket < 1:
+        raise UsageError(f"--bucket-size must be > 0, got {bucket}", key="--bucket-size")
+    bucket = bucket or DEFAULT_BUCKET_BYTES
     per_node = args.devices_per_node
     manifest = trainer_manifest(source, plan, per_node)
     link = args.trainer_link or DEFAULT_LINK
-    bucket = flags.size(args, "bucket_size") or DEFAULT_BUCKET_BYTES
     convert_on = args.convert_on or "receiver"
     try:
         summary = refit_summary(

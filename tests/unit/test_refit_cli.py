@@ -135,6 +135,9 @@ def test_refit_flags_without_a_trainer_and_links_that_cannot_carry_it(
     assert "--trainer-link shm" in err and "between nodes" in err
     err = refused(capsys, plan(config, "--from-trainer", "fsdp:2", "--bucket-size", "100B"))
     assert "below one row" in err
+    err = refused(capsys, plan(config, "--from-trainer", "fsdp:2", "--bucket-size", "0B"))
+    assert "--bucket-size" in err
+    assert "--from-trainer" in refused(capsys, plan(config, "--from-trainer", ""))
 
 
 @pytest.mark.slow
