@@ -57,6 +57,7 @@ from .driver import first_load, plan_load
 from .heads import check_recorded_head, connect_session, recorded_head, watching_head
 from .keeper import SessionKeeper, session_lease, store
 from .outputs import OutputDir, check_not_input
+from .placement import forget_rank_plans
 from .ray_run import RayRun
 from .records import (
     NAMESPACE,
@@ -186,6 +187,7 @@ def detached_load(
             ray.kill(a)
         if run.pg is not None:
             ray.util.remove_placement_group(run.pg)
+        forget_rank_plans(session)
         raise
     manifest["session"] = session
     manifest["address"] = req.address
@@ -499,6 +501,7 @@ def detached_release(
             killed += 1
         except ValueError:
             pass
+    forget_rank_plans(session)
     try:
         pg = ray.util.get_placement_group(f"{session}/pg")
         ray.util.remove_placement_group(pg)
