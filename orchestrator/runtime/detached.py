@@ -5,12 +5,16 @@
 name (``--session``, default ``default``):
 
 * ``<session>/rank-NNNNN`` — one named, ``lifetime="detached"`` worker actor per rank,
-  holding its buffers;
+  holding its buffers, started with the key of its rank plan in the GCS;
 * ``<session>/pg`` — the placement group pinning them;
 * ``<session>/keeper`` — a small detached actor holding the session's
   :class:`~mxload.orchestrator.runtime.state.SessionState` (the plan, the request, the
   current version and source, every buffer's address as first loaded: the addresses a
-  captured graph points at) and the lease that serialises reloads.
+  captured graph points at) and the lease that serialises reloads, started with the key
+  of its record in the GCS (:mod:`.keeper`): so Ray can restart either after this
+  command exits, at any model size;
+* ``$MXLOAD_HOME/sessions/<session>.options`` — the caller's storage options
+  (credentials), which never enter the cluster (docs/contract.md §4 "Reads").
 
 On the embedded default, ``load --detach`` first starts a local Ray head as its own
 background process and records its address under ``$MXLOAD_HOME``
