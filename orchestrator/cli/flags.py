@@ -133,6 +133,21 @@ FLAGS: tuple[Flag, ...] = (
         "vision tower, data holds it whole on every TP rank",
         kwargs={"choices": ["weights", "data"]},
     ),
+    Flag(
+        ("--all2all-backend",),
+        LAYOUT,
+        "the engine's vLLM --all2all-backend (default: the engine profile's: vLLM's "
+        "allgather_reducescatter, vllm-ascend's flashinfer_all2allv); under a sequence-"
+        "parallel backend with EP, tp > 1 and dp > 1 vLLM holds the shared experts whole",
+        kwargs={"metavar": "NAME"},
+    ),
+    Flag(
+        ("--enable-shared-expert-dp",),
+        LAYOUT,
+        "the engine holds the shared experts whole on every TP rank by its own switch "
+        "(vllm-ascend's enable_shared_expert_dp; 0.23 also flashcomm1)",
+        kwargs={"action": "store_true"},
+    ),
     # engine
     Flag(
         ("--engine",),
@@ -769,6 +784,8 @@ def layout(args: argparse.Namespace) -> ParallelLayout:
         language_model_only=args.language_model_only,
         speculative_method=speculative_method(args.speculative_config),
         mm_encoder_tp_mode=args.mm_encoder_tp_mode or "weights",
+        all2all_backend=args.all2all_backend or "",
+        shared_expert_dp=args.enable_shared_expert_dp,
     )
 
 

@@ -374,6 +374,17 @@ _DEVICE_NOTES = {
 """What ``plan``'s first line adds after the device it was planned for."""
 
 
+def moe_mode_lines(mode: dict[str, Any] | None) -> list[str]:
+    """The MoE mode a plan assumed (none for a dense model)."""
+    if not mode:
+        return []
+    return [
+        f"MoE mode ({mode['engine']}): all2all backend {mode['all2all_backend']}, "
+        f"sequence-parallel MoE {'on' if mode['sequence_parallel_moe'] else 'off'}; shared "
+        f"experts {mode['shared_experts']} ({mode['why']})"
+    ]
+
+
 def render_plan_table(
     obj: dict[str, Any], devices_per_node: int = 16, defaults_used: Sequence[str] = ()
 ) -> str:
@@ -384,6 +395,7 @@ def render_plan_table(
         f"model: {obj['model'].get('architecture')}, planned for device {device}"
         + _DEVICE_NOTES.get(device, ""),
         *layout_header(obj["parallel"], defaults_used, obj.get("model")),
+        *moe_mode_lines(obj.get("moe_mode")),
         *_plan_rows(obj),
         *_time_model_lines(obj.get("time_model")),
         "minimum staging budget: load "

@@ -20,7 +20,7 @@ before the kernel transpose of docs/contract.md §2.3. 1-D tensors (norms, biase
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -348,6 +348,12 @@ class ParallelLayout:
     mm_encoder_tp_mode: Literal["weights", "data"] = "weights"
     """vLLM's ``--mm-encoder-tp-mode``: ``weights`` TP-shards the vision tower, ``data``
     holds it whole on every TP rank."""
+    all2all_backend: str = ""
+    """vLLM's ``--all2all-backend`` as the engine runs it; ``""``: the engine profile's
+    (``EngineProfile.moe``). Under sequence-parallel MoE vLLM holds shared experts whole."""
+    shared_expert_dp: bool = False
+    """The engine's own switch that holds the shared experts whole on every TP rank is on
+    (vllm-ascend's ``enable_shared_expert_dp``; ``MoEMode.shared_dp_setting``)."""
 
     @property
     def world(self) -> int:
@@ -369,6 +375,10 @@ class ParallelLayout:
             out["speculative_config"] = {"method": self.speculative_method}
         if self.mm_encoder_tp_mode != "weights":
             out["mm_encoder_tp_mode"] = self.mm_encoder_tp_mode
+        if self.all2all_backend:
+            out["all2all_backend"] = self.all2all_backend
+        if self.shared_expert_dp:
+            out["shared_expert_dp"] = True
         return out
 
 
@@ -392,6 +402,9 @@ class Plan:
     extra: dict[str, Any] = field(default_factory=dict)
     engine: str = "mxload"
     """Engine profile the buffers are laid out for (``mxload.orchestrator.plan.engines``)."""
+    moe_mode: Mapping[str, Any] = field(default_factory=dict)
+    """The engine's MoE mode the plan assumed (``ResolvedMoE.to_json``); empty for a
+    dense model."""
     summaries: tuple[RankSummary, ...] = ()
     classes: tuple[RankClass, ...] = ()
 

@@ -75,6 +75,7 @@ from ...workers.safetensors_io import SafetensorsWriter, data_order
 from ...workers.storage import ALLOW_OUTSIDE_LINKS, Storage
 from ..errors import UnsupportedError, UsageError
 from ..plan.checkpoint import CheckpointMeta
+from ..plan.engines import EngineProfile
 from ..plan.formats import (
     ASCEND_DESCRIPTION_FILE,
     ASCEND_MXFP8,
@@ -189,7 +190,12 @@ def convert_checkpoint(
         )
     check_checkpoint(meta)  # the planner's checks: what plan/load refuse, convert refuses
     storage = Storage(src, storage_options)
-    specs, jobs, excluded, weight_map = _plan(meta)
+    # The ascend format is vllm-ascend's description: its MLA needs the dense linears of an
+    # Ascend profile whatever --engine names.
+    from ..plan.engines import VLLM_ASCEND_0_23
+
+    dense_engine = VLLM_ASCEND_0_23 if fmt == "ascend" and not profile.dense_linears else profile
+    specs, jobs, excluded, weight_map = _plan(meta, dense_engine)
     excluded = [*excluded, *profile.model_dtype_modules]
     n_threads = threads or kernels.cpu_share()
     use_fast = numerics == "fast" or (numerics == "auto" and kernels.available())
@@ -336,8 +342,11 @@ def _write(
 Specs = dict[str, list[tuple[str, str, tuple[int, ...]]]]
 
 
-def _plan(meta: CheckpointMeta) -> tuple[Specs, list[_Job], list[str], dict[str, str]]:
-    """Output tensors per shard, and the jobs that make them in each shard's data order."""
+def _plan(
+    meta: CheckpointMeta, engine: EngineProfile
+) -> tuple[Specs, list[_Job], list[str], dict[str, str]]:
+    """Output tensors per shard, and the jobs that make them in each shard's data order;
+    the linears ``engine`` holds in the model dtype are written resolved."""
     cfg = meta.config
     quant = cfg.quant.kind
     model_st = MODEL_DTYPES[cfg.model_dtype]
@@ -354,7 +363,7 @@ def _plan(meta: CheckpointMeta) -> tuple[Specs, list[_Job], list[str], dict[str,
                     fallback.add(name[: -len(".weight")])
         # Linears the engine needs unquantized (DeepSeek's kv_b_proj: MLA absorbs it), also
         # in layers past the decoder's (DeepSeek's MTP layer: the same MLA, not planned).
-        dense = dense_linear_modules(cfg)
+        dense = dense_linear_modules(cfg, engine)
         fallback.update(dense)
         kept = {m.split(".", 3)[3] for m in dense if m.startswith("model.layers.")}
         for name in meta.tensors:
