@@ -505,6 +505,20 @@ def _speculative_method(vllm_config: Any) -> Literal["", "mtp"]:
     return "mtp" if getattr(spec, "method", None) == "mtp" else ""
 
 
+def _shared_expert_dp() -> bool:
+    """vllm-ascend's own switch that holds the shared experts whole on every TP rank, as
+    the engine resolved it (``vllm_ascend.utils.shared_expert_dp_enabled``: 0.23 also
+    counts flashcomm1 and SP by pass); False without vllm-ascend."""
+    try:
+        from vllm_ascend.utils import (  # type: ignore[import-not-found]
+            shared_expert_dp_enabled,
+        )
+
+        return bool(shared_expert_dp_enabled())
+    except Exception:  # not vllm-ascend, or its config is not initialised
+        return False
+
+
 def drafter_model(model_runner: Any) -> torch.nn.Module | None:
     """The speculative drafter's model (vLLM's ``model_runner.drafter.model``: on the last
     pipeline stage only), or None."""
@@ -533,6 +547,9 @@ def vllm_facts(vllm_config: Any, engine: str | None = None) -> EngineFacts:
         language_model_only=_language_model_only(vllm_config),
         speculative_method=_speculative_method(vllm_config),
         mm_encoder_tp_mode=_mm_encoder_tp_mode(vllm_config),
+        # the backend the engine runs with (vllm-ascend replaces vLLM's default at config)
+        all2all_backend=str(getattr(pc, "all2all_backend", "") or ""),
+        shared_expert_dp=_shared_expert_dp(),
     )
     return EngineFacts(
         layout=layout,

@@ -41,8 +41,9 @@ What is not vLLM's, each named:
 
 Settings, each as vLLM or vllm-ascend would have them: the architectures (and drafters) are
 registered with ``ModelRegistry.register_model`` as classes (its lazy entries would
-inspect them in a subprocess); ``all2all_backend`` is :data:`ALL2ALL`, what vllm-ascend
-0.23 sets; prefix caching off, as ``CpuPlatform`` would turn it for linear attention; the
+inspect them in a subprocess); ``all2all_backend`` is the rank's
+(``RankOf.all2all_backend``: vLLM's own default when empty, :data:`ALL2ALL` where the test
+stands for vllm-ascend, which sets it); prefix caching off, as ``CpuPlatform`` would turn it for linear attention; the
 cache vLLM keeps of each model's pipeline-missing layers, keyed by ``id(model)``, is
 emptied before each build (vLLM runs one model per process; here a freed model's id
 comes back).
@@ -174,6 +175,9 @@ class RankOf:
     language_model_only: bool = False
     mm_encoder_tp_mode: str = "weights"
     speculative_method: str = ""
+    all2all_backend: str = ""
+    """vLLM's ``all2all_backend``; empty: vLLM's own default (which runs sequence-parallel
+    MoE under EP with tp > 1 and dp > 1, shared experts whole on every TP rank)."""
 
 
 class Models:
@@ -240,17 +244,18 @@ class Models:
             language_model_only=at.language_model_only,
             mm_encoder_tp_mode=at.mm_encoder_tp_mode,
         )
+        # vllm-ascend 0.23's NPUPlatform.check_and_update_config sets ALL2ALL
+        # (platform.py:659-662) to turn vLLM's sequence-parallel MoE off; vLLM's default
+        # (allgather_reducescatter) replicates the shared experts (disable_tp) when tp > 1,
+        # dp > 1 and expert parallel
+        backend = {"all2all_backend": at.all2all_backend} if at.all2all_backend else {}
         parallel_config = c.parallel(
             tensor_parallel_size=at.tp,
             pipeline_parallel_size=at.pp,
             data_parallel_size=at.dp,
             data_parallel_rank=at.dp_rank,
             enable_expert_parallel=at.expert_parallel,
-            # what vllm-ascend 0.23's NPUPlatform.check_and_update_config sets
-            # (platform.py:659-662) to turn vLLM's sequence-parallel MoE off; vLLM's
-            # default (allgather_reducescatter) replicates the shared experts
-            # (disable_tp) when tp > 1, dp > 1 and expert parallel
-            all2all_backend=ALL2ALL,
+            **backend,
         )
         speculative = None
         if at.speculative_method:
