@@ -148,6 +148,14 @@ FLAGS: tuple[Flag, ...] = (
         "(vllm-ascend's enable_shared_expert_dp; 0.23 also flashcomm1)",
         kwargs={"action": "store_true"},
     ),
+    Flag(
+        ("--scale-alg",),
+        ("plan", "load", "convert"),
+        "the MX scale rule (npu_dynamic_mx_quant's scale_alg): 0 OCP (floor of the group's "
+        "exponent), 1 from amax / 448 rounded up; default: the engine's choice for the model "
+        "(vllm-ascend 0.27+: 1 for MiniMax M3, else 0)",
+        kwargs={"type": int, "choices": [0, 1]},
+    ),
     # engine
     Flag(
         ("--engine",),
@@ -786,6 +794,7 @@ def layout(args: argparse.Namespace) -> ParallelLayout:
         mm_encoder_tp_mode=args.mm_encoder_tp_mode or "weights",
         all2all_backend=args.all2all_backend or "",
         shared_expert_dp=args.enable_shared_expert_dp,
+        scale_alg=args.scale_alg,
     )
 
 

@@ -519,6 +519,21 @@ def _shared_expert_dp() -> bool:
         return False
 
 
+def _engine_scale_alg(vllm_config: Any) -> int | None:
+    """The MX scale rule vllm-ascend quantizes this model's activations with
+    (``vllm_ascend.quantization.utils.get_dynamic_mx_quant_scale_alg``, 0.27+: 1 for
+    MiniMax M3 where the hardware has it); None where there is no such choice (the
+    profile's rule then)."""
+    try:
+        from vllm_ascend.quantization.utils import (  # type: ignore[import-not-found]
+            get_dynamic_mx_quant_scale_alg,
+        )
+
+        return int(get_dynamic_mx_quant_scale_alg(vllm_config))
+    except Exception:  # not vllm-ascend, a release without the rule, or no hardware profile
+        return None
+
+
 def drafter_model(model_runner: Any) -> torch.nn.Module | None:
     """The speculative drafter's model (vLLM's ``model_runner.drafter.model``: on the last
     pipeline stage only), or None."""
@@ -550,6 +565,7 @@ def vllm_facts(vllm_config: Any, engine: str | None = None) -> EngineFacts:
         # the backend the engine runs with (vllm-ascend replaces vLLM's default at config)
         all2all_backend=str(getattr(pc, "all2all_backend", "") or ""),
         shared_expert_dp=_shared_expert_dp(),
+        scale_alg=_engine_scale_alg(vllm_config),
     )
     return EngineFacts(
         layout=layout,

@@ -205,6 +205,9 @@ class EngineProfile:
     ``lm_head`` (a ModelOpt config quantizes ParallelLMHead unless excluded)."""
     moe: MoEMode = MoEMode(VLLM_DEFAULT_ALL2ALL, VLLM_SP_BACKENDS, True)
     """How the engine runs its MoE layers (the shared experts' sharding follows)."""
+    scale_alg_models: tuple[str, ...] = ()
+    """Architecture name prefixes the engine MX-quantizes with ``scale_alg=1`` (the E8M0
+    scale from ``amax / 448``, rounded up; docs/contract.md §2.2); every other model: 0."""
     dense_linears: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     """Per architecture: layer-rule names of linears the engine holds in the model dtype
     even from a quantized checkpoint (vllm-ascend's MLA: ``self_attn.kv_b_proj``)."""
@@ -414,7 +417,14 @@ VLLM_ASCEND_MAIN = EngineProfile(
     drafter_own=_ASCEND_DRAFTER_OWN,
     moe=_ASCEND_MAIN_MOE,
     dense_linears=_ASCEND_DENSE_LINEARS,
+    scale_alg_models=("MiniMaxM3",),
     sources=(
+        SourceRef(
+            "npu_dynamic_mx_quant scale_alg 1 for architectures MiniMaxM3* (or model_type "
+            "minimax_m3) where the hardware has it, else 0; 0.23 always 0",
+            "vllm-ascend 0.27.1rc1 vllm_ascend/quantization/utils.py:46-; 0.30.0rc2 "
+            "quantization/utils.py:47-80, methods/w8a8/w8a8_mxfp8.py:72,96, fp8_block.py:108-120",
+        ),
         SourceRef(
             "MoE mode: flashinfer_all2allv unless SP MoE is asked for; shared experts whole "
             "only under enable_shared_expert_dp (sequence parallelism alone does not)",
@@ -574,6 +584,21 @@ def resolve_moe(profile: EngineProfile, layout: ParallelLayout) -> ResolvedMoE:
             "TP-split: no sequence-parallel MoE (needs an SP backend, EP, tp > 1, dp > 1)",
         )
     return ResolvedMoE(profile.name, backend, sp, whole, why)
+
+
+def scale_alg_for(profile: EngineProfile, architecture: str, asked: int | None = None) -> int:
+    """The MX scale rule for ``architecture`` under ``profile``: ``asked`` when given (a
+    trainer's own rule, ``--scale-alg``), else the engine's choice for the model."""
+    if asked is not None:
+        from .formats import SCALE_ALGS
+
+        if asked not in SCALE_ALGS:
+            raise UsageError(
+                f"--scale-alg {asked!r} is not one of {', '.join(map(str, SCALE_ALGS))}",
+                key="--scale-alg",
+            )
+        return asked
+    return 1 if architecture.startswith(profile.scale_alg_models or ("\0",)) else 0
 
 
 def check_expert_placement(profile: EngineProfile, placement: str, uses_ep: bool) -> None:

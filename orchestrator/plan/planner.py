@@ -85,6 +85,7 @@ from .engines import (
     engine_profile,
     held_as,
     resolve_moe,
+    scale_alg_for,
 )
 from .formats import (
     LAYOUT_DENSE,
@@ -232,6 +233,7 @@ class _Planner:
     ) -> None:
         self.engine = engine_profile(engine)
         self.moe_mode = resolve_moe(self.engine, layout)
+        self.scale_alg = scale_alg_for(self.engine, config.architecture, layout.scale_alg)
         validate_layout(config, layout, self.moe_mode.shared_experts_whole)
         self.config = config
         self.layout = layout
@@ -793,11 +795,15 @@ class _LazyRanks(Sequence[RankPlan]):
         if units is None:
             with _gc_paused():
                 units = self._units[key] = _flatten(planner.blocks(c))[1]
-        return _rank_plan(s, self._classes[s.rank_class], units, None)
+        return _rank_plan(s, self._classes[s.rank_class], units, None, planner.scale_alg)
 
 
 def _rank_plan(
-    s: RankSummary, k: RankClass, units: tuple[Unit, ...], reads: tuple[UnitReads, ...] | None
+    s: RankSummary,
+    k: RankClass,
+    units: tuple[Unit, ...],
+    reads: tuple[UnitReads, ...] | None,
+    scale_alg: int,
 ) -> RankPlan:
     return RankPlan(
         rank=s.rank,
@@ -813,6 +819,7 @@ def _rank_plan(
         bytes_to_read=k.bytes_to_read,
         reads=reads,
         staging=k.staging,
+        scale_alg=scale_alg,
     )
 
 
@@ -1197,6 +1204,7 @@ def _build_plan(
                 all_classes[s.rank_class],
                 staged[s.rank_class].units or (),
                 staged[s.rank_class].reads,
+                planner.scale_alg,
             )
             for s in all_summaries
         )
@@ -1221,6 +1229,7 @@ def _build_plan(
         },
         engine=planner.engine.name,
         moe_mode=planner.moe_mode.to_json() if config.is_moe else {},
+        scale_alg=planner.scale_alg,
         summaries=all_summaries,
         classes=all_classes,
     )
@@ -1269,6 +1278,7 @@ def plan_to_json(plan: Plan) -> dict[str, Any]:
         "parallel": plan.layout.to_json(),
         "engine": plan.engine,
         **({"moe_mode": dict(plan.moe_mode)} if plan.moe_mode else {}),
+        "scale_alg": plan.scale_alg,
         "ranks": ranks,
         "min_staging_bytes": {"load": plan.min_staging_load, "reload": plan.min_staging_reload},
         "device_memory_bytes": plan.device_memory_bytes,

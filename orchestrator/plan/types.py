@@ -256,6 +256,8 @@ class RankPlan:
     reads: tuple[UnitReads, ...] | None = None
     """Byte ranges per unit, same order as ``units``; None for a config-only plan."""
     staging: StagingEstimate | None = None
+    scale_alg: int = 0
+    """The MX scale rule the rank quantizes with (docs/contract.md §2.2)."""
 
     @property
     def persistent_bytes(self) -> int:
@@ -354,6 +356,9 @@ class ParallelLayout:
     shared_expert_dp: bool = False
     """The engine's own switch that holds the shared experts whole on every TP rank is on
     (vllm-ascend's ``enable_shared_expert_dp``; ``MoEMode.shared_dp_setting``)."""
+    scale_alg: int | None = None
+    """The MX scale rule (docs/contract.md §2.2: 0 OCP, 1 from the E4M3 maximum, rounded
+    up); ``None``: the engine profile's choice for the model (``engines.scale_alg_for``)."""
 
     @property
     def world(self) -> int:
@@ -379,6 +384,8 @@ class ParallelLayout:
             out["all2all_backend"] = self.all2all_backend
         if self.shared_expert_dp:
             out["shared_expert_dp"] = True
+        if self.scale_alg is not None:
+            out["scale_alg"] = self.scale_alg
         return out
 
 
@@ -402,6 +409,8 @@ class Plan:
     extra: dict[str, Any] = field(default_factory=dict)
     engine: str = "mxload"
     """Engine profile the buffers are laid out for (``mxload.orchestrator.plan.engines``)."""
+    scale_alg: int = 0
+    """The MX scale rule every rank quantizes with (docs/contract.md §2.2)."""
     moe_mode: Mapping[str, Any] = field(default_factory=dict)
     """The engine's MoE mode the plan assumed (``ResolvedMoE.to_json``); empty for a
     dense model."""
