@@ -296,6 +296,44 @@ class Models:
         assert set(params) <= set(loaded), set(params) - set(loaded)
         return model
 
+    def meta_parameters(self, folder: str, at: RankOf) -> dict[str, tuple[tuple[int, ...], str]]:
+        """One rank's parameters at full size, names -> (shape, dtype name), without their
+        bytes: the class ``folder/config.json`` names, built by vLLM under its own
+        ``VllmConfig`` on the meta device (no weights loaded). Stood in for: the expert map's
+        logging string (``get_compressed_map_string`` reads the map's values, which meta
+        tensors do not have), and torch's ``meta_nonzero_assume_all_nonzero`` is on for the
+        build (the map's ``torch.where`` on meta), both undone after."""
+        import torch.fx.experimental._config as fx_config
+        from vllm.model_executor.layers.fused_moe import expert_map_manager
+
+        vllm_config = self._vllm_config(folder, at)
+        model_config = vllm_config.model_config
+        arch = model_config.architectures[0]
+        cls = getattr(sys.modules[f"vllm.model_executor.models.{_ARCHS[arch]}"], arch)
+        self.model_utils._model_to_pp_missing_layer_names.clear()
+        patched = [
+            obj
+            for obj in vars(expert_map_manager).values()
+            if isinstance(obj, type) and "get_compressed_map_string" in vars(obj)
+        ]
+        saved = [obj.get_compressed_map_string for obj in patched]
+        nonzero = fx_config.meta_nonzero_assume_all_nonzero
+        try:
+            for obj in patched:
+                obj.get_compressed_map_string = lambda self: "(meta)"
+            fx_config.meta_nonzero_assume_all_nonzero = True
+            c = self.config
+            with c.current(vllm_config), c.dtype(model_config.dtype), torch.device("meta"):
+                model: torch.nn.Module = cls(vllm_config=vllm_config)
+        finally:
+            for obj, f in zip(patched, saved, strict=True):
+                obj.get_compressed_map_string = f
+            fx_config.meta_nonzero_assume_all_nonzero = nonzero
+        return {
+            k: (tuple(p.shape), str(p.dtype).removeprefix("torch."))
+            for k, p in model.named_parameters()
+        }
+
     def parameters(self, checkpoint: str, at: RankOf) -> dict[str, torch.nn.Parameter]:
         """One rank's parameters: vLLM's model of ``checkpoint``'s config built for ``at``,
         after its own ``load_weights`` over every tensor of ``checkpoint``."""
