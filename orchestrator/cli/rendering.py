@@ -358,6 +358,9 @@ def layout_header(
             if par.get("mm_encoder_tp_mode")
             else ""
         )
+        + (f" all2all-backend={par['all2all_backend']}" if par.get("all2all_backend") else "")
+        + (" shared-expert-dp" if par.get("shared_expert_dp") else "")
+        + (f" scale-alg={par['scale_alg']}" if par.get("scale_alg") is not None else "")
         + (" (a dense model: ep and expert_placement change nothing)" if no_experts else "")
         + (" (no vision tower planned: mm-encoder-tp-mode changes nothing)" if no_tower else "")
     ]

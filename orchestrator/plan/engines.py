@@ -577,11 +577,11 @@ def resolve_moe(profile: EngineProfile, layout: ParallelLayout) -> ResolvedMoE:
     elif sp and mode.sp_replicates_shared:
         whole, why = True, "sequence-parallel MoE holds them whole on every TP rank"
     elif sp:
-        whole, why = False, "TP-split: this engine does not replicate them for sequence parallelism"
+        whole, why = False, "this engine splits them under sequence parallelism too"
     else:
         whole, why = (
             False,
-            "TP-split: no sequence-parallel MoE (needs an SP backend, EP, tp > 1, dp > 1)",
+            "no sequence-parallel MoE: it needs an SP backend, EP, tp > 1 and dp > 1",
         )
     return ResolvedMoE(profile.name, backend, sp, whole, why)
 

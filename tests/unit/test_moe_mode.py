@@ -176,5 +176,14 @@ def test_plan_says_the_mode_it_assumed(mxload: Callable[..., tuple[int, str, str
     rc, out, err = mxload(*base, "--enable-shared-expert-dp")
     assert rc == 2 and len(err.strip().splitlines()) == 1, err
     assert "--enable-shared-expert-dp" in err
+    rc, out, _ = mxload(*base, "--all2all-backend", "naive", "--scale-alg", "1", "--json")
+    assert rc == 0
+    obj = json.loads(out)
+    assert obj["parallel"]["all2all_backend"] == "naive" and obj["scale_alg"] == 1
+    # vLLM replaces the removed backend by allgather_reducescatter
+    assert obj["moe_mode"]["all2all_backend"] == "allgather_reducescatter"
+    rc, out, _ = mxload(*base, "--all2all-backend", "flashinfer_all2allv")
+    layout = next(x for x in out.splitlines() if x.startswith("layout:"))
+    assert "all2all-backend=flashinfer_all2allv" in layout
     rc, out, _ = mxload("plan", "--model", "qwen3-32b-fp8", "--tp", "2")
     assert rc == 0 and "MoE mode" not in out  # a dense model has none
