@@ -55,11 +55,12 @@ import gc
 import math
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, overload
 
 from ..errors import (
     CheckpointError,
+    LayoutError,
     MissingTensor,
     MixedQuantization,
     StagingBudgetError,
@@ -79,9 +80,11 @@ from .checkpoint import CheckpointMeta
 from .config import ModelConfig
 from .engines import (
     DEFAULT_ENGINE,
+    DERIVED_SHAPES,
     EngineProfile,
     check_expert_placement,
     check_moe_groups,
+    derived_rules,
     engine_profile,
     held_as,
 )
@@ -119,6 +122,7 @@ from .readplan import (
 )
 from .types import (
     BufferSpec,
+    Derived,
     ParallelLayout,
     Part,
     Plan,
@@ -533,6 +537,7 @@ class _Planner:
             else:
                 shape_l = (n_local, k_local)
             buffers = (BufferSpec(name, shape_l, dtype, layout),)
+        derived, extra = self._derived(rule, layer, buffers[0], n_local, k_local)
         unit = Unit(
             buffer=name,
             kind=kind,
@@ -541,8 +546,37 @@ class _Planner:
             cols=k_local,
             parts=tuple(parts),
             quantized=facts.quantized,
+            derived=derived,
         )
-        return _Block(buffers, (unit,), self._needed((unit,), facts))
+        return _Block((*buffers, *extra), (unit,), self._needed((unit,), facts))
+
+    def _derived(
+        self, rule: TensorRule, layer: int, source: BufferSpec, n: int, k: int
+    ) -> tuple[tuple[Derived, ...], tuple[BufferSpec, ...]]:
+        """The tensors the engine derives from ``source`` after loading (its profile's
+        ``derived``), as buffers of this rank recomputed after each write of the unit
+        (docs/contract.md §2.4)."""
+        rules = derived_rules(self.engine, self.arch.name, rule.name)
+        if not rules:
+            return (), ()
+        if source.layout != LAYOUT_DENSE:
+            raise LayoutError(
+                f"--engine {self.engine.name} derives {rules[0].name} from {source.name}, "
+                f"which this plan holds {source.layout}: the engine reads it in the model "
+                "dtype",
+                key="--engine",
+                tensor=source.name,
+            )
+        derived: list[Derived] = []
+        buffers: list[BufferSpec] = []
+        for d in rules:
+            split = tuple(int(getattr(self.config, key)) for key in d.split)
+            heads = n // sum(split)
+            name = device_name(replace(rule, name=d.name), layer, self.arch)
+            shape = DERIVED_SHAPES[d.op](heads, split[d.part], k)
+            derived.append(Derived(name, d.op, split, d.part))
+            buffers.append(BufferSpec(name, shape, source.dtype, LAYOUT_DENSE))
+        return tuple(derived), tuple(buffers)
 
     def copy_unit_bytes(self) -> int:
         """Largest row block of a vocab-parallel buffer (embedding, lm_head): the FP8
