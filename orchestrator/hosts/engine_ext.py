@@ -182,13 +182,20 @@ def _local_experts(expert_map: Any) -> tuple[int, ...] | None:
 
 def engine_params(model: torch.nn.Module) -> dict[str, tuple[Any, str]]:
     """Every parameter and buffer of ``model`` by name, as (module, attribute): where the
-    engine keeps it, so that a rebinding is seen."""
+    engine keeps it, so that a rebinding is seen; and the tensors an attention layer's
+    ``impl`` (not a module) holds, named ``LAYER.impl.ATTR``: what an engine derives in
+    its post-load (vllm-ascend's MLA ``W_UK_T``/``W_UV``, docs/contract.md §2.4)."""
     out: dict[str, tuple[Any, str]] = {}
     for mod_name, mod in model.named_modules(remove_duplicate=False):
         prefix = f"{mod_name}." if mod_name else ""
         for attr in (*mod._parameters, *mod._buffers):
             if getattr(mod, attr, None) is not None:
                 out.setdefault(prefix + attr, (mod, attr))
+        impl = mod.__dict__.get("impl")
+        if impl is not None and not isinstance(impl, torch.nn.Module):
+            for attr, value in vars(impl).items():
+                if isinstance(value, torch.Tensor):
+                    out.setdefault(f"{prefix}impl.{attr}", (impl, attr))
     return out
 
 
@@ -287,12 +294,14 @@ class Attachment:
         self.facts = facts
         meta = open_checkpoint(src, storage_options=storage_options)
         release = engine_release(facts.engine)
-        why = check_architecture(release, meta.config.architecture) if release else ""
-        if why:
+        bad = (
+            check_architecture(release, meta.config.architecture, facts.settings) if release else []
+        )
+        if bad:
             raise AdoptionError(
                 f"--engine {facts.engine}: {meta.config.architecture} cannot be reloaded "
-                f"in place: {why}",
-                key="--engine",
+                "in place: " + " | ".join(bad),
+                key=bad[0].split("=", 1)[0],
             )
         plan: Plan = build_plan(meta.config, facts.layout, checkpoint=meta, engine=self.profile)
         rp = plan.ranks[facts.rank]
@@ -468,6 +477,7 @@ def engine_settings(vllm_config: Any) -> dict[str, str]:
         return out
     out["weight_nz_mode"] = _flag(getattr(ac, "weight_nz_mode", 1))
     out["enable_fused_mc2"] = _flag(getattr(ac, "enable_fused_mc2", 0))
+    out["enable_mlapo"] = _flag(getattr(ac, "enable_mlapo", False))
     ae = getattr(ac, "eplb_config", None)
     if ae is not None:
         out["eplb_config.dynamic_eplb"] = _flag(getattr(ae, "dynamic_eplb", False))

@@ -585,3 +585,64 @@ def test_mtp_on_a_model_without_an_mtp_module_is_refused(ckpt_factory, fake_vllm
     with pytest.raises(LayoutError) as err:
         mx.attach(src, engine="mxload")
     assert "--speculative-config method 'mtp' needs the checkpoint's MTP layers" in str(err.value)
+
+
+class _Impl:
+    """An attention layer's ``impl``: a plain object (not a module) holding the tensors
+    the engine derives in its post-load as attributes, as vllm-ascend's MLA impl does."""
+
+
+def _impls_as_objects(model: torch.nn.Module) -> list[_Impl]:
+    """Each ``impl`` submodule ``_engine_model`` made, replaced by an :class:`_Impl` that
+    holds the same tensors (same storage) as plain attributes."""
+    out = []
+    for name, mod in list(model.named_modules()):
+        if name.endswith(".impl"):
+            parent = model.get_submodule(name.rsplit(".", 1)[0])
+            impl = _Impl()
+            impl.__dict__.update({k: p.data for k, p in mod.named_parameters()})
+            del parent._modules["impl"]
+            parent.impl = impl
+            out.append(impl)
+    return out
+
+
+@pytest.mark.slow
+def test_deepseek_attaches_with_mlapo_off_and_its_derived_tensors_follow_each_reload(
+    ckpt_factory, fake_vllm, ascend_config
+):
+    """DeepSeek-V3 under vllm-ascend: refused while MLAPO is on (its NZ copies are out of
+    reach), naming the setting; with it off, attach adopts W_UK_T / W_UV from the MLA
+    impls, and three reloads rewrite them in place, each equal to kv_b_proj per head
+    (the engine's math, written out here from docs/contract.md §2.4: W_UK_T[h, p, l] =
+    kv_b_proj[h * (P + V) + p, l], W_UV[h, l, v] = kv_b_proj[h * (P + V) + P + v, l])."""
+    srcs = [ckpt_factory("deepseek-v3-tiny", seed=s) for s in (1, 2, 3)]
+    engine = "vllm-ascend-0.30.0rc2"
+    layout = ParallelLayout(tp=2, enable_expert_parallel=True)
+    workers = _workers(srcs[0], engine, layout=layout)
+    impls = [_impls_as_objects(w.model_runner.model) for w in workers]
+    assert all(len(i) == 3 for i in impls)  # the preset's three MLA layers
+    ascend_config.weight_nz_mode = 0
+    ascend_config.enable_mlapo = True
+    _configure(workers, {})
+    mx = EngineReloader(_llm(workers, fake_vllm))
+    with pytest.raises(AdoptionError, match=r"enable_mlapo='1'.*'enable_mlapo': False"):
+        mx.attach(srcs[0], engine=engine)
+    ascend_config.enable_mlapo = False
+    mx.attach(srcs[0], engine=engine)
+    ptrs = [[(i.W_UK_T.data_ptr(), i.W_UV.data_ptr()) for i in ws] for ws in impls]
+    cfg = open_checkpoint(srcs[0]).config
+    p, v = cfg.qk_nope_head_dim, cfg.v_head_dim
+    for n, src in enumerate((srcs[1], srcs[2], srcs[0]), start=1):
+        reports = mx.reload(src)
+        assert {r["version"] for r in reports} == {n}
+        assert all(r["addresses_moved"] == [] for r in reports)
+        for w, ws, was in zip(workers, impls, ptrs, strict=True):
+            assert [(i.W_UK_T.data_ptr(), i.W_UV.data_ptr()) for i in ws] == was
+            model = w.model_runner.model
+            for layer, impl in enumerate(ws):
+                kvb = model.get_parameter(f"model.layers.{layer}.self_attn.kv_b_proj.weight")
+                heads = kvb.shape[0] // (p + v)
+                per_head = kvb.data.view(heads, p + v, -1)
+                assert torch.equal(impl.W_UK_T, per_head[:, :p, :])
+                assert torch.equal(impl.W_UV, per_head[:, p:, :].transpose(1, 2))
