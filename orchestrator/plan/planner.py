@@ -1247,11 +1247,21 @@ def _build_plan(
     )
 
 
+def _derived_of(k: RankClass) -> tuple[list[str], int]:
+    """Names and bytes of the buffers the engine derives (docs/contract.md §2.4) a rank
+    class holds."""
+    names = [d.buffer for g in k.groups for u in g.units for d in u.derived]
+    size = {b.name: b.nbytes for b in k.buffers}
+    return names, sum(size[n] for n in names)
+
+
 def plan_to_json(plan: Plan) -> dict[str, Any]:
     """The ``mxload plan --json`` object of docs/contract.md §5, plus itemised staging and headroom."""
     ranks = []
+    derived_names: dict[str, None] = {}
     for r in plan.summaries:
         k = plan.classes[r.rank_class]
+        names, derived_bytes = _derived_of(k)
         staging = k.staging
         entry: dict[str, Any] = {
             "rank": r.rank,
@@ -1271,6 +1281,10 @@ def plan_to_json(plan: Plan) -> dict[str, Any]:
             "units": k.unit_count,
             "read_amplification": (k.bytes_to_read / k.bytes_needed) if k.bytes_needed else 1.0,
         }
+        if names:  # only for a profile whose engine derives tensors after loading
+            entry["derived_buffers"] = len(names)
+            entry["derived_bytes"] = derived_bytes
+            derived_names.update((n.rsplit(".", 1)[-1], None) for n in names)
         if staging is not None:
             entry["staging"] = {
                 "budget_bytes": staging.budget_bytes,
@@ -1294,6 +1308,8 @@ def plan_to_json(plan: Plan) -> dict[str, Any]:
         "device_memory_bytes": plan.device_memory_bytes,
         "fits": plan.fits,
     }
+    if derived_names:
+        out["derived"] = list(derived_names)
     if "staging_budget_bytes" in plan.extra:
         out["staging_budget_bytes"] = plan.extra["staging_budget_bytes"]
     return out
