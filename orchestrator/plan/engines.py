@@ -395,8 +395,13 @@ per-head group it reads and the source's K (``W_UK_T [N, P, L]``, ``W_UV [N, L, 
 def derived_rules(
     profile: EngineProfile, architecture: str, source: str
 ) -> tuple[DerivedRule, ...]:
-    """The tensors ``profile`` derives from the table row ``source`` of ``architecture``."""
-    return tuple(d for d in profile.derived.get(architecture, ()) if d.source == source)
+    """The tensors ``profile`` derives from the table row ``source`` of ``architecture``
+    (or from that row inside an MTP layer: ``mtp_block.`` + the row)."""
+    return tuple(
+        d
+        for d in profile.derived.get(architecture, ())
+        if source == d.source or source.endswith("." + d.source)
+    )
 
 
 @dataclass(frozen=True)

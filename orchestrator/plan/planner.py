@@ -572,7 +572,9 @@ class _Planner:
         for d in rules:
             split = tuple(int(getattr(self.config, key)) for key in d.split)
             heads = n // sum(split)
-            name = device_name(replace(rule, name=d.name), layer, self.arch)
+            # beside the source, under the same prefix (an MTP layer's mtp_block.)
+            where = rule.name[: len(rule.name) - len(d.source)] + d.name
+            name = device_name(replace(rule, name=where), layer, self.arch)
             shape = DERIVED_SHAPES[d.op](heads, split[d.part], k)
             derived.append(Derived(name, d.op, split, d.part))
             buffers.append(BufferSpec(name, shape, source.dtype, LAYOUT_DENSE))
