@@ -199,6 +199,33 @@ def engine_params(model: torch.nn.Module) -> dict[str, tuple[Any, str]]:
     return out
 
 
+def unplanned_drafter_weights(
+    params: Mapping[str, tuple[Any, str]], planned: set[str]
+) -> list[str]:
+    """The MTP drafter's parameters that the plan does not hold and that are not the
+    target model's own tensors (the proposer's sharing, docs/contract.md §3): what an
+    in-place reload would never reach."""
+
+    def param(name: str) -> torch.Tensor | None:
+        mod, attr = params[name]
+        t = getattr(mod, attr, None)
+        return t if isinstance(t, torch.nn.Parameter) else None
+
+    target = {
+        t.untyped_storage().data_ptr()
+        for n in params
+        if not n.startswith(DRAFTER_PREFIX) and (t := param(n)) is not None
+    }
+    return [
+        n
+        for n in params
+        if n.startswith(DRAFTER_PREFIX)
+        and n not in planned
+        and (t := param(n)) is not None
+        and t.untyped_storage().data_ptr() not in target
+    ]
+
+
 class _OneRank:
     """How an :class:`Attachment` runs its ranks: the one rank this worker hosts, with
     its own loader, in this process (:class:`mxload.orchestrator.runtime.reload.Ranks`)."""
@@ -314,6 +341,17 @@ class Attachment:
                 + (f" and {len(missing) - 8} more" if len(missing) > 8 else ""),
                 rank=facts.rank,
                 tensor=missing[0],
+            )
+        stale = unplanned_drafter_weights(params, {b.name for b in rp.buffers})
+        if stale:
+            raise AdoptionError(
+                f"rank {facts.rank}: the engine's MTP drafter holds its own "
+                f"{', '.join(stale[:4])}, which the plan takes from the target model (vLLM "
+                "shares them; vllm-ascend shares DeepSeek's shared_head.head only where it "
+                "equals lm_head when the engine starts): a reload would leave it stale; "
+                "start the engine from a checkpoint whose MTP head equals lm_head",
+                rank=facts.rank,
+                tensor=stale[0],
             )
         held: dict[str, Held] = {}
         for b in rp.buffers:

@@ -646,3 +646,43 @@ def test_deepseek_attaches_with_mlapo_off_and_its_derived_tensors_follow_each_re
                 per_head = kvb.data.view(heads, p + v, -1)
                 assert torch.equal(impl.W_UK_T, per_head[:, :p, :])
                 assert torch.equal(impl.W_UV, per_head[:, p:, :].transpose(1, 2))
+
+
+def test_a_deepseek_drafter_keeping_its_own_mtp_head_is_refused(
+    ckpt_factory, fake_vllm, ascend_config
+):
+    """DeepSeek-V3 with MTP: the plan takes the drafter's shared_head.head from the target's
+    lm_head (vLLM shares it; vllm-ascend only where the two are equal at start). A drafter
+    holding its own copy is refused by name (a reload would leave it stale); holding the
+    target's lm_head itself, it attaches and the MTP layer's derived MLA tensors are adopted
+    too."""
+    src = ckpt_factory("deepseek-v3-tiny", seed=1)
+    engine = "vllm-ascend-0.30.0rc2"
+    ascend_config.weight_nz_mode = 0
+    ascend_config.enable_mlapo = False
+    layout = ParallelLayout(tp=1, speculative_method="mtp")
+    meta = open_checkpoint(src)
+    plan = build_plan(meta.config, layout, checkpoint=meta, engine=engine)
+    head = "model.layers.3.shared_head.head"
+
+    def worker(shared: bool) -> _Worker:
+        w = _drafter_worker(plan.ranks[0], layout)
+        _impls_as_objects(w.model_runner.model)
+        drafter = w.model_runner.drafter.model
+        _impls_as_objects(drafter)
+        if shared:  # what the proposer does: the target's module itself
+            _set(drafter, head + ".weight", torch.zeros(1))
+            parent = drafter.get_submodule("model.layers.3.shared_head")
+            parent.head = w.model_runner.model.get_submodule("lm_head")
+        else:  # its own copy, loaded from the checkpoint's MTP head
+            lm_head = w.model_runner.model.get_parameter("lm_head.weight")
+            _set(drafter, head + ".weight", lm_head.data.clone())
+        return w
+
+    with pytest.raises(AdoptionError, match=rf"holds its own drafter\.{head}\.weight"):
+        EngineReloader(_llm([worker(shared=False)], fake_vllm)).attach(src, engine=engine)
+    w = worker(shared=True)
+    status = EngineReloader(_llm([w], fake_vllm)).attach(src, engine=engine)
+    tensors = status[0]["tensors"]
+    assert "drafter.model.layers.3.eh_proj.weight" in tensors
+    assert "drafter.model.layers.3.mtp_block.self_attn.mla_attn.mla_attn.impl.W_UK_T" in tensors
