@@ -258,9 +258,11 @@ class Architecture:
         """``(rule index, MTP layer)`` of every MTP row the engine's drafter holds (layer
         -1 for the drafter's own rows); none unless ``planned`` and the checkpoint has MTP
         layers. ``own``: names of ``shared_with_target`` rows the engine keeps its own
-        copy of. Every MTP layer is a full-attention decoder layer with the MLP every
+        copy of. A Qwen3.5 MTP layer is a full-attention decoder layer with the MLP every
         Qwen3.5 layer has (dense, or a sparse MoE block for Qwen3.5-MoE), so a layer
-        row's kind is read at layer 0 for its MLP."""
+        row's kind is read at layer 0 for its MLP; a DeepSeek MTP layer
+        (``mtp_after_layers``) is numbered after the model's layers, and its kinds are
+        those of that number (a MoE layer past ``first_k_dense_replace``)."""
         if not planned or not config.mtp_layers:
             return ()
         rows = tuple(

@@ -15,7 +15,10 @@ default):
   (``round_robin`` expert placement, weight-format casts that reallocate);
 * which modules stay in the model dtype (``mxload convert`` lists them in the
   quantization config's ``ignore`` so the engine does not quantize them);
-* which pipeline-placed tensors the engine builds on every stage.
+* which pipeline-placed tensors the engine builds on every stage;
+* which tensors the engine derives from loaded parameters in its post-load and reads
+  instead (``derived``: vllm-ascend's MLA ``W_UK_T``/``W_UV``), which mxload holds and
+  recomputes in place after every write of their source (docs/contract.md §2.4).
 
 A new engine version is a new table in :data:`ENGINES`, never a new branch in the planner
 or the loader. Each table names the source lines it was read from. Which release uses

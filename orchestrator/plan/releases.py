@@ -141,9 +141,9 @@ _SPECULATIVE = Refusal(
     "speculative_config",
     ("", "mtp"),
     "",
-    "start the engine without speculative_config, or with method 'mtp' on a Qwen3.5 "
-    "checkpoint (whose MTP module mxload plans and reloads), or reload the draft model "
-    "yourself",
+    "start the engine without speculative_config, or with method 'mtp' on a Qwen3.5 or "
+    "DeepSeek-V3 checkpoint (whose MTP module mxload plans and reloads), or reload the "
+    "draft model yourself",
     "other draft models' weights (EAGLE, a draft checkpoint) are neither planned nor "
     "updated by mxload, so it would keep drafting from the old weights",
 )
