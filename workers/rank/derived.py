@@ -20,22 +20,21 @@ from ...orchestrator.plan.types import Derived
 
 
 def _heads(source: torch.Tensor, d: Derived) -> torch.Tensor:
-    """The source ``[heads * sum(split), K]`` as ``[K, heads, sum(split)]`` (the engine
-    reads the transposed weight per head), cut to the group ``d.part``."""
-    k = source.shape[-1]
-    per_head = source.t().reshape(k, -1, sum(d.split))
+    """The source ``[heads * sum(split), K]`` as ``[heads, width, K]``: each head's rows of
+    the group ``d.part`` (a view: nothing is allocated beside the staging pool)."""
+    per_head = source.view(-1, sum(d.split), source.shape[-1])
     lo = sum(d.split[: d.part])
-    return per_head[:, :, lo : lo + d.split[d.part]]
+    return per_head[:, lo : lo + d.split[d.part], :]
 
 
 def _mla_uk_t(source: torch.Tensor, d: Derived) -> torch.Tensor:
     """``W_UK_T [heads, P, K]``: the nope rows of every head, K last."""
-    return _heads(source, d).permute(1, 2, 0)
+    return _heads(source, d)
 
 
 def _mla_uv(source: torch.Tensor, d: Derived) -> torch.Tensor:
-    """``W_UV [heads, K, V]``: the value rows of every head, heads first."""
-    return _heads(source, d).transpose(0, 1)
+    """``W_UV [heads, K, V]``: the value rows of every head, K in the middle."""
+    return _heads(source, d).transpose(1, 2)
 
 
 OPS: dict[str, Callable[[torch.Tensor, Derived], torch.Tensor]] = {
