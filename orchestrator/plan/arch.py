@@ -527,6 +527,9 @@ DEEPSEEK_V3 = Architecture(
 #   replaces both by the target's (v1/spec_decode/llm_base_proposer.py:1293-1430, pp 1),
 #   so nothing more is held. vllm-ascend 0.23.0.post1 shares the embedding the same way and
 #   shared_head.head where it equals lm_head at start (llm_base_proposer.py:505-508).
+# vllm-ascend subclasses it with the same parameters (0.23.0.post1
+# patch/worker/patch_deepseek_mtp.py, 0.30.0rc2 models/deepseek_mtp.py; an extra ``rot``
+# only for GLM-5's DSA), so every profile plans these rows.
 
 _DEEPSEEK_DRAFTER = f"{DRAFTER_PREFIX}model.layers.{{i}}"
 _DEEPSEEK_MTP_ROWS = (

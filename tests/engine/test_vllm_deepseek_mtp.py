@@ -80,3 +80,70 @@ def test_every_rank_drafter_equals_vllm_0_23_deepseek_mtp_parameters(
     assert seen.count("drafter.model.layers.3.eh_proj.weight") == layout.world
     assert seen.count(block + "mlp.experts.w13_weight") == layout.world
     assert seen.count(block + "self_attn.kv_b_proj.weight") == layout.world
+
+
+def _with_head(src: str, dst: str, equal: bool) -> str:
+    """A copy of checkpoint ``src`` whose MTP ``shared_head.head`` is (``equal``) or is not
+    the model's ``lm_head``, as DeepSeek-V3's release ships it and a trainer may not."""
+    import shutil
+    from pathlib import Path
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    files = sorted(Path(dst).glob("*.safetensors"))
+    tensors = {f: load_file(str(f)) for f in files}
+    lm_head = next(t["lm_head.weight"] for t in tensors.values() if "lm_head.weight" in t)
+    for f, t in tensors.items():
+        if "model.layers.3.shared_head.head.weight" in t:
+            t["model.layers.3.shared_head.head.weight"] = (
+                lm_head.clone() if equal else lm_head.clone() * 2
+            )
+            save_file(t, str(f), metadata={"format": "pt"})
+    return dst
+
+
+@pytest.mark.slow
+def test_which_engine_shares_the_mtp_head_with_lm_head(
+    vllm: Models, checkpoints: tuple[str, str], tmp_path
+) -> None:
+    """vLLM 0.23's proposer replaces the drafter's shared_head.head by the target's lm_head
+    whatever it holds (mxload plans it shared); vllm-ascend 0.23.0.post1's only where the two
+    are equal at start, else the drafter keeps its own (the worker extension refuses that,
+    tests/unit/test_engine_ext.py). Both engines' own ``_maybe_share_*`` methods run on the
+    models vLLM built (tests/engine/test_vllm_qwen3_5_mtp.py's ``_ascend_methods``)."""
+    import types
+
+    from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
+
+    from tests.engine import sources
+    from tests.engine.test_vllm_qwen3_5_mtp import ASCEND_PIN, SHARE, _ascend_methods
+
+    _, bf16 = checkpoints
+    at = RankOf(tp=1, tp_rank=0, speculative_method="mtp")
+    ascend = _ascend_methods(sources.vllm_ascend_sdist(ASCEND_PIN), vllm)
+    plain = {n: getattr(SpecDecodeBaseProposer, n) for n in SHARE}
+    shared = {}
+    for equal in (True, False):
+        src = _with_head(bf16, str(tmp_path / f"equal-{equal}"), equal)
+        for name, methods in (("vllm", plain), ("vllm-ascend", ascend)):
+            built = vllm.with_drafter(src, at)
+            me = types.SimpleNamespace(
+                model=built.drafter,
+                method="mtp",
+                use_compress=False,
+                use_cuda_graph=False,
+                use_local_argmax_reduction=False,
+                vllm_config=built.vllm_config,
+            )
+            methods["_maybe_share_embeddings"](me, built.target)
+            methods["_maybe_share_lm_head"](me, built.target)
+            layer = built.drafter.model.layers["3"]
+            shared[(name, equal)] = layer.shared_head.head is built.target.lm_head
+            assert built.drafter.model.embed_tokens is built.target.model.embed_tokens
+    assert shared == {
+        ("vllm", True): True,
+        ("vllm", False): True,
+        ("vllm-ascend", True): True,
+        ("vllm-ascend", False): False,
+    }
