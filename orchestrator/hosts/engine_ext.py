@@ -51,6 +51,7 @@ from ..plan.arch import DRAFTER_PREFIX
 from ..plan.engines import check_mx_k, engine_profile
 from ..plan.releases import (
     ACL_FORMAT_FRACTAL_NZ,
+    VLLM_ARCHITECTURES,
     check_architecture,
     check_settings,
     engine_release,
@@ -321,13 +322,17 @@ class Attachment:
         self.facts = facts
         meta = open_checkpoint(src, storage_options=storage_options)
         release = engine_release(facts.engine)
-        bad = (
-            check_architecture(release, meta.config.architecture, facts.settings) if release else []
-        )
+        arch = meta.config.architecture
+        if release is None and arch in VLLM_ARCHITECTURES:
+            raise AdoptionError(
+                f"--engine {facts.engine}: {arch} cannot be reloaded in place: "
+                + VLLM_ARCHITECTURES[arch],
+                key="--engine",
+            )
+        bad = check_architecture(release, arch, facts.settings) if release else []
         if bad:
             raise AdoptionError(
-                f"--engine {facts.engine}: {meta.config.architecture} cannot be reloaded "
-                "in place: " + " | ".join(bad),
+                f"--engine {facts.engine}: {arch} cannot be reloaded in place: " + " | ".join(bad),
                 key=bad[0].split("=", 1)[0],
             )
         plan: Plan = build_plan(meta.config, facts.layout, checkpoint=meta, engine=self.profile)

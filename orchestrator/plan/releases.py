@@ -153,6 +153,17 @@ VLLM_REFUSALS = (_EPLB, _REDUNDANT, _SPECULATIVE)
 """vLLM's own settings that no in-place reload can serve, whatever platform runs it: they
 apply to an engine without vllm-ascend (``--engine mxload``) too."""
 
+VLLM_ARCHITECTURES: Mapping[str, str] = {
+    "DeepseekV3ForCausalLM": (
+        "vLLM's MLAAttention derives W_UK_T / W_UV (or their quantized forms) from "
+        "kv_b_proj in its post-load (model_executor/layers/attention/mla_attention.py "
+        "process_weights_after_loading) and reads those, and no profile of plain vLLM "
+        "describes them, so a reload would leave them stale; reload DeepSeek-V3 in place "
+        "under vllm-ascend (whose profiles recompute them, docs/contract.md §2.4)"
+    )
+}
+"""Architectures an engine without vllm-ascend cannot be reloaded in place for, and why."""
+
 _MLAPO = Refusal(
     "enable_mlapo",
     ("0",),

@@ -686,3 +686,15 @@ def test_a_deepseek_drafter_keeping_its_own_mtp_head_is_refused(
     tensors = status[0]["tensors"]
     assert "drafter.model.layers.3.eh_proj.weight" in tensors
     assert "drafter.model.layers.3.mtp_block.self_attn.mla_attn.mla_attn.impl.W_UK_T" in tensors
+
+
+def test_deepseek_in_plain_vllm_is_refused_with_the_reason(ckpt_factory, fake_vllm):
+    """Without vllm-ascend (--engine mxload), vLLM's own MLA post-load keeps W_UK_T / W_UV
+    that no profile of plain vLLM describes: refused at attach, one line, naming --engine."""
+    src = ckpt_factory("deepseek-v3-tiny", seed=1)
+    workers = _workers(src, "mxload", layout=ParallelLayout(tp=2, enable_expert_parallel=True))
+    with pytest.raises(AdoptionError) as err:
+        EngineReloader(_llm(workers, fake_vllm)).attach(src, engine="mxload")
+    msg = str(err.value)
+    assert "\n" not in msg and err.value.key == "--engine"
+    assert "DeepseekV3ForCausalLM cannot be reloaded in place: vLLM's MLAAttention" in msg
