@@ -351,12 +351,12 @@ REFUSALS: dict[str, tuple[Callable[[Path, dict[str, str]], list[str]], list[str]
         lambda w, c: ["plan", c["v1"], "--speculative-config", _spec("qwen3_5_mtp", 1)],
         ["--speculative-config", "mtp_num_hidden_layers"],
     ),
-    "mtp-on-deepseek": (
+    "mtp-on-deepseek-pp2": (
         lambda w, c: [
-            *("plan", "--model", "deepseek-v3", "--tp", "8"),
+            *("plan", "--model", "deepseek-v3", "--tp", "8", "--pp", "2"),
             *("--speculative-config", _spec("mtp", 1)),
         ],
-        ["--speculative-config", "model.layers.61.*", "Qwen3.5"],
+        ["--speculative-config", "--pp 2", "DeepSeekMTP drafter then loads its own embed_tokens"],
     ),
     "mm-encoder-tp-mode-typo": (
         lambda w, c: [*_PLAN_27B, "--mm-encoder-tp-mode", "dat"],
