@@ -21,6 +21,11 @@ never run here):
   which an ND tensor already is (mxload refuses NZ weights, docs/contract.md §2.3).
 * ``vllm_ascend.utils.maybe_trans_nz``: the identity, what it is with
   ``weight_nz_mode`` 0 (the only mode mxload reloads into).
+* vLLM's ``MLAAttentionImpl``, the impl's abstract base: a plain class (a placeholder base
+  would answer the post-load's ``hasattr(self, "W_UV")``); ``MLACommonMetadataBuilder``, a
+  base the file subscripts: a plain generic class.
+* the file is compiled with annotations deferred: its class bodies annotate with
+  ``torch.npu`` types, which CPU torch lacks; no annotation is ever evaluated.
 * the impl is made with ``__new__`` and given the attributes its ``__init__`` would set
   from the layer (``kv_b_proj``: a module whose ``quant_method`` is an instance of the
   ``UnquantizedLinearMethod`` the file imported, as the engine asserts; ``num_heads``
@@ -74,7 +79,8 @@ class _MetadataBuilder(Generic[_M]):
 
 
 def _post_load(version: str) -> Callable[..., Any]:
-    """The release's ``AscendMLAImpl`` and the ``UnquantizedLinearMethod`` its file holds."""
+    """A maker of the release's own ``AscendMLAImpl`` over a given ``kv_b_proj`` weight
+    (``make(weight, local_heads, config)``)."""
     pkg = sources.vllm_ascend_sdist(version) / "vllm_ascend"
     real: dict[str, Path] = {}
     if version in VLLM_OF:
