@@ -946,15 +946,21 @@ def quantization_groups(config: ModelConfig) -> list[tuple[str, ...]]:
 
 def dense_linear_modules(config: ModelConfig) -> set[str]:
     """Checkpoint modules of linears the table keeps in the model dtype even when quantized
-    (``mx=False``: DeepSeek's ``kv_b_proj``, which vllm-ascend's MLA requires unquantized).
-    ``mxload convert`` writes them resolved and lists them in ``exclude_modules``."""
-    planner = _Planner(config, ParallelLayout(), None)
+    (``mx=False``: DeepSeek's ``kv_b_proj``, which vllm-ascend's MLA requires unquantized,
+    and its MTP layer's ``eh_proj``, a plain ``nn.Linear`` in vLLM), in the decoder layers
+    and in the MTP layers a speculative layout plans. ``mxload convert`` writes them
+    resolved and lists them in ``exclude_modules``."""
+    has_mtp = config.mtp_layers > 0 and bool(architecture_for(config).rules_at("mtp_layer"))
+    layout = ParallelLayout(speculative_method="mtp" if has_mtp else "")
+    planner = _Planner(config, layout, None)
+    placed = [
+        (i, layer) for layer in range(config.num_hidden_layers) for i in planner.layer_rules[layer]
+    ]
     out: set[str] = set()
-    for layer in range(config.num_hidden_layers):
-        for idx in planner.layer_rules[layer]:
-            rule = planner.arch.rules[idx]
-            if rule.linear and not rule.mx:
-                out.update(m for names in planner._source_modules(rule, layer) for m in names)
+    for idx, layer in [*placed, *planner.mtp_rules]:
+        rule = planner.arch.rules[idx]
+        if rule.linear and not rule.mx:
+            out.update(m for names in planner._source_modules(rule, layer) for m in names)
     return out
 
 
