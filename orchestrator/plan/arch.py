@@ -302,14 +302,15 @@ class Architecture:
     ) -> Architecture:
         """This table as an engine holds it: shared-expert rows replicated when its MoE mode
         holds them whole, the linears named in ``dense_linears`` kept in the model dtype
-        (``mx=False``); rule indices are unchanged."""
+        (``mx=False``), in the decoder layers and in the MTP layers that repeat them under a
+        prefix (``mtp_block.self_attn.kv_b_proj``); rule indices are unchanged."""
         if not shared_experts_whole and not dense_linears:
             return self
         rules = tuple(
             replace(
                 r,
                 style="replicated" if shared_experts_whole and r.shared_expert else r.style,
-                mx=r.mx and r.name not in dense_linears,
+                mx=r.mx and not any(r.name == d or r.name.endswith("." + d) for d in dense_linears),
             )
             for r in self.rules
         )
