@@ -19,8 +19,9 @@ from typing import Any
 
 import torch
 
+from ...orchestrator.plan.message import RankJob, SourceInfo
 from ...orchestrator.plan.types import RankPlan, Unit, UnitReads
-from .loader import PeerUnit, RankLoader, RunStats, SourceInfo
+from .loader import RankLoader, RunStats
 
 VISIBLE_DEVICE_VARS = {
     "NPU": "ASCEND_RT_VISIBLE_DEVICES",
@@ -33,7 +34,7 @@ class RankWorker:
 
     def __init__(
         self,
-        plan: RankPlan,
+        plan: RankPlan | str,
         *,
         model_dtype: str,
         device: str,
@@ -44,6 +45,8 @@ class RankWorker:
         from ...cluster.local import tighten_own_temp_dir
 
         tighten_own_temp_dir()  # this process's start made Ray's folders 0777 again
+        if isinstance(plan, str):
+            plan = stored_rank_plan(plan)
         self.resource = resource
         var = VISIBLE_DEVICE_VARS.get(resource, "")
         self.visible_devices = os.environ.get(var, "") if var else ""
@@ -105,34 +108,15 @@ class RankWorker:
         with self._lock:
             return self._progress
 
-    def load(
-        self,
-        reads: list[UnitReads],
-        source: SourceInfo,
-        version: int,
-        staging_budget: int,
-        whole_units: bool,
-        units: list[Unit] | None = None,
-        peers: dict[int, PeerUnit] | None = None,
-    ) -> dict[str, Any]:
-        """Load (or reload) this rank; ``peers``: the shared units other ranks (or this
-        one) published, as ObjectRefs of raw bytes (never pickled tensors)."""
+    def load(self, job: RankJob) -> dict[str, Any]:
+        """Load (or reload) this rank; ``job.peers``: the shared units other ranks (or
+        this one) published, as ObjectRefs of raw bytes (never pickled tensors)."""
         peer_get = None
-        if peers:
+        if job.peers:
             import ray
 
             peer_get = ray.get
-        stats = self.loader.load(
-            reads,
-            source,
-            units=units,
-            version=version,
-            staging_budget=staging_budget,
-            whole_units=whole_units,
-            progress=self._set_progress,
-            peers=peers,
-            peer_get=peer_get,
-        )
+        stats = self.loader.run(job, progress=self._set_progress, peer_get=peer_get)
         return self.report(stats)
 
     def fence(self, token: int, wait_s: float = 30.0) -> bool:
@@ -234,6 +218,22 @@ def _node_ip() -> str:
         return str(ray.util.get_node_ip_address())  # type: ignore[no-untyped-call]
     except Exception:  # outside Ray: the name alone says where
         return "?"
+
+
+def stored_rank_plan(key: str) -> RankPlan:
+    """The rank plan a detached session stored in the GCS under ``key``. A detached rank
+    is given the key, not the plan: Ray restarts it with its first arguments, and one
+    larger than Ray passes inline is owned by the command that made the actor, gone once
+    that exits (docs/contract.md §4 "Detached sessions")."""
+    import pickle
+
+    from ...cluster import raycompat
+
+    raw = raycompat.kv_get(key)
+    if raw is None:
+        raise RuntimeError(f"this rank's plan {key!r} is not in the Ray cluster (released?)")
+    plan: RankPlan = pickle.loads(raw)
+    return plan
 
 
 def remote_class(worker: type[RankWorker] = RankWorker) -> Any:
