@@ -47,6 +47,7 @@ def test_reference_passes_the_table() -> None:
     assert nc.run_mx_cases(functools.partial(reference.mx_quantize, scale_alg=0)) == []
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("prefer_fast", [True, False])
 def test_cpu_backends_pass_the_table_and_match_the_reference(prefer_fast: bool) -> None:
     b = select_backend("cpu", prefer_fast=prefer_fast)
@@ -124,6 +125,7 @@ def test_the_engine_chooses_the_rule_per_model() -> None:
         scale_alg_for(own, "Qwen3MoeForCausalLM", 3)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fast", [False, True])
 def test_a_rank_loads_under_the_plan_s_rule(ckpt_factory, fast: bool) -> None:
     from mxload.orchestrator.plan.planner import build_plan, plan_to_json
