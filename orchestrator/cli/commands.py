@@ -153,10 +153,60 @@ def cmd_plan(args: argparse.Namespace) -> int:
     obj["device"] = args.device
     if obj["device_memory_bytes"] is None:
         obj["fits"] = None  # not checked: no --device-memory (docs/contract.md §5)
+    else:
+        add_kv_cache(obj, config, args)
     add_times(obj, plan, config, args, meta)
     per_node = max(1, args.devices_per_node)
     show.emit(args, obj, show.render_plan_table(obj, per_node, args.defaults_used))
     return 3 if obj["fits"] is False else 0
+
+
+def add_kv_cache(obj: dict[str, Any], config: Any, args: argparse.Namespace) -> None:
+    """The engine's KV cache beside the weights (``plan/kvcache.py``): per rank its room,
+    the longest request it holds alone and the batch of ``--max-model-len`` requests;
+    under ``kv_cache`` the knobs and whether every rank holds one such request, which
+    ``fits`` then requires too (docs/contract.md §5)."""
+    from ..plan.kvcache import rank_rooms
+
+    knobs = flags.serve_knobs(args)
+    ranks = obj["ranks"]
+    rooms = rank_rooms(
+        config,
+        obj["parallel"]["tp"],
+        [(r["layers"], r["peak_bytes"]) for r in ranks],
+        obj["device_memory_bytes"],
+        knobs,
+        args.device,
+    )
+    held = [(r, room) for r, room in zip(ranks, rooms, strict=True) if room is not None]
+    for entry, room in held:
+        entry["kv_cache"] = {
+            "room_bytes": room.room_bytes,
+            "bytes_per_sequence": room.bytes_per_sequence,
+            "blocks": room.blocks,
+            "largest_context": room.largest_context,
+            "largest_batch": room.largest_batch,
+        }
+    summary: dict[str, Any] = {
+        "gpu_memory_utilization": knobs.gpu_memory_utilization,
+        "max_model_len": held[0][1].max_model_len if held else knobs.max_model_len,
+        "max_num_seqs": knobs.max_num_seqs,
+        "kv_cache_dtype": knobs.kv_cache_dtype,
+        "enable_prefix_caching": knobs.enable_prefix_caching,
+        "fits": all(room.fits for _, room in held),
+    }
+    if held:
+        entry, room = min(held, key=lambda h: (h[1].largest_batch, h[1].largest_context))
+        g = room.geometry
+        summary.update(
+            kind=g.kind,
+            block_size=g.block_size,
+            page_bytes=g.page_bytes,
+            block_bytes=g.block_bytes,
+            tightest_rank=entry["rank"],
+        )
+    obj["kv_cache"] = summary
+    obj["fits"] = bool(obj["fits"]) and summary["fits"]
 
 
 def add_times(
