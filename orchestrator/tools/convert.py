@@ -328,7 +328,37 @@ def _write(
                 f,
                 indent=2,
             )
+    _carry_files(storage, fs, root_path)
     return counts[1]
+
+
+SERVING_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "generation_config.json",
+    "chat_template.jinja",
+    "chat_template.json",
+    "preprocessor_config.json",
+    "video_preprocessor_config.json",
+    "processor_config.json",
+)
+"""The files besides the weights that ``LLM(model=DST)`` reads (tokenizer, generation
+defaults, chat template, image and video preprocessors), copied as they are."""
+
+
+def _carry_files(storage: Storage, fs: Any, root_path: str) -> None:
+    """Copy the source's :data:`SERVING_FILES` (those it has) into the output, so that
+    the converted folder serves as the source would (docs/contract.md §5, convert)."""
+    for name in SERVING_FILES:
+        if storage.exists(name):
+            data = storage.read_file(name)
+            with fs.open(_join(root_path, name), "wb") as f:
+                f.write(data)
 
 
 # --- what to write ---------------------------------------------------------------------------
