@@ -443,6 +443,14 @@ def cmd_release(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_sessions(args: argparse.Namespace) -> int:
+    from ..runtime.listing import list_sessions
+
+    listing = list_sessions()
+    show.emit(args, listing, show.render_sessions(listing))
+    return 0
+
+
 def cmd_convert(args: argparse.Namespace) -> int:
     from ..tools.convert import convert_checkpoint
 
@@ -482,6 +490,7 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "reload": cmd_reload,
     "status": cmd_status,
     "release": cmd_release,
+    "sessions": cmd_sessions,
     "convert": cmd_convert,
 }
 

@@ -57,7 +57,7 @@ def option_strings(parser: argparse.ArgumentParser) -> list[str]:
     return [s for a in parser._actions for s in a.option_strings]
 
 
-ALL = ("demo", "make-checkpoint", "inspect", "plan", "load", "reload", "status", "release", "convert")  # fmt: skip
+ALL = ("demo", "make-checkpoint", "inspect", "plan", "load", "reload", "status", "release", "sessions", "convert")  # fmt: skip
 LAYOUT = ("plan", "load")
 """Commands that take a parallel layout."""
 SESSION = ("load", "reload", "status", "release")
@@ -520,6 +520,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     command("status", "a detached session's ranks, versions, addresses, memory")
     command("release", "end a detached session (and the head 'load --detach' started)")
+    command(
+        "sessions",
+        "the detached sessions and head recorded in $MXLOAD_HOME, from its files (no Ray call)",
+    )
 
     p = command("convert", "offline block-FP8 -> MXFP8 checkpoint (ModelOpt or vllm-ascend)")
     p.add_argument("src", metavar="SRC", help="block-FP8 checkpoint folder or fsspec URL")

@@ -229,6 +229,35 @@ def render_reloaded(manifest: dict[str, Any]) -> str:
     )
 
 
+def render_sessions(listing: dict[str, Any]) -> str:
+    """``sessions``: the recorded head, then a line per recorded session."""
+    import time
+
+    head = listing["head"]
+    lines = [f"$MXLOAD_HOME {listing['home']}:"]
+    if head is None:
+        lines.append("  no head recorded (`mxload load SRC --detach` starts one)")
+    else:
+        since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(head["started_at"]))
+        why = f" ({'; '.join(head['why'])})" if head["why"] else ""
+        lines.append(
+            f"  head {head['address']}, {head['devices']} {head['resource']}, started {since}: "
+            f"{head['state']}{why}"
+        )
+    if not listing["sessions"]:
+        lines.append("  no sessions recorded")
+    for s in listing["sessions"]:
+        if "unreadable" in s:
+            lines.append(f"  session {s['session']}: record unreadable ({s['unreadable']})")
+            continue
+        where = "" if s["on_recorded_head"] else " (not the recorded head)"
+        lines.append(
+            f"  session {s['session']}: head {s['address']}{where}, {s['running']} of "
+            f"{s['processes']} processes running (`mxload status --session {s['session']}`)"
+        )
+    return "\n".join(lines)
+
+
 def render_status(manifest: dict[str, Any]) -> str:
     versions = sorted({r["version"] for r in manifest["ranks"]})
     return "\n".join(
