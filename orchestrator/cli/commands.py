@@ -505,10 +505,12 @@ def configure_logging(debug: bool, verbose: bool) -> None:
     logging.basicConfig(level=level, format="mxload: %(levelname)s %(name)s: %(message)s")
     logging.getLogger("mxload").setLevel(level)
     if not debug:
-        from ...cluster.local import quiet_ray_logging
+        from ...cluster.local import route_ray_output
 
         warnings.filterwarnings("ignore")
-        quiet_ray_logging()
+        # Ray's tracebacks and warnings go to $MXLOAD_HOME/logs, never the terminal
+        # (docs/contract.md §5); --debug shows them as Ray prints them.
+        route_ray_output()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -608,6 +610,10 @@ def report_error(
         path = write_error_log(err, argv, hidden)
         if path:
             sys.stderr.write(f"mxload: the traceback is in {path} (or rerun with --debug)\n")
+    from ...cluster.local import ray_log_path
+
+    if code == 1 and ray_log_path():
+        sys.stderr.write(f"mxload: what Ray said is in {ray_log_path()}\n")
     return code
 
 
