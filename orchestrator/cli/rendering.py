@@ -461,7 +461,8 @@ def _kv_verdict(obj: dict[str, Any], kv: dict[str, Any], dev: int) -> str:
         return (
             f"FITS: the weights and a KV cache of {format_size(room['room_bytes'])} on the "
             f"tightest rank {rank['rank']} ({share} of {format_size(dev)}): "
-            f"{room['largest_batch']} requests of --max-model-len {length} at once "
+            f"{room['largest_batch']} request{'s' if room['largest_batch'] != 1 else ''} of "
+            f"--max-model-len {length} at once "
             f"(--max-num-seqs {kv['max_num_seqs']}), {room['largest_context']} tokens alone"
         )
     if room["room_bytes"] <= 0:
@@ -481,7 +482,11 @@ def _kv_verdict(obj: dict[str, Any], kv: dict[str, Any], dev: int) -> str:
             if longest
             else "lower --max-model-len"
         )
-        + ", raise --gpu-memory-utilization, or give the KV cache fp8 (--kv-cache-dtype fp8)"
+        + (
+            ", raise --gpu-memory-utilization, or give the KV cache fp8 (--kv-cache-dtype fp8)"
+            if not str(kv["kv_cache_dtype"]).startswith("fp8")
+            else " or raise --gpu-memory-utilization"
+        )
     )
 
 
