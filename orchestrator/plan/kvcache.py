@@ -185,17 +185,25 @@ def kv_dtype_bytes(config: ModelConfig, kv_cache_dtype: str) -> int:
     return size or MODEL_DTYPE_SIZE[config.model_dtype]
 
 
+DEFAULT_MAX_MODEL_LEN = 2048
+"""vLLM's length for a config that names none (``_get_and_verify_max_len``)."""
+
+
 def max_model_len(config: ModelConfig, knobs: ServeKnobs) -> int:
-    """``--max-model-len``, or the model's own length as vLLM derives it."""
-    if knobs.max_model_len is not None:
-        return knobs.max_model_len
-    if not config.max_position_embeddings:
+    """``--max-model-len``, or the model's own length as vLLM derives it (its
+    ``max_position_embeddings``, else :data:`DEFAULT_MAX_MODEL_LEN`). Above the model's
+    length it is refused, as vLLM refuses it."""
+    derived = config.max_position_embeddings
+    if knobs.max_model_len is None:
+        return derived or DEFAULT_MAX_MODEL_LEN
+    if derived and knobs.max_model_len > derived:
         raise UsageError(
-            f"{config.source}: no max_position_embeddings; give --max-model-len",
-            file=config.source,
+            f"--max-model-len {knobs.max_model_len} is above the model's length "
+            f"({config.source}: max_position_embeddings {derived}); vLLM refuses it "
+            "(unless VLLM_ALLOW_LONG_MAX_MODEL_LEN=1, at the model's peril)",
             key="--max-model-len",
         )
-    return config.max_position_embeddings
+    return knobs.max_model_len
 
 
 def kv_room(geom: KVGeometry, room_bytes: int, length: int, knobs: ServeKnobs, cap: int) -> KVRoom:

@@ -137,6 +137,7 @@ def test_vllm_spellings_of_the_layout_flags(mxload: Callable[..., tuple[int, str
         (["--block-size", "0"], "--block-size"),
         (["--kv-cache-dtype", "int3"], "--kv-cache-dtype"),
         (["--tensor-parallel-size", "0"], "--tp"),
+        (["--max-model-len", "40961"], "--max-model-len"),  # above max_position_embeddings
     ],
 )
 def test_knob_refusals(
@@ -145,3 +146,13 @@ def test_knob_refusals(
     rc, out, err = mxload("plan", "--model", "qwen3-32b-fp8", "--device-memory", "64GiB", *argv)
     assert rc == 2 and out == "", (rc, out)
     assert err.startswith("mxload: error: ") and flag in err and len(err.splitlines()) == 1, err
+
+
+def test_a_config_without_a_length_takes_vllms_default() -> None:
+    from mxload.orchestrator.plan.kvcache import max_model_len
+
+    raw = dict(model_config("qwen3-32b-fp8"))
+    raw.pop("max_position_embeddings")
+    cfg = parse_config(raw)
+    assert max_model_len(cfg, ServeKnobs()) == 2048  # vLLM's _get_and_verify_max_len
+    assert max_model_len(cfg, ServeKnobs(max_model_len=100_000)) == 100_000
