@@ -170,10 +170,15 @@ def add_kv_cache(obj: dict[str, Any], config: Any, args: argparse.Namespace) -> 
 
     knobs = flags.serve_knobs(args)
     ranks = obj["ranks"]
+    parallel = obj["parallel"]
+    # an MTP drafter's attention layers sit with the last stage's (mxload plans MTP
+    # with --pp 1), their cache in the same pool
+    draft = config.mtp_layers if knobs.num_speculative_tokens else 0
+    last = parallel["pp"] - 1
     rooms = rank_rooms(
         config,
-        obj["parallel"]["tp"],
-        [(r["layers"], r["peak_bytes"]) for r in ranks],
+        parallel["tp"],
+        [(r["layers"], draft if r["pp_rank"] == last else 0, r["peak_bytes"]) for r in ranks],
         obj["device_memory_bytes"],
         knobs,
         args.device,

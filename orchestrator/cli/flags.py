@@ -895,9 +895,18 @@ def serve_knobs(args: argparse.Namespace) -> Any:
         kv_cache_dtype=args.kv_cache_dtype,
         block_size=args.block_size,
         enable_prefix_caching=args.enable_prefix_caching,
+        num_speculative_tokens=speculative_tokens(args.speculative_config),
     )
     check_knobs(knobs)
     return knobs
+
+
+def speculative_tokens(text: str | None) -> int:
+    """``num_speculative_tokens`` of an MTP ``--speculative-config`` (checked by
+    :func:`speculative_method`); 0 without one."""
+    if speculative_method(text) == "":
+        return 0
+    return int(json.loads(str(text))["num_speculative_tokens"])
 
 
 def size(args: argparse.Namespace, name: str) -> int | None:

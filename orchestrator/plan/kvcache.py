@@ -63,6 +63,9 @@ class ServeKnobs:
     block_size: int | None = None
     """None: :data:`NPU_BLOCK_SIZE` on an NPU, :data:`BLOCK_SIZE` elsewhere."""
     enable_prefix_caching: bool = True
+    num_speculative_tokens: int = 0
+    """vLLM's ``speculative_config`` (MTP): each Gated DeltaNet state grows by these
+    conv rows, and a request keeps this many states more."""
 
 
 @dataclass(frozen=True)
@@ -111,10 +114,16 @@ class KVRoom:
 
 
 def geometry(
-    config: ModelConfig, layers: Sequence[int], tp: int, knobs: ServeKnobs, device: str
+    config: ModelConfig,
+    layers: Sequence[int],
+    tp: int,
+    knobs: ServeKnobs,
+    device: str,
+    draft_layers: int = 0,
 ) -> KVGeometry | None:
-    """The cache geometry of a rank holding decoder ``layers`` at ``tp``; None when it
-    holds no layer (no cache)."""
+    """The cache geometry of a rank holding decoder ``layers`` at ``tp`` and
+    ``draft_layers`` attention layers of an MTP drafter (their cache is in the same
+    pool); None when it holds no layer (no cache)."""
     dtype = kv_dtype_bytes(config, knobs.kv_cache_dtype)
     npu = device == "npu"
     block = knobs.block_size or (NPU_BLOCK_SIZE if npu else BLOCK_SIZE)
@@ -122,21 +131,21 @@ def geometry(
         return None
     if config.kv_lora_rank:
         per_token = (config.kv_lora_rank + config.qk_rope_head_dim) * dtype
-        n = len(layers)
+        n = len(layers) + draft_layers
         return KVGeometry("mla", block, block * per_token, block * per_token * n, 1, 0, 0)
     kv_heads = max(1, config.num_key_value_heads // tp)
     per_token = kv_heads * 2 * config.head_dim * dtype
-    attn = [i for i in layers if not config.is_linear_attention(i)]
-    gdn = len(layers) - len(attn)
+    attn = sum(not config.is_linear_attention(i) for i in layers) + draft_layers
+    gdn = len(layers) + draft_layers - attn
     if not gdn:
-        n = len(attn)
+        n = attn
         return KVGeometry("attention", block, block * per_token, block * per_token * n, 1, 0, 0)
-    state = gdn_state_bytes(config, tp)
+    state = gdn_state_bytes(config, tp, knobs.num_speculative_tokens)
     # The backend's smallest kernel block: 128 on vllm-ascend, 16 for FlashAttention.
     align = max(NPU_BLOCK_SIZE if npu else BLOCK_SIZE, block)
     block = max(block, align * ceil_div(state, align * per_token))
     page = block * per_token
-    counts = [c for c in (len(attn), gdn) if c]
+    counts = [c for c in (attn, gdn) if c]
     size = min(counts)
     if max(counts) < size * 1.5:
         size = max(counts)
@@ -145,20 +154,21 @@ def geometry(
         block,
         page,
         page * size,
-        ceil_div(len(attn), size) if attn else 0,
+        ceil_div(attn, size) if attn else 0,
         ceil_div(gdn, size),
-        2 if knobs.enable_prefix_caching else 1,
+        (2 if knobs.enable_prefix_caching else 1) + knobs.num_speculative_tokens,
     )
 
 
-def gdn_state_bytes(config: ModelConfig, tp: int) -> int:
-    """One Gated DeltaNet layer's state for one sequence on a rank of ``tp``: the conv
-    state and the temporal state, each in its dtype."""
+def gdn_state_bytes(config: ModelConfig, tp: int, num_spec: int = 0) -> int:
+    """One Gated DeltaNet layer's state for one sequence on a rank of ``tp`` (with
+    ``num_spec`` speculative tokens): the conv state and the temporal state, each in its
+    dtype."""
     conv_dim = (
         config.linear_key_head_dim * config.linear_num_key_heads * 2
         + config.linear_value_head_dim * config.linear_num_value_heads
     )
-    conv = conv_dim // tp * (config.linear_conv_kernel_dim - 1)
+    conv = conv_dim // tp * (config.linear_conv_kernel_dim - 1 + num_spec)
     temporal = (
         config.linear_num_value_heads
         // tp
@@ -244,23 +254,23 @@ def check_knobs(knobs: ServeKnobs) -> None:
 def rank_rooms(
     config: ModelConfig,
     tp: int,
-    ranks: Sequence[tuple[Sequence[int], int]],
+    ranks: Sequence[tuple[Sequence[int], int, int]],
     device_memory: int,
     knobs: ServeKnobs,
     device: str,
 ) -> list[KVRoom | None]:
-    """Per rank (its decoder layers, mxload's peak bytes on it): its KV room under the
-    knobs, or None for a rank holding no decoder layer."""
+    """Per rank (its decoder layers, its drafter's attention layers, mxload's peak bytes
+    on it): its KV room under the knobs, or None for a rank holding no layer."""
     check_knobs(knobs)
     length = max_model_len(config, knobs)
     cap = max(length, config.max_position_embeddings)
     budget = int(knobs.gpu_memory_utilization * device_memory)
-    seen: dict[tuple[tuple[int, ...], int], KVRoom | None] = {}
+    seen: dict[tuple[tuple[int, ...], int, int], KVRoom | None] = {}
     out: list[KVRoom | None] = []
-    for layers, peak in ranks:
-        key = (tuple(layers), peak)
+    for layers, draft, peak in ranks:
+        key = (tuple(layers), draft, peak)
         if key not in seen:
-            geom = geometry(config, layers, tp, knobs, device)
+            geom = geometry(config, layers, tp, knobs, device, draft)
             seen[key] = None if geom is None else kv_room(geom, budget - peak, length, knobs, cap)
         out.append(seen[key])
     return out

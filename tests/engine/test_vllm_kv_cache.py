@@ -54,12 +54,17 @@ def _vllm_config(max_model_len: int, mode: str) -> Any:
 @pytest.mark.parametrize("tp", [1, 2, 4, 8])
 @pytest.mark.parametrize("prefix_caching", [True, False])
 @pytest.mark.parametrize("device", ["npu", "cuda"])
+@pytest.mark.parametrize("num_spec", [0, 2])
 def test_hybrid_qwen3_5_as_vllm_sizes_it(
-    vllm: types.SimpleNamespace, tp: int, prefix_caching: bool, device: str
+    vllm: types.SimpleNamespace, tp: int, prefix_caching: bool, device: str, num_spec: int
 ) -> None:
+    """``num_spec``: MTP speculative tokens (the GDN layers' ``get_kv_cache_spec`` in
+    mamba/abstract.py: conv rows and ``num_speculative_blocks``), with the drafter's one
+    full-attention layer in the pool."""
     cfg = parse_config(model_config("qwen3.8-27b-fp8"))
-    knobs = ServeKnobs(enable_prefix_caching=prefix_caching)
-    g = geometry(cfg, range(cfg.num_hidden_layers), tp, knobs, device)
+    knobs = ServeKnobs(enable_prefix_caching=prefix_caching, num_speculative_tokens=num_spec)
+    draft = 1 if num_spec else 0
+    g = geometry(cfg, range(cfg.num_hidden_layers), tp, knobs, device, draft)
     assert g is not None and g.kind == "hybrid"
     shapes = vllm.mamba.MambaStateShapeCalculator.gated_delta_net_state_shape(
         tp,
@@ -68,13 +73,13 @@ def test_hybrid_qwen3_5_as_vllm_sizes_it(
         cfg.linear_key_head_dim,
         cfg.linear_value_head_dim,
         cfg.linear_conv_kernel_dim,
-        0,
+        num_spec,
     )
     dtypes = vllm.mamba.MambaStateDtypeCalculator.gated_delta_net_state_dtype(
         torch.bfloat16, "auto", "auto"
     )
     state = vllm.kvi.MambaSpec(shapes=shapes, dtypes=dtypes, block_size=-1).page_size_bytes
-    assert gdn_state_bytes(cfg, tp) == state
+    assert gdn_state_bytes(cfg, tp, num_spec) == state
 
     def attn(block: int) -> int:
         return vllm.kvi.FullAttentionSpec(
@@ -92,7 +97,11 @@ def test_hybrid_qwen3_5_as_vllm_sizes_it(
     assert g.page_bytes == attn(g.block_size)
     mode = "align" if prefix_caching else "none"
     padded = vllm.kvi.MambaSpec(
-        shapes=shapes, dtypes=dtypes, block_size=g.block_size, page_size_padded=g.page_bytes
+        shapes=shapes,
+        dtypes=dtypes,
+        block_size=g.block_size,
+        page_size_padded=g.page_bytes,
+        num_speculative_blocks=num_spec,
     )
     length = 262144
     vc = _vllm_config(length, mode)
@@ -108,7 +117,9 @@ def test_hybrid_qwen3_5_as_vllm_sizes_it(
         g.page_bytes,
     )
     state_blocks = ceil_div(padded.max_memory_usage_bytes(vc), padded.page_size_bytes)
-    assert g.blocks_for(length) == 1 * attn_blocks + 3 * state_blocks  # 16 full : 48 GDN
+    # 16 (+1 drafter) full : 48 GDN layers, grouped by the smaller count: 1 and 3 groups
+    assert g.block_bytes == g.page_bytes * (16 + draft)
+    assert g.blocks_for(length) == 1 * attn_blocks + 3 * state_blocks
 
 
 @pytest.mark.parametrize("tp", [1, 8, 16])

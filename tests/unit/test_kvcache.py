@@ -156,3 +156,18 @@ def test_a_config_without_a_length_takes_vllms_default() -> None:
     cfg = parse_config(raw)
     assert max_model_len(cfg, ServeKnobs()) == 2048  # vLLM's _get_and_verify_max_len
     assert max_model_len(cfg, ServeKnobs(max_model_len=100_000)) == 100_000
+
+
+def test_an_mtp_drafter_shares_the_pool(mxload: Callable[..., tuple[int, str, str]]) -> None:
+    """With --speculative-config MTP the drafter's one full-attention layer joins the
+    16 of Qwen3.8-27B (groups of 17 layers), and a request keeps more GDN states."""
+    argv = ["plan", "--model", "qwen3.8-27b-fp8", "--tp", "4", "--device-memory", "64GiB", "--json"]
+    _, plain, _ = mxload(*argv)
+    spec = '{"method": "mtp", "num_speculative_tokens": 2}'
+    _, out, _ = mxload(*argv, "--speculative-config", spec)
+    kv0, kv = json.loads(plain)["kv_cache"], json.loads(out)["kv_cache"]
+    assert kv0["block_bytes"] == 16 * kv0["page_bytes"]
+    assert kv["block_bytes"] == 17 * kv["page_bytes"]
+    seq0 = json.loads(plain)["ranks"][0]["kv_cache"]["bytes_per_sequence"]
+    seq = json.loads(out)["ranks"][0]["kv_cache"]["bytes_per_sequence"]
+    assert seq > seq0
