@@ -118,11 +118,12 @@ def convert_rate(
 ) -> float:
     """Source bytes per second one fused CPU rank converts (rank 0 of ``layout``, default
     tp=1; local disk, warm): ``pick`` of ``runs`` loads."""
+    from mxload.orchestrator.plan.message import SourceInfo
     from mxload.orchestrator.plan.planner import build_plan
     from mxload.orchestrator.plan.types import ParallelLayout
     from mxload.orchestrator.runtime.catalog import open_checkpoint
     from mxload.workers.numerics.select import select_backend
-    from mxload.workers.rank.loader import RankLoader, SourceInfo
+    from mxload.workers.rank.loader import RankLoader
 
     meta = open_checkpoint(src)
     plan = build_plan(meta.config, layout or ParallelLayout(), checkpoint=meta)
@@ -459,12 +460,13 @@ def experts_section(work: Path, *, quick: bool) -> dict[str, Any]:
     import mxload.orchestrator.plan.memory as memory_mod
     import mxload.workers.rank.run as loader_mod
     import mxload.workers.storage.store as storage_mod
+    from mxload.orchestrator.plan.message import SourceInfo
     from mxload.orchestrator.plan.planner import build_plan
     from mxload.orchestrator.plan.ranges import CoalescePolicy
     from mxload.orchestrator.plan.types import ParallelLayout
     from mxload.orchestrator.runtime.catalog import open_checkpoint
     from mxload.workers.numerics.select import select_backend
-    from mxload.workers.rank.loader import RankLoader, SourceInfo
+    from mxload.workers.rank.loader import RankLoader
 
     src = make(work, "experts", "qwen3-moe-tiny", EXPERTS)
     meta = open_checkpoint(src)

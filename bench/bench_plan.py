@@ -44,6 +44,7 @@ from bench.common import (
     load_average,
     log,
     machine_facts,
+    render_section,
     run_timed,
 )
 
@@ -397,7 +398,6 @@ def main(argv: list[str] | None = None) -> int:
         (out / "plan-scale.json").write_text(json.dumps(res, indent=1, default=str))
         print(text)
         return 0
-    from bench.run import render_section
 
     print(render_section(bench_plan(quick=args.quick)))
     return 0

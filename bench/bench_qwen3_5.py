@@ -24,13 +24,14 @@ from pathlib import Path
 from typing import Any
 
 from common import interleave, load_average, log, machine_facts, md_table, paired_ratio
+from mxload.orchestrator.plan.message import SourceInfo
 from mxload.orchestrator.plan.planner import build_plan
 from mxload.orchestrator.plan.types import ParallelLayout
 from mxload.orchestrator.runtime.catalog import open_checkpoint
 from mxload.orchestrator.tools.convert import convert_checkpoint
 from mxload.orchestrator.tools.synth import make_checkpoint, preset_config
 from mxload.workers.numerics.select import select_backend
-from mxload.workers.rank.loader import RankLoader, SourceInfo
+from mxload.workers.rank.loader import RankLoader
 
 SIZE = {
     "hidden_size": 2048,

@@ -103,9 +103,9 @@ print(took[0] - took[1])
 
 def _rank_inputs(src: str, layout: Any, *, remote: bool) -> tuple[Any, Any, Any]:
     """The plan of ``layout`` on ``src``, its rank 0 and the source the loader reads."""
+    from mxload.orchestrator.plan.message import SourceInfo
     from mxload.orchestrator.plan.planner import build_plan
     from mxload.orchestrator.runtime.catalog import open_checkpoint
-    from mxload.workers.rank.loader import SourceInfo
 
     meta = open_checkpoint(src)
     plan = build_plan(meta.config, layout, checkpoint=meta, remote=remote)
@@ -122,14 +122,19 @@ def probe_start(url: str, layout: Any, work: Path, *, runs: int = 3) -> float:
     import statistics
     import subprocess
 
+    from mxload.orchestrator.plan.message import RankJob
     from mxload.orchestrator.runtime import shared_reads
-    from mxload.orchestrator.runtime.ray_run import staging_budget_of
+    from mxload.orchestrator.runtime.request import staging_budget_of
 
     plan, rp, source = _rank_inputs(url, layout, remote=True)
     reads_all = [r.reads for r in plan.ranks]
     budgets = [staging_budget_of(plan, r) for r in plan.ranks]
     nodes = ["node"] * len(plan.ranks)
-    share, _ = shared_reads.plan_shares(plan, nodes, "cluster", reads_all, source, budgets, True)
+    jobs = [
+        RankJob(tuple(reads), source, 1, budget, whole_units=True)
+        for reads, budget in zip(reads_all, budgets, strict=True)
+    ]
+    share, _ = shared_reads.plan_shares(plan, nodes, "cluster", jobs)
     owned = [next(i for r, i in s.users if r == 0) for s in share.owned_by(0)]
     i = max(owned, key=lambda i: reads_all[0][i].nbytes)
     items = [(0, rp.units[i], reads_all[0][i])]

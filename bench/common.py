@@ -371,3 +371,29 @@ def gb(n: float) -> float:
 def log(msg: str) -> None:
     """Progress on stderr (results go to files)."""
     print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def render_section(sec: dict[str, Any]) -> str:
+    """One section as markdown."""
+    out = [f"## {sec['title']}", ""]
+    if sec.get("error"):
+        out += [f"**FAILED**: `{sec['error']}`", ""]
+        return "\n".join(out)
+    if sec.get("what"):
+        out += [sec["what"], ""]
+    if sec.get("load_average"):
+        before, after = sec["load_average"]
+        out += [
+            f"Load average (1/5/15 min) before: {before}, after: {after}; section took "
+            f"{sec.get('seconds', '?')} s.",
+            "",
+        ]
+    for table in sec.get("tables", []):
+        if table.get("caption"):
+            out += [f"*{table['caption']}*", ""]
+        out += [md_table(table["headers"], table["rows"]), ""]
+    for note in sec.get("notes", []):
+        out.append(f"- {note}")
+    if sec.get("notes"):
+        out.append("")
+    return "\n".join(out)

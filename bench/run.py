@@ -45,6 +45,7 @@ from bench.common import (
     log,
     machine_facts,
     md_table,
+    render_section,
     run_timed,
 )
 
@@ -53,32 +54,6 @@ SECTIONS = ("kernels", "convert", "load", "amplification", "staging", "reload", 
 
 ORDER = ("kernels", "convert", "load", "load_ray", "amplification", "staging", "reload", "plan")
 """Order of sections in RESULTS.md (the benchmark numbers of the issue)."""
-
-
-def render_section(sec: dict[str, Any]) -> str:
-    """One section as markdown."""
-    out = [f"## {sec['title']}", ""]
-    if sec.get("error"):
-        out += [f"**FAILED**: `{sec['error']}`", ""]
-        return "\n".join(out)
-    if sec.get("what"):
-        out += [sec["what"], ""]
-    if sec.get("load_average"):
-        before, after = sec["load_average"]
-        out += [
-            f"Load average (1/5/15 min) before: {before}, after: {after}; section took "
-            f"{sec.get('seconds', '?')} s.",
-            "",
-        ]
-    for table in sec.get("tables", []):
-        if table.get("caption"):
-            out += [f"*{table['caption']}*", ""]
-        out += [md_table(table["headers"], table["rows"]), ""]
-    for note in sec.get("notes", []):
-        out.append(f"- {note}")
-    if sec.get("notes"):
-        out.append("")
-    return "\n".join(out)
 
 
 def render(report: dict[str, Any]) -> str:

@@ -17,6 +17,7 @@ in the job's ``runtime_env``. Importing this module changes nothing.
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -178,6 +179,29 @@ def _worker_runtime_env() -> dict[str, Any]:
 def mxload_home() -> Path:
     """Where detached sessions record their heads: $MXLOAD_HOME or ~/.mxload."""
     return Path(os.environ.get("MXLOAD_HOME") or Path.home() / ".mxload")
+
+
+def check_home_writable() -> Path:
+    """$MXLOAD_HOME, made (0700) if missing, when this user can write there and its
+    ``head.json`` (if any) is a file; else SessionError (exit 2) naming it. Checked
+    before a head is started: one recorded nowhere could not be found again."""
+    home = mxload_home()
+    try:
+        home.mkdir(mode=0o700, parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(dir=home, prefix=".mxload-probe-")
+        os.close(fd)
+        os.remove(probe)
+        record = _record_path(home)
+        if os.path.lexists(record) and not record.is_file():
+            raise IsADirectoryError(errno.EISDIR, "not a regular file", str(record))
+    except OSError as err:
+        raise SessionError(
+            f"$MXLOAD_HOME {home}: cannot record a Ray head there "
+            f"({err.strerror or type(err).__name__}: {err.filename or home}); nothing was "
+            "started. Set MXLOAD_HOME to a folder you can write",
+            key="MXLOAD_HOME",
+        ) from None
+    return home
 
 
 def free_port() -> int:
@@ -511,9 +535,8 @@ def start_detached_head(
 ) -> HeadRecord:
     """Start a local Ray head as its own background process (``ray start --head``), bound
     to loopback, and record where it is under $MXLOAD_HOME so other processes find it."""
+    home = check_home_writable()
     prepare_environment()
-    home = mxload_home()
-    home.mkdir(parents=True, exist_ok=True)
     existing = read_head_record()
     if existing is not None and head_alive(existing):
         return existing
@@ -562,11 +585,32 @@ def start_detached_head(
         token=token,
         processes=describe_processes(ours),
     )
-    path = _record_path(home)
-    path.touch(mode=0o600, exist_ok=True)
-    path.chmod(0o600)
-    path.write_text(json.dumps(asdict(record), indent=2))
+    try:
+        _write_head_record(home, record)
+    except OSError as err:
+        end_head(record)  # recorded nowhere, it could never be found again
+        raise SessionError(
+            f"$MXLOAD_HOME {home}: cannot record the Ray head just started "
+            f"({err.strerror or type(err).__name__}); it was stopped. Set MXLOAD_HOME to a "
+            "folder you can write",
+            key="MXLOAD_HOME",
+        ) from None
     return record
+
+
+def _write_head_record(home: Path, record: HeadRecord) -> None:
+    """head.json, mode 0600 from its creation (it holds the head's token)."""
+    path = _record_path(home)
+    tmp = home / f".head.json.{os.getpid()}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(json.dumps(asdict(record), indent=2))
+        os.chmod(tmp, 0o600)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 HEAD_START_ATTEMPTS = 3

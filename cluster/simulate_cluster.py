@@ -77,7 +77,7 @@ DEFAULT_OBJECT_STORE = 256 * 1024 * 1024
 # (see the module docstring): pass the multi-node check, keep 127.0.0.1 as given.
 _WORKER_LAUNCHER = """
 import sys
-from .raycompat import allow_loopback_worker_node
+from mxload.cluster.raycompat import allow_loopback_worker_node
 
 allow_loopback_worker_node()
 from ray.scripts.scripts import main
@@ -89,7 +89,7 @@ main()
 # the environment) and waits until every node is alive: proves the recorded env works.
 _CHECK = """
 import json, sys, time
-from .local import connect
+from mxload.cluster.local import connect
 import ray
 expected, timeout_s = int(sys.argv[2]), float(sys.argv[3])
 connect(sys.argv[1])

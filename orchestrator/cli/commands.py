@@ -16,13 +16,20 @@ import os
 import sys
 import warnings
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ...cluster.local import mxload_home
 from ..errors import MxloadError, OutputError, UsageError
 from ..runtime.models import model_config, model_config_path, model_names
 from . import flags
 from . import rendering as show
+
+if TYPE_CHECKING:
+    from ..plan.checkpoint import CheckpointMeta
+    from ..plan.config import ModelConfig
+    from ..plan.types import ParallelLayout, Plan
+    from ..runtime.outputs import OutputDir
+    from ..runtime.request import LoadRequest
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +77,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
-def _plan_config(args: argparse.Namespace) -> tuple[Any, Any]:
+def _plan_config(args: argparse.Namespace) -> tuple[ModelConfig, CheckpointMeta | None]:
     """The model config ``plan`` is for, and the checkpoint when it reads one."""
     from ..plan.config import parse_config
 
@@ -117,8 +124,13 @@ def _local_source(args: argparse.Namespace) -> bool:
 
 
 def _build_plan(
-    args: argparse.Namespace, config: Any, meta: Any, layout: Any, *, device_memory: bool
-) -> Any:
+    args: argparse.Namespace,
+    config: ModelConfig,
+    meta: CheckpointMeta | None,
+    layout: ParallelLayout,
+    *,
+    device_memory: bool,
+) -> Plan:
     """The plan of ``layout`` under the command's flags (``device_memory``: checked too)."""
     from ..plan.planner import build_plan
 
@@ -140,6 +152,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from ..plan.planner import plan_to_json
 
     layout = flags.layout(args)
+    if args.from_trainer is None:
+        from .refit import refuse_refit_flags
+
+        refuse_refit_flags(args)
     config, meta = _plan_config(args)
     budget = flags.size(args, "staging_budget")
     plan = _build_plan(args, config, meta, layout, device_memory=True)
@@ -157,7 +173,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
         add_kv_cache(obj, config, args)
     add_times(obj, plan, config, args, meta)
     per_node = max(1, args.devices_per_node)
-    show.emit(args, obj, show.render_plan_table(obj, per_node, args.defaults_used))
+    human = show.render_plan_table(obj, per_node, args.defaults_used)
+    if args.from_trainer is not None:
+        from .refit import add_refit
+
+        human += "\n" + add_refit(obj, plan, config, args)
+    show.emit(args, obj, human)
     return 3 if obj["fits"] is False else 0
 
 
@@ -215,7 +236,11 @@ def add_kv_cache(obj: dict[str, Any], config: Any, args: argparse.Namespace) -> 
 
 
 def add_times(
-    obj: dict[str, Any], plan: Any, config: Any, args: argparse.Namespace, meta: Any = None
+    obj: dict[str, Any],
+    plan: Plan,
+    config: ModelConfig,
+    args: argparse.Namespace,
+    meta: CheckpointMeta | None = None,
 ) -> None:
     """The time model's prediction (``mxload.orchestrator.plan.timemodel``) into the plan
     object: per rank ``predicted_load_seconds`` / ``predicted_reload_seconds`` and its
@@ -256,7 +281,11 @@ REQUEST_KINDS = {
 
 
 def request_bound(
-    plan: Any, config: Any, args: argparse.Namespace, got: dict[str, Any], meta: Any
+    plan: Plan,
+    config: ModelConfig,
+    args: argparse.Namespace,
+    got: dict[str, Any],
+    meta: CheckpointMeta | None,
 ) -> dict[str, Any]:
     """Why requests bound the slowest rank, and the flags that would help, each with its
     predicted time (the plan rebuilt under it)."""
@@ -271,7 +300,7 @@ def request_bound(
     moe_split = config.is_moe and not layout.enable_expert_parallel
     if moe_split:
         cause += "; every rank reads its slice of every expert"
-    options: list[tuple[str, Any, str]] = []
+    options: list[tuple[str, ParallelLayout, str]] = []
     if moe_split:
         options.append(
             ("--enable-expert-parallel", replace(layout, enable_expert_parallel=True), args.share)
@@ -309,7 +338,7 @@ def request_bound(
     return {"slowest_rank": got["slowest_rank"], "cause": cause, "would_help": helps}
 
 
-def _load_request(args: argparse.Namespace) -> Any:
+def _load_request(args: argparse.Namespace) -> LoadRequest:
     from ..runtime.request import LoadRequest
 
     if args.max_restarts < 0:
@@ -341,7 +370,7 @@ def _write_report(path: str | None, manifest: dict[str, Any]) -> None:
         write_file_atomic(path, json.dumps(manifest, indent=1).encode(), "--report")
 
 
-def _outputs(args: argparse.Namespace) -> Any:
+def _outputs(args: argparse.Namespace) -> OutputDir | None:
     """Check --report and --dump before any work (outputs.py): writable, and overwriting
     no input (SRC; a session's checkpoint is checked where it is known). The checked
     --dump target."""
@@ -603,7 +632,7 @@ def report_error(
     also gets a log file (the traceback, the worker's remote traceback) whose path is
     printed on a second line; ``--debug`` shows them."""
     from ...workers.storage.options import scrub
-    from ..runtime.reports import first_line, plain
+    from ..runtime.worker_errors import first_line, plain
 
     context = err.context if isinstance(err, MxloadError) else {}
     if isinstance(err, MxloadError):

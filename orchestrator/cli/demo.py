@@ -25,7 +25,8 @@ from ..plan.types import ParallelLayout
 def reference_checksums(src: str, layout: ParallelLayout, rank: int) -> dict[str, str]:
     """Checksums of one rank's buffers converted in-process by the CPU reference path."""
     from ...workers.numerics.select import select_backend
-    from ...workers.rank.loader import RankLoader, SourceInfo
+    from ...workers.rank.loader import RankLoader
+    from ..plan.message import RankJob, SourceInfo
     from ..plan.planner import build_plan
     from ..runtime.catalog import open_checkpoint
 
@@ -38,11 +39,14 @@ def reference_checksums(src: str, layout: ParallelLayout, rank: int) -> dict[str
         backend=select_backend("cpu", prefer_fast=False),
     )
     q = meta.config.quant
-    loader.load(
-        list(rp.reads or ()),
-        SourceInfo(root=src, quant=q.kind, block_n=q.block_n, block_k=q.block_k),
-        version=1,
-        staging_budget=plan.min_staging_reload * 4,
+    source = SourceInfo(root=src, quant=q.kind, block_n=q.block_n, block_k=q.block_k)
+    loader.run(
+        RankJob(
+            reads=rp.reads or (),
+            source=source,
+            version=1,
+            staging_budget=plan.min_staging_reload * 4,
+        )
     )
     return loader.checksums()
 

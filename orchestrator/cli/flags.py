@@ -24,8 +24,7 @@ from ...cluster.local import mxload_home
 from ...workers.storage.urls import absolute, local_path
 from ...workers.storage.urls import is_remote as is_remote_url
 from ..errors import MxloadError, UsageError
-from ..plan.engines import DEFAULT_ENGINE
-from ..plan.releases import known_engines
+from ..plan.engines import DEFAULT_ENGINE, known_engines
 from ..plan.sharing import DEFAULT_SHARE, SHARE_SCOPES
 from ..plan.sizes import parse_size
 from ..plan.types import ParallelLayout
@@ -324,6 +323,37 @@ FLAGS: tuple[Flag, ...] = (
         "time model: requests per second the store serves the whole cluster (0: unlimited)",
         0.0,
         kwargs={"type": float, "metavar": "N"},
+    ),
+    # refit from a trainer's memory (no defaults here: a plan without --from-trainer
+    # lists none of them among its defaults; orchestrator/cli/refit.py fills them in)
+    Flag(
+        ("--from-trainer",),
+        ("plan",),
+        "plan a refit from a trainer's memory beside the storage round trip: a trainer "
+        "manifest (JSON FILE, docs/contract.md), or fsdp:N / megatron:N for N trainer "
+        "ranks holding the plan's model in BF16, --devices-per-node of them per node",
+        kwargs={"metavar": "MANIFEST"},
+    ),
+    Flag(
+        ("--trainer-link",),
+        ("plan",),
+        "refit: how the bytes move: hccl or nccl (--network-bandwidth between nodes), "
+        "gloo, ray (object store) or shm (within a node only) (default: hccl)",
+        kwargs={"choices": ["hccl", "nccl", "gloo", "ray", "shm"]},
+    ),
+    Flag(
+        ("--convert-on",),
+        ("plan",),
+        "refit: where BF16 becomes MXFP8: receiver (BF16 on the wire) or sender (MXFP8 on "
+        "the wire) (default: receiver)",
+        kwargs={"choices": ["receiver", "sender"]},
+    ),
+    Flag(
+        ("--bucket-size",),
+        ("plan",),
+        f"refit: bytes one trainer rank packs into one message (default: 256MiB; {SIZE_HELP})",
+        size=True,
+        kwargs={"metavar": "SIZE"},
     ),
     # cluster and session
     Flag(
@@ -777,6 +807,7 @@ def storage_options(args: argparse.Namespace) -> dict[str, Any] | None:
             ) from None
         if not isinstance(value, dict):
             raise UsageError(f"{where}: must be a JSON object", key="--storage-options")
+        _check_option_shapes(value, where)
     # The source flags travel as storage options: every worker then reads under them. A
     # flag and the same key in the JSON must agree: neither silently wins.
     given = {
@@ -801,6 +832,42 @@ def storage_options(args: argparse.Namespace) -> dict[str, Any] | None:
             )
         value[key] = flag_value
     return value or None
+
+
+OPTION_OBJECTS = ("client_kwargs", "config_kwargs", "headers")
+"""Storage options fsspec's back ends take as objects (keyword arguments, HTTP headers)."""
+
+
+def _check_option_shapes(value: dict[str, Any], where: str) -> None:
+    """Refuse what fsspec would fail on later, and say so here: an HTTP back end turns
+    any failure of a request (a header that is a number, ``client_kwargs`` that is not
+    an object) into "no such file". Names keys only: the values may be secrets."""
+    places = [("", value)]
+    if isinstance(value.get("client_kwargs"), dict):
+        places.append(("client_kwargs.", value["client_kwargs"]))
+    for prefix, holder in places:
+        for key in OPTION_OBJECTS:
+            if key in holder and not isinstance(holder[key], dict):
+                raise UsageError(
+                    f"{where}: {prefix}{key} must be a JSON object", key="--storage-options"
+                )
+        for name, header in (holder.get("headers") or {}).items():
+            if not isinstance(header, str):
+                raise UsageError(
+                    f"{where}: {prefix}headers {name!r} must be a JSON string (an HTTP "
+                    f"header's value is text), not {_json_kind(header)}",
+                    key="--storage-options",
+                )
+
+
+def _json_kind(value: Any) -> str:
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, int | float):
+        return "a number"
+    if isinstance(value, list):
+        return "an array"
+    return "an object" if isinstance(value, dict) else "null"
 
 
 OPTIONS_FILE_MAX_BYTES = 1 << 20

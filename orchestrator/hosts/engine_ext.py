@@ -247,13 +247,7 @@ class _OneRank:
         self, inputs: ReloadInputs, version: int, on_progress: Progress | None
     ) -> list[Report]:
         r = self.rank
-        self.last_stats = self.loader.reload(
-            list(inputs.reads[r]),
-            inputs.source,
-            version=version,
-            staging_budget=inputs.budgets[r],
-            units=list(inputs.units[r]),
-        )
+        self.last_stats = self.loader.run(inputs.job(r, version))
         self.loader.backend.synchronize()
         self.check("while mxload wrote")
         tensors = {

@@ -52,6 +52,7 @@ from typing import TYPE_CHECKING
 
 from ..errors import LayoutError, UsageError
 from .formats import LAYOUT_DENSE, MX_GROUP
+from .releases import RELEASES, SourceRef
 
 if TYPE_CHECKING:
     from .types import RankPlan
@@ -76,14 +77,6 @@ class BufferView:
         n = len(self.view)
         if sorted(self.view) != list(range(n)) or sorted(self.storage) != list(range(n)):
             raise ValueError(f"BufferView {self}: view and storage must be permutations")
-
-
-@dataclass(frozen=True)
-class SourceRef:
-    """Where a fact of a profile was read: file and lines of the engine's source."""
-
-    what: str
-    where: str
 
 
 @dataclass(frozen=True)
@@ -299,11 +292,14 @@ ENGINES: Mapping[str, EngineProfile] = {
 DEFAULT_ENGINE = MXLOAD.name
 
 
+def known_engines() -> list[str]:
+    """What ``--engine`` takes: the profiles, then the release names (each once)."""
+    return list(dict.fromkeys([*ENGINES, *RELEASES]))
+
+
 def engine_profile(name: str | EngineProfile) -> EngineProfile:
     """The profile called ``name``, or the profile of the release called ``name``;
     UsageError naming ``--engine`` and the known ones."""
-    from .releases import RELEASES, known_engines
-
     if isinstance(name, EngineProfile):
         return name
     found = ENGINES.get(name)

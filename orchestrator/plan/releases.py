@@ -21,7 +21,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from ..errors import UsageError
-from .engines import SourceRef
 
 ACL_FORMAT_FRACTAL_NZ = 29
 """torch_npu's storage-format code of FRACTAL_NZ (vllm_ascend/utils.py:56 in 0.23.0.post1)."""
@@ -34,6 +33,15 @@ FORMATS = ("modelopt", "ascend")
 
 QUANTIZATION_OF_FORMAT = {"modelopt": "modelopt_mxfp8", "ascend": "ascend"}
 """The vLLM quantization method name each format is dispatched to."""
+
+
+@dataclass(frozen=True)
+class SourceRef:
+    """Where a fact of a profile or a release was read: file and lines of the engine's
+    source."""
+
+    what: str
+    where: str
 
 
 @dataclass(frozen=True)
@@ -296,13 +304,6 @@ def engine_release(engine: str) -> EngineRelease | None:
     """The release ``engine`` (a release or profile name) stands for; None for mxload's
     own layout, which has no engine settings."""
     return RELEASES.get(_RELEASE_OF_PROFILE.get(engine, engine))
-
-
-def known_engines() -> list[str]:
-    """What ``--engine`` takes: the profiles, then the release names (each once)."""
-    from .engines import ENGINES
-
-    return list(dict.fromkeys([*ENGINES, *RELEASES]))
 
 
 def release_of_version(version: str) -> EngineRelease:

@@ -13,6 +13,8 @@ from typing import Any
 
 from ...workers.storage.urls import is_remote
 from ..errors import InputError, PlanDoesNotFit, StagingBudgetError, UsageError
+from ..plan.checkpoint import CheckpointMeta
+from ..plan.message import RankJob
 from ..plan.types import Plan
 from .outputs import OutputDir
 from .ray_run import RayRun
@@ -25,11 +27,12 @@ from .reports import (
 from .request import (
     LoadRequest,
     source_info,
+    staging_budget_of,
     workers_fused,
 )
 
 
-def plan_load(req: LoadRequest) -> tuple[Any, Plan]:
+def plan_load(req: LoadRequest) -> tuple[CheckpointMeta, Plan]:
     """Read config and headers, build and check the plan. Pure apart from the reads."""
     if req.address:
         # First: a dead --address is refused in seconds, before the slow imports.
@@ -109,7 +112,7 @@ def load(
 
 def first_load(
     run: RayRun,
-    meta: Any,
+    meta: CheckpointMeta,
     *,
     on_progress: Callable[[list[tuple[int, int, int]]], None] | None = None,
 ) -> dict[str, Any]:
@@ -120,13 +123,16 @@ def first_load(
     run.place()
     run.check_devices()
     run.spawn()
-    reports = run.run_all(
-        [list(r.reads or ()) for r in plan.ranks],
-        source,
-        version=1,
-        whole_units=False,
-        on_progress=on_progress,
-    )
+    jobs = [
+        RankJob(
+            reads=r.reads or (),
+            source=source,
+            version=1,
+            staging_budget=staging_budget_of(plan, r),
+        )
+        for r in plan.ranks
+    ]
+    reports = run.run_all(jobs, on_progress=on_progress)
     manifest = build_manifest(plan, reports)
     manifest["seconds"] = round(time.perf_counter() - t0, 3)
     manifest["placement"] = {

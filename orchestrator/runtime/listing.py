@@ -1,8 +1,9 @@
 """``mxload sessions``: what ``$MXLOAD_HOME`` records, read from its files alone.
 
 The head ``load --detach`` started (``head.json``, ``cluster/local.py``) and each detached
-session's record (``sessions/<name>.json``: its head's address and its processes on this
-machine), each with whether its processes still run. No Ray call: a stopped or dead head
+session's record (``sessions/<name>.json``, written by ``records.record_session``: its
+head's address and its processes on this machine), each with whether its processes still
+run. No Ray call: a stopped or dead head
 cannot make the listing wait, and listing starts nothing (docs/contract.md §5).
 """
 
@@ -12,6 +13,7 @@ import json
 from typing import Any
 
 from ...cluster.local import head_down, head_stopped, live_process, mxload_home, read_head_record
+from .heads import same_address
 
 
 def list_sessions() -> dict[str, Any]:
@@ -46,7 +48,7 @@ def list_sessions() -> dict[str, Any]:
             {
                 "session": name,
                 "address": address,
-                "on_recorded_head": record is not None and address == record.address,
+                "on_recorded_head": record is not None and same_address(address, record.address),
                 "processes": len(procs),
                 "running": sum(live_process(p) is not None for p in procs),
             }

@@ -84,6 +84,7 @@ def check_file_target(path: str | None, flag: str) -> None:
     if is_remote(path):
         raise OutputError(f"{flag} {path}: must be a local path", file=path, key=flag)
     p = _through_link(local_path(path))
+    check_not_input(p, flag, own_state())
     if os.path.isdir(p):
         raise OutputError(f"{flag} {path}: is a folder; give a file name", file=path, key=flag)
     if os.path.lexists(p) and not os.path.isfile(p):
@@ -195,6 +196,7 @@ class OutputDir:
                     )
             return
         p = local_path(t)
+        check_not_input(t, flag, own_state())
         if os.path.lexists(p):
             if not os.path.isdir(p) or os.path.islink(p):
                 raise OutputError(f"{flag} {t}: exists and is not a folder", file=t, key=flag)
@@ -377,6 +379,27 @@ def check_not_input(output: str | None, flag: str, inputs: Iterable[tuple[str, s
             file=output,
             key=flag,
         )
+
+
+def own_state() -> list[tuple[str, str]]:
+    """mxload's own state on this machine, an input of every command that no output may
+    overwrite (docs/contract.md §5 "Files"): what $MXLOAD_HOME records (the head, the
+    sessions, the logs) and the folder of the head recorded there (its sockets)."""
+    from ...cluster.local import mxload_home, read_head_record
+
+    home = mxload_home()
+    out = [
+        ("mxload's record of its Ray head", str(home / "head.json")),
+        ("mxload's session records", str(home / "sessions")),
+        ("mxload's error logs", str(home / "logs")),
+    ]
+    try:
+        record = read_head_record()
+    except OSError:  # unreadable: nothing to say where its folder is
+        record = None
+    if record is not None and record.temp_dir:
+        out.append(("the folder of the Ray head mxload started", record.temp_dir))
+    return out
 
 
 def _with_linked_files(inputs: Iterable[tuple[str, str]]) -> Iterable[tuple[str, str]]:

@@ -8,18 +8,19 @@ from __future__ import annotations
 import shutil
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from ..errors import MxloadError, RunError, WorkerLost
-from ..plan.types import Plan, Unit, UnitReads
+from ..plan.message import RankJob
+from ..plan.types import Plan
 from . import placement, shared_reads
-from .reports import first_line, plain, rank_error
-from .request import LoadRequest, staging_budget_of
+from .request import LoadRequest
 from .state import Progress, Report
+from .worker_errors import first_line, plain, rank_error
 
 if TYPE_CHECKING:
     from ...workers.rank.actor import RankWorker
-    from ...workers.rank.loader import SourceInfo
 
 
 class RayRun:
@@ -101,51 +102,29 @@ class RayRun:
     # --- running ---------------------------------------------------------------------------
 
     def run_all(
-        self,
-        reads: Sequence[Sequence[UnitReads]],
-        source: SourceInfo,
-        *,
-        version: int,
-        whole_units: bool,
-        units: Sequence[Sequence[Unit]] | None = None,
-        on_progress: Progress | None = None,
-        budgets: Sequence[int] | None = None,
+        self, jobs: Sequence[RankJob], *, on_progress: Progress | None = None
     ) -> list[Report]:
-        """Every rank loads (or reloads) concurrently; a dead rank is redone.
+        """Every rank runs its job (one per rank, all of one source) concurrently; a dead
+        rank is redone.
 
-        ``reads``/``units``: per rank, the byte ranges and the units they fill (default:
-        the plan's units). ``budgets``: staging budget per rank (default: the plan's); a
-        reload passes its own (a BF16 checkpoint stages more bytes per unit than the FP8
-        one loaded first). Each report's ``restarts`` counts how often the rank's process
-        was lost during this run."""
-        if budgets is None:
-            budgets = [staging_budget_of(self.plan, r) for r in self.plan.ranks]
-        units_all = units or [r.units for r in self.plan.ranks]
+        Read-once sharing adds each job's ``peers``. Each report's ``restarts`` counts
+        how often the rank's process was lost during this run."""
         pids = self.pids()
         t_run = time.perf_counter()
         share, self.last_sharing = shared_reads.plan_shares(
             self.plan,
             shared_reads.node_ids(self.actors, self.req.placement_timeout_s),
             self.req.share,
-            reads,
-            source,
-            budgets,
-            whole_units,
+            jobs,
         )
         t_planned = time.perf_counter()
-        shared = shared_reads.fetch_shares(self.actors, share, units_all, reads, source, budgets)
+        shared = shared_reads.fetch_shares(self.actors, share, self.plan, jobs)
         t_fetched = time.perf_counter()
 
         def submit(rank: int) -> Any:
-            return self.actors[rank].load.remote(
-                list(reads[rank]),
-                source,
-                version,
-                budgets[rank],
-                whole_units,
-                None if units is None else list(units[rank]),
-                shared.peers_of.get(rank),
-            )
+            peers = shared.peers_of.get(rank)
+            job = replace(jobs[rank], peers=peers) if peers else jobs[rank]
+            return self.actors[rank].load.remote(job)
 
         reports, attempts = self._wait_all(submit, on_progress)
         for rank, rep in enumerate(reports):

@@ -28,6 +28,9 @@ from ..errors import (
     ReloadMismatch,
     StagingBudgetError,
 )
+from ..plan.checkpoint import CheckpointMeta
+from ..plan.config import ModelConfig
+from ..plan.message import RankJob, SourceInfo
 from ..plan.types import Plan, Unit, UnitReads
 from .request import (
     source_info,
@@ -37,7 +40,6 @@ from .request import (
 from .state import Progress, ReloadRecord, Report, SessionState
 
 if TYPE_CHECKING:
-    from ...workers.rank.loader import SourceInfo
     from .ray_run import RayRun
 
 log = logging.getLogger(__name__)
@@ -121,7 +123,7 @@ def reload_units(held: Plan, new: Plan, rank: int) -> list[Unit]:
 
 
 def reload_budgets(
-    held: Plan, new: Plan, config: Any, staging_budget: int | None, fused: bool
+    held: Plan, new: Plan, config: ModelConfig, staging_budget: int | None, fused: bool
 ) -> list[int]:
     """Staging budget of every rank for a reload: the given one, else the largest whole
     unit of any rank as the reload will convert it (held layouts, new source)."""
@@ -147,7 +149,7 @@ def reload_budgets(
 
 def plan_reload(
     held: Plan, src: str, storage_options: Mapping[str, Any] | None, *, fused: bool
-) -> tuple[Any, Plan]:
+) -> tuple[CheckpointMeta, Plan]:
     """Open ``src`` and plan it for the held layout; ReloadMismatch (nothing touched)
     listing every difference from what the ranks hold. Returns (checkpoint, plan)."""
     from ..plan.planner import build_plan
@@ -207,6 +209,17 @@ class ReloadInputs:
     """Per rank: the staging budget the reload runs under."""
     identity: str = ""
     """How the new checkpoint's fingerprint was established (``CheckpointMeta.identity``)."""
+
+    def job(self, rank: int, version: int) -> RankJob:
+        """Rank ``rank``'s reload to ``version``."""
+        return RankJob(
+            reads=self.reads[rank],
+            source=self.source,
+            version=version,
+            staging_budget=self.budgets[rank],
+            whole_units=True,
+            units=self.units[rank],
+        )
 
 
 def reload_inputs(
@@ -337,15 +350,8 @@ class RayRanks:
     def run_ranks(
         self, inputs: ReloadInputs, version: int, on_progress: Progress | None
     ) -> list[Report]:
-        return self.ray_run.run_all(
-            [list(r) for r in inputs.reads],
-            inputs.source,
-            units=[list(u) for u in inputs.units],
-            version=version,
-            whole_units=True,
-            on_progress=on_progress,
-            budgets=list(inputs.budgets),
-        )
+        jobs = [inputs.job(rank, version) for rank in range(len(inputs.reads))]
+        return self.ray_run.run_all(jobs, on_progress=on_progress)
 
 
 def repair(
@@ -371,14 +377,14 @@ def repair(
     reports = []
     for rank in lost:
         budget = staging_budget_of(state.plan, state.plan.ranks[rank])
-        ref = run.actors[rank].load.remote(
-            list(inputs.reads[rank]),
-            source,
-            state.version,
-            budget,
-            False,
-            list(inputs.units[rank]),
+        job = RankJob(
+            reads=inputs.reads[rank],
+            source=source,
+            version=state.version,
+            staging_budget=budget,
+            units=inputs.units[rank],
         )
+        ref = run.actors[rank].load.remote(job)
         reports.append(ray.get(ref))
     state.observe(reports)
     save(state)

@@ -1,14 +1,12 @@
 """What a run reports: the mxload-dump/1 manifest from the ranks' reports
-(docs/contract.md §5), a worker's error as the user sees it, and ``--dump``.
+(docs/contract.md §5) and ``--dump``.
 """
 
 from __future__ import annotations
 
 import os
-import re
 from typing import TYPE_CHECKING, Any
 
-from ..errors import MxloadError, RunError
 from ..plan.formats import DUMP_FORMAT
 from ..plan.types import Plan
 from .outputs import OutputDir
@@ -16,37 +14,6 @@ from .state import Report
 
 if TYPE_CHECKING:
     from .ray_run import RayRun
-
-_ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
-
-
-def plain(text: str) -> str:
-    """``text`` without terminal colour codes (Ray colours its remote tracebacks)."""
-    return _ANSI.sub("", text)
-
-
-def first_line(err: BaseException) -> str:
-    """The first non-empty line of an error's text, without colour codes."""
-    lines = [ln.strip() for ln in plain(str(err)).splitlines() if ln.strip()]
-    return lines[0] if lines else type(err).__name__
-
-
-def rank_error(rank: int, err: Any) -> MxloadError:
-    """A worker's error as the user sees it: ``rank N: <what>``, one error of mxload's
-    hierarchy (its exit status kept), the remote traceback kept aside in ``details`` for
-    ``--debug`` and the log file."""
-    cause = err.cause if isinstance(getattr(err, "cause", None), BaseException) else err
-    details = plain(str(err))
-    if isinstance(cause, MxloadError):
-        if not cause.message.startswith(f"rank {rank}"):
-            cause.message = f"rank {rank}: {cause.message}"
-            cause.args = (cause.message,)
-        cause.context.setdefault("rank", rank)
-        cause.context["details"] = details
-        return cause
-    return RunError(
-        f"rank {rank}: {type(cause).__name__}: {first_line(cause)}", rank=rank, details=details
-    )
 
 
 def build_manifest(plan: Plan, reports: list[Report]) -> dict[str, Any]:

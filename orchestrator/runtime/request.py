@@ -8,14 +8,13 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ...workers.storage.urls import absolute
+from ..plan.checkpoint import CheckpointMeta
+from ..plan.message import SourceInfo
 from ..plan.sharing import DEFAULT_SHARE
 from ..plan.types import ParallelLayout, Plan, RankPlan
-
-if TYPE_CHECKING:
-    from ...workers.rank.loader import SourceInfo
 
 
 @dataclass
@@ -77,11 +76,12 @@ def staging_budget_of(plan: Plan, rank: RankPlan) -> int:
 
 
 def source_info(
-    meta: Any, allow_nonfinite: bool, src: str, storage_options: Mapping[str, Any] | None
+    meta: CheckpointMeta,
+    allow_nonfinite: bool,
+    src: str,
+    storage_options: Mapping[str, Any] | None,
 ) -> SourceInfo:
     """The checkpoint ``meta`` (opened from ``src``) as the rank loaders read it."""
-    from ...workers.rank.loader import SourceInfo
-
     q = meta.config.quant
     return SourceInfo(
         root=src,

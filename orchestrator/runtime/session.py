@@ -3,7 +3,7 @@
 
 :class:`Session` is the Python API an RL trainer uses in-process::
 
-    from ... import ParallelLayout, Session
+    from mxload import ParallelLayout, Session
 
     s = Session.load("s3://bucket/step-0", ParallelLayout(tp=2, dp=2, enable_expert_parallel=True),
                      storage_options={"endpoint_url": "http://127.0.0.1:9000"})

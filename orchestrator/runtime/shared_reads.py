@@ -12,11 +12,11 @@ from typing import TYPE_CHECKING, Any
 
 from ...workers.storage.urls import is_remote
 from ..errors import MxloadError, RunError
-from ..plan.types import Plan, Unit, UnitReads
+from ..plan.message import PeerUnit, RankJob
+from ..plan.types import Plan, UnitReads
 from .state import Report
 
 if TYPE_CHECKING:
-    from ...workers.rank.loader import PeerUnit, SourceInfo
     from ..plan.sharing import SharePlan
 
 
@@ -34,12 +34,10 @@ def plan_shares(
     plan: Plan,
     nodes: Sequence[str],
     scope: str,
-    reads_all: Sequence[Sequence[UnitReads]],
-    source: SourceInfo,
-    budgets: Sequence[int],
-    whole_units: bool,
+    jobs: Sequence[RankJob],
 ) -> tuple[SharePlan, dict[str, Any]]:
-    """The sharing plan for this run and what it predicts (the manifest's "sharing").
+    """The sharing plan for this run (``jobs``: one per rank, all of one source) and
+    what it predicts (the manifest's "sharing").
 
     A unit converted in row chunks is read chunk by chunk, so sharing needs every unit
     whole: a load whose staging budget is below the largest unit does not share (the
@@ -55,7 +53,8 @@ def plan_shares(
     )
     from ..plan.timemodel import MAX_REQUEST_BYTES
 
-    local = not is_remote(source.root)
+    reads_all = [job.reads for job in jobs]
+    local = not is_remote(jobs[0].source.root)
     policy = LOCAL_POLICY if local else REMOTE_POLICY
     counted: dict[int, tuple[int, int]] = {}  # id(reads) -> (bytes, requests)
 
@@ -70,7 +69,8 @@ def plan_shares(
 
     requested = scope
     note = ""
-    if scope != "none" and not whole_units and min(budgets) < plan.min_staging_reload:
+    budget = min(job.staging_budget for job in jobs)
+    if scope != "none" and not jobs[0].whole_units and budget < plan.min_staging_reload:
         scope, note = "none", "staging budget below the largest unit: units run in chunks"
     items = [read_items(reads, fetch_bytes) for reads in reads_all]
     share = plan_sharing(list(nodes), scope, items.__getitem__)
@@ -102,10 +102,8 @@ def plan_shares(
 def fetch_shares(
     actors: Sequence[Any],
     share: SharePlan,
-    units_all: Sequence[Sequence[Unit]],
-    reads_all: Sequence[Sequence[UnitReads]],
-    source: SourceInfo,
-    budgets: Sequence[int],
+    plan: Plan,
+    jobs: Sequence[RankJob],
 ) -> Shared:
     """The owners fetch every shared read and publish it in Ray's object store. An owner
     whose process is lost publishes nothing: its users read storage themselves.
@@ -115,19 +113,19 @@ def fetch_shares(
     so this is within the rank's predicted staging."""
     import ray
 
-    from ...workers.rank.loader import PeerUnit
-
     out = Shared()
     if not share.shared:
         return out
     refs = {}
     for rank in sorted({s.owner for s in share.shared}):
+        job = jobs[rank]
+        units = job.units if job.units is not None else plan.ranks[rank].units
         items = []
         for s in share.owned_by(rank):
             i = next(i for r, i in s.users if r == rank)
-            items.append((s.key, units_all[rank][i], reads_all[rank][i]))
-        window = max((r.nbytes for r in reads_all[rank]), default=0)
-        refs[rank] = actors[rank].fetch_shared.remote(items, source, budgets[rank], window)
+            items.append((s.key, units[i], job.reads[i]))
+        window = max((r.nbytes for r in job.reads), default=0)
+        refs[rank] = actors[rank].fetch_shared.remote(items, job.source, job.staging_budget, window)
     handles: dict[Any, Any] = {}
     for rank, ref in refs.items():
         try:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from ..plan.types import Plan
@@ -149,6 +149,32 @@ class SessionState:
     def identity(self) -> tuple[int, str]:
         return self.version, self.fingerprint
 
+    def without_credentials(self) -> SessionState:
+        """This state with only mxload's own storage options (timeouts, the links
+        switch: no secrets), in itself and its request: what a detached session's keeper
+        holds and stores (docs/contract.md §4 "Credentials")."""
+        req = self.request
+        return replace(
+            self,
+            storage_options=own_options(self.storage_options),
+            request=replace(req, storage_options=own_options(req.storage_options))
+            if req is not None
+            else None,
+        )
+
+    def with_credentials(self, options: Mapping[str, Any] | None) -> SessionState:
+        """This state with the caller's storage ``options`` (kept outside the keeper)
+        added to mxload's own, in itself and its request; unchanged for None."""
+        if not options:
+            return self
+        merged = {**(self.storage_options or {}), **options}
+        req = self.request
+        return replace(
+            self,
+            storage_options=merged,
+            request=replace(req, storage_options=merged) if req is not None else None,
+        )
+
     def lost(self, rank: int, pid: int | None) -> bool:
         """Whether ``rank``'s process is not the recorded one (None: it does not answer)."""
         return pid is None or pid != self.pids.get(rank)
@@ -185,6 +211,22 @@ class SessionState:
                 if first.get(n) not in (None, ptr)
             ]
         return out
+
+
+def own_options(options: Mapping[str, Any] | None) -> dict[str, Any] | None:
+    """mxload's own keys of ``options`` (``storage.options.MXLOAD_OPTIONS``), None if none."""
+    from ...workers.storage.options import MXLOAD_OPTIONS
+
+    own = {k: v for k, v in (options or {}).items() if k in MXLOAD_OPTIONS}
+    return own or None
+
+
+def caller_options(options: Mapping[str, Any] | None) -> dict[str, Any] | None:
+    """The caller's keys of ``options`` (credentials, endpoints), None if none."""
+    from ...workers.storage.options import MXLOAD_OPTIONS
+
+    theirs = {k: v for k, v in (options or {}).items() if k not in MXLOAD_OPTIONS}
+    return theirs or None
 
 
 def verdict(state: SessionState, manifest: dict[str, Any], *, busy: Lease | None = None) -> None:

@@ -53,6 +53,8 @@ LAYOUT = ["--tp", "2", "--dp", "2", "--enable-expert-parallel"]
 LAY = Layout(2, 2, 1, True, "linear")
 NAN_TENSOR = "model.layers.0.mlp.experts.7.down_proj.weight_scale_inv"
 """qwen3-moe-tiny has 8 experts; under EP 4 (linear) expert 7 is rank 3's alone."""
+INLINE_MAX = 32 * 1024
+"""Largest argument Ray passes inline in this module's commands (see :func:`env_of`)."""
 BOUND_S = 30.0
 """status/release on a dead head: the head check itself is pid look-ups (well under a
 second, the contract says 10 s); the rest is this interpreter's start-up on a busy
@@ -73,6 +75,10 @@ def env_of(work: Path) -> dict[str, str]:
     env.pop("RAY_ADDRESS", None)
     env["MXLOAD_HOME"] = str(work / "home")
     env["RAY_USAGE_STATS_ENABLED"] = "0"
+    # What Ray passes inline (100 KiB by default), low enough that the session's state
+    # (about 75 KiB for this model's plan) is not: as for any real model, whose plan
+    # is megabytes. Arguments not inlined are owned by the process that made the call.
+    env["RAY_max_direct_call_object_size"] = str(INLINE_MAX)
     return env
 
 
@@ -226,7 +232,8 @@ def test_reload_refused_while_another_holds_the_session(work: Path, ckpts, sessi
     naming the holder, and touches nothing."""
     import ray
     from mxload.cluster.local import connect, read_head_record
-    from mxload.orchestrator.runtime.detached import NAMESPACE, session_lease
+    from mxload.orchestrator.runtime.keeper import session_lease
+    from mxload.orchestrator.runtime.records import NAMESPACE
 
     _, before = status_json(work)
     with home_of(work):
@@ -314,7 +321,8 @@ def test_a_reload_suspended_past_its_lease_writes_nothing(work: Path, ckpts, ses
     reload is admitted and completes; the first, resumed, is fenced off (one line, no
     state recorded), and the session keeps the later checkpoint, checked byte for byte."""
     import ray
-    from mxload.orchestrator.runtime.detached import _connect, _keeper
+    from mxload.orchestrator.runtime.detached import _keeper
+    from mxload.orchestrator.runtime.heads import connect_session
 
     assert session.returncode == 0, show(session)
     stale = subprocess.Popen(
@@ -327,7 +335,7 @@ def test_a_reload_suspended_past_its_lease_writes_nothing(work: Path, ckpts, ses
     )
     try:
         with home_of(work):
-            _connect(None)
+            connect_session(None)
             try:
                 keeper = _keeper("default")
                 deadline = time.monotonic() + 120
@@ -358,17 +366,65 @@ def test_a_reload_suspended_past_its_lease_writes_nothing(work: Path, ckpts, ses
     assert dump_matches(work, ckpts["v4"], "dump-fenced") == []
 
 
+def test_a_keeper_killed_during_a_reload_keeps_the_state_and_the_reload_its_lease(
+    work: Path, ckpts, session
+) -> None:
+    """kill -9 of the keeper while a reload holds the lease, after the `load` that made
+    the session (and its state, larger than Ray passes inline) has exited: Ray restarts
+    the keeper with the session's state, the reload keeps its lease and records its
+    version (exit 0), and status holds that checkpoint, byte for byte."""
+    import ray
+    from mxload.orchestrator.runtime.detached import _keeper
+    from mxload.orchestrator.runtime.heads import connect_session
+
+    from tests.servers import RangeHTTPServer
+
+    assert session.returncode == 0, show(session)
+    _, before = status_json(work)
+    root = Path(ckpts["v3"])
+    with RangeHTTPServer(str(root.parent), bandwidth=1_000_000) as server:
+        url = f"{server.url}/{root.name}"
+        slow = started(work, "reload", url)
+        with home_of(work):
+            connect_session(None)
+            try:
+                keeper = _keeper("default")
+                pid = ray.get(keeper.pid.remote())
+                deadline = time.monotonic() + 120
+                while ray.get(keeper.holder.remote()) is None:
+                    assert slow.poll() is None and time.monotonic() < deadline
+                    time.sleep(0.05)
+            finally:
+                ray.shutdown()
+        time.sleep(1.0)  # reading
+        assert slow.poll() is None, "the reload ended before the keeper was killed"
+        os.kill(pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        _, err = slow.communicate(timeout=180)
+    print(
+        f"keeper killed during a reload: exit {slow.returncode} after {time.monotonic() - t0:.1f} s"
+    )
+    assert slow.returncode == 0, err
+    rc, after = status_json(work)
+    assert rc == 0, after["problems"]
+    assert after["identity"]["src"] == url
+    assert after["identity"]["version"] == before["identity"]["version"] + 1
+    assert any("keeper died and was restarted" in n for n in after["session_events"])
+    assert dump_matches(work, ckpts["v3"], "dump-keeper-killed") == []
+
+
 def test_a_killed_keeper_comes_back_and_one_gone_for_good_is_named(work: Path, ckpts, session):
     """kill -9 of the session's keeper (an OOM victim): Ray restarts it with the state it
     had (status, reload keep working). Ended for good (no restart): status and a new
     `load --detach` of the name say in one line what to run; release ends the remains."""
     import ray
-    from mxload.orchestrator.runtime.detached import _connect, _keeper
+    from mxload.orchestrator.runtime.detached import _keeper
+    from mxload.orchestrator.runtime.heads import connect_session
 
     assert session.returncode == 0, show(session)
     _, before = status_json(work)
     with home_of(work):
-        _connect(None)
+        connect_session(None)
         try:
             pid = ray.get(_keeper("default").pid.remote())
         finally:
@@ -385,7 +441,7 @@ def test_a_killed_keeper_comes_back_and_one_gone_for_good_is_named(work: Path, c
     assert rc == 0 and after["identity"]["version"] == before["identity"]["version"] + 1
 
     with home_of(work):
-        _connect(None)
+        connect_session(None)
         try:
             ray.kill(_keeper("default"))  # no restart
         finally:
@@ -412,7 +468,7 @@ def test_unsafe_session_names_are_refused(work: Path, ckpts) -> None:
     """Every unsafe name is refused by the library (the CLI's path) before anything starts;
     one per command through the CLI (exit 2, naming --session, no traceback)."""
     from mxload.orchestrator.errors import SessionError
-    from mxload.orchestrator.runtime.detached import check_session_name
+    from mxload.orchestrator.runtime.records import check_session_name
 
     for name in UNSAFE_NAMES:
         with pytest.raises(SessionError, match="--session"):
@@ -507,7 +563,8 @@ def test_status_address_of_the_recorded_head_uses_its_token_then_raylet_killed(
     # The raylet dies while a reload runs (from a slow server, so that it is mid-way):
     # the reload names the head, in seconds, in one line, with no Ray log or colour.
     import ray
-    from mxload.orchestrator.runtime.detached import _connect, _keeper
+    from mxload.orchestrator.runtime.detached import _keeper
+    from mxload.orchestrator.runtime.heads import connect_session
 
     from tests.servers import RangeHTTPServer
 
@@ -516,7 +573,7 @@ def test_status_address_of_the_recorded_head_uses_its_token_then_raylet_killed(
     with RangeHTTPServer(str(root.parent), bandwidth=100_000) as server:
         slow = started(work, "reload", f"{server.url}/{root.name}")
         with home_of(work):
-            _connect(None)
+            connect_session(None)
             try:
                 keeper = _keeper("default")
                 deadline = time.monotonic() + 120

@@ -308,10 +308,11 @@ def test_output_opens_as_mxfp8_with_mxloads_catalog(converted, case) -> None:
 def test_converted_checkpoint_loads_to_the_same_bytes(converted) -> None:
     """The short route (MXFP8, repack only) gives every rank the bytes the long route
     (block-FP8 -> resolve -> quantize) must give, per the independent reference."""
+    from mxload.orchestrator.plan.message import SourceInfo
     from mxload.orchestrator.plan.planner import build_plan
     from mxload.orchestrator.plan.types import ParallelLayout
     from mxload.workers.numerics.select import select_backend
-    from mxload.workers.rank.loader import RankLoader, SourceInfo
+    from mxload.workers.rank.loader import RankLoader
 
     from tests.reference_model import Layout, RefCheckpoint, compare_rank, expected_rank
 

@@ -235,9 +235,37 @@ def test_storage_options_from_a_file(tmp_path) -> None:
             flags.storage_options(args)
 
 
+def test_a_malformed_option_is_named_and_a_numeric_value_hidden(tmp_path, monkeypatch, capsys):
+    """A header that is a number, or client_kwargs that is not an object: refused in one
+    line naming the key (fsspec's HTTP back end would report "config.json: no such file",
+    or fail with a traceback), never the value; numbers are hidden as texts are."""
+    from mxload.orchestrator.cli.commands import main
+    from mxload.workers.storage.options import scrub, secret_values
+
+    monkeypatch.setenv("MXLOAD_HOME", str(tmp_path / "home"))
+    src = str(tmp_path / "ck")
+    opts = tmp_path / "opts.json"
+    cases = [
+        ('{"client_kwargs": {"headers": {"X-Num": 987654321}}}', "client_kwargs.headers 'X-Num'"),
+        ('{"headers": {"X-Num": 987654321}}', "headers 'X-Num' must be a JSON string"),
+        ('{"client_kwargs": 5}', "client_kwargs must be a JSON object"),
+        ('{"client_kwargs": {"headers": ["x"]}}', "client_kwargs.headers must be a JSON object"),
+    ]
+    for text, said in cases:
+        opts.write_text(text)
+        for given in (text, f"@{opts}"):
+            rc = main(["inspect", src, "--storage-options", given])
+            err = capsys.readouterr().err
+            assert rc == 2 and err.count("\n") == 1 and said in err, (given, err)
+            assert "987654321" not in err and "config.json" not in err
+    found = secret_values({"n": 987654321, "f": 1234.5, "short": 12, "on": True, "x": "abc"})
+    assert found == ["987654321", "1234.5"]
+    assert scrub("X-Num: 987654321", found) == "X-Num: <hidden>"
+
+
 def test_objects_that_carry_options_do_not_show_them(plan_and_src) -> None:
+    from mxload.orchestrator.plan.message import SourceInfo
     from mxload.orchestrator.runtime.state import SessionState
-    from mxload.workers.rank.reads import SourceInfo
 
     opts = {"key": KEY, "secret": SECRET}
     held, src = plan_and_src
@@ -351,7 +379,7 @@ def test_a_lapsed_lease_can_neither_renew_nor_record(plan_and_src) -> None:
     import time
 
     import psutil
-    from mxload.orchestrator.runtime.detached import SessionKeeper
+    from mxload.orchestrator.runtime.keeper import SessionKeeper
     from mxload.orchestrator.runtime.state import LeaseHolder, SessionState
 
     held, src = plan_and_src
@@ -360,7 +388,7 @@ def test_a_lapsed_lease_can_neither_renew_nor_record(plan_and_src) -> None:
     def holder(token: str) -> LeaseHolder:
         return LeaseHolder(token, me.pid, me.create_time(), socket.gethostname(), "reload", src)
 
-    k = SessionKeeper(SessionState(held, src, "f4", {}, {}, version=4), persist=False)
+    k = SessionKeeper("k", SessionState(held, src, "f4", {}, {}, version=4))
     first = k.acquire(holder("stopped"), 0.2)
     time.sleep(0.3)  # suspended past its lease
     assert k.renew("stopped", 60) is False

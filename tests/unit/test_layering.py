@@ -8,7 +8,8 @@ between the top folders; and the arrows only run down:
   offline tools;
 * ``orchestrator/plan/`` (the pure core) imports no other part of the orchestrator but the
   errors, and nothing of ``workers/`` or ``cluster/``;
-* ``cluster/`` (heads, Ray's internals) sits under both: it imports only the errors.
+* ``cluster/`` (heads, Ray's internals) sits under both: it imports only the errors;
+* no two production modules import each other, directly or around a longer circle.
 """
 
 from __future__ import annotations
@@ -95,3 +96,60 @@ def test_arrows_run_down(folder: str) -> None:
         if any(mod == f or mod.startswith(f + ".") for f in FORBIDDEN[folder])
     ]
     assert not wrong, "\n".join(wrong)
+
+
+def module_file(name: str) -> Path | None:
+    """The production file an absolute module name is, if it is one."""
+    parts = name.split(".")
+    if parts[0] != "mxload":
+        return None
+    for base in (ROOT.joinpath(*parts[1:]), ROOT.joinpath("orchestrator", "api", *parts[1:])):
+        for candidate in (base.with_suffix(".py"), base / "__init__.py"):
+            if parts[1:] and candidate.is_file():
+                return candidate
+    return ROOT / "orchestrator" / "api" / "__init__.py" if parts == ["mxload"] else None
+
+
+def arrows(path: Path) -> set[Path]:
+    """The production files ``path`` imports: ``from PKG import name`` is the module
+    ``PKG.name`` where that is one, else ``PKG`` itself."""
+    out: set[Path] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            targets = [module_file(a.name) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package_of(path)[: len(package_of(path)) - node.level + 1]
+                module = ".".join([*base, *([node.module] if node.module else [])])
+            else:
+                module = node.module or ""
+            targets = [module_file(f"{module}.{a.name}") or module_file(module) for a in node.names]
+        else:
+            continue
+        out |= {t for t in targets if t is not None and t != path}
+    return out
+
+
+def test_no_two_modules_import_each_other() -> None:
+    """No circle of imports between production modules, however long (each one found is
+    named with its files)."""
+    graph = {p: arrows(p) for p in production_files()}
+    circles = []
+    state: dict[Path, int] = {}  # 1: on the current path, 2: done
+    path: list[Path] = []
+
+    def walk(p: Path) -> None:
+        state[p] = 1
+        path.append(p)
+        for q in sorted(graph[p]):
+            if state.get(q) == 1:
+                circles.append(" -> ".join(str(f.relative_to(ROOT)) for f in path[path.index(q) :]))
+            elif q not in state:
+                walk(q)
+        path.pop()
+        state[p] = 2
+
+    for p in sorted(graph):
+        if p not in state:
+            walk(p)
+    assert not circles, "\n".join(circles)

@@ -28,11 +28,12 @@ import numpy as np
 import pytest
 import torch
 from mxload.orchestrator.errors import AdoptionError, InputError, NonFiniteScale, RunError
+from mxload.orchestrator.plan.message import SourceInfo
 from mxload.orchestrator.plan.planner import build_plan
 from mxload.orchestrator.plan.types import ParallelLayout, Plan, RankPlan
 from mxload.orchestrator.runtime.catalog import open_checkpoint
 from mxload.workers.numerics.select import select_backend
-from mxload.workers.rank.loader import TORCH_DTYPES, RankLoader, SourceInfo
+from mxload.workers.rank.loader import TORCH_DTYPES, RankLoader
 from mxload.workers.rank.run import StepRunner
 
 from tests.reference_model import Layout, RefCheckpoint, compare_rank, expected_rank
@@ -1022,3 +1023,39 @@ def test_a_remote_load_keeps_several_steps_reads_in_flight(ckpt_factory, monkeyp
     assert p == rp.staging.staging_bytes
     assert 0 < m <= p <= 1.10 * m, (m, p)
     assert_rank_matches(ref_of(src), layout, 0, loader)
+
+
+def test_reads_in_flight_come_back_in_order_and_a_failure_leaves_nothing_leased() -> None:
+    """The one reader with a depth (``InFlight``, used by the step read-ahead and by an
+    owner's fetch for its peers): reads fill side by side up to its depth and are
+    collected in the order issued; after a failed read, closing it waits for the others
+    and releases every lease they hold, and its threads are gone."""
+    from mxload.workers.rank.reads import InFlight
+    from mxload.workers.rank.staging import StagingPool
+
+    pool = StagingPool(4 << 10)
+    second_started = threading.Event()
+
+    def fill(key: int, lease: Any) -> tuple[list[Any], int, int]:
+        if key == 0:  # finishes only once the second read runs beside it
+            assert second_started.wait(10), "the second read did not start beside the first"
+        if key == 1:
+            second_started.set()
+        if key == 2:
+            pool.release(lease)  # a failed fill releases its own leases
+            raise OSError("store gone")
+        return [lease], key, lease.nbytes
+
+    flying: InFlight[int] = InFlight(pool, 2, name="mxload-test-inflight")
+    got = []
+    with pytest.raises(OSError, match="store gone"), flying:
+        for key in range(4):
+            flying.issue(key, fill, key, pool.take(1 << 10))
+        while flying:
+            key, (leases, value, _) = flying.collect()
+            got.append((key, value))
+            for lease in leases:
+                pool.release(lease)
+    assert got == [(0, 0), (1, 1)]
+    pool.release(pool.take(4 << 10))  # the whole budget again: nothing is left leased
+    assert not [t for t in threading.enumerate() if t.name.startswith("mxload-test-inflight")]

@@ -748,7 +748,9 @@ def test_concurrent_calls_from_threads() -> None:
 def test_without_numba_reports_unavailable(monkeypatch: pytest.MonkeyPatch) -> None:
     # A fresh copy of the kernels module imported while numba cannot be imported.
     monkeypatch.setitem(sys.modules, "numba", None)
-    spec = importlib.util.spec_from_file_location("_kernels_without_numba", kernels.__file__)
+    spec = importlib.util.spec_from_file_location(
+        "mxload.workers.numerics._kernels_without_numba", kernels.__file__
+    )
     assert spec is not None and spec.loader is not None
     mod = importlib.util.module_from_spec(spec)
     monkeypatch.setitem(sys.modules, spec.name, mod)  # dataclasses look the module up

@@ -23,6 +23,7 @@ PURE_MODULES = (
     "mxload.orchestrator.plan.config",
     "mxload.orchestrator.plan.ranges",
     "mxload.orchestrator.plan.types",
+    "mxload.orchestrator.plan.message",
     "mxload.orchestrator.plan.arch",
     "mxload.orchestrator.plan.engines",
     "mxload.orchestrator.plan.layout",
@@ -35,6 +36,7 @@ PURE_MODULES = (
     "mxload.orchestrator.plan.sharing",
     "mxload.orchestrator.plan.timemodel",
     "mxload.orchestrator.plan.trainer",
+    "mxload.orchestrator.plan.refit",
 )
 HEAVY = ("torch", "ray", "numpy", "fsspec")
 ROOT = Path(__file__).resolve().parents[2]

@@ -247,11 +247,12 @@ def test_a_qwen3_5_session_reloads_a_bf16_trainer_checkpoint_in_place(tmp_path) 
     moves, and every buffer then holds what a fresh load of that BF16 checkpoint into the
     same plan holds."""
     import torch
+    from mxload.orchestrator.plan.message import SourceInfo
     from mxload.orchestrator.plan.planner import build_plan
     from mxload.orchestrator.runtime.catalog import open_checkpoint
     from mxload.orchestrator.runtime.reload import reload_inputs
     from mxload.orchestrator.tools.synth import make_checkpoint
-    from mxload.workers.rank.loader import RankLoader, SourceInfo
+    from mxload.workers.rank.loader import RankLoader
 
     fp8, bf16 = str(tmp_path / "fp8"), str(tmp_path / "bf16")
     make_checkpoint(fp8, "qwen3.5-tiny", seed=1)

@@ -23,12 +23,9 @@ from mxload.orchestrator.errors import HeadStopped, SessionError
 from mxload.orchestrator.plan.planner import build_plan
 from mxload.orchestrator.plan.types import ParallelLayout
 from mxload.orchestrator.runtime.catalog import open_checkpoint
-from mxload.orchestrator.runtime.detached import (
-    SessionKeeper,
-    check_recorded_head,
-    check_session_name,
-    same_address,
-)
+from mxload.orchestrator.runtime.heads import check_recorded_head, same_address
+from mxload.orchestrator.runtime.keeper import SessionKeeper
+from mxload.orchestrator.runtime.records import check_session_name
 from mxload.orchestrator.runtime.state import (
     Lease,
     LeaseHolder,
@@ -187,7 +184,7 @@ def got(k: SessionKeeper, h: LeaseHolder, ttl: float) -> bool:
 
 
 def test_lease_one_holder_at_a_time(plan) -> None:
-    k = SessionKeeper(state_of(plan), persist=False)
+    k = SessionKeeper("k", state_of(plan))
     assert got(k, holder(), 60)
     busy = k.acquire(holder(token="t2", src="/b"), 60)
     assert busy.holder.token == "t1" and busy.holder.src == "/a" and busy.holder.pid == os.getpid()
@@ -201,7 +198,7 @@ def test_lease_one_holder_at_a_time(plan) -> None:
 def test_lease_of_a_dead_holder_or_expired_is_taken_over(plan) -> None:
     proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
-        k = SessionKeeper(state_of(plan), persist=False)
+        k = SessionKeeper("k", state_of(plan))
         assert got(k, holder(proc.pid, src="/dead"), 60)
         assert not got(k, holder(token="t2"), 60)  # its holder is alive
     finally:
@@ -213,10 +210,10 @@ def test_lease_of_a_dead_holder_or_expired_is_taken_over(plan) -> None:
     assert shown["took_over_from"]["src"] == "/dead" and shown["src"] == "/a"
     assert "token" not in shown, "the token renews and releases the lease: not shown"
     # A holder on another host is trusted until its lease expires.
-    k = SessionKeeper(state_of(plan), persist=False)
+    k = SessionKeeper("k", state_of(plan))
     assert got(k, holder(host="elsewhere"), 60)
     assert not got(k, holder(token="t2"), 60)
-    k = SessionKeeper(state_of(plan), persist=False)
+    k = SessionKeeper("k", state_of(plan))
     assert got(k, holder(host="elsewhere"), 0)  # a lease that has expired
     assert got(k, holder(token="t2"), 60)
 
@@ -460,7 +457,7 @@ def test_a_head_going_down_interrupts_a_command_waiting_on_it(monkeypatch) -> No
     import time
 
     from mxload.orchestrator.errors import HeadDown
-    from mxload.orchestrator.runtime import detached
+    from mxload.orchestrator.runtime import heads
 
     checks: list[float] = []
 
@@ -469,15 +466,106 @@ def test_a_head_going_down_interrupts_a_command_waiting_on_it(monkeypatch) -> No
         if len(checks) >= 3:
             raise HeadDown("head 127.0.0.1:6379 is down: its raylet (pid 4242) died")
 
-    monkeypatch.setattr(detached, "check_recorded_head", check)
+    monkeypatch.setattr(heads, "check_recorded_head", check)
     t0 = time.monotonic()
     with pytest.raises(HeadDown, match="raylet"):
-        with detached.watching_head(object(), period_s=0.05):
+        with heads.watching_head(object(), period_s=0.05):
             time.sleep(30)
     assert time.monotonic() - t0 < 5
     # Nothing is watched after the body: no later interrupt.
     n = len(checks)
-    with detached.watching_head(object(), period_s=0.05):
+    with heads.watching_head(object(), period_s=0.05):
         pass
     time.sleep(0.2)
     assert len(checks) == n
+
+
+def test_the_credentials_are_kept_in_a_file_only_the_user_reads(tmp_path, monkeypatch, plan):
+    """A detached session's storage options, the caller's part (credentials), are kept
+    outside the cluster, in a file only the user can read, for this load of the name."""
+    import stat
+
+    from mxload.orchestrator.runtime.records import keep_options, kept_options, options_file
+    from mxload.orchestrator.runtime.request import LoadRequest
+
+    options = {
+        "key": "AKIA-not-a-real-key-0123",
+        "client_kwargs": {"headers": {"X-Token": 987654321}},
+        "mxload_connect_timeout_s": 7.0,
+    }
+    state = dataclasses.replace(
+        state_of(plan),
+        storage_options=options,
+        request=LoadRequest(src="/ckpt/v1", layout=plan.layout, storage_options=options),
+    )
+    monkeypatch.setenv("MXLOAD_HOME", str(tmp_path / "home"))
+    assert keep_options("s1", state.created, options)
+    path = options_file("s1")
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert stat.S_IMODE(path.parent.stat().st_mode) == 0o700
+    theirs = {k: v for k, v in options.items() if not k.startswith("mxload_")}
+    assert kept_options("s1", state.created) == theirs
+    assert kept_options("s1", state.created + 1) is None  # an earlier load of the name
+    assert state.without_credentials().with_credentials(theirs).storage_options == options
+    assert keep_options("s1", time.time(), {"mxload_connect_timeout_s": 7.0})
+    assert not path.exists()  # nothing of the caller's: no file
+
+
+# --- mxload's own state is an input ---------------------------------------------------------
+
+
+def test_no_output_may_overwrite_mxloads_own_state(tmp_path, monkeypatch, capsys, ckpt_factory):
+    """`--dump $MXLOAD_HOME --overwrite` would replace head.json and the session records
+    (the head orphaned), `--dump` onto the recorded head's folder delete its sockets, a
+    `--report` onto head.json its token: each refused in one line, exit 2, before any
+    work (no head is asked: the one recorded here is not running)."""
+    from mxload.orchestrator.cli.commands import main
+
+    home = tmp_path / "home"
+    head_dir = tmp_path / "mxhead-x"
+    (head_dir / "r" / "sockets").mkdir(parents=True)
+    (home / "sessions").mkdir(parents=True)
+    record = {"address": "127.0.0.1:9", "temp_dir": str(head_dir), "resource": "NPU"}
+    record.update(num_devices=1, started_at=0.0)
+    (home / "head.json").write_text(json.dumps(record))
+    (home / "sessions" / "default.json").write_text("{}")
+    monkeypatch.setenv("MXLOAD_HOME", str(home))
+    src = ckpt_factory("qwen3-moe-tiny", 1)
+    cases = [
+        (["status", "--dump", str(home), "--overwrite"], "mxload's record of its Ray head"),
+        (["status", "--dump", str(home / "sessions"), "--overwrite"], "session records"),
+        (["status", "--dump", str(head_dir), "--overwrite"], "the folder of the Ray head"),
+        (["status", "--dump", str(head_dir / "r" / "sockets")], "the folder of the Ray head"),
+        (["load", src, "--device", "cpu", "--report", str(home / "head.json")], "Ray head"),
+        (
+            ["make-checkpoint", str(tmp_path), "--preset", "qwen3-moe-tiny", "--overwrite"],
+            "Ray head",
+        ),
+    ]
+    for argv, said in cases:
+        rc = main(argv)
+        err = capsys.readouterr().err
+        assert rc == 2 and err.count("\n") == 1 and said in err, (argv, err)
+    assert json.loads((home / "head.json").read_text()) == record
+    assert (head_dir / "r" / "sockets").is_dir() and (home / "sessions" / "default.json").exists()
+
+
+def test_load_detach_with_an_unwritable_home_starts_nothing(
+    tmp_path, monkeypatch, capsys, ckpt_factory
+):
+    """A $MXLOAD_HOME that cannot be written (here under a file; a read-only mount for a
+    user) is refused before any head starts: one line naming it, exit 2."""
+    import ray
+    from mxload.orchestrator.cli.commands import main
+
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    monkeypatch.setenv("MXLOAD_HOME", str(blocker / "home"))
+    before = {p.pid for p in psutil.process_iter()}
+    rc = main(["load", ckpt_factory("qwen3-moe-tiny", 1), "--device", "cpu", "--detach"])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.count("\n") == 1, err
+    assert f"$MXLOAD_HOME {blocker / 'home'}" in err and "nothing was started" in err
+    assert not ray.is_initialized()
+    started = [p for p in psutil.process_iter(["name"]) if p.pid not in before]
+    assert not [p for p in started if p.info["name"] in ("gcs_server", "raylet")]

@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections import Counter
 
 import pytest
+from mxload.orchestrator.plan.message import PeerUnit, SourceInfo
 from mxload.orchestrator.plan.planner import build_plan
 from mxload.orchestrator.plan.ranges import LOCAL_POLICY, CoalescePolicy
 from mxload.orchestrator.plan.readplan import predicted_read_bytes
@@ -31,7 +32,7 @@ from mxload.orchestrator.plan.sharing import (
 from mxload.orchestrator.plan.types import ParallelLayout
 from mxload.orchestrator.runtime.catalog import open_checkpoint
 from mxload.workers.numerics.select import select_backend
-from mxload.workers.rank.loader import PeerUnit, RankLoader, SourceInfo
+from mxload.workers.rank.loader import RankLoader
 
 
 def fetch_bytes(r) -> int:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from mxload.orchestrator.plan.message import PeerUnit, SourceInfo
 from mxload.orchestrator.plan.planner import build_plan
 from mxload.orchestrator.plan.ranges import REMOTE_POLICY
 from mxload.orchestrator.plan.readplan import predicted_read_bytes
@@ -20,7 +21,7 @@ from mxload.orchestrator.plan.sharing import plan_sharing, read_items
 from mxload.orchestrator.plan.types import ParallelLayout
 from mxload.orchestrator.runtime.catalog import open_checkpoint
 from mxload.workers.numerics.select import select_backend
-from mxload.workers.rank.loader import PeerUnit, RankLoader, SourceInfo
+from mxload.workers.rank.loader import RankLoader
 from mxload.workers.rank.reads import keep_columns
 
 

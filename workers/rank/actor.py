@@ -19,8 +19,9 @@ from typing import Any
 
 import torch
 
+from ...orchestrator.plan.message import RankJob, SourceInfo
 from ...orchestrator.plan.types import RankPlan, Unit, UnitReads
-from .loader import PeerUnit, RankLoader, RunStats, SourceInfo
+from .loader import RankLoader, RunStats
 
 VISIBLE_DEVICE_VARS = {
     "NPU": "ASCEND_RT_VISIBLE_DEVICES",
@@ -105,34 +106,15 @@ class RankWorker:
         with self._lock:
             return self._progress
 
-    def load(
-        self,
-        reads: list[UnitReads],
-        source: SourceInfo,
-        version: int,
-        staging_budget: int,
-        whole_units: bool,
-        units: list[Unit] | None = None,
-        peers: dict[int, PeerUnit] | None = None,
-    ) -> dict[str, Any]:
-        """Load (or reload) this rank; ``peers``: the shared units other ranks (or this
-        one) published, as ObjectRefs of raw bytes (never pickled tensors)."""
+    def load(self, job: RankJob) -> dict[str, Any]:
+        """Load (or reload) this rank; ``job.peers``: the shared units other ranks (or
+        this one) published, as ObjectRefs of raw bytes (never pickled tensors)."""
         peer_get = None
-        if peers:
+        if job.peers:
             import ray
 
             peer_get = ray.get
-        stats = self.loader.load(
-            reads,
-            source,
-            units=units,
-            version=version,
-            staging_budget=staging_budget,
-            whole_units=whole_units,
-            progress=self._set_progress,
-            peers=peers,
-            peer_get=peer_get,
-        )
+        stats = self.loader.run(job, progress=self._set_progress, peer_get=peer_get)
         return self.report(stats)
 
     def fence(self, token: int, wait_s: float = 30.0) -> bool:

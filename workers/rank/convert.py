@@ -19,12 +19,13 @@ import torch
 
 from ...orchestrator.plan.formats import MX_GROUP, ceil_div
 from ...orchestrator.plan.memory import ConvertOptions, unit_cost
+from ...orchestrator.plan.message import SourceInfo
 from ...orchestrator.plan.types import Part, PartRead, Unit, UnitReads
 from ..numerics.backend import ConvertPart, PackedOut
 from ..numerics.reference import MODEL_TORCH_DTYPE
 from ..safetensors_io import SAFETENSORS_TO_TORCH
 from . import writes
-from .reads import PartBytes, SourceInfo
+from .reads import PartBytes
 from .staging import Lease, StagingPool
 from .writes import Write
 

@@ -23,7 +23,6 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -35,6 +34,7 @@ from ...orchestrator.plan.memory import (
     read_fn_from_reads,
     schedule,
 )
+from ...orchestrator.plan.message import PeerUnit, RankJob, SourceInfo
 from ...orchestrator.plan.types import BufferSpec, PartRead, RankPlan, Unit, UnitReads
 from ..storage.urls import is_remote
 from . import buffers as rank_buffers
@@ -49,13 +49,13 @@ from .identities import (
     UnitIdentities,
     checksum,
 )
-from .reads import PeerUnit, Reader, SourceInfo
+from .reads import InFlight, Reader
 from .run import RunInputs, StepRunner
 from .staging import StagingPool
 
 FETCH_IN_FLIGHT = 16
-"""Shared units an owner fetches at once (as many as ``Storage`` keeps requests in
-flight: the time model's ``request_concurrency``)."""
+"""Shared units an owner keeps in flight (:class:`.reads.InFlight`'s depth): as many as
+``Storage`` keeps requests going, the time model's ``request_concurrency``."""
 
 
 class RankLoader:
@@ -118,37 +118,46 @@ class RankLoader:
         peers: Mapping[int, PeerUnit] | None = None,
         peer_get: Callable[[Any], Any] | None = None,
     ) -> RunStats:
-        """Fill every buffer from ``source``; ``whole_units`` for a reload.
+        """:meth:`run` of the job these arguments spell (``RankJob``'s fields), for a
+        caller in this process."""
+        job = RankJob(
+            reads=tuple(reads),
+            source=source,
+            version=version,
+            staging_budget=staging_budget,
+            whole_units=whole_units,
+            units=None if units is None else tuple(units),
+            peers=peers or {},
+        )
+        return self.run(job, progress=progress, peer_get=peer_get)
 
-        Units already at the target identity, ``(version, source.fingerprint)``, are
+    def run(
+        self,
+        job: RankJob,
+        *,
+        progress: Callable[[int, int, int], None] | None = None,
+        peer_get: Callable[[Any], Any] | None = None,
+    ) -> RunStats:
+        """Fill every buffer from ``job.source``; ``job.whole_units`` for a reload.
+
+        Units already at the target identity, ``(job.version, source.fingerprint)``, are
         skipped (an interrupted reload run again); a unit at the same version number from
-        another checkpoint is rewritten. ``units`` (reload) are the plan's units with the
-        new source's quantized flags; they must have the plan's geometry. ``peers``: unit
-        index -> where another rank published that unit's bytes (read once per cluster),
-        fetched with ``peer_get``; a unit converted in row chunks is read from storage all
-        the same."""
+        another checkpoint is rewritten. ``job.units`` (reload) are the plan's units with
+        the new source's quantized flags; they must have the plan's geometry.
+        ``job.peers``' published bytes are fetched with ``peer_get``."""
         if not self._busy.acquire(blocking=False):
             raise RunError(
                 f"rank {self.rank}: a load is already running on this rank", rank=self.rank
             )
         try:
-            self.fence.check(source.fence, self.rank)
-            self.fence.advance(source.fence)
+            self.fence.check(job.source.fence, self.rank)
+            self.fence.advance(job.source.fence)
             # The bytes are about to change: a run that fails part-way must not leave the
             # checksums of the previous bytes cached for status to report.
             self._checksums = None
             self._reader.peer_get = peer_get
-            units = self._check_inputs(reads, units)
-            return self._load(
-                reads,
-                source,
-                version,
-                staging_budget,
-                whole_units,
-                units,
-                peers or {},
-                progress=progress,
-            )
+            units = self._check_inputs(job.reads, job.units)
+            return self._load(job, units, progress=progress)
         finally:
             self._checksums = None
             self._reader.peer_get = None
@@ -176,16 +185,12 @@ class RankLoader:
 
     def _load(
         self,
-        reads: Sequence[UnitReads],
-        source: SourceInfo,
-        version: int,
-        staging_budget: int,
-        whole_units: bool,
+        job: RankJob,
         units: Sequence[Unit],
-        peers: Mapping[int, PeerUnit],
         *,
         progress: Callable[[int, int, int], None] | None,
     ) -> RunStats:
+        source, reads = job.source, job.reads
         opts = ConvertOptions.for_source(
             self.model_dtype,
             source.quant,
@@ -197,9 +202,11 @@ class RankLoader:
         read_fn = read_fn_from_reads(
             units, reads, block_n=source.block_n, source_quant=source.quant
         )
-        steps, estimate = schedule(units, read_fn, opts, staging_budget, whole_units=whole_units)
-        pool = StagingPool(staging_budget, rank=self.rank)
-        target: Identity = (version, source.fingerprint)
+        steps, estimate = schedule(
+            units, read_fn, opts, job.staging_budget, whole_units=job.whole_units
+        )
+        pool = StagingPool(job.staging_budget, rank=self.rank)
+        target: Identity = (job.version, source.fingerprint)
         self._ids.target = target
         stats = RunStats(
             predicted_peak_staging_bytes=estimate.staging_bytes,
@@ -210,7 +217,7 @@ class RankLoader:
         # without a fingerprint is never taken to be what a unit holds.
         todo = [not source.fingerprint or self.unit_ids[i] != target for i in range(len(units))]
         meter = Meter(self.backend)
-        run = RunInputs(units, reads, source, peers, opts, pool, target, todo)
+        run = RunInputs(job, units, opts, pool, target, todo)
         StepRunner(
             self.rank,
             self._reader,
@@ -299,51 +306,37 @@ class RankLoader:
         result = FetchResult()
         t0 = time.perf_counter()
         todo = deque(items)
-        pending: deque[tuple[int, int, list[str], Future[Any]]] = deque()
         held = 0
 
         def fill(unit: Unit, reads: UnitReads, taken: Any) -> Any:
             return self._reader.fill(unit, reads, source, pool, taken, keep_rows=True)
 
-        with ThreadPoolExecutor(
-            max_workers=max(1, min(in_flight, len(items))), thread_name_prefix="mxload-fetch"
-        ) as executor:
-            try:
-                while todo or pending:
-                    while todo and len(pending) < in_flight:
-                        key, unit, reads = todo[0]
-                        if pending and held + reads.nbytes > window_bytes:
-                            break
-                        todo.popleft()
-                        taken = self._reader.take_leases(unit, reads, pool)
-                        held += reads.nbytes
-                        files = [file for file, _, _ in taken]
-                        pending.append(
-                            (key, reads.nbytes, files, executor.submit(fill, unit, reads, taken))
-                        )
-                    key, nbytes, files, future = pending.popleft()
-                    leases, _, fetched = future.result()
-                    held -= nbytes
-                    try:
-                        result.handles[key] = tuple(
-                            (file, publish(lease.tensor.numpy()))
-                            for file, lease in zip(files, leases, strict=True)
-                        )
-                        result.published_bytes += sum(lease.nbytes for lease in leases)
-                    finally:
-                        for lease in leases:
-                            pool.release(lease)
-                    result.bytes_from_storage += fetched
-            except BaseException:
-                # The units still in flight finish (a failed one released its leases).
-                for _, _, _, future in pending:
-                    try:
-                        leases, _, _ = future.result()
-                    except BaseException:
-                        continue
+        # (key, bytes, files) of each unit in flight, in publishing order
+        flying: InFlight[tuple[int, int, list[str]]]
+        flying = InFlight(pool, min(in_flight, len(items)), name="mxload-fetch")
+        with flying:
+            while todo or flying:
+                while todo and len(flying) < flying.depth:
+                    key, unit, reads = todo[0]
+                    if flying and held + reads.nbytes > window_bytes:
+                        break
+                    todo.popleft()
+                    taken = self._reader.take_leases(unit, reads, pool)
+                    held += reads.nbytes
+                    files = [file for file, _, _ in taken]
+                    flying.issue((key, reads.nbytes, files), fill, unit, reads, taken)
+                (key, nbytes, files), (leases, _, fetched) = flying.collect()
+                held -= nbytes
+                try:
+                    result.handles[key] = tuple(
+                        (file, publish(lease.tensor.numpy()))
+                        for file, lease in zip(files, leases, strict=True)
+                    )
+                    result.published_bytes += sum(lease.nbytes for lease in leases)
+                finally:
                     for lease in leases:
                         pool.release(lease)
-                raise
+                result.bytes_from_storage += fetched
         result.peak_staging_bytes = pool.high_water
         result.seconds = time.perf_counter() - t0
         return result
@@ -452,6 +445,7 @@ __all__ = [
     "Identity",
     "PartRead",
     "PeerUnit",
+    "RankJob",
     "RankLoader",
     "RunStats",
     "SourceInfo",

@@ -6,18 +6,24 @@ for a unit another rank read and published, from that rank's bytes. A read-ahead
 its leases on the converting thread *before* the current unit converts, so the staging
 peak is what the schedule predicts however the threads interleave, and fills them later
 on either thread. Every lease is released on error.
+
+Reads kept going beside the caller are one :class:`InFlight` with a depth: a load's steps
+read ahead of the conversion, and an owner's shared units fetched for its peers.
 """
 
 from __future__ import annotations
 
 import json
+from collections import deque
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
 
 import torch
 
 from ...orchestrator.errors import StorageError
+from ...orchestrator.plan.message import PeerUnit, SourceInfo
 from ...orchestrator.plan.ranges import ByteRange
 from ...orchestrator.plan.types import Unit, UnitReads
 from .staging import Lease, StagingPool
@@ -28,43 +34,6 @@ PartBytes = tuple[torch.Tensor, "torch.Tensor | None"]
 Leased = list[tuple[str, list[tuple[int, str, ByteRange]], Lease]]
 """A read's pool leases, one per file, with the (part, weight-or-scale, range) items each
 lease holds in order."""
-
-
-@dataclass(frozen=True)
-class SourceInfo:
-    """The checkpoint a load or reload reads (each version plans from its own headers,
-    docs/contract.md §4)."""
-
-    root: str
-    storage_options: Mapping[str, Any] | None = field(default=None, repr=False)
-    """Never shown: it holds credentials."""
-    quant: str = "block_fp8"
-    """How this checkpoint stores quantized linears: block_fp8 | mxfp8 | none."""
-    block_n: int = 128
-    block_k: int = 128
-    allow_nonfinite: bool = False
-    file_tags: Mapping[str, str] | None = field(default=None, repr=False)
-    """Per shard, its change tag as the fingerprint saw it (``CheckpointMeta.file_tags``);
-    None where the identity is unverified. A rank checks the shards it read against it
-    at the end of its run."""
-    fence: int = 0
-    """The fencing token of the lease this run holds (``identities.Fence``; 0: none)."""
-    fingerprint: str = ""
-    """Identity of the checkpoint as read (``mxload.orchestrator.runtime.catalog.fingerprint``).
-    Every unit records (version, fingerprint) of the run that wrote it; "" (unknown) never
-    matches, so a unit is never skipped on the word of a source that cannot say what it is."""
-
-
-@dataclass(frozen=True)
-class PeerUnit:
-    """Where a shared unit's bytes are (``mxload.orchestrator.plan.sharing``): published by rank
-    ``owner`` as one handle per file, in the order the unit's reads group by file."""
-
-    owner: int
-    fetch_bytes: int
-    """Bytes the owner requested from storage for the unit (what ``bytes_read`` counts)."""
-    handles: tuple[tuple[str, Any], ...]
-    """(file, handle) per file; ``peer_get(handle)`` gives the bytes (a uint8 buffer)."""
 
 
 @dataclass
@@ -88,6 +57,13 @@ Filled = tuple[list[Lease], list[PartBytes], int]
 """A unit's read: its leases, per-part byte views, and bytes fetched from storage."""
 StepFilled = tuple[list[Lease], list[list[PartBytes]], int]
 """A step's read: its leases, each unit's per-part byte views, and bytes fetched."""
+
+
+Got = tuple[list[Lease], Any, int]
+"""What a fill returns: a :data:`Filled` or a :data:`StepFilled`."""
+
+K = TypeVar("K")
+T = TypeVar("T")
 
 
 GATHER_SCRATCH_BYTES = 1 << 20
@@ -329,3 +305,83 @@ class Reader:
             out.append(parts[at : at + n])
             at += n
         return leases, out, fetched
+
+
+class InFlight(Generic[K]):
+    """Reads kept in flight beside the caller: filled on up to ``depth`` reader threads,
+    collected in the order they were issued, each under the caller's ``key``.
+
+    A load's steps read ahead of the conversion (depth: the schedule's
+    ``ConvertOptions.read_ahead``) and an owner fetching shared units for its peers
+    (depth: as many requests as ``Storage`` keeps going) both keep their reads here. The
+    caller takes a read's leases on its own thread before issuing it (the staging the
+    schedule counts); :meth:`close` waits for every read not collected and releases its
+    leases, so nothing is left leased or running after a failure."""
+
+    def __init__(self, pool: StagingPool, depth: int, name: str) -> None:
+        self.depth = max(1, depth)
+        self._pool = pool
+        self._queue: deque[tuple[K, Future[Got]]] = deque()
+        self._executor = ThreadPoolExecutor(max_workers=self.depth, thread_name_prefix=name)
+
+    def __enter__(self) -> InFlight[K]:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __len__(self) -> int:
+        return len(self._queue)
+
+    @property
+    def first(self) -> K | None:
+        """The key of the read :meth:`collect` returns next (None: none in flight)."""
+        return self._queue[0][0] if self._queue else None
+
+    @property
+    def last(self) -> K | None:
+        """The key of the read issued last (None: none in flight)."""
+        return self._queue[-1][0] if self._queue else None
+
+    def issue(self, key: K, fill: Callable[..., Got], *args: Any, inline: bool = False) -> None:
+        """Fill a read with ``fill(*args)`` on a reader thread, or now on this thread
+        (``inline``: a read too small to be worth the handoff); a failure surfaces when
+        it is collected."""
+        fut = _done(fill, *args) if inline else self._executor.submit(fill, *args)
+        self._queue.append((key, fut))
+
+    def now(self, fill: Callable[..., T], *args: Any, inline: bool = False) -> T:
+        """A read needed at once, outside the queue: on a reader thread (waited for) or,
+        ``inline``, on this thread."""
+        return fill(*args) if inline else self._executor.submit(fill, *args).result()
+
+    def collect(self) -> tuple[K, Got]:
+        """The oldest read's key and what its fill returned (or raised: a failed fill
+        released its own leases)."""
+        key, fut = self._queue.popleft()
+        return key, fut.result()
+
+    def close(self) -> None:
+        """Wait for the reads not collected, release their leases, stop the threads."""
+        try:
+            while self._queue:
+                _, fut = self._queue.popleft()
+                try:
+                    leases = fut.result()[0]
+                except BaseException:  # it released its own; the caller's error stands
+                    continue
+                for lease in leases:
+                    self._pool.release(lease)
+        finally:
+            self._executor.shutdown(wait=True)
+
+
+def _done(fn: Callable[..., T], *args: Any) -> Future[T]:
+    """``fn(*args)`` run now, on this thread, as a finished future: a failure surfaces
+    when it is collected, as it would from a reader thread."""
+    fut: Future[T] = Future()
+    try:
+        fut.set_result(fn(*args))
+    except BaseException as exc:  # handed to whoever collects it
+        fut.set_exception(exc)
+    return fut

@@ -4,39 +4,33 @@ A step is one unit, several small units converted together, or one unit in row c
 Each step is read (:mod:`.reads`), converted (:mod:`.convert`) and written
 (:mod:`.writes`); the reads of the steps after it that the schedule reads ahead
 (``StepPlan.ahead_to``: the next one, or from an object store up to
-``ConvertOptions.read_ahead`` of them, each on its own reader thread) are issued before
-the current one converts (reads overlap conversion and each other, docs/contract.md §4
-"Streaming"). A unit
-records the run's identity once its step is written whole (:mod:`.identities`).
+``ConvertOptions.read_ahead`` of them, kept in flight by one :class:`.reads.InFlight` of
+that depth) are issued before the current one converts (reads overlap conversion and
+each other, docs/contract.md §4 "Streaming"). A unit records the run's identity once its
+step is written whole (:mod:`.identities`).
 """
 
 from __future__ import annotations
 
 import time
-from collections import deque
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, TypeVar
 
 from ...orchestrator.errors import MxloadError, RunError
 from ...orchestrator.plan.memory import ConvertOptions, StepPlan, sub_reads, sub_unit
+from ...orchestrator.plan.message import PeerUnit, RankJob, SourceInfo
 from ...orchestrator.plan.types import Unit, UnitReads
 from .accounting import Meter, RunStats
 from .convert import Converter, Member
 from .identities import NOTHING, Fence, Identity, UnitIdentities
 from .reads import (
+    InFlight,
     Leased,
-    PeerUnit,
     Reader,
-    SourceInfo,
-    StepFilled,
     StepRead,
     release_all,
 )
 from .staging import Lease, StagingPool
-
-T = TypeVar("T")
 
 INLINE_READ_BYTES = 4 << 20
 """A step whose bytes come from a local file and total at most this many is read on the
@@ -51,17 +45,28 @@ reader thread."""
 
 @dataclass
 class RunInputs:
-    """What one run reads, where, and under which budget and identity."""
+    """One run: the job it was given, and under which units, budget and identity."""
 
+    job: RankJob
     units: Sequence[Unit]
-    reads: Sequence[UnitReads]
-    source: SourceInfo
-    peers: Mapping[int, PeerUnit]
+    """The units it fills (``job.units`` or the plan's)."""
     opts: ConvertOptions
     pool: StagingPool
     target: Identity
     todo: list[bool]
     """Per unit, whether this run writes it (units already at the target are skipped)."""
+
+    @property
+    def reads(self) -> Sequence[UnitReads]:
+        return self.job.reads
+
+    @property
+    def source(self) -> SourceInfo:
+        return self.job.source
+
+    @property
+    def peers(self) -> Mapping[int, PeerUnit]:
+        return self.job.peers
 
 
 class StepRunner:
@@ -90,20 +95,17 @@ class StepRunner:
         self.stats = stats
         self.meter = meter
         self.progress = progress
-        self._pending: deque[tuple[int, Future[StepFilled]]] = deque()
-        """Steps read ahead (index, read), in step order."""
-        self._executor: ThreadPoolExecutor | None = None
+        self._pending: InFlight[int] = InFlight(
+            run.pool, run.opts.read_ahead, name=f"mxload-read-{rank}"
+        )
+        """Steps read ahead, by index, in step order."""
         self._local = False
         self._merge = False
 
     def run_steps(self, steps: Sequence[StepPlan]) -> None:
         """Every step with a unit to write, in order; then the backend synchronized.
         Nothing is left leased or running when this returns or raises."""
-        self._executor = ThreadPoolExecutor(
-            max_workers=max(1, self.run.opts.read_ahead),
-            thread_name_prefix=f"mxload-read-{self.rank}",
-        )
-        try:
+        with self._pending:
             if any(self.run.todo):
                 storage = self.reader.storage(self.run.source)
                 self._local = bool(getattr(storage, "is_local", False))
@@ -116,9 +118,6 @@ class StepRunner:
                 if members:
                     self._run_step(steps, s, members)
             self.converter.backend.synchronize()
-        finally:
-            self._drain()
-            self._executor.shutdown(wait=True)
 
     def _run_step(self, steps: Sequence[StepPlan], s: int, members: list[int]) -> None:
         if len(steps[s].chunks) == 1:
@@ -147,13 +146,12 @@ class StepRunner:
         run, reader = self.run, self.reader
         t_r = time.perf_counter()
         plan = self._step_read(members)
-        if self._pending and self._pending[0][0] == s:
-            fut = self._pending.popleft()[1]
-        elif self._inline(plan):
-            fut = _done(reader.read_step, plan, run.source, run.pool)
+        if self._pending.first == s:
+            leases, raw, fetched = self._pending.collect()[1]
         else:
-            fut = self._submit(reader.read_step, plan, run.source, run.pool)
-        leases, raw, fetched = fut.result()
+            leases, raw, fetched = self._pending.now(
+                reader.read_step, plan, run.source, run.pool, inline=self._inline(plan)
+            )
         self.stats.read_seconds += time.perf_counter() - t_r
         self.stats.bytes_read += fetched
         later = self._read_ahead(steps, s)
@@ -172,7 +170,7 @@ class StepRunner:
         if later is not None:
             t_r = time.perf_counter()
             t, nxt, taken = later
-            self._pending.append((t, _done(reader.fill_step, nxt, run.source, run.pool, taken)))
+            self._pending.issue(t, reader.fill_step, nxt, run.source, run.pool, taken, inline=True)
             self.stats.read_seconds += time.perf_counter() - t_r
 
     def _read_ahead(
@@ -185,7 +183,8 @@ class StepRunner:
         a reader thread now."""
         if not steps[s].prefetch_next:
             return None
-        first = self._pending[-1][0] + 1 if self._pending else s + 1
+        last = self._pending.last
+        first = last + 1 if last is not None else s + 1
         for t in range(first, min(steps[s].ahead_to, len(steps) - 1) + 1):
             ahead = [j for j in steps[t].units if self.run.todo[j]]
             if not ahead:
@@ -194,8 +193,8 @@ class StepRunner:
             taken = self.reader.take_step(nxt, self.run.pool)
             if self._inline(nxt):
                 return t, nxt, taken
-            self._pending.append(
-                (t, self._submit(self.reader.fill_step, nxt, self.run.source, self.run.pool, taken))
+            self._pending.issue(
+                t, self.reader.fill_step, nxt, self.run.source, self.run.pool, taken
             )
         return None
 
@@ -248,29 +247,3 @@ class StepRunner:
         finally:
             for lease in leases + reservations:
                 run.pool.release(lease)
-
-    def _submit(self, fn: Callable[..., StepFilled], *args: Any) -> Future[StepFilled]:
-        assert self._executor is not None
-        return self._executor.submit(fn, *args)
-
-    def _drain(self) -> None:
-        """Release the leases of the read-aheads the run did not reach (it failed)."""
-        while self._pending:
-            _, fut = self._pending.popleft()
-            try:
-                leases, _, _ = fut.result()
-                for lease in leases:
-                    self.run.pool.release(lease)
-            except BaseException:  # the run already failed; keep its error
-                pass
-
-
-def _done(fn: Callable[..., T], *args: Any) -> Future[T]:
-    """``fn(*args)`` run now, on this thread, as a finished future: a failure surfaces
-    when its step is reached, as it would from the reader thread."""
-    fut: Future[T] = Future()
-    try:
-        fut.set_result(fn(*args))
-    except BaseException as exc:  # handed to the step that reads it
-        fut.set_exception(exc)
-    return fut

@@ -161,12 +161,15 @@ HIDDEN = "<hidden>"
 
 
 def secret_values(options: Mapping[str, Any] | None) -> list[str]:
-    """Every text value of the caller's storage options (nested ones too), longest
-    first, that :func:`scrub` hides; mxload's own keys and texts under 4 characters
-    (``true``, a region such as ``us``) are not secrets."""
+    """Every value of the caller's storage options (nested ones too) as text, longest
+    first, that :func:`scrub` hides: texts, and numbers as written (a header may be a
+    numeric token). mxload's own keys, booleans and values under 4 characters (``true``,
+    a region such as ``us``, a port-less count) are not secrets."""
     found: set[str] = set()
 
     def walk(value: Any) -> None:
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            value = repr(value)
         if isinstance(value, str):
             if len(value) >= 4:
                 found.add(value)
