@@ -97,10 +97,11 @@ def kv_get(key: str) -> bytes | None:
     return bytes(value) if value is not None else None
 
 
-def kv_del(key: str) -> None:
+def kv_del(key: str, *, by_prefix: bool = False) -> None:
+    """Remove ``key`` (``by_prefix``: every key that starts with it)."""
     from ray.experimental.internal_kv import _internal_kv_del
 
-    _internal_kv_del(key.encode(), namespace=KV_NAMESPACE)
+    _internal_kv_del(key.encode(), del_by_prefix=by_prefix, namespace=KV_NAMESPACE)
 
 
 def route_driver_messages(write: Any) -> None:

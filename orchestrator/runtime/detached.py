@@ -5,12 +5,16 @@
 name (``--session``, default ``default``):
 
 * ``<session>/rank-NNNNN`` — one named, ``lifetime="detached"`` worker actor per rank,
-  holding its buffers;
+  holding its buffers, started with the key of its rank plan in the GCS;
 * ``<session>/pg`` — the placement group pinning them;
 * ``<session>/keeper`` — a small detached actor holding the session's
   :class:`~mxload.orchestrator.runtime.state.SessionState` (the plan, the request, the
   current version and source, every buffer's address as first loaded: the addresses a
-  captured graph points at) and the lease that serialises reloads.
+  captured graph points at) and the lease that serialises reloads, started with the key
+  of its record in the GCS (:mod:`.keeper`): so Ray can restart either after this
+  command exits, at any model size;
+* ``$MXLOAD_HOME/sessions/<session>.options`` — the caller's storage options
+  (credentials), which never enter the cluster (docs/contract.md §4 "Reads").
 
 On the embedded default, ``load --detach`` first starts a local Ray head as its own
 background process and records its address under ``$MXLOAD_HOME``
@@ -57,6 +61,7 @@ from .driver import first_load, plan_load
 from .heads import check_recorded_head, connect_session, recorded_head, watching_head
 from .keeper import SessionKeeper, session_lease, store
 from .outputs import OutputDir, check_not_input
+from .placement import forget_rank_plans
 from .ray_run import RayRun
 from .records import (
     NAMESPACE,
@@ -187,6 +192,7 @@ def detached_load(
             ray.kill(a)
         if run.pg is not None:
             ray.util.remove_placement_group(run.pg)
+        forget_rank_plans(session)
         raise
     manifest["session"] = session
     manifest["address"] = req.address
@@ -500,6 +506,7 @@ def detached_release(
             killed += 1
         except ValueError:
             pass
+    forget_rank_plans(session)
     try:
         pg = ray.util.get_placement_group(f"{session}/pg")
         ray.util.remove_placement_group(pg)

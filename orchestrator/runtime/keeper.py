@@ -34,10 +34,11 @@ class SessionKeeper:
     Its one constructor argument is the key of its record in the GCS (:func:`store`):
     an argument larger than Ray passes inline is owned by the process that created the
     actor, and gone with it, so a keeper given the state itself could not be restarted
-    once the ``load`` that made it exited. The record (state, fencing counter, lease,
-    notes) is rewritten on every change, so a keeper that Ray restarts (it died: OOM, a
-    kill) has all of it, the running reload's lease included. It never holds the
-    caller's storage options (credentials: docs/contract.md §4 "Credentials")."""
+    once the ``load`` that made it exited. The record is rewritten on every change (the
+    state when it is put, the small rest, fencing counter, lease and notes, on each
+    lease call), so a keeper that Ray restarts (it died: OOM, a kill) has all of it, the
+    running reload's lease included. It never holds the caller's storage options
+    (credentials: docs/contract.md §4 "Reads")."""
 
     def __init__(self, key: str, state: SessionState | None = None) -> None:
         """``state``: held in this process only, nothing stored (an in-process keeper)."""
@@ -60,24 +61,27 @@ class SessionKeeper:
         record = _read(key)
         if record is None:
             raise SessionError(f"the session's record {key!r} is not in the Ray cluster")
-        self.state, self.fence, self.notes, self.lease, self.starts = record
+        self.state, (self.fence, self.notes, self.lease, self.starts) = record
         self.starts += 1
         if self.starts > 1:
             self._note("the session's keeper died and was restarted; its state restored")
         self._save()
 
-    def _save(self) -> None:
-        """The record into the GCS, where a restarted keeper finds it."""
+    def _save(self, *, state: bool = False) -> None:
+        """The record into the GCS, where a restarted keeper finds it: the fencing
+        counter, lease and notes, and with ``state`` the state too."""
         if self.persist:
-            _write(self.key, self.state, self.fence, self.notes, self.lease, self.starts)
+            if state:
+                _write_state(self.key, self.state)
+            _write(self.key, (self.fence, self.notes, self.lease, self.starts))
 
     def forget(self) -> None:
         """Drop the stored record (release)."""
         if self.persist:
             from ...cluster import raycompat
 
-            raycompat.kv_del(self.key)
-            raycompat.kv_del(self.key + PLAN_SUFFIX)
+            for suffix in ("", STATE_SUFFIX, PLAN_SUFFIX):
+                raycompat.kv_del(self.key + suffix)
 
     def _note(self, what: str) -> None:
         stamp = time.strftime("%H:%M:%S", time.localtime())
@@ -102,7 +106,7 @@ class SessionKeeper:
             self._save()
             return why
         self.state = state.without_credentials()
-        self._save()
+        self._save(state=True)
         return ""
 
     def pid(self) -> int:
@@ -156,6 +160,11 @@ class SessionKeeper:
 PLAN_SUFFIX = "/plan"
 """The plan is stored once, under the keeper's key and this: it never changes, and is
 the bulk of the state (megabytes for a large model)."""
+STATE_SUFFIX = "/state"
+"""The rest of the state, rewritten when a command puts it (not on each lease renewal)."""
+
+Meta = tuple[int, list[str], Lease | None, int]
+"""What the keeper's own key holds: fencing counter, notes, lease, starts."""
 
 
 def keeper_key(state: SessionState) -> str:
@@ -172,32 +181,39 @@ def store(state: SessionState) -> str:
 
     key = keeper_key(state)
     raycompat.kv_put(key + PLAN_SUFFIX, pickle.dumps(state.plan))
-    _write(key, state.without_credentials(), 0, [], None, 0)
+    _write_state(key, state.without_credentials())
+    _write(key, (0, [], None, 0))
     return key
 
 
-def _write(
-    key: str, state: SessionState, fence: int, notes: list[str], lease: Lease | None, starts: int
-) -> None:
+def _write_state(key: str, state: SessionState) -> None:
     import pickle
 
     from ...cluster import raycompat
 
     fields = {f.name: getattr(state, f.name) for f in dataclasses.fields(state)}
     del fields["plan"]  # stored once (PLAN_SUFFIX)
-    raycompat.kv_put(key, pickle.dumps((fields, fence, notes, lease, starts)))
+    raycompat.kv_put(key + STATE_SUFFIX, pickle.dumps(fields))
 
 
-def _read(key: str) -> tuple[SessionState, int, list[str], Lease | None, int] | None:
+def _write(key: str, meta: Meta) -> None:
     import pickle
 
     from ...cluster import raycompat
 
-    raw, plan = raycompat.kv_get(key), raycompat.kv_get(key + PLAN_SUFFIX)
-    if raw is None or plan is None:
+    raycompat.kv_put(key, pickle.dumps(meta))
+
+
+def _read(key: str) -> tuple[SessionState, Meta] | None:
+    import pickle
+
+    from ...cluster import raycompat
+
+    raw = [raycompat.kv_get(key + s) for s in ("", STATE_SUFFIX, PLAN_SUFFIX)]
+    if any(r is None for r in raw):
         return None
-    fields, fence, notes, lease, starts = pickle.loads(raw)
-    return SessionState(plan=pickle.loads(plan), **fields), fence, notes, lease, starts
+    meta, fields, plan = (pickle.loads(r) for r in raw if r is not None)
+    return SessionState(plan=plan, **fields), meta
 
 
 def _holder_alive(holder: LeaseHolder) -> bool:

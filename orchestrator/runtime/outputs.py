@@ -84,7 +84,7 @@ def check_file_target(path: str | None, flag: str) -> None:
     if is_remote(path):
         raise OutputError(f"{flag} {path}: must be a local path", file=path, key=flag)
     p = _through_link(local_path(path))
-    check_not_input(p, flag, own_state())
+    check_not_input(path, flag, own_state())
     if os.path.isdir(p):
         raise OutputError(f"{flag} {path}: is a folder; give a file name", file=path, key=flag)
     if os.path.lexists(p) and not os.path.isfile(p):

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ..errors import InputError, RunError
-from ..plan.types import Plan
+from ..plan.types import Plan, RankPlan
 from .request import LoadRequest
 
 if TYPE_CHECKING:
@@ -151,6 +151,31 @@ def check_devices(req: LoadRequest, placed: Placement) -> None:
         raise InputError(problems[0] + more, key="--device")
 
 
+def rank_plan_key(session: str, rank: int) -> str:
+    """Where a detached session's rank plan is stored in the GCS (:func:`store_rank_plan`)."""
+    return f"{session}/rank-{rank:05d}/plan"
+
+
+def store_rank_plan(session: str, rank_plan: RankPlan) -> str:
+    """Store a detached rank's plan in the GCS; its key, which the rank is started with
+    (``workers.rank.actor.stored_rank_plan``) so that Ray can restart it after the
+    command that made it exited, at any model size."""
+    import pickle
+
+    from ...cluster import raycompat
+
+    key = rank_plan_key(session, rank_plan.rank)
+    raycompat.kv_put(key, pickle.dumps(rank_plan))
+    return key
+
+
+def forget_rank_plans(session: str) -> None:
+    """Remove every rank plan of a detached session from the GCS (release)."""
+    from ...cluster import raycompat
+
+    raycompat.kv_del(f"{session}/rank-", by_prefix=True)
+
+
 def spawn(
     req: LoadRequest,
     plan: Plan,
@@ -189,12 +214,14 @@ def spawn(
                 placed.pg, placement_group_bundle_index=bundle
             ),
         }
+        given: RankPlan | str = plan.ranks[rank]
         if name:
             opts["name"] = f"{name}/rank-{rank:05d}"
             opts["lifetime"] = "detached"
+            given = store_rank_plan(name, plan.ranks[rank])
         actors.append(
             cls.options(**opts).remote(
-                plan.ranks[rank],
+                given,
                 model_dtype=plan.model["dtype"],
                 device=req.device,
                 resource=req.accelerator,

@@ -3,7 +3,8 @@ address as first loaded, its ranks' processes; and the verdict over what the ran
 report (docs/contract.md §4 "Reload").
 
 One :class:`SessionState` serves every host of a session: the in-process ``Session``
-keeps it as an attribute, a detached session's keeper actor holds it (pickled by Ray),
+keeps it as an attribute, a detached session's keeper actor holds it (and its record in
+the GCS, without credentials: :meth:`SessionState.without_credentials`),
 an engine extension's ``Attachment`` keeps the one rank it hosts. It becomes JSON only
 in a manifest (:meth:`ReloadRecord.to_json`, :func:`verdict`).
 """
@@ -117,7 +118,8 @@ class SessionState:
     """How the fingerprint was established (``CheckpointMeta.identity``): ``status``
     says it, and "unverified: ..." when nothing vouches for the bytes."""
     storage_options: Mapping[str, Any] | None = field(default=None, repr=False)
-    """Never shown (no repr): it holds credentials."""
+    """Never shown (no repr): it holds credentials (a detached session's keeper holds
+    only mxload's own keys)."""
     restarted: set[int] = field(default_factory=set)
     """Ranks whose process was lost and restarted since the first load: their buffers
     are at new addresses."""

@@ -9,6 +9,7 @@ tests/integration/test_session_trust.py.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import socket
 
@@ -61,7 +62,12 @@ def _holder(token: str):
 
 def test_a_keeper_restarts_from_its_record_which_holds_no_credential(local_ray, state) -> None:
     from mxload.cluster import raycompat
-    from mxload.orchestrator.runtime.keeper import PLAN_SUFFIX, SessionKeeper, store
+    from mxload.orchestrator.runtime.keeper import (
+        PLAN_SUFFIX,
+        STATE_SUFFIX,
+        SessionKeeper,
+        store,
+    )
 
     ray = local_ray
     key = store(state)
@@ -72,10 +78,10 @@ def test_a_keeper_restarts_from_its_record_which_holds_no_credential(local_ray, 
     )
     try:
         lease = ray.get(keeper.acquire.remote(_holder("t1"), 60.0))
-        newer = state.with_credentials(OPTIONS)
-        newer.version = 2
+        newer = dataclasses.replace(state, version=2)  # with its credentials
         assert ray.get(keeper.put.remote(newer, "t1")) == ""
-        for name in (key, key + PLAN_SUFFIX):
+        names = [key + suffix for suffix in ("", STATE_SUFFIX, PLAN_SUFFIX)]
+        for name in names:
             raw = raycompat.kv_get(name)
             assert raw is not None
             assert SECRET.encode() not in raw and str(NUMERIC).encode() not in raw, name
@@ -92,4 +98,4 @@ def test_a_keeper_restarts_from_its_record_which_holds_no_credential(local_ray, 
     finally:
         ray.get(keeper.forget.remote())
         ray.kill(keeper)
-    assert raycompat.kv_get(key) is None and raycompat.kv_get(key + PLAN_SUFFIX) is None
+    assert [raycompat.kv_get(name) for name in names] == [None, None, None]

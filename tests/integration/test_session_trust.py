@@ -53,7 +53,7 @@ LAYOUT = ["--tp", "2", "--dp", "2", "--enable-expert-parallel"]
 LAY = Layout(2, 2, 1, True, "linear")
 NAN_TENSOR = "model.layers.0.mlp.experts.7.down_proj.weight_scale_inv"
 """qwen3-moe-tiny has 8 experts; under EP 4 (linear) expert 7 is rank 3's alone."""
-INLINE_MAX = 32 * 1024
+INLINE_MAX = 1024
 """Largest argument Ray passes inline in this module's commands (see :func:`env_of`)."""
 BOUND_S = 30.0
 """status/release on a dead head: the head check itself is pid look-ups (well under a
@@ -75,9 +75,10 @@ def env_of(work: Path) -> dict[str, str]:
     env.pop("RAY_ADDRESS", None)
     env["MXLOAD_HOME"] = str(work / "home")
     env["RAY_USAGE_STATS_ENABLED"] = "0"
-    # What Ray passes inline (100 KiB by default), low enough that the session's state
-    # (about 75 KiB for this model's plan) is not: as for any real model, whose plan
-    # is megabytes. Arguments not inlined are owned by the process that made the call.
+    # What Ray passes inline (100 KiB by default), low enough that neither the session's
+    # state (about 75 KiB for this model's plan) nor a rank's plan (about 26 KiB) is: as
+    # for any real model, whose plan is megabytes. Arguments not inlined are owned by the
+    # process that made the call (an actor's first ones: gone when `load` exits).
     env["RAY_max_direct_call_object_size"] = str(INLINE_MAX)
     return env
 

@@ -569,3 +569,33 @@ def test_load_detach_with_an_unwritable_home_starts_nothing(
     assert not ray.is_initialized()
     started = [p for p in psutil.process_iter(["name"]) if p.pid not in before]
     assert not [p for p in started if p.info["name"] in ("gcs_server", "raylet")]
+
+
+@pytest.mark.slow
+def test_a_head_whose_record_cannot_be_written_is_stopped(tmp_path, monkeypatch) -> None:
+    """head.json fails to be written after `ray start` (the home turned read-only or
+    full meanwhile): the head just started is ended, not left running recorded nowhere,
+    and the error names $MXLOAD_HOME (exit 2)."""
+    import errno
+
+    home = tmp_path / "home"
+    monkeypatch.setenv("MXLOAD_HOME", str(home))
+    started: list[local.HeadRecord] = []
+    real_end = local.end_head
+
+    def refuse(at: Path, record: local.HeadRecord) -> None:
+        started.append(record)
+        raise OSError(errno.EROFS, "Read-only file system", str(at / "head.json"))
+
+    monkeypatch.setattr(local, "_write_head_record", refuse)
+    monkeypatch.setattr(local, "end_head", lambda r, *a, **k: real_end(r, *a, grace_s=2.0))
+    try:
+        with pytest.raises(SessionError, match=r"\$MXLOAD_HOME .*it was stopped") as err:
+            local.start_detached_head(1, num_cpus=1)
+        assert err.value.exit_code == 2
+        (record,) = started
+        assert [p for p in record.processes if local.live_process(p) is not None] == []
+        assert not Path(record.temp_dir).exists() and not (home / "head.json").exists()
+    finally:
+        for record in started:  # whatever the outcome, nothing of it outlives the test
+            real_end(record, grace_s=2.0)

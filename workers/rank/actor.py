@@ -34,7 +34,7 @@ class RankWorker:
 
     def __init__(
         self,
-        plan: RankPlan,
+        plan: RankPlan | str,
         *,
         model_dtype: str,
         device: str,
@@ -45,6 +45,8 @@ class RankWorker:
         from ...cluster.local import tighten_own_temp_dir
 
         tighten_own_temp_dir()  # this process's start made Ray's folders 0777 again
+        if isinstance(plan, str):
+            plan = stored_rank_plan(plan)
         self.resource = resource
         var = VISIBLE_DEVICE_VARS.get(resource, "")
         self.visible_devices = os.environ.get(var, "") if var else ""
@@ -216,6 +218,22 @@ def _node_ip() -> str:
         return str(ray.util.get_node_ip_address())  # type: ignore[no-untyped-call]
     except Exception:  # outside Ray: the name alone says where
         return "?"
+
+
+def stored_rank_plan(key: str) -> RankPlan:
+    """The rank plan a detached session stored in the GCS under ``key``. A detached rank
+    is given the key, not the plan: Ray restarts it with its first arguments, and one
+    larger than Ray passes inline is owned by the command that made the actor, gone once
+    that exits (docs/contract.md §4 "Detached sessions")."""
+    import pickle
+
+    from ...cluster import raycompat
+
+    raw = raycompat.kv_get(key)
+    if raw is None:
+        raise RuntimeError(f"this rank's plan {key!r} is not in the Ray cluster (released?)")
+    plan: RankPlan = pickle.loads(raw)
+    return plan
 
 
 def remote_class(worker: type[RankWorker] = RankWorker) -> Any:
