@@ -644,10 +644,6 @@ def report_error(
         path = write_error_log(err, argv, hidden)
         if path:
             sys.stderr.write(f"mxload: the traceback is in {path} (or rerun with --debug)\n")
-    from ...cluster.local import ray_log_path
-
-    if code == 1 and ray_log_path():
-        sys.stderr.write(f"mxload: what Ray said is in {ray_log_path()}\n")
     return code
 
 
@@ -672,6 +668,10 @@ def write_error_log(
     details = err.context.get("details") if isinstance(err, MxloadError) else None
     if details:
         body += ["", "--- from the worker ---", str(details)]
+    from ...cluster.local import ray_log_path
+
+    if ray_log_path():  # Ray's own messages of this run (never on the terminal)
+        body += ["", f"--- what Ray said: {ray_log_path()} ---"]
     name = f"mxload-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.log"
     folder = mxload_home() / "logs"
     try:

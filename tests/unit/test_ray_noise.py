@@ -60,3 +60,13 @@ def test_ray_messages_go_to_the_log_not_the_terminal(
     text = Path(path).read_text()
     assert "Unhandled error" in text and "ValueError: boom" in text
     assert "(raylet) A worker died or was killed" in text
+
+
+def test_a_failed_runs_traceback_log_names_what_ray_said(routed: Path) -> None:
+    from mxload.orchestrator.cli.commands import write_error_log
+
+    logging.getLogger("ray").error("something Ray says")
+    ray_log = local.ray_log_path()
+    assert ray_log is not None
+    path = write_error_log(RuntimeError("lost"), ["load", "SRC"])
+    assert path is not None and f"--- what Ray said: {ray_log} ---" in Path(path).read_text()
