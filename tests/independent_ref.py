@@ -8,7 +8,10 @@ It shares no code with ``mxload.workers.numerics`` and takes a different route o
   (``np.frexp``), not from float32 bit fields;
 - scaling is exact float64 ``ldexp`` (the SPEC's f32 product is exact wherever the E4M3
   result is not ±0);
-- bf16 rounding is done on float32 bit patterns by hand (round half to even).
+- bf16 rounding is done on float32 bit patterns by hand (round half to even);
+- ``scale_alg=1`` scales follow the operator's documented steps on exact rationals
+  (``fractions.Fraction``: ``amax / 448`` rounded to float32 by hand, then its exponent and
+  mantissa), not the production code's closed form on bit fields.
 
 Inputs are numpy float64 arrays holding the exact values of the bf16/fp16/fp32 tensors
 (tests convert with ``tensor.to(torch.float64).numpy()``, which is exact), so this module
@@ -16,6 +19,9 @@ needs no torch.
 """
 
 from __future__ import annotations
+
+import math
+from fractions import Fraction
 
 import numpy as np
 
@@ -80,20 +86,62 @@ def biased_exponent(x: np.ndarray) -> np.ndarray:
     return np.where(finite, biased, 255).astype(np.int64)
 
 
-def mx_quantize_ref(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """docs/contract.md §2.2 for the exact values ``x`` ``[..., K]``: (payload bytes, scale bytes)."""
+def _f32_rne(q: Fraction) -> Fraction:
+    """The float32 nearest to the positive rational ``q`` (ties to even), exactly; ``q`` is
+    far below the float32 maximum here."""
+    if q == 0:
+        return q
+    e = q.numerator.bit_length() - q.denominator.bit_length()  # 2**e <= q < 2**(e + 2)
+    if Fraction(2) ** e > q:
+        e -= 1
+    ulp_exp = max(e, -126) - 23  # 24 significant bits, subnormals below 2**-126
+    units = q / Fraction(2) ** ulp_exp
+    n = math.floor(units)
+    rest = units - n
+    if rest > Fraction(1, 2) or (rest == Fraction(1, 2) and n % 2 == 1):
+        n += 1
+    return n * Fraction(2) ** ulp_exp
+
+
+def scale_byte_alg1(amax: float) -> int:
+    """``npu_dynamic_mx_quant``'s ``scale_alg=1`` for one group, from its documented steps:
+    ``S = Amax / 448`` rounded to float32; take its biased exponent ``E`` and mantissa
+    ``M``; ``E + 1`` if ``S`` is normal, ``E < 254`` and ``M > 0``, or ``S`` is subnormal
+    and ``M > 0.5``; else ``E``. Inf/NaN: 255."""
+    if not math.isfinite(amax):
+        return 255
+    s = _f32_rne(Fraction(amax) / 448)
+    if s >= Fraction(2) ** -126:
+        e = s.numerator.bit_length() - s.denominator.bit_length()
+        if Fraction(2) ** e > s:
+            e -= 1
+        biased = e + 127
+        mantissa_nonzero = s != Fraction(2) ** e
+        return biased + 1 if biased < 254 and mantissa_nonzero else biased
+    fraction = s / Fraction(2) ** -126  # the subnormal's mantissa, in [0, 1)
+    return 1 if fraction > Fraction(1, 2) else 0
+
+
+def mx_quantize_ref(x: np.ndarray, scale_alg: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """docs/contract.md §2.2 for the exact values ``x`` ``[..., K]``: (payload bytes, scale
+    bytes). ``scale_alg`` 1: the scale of :func:`scale_byte_alg1`, every group scaled by
+    ``2**(127 - S)`` (no zero group at ``S = 0``)."""
     x = np.asarray(x, dtype=np.float64)
     if x.shape[-1] % GROUP:
         raise ValueError("K must be a multiple of 32")
     lead = x.shape[:-1]
     groups = x.reshape(*lead, x.shape[-1] // GROUP, GROUP)
-    emax = biased_exponent(groups).max(axis=-1)
-    s = np.where(emax == 255, 255, np.maximum(emax, 8) - 8)
+    if scale_alg == 1:
+        amax = np.abs(groups).max(axis=-1)  # NaN propagates
+        s = np.vectorize(lambda a: scale_byte_alg1(float(a)), otypes=[np.int64])(amax)
+    else:
+        emax = biased_exponent(groups).max(axis=-1)
+        s = np.where(emax == 255, 255, np.maximum(emax, 8) - 8)
     scaled = np.ldexp(
         np.where(np.isfinite(groups), groups, 0.0), (127 - np.where(s == 255, 0, s))[..., None]
     )
     payload = e4m3_rne_saturating(scaled)
-    zero_group = (s == 0)[..., None]
+    zero_group = ((s == 0) & (scale_alg == 0))[..., None]
     signed_zero = np.where(np.signbit(groups), 0x80, 0x00).astype(np.uint8)
     payload = np.where(zero_group, signed_zero, payload)
     payload = np.where((s == 255)[..., None], E4M3_NAN_CODE, payload).astype(np.uint8)

@@ -441,6 +441,65 @@ RESOLVE_CASES: tuple[ResolveCase, ...] = (
 )
 
 
+MX_ALG1_CASES: tuple[MxCase, ...] = (
+    # scale_alg=1 (docs/contract.md §2.2): Q = RNE_f32(amax / 448); S = biased exponent of
+    # Q, plus 1 if Q is normal with a non-zero mantissa (or subnormal with a mantissa above
+    # one half); every group scaled by 2**(127 - S), S = 0 included; Inf/NaN -> 0xFF.
+    #
+    # amax 448: Q = 1.0 exactly (mantissa 0) -> S = 127, r = 1: 448 -> 0x7E, 1.0 -> 0x38.
+    MxCase("alg1_amax_448", "bf16", group(448.0, 1.0), (127,), codes(0x7E, 0x38)),
+    # amax 449: Q = 449/448 > 1 -> S = 128, r = 2**-1: 224.5 -> 224 (1.75 * 2**7, 0x76;
+    # the next code 240 is farther); -1.0 -> -0.5 = 2**-1, exp field 6 -> 0xB0.
+    MxCase("alg1_rounds_up", "fp32", group(449.0, -1.0), (128,), codes(0x76, 0xB0)),
+    # amax 1.875 (bf16 1.111b): Q = 1.875/448 = 1.071 * 2**-8 -> S = -8 + 127 + 1 = 120,
+    # r = 2**7: 1.875 -> 240 = 1.875 * 2**7 (0x77); 1.0 -> 128 (0x70). (scale_alg=0 gives
+    # S = 119 and saturates 1.875 * 256 = 480 to 448.)
+    MxCase("alg1_amax_above_1_75", "bf16", group(1.875, 1.0), (120,), codes(0x77, 0x70)),
+    # amax 1.75: Q = 2**-8 exactly -> S = 119, r = 2**8: +-1.75 -> +-448 (0x7E, 0xFE).
+    MxCase("alg1_amax_exactly_1_75", "bf16", group(1.75, -1.75), (119,), codes(0x7E, 0xFE)),
+    # amax 0: Q = 0 (subnormal, mantissa 0) -> S = 0, r = 2**127: +-0 stay +-0.
+    MxCase(
+        "alg1_zeros",
+        "bf16",
+        tuple(-0.0 if i % 2 == 0 else 0.0 for i in range(GROUP)),
+        (0,),
+        tuple(0x80 if i % 2 == 0 else 0x00 for i in range(GROUP)),
+    ),
+    # amax 2**-128 (an f32 subnormal): Q = 2**-128 / 448 < 2**-127 -> S = 0, and the group
+    # is scaled by 2**127, not zeroed: 2**-128 -> 0.5 (0x30), -(2**-130) -> -0.125 (0xA0).
+    MxCase(
+        "alg1_s0_scales_by_2_127", "fp32", group(2.0**-128, -(2.0**-130)), (0,), codes(0x30, 0xA0)
+    ),
+    # amax 1.75 * 2**-119: Q = 2**-127 exactly, a subnormal with mantissa one half (not
+    # above) -> S = 0, r = 2**127: 1.75 * 2**8 = 448 (0x7E).
+    MxCase("alg1_subnormal_quotient_half", "fp32", group(1.75 * 2.0**-119), (0,), codes(0x7E)),
+    # amax (7 * 2**20 + 1) * 2**-141, the next float32: Q / 2**-149 = 2**22 + 4/7 -> RNE
+    # 2**22 + 1, mantissa above one half -> S = 1, r = 2**126: amax -> 224 + 2**-15 -> 224
+    # (0x76).
+    MxCase(
+        "alg1_subnormal_quotient_above_half",
+        "fp32",
+        group((7 * 2**20 + 1) * 2.0**-141),
+        (1,),
+        codes(0x76),
+    ),
+    # amax 1.75 * 2**-118: Q = 2**-126, the smallest normal, mantissa 0 -> S = 1, r = 2**126:
+    # 448 (0x7E).
+    MxCase("alg1_quotient_smallest_normal", "fp32", group(1.75 * 2.0**-118), (1,), codes(0x7E)),
+    # bf16's largest, (2 - 2**-7) * 2**127: Q's exponent 127 - 9 + 127 = 245 with a mantissa
+    # -> S = 246 + 1 = 247, r = 2**-120: (2 - 2**-7) * 2**7 = 254 -> 256 (0x78: 14 away from
+    # 240, 2 from 256).
+    MxCase("alg1_bf16_max", "bf16", group((2 - 2.0**-7) * 2.0**127), (247,), codes(0x78)),
+    # Inf or NaN in a group: amax is not finite -> S = 0xFF, the whole group NaN.
+    MxCase("alg1_inf", "bf16", group(1.0, INF), (0xFF,), NAN_GROUP),
+    MxCase("alg1_nan", "fp32", group(NAN, 3.0), (0xFF,), NAN_GROUP),
+    # fp16: amax 65504 = 1.999 * 2**15 -> Q = 146.2 = 1.142 * 2**7 -> S = 7 + 127 + 1 = 135,
+    # r = 2**-8: 65504 -> 255.875 -> 256 (0x78); 1.0 -> 2**-8, subnormal 2 units (0x02).
+    MxCase("alg1_fp16_max", "fp16", group(65504.0, 1.0), (135,), codes(0x78, 0x02)),
+)
+"""The same table's rule with ``scale_alg=1`` (each case derived by hand above)."""
+
+
 # --- running the table against any implementation ------------------------------------
 
 
@@ -582,16 +641,18 @@ def _random_inputs(seed: int) -> list[tuple[str, torch.Tensor]]:
     return out
 
 
-def random_conformance(backend: object, seed: int = 2024) -> list[str]:
+def random_conformance(backend: object, seed: int = 2024, scale_alg: int = 0) -> list[str]:
     """Compare ``backend`` (any device) with the CPU reference, byte for byte, on seeded
     random data; returns mismatch descriptions naming the input. Runs ``mx_quantize``,
-    ``resolve_block`` and ``convert`` (tile-misaligned slices)."""
+    ``resolve_block`` and ``convert`` (tile-misaligned slices), under ``scale_alg``."""
     from mxload.workers.numerics import reference
     from mxload.workers.numerics.backend import ConvertPart
 
+    if scale_alg:
+        backend = backend.with_scale_alg(scale_alg)  # type: ignore[attr-defined]
     problems: list[str] = []
     for label, x in _random_inputs(seed):
-        want_p, want_s = reference.mx_quantize(x)
+        want_p, want_s = reference.mx_quantize(x, scale_alg)
         got_p, got_s = backend.mx_quantize(x)  # type: ignore[attr-defined]
         problems += compare_mx(
             label,
@@ -616,7 +677,7 @@ def random_conformance(backend: object, seed: int = 2024) -> list[str]:
             )
             if got_cpu.dtype != dtype or not bool(same.all()):
                 problems.append(f"{label}: differs from the CPU reference")
-            want_p, want_s = reference.mx_quantize(want)
+            want_p, want_s = reference.mx_quantize(want, scale_alg)
             [(got_p, got_s)] = backend.convert(  # type: ignore[attr-defined]
                 [ConvertPart(w[r0:r1, c0:c1], tiles, r0, c0)], block_n=128, block_k=128, dtype=dtype
             )

@@ -44,7 +44,9 @@ class Layout:
 class RefCheckpoint:
     """A checkpoint read with the official library, converted tensor by tensor on demand."""
 
-    def __init__(self, path: str, dtype: str | None = None) -> None:
+    def __init__(self, path: str, dtype: str | None = None, scale_alg: int = 0) -> None:
+        self.scale_alg = scale_alg
+        """The MX scale rule every MX tensor is quantized with (docs/contract.md §2.2)."""
         with open(os.path.join(path, "config.json")) as f:
             self.config = json.load(f)
         index = os.path.join(path, "model.safetensors.index.json")
@@ -133,7 +135,7 @@ def _mx_rows(
 ) -> tuple[np.ndarray, np.ndarray]:
     """Concatenated rows of the parts, MX-quantized: (payload [N,K], scale [N,K/32])."""
     vals = np.concatenate([ck.values(m)[r, c] for m, r, c in parts], axis=0)
-    return mx_quantize_ref(vals)
+    return mx_quantize_ref(vals, ck.scale_alg)
 
 
 def _dense_rows(ck: RefCheckpoint, parts: list[tuple[str, slice, slice]]) -> np.ndarray:

@@ -499,6 +499,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
             on_progress=bar,
             numerics=args.numerics,
             engine=args.engine,
+            scale_alg=args.scale_alg,
             overwrite=args.overwrite,
             fmt=args.format,
         )

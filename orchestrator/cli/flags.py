@@ -151,6 +151,29 @@ FLAGS: tuple[Flag, ...] = (
         "vision tower, data holds it whole on every TP rank",
         kwargs={"choices": ["weights", "data"]},
     ),
+    Flag(
+        ("--all2all-backend",),
+        LAYOUT,
+        "the engine's vLLM --all2all-backend (default: the engine profile's: vLLM's "
+        "allgather_reducescatter, vllm-ascend's flashinfer_all2allv); under a sequence-"
+        "parallel backend with EP, tp > 1 and dp > 1 vLLM holds the shared experts whole",
+        kwargs={"metavar": "NAME"},
+    ),
+    Flag(
+        ("--enable-shared-expert-dp",),
+        LAYOUT,
+        "the engine holds the shared experts whole on every TP rank by its own switch "
+        "(vllm-ascend's enable_shared_expert_dp; 0.23 also flashcomm1)",
+        kwargs={"action": "store_true"},
+    ),
+    Flag(
+        ("--scale-alg",),
+        ("plan", "load", "convert"),
+        "the MX scale rule (npu_dynamic_mx_quant's scale_alg): 0 OCP (floor of the group's "
+        "exponent), 1 from amax / 448 rounded up; default: the engine's choice for the model "
+        "(vllm-ascend 0.27+: 1 for MiniMax M3, else 0)",
+        kwargs={"type": int, "choices": [0, 1]},
+    ),
     # engine
     Flag(
         ("--engine",),
@@ -905,6 +928,9 @@ def layout(args: argparse.Namespace) -> ParallelLayout:
         language_model_only=args.language_model_only,
         speculative_method=speculative_method(args.speculative_config),
         mm_encoder_tp_mode=args.mm_encoder_tp_mode or "weights",
+        all2all_backend=args.all2all_backend or "",
+        shared_expert_dp=args.enable_shared_expert_dp,
+        scale_alg=args.scale_alg,
     )
 
 

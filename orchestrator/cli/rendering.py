@@ -387,6 +387,9 @@ def layout_header(
             if par.get("mm_encoder_tp_mode")
             else ""
         )
+        + (f" all2all-backend={par['all2all_backend']}" if par.get("all2all_backend") else "")
+        + (" shared-expert-dp" if par.get("shared_expert_dp") else "")
+        + (f" scale-alg={par['scale_alg']}" if par.get("scale_alg") is not None else "")
         + (" (a dense model: ep and expert_placement change nothing)" if no_experts else "")
         + (" (no vision tower planned: mm-encoder-tp-mode changes nothing)" if no_tower else "")
     ]
@@ -403,6 +406,17 @@ _DEVICE_NOTES = {
 """What ``plan``'s first line adds after the device it was planned for."""
 
 
+def moe_mode_lines(mode: dict[str, Any] | None) -> list[str]:
+    """The MoE mode a plan assumed (none for a dense model)."""
+    if not mode:
+        return []
+    return [
+        f"MoE mode ({mode['engine']}): all2all backend {mode['all2all_backend']}, "
+        f"sequence-parallel MoE {'on' if mode['sequence_parallel_moe'] else 'off'}; shared "
+        f"experts {mode['shared_experts']} ({mode['why']})"
+    ]
+
+
 def render_plan_table(
     obj: dict[str, Any], devices_per_node: int = 16, defaults_used: Sequence[str] = ()
 ) -> str:
@@ -413,6 +427,7 @@ def render_plan_table(
         f"model: {obj['model'].get('architecture')}, planned for device {device}"
         + _DEVICE_NOTES.get(device, ""),
         *layout_header(obj["parallel"], defaults_used, obj.get("model")),
+        *moe_mode_lines(obj.get("moe_mode")),
         *_plan_rows(obj),
         *_time_model_lines(obj.get("time_model")),
         "minimum staging budget: load "

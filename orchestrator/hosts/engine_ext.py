@@ -499,6 +499,35 @@ def _speculative_method(vllm_config: Any) -> Literal["", "mtp"]:
     return "mtp" if getattr(spec, "method", None) == "mtp" else ""
 
 
+def _shared_expert_dp() -> bool:
+    """vllm-ascend's own switch that holds the shared experts whole on every TP rank, as
+    the engine resolved it (``vllm_ascend.utils.shared_expert_dp_enabled``: 0.23 also
+    counts flashcomm1 and SP by pass); False without vllm-ascend."""
+    try:
+        from vllm_ascend.utils import (  # type: ignore[import-not-found]
+            shared_expert_dp_enabled,
+        )
+
+        return bool(shared_expert_dp_enabled())
+    except Exception:  # not vllm-ascend, or its config is not initialised
+        return False
+
+
+def _engine_scale_alg(vllm_config: Any) -> int | None:
+    """The MX scale rule vllm-ascend quantizes this model's activations with
+    (``vllm_ascend.quantization.utils.get_dynamic_mx_quant_scale_alg``, 0.27+: 1 for
+    MiniMax M3 where the hardware has it); None where there is no such choice (the
+    profile's rule then)."""
+    try:
+        from vllm_ascend.quantization.utils import (  # type: ignore[import-not-found]
+            get_dynamic_mx_quant_scale_alg,
+        )
+
+        return int(get_dynamic_mx_quant_scale_alg(vllm_config))
+    except Exception:  # not vllm-ascend, a release without the rule, or no hardware profile
+        return None
+
+
 def drafter_model(model_runner: Any) -> torch.nn.Module | None:
     """The speculative drafter's model (vLLM's ``model_runner.drafter.model``: on the last
     pipeline stage only), or None."""
@@ -527,6 +556,10 @@ def vllm_facts(vllm_config: Any, engine: str | None = None) -> EngineFacts:
         language_model_only=_language_model_only(vllm_config),
         speculative_method=_speculative_method(vllm_config),
         mm_encoder_tp_mode=_mm_encoder_tp_mode(vllm_config),
+        # the backend the engine runs with (vllm-ascend replaces vLLM's default at config)
+        all2all_backend=str(getattr(pc, "all2all_backend", "") or ""),
+        shared_expert_dp=_shared_expert_dp(),
+        scale_alg=_engine_scale_alg(vllm_config),
     )
     return EngineFacts(
         layout=layout,

@@ -31,9 +31,13 @@ What stays in which dtype, and why:
 * Every ``linear`` row may become MXFP8 (``mx_linear``/``mx_moe``) when its checkpoint
   weight is quantized and its local K is a multiple of 32 (docs/contract.md §2.2); otherwise it is
   held resolved in the model dtype (quantized source) or as the checkpoint stores it.
-* DeepSeek's ``self_attn.kv_b_proj`` has ``mx=False``: vllm-ascend keeps it dense in the
-  model dtype because MLA absorbs it into the q and o projections at load time (it is
-  split into W_UK / W_UV and multiplied, which needs real values, not MX payloads).
+* Linears an engine holds in the model dtype whatever the checkpoint stores are the engine
+  profile's (``EngineProfile.dense_linears``, applied by :meth:`Architecture.for_engine`):
+  vllm-ascend's MLA asserts an unquantized DeepSeek ``self_attn.kv_b_proj`` (it absorbs it
+  into W_UK_T / W_UV from real values); plain vLLM quantizes it like every other linear.
+* Shared experts (``shared_expert=True`` rows) are TP-split unless the engine's MoE mode
+  holds them whole on every TP rank (vLLM's sequence-parallel MoE, vllm-ascend's
+  shared-expert DP: ``mxload.orchestrator.plan.engines.resolve_moe``).
 * Norms, embeddings, lm_head and the router (``mlp.gate.weight``) are not linears the
   checkpoint quantizes: they are copied in their checkpoint dtype (the model dtype when
   planning from the config alone).
@@ -175,6 +179,9 @@ class TensorRule:
     held: Held = ""
     """The engine casts it to this dtype on load, whatever the checkpoint stores (vLLM's
     ``A_log`` is a float32 parameter; its norms and ``conv1d`` are model dtype)."""
+    shared_expert: bool = False
+    """A shared expert's linear: replicated where the engine holds the shared experts whole
+    (:meth:`Architecture.for_engine`)."""
     shared_with_target: bool = False
     """An MTP drafter row the engine replaces by the target model's tensor after loading
     (vLLM shares the lm_head); planned only where the engine profile keeps its own copy
@@ -272,6 +279,24 @@ class Architecture:
             return self
         rules = tuple(
             replace(r, style="replicated") if r.place in ("vision", "vision_layer") else r
+            for r in self.rules
+        )
+        return replace(self, rules=rules)
+
+    def for_engine(
+        self, shared_experts_whole: bool, dense_linears: tuple[str, ...]
+    ) -> Architecture:
+        """This table as an engine holds it: shared-expert rows replicated when its MoE mode
+        holds them whole, the linears named in ``dense_linears`` kept in the model dtype
+        (``mx=False``); rule indices are unchanged."""
+        if not shared_experts_whole and not dense_linears:
+            return self
+        rules = tuple(
+            replace(
+                r,
+                style="replicated" if shared_experts_whole and r.shared_expert else r.style,
+                mx=r.mx and r.name not in dense_linears,
+            )
             for r in self.rules
         )
         return replace(self, rules=rules)
@@ -454,13 +479,12 @@ DEEPSEEK_V3 = Architecture(
         TensorRule(
             "self_attn.kv_a_layernorm", "replicated", (_S("self_attn.kv_a_layernorm", "KVL"),)
         ),
-        # Kept dense in the model dtype: MLA absorbs it (see the module docstring).
+        # MXFP8 where the engine quantizes it (EngineProfile.dense_linears).
         TensorRule(
             "self_attn.kv_b_proj",
             "column",
             (_S("self_attn.kv_b_proj", "KVB", "KVL"),),
             linear=True,
-            mx=False,
         ),
         TensorRule("self_attn.o_proj", "row", (_S("self_attn.o_proj", "H", "O"),), linear=True),
         _POST_NORM,
@@ -482,6 +506,7 @@ DEEPSEEK_V3 = Architecture(
             ),
             when="shared_experts",
             linear=True,
+            shared_expert=True,
         ),
         TensorRule(
             "mlp.shared_experts.down_proj",
@@ -489,6 +514,7 @@ DEEPSEEK_V3 = Architecture(
             (_S("mlp.shared_experts.down_proj", "H", "SI"),),
             when="shared_experts",
             linear=True,
+            shared_expert=True,
         ),
         _EXPERTS,
         _FINAL_NORM,
@@ -679,6 +705,7 @@ _QWEN3_5_MOE_MLP = (
         ),
         when="shared_expert",
         linear=True,
+        shared_expert=True,
     ),
     TensorRule(
         "mlp.shared_expert.down_proj",
@@ -686,6 +713,7 @@ _QWEN3_5_MOE_MLP = (
         (_S("mlp.shared_expert.down_proj", "H", "SI"),),
         when="shared_expert",
         linear=True,
+        shared_expert=True,
     ),
     _EXPERTS,
 )

@@ -15,7 +15,10 @@ default):
   (``round_robin`` expert placement, weight-format casts that reallocate);
 * which modules stay in the model dtype (``mxload convert`` lists them in the
   quantization config's ``ignore`` so the engine does not quantize them);
-* which pipeline-placed tensors the engine builds on every stage.
+* which pipeline-placed tensors the engine builds on every stage;
+* how it runs its MoE layers (:class:`MoEMode`: its all2all backend, whether that backend
+  runs sequence-parallel MoE, and what puts the shared experts whole on every TP rank);
+* which quantized linears it holds in the model dtype (``dense_linears``).
 
 A new engine version is a new table in :data:`ENGINES`, never a new branch in the planner
 or the loader. Each table names the source lines it was read from. Which release uses
@@ -55,7 +58,7 @@ from .formats import LAYOUT_DENSE, MX_GROUP
 from .releases import RELEASES, SourceRef
 
 if TYPE_CHECKING:
-    from .types import RankPlan
+    from .types import ParallelLayout, RankPlan
 
 BUFFER_KINDS = ("mx_linear", "mx_linear_scale", "mx_moe", "mx_moe_scale", "dense_moe")
 """Buffer kinds a profile may lay out differently (canonical shapes in the module doc)."""
@@ -77,6 +80,90 @@ class BufferView:
         n = len(self.view)
         if sorted(self.view) != list(range(n)) or sorted(self.storage) != list(range(n)):
             raise ValueError(f"BufferView {self}: view and storage must be permutations")
+
+
+@dataclass(frozen=True)
+class MoEMode:
+    """How an engine runs its MoE layers, as far as it decides what a rank holds.
+
+    vLLM runs *sequence-parallel MoE* (``ParallelConfig.use_sequence_parallel_moe``) when
+    its all2all backend is one of ``sequence_parallel_backends``, expert parallelism is on,
+    tp > 1 and dp > 1; its models then build the shared experts with ``disable_tp`` (whole
+    on every TP rank). An engine may decouple the shared experts from that
+    (``sp_replicates_shared`` False) and have a switch of its own that holds them whole
+    (``shared_dp_setting``)."""
+
+    all2all_backend: str
+    """The backend the engine runs with unless told otherwise (vLLM's ``--all2all-backend``
+    default, or what the platform sets in its place)."""
+    sequence_parallel_backends: tuple[str, ...]
+    """Backends under which vLLM runs sequence-parallel MoE."""
+    sp_replicates_shared: bool
+    """Sequence-parallel MoE holds the shared experts whole on every TP rank."""
+    shared_dp_setting: str = ""
+    """The engine's own setting that holds the shared experts whole on every TP rank
+    whatever the backend (``ParallelLayout.shared_expert_dp``); empty: it has none."""
+
+
+VLLM_SP_BACKENDS = (
+    "allgather_reducescatter",
+    "deepep_high_throughput",
+    "deepep_low_latency",
+    "deepep_v2",
+    "flashinfer_nvlink_one_sided",
+    "passthrough",
+    "mori_high_throughput",
+    "mori_low_latency",
+    "nixl_ep",
+)
+"""vLLM 0.33's ``use_sequence_parallel_moe`` backends (0.23 and 0.30 list a subset: each
+name they accept has the same answer there)."""
+
+ALL2ALL_BACKENDS = (
+    "naive",
+    "pplx",
+    "deepep_high_throughput",
+    "deepep_low_latency",
+    "deepep_v2",
+    "mori_high_throughput",
+    "mori_low_latency",
+    "moonep",
+    "nixl_ep",
+    "allgather_reducescatter",
+    "flashinfer_all2allv",
+    "flashinfer_nvlink_two_sided",
+    "flashinfer_nvlink_one_sided",
+    "passthrough",
+)
+"""vLLM 0.33's ``All2AllBackend`` values (config/parallel.py:45-60)."""
+
+_REMOVED_ALL2ALL = {"naive": "allgather_reducescatter", "pplx": "allgather_reducescatter"}
+"""Backends vLLM has removed and replaces at config time (0.23 config/parallel.py:433-439,
+0.33 :537)."""
+
+VLLM_DEFAULT_ALL2ALL = "allgather_reducescatter"
+"""``ParallelConfig.all2all_backend``'s default in vLLM 0.23, 0.30 and 0.33."""
+
+
+@dataclass(frozen=True)
+class ResolvedMoE:
+    """The MoE mode a plan assumed: the engine's mode applied to one layout."""
+
+    engine: str
+    all2all_backend: str
+    sequence_parallel: bool
+    shared_experts_whole: bool
+    why: str
+    """What holds the shared experts whole (or split), in the engine's words."""
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "engine": self.engine,
+            "all2all_backend": self.all2all_backend,
+            "sequence_parallel_moe": self.sequence_parallel,
+            "shared_experts": "whole" if self.shared_experts_whole else "tp-split",
+            "why": self.why,
+        }
 
 
 @dataclass(frozen=True)
@@ -109,6 +196,14 @@ class EngineProfile:
     """Module patterns (ModelOpt ``ignore`` wildcards) the engine must keep in the model
     dtype because mxload holds them so: without them in ``ignore`` the engine quantizes
     ``lm_head`` (a ModelOpt config quantizes ParallelLMHead unless excluded)."""
+    moe: MoEMode = MoEMode(VLLM_DEFAULT_ALL2ALL, VLLM_SP_BACKENDS, True)
+    """How the engine runs its MoE layers (the shared experts' sharding follows)."""
+    scale_alg_models: tuple[str, ...] = ()
+    """Architecture name prefixes the engine MX-quantizes with ``scale_alg=1`` (the E8M0
+    scale from ``amax / 448``, rounded up; docs/contract.md §2.2); every other model: 0."""
+    dense_linears: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    """Per architecture: layer-rule names of linears the engine holds in the model dtype
+    even from a quantized checkpoint (vllm-ascend's MLA: ``self_attn.kv_b_proj``)."""
     sources: tuple[SourceRef, ...] = ()
 
     def view_of(self, kind: str) -> BufferView | None:
@@ -121,9 +216,38 @@ def _identity(n: int) -> BufferView:
 
 # --- the tables ------------------------------------------------------------------------------
 
+# vLLM runs sequence-parallel MoE under its default backend (tp > 1, dp > 1, EP) and its
+# models then build the shared experts with disable_tp: whole on every TP rank.
+_VLLM_MOE_SOURCES = (
+    SourceRef(
+        "all2all_backend default allgather_reducescatter; use_sequence_parallel_moe: an SP "
+        "backend, enable_expert_parallel, tp > 1 and dp > 1",
+        "vllm 0.23.0 config/parallel.py:177,626-640; 0.30.0 :197,715-730; 0.33.0 :220,768-784",
+    ),
+    SourceRef(
+        "shared experts built with disable_tp=is_sequence_parallel (DeepseekV2MLP, "
+        "Qwen2MoeMLP as Qwen3NextMLP); routed experts unchanged (FusedMoEParallelConfig)",
+        "vllm 0.23.0 models/deepseek_v2.py:207-230,266,314-323, qwen2_moe.py:78-104, "
+        "qwen3_next.py:102,147-155, layers/fused_moe/config.py:1085-1210; 0.33.0 "
+        "deepseek_v2.py:252-275,312,364-370, qwen2_moe.py:86-105, qwen3_next.py:150-219",
+    ),
+)
+
 MXLOAD = EngineProfile(
     name="mxload",
-    description="mxload's own layout: every buffer row-major in the kernel layout",
+    description=(
+        "mxload's own layout: every buffer row-major in the kernel layout, sharded and "
+        "quantized as plain vLLM holds it"
+    ),
+    sources=(
+        *_VLLM_MOE_SOURCES,
+        SourceRef(
+            "kv_b_proj a ColumnParallelLinear with the model's quant_config; MLA dequantizes "
+            "a copy (get_and_maybe_dequant_weights)",
+            "vllm 0.23.0 models/deepseek_v2.py:479-485, layers/attention/mla_attention.py:839; "
+            "0.33.0 deepseek_v2.py:526-532, mla_attention.py:408-417",
+        ),
+    ),
 )
 
 # vllm-ascend's MXFP8 fused-MoE post-load does not copy: it re-views the [E, N, K]
@@ -173,6 +297,33 @@ _ASCEND_DRAFTER_OWN = {
     "Qwen3_5MoeForConditionalGeneration": ("drafter.lm_head",),
 }
 
+# vllm-ascend 0.23: the platform sets flashinfer_all2allv (no sequence-parallel MoE)
+# unless compilation_config.pass_config.enable_sp; its linears honour disable_tp, and its
+# shared-expert DP switch (enable_shared_expert_dp, flashcomm1, SP by pass) holds the
+# shared experts whole whatever the layout.
+_ASCEND_0_23_MOE = MoEMode(
+    "flashinfer_all2allv",
+    VLLM_SP_BACKENDS,
+    sp_replicates_shared=True,
+    shared_dp_setting=(
+        "additional_config enable_shared_expert_dp (with EP and tp > 1), enable_flashcomm1 "
+        "(or VLLM_ASCEND_ENABLE_FLASHCOMM1=1), or compilation_config.pass_config.enable_sp "
+        "without enforce_eager"
+    ),
+)
+# vllm-ascend 0.27+: the shared experts' sharding is decoupled from sequence parallelism;
+# only enable_shared_expert_dp holds them whole.
+_ASCEND_MAIN_MOE = MoEMode(
+    "flashinfer_all2allv",
+    VLLM_SP_BACKENDS,
+    sp_replicates_shared=False,
+    shared_dp_setting="additional_config enable_shared_expert_dp (with EP and tp > 1)",
+)
+# vllm-ascend's MLA post-load asserts an unquantized kv_b_proj (it absorbs it into W_UK_T
+# and W_UV from real values); plain vLLM quantizes it like every other linear and
+# dequantizes a copy for its own absorption.
+_ASCEND_DENSE_LINEARS = {"DeepseekV3ForCausalLM": ("self_attn.kv_b_proj",)}
+
 VLLM_ASCEND_0_23 = EngineProfile(
     name="vllm-ascend-0.23",
     description="vllm-ascend 0.23.0.post1 on vLLM 0.23.0: W8A8_MXFP8 post-load parameters",
@@ -186,9 +337,22 @@ VLLM_ASCEND_0_23 = EngineProfile(
     every_stage=_QWEN3_MOE_EVERY_STAGE,
     mx_k_unaligned=_ASCEND_K_UNALIGNED,
     drafter_own=_ASCEND_DRAFTER_OWN,
+    moe=_ASCEND_0_23_MOE,
+    dense_linears=_ASCEND_DENSE_LINEARS,
     sources=(
         SourceRef(
             "pinned vLLM", "vllm-ascend 0.23.0.post1 docs/source/conf.py:78,86 (vLLM 0.23.0)"
+        ),
+        SourceRef(
+            "MoE mode: flashinfer_all2allv unless pass_config.enable_sp; shared experts "
+            "whole under disable_tp or shared_expert_dp_enabled() (enable_shared_expert_dp, "
+            "enable_sp(): flashcomm1, enable_sp_by_pass)",
+            "vllm_ascend/platform.py:659-662, ops/linear_op.py:742-747, utils.py:899-934, "
+            "ascend_config.py:84-88,114-122,291-295",
+        ),
+        SourceRef(
+            "MLA: kv_b_proj must be unquantized (UnquantizedLinearMethod asserted)",
+            "vllm_ascend/attention/mla_v1.py:923-924, sfa_v1.py:744-745",
         ),
         SourceRef(
             "MTP drafter: embed_tokens shared at pp 1, its own lm_head kept for method mtp "
@@ -244,7 +408,27 @@ VLLM_ASCEND_MAIN = EngineProfile(
     every_stage=_QWEN3_MOE_EVERY_STAGE,
     mx_k_unaligned=_ASCEND_K_UNALIGNED,
     drafter_own=_ASCEND_DRAFTER_OWN,
+    moe=_ASCEND_MAIN_MOE,
+    dense_linears=_ASCEND_DENSE_LINEARS,
+    scale_alg_models=("MiniMaxM3",),
     sources=(
+        SourceRef(
+            "npu_dynamic_mx_quant scale_alg 1 for architectures MiniMaxM3* (or model_type "
+            "minimax_m3) where the hardware has it, else 0; 0.23 always 0",
+            "vllm-ascend 0.27.1rc1 vllm_ascend/quantization/utils.py:46-; 0.30.0rc2 "
+            "quantization/utils.py:47-80, methods/w8a8/w8a8_mxfp8.py:72,96, fp8_block.py:108-120",
+        ),
+        SourceRef(
+            "MoE mode: flashinfer_all2allv unless SP MoE is asked for; shared experts whole "
+            "only under enable_shared_expert_dp (sequence parallelism alone does not)",
+            "vllm-ascend 0.27.1rc1 vllm_ascend/ops/linear_op.py:321-330, utils.py:827-828, "
+            "ascend_config.py:514-518,530-541; 0.30.0rc2 linear_op.py:432-440, "
+            "utils.py:1013-1014, ascend_config.py:747-751,766",
+        ),
+        SourceRef(
+            "MLA: kv_b_proj must be unquantized (UnquantizedLinearMethod asserted)",
+            "vllm-ascend 0.30.0rc2 vllm_ascend/attention/mla_v1.py:1095-1096, sfa_v1.py:933-938",
+        ),
         SourceRef(
             "MTP drafter keeps its own lm_head for method mtp on a non-MLA model",
             "vllm-ascend 0.27.1rc1 vllm_ascend/spec_decode/llm_base_proposer.py:525-; "
@@ -355,6 +539,62 @@ def held_as(profile: EngineProfile, kind: str, canonical: tuple[int, ...]) -> He
     storage = () if bv.storage == tuple(range(len(shape))) else bv.storage
     view = () if bv.view == tuple(range(len(shape))) else bv.view
     return HeldAs(shape, storage, view)
+
+
+def resolve_moe(profile: EngineProfile, layout: ParallelLayout) -> ResolvedMoE:
+    """The MoE mode ``profile``'s engine runs ``layout`` in: its all2all backend (the
+    layout's, else the engine's), whether that is sequence-parallel MoE, and whether the
+    shared experts are whole on every TP rank; UsageError for a shared-expert switch the
+    engine does not have."""
+    mode = profile.moe
+    backend = layout.all2all_backend or mode.all2all_backend
+    if backend not in ALL2ALL_BACKENDS:
+        raise UsageError(
+            f"--all2all-backend {backend!r} is not one of vLLM's: {', '.join(ALL2ALL_BACKENDS)}",
+            key="--all2all-backend",
+        )
+    backend = _REMOVED_ALL2ALL.get(backend, backend)
+    sp = (
+        backend in mode.sequence_parallel_backends
+        and layout.enable_expert_parallel
+        and layout.tp > 1
+        and layout.dp > 1
+    )
+    if layout.shared_expert_dp and not mode.shared_dp_setting:
+        raise UsageError(
+            f"--enable-shared-expert-dp: --engine {profile.name} has no shared-expert data "
+            "parallel switch (plain vLLM holds the shared experts whole only under "
+            "sequence-parallel MoE: an --all2all-backend such as allgather_reducescatter "
+            "with --enable-expert-parallel, tp > 1 and dp > 1)",
+            key="--enable-shared-expert-dp",
+        )
+    if layout.shared_expert_dp:
+        whole, why = True, f"the engine's shared-expert DP switch is on ({mode.shared_dp_setting})"
+    elif sp and mode.sp_replicates_shared:
+        whole, why = True, "sequence-parallel MoE holds them whole on every TP rank"
+    elif sp:
+        whole, why = False, "this engine splits them under sequence parallelism too"
+    else:
+        whole, why = (
+            False,
+            "no sequence-parallel MoE: it needs an SP backend, EP, tp > 1 and dp > 1",
+        )
+    return ResolvedMoE(profile.name, backend, sp, whole, why)
+
+
+def scale_alg_for(profile: EngineProfile, architecture: str, asked: int | None = None) -> int:
+    """The MX scale rule for ``architecture`` under ``profile``: ``asked`` when given (a
+    trainer's own rule, ``--scale-alg``), else the engine's choice for the model."""
+    if asked is not None:
+        from .formats import SCALE_ALGS
+
+        if asked not in SCALE_ALGS:
+            raise UsageError(
+                f"--scale-alg {asked!r} is not one of {', '.join(map(str, SCALE_ALGS))}",
+                key="--scale-alg",
+            )
+        return asked
+    return 1 if architecture.startswith(profile.scale_alg_models or ("\0",)) else 0
 
 
 def check_expert_placement(profile: EngineProfile, placement: str, uses_ep: bool) -> None:

@@ -28,6 +28,14 @@ E4M3_MAX: Final = 448.0
 E4M3_EMAX: Final = 8
 """floor(log2(448)): the scale byte is max(Emax, 8) - 8, i.e. floor(log2(amax)) - 8 + 127."""
 
+SCALE_ALG_OCP: Final = 0
+"""``npu_dynamic_mx_quant``'s ``scale_alg=0``: S from the group's largest exponent, floored
+(OCP MX; docs/contract.md §2.2)."""
+SCALE_ALG_E4M3_CEIL: Final = 1
+"""``scale_alg=1``: S from ``amax / 448`` (the E4M3 maximum), its exponent rounded up so no
+value overflows (docs/contract.md §2.2)."""
+SCALE_ALGS: Final = (SCALE_ALG_OCP, SCALE_ALG_E4M3_CEIL)
+
 # --- safetensors dtypes ------------------------------------------------------------------
 
 SAFETENSORS_ITEMSIZE: Final[dict[str, int]] = {

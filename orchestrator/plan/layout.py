@@ -256,11 +256,18 @@ def _speculative_problems(
         problems.add(f"{flag} method 'mtp' with --pp {layout.pp}: {MTP_PP_REASON}", flag)
 
 
-def validate_layout(config: ModelConfig, layout: ParallelLayout) -> None:
+def validate_layout(
+    config: ModelConfig, layout: ParallelLayout, shared_experts_whole: bool = False
+) -> None:
     """Refuse a layout the model cannot take: one LayoutError listing every reason, each
-    with the tensors it concerns (docs/contract.md §5); ``key`` names the flag of the first reason."""
+    with the tensors it concerns (docs/contract.md §5); ``key`` names the flag of the first
+    reason. ``shared_experts_whole``: the engine's MoE mode holds them unsplit."""
     _check_degrees(layout)
-    arch = architecture_for(config).for_layout(layout.mm_encoder_tp_mode)
+    arch = (
+        architecture_for(config)
+        .for_layout(layout.mm_encoder_tp_mode)
+        .for_engine(shared_experts_whole, ())
+    )
     problems = _Problems()
     _speculative_problems(problems, arch, config, layout)
     if layout.pp > config.num_hidden_layers:

@@ -84,6 +84,8 @@ from .engines import (
     check_moe_groups,
     engine_profile,
     held_as,
+    resolve_moe,
+    scale_alg_for,
 )
 from .formats import (
     LAYOUT_DENSE,
@@ -229,12 +231,21 @@ class _Planner:
         checkpoint: CheckpointMeta | None,
         engine: str | EngineProfile = DEFAULT_ENGINE,
     ) -> None:
-        validate_layout(config, layout)
+        self.engine = engine_profile(engine)
+        self.moe_mode = resolve_moe(self.engine, layout)
+        self.scale_alg = scale_alg_for(self.engine, config.architecture, layout.scale_alg)
+        validate_layout(config, layout, self.moe_mode.shared_experts_whole)
         self.config = config
         self.layout = layout
         self.checkpoint = checkpoint
-        self.engine = engine_profile(engine)
-        self.arch: Architecture = architecture_for(config).for_layout(layout.mm_encoder_tp_mode)
+        self.arch: Architecture = (
+            architecture_for(config)
+            .for_layout(layout.mm_encoder_tp_mode)
+            .for_engine(
+                self.moe_mode.shared_experts_whole,
+                self.engine.dense_linears.get(config.architecture, ()),
+            )
+        )
         self.size = {name: dim.size(config) for name, dim in self.arch.dims.items()}
         self.ep = uses_expert_parallel(config, layout)
         self.model_st = MODEL_DTYPES[config.model_dtype]
@@ -784,11 +795,15 @@ class _LazyRanks(Sequence[RankPlan]):
         if units is None:
             with _gc_paused():
                 units = self._units[key] = _flatten(planner.blocks(c))[1]
-        return _rank_plan(s, self._classes[s.rank_class], units, None)
+        return _rank_plan(s, self._classes[s.rank_class], units, None, planner.scale_alg)
 
 
 def _rank_plan(
-    s: RankSummary, k: RankClass, units: tuple[Unit, ...], reads: tuple[UnitReads, ...] | None
+    s: RankSummary,
+    k: RankClass,
+    units: tuple[Unit, ...],
+    reads: tuple[UnitReads, ...] | None,
+    scale_alg: int,
 ) -> RankPlan:
     return RankPlan(
         rank=s.rank,
@@ -804,6 +819,7 @@ def _rank_plan(
         bytes_to_read=k.bytes_to_read,
         reads=reads,
         staging=k.staging,
+        scale_alg=scale_alg,
     )
 
 
@@ -908,11 +924,14 @@ def quantization_groups(config: ModelConfig) -> list[tuple[str, ...]]:
     return groups
 
 
-def dense_linear_modules(config: ModelConfig) -> set[str]:
-    """Checkpoint modules of linears the table keeps in the model dtype even when quantized
-    (``mx=False``: DeepSeek's ``kv_b_proj``, which vllm-ascend's MLA requires unquantized).
-    ``mxload convert`` writes them resolved and lists them in ``exclude_modules``."""
-    planner = _Planner(config, ParallelLayout(), None)
+def dense_linear_modules(
+    config: ModelConfig, engine: str | EngineProfile = DEFAULT_ENGINE
+) -> set[str]:
+    """Checkpoint modules of linears ``engine`` holds in the model dtype even when quantized
+    (``EngineProfile.dense_linears``: DeepSeek's ``kv_b_proj``, which vllm-ascend's MLA
+    requires unquantized). ``mxload convert`` writes them resolved and lists them in
+    ``exclude_modules``."""
+    planner = _Planner(config, ParallelLayout(), None, engine)
     out: set[str] = set()
     for layer in range(config.num_hidden_layers):
         for idx in planner.layer_rules[layer]:
@@ -1025,6 +1044,7 @@ def _build_plan(
                 classes[s.rank_class],
                 staged[s.rank_class].units or (),
                 staged[s.rank_class].reads,
+                planner.scale_alg,
             )
             for s in summaries
         )
@@ -1048,6 +1068,8 @@ def _build_plan(
             "from_checkpoint": checkpoint is not None,
         },
         engine=planner.engine.name,
+        moe_mode=planner.moe_mode.to_json() if config.is_moe else {},
+        scale_alg=planner.scale_alg,
         summaries=summaries,
         classes=classes,
     )
@@ -1328,6 +1350,8 @@ def plan_to_json(plan: Plan) -> dict[str, Any]:
         "model": dict(plan.model),
         "parallel": plan.layout.to_json(),
         "engine": plan.engine,
+        **({"moe_mode": dict(plan.moe_mode)} if plan.moe_mode else {}),
+        "scale_alg": plan.scale_alg,
         "ranks": ranks,
         "min_staging_bytes": {"load": plan.min_staging_load, "reload": plan.min_staging_reload},
         "device_memory_bytes": plan.device_memory_bytes,

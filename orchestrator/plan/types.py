@@ -20,7 +20,7 @@ before the kernel transpose of docs/contract.md §2.3. 1-D tensors (norms, biase
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -256,6 +256,8 @@ class RankPlan:
     reads: tuple[UnitReads, ...] | None = None
     """Byte ranges per unit, same order as ``units``; None for a config-only plan."""
     staging: StagingEstimate | None = None
+    scale_alg: int = 0
+    """The MX scale rule the rank quantizes with (docs/contract.md §2.2)."""
 
     @property
     def persistent_bytes(self) -> int:
@@ -348,6 +350,15 @@ class ParallelLayout:
     mm_encoder_tp_mode: Literal["weights", "data"] = "weights"
     """vLLM's ``--mm-encoder-tp-mode``: ``weights`` TP-shards the vision tower, ``data``
     holds it whole on every TP rank."""
+    all2all_backend: str = ""
+    """vLLM's ``--all2all-backend`` as the engine runs it; ``""``: the engine profile's
+    (``EngineProfile.moe``). Under sequence-parallel MoE vLLM holds shared experts whole."""
+    shared_expert_dp: bool = False
+    """The engine's own switch that holds the shared experts whole on every TP rank is on
+    (vllm-ascend's ``enable_shared_expert_dp``; ``MoEMode.shared_dp_setting``)."""
+    scale_alg: int | None = None
+    """The MX scale rule (docs/contract.md §2.2: 0 OCP, 1 from the E4M3 maximum, rounded
+    up); ``None``: the engine profile's choice for the model (``engines.scale_alg_for``)."""
 
     @property
     def world(self) -> int:
@@ -369,6 +380,12 @@ class ParallelLayout:
             out["speculative_config"] = {"method": self.speculative_method}
         if self.mm_encoder_tp_mode != "weights":
             out["mm_encoder_tp_mode"] = self.mm_encoder_tp_mode
+        if self.all2all_backend:
+            out["all2all_backend"] = self.all2all_backend
+        if self.shared_expert_dp:
+            out["shared_expert_dp"] = True
+        if self.scale_alg is not None:
+            out["scale_alg"] = self.scale_alg
         return out
 
 
@@ -392,6 +409,11 @@ class Plan:
     extra: dict[str, Any] = field(default_factory=dict)
     engine: str = "mxload"
     """Engine profile the buffers are laid out for (``mxload.orchestrator.plan.engines``)."""
+    scale_alg: int = 0
+    """The MX scale rule every rank quantizes with (docs/contract.md §2.2)."""
+    moe_mode: Mapping[str, Any] = field(default_factory=dict)
+    """The engine's MoE mode the plan assumed (``ResolvedMoE.to_json``); empty for a
+    dense model."""
     summaries: tuple[RankSummary, ...] = ()
     classes: tuple[RankClass, ...] = ()
 

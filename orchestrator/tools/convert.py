@@ -76,6 +76,7 @@ from ...workers.safetensors_io import SafetensorsWriter, data_order
 from ...workers.storage import ALLOW_OUTSIDE_LINKS, Storage
 from ..errors import MxloadError, UnsupportedError, UsageError
 from ..plan.checkpoint import CheckpointMeta
+from ..plan.engines import EngineProfile
 from ..plan.formats import (
     ASCEND_DESCRIPTION_FILE,
     ASCEND_MXFP8,
@@ -145,6 +146,7 @@ def convert_checkpoint(
     threads: int | None = None,
     window_bytes: int = DEFAULT_WINDOW,
     engine: str = "mxload",
+    scale_alg: int | None = None,
     overwrite: bool = False,
     allow_outside_links: bool = False,
     fmt: str | None = None,
@@ -155,10 +157,11 @@ def convert_checkpoint(
     kernels' threads (default: the cores this process may use). ``overwrite`` lets a
     non-empty ``dst`` be replaced whole; ``allow_outside_links`` lets a local checkpoint's
     files resolve outside its folder (see :class:`mxload.workers.storage.Storage`);
-    ``on_progress`` is called after each tensor (:data:`ConvertProgress`)."""
+    ``on_progress`` is called after each tensor (:data:`ConvertProgress`); ``scale_alg``
+    the MX scale rule (docs/contract.md §2.2; default: ``engine``'s choice for the model)."""
     if numerics not in NUMERICS:
         raise UsageError(f"numerics must be one of {', '.join(NUMERICS)}, got {numerics!r}")
-    from ..plan.engines import engine_profile
+    from ..plan.engines import engine_profile, scale_alg_for
     from ..plan.releases import FORMATS, engine_release
 
     release = engine_release(engine)
@@ -192,17 +195,25 @@ def convert_checkpoint(
         )
     check_checkpoint(meta)  # the planner's checks: what plan/load refuse, convert refuses
     storage = Storage(src, storage_options)
-    specs, jobs, excluded, weight_map = _plan(meta)
+    # The ascend format is vllm-ascend's description: its MLA needs the dense linears of an
+    # Ascend profile whatever --engine names.
+    from ..plan.engines import VLLM_ASCEND_0_23
+
+    dense_engine = VLLM_ASCEND_0_23 if fmt == "ascend" and not profile.dense_linears else profile
+    specs, jobs, excluded, weight_map = _plan(meta, dense_engine)
     excluded = [*excluded, *profile.model_dtype_modules]
     n_threads = threads or kernels.cpu_share()
     use_fast = numerics == "fast" or (numerics == "auto" and kernels.available())
     if numerics == "fast":
         kernels.require()
     arena = _Arena(max(1, window_bytes))
+    alg = scale_alg_for(profile, cfg.architecture, scale_alg)
     mx, resolved = (
-        _fast_converters(cfg.model_dtype, cfg.quant.block_n, cfg.quant.block_k, n_threads, arena)
+        _fast_converters(
+            cfg.model_dtype, cfg.quant.block_n, cfg.quant.block_k, n_threads, arena, alg
+        )
         if use_fast
-        else _reference_converters(cfg.model_dtype, cfg.quant.block_n, cfg.quant.block_k)
+        else _reference_converters(cfg.model_dtype, cfg.quant.block_n, cfg.quant.block_k, alg)
     )
 
     def convert(job: _Job, arrays: tuple[np.ndarray, ...]) -> tuple[np.ndarray, ...]:
@@ -380,8 +391,11 @@ def _carry_files(storage: Storage, fs: Any, root_path: str) -> None:
 Specs = dict[str, list[tuple[str, str, tuple[int, ...]]]]
 
 
-def _plan(meta: CheckpointMeta) -> tuple[Specs, list[_Job], list[str], dict[str, str]]:
-    """Output tensors per shard, and the jobs that make them in each shard's data order."""
+def _plan(
+    meta: CheckpointMeta, engine: EngineProfile
+) -> tuple[Specs, list[_Job], list[str], dict[str, str]]:
+    """Output tensors per shard, and the jobs that make them in each shard's data order;
+    the linears ``engine`` holds in the model dtype are written resolved."""
     cfg = meta.config
     quant = cfg.quant.kind
     model_st = MODEL_DTYPES[cfg.model_dtype]
@@ -398,7 +412,7 @@ def _plan(meta: CheckpointMeta) -> tuple[Specs, list[_Job], list[str], dict[str,
                     fallback.add(name[: -len(".weight")])
         # Linears the engine needs unquantized (DeepSeek's kv_b_proj: MLA absorbs it), also
         # in layers past the decoder's (DeepSeek's MTP layer: the same MLA, not planned).
-        dense = dense_linear_modules(cfg)
+        dense = dense_linear_modules(cfg, engine)
         fallback.update(dense)
         kept = {m.split(".", 3)[3] for m in dense if m.startswith("model.layers.")}
         for name in meta.tensors:
@@ -452,13 +466,24 @@ def _plan(meta: CheckpointMeta) -> tuple[Specs, list[_Job], list[str], dict[str,
 
 
 def _fast_converters(
-    model_dtype: str, block_n: int, block_k: int, threads: int, arena: _Arena
+    model_dtype: str, block_n: int, block_k: int, threads: int, arena: _Arena, scale_alg: int = 0
 ) -> tuple[Converter, Converter]:
+    """The fused kernel (scale rule 0); under rule 1 (docs/contract.md §2.2) the resolve
+    kernel, then the MX kernel on its bits."""
     mode = kernels.MODE_OF[model_dtype]
 
     def mx(w: np.ndarray, s: np.ndarray) -> tuple[np.ndarray, ...]:
         n, k = w.shape
         out = (arena.get(n * k), arena.get(n * (k // MX_GROUP)))
+        if scale_alg:
+            bits = kernels.resolve(
+                w, s, block_n=block_n, block_k=block_k, mode=mode, threads=threads
+            )
+            if mode == kernels.MODE_FP16:  # the MX kernel reads bf16 or f32 bits
+                bits = bits.view(np.float16).astype(np.float32).view(np.uint32)
+            q, e = out[0][: n * k], out[1][: n * (k // MX_GROUP)]
+            kernels.run_mx(bits.reshape(-1), mode == kernels.MODE_BF16, q, e, threads, scale_alg)
+            return q.reshape(n, k), e.reshape(n, k // MX_GROUP)
         return kernels.convert(
             w, s, block_n=block_n, block_k=block_k, mode=mode, threads=threads, out=out
         )
@@ -471,7 +496,7 @@ def _fast_converters(
 
 
 def _reference_converters(
-    model_dtype: str, block_n: int, block_k: int
+    model_dtype: str, block_n: int, block_k: int, scale_alg: int = 0
 ) -> tuple[Converter, Converter]:
     """The reference backend (eager torch, ``select_backend("cpu", prefer_fast=False)``)
     on the same arrays."""
@@ -481,7 +506,7 @@ def _reference_converters(
     from ...workers.numerics.reference import MODEL_TORCH_DTYPE
     from ...workers.numerics.select import select_backend
 
-    backend = select_backend("cpu", prefer_fast=False)
+    backend = select_backend("cpu", prefer_fast=False).with_scale_alg(scale_alg)
     dtype = MODEL_TORCH_DTYPE[model_dtype]
 
     def part(w: np.ndarray, s: np.ndarray) -> ConvertPart:

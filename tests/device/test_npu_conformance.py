@@ -41,12 +41,17 @@ def test_named_mx_table(backend) -> None:  # type: ignore[no-untyped-def]
     assert nc.run_mx_cases(backend.mx_quantize) == []
 
 
+def test_named_mx_table_scale_alg_1(backend) -> None:  # type: ignore[no-untyped-def]
+    assert nc.run_mx_cases(backend.with_scale_alg(1).mx_quantize, nc.MX_ALG1_CASES) == []
+
+
 def test_named_resolve_table(backend) -> None:  # type: ignore[no-untyped-def]
     assert nc.run_resolve_cases(backend.resolve_block) == []
 
 
 def test_random_data_matches_cpu_reference(backend) -> None:  # type: ignore[no-untyped-def]
     assert nc.random_conformance(backend) == []
+    assert nc.random_conformance(backend, scale_alg=1) == []
 
 
 def test_memory_queries(backend) -> None:  # type: ignore[no-untyped-def]

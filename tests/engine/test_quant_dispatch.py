@@ -376,15 +376,20 @@ def _want(layers: list[tuple[str, str, bool]]) -> dict[str, str]:
     return out
 
 
-def _family(preset: str, fmt: str, ckpt_factory, tmp_path_factory) -> tuple[str, list, str]:
-    """(hf model_type, the layers of one tp 1 rank with mxload's MX decision, convert's DST)."""
+def _family(
+    preset: str, fmt: str, engine: str, ckpt_factory, tmp_path_factory
+) -> tuple[str, list, str]:
+    """(hf model_type, the layers of one tp 1 rank with mxload's MX decision for ``engine``,
+    convert's DST for that engine: DeepSeek's kv_b_proj stays in the model dtype for
+    vllm-ascend, whose MLA asserts it unquantized)."""
     from mxload import ParallelLayout, build_plan
 
     src = ckpt_factory(preset, seed=1)
     out = str(tmp_path_factory.mktemp(f"convert-{fmt}-{preset}"))
-    convert_checkpoint(src, out, fmt=fmt)
+    convert_checkpoint(src, out, fmt=fmt, engine=engine)
     config = open_checkpoint(src).config
-    layers = _layers_of([b.name for b in build_plan(config, ParallelLayout()).ranks[0].buffers])
+    plan = build_plan(config, ParallelLayout(), engine=engine)
+    layers = _layers_of([b.name for b in plan.ranks[0].buffers])
     assert {k for _, k, _ in layers} >= {"LinearBase", "VocabParallelEmbedding", "ParallelLMHead"}
     assert any(mx for _, _, mx in layers) and any(not mx for _, _, mx in layers)
     return FAMILIES[preset][0], layers, out
@@ -405,7 +410,9 @@ def _dispatch(cfg: Any, model: Any, classes: dict[str, type], layers: list) -> d
 def test_family_modelopt_output_through_vllm_ascend_0_30(
     preset: str, ckpt_factory, tmp_path_factory
 ) -> None:
-    model_type, layers, out = _family(preset, "modelopt", ckpt_factory, tmp_path_factory)
+    model_type, layers, out = _family(
+        preset, "modelopt", "vllm-ascend-0.30.0rc2", ckpt_factory, tmp_path_factory
+    )
     with open(os.path.join(out, "config.json")) as f:
         qc = json.load(f)["quantization_config"]
     with _modelopt_0_30() as eng:
@@ -421,7 +428,9 @@ def test_family_modelopt_output_through_vllm_ascend_0_30(
 def test_family_ascend_output_through_vllm_ascend_0_23(
     preset: str, ckpt_factory, tmp_path_factory
 ) -> None:
-    model_type, layers, out = _family(preset, "ascend", ckpt_factory, tmp_path_factory)
+    model_type, layers, out = _family(
+        preset, "ascend", "vllm-ascend-0.23.0.post1", ckpt_factory, tmp_path_factory
+    )
     with _modelslim_0_23(model_type) as eng:
         model = _model_class_attrs(eng.vllm, FAMILIES[preset][1], eng.utils.WeightsMapper)
         cfg = eng.ms.AscendModelSlimConfig()

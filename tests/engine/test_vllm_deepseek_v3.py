@@ -20,7 +20,9 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
+from mxload.orchestrator.plan.planner import build_plan
 from mxload.orchestrator.plan.types import ParallelLayout
+from mxload.orchestrator.runtime.catalog import open_checkpoint
 
 from tests.engine import test_vllm_qwen3_5 as q35
 from tests.engine.vllm_model import Models, vllm_models
@@ -57,5 +59,27 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
 def test_every_rank_equals_vllm_0_23_deepseek_v3_parameters(
     vllm: Models, checkpoints: tuple[str, str], name: str
 ) -> None:
+    """Plain vLLM (mxload's profile, vLLM's default all2all backend): tp 2 x dp 2 + EP runs
+    sequence-parallel MoE, the shared experts whole on every TP rank; kv_b_proj MXFP8."""
     n_mx = q35.check_against_vllm(vllm, checkpoints, LAYOUTS[name], "mxload")
     assert n_mx > 0
+    # vLLM builds kv_b_proj with the model's quant_config: MXFP8 on every rank
+    meta = open_checkpoint(checkpoints[0])
+    plan = build_plan(meta.config, LAYOUTS[name], checkpoint=meta)
+    kvb = [
+        b for r in plan.ranks for b in r.buffers if b.name.endswith("self_attn.kv_b_proj.weight")
+    ]
+    assert kvb and {b.layout for b in kvb} == {"mx_linear"}
+
+
+def test_tp2xdp2_ep_under_vllm_ascend_0_23(vllm: Models, checkpoints: tuple[str, str]) -> None:
+    """vllm-ascend 0.23's MoE mode (no sequence-parallel MoE: the shared experts TP-split)
+    and its MLA's unquantized kv_b_proj (held in the model dtype from the block-FP8
+    checkpoint: the engine's own BF16 value, byte for byte)."""
+    layout = LAYOUTS["tp2xdp2-ep"]
+    assert q35.check_against_vllm(vllm, checkpoints, layout, "vllm-ascend-0.23") > 0
+    # its MLA asserts UnquantizedLinearMethod: no MX kv_b_proj on any rank
+    meta = open_checkpoint(checkpoints[0])
+    plan = build_plan(meta.config, layout, checkpoint=meta, engine="vllm-ascend-0.23")
+    kvb = [b for r in plan.ranks for b in r.buffers if ".self_attn.kv_b_proj." in b.name]
+    assert kvb and {(b.layout, b.dtype) for b in kvb} == {("dense", "bfloat16")}

@@ -37,7 +37,7 @@ from mxload.orchestrator.tools.synth import make_checkpoint
 from mxload.workers.numerics.select import select_backend
 from mxload.workers.rank.loader import RankLoader
 
-from tests.engine.vllm_model import Models, RankOf, vllm_models
+from tests.engine.vllm_model import ALL2ALL, Models, RankOf, vllm_models
 from tests.independent_ref import mx_quantize_ref, same_e4m3_bytes
 
 
@@ -130,6 +130,9 @@ def check_against_vllm(
     many MX buffers were compared. ``parameters`` gives a rank's engine parameters by
     mxload's names (default: the model's, ``Models.parameters``)."""
     parameters = parameters or models.parameters
+    # plain vLLM (mxload's profile) runs its own default backend; vllm-ascend sets ALL2ALL
+    # unless told otherwise (the layout's backend then stands for what the engine runs)
+    backend = layout.all2all_backend or ("" if engine == "mxload" else ALL2ALL)
     fp8, bf16 = ckpts
     plain_meta, mx_meta = open_checkpoint(bf16), open_checkpoint(fp8)
     plain_plan = build_plan(plain_meta.config, layout, checkpoint=plain_meta, engine=engine)
@@ -150,6 +153,7 @@ def check_against_vllm(
                 language_model_only=layout.language_model_only,
                 mm_encoder_tp_mode=layout.mm_encoder_tp_mode,
                 speculative_method=layout.speculative_method,
+                all2all_backend=backend,
             ),
         )
         # 1. the plain session: every buffer is the engine's parameter, byte for byte
@@ -196,6 +200,11 @@ MOE_LAYOUTS = {
     # experts over dp*tp = 4: TP-sharded (I / 4 = 32) or whole (2 per rank)
     "tp2xdp2": ParallelLayout(tp=2, dp=2),
     "tp2xdp2-ep": ParallelLayout(tp=2, dp=2, enable_expert_parallel=True),
+    # plain vLLM's backend named: sequence-parallel MoE, the shared expert whole on every
+    # TP rank (mxload's profile), also under vllm-ascend 0.23 (it honours disable_tp)
+    "tp2xdp2-ep-sp": ParallelLayout(
+        tp=2, dp=2, enable_expert_parallel=True, all2all_backend="allgather_reducescatter"
+    ),
     # make_layers/get_pp_indices: layers 0-1 and 2-3, PPMissingLayer elsewhere;
     # embed_tokens on both stages, which the engine's profile knows
     "tp2-pp2": ParallelLayout(tp=2, pp=2),
@@ -214,3 +223,14 @@ def test_every_rank_equals_vllm_0_23_qwen3_5_moe_parameters(
     engine = ENGINE if layout.pp > 1 else "mxload"
     n_mx = check_against_vllm(vllm, checkpoints["qwen3.5-moe-tiny"], layout, engine)
     assert n_mx > 0
+
+
+@pytest.mark.parametrize("name", ["tp2xdp2-ep", "tp2xdp2-ep-sp"])
+def test_tp2xdp2_ep_qwen3_5_moe_under_vllm_ascend_0_23(
+    vllm: Models, checkpoints: dict[str, tuple[str, str]], name: str
+) -> None:
+    """vllm-ascend 0.23's MoE mode: no sequence-parallel MoE (its backend), the shared
+    expert TP-split; with vLLM's SP backend (pass_config.enable_sp) whole, as vLLM's model
+    builds it."""
+    layout = MOE_LAYOUTS[name]
+    assert check_against_vllm(vllm, checkpoints["qwen3.5-moe-tiny"], layout, ENGINE) > 0

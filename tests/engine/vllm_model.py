@@ -41,8 +41,9 @@ What is not vLLM's, each named:
 
 Settings, each as vLLM or vllm-ascend would have them: the architectures (and drafters) are
 registered with ``ModelRegistry.register_model`` as classes (its lazy entries would
-inspect them in a subprocess); ``all2all_backend`` is :data:`ALL2ALL`, what vllm-ascend
-0.23 sets; prefix caching off, as ``CpuPlatform`` would turn it for linear attention; the
+inspect them in a subprocess); ``all2all_backend`` is the rank's
+(``RankOf.all2all_backend``: vLLM's own default when empty, :data:`ALL2ALL` where the test
+stands for vllm-ascend, which sets it); prefix caching off, as ``CpuPlatform`` would turn it for linear attention; the
 cache vLLM keeps of each model's pipeline-missing layers, keyed by ``id(model)``, is
 emptied before each build (vLLM runs one model per process; here a freed model's id
 comes back).
@@ -174,6 +175,9 @@ class RankOf:
     language_model_only: bool = False
     mm_encoder_tp_mode: str = "weights"
     speculative_method: str = ""
+    all2all_backend: str = ""
+    """vLLM's ``all2all_backend``; empty: vLLM's own default (which runs sequence-parallel
+    MoE under EP with tp > 1 and dp > 1, shared experts whole on every TP rank)."""
 
 
 class Models:
@@ -240,17 +244,18 @@ class Models:
             language_model_only=at.language_model_only,
             mm_encoder_tp_mode=at.mm_encoder_tp_mode,
         )
+        # vllm-ascend 0.23's NPUPlatform.check_and_update_config sets ALL2ALL
+        # (platform.py:659-662) to turn vLLM's sequence-parallel MoE off; vLLM's default
+        # (allgather_reducescatter) replicates the shared experts (disable_tp) when tp > 1,
+        # dp > 1 and expert parallel
+        backend = {"all2all_backend": at.all2all_backend} if at.all2all_backend else {}
         parallel_config = c.parallel(
             tensor_parallel_size=at.tp,
             pipeline_parallel_size=at.pp,
             data_parallel_size=at.dp,
             data_parallel_rank=at.dp_rank,
             enable_expert_parallel=at.expert_parallel,
-            # what vllm-ascend 0.23's NPUPlatform.check_and_update_config sets
-            # (platform.py:659-662) to turn vLLM's sequence-parallel MoE off; vLLM's
-            # default (allgather_reducescatter) replicates the shared experts
-            # (disable_tp) when tp > 1, dp > 1 and expert parallel
-            all2all_backend=ALL2ALL,
+            **backend,
         )
         speculative = None
         if at.speculative_method:
@@ -290,6 +295,44 @@ class Models:
         params = dict(model.named_parameters())
         assert set(params) <= set(loaded), set(params) - set(loaded)
         return model
+
+    def meta_parameters(self, folder: str, at: RankOf) -> dict[str, tuple[tuple[int, ...], str]]:
+        """One rank's parameters at full size, names -> (shape, dtype name), without their
+        bytes: the class ``folder/config.json`` names, built by vLLM under its own
+        ``VllmConfig`` on the meta device (no weights loaded). Stood in for: the expert map's
+        logging string (``get_compressed_map_string`` reads the map's values, which meta
+        tensors do not have), and torch's ``meta_nonzero_assume_all_nonzero`` is on for the
+        build (the map's ``torch.where`` on meta), both undone after."""
+        import torch.fx.experimental._config as fx_config
+        from vllm.model_executor.layers.fused_moe import expert_map_manager
+
+        vllm_config = self._vllm_config(folder, at)
+        model_config = vllm_config.model_config
+        arch = model_config.architectures[0]
+        cls = getattr(sys.modules[f"vllm.model_executor.models.{_ARCHS[arch]}"], arch)
+        self.model_utils._model_to_pp_missing_layer_names.clear()
+        patched = [
+            obj
+            for obj in vars(expert_map_manager).values()
+            if isinstance(obj, type) and "get_compressed_map_string" in vars(obj)
+        ]
+        saved = [obj.get_compressed_map_string for obj in patched]
+        nonzero = fx_config.meta_nonzero_assume_all_nonzero
+        try:
+            for obj in patched:
+                obj.get_compressed_map_string = lambda self: "(meta)"
+            fx_config.meta_nonzero_assume_all_nonzero = True
+            c = self.config
+            with c.current(vllm_config), c.dtype(model_config.dtype), torch.device("meta"):
+                model: torch.nn.Module = cls(vllm_config=vllm_config)
+        finally:
+            for obj, f in zip(patched, saved, strict=True):
+                obj.get_compressed_map_string = f
+            fx_config.meta_nonzero_assume_all_nonzero = nonzero
+        return {
+            k: (tuple(p.shape), str(p.dtype).removeprefix("torch."))
+            for k, p in model.named_parameters()
+        }
 
     def parameters(self, checkpoint: str, at: RankOf) -> dict[str, torch.nn.Parameter]:
         """One rank's parameters: vLLM's model of ``checkpoint``'s config built for ``at``,

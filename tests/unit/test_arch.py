@@ -104,7 +104,8 @@ def test_deepseek_names() -> None:
         "self_attn.kv_a_layernorm.weight",
         "self_attn.q_b_proj.weight",
         "self_attn.q_b_proj.weight_scale",
-        "self_attn.kv_b_proj.weight",  # no scale: kept in the model dtype
+        "self_attn.kv_b_proj.weight",
+        "self_attn.kv_b_proj.weight_scale",  # plain vLLM quantizes it
         "self_attn.o_proj.weight",
         "self_attn.o_proj.weight_scale",
     }
@@ -131,6 +132,10 @@ def test_deepseek_names() -> None:
     got = {b.name for b in buffers}
     assert {n[len("model.layers.0.") :] for n in got if n.startswith("model.layers.0.")} == attn | dense_mlp  # fmt: skip
     assert {n[len("model.layers.1.") :] for n in got if n.startswith("model.layers.1.")} == attn | moe  # fmt: skip
+    # vllm-ascend's MLA holds kv_b_proj unquantized: no scale
+    buffers, _ = plan_rank(cfg, ParallelLayout(), 0, engine="vllm-ascend-main")
+    got = {b.name for b in buffers}
+    assert {n[len("model.layers.0.") :] for n in got if n.startswith("model.layers.0.")} == (attn | dense_mlp) - {"self_attn.kv_b_proj.weight_scale"}  # fmt: skip
 
 
 def test_qwen3_source_shapes_follow_the_config() -> None:

@@ -672,16 +672,26 @@ def test_ascend_format_describes_every_tensor_and_reads_back(ckpt_factory, tmp_p
         open_checkpoint(dst)
 
 
+@pytest.mark.parametrize(
+    "engine,fmt", [("vllm-ascend-main", "modelopt"), ("mxload", "ascend")], ids=["main", "ascend"]
+)
 def test_deepseek_kv_b_proj_stays_in_model_dtype_in_every_layer_mtp_included(
-    ckpt_factory, tmp_path
+    ckpt_factory, tmp_path, engine, fmt
 ) -> None:
-    """vllm-ascend's MLA requires kv_b_proj unquantized: in the decoder layers and in the
-    MTP layer after them (layer num_hidden_layers), each written resolved and ignored."""
+    """vllm-ascend's MLA requires kv_b_proj unquantized: for a vllm-ascend engine, and for
+    its --format ascend whatever --engine names, in the decoder layers and in the MTP layer
+    after them (layer num_hidden_layers), each written resolved and ignored."""
     src = ckpt_factory("deepseek-v3-tiny", 5)
     with open(os.path.join(src, "config.json")) as f:
         layers = json.load(f)["num_hidden_layers"]
     dst = str(tmp_path / "out")
-    convert_checkpoint(src, dst)
+    convert_checkpoint(src, dst, engine=engine, fmt=fmt)
+    if fmt == "ascend":
+        with open(os.path.join(dst, "quant_model_description.json")) as f:
+            described = json.load(f)
+        kvb = [n for n in described if n.endswith("self_attn.kv_b_proj.weight")]
+        assert len(kvb) == layers + 1 and {described[n] for n in kvb} == {"FLOAT"}, kvb
+        return
     with open(os.path.join(dst, "model.safetensors.index.json")) as f:
         weight_map = json.load(f)["weight_map"]
     kvb = sorted(n for n in weight_map if n.endswith("self_attn.kv_b_proj.weight"))
@@ -693,6 +703,25 @@ def test_deepseek_kv_b_proj_stays_in_model_dtype_in_every_layer_mtp_included(
     with open(os.path.join(dst, "config.json")) as f:
         ignored = set(json.load(f)["quantization_config"]["ignore"])
     assert {n.removesuffix(".weight") for n in kvb} <= ignored
+
+
+def test_deepseek_kv_b_proj_quantized_for_plain_vllm(ckpt_factory, tmp_path) -> None:
+    """Plain vLLM (the default profile) holds kv_b_proj as MXFP8 like every other linear,
+    so the ModelOpt output quantizes it and does not ignore it."""
+    src = ckpt_factory("deepseek-v3-tiny", 5)
+    dst = str(tmp_path / "out")
+    convert_checkpoint(src, dst)
+    with open(os.path.join(dst, "model.safetensors.index.json")) as f:
+        weight_map = json.load(f)["weight_map"]
+    kvb = sorted(n for n in weight_map if n.endswith("self_attn.kv_b_proj.weight"))
+    assert kvb
+    for name in kvb:
+        with safe_open(os.path.join(dst, weight_map[name]), "pt") as f:
+            assert f.get_slice(name).get_dtype() == "F8_E4M3", name
+        assert name.replace(".weight", ".weight_scale") in weight_map, name
+    with open(os.path.join(dst, "config.json")) as f:
+        ignored = set(json.load(f)["quantization_config"]["ignore"])
+    assert not {n.removesuffix(".weight") for n in kvb} & ignored
 
 
 def test_convert_for_a_release_that_serves_only_ascend_writes_ascend(ckpt_factory, tmp_path):

@@ -585,3 +585,17 @@ def test_mtp_on_a_model_without_an_mtp_module_is_refused(ckpt_factory, fake_vllm
     with pytest.raises(LayoutError) as err:
         mx.attach(src, engine="mxload")
     assert "--speculative-config method 'mtp' needs the checkpoint's MTP layers" in str(err.value)
+
+
+def test_the_engine_s_all2all_backend_is_the_layout_s(fake_vllm) -> None:
+    """The backend the engine runs with (after its platform's config step) is planned: vLLM's
+    default runs sequence-parallel MoE and holds the shared experts whole."""
+    from mxload.orchestrator.hosts.engine_ext import vllm_facts
+
+    w = _Worker(LAYOUT, 0, 0, 0, None)
+    fake_vllm["w"] = w
+    assert vllm_facts(w.vllm_config).layout.all2all_backend == ""  # none given: the profile's
+    for backend in ("allgather_reducescatter", "flashinfer_all2allv"):
+        w.vllm_config.parallel_config.all2all_backend = backend
+        layout = vllm_facts(w.vllm_config).layout
+        assert (layout.all2all_backend, layout.shared_expert_dp) == (backend, False)

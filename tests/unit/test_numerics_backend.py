@@ -203,12 +203,12 @@ def _op_like_dynamic_mx_quant(x: torch.Tensor, *, dst_type: torch.dtype, scale_a
     S as in the SPEC, but P = V / 2**(S - 127) even when S = 0 (the formula's exponent is
     floored at -127, so tiny groups keep non-zero bytes) and arbitrary bytes for S = 0xFF;
     the scale comes back paired as float8_e8m0fnu with a garbage pad byte."""
-    if dst_type != torch.float8_e4m3fn or scale_alg != 0:
-        raise AssertionError("NpuBackend must ask for E4M3 with scale_alg=0")
+    if dst_type != torch.float8_e4m3fn or scale_alg not in (0, 1):
+        raise AssertionError("NpuBackend must ask for E4M3 with scale_alg 0 or 1")
     if x.dtype not in (torch.bfloat16, torch.float16):
         raise AssertionError("the operator is documented for fp16/bf16 only")
     v = x.to(torch.float64).numpy()
-    _, s = ir.mx_quantize_ref(v)
+    _, s = ir.mx_quantize_ref(v, scale_alg)
     grouped = v.reshape(*v.shape[:-1], -1, 32)
     shift = np.where(s == 255, 0, 127 - s.astype(np.int64))[..., None]
     raw = ir.e4m3_rne_saturating(np.ldexp(np.where(np.isfinite(grouped), grouped, 0.0), shift))

@@ -216,9 +216,18 @@ def spec_tensors(cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], str, bool
     return out
 
 
+def shared_experts_whole(layout: ParallelLayout) -> bool:
+    """Plain vLLM (the default profile) runs sequence-parallel MoE under its default
+    all2all backend with EP, tp > 1 and dp > 1, and then holds the shared experts whole on
+    every TP rank (vLLM's ParallelConfig.use_sequence_parallel_moe, disable_tp)."""
+    return layout.enable_expert_parallel and layout.tp > 1 and layout.dp > 1
+
+
 def multiplicity(cfg: ModelConfig, layout: ParallelLayout, name: str, role: str) -> int:
     """How many ranks hold each element of tensor ``name`` (docs/contract.md §3 replication)."""
     dp, tp = layout.dp, layout.tp
+    if ".mlp.shared_experts." in name and shared_experts_whole(layout):
+        return dp * tp
     if role == "expert":
         return 1  # TP-sharded over the whole dp*tp group, or whole experts under EP
     if role == "rep":
@@ -410,7 +419,8 @@ def expected_persistent(cfg: ModelConfig, layout: ParallelLayout, rank: int) -> 
             total += lin(cfg.q_lora_rank + cfg.kv_lora_rank + cfg.qk_rope_head_dim, h)
             total += (cfg.q_lora_rank + cfg.kv_lora_rank) * m
             total += lin(nh * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim), cfg.q_lora_rank)
-            total += nh * (cfg.qk_nope_head_dim + cfg.v_head_dim) * cfg.kv_lora_rank * m
+            # plain vLLM quantizes kv_b_proj like every other linear
+            total += lin(nh * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank)
             total += lin(h, nh * cfg.v_head_dim)
         else:
             kv = cfg.num_key_value_heads
@@ -421,7 +431,8 @@ def expected_persistent(cfg: ModelConfig, layout: ParallelLayout, rank: int) -> 
             e = cfg.num_experts
             total += e * h * m + (e * 4 if ds else 0)
             if ds:
-                si = cfg.moe_intermediate_size * cfg.n_shared_experts // tp
+                si = cfg.moe_intermediate_size * cfg.n_shared_experts
+                si //= 1 if shared_experts_whole(layout) else tp
                 total += lin(2 * si, h) + lin(h, si)
             if layout.enable_expert_parallel:
                 ep, r = dp * tp, dp_rank * tp + tp_rank
@@ -632,9 +643,18 @@ def test_deepseek_tensors() -> None:
     buffers, units = plan_rank(cfg, L(tp=8, dp=32, ep=True), 9)
     by_name = {b.name: b for b in buffers}
     p = "model.layers.5."
-    kvb = by_name[p + "self_attn.kv_b_proj.weight"]  # stays dense in the model dtype
+    kvb = by_name[p + "self_attn.kv_b_proj.weight"]  # plain vLLM: MXFP8, [K, N]
+    assert (kvb.shape, kvb.dtype, kvb.layout) == (
+        (512, 128 * 256 // 8),
+        "float8_e4m3fn",
+        "mx_linear",
+    )
+    assert by_name[p + "self_attn.kv_b_proj.weight_scale"].shape == (8, 128 * 256 // 8, 2)
+    # vllm-ascend's MLA asserts an unquantized kv_b_proj: dense in the model dtype
+    held, _ = plan_rank(cfg, L(tp=8, dp=32, ep=True), 9, engine="vllm-ascend-0.23")
+    kvb = {b.name: b for b in held}[p + "self_attn.kv_b_proj.weight"]
     assert (kvb.shape, kvb.dtype, kvb.layout) == ((128 * 256 // 8, 512), "bfloat16", "dense")
-    assert p + "self_attn.kv_b_proj.weight_scale" not in by_name
+    assert p + "self_attn.kv_b_proj.weight_scale" not in {b.name for b in held}
     assert next(u for u in units if u.buffer == kvb.name).quantized
     fused = next(u for u in units if u.buffer == p + "self_attn.fused_qkv_a_proj.weight")
     assert [(x.module, x.rows, x.dst_row) for x in fused.parts] == [
@@ -644,8 +664,13 @@ def test_deepseek_tensors() -> None:
     assert by_name[p + "self_attn.fused_qkv_a_proj.weight"].shape == (7168, 2112)
     assert by_name[p + "mlp.gate.e_score_correction_bias"].dtype == "float32"
     assert by_name[p + "mlp.gate.weight"].shape == (256, 7168)
-    assert by_name[p + "mlp.shared_experts.gate_up_proj.weight"].shape == (7168, 512)
-    assert by_name[p + "mlp.shared_experts.down_proj.weight"].shape == (256, 7168)
+    # tp 8 x dp 32 + EP: plain vLLM runs sequence-parallel MoE, the shared expert (2048
+    # wide) whole on every rank; vllm-ascend splits it over tp
+    assert by_name[p + "mlp.shared_experts.gate_up_proj.weight"].shape == (7168, 4096)
+    assert by_name[p + "mlp.shared_experts.down_proj.weight"].shape == (2048, 7168)
+    held_by = {b.name: b for b in held}
+    assert held_by[p + "mlp.shared_experts.gate_up_proj.weight"].shape == (7168, 512)
+    assert held_by[p + "mlp.shared_experts.down_proj.weight"].shape == (256, 7168)
     assert by_name[p + "self_attn.q_b_proj.weight"].shape == (1536, 16 * 192)
     assert by_name[p + "self_attn.o_proj.weight"].shape == (16 * 128, 7168)
     assert not any(".layers.61." in b.name for b in buffers)  # MTP layer

@@ -13,6 +13,7 @@ return ``None`` on CPU, where the staging pool's high-water mark is the measure 
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Sequence
 from typing import NamedTuple, Protocol
 
@@ -22,7 +23,7 @@ from ...orchestrator.errors import NumericsError
 from . import reference
 
 ResolveFn = Callable[..., torch.Tensor]
-QuantizeFn = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+QuantizeFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
 DEVICE_CHOICES: tuple[str, ...] = ("auto", "npu", "cuda", "cpu")
 """Values of ``--device`` (docs/contract.md §5)."""
@@ -89,6 +90,24 @@ class Backend:
         self._quantize_fn: QuantizeFn = quantize_fn or reference.mx_quantize
         self._convert_fn = convert_fn
         self._on_cpu = device.type == "cpu"
+        self.scale_alg = 0
+        """The MX scale rule of every quantize (docs/contract.md §2.2; :meth:`with_scale_alg`)."""
+
+    def with_scale_alg(self, scale_alg: int) -> Backend:
+        """This backend quantizing under ``scale_alg`` (0: OCP, 1: from the E4M3 maximum,
+        rounded up; docs/contract.md §2.2). The fused convert kernel implements rule 0
+        only: under rule 1 a part is resolved, then quantized, on the same device paths."""
+        from ...orchestrator.plan.formats import SCALE_ALGS
+
+        if scale_alg not in SCALE_ALGS:
+            raise NumericsError(f"scale_alg must be one of {SCALE_ALGS}, got {scale_alg!r}")
+        if scale_alg == self.scale_alg:
+            return self
+        other = copy.copy(self)
+        other.scale_alg = scale_alg
+        if scale_alg != 0:
+            other._convert_fn = None
+        return other
 
     def __repr__(self) -> str:
         return (
@@ -120,7 +139,10 @@ class Backend:
         )
 
     def mx_quantize(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """docs/contract.md §2.2; the scale comes back as ``uint8`` ``[..., K/32]``."""
+        """docs/contract.md §2.2 under :attr:`scale_alg`; the scale comes back as ``uint8``
+        ``[..., K/32]``."""
+        if self.scale_alg:
+            return self._quantize_fn(self.to_device(x), scale_alg=self.scale_alg)
         return self._quantize_fn(self.to_device(x))
 
     def convert(

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from ...orchestrator.errors import NumericsError
-from ...orchestrator.plan.formats import MX_GROUP, MX_PAIR, ceil_div
+from ...orchestrator.plan.formats import MX_GROUP, MX_PAIR, SCALE_ALGS, ceil_div
 from . import kernels
 from .backend import ConvertPart, PackedOut
 from .kernels import MODE_FP32
@@ -134,10 +134,15 @@ def resolve_block(
     return out.view(dtype)
 
 
-def mx_quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def mx_quantize(x: torch.Tensor, scale_alg: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """docs/contract.md §2.2, as ``reference.mx_quantize``: ``[..., K]`` bf16/fp16/fp32 ->
-    (float8_e4m3fn ``[..., K]``, uint8 ``[..., K // 32]``); K must be a multiple of 32."""
+    (float8_e4m3fn ``[..., K]``, uint8 ``[..., K // 32]``); K must be a multiple of 32;
+    ``scale_alg`` 0 or 1 picks the scale rule."""
     kernels.require()
+    if scale_alg not in SCALE_ALGS:
+        raise NumericsError(
+            f"mx_quantize: scale_alg must be one of {SCALE_ALGS}, got {scale_alg!r}"
+        )
     if x.dtype not in _MODES:
         raise NumericsError(f"mx_quantize: x has dtype {x.dtype}; expected bf16, fp16 or fp32")
     if x.dim() == 0 or x.shape[-1] % MX_GROUP != 0:
@@ -157,7 +162,7 @@ def mx_quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # fp16 widens exactly to fp32, and docs/contract.md §2.2 takes fp16's Emax from that f32.
         bits = x.contiguous().float().view(torch.int32).reshape(-1).numpy().view(np.uint32)
         is_bf16 = False
-    kernels.run_mx(bits, is_bf16, q.view(-1).numpy(), s.view(-1).numpy(), _threads())
+    kernels.run_mx(bits, is_bf16, q.view(-1).numpy(), s.view(-1).numpy(), _threads(), scale_alg)
     return q.view(torch.float8_e4m3fn), s
 
 

@@ -300,14 +300,27 @@ def _scale_byte(emax: int) -> int:
 
 
 @_jit()
-def _quant_e4m3(xb: int, s: int) -> int:
-    """docs/contract.md §2.2 step 3 for one element: f32 bits ``xb`` and scale byte ``s`` -> e4m3fn
-    byte of ``xb * 2**(127 - s)``, RNE, subnormals included, saturating at +-448."""
-    if s == 255:
-        return 0x7F
+def _scale_byte_alg1(amag: int) -> int:
+    """docs/contract.md §2.2 with ``scale_alg=1`` from the f32 magnitude bits of a group's
+    amax: the biased exponent of ``Q = RNE_f32(amax / 448)``, rounded up. For a normal
+    ``Q`` (amax >= 1.75 * 2**-118) that is ``e - 8``, plus one when amax's mantissa is above
+    1.75's (0x600000); below, 1 when amax exceeds ``448 * (2**23 + 1) * 2**-150`` (``Q``'s
+    subnormal mantissa above one half), else 0."""
+    e = amag >> 23
+    if e == 255:
+        return 255
+    m = amag & 0x7FFFFF
+    if amag >= ((9 << 23) | 0x600000):
+        return e - 8 + (1 if m > 0x600000 else 0)
+    units = m if e == 0 else (m | 0x800000) << (e - 1)
+    return 1 if units > 224 * (0x800000 + 1) else 0
+
+
+@_jit()
+def _quant_e4m3_scaled(xb: int, s: int) -> int:
+    """e4m3fn byte of f32 bits ``xb`` times ``2**(127 - s)`` for ``0 <= s <= 254``, RNE,
+    subnormals included, saturating at +-448 (``s = 0`` scales by 2**127)."""
     sign = (xb >> 24) & 0x80
-    if s == 0:
-        return sign
     mag = xb & 0x7FFFFFFF
     if mag >= 0x7F800000:  # cannot happen when s < 255 (Emax would be 255); be total
         return 0x7F
@@ -316,6 +329,17 @@ def _quant_e4m3(xb: int, s: int) -> int:
     if y > 0x7E:
         y = 0x7E  # clamp to 448 (0x7F is NaN in e4m3fn)
     return sign | y
+
+
+@_jit()
+def _quant_e4m3(xb: int, s: int) -> int:
+    """docs/contract.md §2.2 step 3 for one element: f32 bits ``xb`` and scale byte ``s`` -> e4m3fn
+    byte of ``xb * 2**(127 - s)``, RNE, subnormals included, saturating at +-448."""
+    if s == 255:
+        return 0x7F
+    if s == 0:
+        return (xb >> 24) & 0x80
+    return _quant_e4m3_scaled(xb, s)
 
 
 @_jit()
@@ -861,10 +885,17 @@ def _convert_one(
 
 @_jit(inline="always")
 def _mx_groups(
-    x: np.ndarray, g_lo: int, g_hi: int, ebits: int, q_out: np.ndarray, s_out: np.ndarray
+    x: np.ndarray,
+    g_lo: int,
+    g_hi: int,
+    ebits: int,
+    q_out: np.ndarray,
+    s_out: np.ndarray,
+    alg: int,
 ) -> None:
     """MX-quantize groups ``[g_lo, g_hi)`` of ``x`` (bf16 bits: ``ebits`` 7; f32 bits:
-    23). Inlined into callers that pass ``ebits`` as a constant, so the shifts fold."""
+    23) under scale rule ``alg`` (0 or 1, docs/contract.md §2.2). Inlined into callers
+    that pass ``ebits`` as a constant, so the shifts fold."""
     drop = ebits - 3  # e4m3 keeps 3 mantissa bits; drop the rest with RNE
     mag_mask = (np.int64(1) << (ebits + 8)) - 1
     half = (np.int64(1) << (drop - 1)) - 1
@@ -879,12 +910,12 @@ def _mx_groups(
             mag = np.int64(x[base + np.uint64(i)]) & mag_mask
             mmax = max(mmax, mag)  # type: ignore[assignment]
             emin = min(emin, (mag >> ebits) if mag != 0 else 255)  # type: ignore[assignment]
-        s = _scale_byte(mmax >> ebits)
+        s = _scale_byte_alg1(mmax << (23 - ebits)) if alg == 1 else _scale_byte(mmax >> ebits)
         s_out[g] = s
         if s == 255:
             for i in range(32):
                 q_out[base + np.uint64(i)] = 0x7F
-        elif s == 0:
+        elif s == 0 and alg == 0:
             for i in range(32):
                 q_out[base + np.uint64(i)] = (
                     np.int64(x[base + np.uint64(i)]) >> (ebits + 1)
@@ -903,21 +934,22 @@ def _mx_groups(
         else:
             for i in range(32):
                 h = np.int64(x[base + np.uint64(i)])
-                q_out[base + np.uint64(i)] = _quant_e4m3(h << (23 - ebits), s)  # type: ignore[arg-type]
+                # 1 <= s <= 254 here, or s = 0 under scale_alg 1 (scaled by 2**127)
+                q_out[base + np.uint64(i)] = _quant_e4m3_scaled(h << (23 - ebits), s)  # type: ignore[arg-type]
 
 
 @_jit()
 def _mx_groups_bf16(
-    x: np.ndarray, g_lo: int, g_hi: int, q_out: np.ndarray, s_out: np.ndarray
+    x: np.ndarray, g_lo: int, g_hi: int, q_out: np.ndarray, s_out: np.ndarray, alg: int
 ) -> None:
-    _mx_groups(x, g_lo, g_hi, 7, q_out, s_out)
+    _mx_groups(x, g_lo, g_hi, 7, q_out, s_out, alg)
 
 
 @_jit()
 def _mx_groups_f32(
-    x: np.ndarray, g_lo: int, g_hi: int, q_out: np.ndarray, s_out: np.ndarray
+    x: np.ndarray, g_lo: int, g_hi: int, q_out: np.ndarray, s_out: np.ndarray, alg: int
 ) -> None:
-    _mx_groups(x, g_lo, g_hi, 23, q_out, s_out)
+    _mx_groups(x, g_lo, g_hi, 23, q_out, s_out, alg)
 
 
 @_jit(parallel=True)
@@ -926,15 +958,16 @@ def _mx_kernel(
     is_bf16: bool,
     q_out: np.ndarray,  # uint8, flat, same length
     s_out: np.ndarray,  # uint8, one per group
+    alg: int,  # scale rule, docs/contract.md §2.2
 ) -> None:
     ng = x.shape[0] // 32
     chunk = 1024
     for ch in prange((ng + chunk - 1) // chunk):
         g_hi = min(ng, (ch + 1) * chunk)
         if is_bf16:
-            _mx_groups_bf16(x, ch * chunk, g_hi, q_out, s_out)
+            _mx_groups_bf16(x, ch * chunk, g_hi, q_out, s_out, alg)
         else:
-            _mx_groups_f32(x, ch * chunk, g_hi, q_out, s_out)
+            _mx_groups_f32(x, ch * chunk, g_hi, q_out, s_out, alg)
 
 
 # =========================================================================================
@@ -1106,14 +1139,20 @@ def run_convert_parts(
 
 
 def run_mx(
-    bits: np.ndarray, is_bf16: bool, q_np: np.ndarray, s_np: np.ndarray, threads: int
+    bits: np.ndarray,
+    is_bf16: bool,
+    q_np: np.ndarray,
+    s_np: np.ndarray,
+    threads: int,
+    scale_alg: int = 0,
 ) -> None:
-    """MX-quantize raw bf16 (uint16) or fp32 (uint32) bits, row-major."""
+    """MX-quantize raw bf16 (uint16) or fp32 (uint32) bits, row-major, under scale rule
+    ``scale_alg`` (docs/contract.md §2.2)."""
     if bits.size == 0:
         return
     with LOCK:
         set_threads(threads)
-        _mx_kernel(bits, is_bf16, q_np, s_np)
+        _mx_kernel(bits, is_bf16, q_np, s_np, scale_alg)
 
 
 def _self_test() -> None:

@@ -70,14 +70,16 @@ def normalise_mx_scale(
 
 
 def apply_group_rules(
-    x: torch.Tensor, payload: torch.Tensor, scale_u8: torch.Tensor
+    x: torch.Tensor, payload: torch.Tensor, scale_u8: torch.Tensor, zero_at_s0: bool = True
 ) -> torch.Tensor:
-    """Enforce docs/contract.md §2.2 rule 3 on whole groups: scale 0 -> ±0 (sign of x), 0xFF -> NaN."""
+    """Enforce docs/contract.md §2.2 rule 3 on whole groups: scale 0 -> ±0 (sign of x;
+    ``scale_alg=0`` only, ``zero_at_s0``), 0xFF -> NaN."""
     groups = scale_u8.shape[-1]
     y_u8 = payload.view(torch.uint8).reshape(*payload.shape[:-1], groups, MX_GROUP)
-    signed_zero = torch.signbit(x).reshape(y_u8.shape).to(torch.uint8) << _SIGN_SHIFT
     s = scale_u8.unsqueeze(-1)
-    y_u8 = torch.where(s == 0, signed_zero, y_u8)
+    if zero_at_s0:
+        signed_zero = torch.signbit(x).reshape(y_u8.shape).to(torch.uint8) << _SIGN_SHIFT
+        y_u8 = torch.where(s == 0, signed_zero, y_u8)
     y_u8 = torch.where(s == E8M0_NAN, torch.full_like(y_u8, _E4M3_NAN_BYTE), y_u8)
     return y_u8.reshape(payload.shape).view(torch.float8_e4m3fn)
 
@@ -105,14 +107,14 @@ class NpuBackend(Backend):
         """``npu_dynamic_mx_quant`` with the scale normalised to ``uint8`` ``[..., K/32]``."""
         x = self.to_device(x)
         if x.dtype not in _NPU_OP_DTYPES:
-            return reference.mx_quantize(x)
+            return reference.mx_quantize(x, self.scale_alg)
         if x.dim() == 0 or x.shape[-1] % MX_GROUP != 0:
             raise NumericsError(
                 f"mx_quantize: last dimension must be a multiple of {MX_GROUP}, got shape "
                 f"{tuple(x.shape)} (docs/contract.md §2.2: such a linear stays resolved in the model dtype)"
             )
         y, mxscale = self._torch_npu.npu_dynamic_mx_quant(
-            x, dst_type=torch.float8_e4m3fn, scale_alg=0
+            x, dst_type=torch.float8_e4m3fn, scale_alg=self.scale_alg
         )
         if y.element_size() != 1 or tuple(y.shape) != tuple(x.shape):
             raise ConversionError(
@@ -121,7 +123,7 @@ class NpuBackend(Backend):
             )
         payload = y if y.dtype == torch.float8_e4m3fn else y.view(torch.float8_e4m3fn)
         scale_u8 = normalise_mx_scale(mxscale, x.shape)
-        return apply_group_rules(x, payload, scale_u8), scale_u8
+        return apply_group_rules(x, payload, scale_u8, zero_at_s0=self.scale_alg == 0), scale_u8
 
     def synchronize(self) -> None:
         torch.npu.synchronize(self.device)  # type: ignore[attr-defined]

@@ -25,7 +25,15 @@ from __future__ import annotations
 import torch
 
 from ...orchestrator.errors import NumericsError
-from ...orchestrator.plan.formats import E4M3_EMAX, E4M3_MAX, E8M0_BIAS, E8M0_NAN, MX_GROUP
+from ...orchestrator.plan.formats import (
+    E4M3_EMAX,
+    E4M3_MAX,
+    E8M0_BIAS,
+    E8M0_NAN,
+    MX_GROUP,
+    SCALE_ALG_E4M3_CEIL,
+    SCALE_ALGS,
+)
 from . import scales as _scales
 
 MODEL_TORCH_DTYPE: dict[str, torch.dtype] = {
@@ -173,40 +181,83 @@ def _scale_bytes_of_groups(x32: torch.Tensor) -> torch.Tensor:
     )
 
 
-def mx_scale_bytes(x: torch.Tensor) -> torch.Tensor:
+_ALG1_MANT_CUT = 0x600000
+"""1.75 = 448 / 2**8 as a float32 mantissa field: an amax significand above it makes
+``amax / 448`` exceed a power of two (docs/contract.md §2.2, ``scale_alg=1``)."""
+_ALG1_NORMAL_MIN = (9 << _F32_EXP_SHIFT) | _ALG1_MANT_CUT
+"""f32 magnitude bits of ``448 * 2**-126``: from here ``amax / 448`` is a normal float32."""
+_ALG1_SUB_CUT = 224 * ((1 << 23) + 1)
+"""``amax`` in units of 2**-149 above which ``RNE(amax / 448)`` has a subnormal mantissa
+above one half (or is 2**-126 itself): scale byte 1, else 0."""
+
+
+def _scale_bytes_alg1(x32: torch.Tensor) -> torch.Tensor:
+    """docs/contract.md §2.2 with ``scale_alg=1`` on float32 groups ``[..., g, 32]``: int32
+    ``[..., g]``. ``S`` is the biased exponent of ``Q = RNE_f32(amax / 448)``, plus one if
+    ``Q`` has a non-zero mantissa (normal ``Q``) or a mantissa above one half (subnormal
+    ``Q``). Exactly, from the bits of ``amax = 1.m * 2**(e - 127)``: for a normal ``Q``,
+    ``S = e - 8 + (m > 0x600000)`` (1.75 = 448 / 2**8; a float32 amax cannot fall inside
+    Q's rounding tie band); below, ``S = 1`` iff ``amax > 448 * (2**23 + 1) * 2**-150``."""
+    mag = x32.view(torch.int32).to(torch.int64) & 0x7FFFFFFF
+    amag = mag.amax(dim=-1)  # NaN bits > Inf bits > any finite magnitude
+    e = amag >> _F32_EXP_SHIFT
+    m = amag & 0x7FFFFF
+    normal_s = e - E4M3_EMAX + (m > _ALG1_MANT_CUT).to(torch.int64)
+    # amax in units of 2**-149 (only where it is below 448 * 2**-126: e <= 9)
+    small_e = e.clamp(max=9)
+    units = torch.where(small_e == 0, m, (m | (1 << 23)) << (small_e - 1).clamp(min=0))
+    small_s = (units > _ALG1_SUB_CUT).to(torch.int64)
+    out = torch.where(amag >= _ALG1_NORMAL_MIN, normal_s, small_s)
+    return torch.where(e == _F32_EXP_MASK, torch.full_like(out, E8M0_NAN), out).to(torch.int32)
+
+
+def _check_scale_alg(scale_alg: int, what: str) -> None:
+    if scale_alg not in SCALE_ALGS:
+        raise NumericsError(f"{what}: scale_alg must be one of {SCALE_ALGS}, got {scale_alg!r}")
+
+
+def mx_scale_bytes(x: torch.Tensor, scale_alg: int = 0) -> torch.Tensor:
     """The E8M0 scale byte of every 32-group of ``x`` ``[..., K]`` as int32 ``[..., K/32]``.
 
     Step 1-2 of docs/contract.md §2.2: ``Emax`` is the largest biased exponent field of the exact
     float32 values (bf16/fp32 subnormals have field 0; fp16 values, subnormals included,
     become normal float32 with their true exponent); ``S = 0xFF`` if ``Emax == 255`` else
-    ``max(Emax, 8) - 8``.
+    ``max(Emax, 8) - 8``. With ``scale_alg=1`` the scale byte is :func:`_scale_bytes_alg1`'s.
     """
     _check_dtype(x, MODEL_TORCH_DTYPES, "mx_scale_bytes: x")
+    _check_scale_alg(scale_alg, "mx_scale_bytes")
     x32 = x.to(torch.float32).reshape(*x.shape[:-1], x.shape[-1] // MX_GROUP, MX_GROUP)
+    if scale_alg == SCALE_ALG_E4M3_CEIL:
+        return _scale_bytes_alg1(x32)
     return _scale_bytes_of_groups(x32)
 
 
-def mx_quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """MX-quantize ``x`` ``[..., K]`` along K in groups of 32 (docs/contract.md §2.2, ``scale_alg=0``).
+def mx_quantize(x: torch.Tensor, scale_alg: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """MX-quantize ``x`` ``[..., K]`` along K in groups of 32 (docs/contract.md §2.2).
 
     Returns ``(payload, scale)``: ``payload`` ``float8_e4m3fn`` ``[..., K]`` and ``scale``
     ``uint8`` ``[..., K/32]`` (E8M0 biased exponents). ``y = e4m3_rne_saturating(x * r)``
-    with ``r = 2**(127 - S)`` for ``1 <= S <= 254``, ``r = 0`` for ``S = 0`` (the group is
-    ±0, sign kept) and ``r = NaN`` for ``S = 0xFF`` (the group is NaN).
+    with ``r = 2**(127 - S)`` for ``1 <= S <= 254`` and ``r = NaN`` for ``S = 0xFF`` (the
+    group is NaN); for ``S = 0``, ``scale_alg=0`` takes ``r = 0`` (the group is ±0, sign
+    kept) and ``scale_alg=1`` ``r = 2**127`` (its rule scales every group by
+    ``1 / 2**(S - 127)``).
 
     Scratch beyond the input and the outputs: at most 8 bytes per element for bf16/fp16
     input (a float32 copy, then float32 exponents or scaled values), 4 for float32.
     """
     _check_dtype(x, MODEL_TORCH_DTYPES, "mx_quantize: x")
+    _check_scale_alg(scale_alg, "mx_quantize")
     if x.dim() == 0 or x.shape[-1] % MX_GROUP != 0:
         raise NumericsError(
             f"mx_quantize: last dimension must be a multiple of {MX_GROUP}, got shape "
             f"{tuple(x.shape)} (docs/contract.md §2.2: such a linear stays resolved in the model dtype)"
         )
     x32 = x.to(torch.float32).reshape(*x.shape[:-1], x.shape[-1] // MX_GROUP, MX_GROUP)
-    scale_s = _scale_bytes_of_groups(x32)
+    ceil_alg = scale_alg == SCALE_ALG_E4M3_CEIL
+    scale_s = _scale_bytes_alg1(x32) if ceil_alg else _scale_bytes_of_groups(x32)
     r = _pow2_f32_from_exponent((E8M0_BIAS - scale_s).clamp(min=-127))
-    r = torch.where(scale_s == 0, torch.zeros_like(r), r)
+    if not ceil_alg:
+        r = torch.where(scale_s == 0, torch.zeros_like(r), r)
     r = torch.where(scale_s == E8M0_NAN, torch.full_like(r, float("nan")), r)
     scaled = x32 * r.unsqueeze(-1)  # a new tensor: x32 may alias a float32 input
     del x32

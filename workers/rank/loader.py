@@ -75,6 +75,9 @@ class RankLoader:
             from ..numerics.select import select_backend
 
             backend = select_backend(device)
+        if plan.scale_alg and hasattr(backend, "with_scale_alg"):
+            # the rank quantizes under its plan's rule (docs/contract.md §2.2)
+            backend = backend.with_scale_alg(plan.scale_alg)
         self.plan = plan
         self.rank = plan.rank
         self.backend = backend
