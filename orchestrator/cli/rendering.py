@@ -429,6 +429,7 @@ def render_plan_table(
         *layout_header(obj["parallel"], defaults_used, obj.get("model")),
         *moe_mode_lines(obj.get("moe_mode")),
         *_plan_rows(obj),
+        *_derived_lines(obj),
         *_time_model_lines(obj.get("time_model")),
         "minimum staging budget: load "
         f"{format_size(obj['min_staging_bytes']['load'])}, reload "
@@ -530,6 +531,19 @@ def _plan_rows(obj: dict[str, Any]) -> list[str]:
             f" {r.get('predicted_load_seconds', 0.0):>7.2f}"
         )
     return lines
+
+
+def _derived_lines(obj: dict[str, Any]) -> list[str]:
+    """The tensors the engine derives after loading, which the plan holds and rewrites in
+    place after their source (docs/contract.md §2.4), counted in persistent."""
+    if not obj.get("derived"):
+        return []
+    worst = max(obj["ranks"], key=lambda r: r.get("derived_bytes", 0))
+    return [
+        f"derived in place after their source ({', '.join(obj['derived'])}; --engine "
+        f"{obj.get('engine')}): up to {worst.get('derived_buffers', 0)} tensors, "
+        f"{format_size(worst.get('derived_bytes', 0))} per rank, in persistent"
+    ]
 
 
 def _time_model_lines(tm: dict[str, Any] | None) -> list[str]:

@@ -51,6 +51,7 @@ from ..plan.arch import DRAFTER_PREFIX
 from ..plan.engines import check_mx_k, engine_profile
 from ..plan.releases import (
     ACL_FORMAT_FRACTAL_NZ,
+    VLLM_ARCHITECTURES,
     check_architecture,
     check_settings,
     engine_release,
@@ -182,14 +183,48 @@ def _local_experts(expert_map: Any) -> tuple[int, ...] | None:
 
 def engine_params(model: torch.nn.Module) -> dict[str, tuple[Any, str]]:
     """Every parameter and buffer of ``model`` by name, as (module, attribute): where the
-    engine keeps it, so that a rebinding is seen."""
+    engine keeps it, so that a rebinding is seen; and the tensors an attention layer's
+    ``impl`` (not a module) holds, named ``LAYER.impl.ATTR``: what an engine derives in
+    its post-load (vllm-ascend's MLA ``W_UK_T``/``W_UV``, docs/contract.md §2.4)."""
     out: dict[str, tuple[Any, str]] = {}
     for mod_name, mod in model.named_modules(remove_duplicate=False):
         prefix = f"{mod_name}." if mod_name else ""
         for attr in (*mod._parameters, *mod._buffers):
             if getattr(mod, attr, None) is not None:
                 out.setdefault(prefix + attr, (mod, attr))
+        impl = mod.__dict__.get("impl")
+        if impl is not None and not isinstance(impl, torch.nn.Module):
+            for attr, value in vars(impl).items():
+                if isinstance(value, torch.Tensor):
+                    out.setdefault(f"{prefix}impl.{attr}", (impl, attr))
     return out
+
+
+def unplanned_drafter_weights(
+    params: Mapping[str, tuple[Any, str]], planned: set[str]
+) -> list[str]:
+    """The MTP drafter's parameters that the plan does not hold and that are not the
+    target model's own tensors (the proposer's sharing, docs/contract.md §3): what an
+    in-place reload would never reach."""
+
+    def param(name: str) -> torch.Tensor | None:
+        mod, attr = params[name]
+        t = getattr(mod, attr, None)
+        return t if isinstance(t, torch.nn.Parameter) else None
+
+    target = {
+        t.untyped_storage().data_ptr()
+        for n in params
+        if not n.startswith(DRAFTER_PREFIX) and (t := param(n)) is not None
+    }
+    return [
+        n
+        for n in params
+        if n.startswith(DRAFTER_PREFIX)
+        and n not in planned
+        and (t := param(n)) is not None
+        and t.untyped_storage().data_ptr() not in target
+    ]
 
 
 class _OneRank:
@@ -281,12 +316,18 @@ class Attachment:
         self.facts = facts
         meta = open_checkpoint(src, storage_options=storage_options)
         release = engine_release(facts.engine)
-        why = check_architecture(release, meta.config.architecture) if release else ""
-        if why:
+        arch = meta.config.architecture
+        if release is None and arch in VLLM_ARCHITECTURES:
             raise AdoptionError(
-                f"--engine {facts.engine}: {meta.config.architecture} cannot be reloaded "
-                f"in place: {why}",
+                f"--engine {facts.engine}: {arch} cannot be reloaded in place: "
+                + VLLM_ARCHITECTURES[arch],
                 key="--engine",
+            )
+        bad = check_architecture(release, arch, facts.settings) if release else []
+        if bad:
+            raise AdoptionError(
+                f"--engine {facts.engine}: {arch} cannot be reloaded in place: " + " | ".join(bad),
+                key=bad[0].split("=", 1)[0],
             )
         plan: Plan = build_plan(meta.config, facts.layout, checkpoint=meta, engine=self.profile)
         rp = plan.ranks[facts.rank]
@@ -299,6 +340,17 @@ class Attachment:
                 + (f" and {len(missing) - 8} more" if len(missing) > 8 else ""),
                 rank=facts.rank,
                 tensor=missing[0],
+            )
+        stale = unplanned_drafter_weights(params, {b.name for b in rp.buffers})
+        if stale:
+            raise AdoptionError(
+                f"rank {facts.rank}: the engine's MTP drafter holds its own "
+                f"{', '.join(stale[:4])}, which the plan takes from the target model (vLLM "
+                "shares them; vllm-ascend shares DeepSeek's shared_head.head only where it "
+                "equals lm_head when the engine starts): a reload would leave it stale; "
+                "start the engine from a checkpoint whose MTP head equals lm_head",
+                rank=facts.rank,
+                tensor=stale[0],
             )
         held: dict[str, Held] = {}
         for b in rp.buffers:
@@ -462,6 +514,7 @@ def engine_settings(vllm_config: Any) -> dict[str, str]:
         return out
     out["weight_nz_mode"] = _flag(getattr(ac, "weight_nz_mode", 1))
     out["enable_fused_mc2"] = _flag(getattr(ac, "enable_fused_mc2", 0))
+    out["enable_mlapo"] = _flag(getattr(ac, "enable_mlapo", False))
     ae = getattr(ac, "eplb_config", None)
     if ae is not None:
         out["eplb_config.dynamic_eplb"] = _flag(getattr(ae, "dynamic_eplb", False))

@@ -57,9 +57,10 @@ TP-sharded like the model; device names are the drafter model's parameter names 
 ``drafter.``. Rows the engine shares with the target model (``shared_with_target``) are
 planned only where the engine profile says it keeps its own copy.
 
-Limits: DeepSeek's MTP layer (``num_nextn_predict_layers``, index >= num_hidden_layers) is
-in no table, so it is never planned or read (``ModelConfig.not_planned`` says so, with the
-reason).
+DeepSeek-V3's MTP layer (``model.layers.{num_hidden_layers + j}``) is planned the same way,
+as vLLM's ``DeepSeekMTP`` holds it: its own rows (``enorm``, ``hnorm``, ``eh_proj``,
+``shared_head.norm``) and the model's decoder-layer rows under ``mtp_block.``, on the last
+stage, under ``drafter.model.layers.{L + j}``.
 """
 
 from __future__ import annotations
@@ -104,6 +105,10 @@ EXPERT_PLACEHOLDER = "{e}"
 W13_BUFFER = "w13_weight"
 W2_BUFFER = "w2_weight"
 """Fused MoE buffer names under the rule's name (``P.mlp.experts.w13_weight``, docs/contract.md §3)."""
+
+DRAFTER_PREFIX = "drafter."
+"""Device names of the MTP drafter's rows: this, then the drafter model's own parameter
+name (vLLM's ``model_runner.drafter.model``)."""
 
 SCALE_SUFFIX = "_scale"
 """A weight buffer ``X`` of MX layout has its scale buffer ``X + '_scale'`` (docs/contract.md §3)."""
@@ -221,6 +226,10 @@ class Architecture:
     """Checkpoint prefix of MTP decoder layer ``{i}`` (``mtp_layer`` rules)."""
     mtp_device_layer_prefix: str = ""
     """Device prefix of MTP decoder layer ``{i}``."""
+    mtp_after_layers: bool = False
+    """MTP layer ``j`` is numbered ``num_hidden_layers + j`` (DeepSeek's
+    ``model.layers.{L + j}``), and its rows' layer kinds are read at that number; else
+    ``j``, with kinds read at layer 0 (Qwen3.5's ``mtp.layers.{j}``)."""
 
     def size(self, dim: str, config: ModelConfig) -> int:
         return self.dims[dim].size(config)
@@ -256,9 +265,11 @@ class Architecture:
         """``(rule index, MTP layer)`` of every MTP row the engine's drafter holds (layer
         -1 for the drafter's own rows); none unless ``planned`` and the checkpoint has MTP
         layers. ``own``: names of ``shared_with_target`` rows the engine keeps its own
-        copy of. Every MTP layer is a full-attention decoder layer with the MLP every
+        copy of. A Qwen3.5 MTP layer is a full-attention decoder layer with the MLP every
         Qwen3.5 layer has (dense, or a sparse MoE block for Qwen3.5-MoE), so a layer
-        row's kind is read at layer 0 for its MLP."""
+        row's kind is read at layer 0 for its MLP; a DeepSeek MTP layer
+        (``mtp_after_layers``) is numbered after the model's layers, and its kinds are
+        those of that number (a MoE layer past ``first_k_dense_replace``)."""
         if not planned or not config.mtp_layers:
             return ()
         rows = tuple(
@@ -266,10 +277,13 @@ class Architecture:
             for i in self.rules_at("mtp")
             if not self.rules[i].shared_with_target or self.rules[i].name in own
         )
-        layer = tuple(
-            i for i in self.rules_at("mtp_layer") if LAYER_KINDS[self.rules[i].when](config, 0)
+        base = config.num_hidden_layers if self.mtp_after_layers else 0
+        return rows + tuple(
+            (i, base + j)
+            for j in range(config.mtp_layers)
+            for i in self.rules_at("mtp_layer")
+            if LAYER_KINDS[self.rules[i].when](config, base + j if base else 0)
         )
-        return rows + tuple((i, j) for j in range(config.mtp_layers) for i in layer)
 
     def for_layout(self, mm_encoder_tp_mode: str) -> Architecture:
         """This table as the engine builds it under ``mm_encoder_tp_mode``: with ``data``
@@ -520,6 +534,59 @@ DEEPSEEK_V3 = Architecture(
         _FINAL_NORM,
         _LM_HEAD,
     ),
+)
+
+# --- DeepSeek-V3's MTP layer (vLLM's DeepSeekMTP) ------------------------------------------
+#
+# vLLM 0.23.0 models/deepseek_mtp.py: ``speculative_config={"method": "mtp", ...}`` on a
+# deepseek_v3 checkpoint makes the draft config ``DeepSeekMTPModel`` (config/speculative.py
+# hf_config_override), built by the proposer under the target's vllm_config on the last
+# pipeline stage. Its ``model.layers.{L + j}`` (L = num_hidden_layers, j <
+# num_nextn_predict_layers; checkpoint names unchanged) holds:
+# * ``enorm``, ``hnorm``, ``shared_head.norm``: RMSNorm, replicated;
+# * ``eh_proj``: a plain ``nn.Linear(2H, H)``, no quant_config: whole on every rank, in the
+#   model dtype;
+# * ``mtp_block``: ``DeepseekV2DecoderLayer`` numbered L + j (so an MoE layer past
+#   first_k_dense_replace), sharded and placed as the model's layers; load_weights renames
+#   every other tensor of the layer to ``mtp_block.``;
+# * ``shared_head.head`` (ParallelLMHead) and the layer's ``embed_tokens``: the proposer
+#   replaces both by the target's (v1/spec_decode/llm_base_proposer.py:1293-1430, pp 1),
+#   so nothing more is held. vllm-ascend 0.23.0.post1 shares the embedding the same way and
+#   shared_head.head where it equals lm_head at start (llm_base_proposer.py:505-508).
+# vllm-ascend subclasses it with the same parameters (0.23.0.post1
+# patch/worker/patch_deepseek_mtp.py, 0.30.0rc2 models/deepseek_mtp.py; an extra ``rot``
+# only for GLM-5's DSA), so every profile plans these rows.
+
+_DEEPSEEK_DRAFTER = f"{DRAFTER_PREFIX}model.layers.{{i}}"
+_DEEPSEEK_MTP_ROWS = (
+    *(
+        TensorRule(norm, "replicated", (_S(norm, "H"),), place="mtp_layer", held="model")
+        for norm in ("enorm", "hnorm", "shared_head.norm")
+    ),
+    TensorRule(
+        "eh_proj",
+        "replicated",
+        (_S("eh_proj", "H", "H2"),),
+        place="mtp_layer",
+        linear=True,
+        mx=False,
+    ),
+)
+DEEPSEEK_V3 = replace(
+    DEEPSEEK_V3,
+    dims={**DEEPSEEK_V3.dims, "H2": Dim("2 * hidden_size", lambda c: 2 * c.hidden_size)},
+    rules=(
+        *DEEPSEEK_V3.rules,
+        *_DEEPSEEK_MTP_ROWS,
+        *(
+            replace(r, place="mtp_layer", name=f"mtp_block.{r.name}")
+            for r in DEEPSEEK_V3.rules
+            if r.place == "layer"
+        ),
+    ),
+    mtp_layer_prefix=LAYER_PREFIX,
+    mtp_device_layer_prefix=_DEEPSEEK_DRAFTER,
+    mtp_after_layers=True,
 )
 
 # --- Qwen3.5 and Qwen3.5-MoE (hybrid Gated DeltaNet + gated attention) --------------------
@@ -873,10 +940,6 @@ _QWEN3_5_VISION = (
 # The drafter is built with the target's vllm_config (same TP group, same MoE/EP groups)
 # on the last pipeline stage only (v1/worker/gpu_model_runner.py:541-545).
 # The FP8 releases list ``mtp`` in modules_to_not_convert: the module ships in BF16.
-
-DRAFTER_PREFIX = "drafter."
-"""Device names of the MTP drafter's rows: this, then the drafter model's own parameter
-name (vLLM's ``model_runner.drafter.model``)."""
 
 _QWEN3_5_DRAFTER = f"{DRAFTER_PREFIX}model"
 _QWEN3_5_MTP_ROWS = (

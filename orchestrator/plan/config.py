@@ -205,14 +205,10 @@ class ModelConfig:
                 if self.architecture == "DeepseekV3ForCausalLM"
                 else "mtp.*"
             )
-            how = (
-                "mxload plans the engine without it"
-                if self.architecture == "DeepseekV3ForCausalLM"
-                else "--speculative-config with method 'mtp' plans them"
-            )
             out.append(
                 f"{where} ({self.mtp_layers} MTP layer(s)): vLLM skips them unless "
-                f"speculative decoding is configured; {how}"
+                "speculative decoding is configured; --speculative-config with method "
+                "'mtp' plans them"
             )
         return tuple(out)
 

@@ -18,7 +18,10 @@ default):
 * which pipeline-placed tensors the engine builds on every stage;
 * how it runs its MoE layers (:class:`MoEMode`: its all2all backend, whether that backend
   runs sequence-parallel MoE, and what puts the shared experts whole on every TP rank);
-* which quantized linears it holds in the model dtype (``dense_linears``).
+* which quantized linears it holds in the model dtype (``dense_linears``);
+* which tensors the engine derives from loaded parameters in its post-load and reads
+  instead (``derived``: vllm-ascend's MLA ``W_UK_T``/``W_UV``), which mxload holds and
+  recomputes in place after every write of their source (docs/contract.md §2.4).
 
 A new engine version is a new table in :data:`ENGINES`, never a new branch in the planner
 or the loader. Each table names the source lines it was read from. Which release uses
@@ -167,6 +170,25 @@ class ResolvedMoE:
 
 
 @dataclass(frozen=True)
+class DerivedRule:
+    """A tensor the engine computes from a loaded parameter in its post-load and reads
+    instead of it (docs/contract.md §2.4). mxload holds it as a buffer of the plan and
+    recomputes it in place after every write of the source's unit, so the engine's
+    tensor keeps its address; ``op`` names the computation in the rank's table
+    (``mxload.workers.rank.derived``), whose math is read from the engine (``sources``)."""
+
+    source: str
+    """Device module name of the table row it is computed from (``self_attn.kv_b_proj``)."""
+    name: str
+    """Device name under the source's layer prefix (where the engine keeps it)."""
+    op: str
+    split: tuple[str, ...]
+    """Config keys of the per-head row groups of the source, in order."""
+    part: int
+    """Which group of ``split`` the op reads."""
+
+
+@dataclass(frozen=True)
 class EngineProfile:
     """Everything one engine version does differently from mxload's layout."""
 
@@ -204,6 +226,8 @@ class EngineProfile:
     dense_linears: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     """Per architecture: layer-rule names of linears the engine holds in the model dtype
     even from a quantized checkpoint (vllm-ascend's MLA: ``self_attn.kv_b_proj``)."""
+    derived: Mapping[str, tuple[DerivedRule, ...]] = field(default_factory=dict)
+    """Per architecture: tensors the engine derives from loaded parameters after loading."""
     sources: tuple[SourceRef, ...] = ()
 
     def view_of(self, kind: str) -> BufferView | None:
@@ -323,6 +347,21 @@ _ASCEND_MAIN_MOE = MoEMode(
 # and W_UV from real values); plain vLLM quantizes it like every other linear and
 # dequantizes a copy for its own absorption.
 _ASCEND_DENSE_LINEARS = {"DeepseekV3ForCausalLM": ("self_attn.kv_b_proj",)}
+# vllm-ascend's MLA post-load (AscendMLAImpl.process_weights_after_loading, which its
+# AscendMultiHeadLatentAttention calls for the MLAAttention it holds as
+# self_attn.mla_attn.mla_attn) reads kv_b_proj's weight [heads * (P + V), L] (model
+# dtype: the engine asserts it unquantized) as [L, heads, P + V], splits P | V per head
+# and keeps two new contiguous tensors on its impl in the same dtype:
+# W_UK_T = W_UK.permute(1, 2, 0) [heads, P, L] and W_UV = W_UV.transpose(0, 1)
+# [heads, L, V]. Its kernels read those, never kv_b_proj, on the decode path.
+_MLA_IMPL = "self_attn.mla_attn.mla_attn.impl"
+_MLA_SPLIT = ("qk_nope_head_dim", "v_head_dim")
+_ASCEND_DERIVED = {
+    "DeepseekV3ForCausalLM": (
+        DerivedRule("self_attn.kv_b_proj", f"{_MLA_IMPL}.W_UK_T", "mla_uk_t", _MLA_SPLIT, 0),
+        DerivedRule("self_attn.kv_b_proj", f"{_MLA_IMPL}.W_UV", "mla_uv", _MLA_SPLIT, 1),
+    ),
+}
 
 VLLM_ASCEND_0_23 = EngineProfile(
     name="vllm-ascend-0.23",
@@ -339,6 +378,7 @@ VLLM_ASCEND_0_23 = EngineProfile(
     drafter_own=_ASCEND_DRAFTER_OWN,
     moe=_ASCEND_0_23_MOE,
     dense_linears=_ASCEND_DENSE_LINEARS,
+    derived=_ASCEND_DERIVED,
     sources=(
         SourceRef(
             "pinned vLLM", "vllm-ascend 0.23.0.post1 docs/source/conf.py:78,86 (vLLM 0.23.0)"
@@ -353,6 +393,11 @@ VLLM_ASCEND_0_23 = EngineProfile(
         SourceRef(
             "MLA: kv_b_proj must be unquantized (UnquantizedLinearMethod asserted)",
             "vllm_ascend/attention/mla_v1.py:923-924, sfa_v1.py:744-745",
+        ),
+        SourceRef(
+            "MLA post-load: W_UK_T [N, P, L] and W_UV [N, L, V] from kv_b_proj, copied "
+            "into on a second post-load",
+            "vllm_ascend/attention/mla_v1.py:922-956; ops/mla.py:100-137",
         ),
         SourceRef(
             "MTP drafter: embed_tokens shared at pp 1, its own lm_head kept for method mtp "
@@ -411,6 +456,7 @@ VLLM_ASCEND_MAIN = EngineProfile(
     moe=_ASCEND_MAIN_MOE,
     dense_linears=_ASCEND_DENSE_LINEARS,
     scale_alg_models=("MiniMaxM3",),
+    derived=_ASCEND_DERIVED,
     sources=(
         SourceRef(
             "npu_dynamic_mx_quant scale_alg 1 for architectures MiniMaxM3* (or model_type "
@@ -428,6 +474,11 @@ VLLM_ASCEND_MAIN = EngineProfile(
         SourceRef(
             "MLA: kv_b_proj must be unquantized (UnquantizedLinearMethod asserted)",
             "vllm-ascend 0.30.0rc2 vllm_ascend/attention/mla_v1.py:1095-1096, sfa_v1.py:933-938",
+        ),
+        SourceRef(
+            "MLA post-load: W_UK_T and W_UV from kv_b_proj as 0.23, kept at their address "
+            "by replace_parameter(prefer_copy=True)",
+            "vllm-ascend 0.30.0rc2 vllm_ascend/attention/mla_v1.py:1094-1139",
         ),
         SourceRef(
             "MTP drafter keeps its own lm_head for method mtp on a non-MLA model",
@@ -514,6 +565,25 @@ def check_mx_k(profile: EngineProfile, plan_rank: RankPlan) -> None:
 
 
 # --- what the planner asks -----------------------------------------------------------------------
+
+DERIVED_SHAPES = {
+    "mla_uk_t": lambda heads, width, k: (heads, width, k),
+    "mla_uv": lambda heads, width, k: (heads, k, width),
+}
+"""Per derived op: its buffer's shape from the source's local heads, the width of the
+per-head group it reads and the source's K (``W_UK_T [N, P, L]``, ``W_UV [N, L, V]``)."""
+
+
+def derived_rules(
+    profile: EngineProfile, architecture: str, source: str
+) -> tuple[DerivedRule, ...]:
+    """The tensors ``profile`` derives from the table row ``source`` of ``architecture``
+    (or from that row inside an MTP layer: ``mtp_block.`` + the row)."""
+    return tuple(
+        d
+        for d in profile.derived.get(architecture, ())
+        if source == d.source or source.endswith("." + d.source)
+    )
 
 
 @dataclass(frozen=True)

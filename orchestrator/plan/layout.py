@@ -219,7 +219,8 @@ MTP_PP_REASON = (
     "stage that the proposer never passes (qwen3_5_mtp.py forward, "
     "v1/spec_decode/llm_base_proposer.py build_model_inputs_first_pass; vllm-ascend "
     "0.23.0.post1 lets the drafter's config through with pp > 1 but runs that forward "
-    "unchanged); use --pp 1"
+    "unchanged), and a DeepSeekMTP drafter then loads its own embed_tokens "
+    "(_maybe_share_embeddings shares it at pp 1 only), which mxload does not plan; use --pp 1"
 )
 """Why MTP with pipeline parallelism is refused."""
 
@@ -245,11 +246,8 @@ def _speculative_problems(
         )
     elif not arch.rules_at("mtp_layer"):
         problems.add(
-            f"{flag} method 'mtp': mxload plans the MTP module of Qwen3.5 and Qwen3.5-MoE "
-            f"only; {arch.name}'s "
-            f"MTP layer (model.layers.{config.num_hidden_layers}.*) is vLLM's DeepSeekMTP "
-            "(enorm, hnorm, a replicated eh_proj, shared_head and an MLA decoder layer), "
-            "which no table describes",
+            f"{flag} method 'mtp': {arch.name}'s MTP layers are in no table of mxload "
+            "(it plans those of Qwen3.5, Qwen3.5-MoE and DeepSeek-V3)",
             flag,
         )
     elif layout.pp > 1:

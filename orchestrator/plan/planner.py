@@ -55,11 +55,12 @@ import gc
 import math
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, overload
 
 from ..errors import (
     CheckpointError,
+    LayoutError,
     MissingTensor,
     MixedQuantization,
     StagingBudgetError,
@@ -79,9 +80,11 @@ from .checkpoint import CheckpointMeta
 from .config import ModelConfig
 from .engines import (
     DEFAULT_ENGINE,
+    DERIVED_SHAPES,
     EngineProfile,
     check_expert_placement,
     check_moe_groups,
+    derived_rules,
     engine_profile,
     held_as,
     resolve_moe,
@@ -121,6 +124,7 @@ from .readplan import (
 )
 from .types import (
     BufferSpec,
+    Derived,
     ParallelLayout,
     Part,
     Plan,
@@ -544,6 +548,7 @@ class _Planner:
             else:
                 shape_l = (n_local, k_local)
             buffers = (BufferSpec(name, shape_l, dtype, layout),)
+        derived, extra = self._derived(rule, layer, buffers[0], n_local, k_local)
         unit = Unit(
             buffer=name,
             kind=kind,
@@ -552,8 +557,39 @@ class _Planner:
             cols=k_local,
             parts=tuple(parts),
             quantized=facts.quantized,
+            derived=derived,
         )
-        return _Block(buffers, (unit,), self._needed((unit,), facts))
+        return _Block((*buffers, *extra), (unit,), self._needed((unit,), facts))
+
+    def _derived(
+        self, rule: TensorRule, layer: int, source: BufferSpec, n: int, k: int
+    ) -> tuple[tuple[Derived, ...], tuple[BufferSpec, ...]]:
+        """The tensors the engine derives from ``source`` after loading (its profile's
+        ``derived``), as buffers of this rank recomputed after each write of the unit
+        (docs/contract.md §2.4)."""
+        rules = derived_rules(self.engine, self.arch.name, rule.name)
+        if not rules:
+            return (), ()
+        if source.layout != LAYOUT_DENSE:
+            raise LayoutError(
+                f"--engine {self.engine.name} derives {rules[0].name} from {source.name}, "
+                f"which this plan holds {source.layout}: the engine reads it in the model "
+                "dtype",
+                key="--engine",
+                tensor=source.name,
+            )
+        derived: list[Derived] = []
+        buffers: list[BufferSpec] = []
+        for d in rules:
+            split = tuple(int(getattr(self.config, key)) for key in d.split)
+            heads = n // sum(split)
+            # beside the source, under the same prefix (an MTP layer's mtp_block.)
+            where = rule.name[: len(rule.name) - len(d.source)] + d.name
+            name = device_name(replace(rule, name=where), layer, self.arch)
+            shape = DERIVED_SHAPES[d.op](heads, split[d.part], k)
+            derived.append(Derived(name, d.op, split, d.part))
+            buffers.append(BufferSpec(name, shape, source.dtype, LAYOUT_DENSE))
+        return tuple(derived), tuple(buffers)
 
     def copy_unit_bytes(self) -> int:
         """Largest row block of a vocab-parallel buffer (embedding, lm_head): the FP8
@@ -929,15 +965,21 @@ def dense_linear_modules(
 ) -> set[str]:
     """Checkpoint modules of linears ``engine`` holds in the model dtype even when quantized
     (``EngineProfile.dense_linears``: DeepSeek's ``kv_b_proj``, which vllm-ascend's MLA
-    requires unquantized). ``mxload convert`` writes them resolved and lists them in
+    requires unquantized; and the table's ``mx=False`` linears, such as DeepSeek's MTP
+    ``eh_proj``, a plain ``nn.Linear`` in vLLM), in the decoder layers and in the MTP layers
+    a speculative layout plans. ``mxload convert`` writes them resolved and lists them in
     ``exclude_modules``."""
-    planner = _Planner(config, ParallelLayout(), None, engine)
+    has_mtp = config.mtp_layers > 0 and bool(architecture_for(config).rules_at("mtp_layer"))
+    layout = ParallelLayout(speculative_method="mtp" if has_mtp else "")
+    planner = _Planner(config, layout, None, engine)
+    placed = [
+        (i, layer) for layer in range(config.num_hidden_layers) for i in planner.layer_rules[layer]
+    ]
     out: set[str] = set()
-    for layer in range(config.num_hidden_layers):
-        for idx in planner.layer_rules[layer]:
-            rule = planner.arch.rules[idx]
-            if rule.linear and not rule.mx:
-                out.update(m for names in planner._source_modules(rule, layer) for m in names)
+    for idx, layer in [*placed, *planner.mtp_rules]:
+        rule = planner.arch.rules[idx]
+        if rule.linear and not rule.mx:
+            out.update(m for names in planner._source_modules(rule, layer) for m in names)
     return out
 
 
@@ -1308,11 +1350,21 @@ def _class_staging(staged: Sequence[_Staged], opts: Any, budget: int) -> tuple[R
     return tuple(classes)
 
 
+def _derived_of(k: RankClass) -> tuple[list[str], int]:
+    """Names and bytes of the buffers the engine derives (docs/contract.md §2.4) a rank
+    class holds."""
+    names = [d.buffer for g in k.groups for u in g.units for d in u.derived]
+    size = {b.name: b.nbytes for b in k.buffers}
+    return names, sum(size[n] for n in names)
+
+
 def plan_to_json(plan: Plan) -> dict[str, Any]:
     """The ``mxload plan --json`` object of docs/contract.md §5, plus itemised staging and headroom."""
     ranks = []
+    derived_names: dict[str, None] = {}
     for r in plan.summaries:
         k = plan.classes[r.rank_class]
+        names, derived_bytes = _derived_of(k)
         staging = k.staging
         entry: dict[str, Any] = {
             "rank": r.rank,
@@ -1332,6 +1384,10 @@ def plan_to_json(plan: Plan) -> dict[str, Any]:
             "units": k.unit_count,
             "read_amplification": (k.bytes_to_read / k.bytes_needed) if k.bytes_needed else 1.0,
         }
+        if names:  # only for a profile whose engine derives tensors after loading
+            entry["derived_buffers"] = len(names)
+            entry["derived_bytes"] = derived_bytes
+            derived_names.update((n.rsplit(".", 1)[-1], None) for n in names)
         if staging is not None:
             entry["staging"] = {
                 "budget_bytes": staging.budget_bytes,
@@ -1357,6 +1413,8 @@ def plan_to_json(plan: Plan) -> dict[str, Any]:
         "device_memory_bytes": plan.device_memory_bytes,
         "fits": plan.fits,
     }
+    if derived_names:
+        out["derived"] = list(derived_names)
     if "staging_budget_bytes" in plan.extra:
         out["staging_budget_bytes"] = plan.extra["staging_budget_bytes"]
     return out

@@ -76,8 +76,9 @@ class EngineRelease:
     formats: tuple[str, ...]
     """``mxload convert --format`` outputs this release serves."""
     refusals: tuple[Refusal, ...]
-    architectures: Mapping[str, str] = field(default_factory=dict)
-    """Architecture -> why a reload into this engine cannot be complete for it."""
+    architectures: Mapping[str, tuple[Refusal, ...]] = field(default_factory=dict)
+    """Architecture -> the engine settings a reload of that model cannot be complete
+    under (beyond ``refusals``)."""
     notes: tuple[str, ...] = ()
     sources: tuple[SourceRef, ...] = ()
 
@@ -148,9 +149,9 @@ _SPECULATIVE = Refusal(
     "speculative_config",
     ("", "mtp"),
     "",
-    "start the engine without speculative_config, or with method 'mtp' on a Qwen3.5 "
-    "checkpoint (whose MTP module mxload plans and reloads), or reload the draft model "
-    "yourself",
+    "start the engine without speculative_config, or with method 'mtp' on a Qwen3.5 or "
+    "DeepSeek-V3 checkpoint (whose MTP module mxload plans and reloads), or reload the "
+    "draft model yourself",
     "other draft models' weights (EAGLE, a draft checkpoint) are neither planned nor "
     "updated by mxload, so it would keep drafting from the old weights",
 )
@@ -160,17 +161,30 @@ VLLM_REFUSALS = (_EPLB, _REDUNDANT, _SPECULATIVE)
 """vLLM's own settings that no in-place reload can serve, whatever platform runs it: they
 apply to an engine without vllm-ascend (``--engine mxload``) too."""
 
-_DEEPSEEK = {
+VLLM_ARCHITECTURES: Mapping[str, str] = {
     "DeepseekV3ForCausalLM": (
-        "vllm-ascend's MLA post-load derives W_UK_T and W_UV from kv_b_proj as new "
-        "contiguous copies (attention/mla_v1.py process_weights_after_loading: "
-        "W_UV.transpose(0, 1).contiguous(), W_UK.permute(1, 2, 0).contiguous()), so an "
-        "in-place write of kv_b_proj never reaches what the attention kernels read; and "
-        "the MTP draft model (num_nextn_predict_layers) is neither planned nor updated. "
-        "Reload DeepSeek through the engine's own weight loading, or use mxload outside "
-        "the engine (mxload load / Session)"
+        "vLLM's MLAAttention derives W_UK_T / W_UV (or their quantized forms) from "
+        "kv_b_proj in its post-load (model_executor/layers/attention/mla_attention.py "
+        "process_weights_after_loading) and reads those, and no profile of plain vLLM "
+        "describes them, so a reload would leave them stale; reload DeepSeek-V3 in place "
+        "under vllm-ascend (whose profiles recompute them, docs/contract.md §2.4)"
     )
 }
+"""Architectures an engine without vllm-ascend cannot be reloaded in place for, and why."""
+
+_MLAPO = Refusal(
+    "enable_mlapo",
+    ("0",),
+    "1",
+    "start the engine with additional_config={'enable_mlapo': False} (0.23.0.post1 also "
+    "reads VLLM_ASCEND_ENABLE_MLAPO=0)",
+    "with MLAPO (on by default on Ascend 950) the MLA post-load keeps FRACTAL_NZ copies "
+    "of fused_qkv_a_proj and q_b_proj (weight_dq, weight_dkv_kr, weight_uq_qr) that its "
+    "fused kernel reads instead of the parameters mxload writes",
+)
+_DEEPSEEK = {"DeepseekV3ForCausalLM": (_MLAPO,)}
+"""DeepSeek's MLA: W_UK_T / W_UV are recomputed in place (the profile's ``derived``), but
+MLAPO's NZ copies cannot be."""
 
 _QUANT_023 = ("ascend", "compressed-tensors", "fp8", "deepseek_v4_fp8")
 _QUANT_027 = (*_QUANT_023, "modelopt_mxfp8", "mxfp8")
@@ -323,14 +337,21 @@ def release_of_version(version: str) -> EngineRelease:
 def check_settings(release: EngineRelease | None, settings: Mapping[str, str]) -> list[str]:
     """One line per engine setting ``release`` (None: vLLM without vllm-ascend) cannot be
     reloaded under (empty = fine)."""
+    return _refused(release.refusals if release is not None else VLLM_REFUSALS, settings)
+
+
+def check_architecture(
+    release: EngineRelease, architecture: str, settings: Mapping[str, str]
+) -> list[str]:
+    """One line per engine setting ``release`` cannot be reloaded in place under for
+    ``architecture`` (empty = fine)."""
+    return _refused(release.architectures.get(architecture, ()), settings)
+
+
+def _refused(refusals: tuple[Refusal, ...], settings: Mapping[str, str]) -> list[str]:
     bad = []
-    for r in release.refusals if release is not None else VLLM_REFUSALS:
+    for r in refusals:
         value = settings.get(r.setting, r.default)
         if value not in r.allowed:
             bad.append(f"{r.setting}={value!r}: {r.reason}; {r.fix}")
     return bad
-
-
-def check_architecture(release: EngineRelease, architecture: str) -> str:
-    """Why ``release`` cannot be reloaded in place for ``architecture`` ('' = it can)."""
-    return release.architectures.get(architecture, "")

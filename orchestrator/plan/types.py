@@ -115,6 +115,21 @@ class Part:
 
 
 @dataclass(frozen=True)
+class Derived:
+    """A buffer the engine computes from a unit's buffer after loading, recomputed in place
+    after every write of that unit (docs/contract.md §2.4): MLA's ``W_UK_T`` and ``W_UV``
+    from ``kv_b_proj`` under vllm-ascend. ``op`` names the computation in the rank's
+    table (``mxload.workers.rank.derived``); ``split`` are the per-head row counts the
+    source holds in order (``qk_nope_head_dim``, ``v_head_dim``) and ``part`` which of
+    them this buffer takes."""
+
+    buffer: str
+    op: str
+    split: tuple[int, ...]
+    part: int
+
+
+@dataclass(frozen=True)
 class Unit:
     """What is converted and written as one piece (docs/contract.md §6)."""
 
@@ -137,6 +152,8 @@ class Unit:
     row0: int = 0
     """First row of the buffer this unit writes (source orientation). Non-zero only for
     the row blocks a vocab-parallel buffer is cut into (``_Planner.copy_unit_bytes``)."""
+    derived: tuple[Derived, ...] = ()
+    """Buffers recomputed from this unit's buffer after each of its writes."""
 
     @property
     def numel(self) -> int:

@@ -410,8 +410,8 @@ def _plan(
             if name.endswith(".weight") and info.dtype == "F8_E4M3" and len(info.shape) == 2:
                 if info.shape[1] % MX_GROUP:
                     fallback.add(name[: -len(".weight")])
-        # Linears the engine needs unquantized (DeepSeek's kv_b_proj: MLA absorbs it), also
-        # in layers past the decoder's (DeepSeek's MTP layer: the same MLA, not planned).
+        # Linears the engine needs unquantized (DeepSeek's kv_b_proj: MLA absorbs it; its
+        # MTP layer's eh_proj, a plain nn.Linear), also in layers past the decoder's.
         dense = dense_linear_modules(cfg, engine)
         fallback.update(dense)
         kept = {m.split(".", 3)[3] for m in dense if m.startswith("model.layers.")}

@@ -15,7 +15,8 @@ also builds the drafter: the ``VllmConfig`` carries vLLM's own ``SpeculativeConf
 (``num_speculative_tokens`` 1, the target's model and parallel configs, as
 ``EngineArgs.create_speculative_config`` passes them), whose draft model config names
 the class (``hf_config_override``: ``Qwen3_5MTP``, ``Qwen3_5MoeMTP`` of
-``models/qwen3_5_mtp.py``); that class is built under the target's ``VllmConfig`` and
+``models/qwen3_5_mtp.py``; ``DeepSeekMTPModel``, vLLM's ``DeepSeekMTP`` of
+``models/deepseek_mtp.py``); that class is built under the target's ``VllmConfig`` and
 loaded by its own ``load_weights``, as the proposer's ``get_model`` does.
 
 What is not vLLM's, each named:
@@ -110,7 +111,11 @@ _ARCHS = {
     # the MTP drafters SpeculativeConfig names for method "mtp" (hf_config_override)
     "Qwen3_5MTP": "qwen3_5_mtp",
     "Qwen3_5MoeMTP": "qwen3_5_mtp",
+    "DeepSeekMTPModel": "deepseek_mtp",
 }
+_CLASS_OF = {"DeepSeekMTPModel": "DeepSeekMTP"}
+"""Registry names whose class is named otherwise (vLLM's registry.py: DeepSeekMTPModel ->
+deepseek_mtp.DeepSeekMTP, the draft config hf_config_override names for DeepSeek-V3)."""
 
 
 class _AbsentFinder(importlib.abc.MetaPathFinder):
@@ -281,7 +286,9 @@ class Models:
         ``initialize_model`` builds it, after its own ``load_weights`` over every tensor of
         ``checkpoint``."""
         arch = model_config.architectures[0]
-        cls = getattr(sys.modules[f"vllm.model_executor.models.{_ARCHS[arch]}"], arch)
+        cls = getattr(
+            sys.modules[f"vllm.model_executor.models.{_ARCHS[arch]}"], _CLASS_OF.get(arch, arch)
+        )
         weights: dict[str, torch.Tensor] = {}
         for f in sorted(glob.glob(os.path.join(checkpoint, "*.safetensors"))):
             weights.update(load_file(f))
@@ -406,7 +413,9 @@ def vllm_models() -> Iterator[Models]:
                 __import__(f"vllm.model_executor.models.{module}")
             for arch, module in _ARCHS.items():
                 # the class itself: the registry's lazy entries inspect it in a subprocess
-                cls = getattr(sys.modules[f"vllm.model_executor.models.{module}"], arch)
+                cls = getattr(
+                    sys.modules[f"vllm.model_executor.models.{module}"], _CLASS_OF.get(arch, arch)
+                )
                 ModelRegistry.register_model(arch, cls)
         yield Models()
     finally:

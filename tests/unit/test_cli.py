@@ -351,12 +351,12 @@ REFUSALS: dict[str, tuple[Callable[[Path, dict[str, str]], list[str]], list[str]
         lambda w, c: ["plan", c["v1"], "--speculative-config", _spec("qwen3_5_mtp", 1)],
         ["--speculative-config", "mtp_num_hidden_layers"],
     ),
-    "mtp-on-deepseek": (
+    "mtp-on-deepseek-pp2": (
         lambda w, c: [
-            *("plan", "--model", "deepseek-v3", "--tp", "8"),
+            *("plan", "--model", "deepseek-v3", "--tp", "8", "--pp", "2"),
             *("--speculative-config", _spec("mtp", 1)),
         ],
-        ["--speculative-config", "model.layers.61.*", "Qwen3.5"],
+        ["--speculative-config", "--pp 2", "DeepSeekMTP drafter then loads its own embed_tokens"],
     ),
     "mm-encoder-tp-mode-typo": (
         lambda w, c: [*_PLAN_27B, "--mm-encoder-tp-mode", "dat"],
@@ -886,4 +886,29 @@ def test_an_interrupted_reload_says_where_to_look(monkeypatch, capsys) -> None:
     assert main(["reload", "/nowhere"]) == 130
     assert capsys.readouterr().err == (
         "mxload: interrupted (`mxload status` says what the devices hold)\n"
+    )
+
+
+def test_plan_counts_the_tensors_vllm_ascend_derives_for_deepseek_mla(mxload) -> None:
+    """DeepSeek-V3 under a vllm-ascend profile: every rank holds W_UK_T and W_UV per MLA
+    layer (docs/contract.md §2.4), counted in persistent bytes and named. By hand from the
+    packaged config: 61 layers, 128 heads over tp 8 = 16 local, qk_nope_head_dim 128 and
+    v_head_dim 128 rows per head, kv_lora_rank 512 columns, bfloat16: 61 x 16 x 256 x 512 x
+    2 bytes = 244 MiB per rank."""
+    layout = ("--model", "deepseek-v3", "--tp", "8", "--dp", "4", "--enable-expert-parallel")
+    code, out, _ = mxload("plan", *layout, "--engine", "vllm-ascend-main", "--json")
+    assert code == 0
+    ascend = json.loads(out)
+    code, out, _ = mxload("plan", *layout, "--json")
+    mine = json.loads(out)
+    assert ascend["derived"] == ["W_UK_T", "W_UV"] and "derived" not in mine
+    want = 61 * 16 * 256 * 512 * 2
+    for a, m in zip(ascend["ranks"], mine["ranks"], strict=True):
+        assert (a["derived_buffers"], a["derived_bytes"]) == (2 * 61, want)
+        assert a["persistent_bytes"] - m["persistent_bytes"] == want
+        assert "derived_bytes" not in m
+    code, out, _ = mxload("plan", *layout, "--engine", "vllm-ascend-main")
+    assert (
+        "derived in place after their source (W_UK_T, W_UV; --engine vllm-ascend-main): "
+        "up to 122 tensors, 244.00 MiB per rank" in out
     )

@@ -703,6 +703,11 @@ def test_deepseek_kv_b_proj_stays_in_model_dtype_in_every_layer_mtp_included(
     with open(os.path.join(dst, "config.json")) as f:
         ignored = set(json.load(f)["quantization_config"]["ignore"])
     assert {n.removesuffix(".weight") for n in kvb} <= ignored
+    # the MTP layer's eh_proj: vLLM's DeepSeekMTP holds a plain nn.Linear (no quant_config)
+    eh_proj = f"model.layers.{layers}.eh_proj"
+    with safe_open(os.path.join(dst, weight_map[eh_proj + ".weight"]), "pt") as f:
+        assert f.get_slice(eh_proj + ".weight").get_dtype() == "BF16"
+    assert eh_proj + ".weight_scale" not in weight_map and eh_proj in ignored
 
 
 def test_deepseek_kv_b_proj_quantized_for_plain_vllm(ckpt_factory, tmp_path) -> None:

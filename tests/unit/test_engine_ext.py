@@ -599,3 +599,116 @@ def test_the_engine_s_all2all_backend_is_the_layout_s(fake_vllm) -> None:
         w.vllm_config.parallel_config.all2all_backend = backend
         layout = vllm_facts(w.vllm_config).layout
         assert (layout.all2all_backend, layout.shared_expert_dp) == (backend, False)
+
+
+class _Impl:
+    """An attention layer's ``impl``: a plain object (not a module) holding the tensors
+    the engine derives in its post-load as attributes, as vllm-ascend's MLA impl does."""
+
+
+def _impls_as_objects(model: torch.nn.Module) -> list[_Impl]:
+    """Each ``impl`` submodule ``_engine_model`` made, replaced by an :class:`_Impl` that
+    holds the same tensors (same storage) as plain attributes."""
+    out = []
+    for name, mod in list(model.named_modules()):
+        if name.endswith(".impl"):
+            parent = model.get_submodule(name.rsplit(".", 1)[0])
+            impl = _Impl()
+            impl.__dict__.update({k: p.data for k, p in mod.named_parameters()})
+            del parent._modules["impl"]
+            parent.impl = impl
+            out.append(impl)
+    return out
+
+
+@pytest.mark.slow
+def test_deepseek_attaches_with_mlapo_off_and_its_derived_tensors_follow_each_reload(
+    ckpt_factory, fake_vllm, ascend_config
+):
+    """DeepSeek-V3 under vllm-ascend: refused while MLAPO is on (its NZ copies are out of
+    reach), naming the setting; with it off, attach adopts W_UK_T / W_UV from the MLA
+    impls, and three reloads rewrite them in place, each equal to kv_b_proj per head
+    (the engine's math, written out here from docs/contract.md §2.4: W_UK_T[h, p, l] =
+    kv_b_proj[h * (P + V) + p, l], W_UV[h, l, v] = kv_b_proj[h * (P + V) + P + v, l])."""
+    srcs = [ckpt_factory("deepseek-v3-tiny", seed=s) for s in (1, 2, 3)]
+    engine = "vllm-ascend-0.30.0rc2"
+    layout = ParallelLayout(tp=2, enable_expert_parallel=True)
+    workers = _workers(srcs[0], engine, layout=layout)
+    impls = [_impls_as_objects(w.model_runner.model) for w in workers]
+    assert all(len(i) == 3 for i in impls)  # the preset's three MLA layers
+    ascend_config.weight_nz_mode = 0
+    ascend_config.enable_mlapo = True
+    _configure(workers, {})
+    mx = EngineReloader(_llm(workers, fake_vllm))
+    with pytest.raises(AdoptionError, match=r"enable_mlapo='1'.*'enable_mlapo': False"):
+        mx.attach(srcs[0], engine=engine)
+    ascend_config.enable_mlapo = False
+    mx.attach(srcs[0], engine=engine)
+    ptrs = [[(i.W_UK_T.data_ptr(), i.W_UV.data_ptr()) for i in ws] for ws in impls]
+    cfg = open_checkpoint(srcs[0]).config
+    p, v = cfg.qk_nope_head_dim, cfg.v_head_dim
+    for n, src in enumerate((srcs[1], srcs[2], srcs[0]), start=1):
+        reports = mx.reload(src)
+        assert {r["version"] for r in reports} == {n}
+        assert all(r["addresses_moved"] == [] for r in reports)
+        for w, ws, was in zip(workers, impls, ptrs, strict=True):
+            assert [(i.W_UK_T.data_ptr(), i.W_UV.data_ptr()) for i in ws] == was
+            model = w.model_runner.model
+            for layer, impl in enumerate(ws):
+                kvb = model.get_parameter(f"model.layers.{layer}.self_attn.kv_b_proj.weight")
+                heads = kvb.shape[0] // (p + v)
+                per_head = kvb.data.view(heads, p + v, -1)
+                assert torch.equal(impl.W_UK_T, per_head[:, :p, :])
+                assert torch.equal(impl.W_UV, per_head[:, p:, :].transpose(1, 2))
+
+
+def test_a_deepseek_drafter_keeping_its_own_mtp_head_is_refused(
+    ckpt_factory, fake_vllm, ascend_config
+):
+    """DeepSeek-V3 with MTP: the plan takes the drafter's shared_head.head from the target's
+    lm_head (vLLM shares it; vllm-ascend only where the two are equal at start). A drafter
+    holding its own copy is refused by name (a reload would leave it stale); holding the
+    target's lm_head itself, it attaches and the MTP layer's derived MLA tensors are adopted
+    too."""
+    src = ckpt_factory("deepseek-v3-tiny", seed=1)
+    engine = "vllm-ascend-0.30.0rc2"
+    ascend_config.weight_nz_mode = 0
+    ascend_config.enable_mlapo = False
+    layout = ParallelLayout(tp=1, speculative_method="mtp")
+    meta = open_checkpoint(src)
+    plan = build_plan(meta.config, layout, checkpoint=meta, engine=engine)
+    head = "model.layers.3.shared_head.head"
+
+    def worker(shared: bool) -> _Worker:
+        w = _drafter_worker(plan.ranks[0], layout)
+        _impls_as_objects(w.model_runner.model)
+        drafter = w.model_runner.drafter.model
+        _impls_as_objects(drafter)
+        if shared:  # what the proposer does: the target's module itself
+            _set(drafter, head + ".weight", torch.zeros(1))
+            parent = drafter.get_submodule("model.layers.3.shared_head")
+            parent.head = w.model_runner.model.get_submodule("lm_head")
+        else:  # its own copy, loaded from the checkpoint's MTP head
+            lm_head = w.model_runner.model.get_parameter("lm_head.weight")
+            _set(drafter, head + ".weight", lm_head.data.clone())
+        return w
+
+    with pytest.raises(AdoptionError, match=rf"holds its own drafter\.{head}\.weight"):
+        EngineReloader(_llm([worker(shared=False)], fake_vllm)).attach(src, engine=engine)
+    w = worker(shared=True)
+    status = EngineReloader(_llm([w], fake_vllm)).attach(src, engine=engine)
+    tensors = status[0]["tensors"]
+    assert "drafter.model.layers.3.eh_proj.weight" in tensors
+    assert "drafter.model.layers.3.mtp_block.self_attn.mla_attn.mla_attn.impl.W_UK_T" in tensors
+
+
+def test_deepseek_in_plain_vllm_is_refused_with_the_reason(ckpt_factory, fake_vllm):
+    """Without vllm-ascend (--engine mxload), vLLM's own MLA post-load keeps W_UK_T / W_UV
+    that no profile of plain vLLM describes: refused at attach, one line, naming --engine."""
+    src = ckpt_factory("deepseek-v3-tiny", seed=1)
+    workers = _workers(src, "mxload", layout=ParallelLayout(tp=2, enable_expert_parallel=True))
+    with pytest.raises(AdoptionError) as err:
+        EngineReloader(_llm(workers, fake_vllm)).attach(src, engine="mxload")
+    msg = str(err.value)
+    assert "\n" not in msg and err.value.key == "--engine"
+    assert "DeepseekV3ForCausalLM cannot be reloaded in place: vLLM's MLAAttention" in msg

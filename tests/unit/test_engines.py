@@ -111,10 +111,38 @@ def test_a_session_keeps_the_engine_it_was_loaded_for() -> None:
         _check_engine("s", held, "mxload")
 
 
-def test_every_release_refuses_deepseek_in_place_with_the_reason() -> None:
+def test_every_release_refuses_deepseek_in_place_only_under_mlapo() -> None:
+    """W_UK_T / W_UV are recomputed in place (the profiles' derived table); MLAPO's NZ
+    copies of the MLA projections are not, so MLAPO on (its default) is refused, naming
+    the setting and the fix; other models never hear of it."""
     from mxload.orchestrator.plan.releases import RELEASES, check_architecture
 
     for r in RELEASES.values():
-        why = check_architecture(r, "DeepseekV3ForCausalLM")
-        assert "W_UK_T" in why and "kv_b_proj" in why and "MTP" in why, r.name
-        assert check_architecture(r, "Qwen3MoeForCausalLM") == ""
+        (why,) = check_architecture(r, "DeepseekV3ForCausalLM", {})
+        assert why.startswith("enable_mlapo='1'") and "'enable_mlapo': False" in why, r.name
+        assert check_architecture(r, "DeepseekV3ForCausalLM", {"enable_mlapo": "0"}) == []
+        assert check_architecture(r, "Qwen3MoeForCausalLM", {"enable_mlapo": "1"}) == []
+
+
+def test_a_tensor_derived_from_an_mx_buffer_is_refused_naming_it() -> None:
+    """A profile deriving from a row the plan holds MX-quantized (a derived op reads model
+    dtype values) is refused at plan time, naming --engine and the source buffer. The
+    profile here is made for the test: the released ones derive only from DeepSeek's
+    kv_b_proj, which every plan holds in the model dtype."""
+    from dataclasses import replace
+
+    deepseek = parse_config(preset_config("deepseek-v3-tiny"))
+    mla = engine_profile("vllm-ascend-main").derived["DeepseekV3ForCausalLM"]
+    odd = replace(
+        engine_profile("vllm-ascend-main"),
+        name="test-derive-from-mx",
+        derived={"DeepseekV3ForCausalLM": (replace(mla[0], source="self_attn.q_b_proj"),)},
+    )
+    lay = ParallelLayout(tp=2, enable_expert_parallel=True)
+    with pytest.raises(LayoutError) as err:
+        build_plan(deepseek, lay, engine=odd)
+    assert err.value.key == "--engine" and "\n" not in str(err.value)
+    assert "model.layers.0.self_attn.q_b_proj.weight, which this plan holds mx_linear" in str(
+        err.value
+    )
+    assert build_plan(deepseek, lay, engine="vllm-ascend-main").ranks  # the real table plans

@@ -219,6 +219,48 @@ def test_row_chunked_load_equals_whole_unit_load(ckpt_factory, preset, layout, f
     assert chunked_somewhere, "no unit was converted in row chunks"
 
 
+def test_derived_tensors_follow_a_row_chunked_source(ckpt_factory, monkeypatch) -> None:
+    """Under a budget below one kv_b_proj unit its rows are written chunk by chunk, and the
+    tensors the engine derives from it (docs/contract.md §2.4) are recomputed after each
+    chunk: the last leaves what a whole-unit load leaves, and what the engine's math gives
+    from the loaded kv_b_proj (W_UK_T[h] = rows h*(P+V) .. +P, W_UV[h] = the next V rows,
+    transposed)."""
+    from mxload.workers.rank import writes
+
+    src = ckpt_factory("deepseek-v3-tiny", 1)
+    meta = open_checkpoint(src)
+    cfg = meta.config
+    layout = ParallelLayout(tp=1)
+    engine = "vllm-ascend-main"
+    whole_plan = build_plan(cfg, layout, checkpoint=meta, engine=engine)
+    rp = whole_plan.ranks[0]
+    kvb = [u for u in rp.units if u.derived]
+    assert len(kvb) == cfg.num_hidden_layers
+    budget = 2 * kvb[0].rows * kvb[0].cols  # a quarter of one kv_b_proj's resolved rows
+    small_plan = build_plan(cfg, layout, checkpoint=meta, engine=engine, staging_budget=budget)
+    calls: dict[str, int] = {}
+    real = writes.derived
+
+    def counted(source, dst, d):
+        calls[d.buffer] = calls.get(d.buffer, 0) + 1
+        return real(source, dst, d)
+
+    monkeypatch.setattr(writes, "derived", counted)
+    whole, _ = run_rank(src, meta, whole_plan, 0)
+    once = dict(calls)
+    calls.clear()
+    small, _ = run_rank(src, meta, small_plan, 0, budget=max(budget, small_plan.min_staging_load))
+    assert set(once.values()) == {1} and min(calls.values()) > 1, calls  # chunked
+    p, v = cfg.qk_nope_head_dim, cfg.v_head_dim
+    for u in kvb:
+        src_rows = small.buffers[u.buffer].view(-1, p + v, u.cols)
+        for d in u.derived:
+            got = small.buffers[d.buffer]
+            assert torch.equal(got, whole.buffers[d.buffer]), d.buffer
+            want = src_rows[:, :p] if d.op == "mla_uk_t" else src_rows[:, p:].transpose(1, 2)
+            assert torch.equal(got, want), d.buffer
+
+
 def test_default_budget_prediction_holds(ckpt_factory) -> None:
     src = ckpt_factory("qwen3-moe-tiny", 2)
     layout = ParallelLayout(tp=2, dp=2, enable_expert_parallel=True)

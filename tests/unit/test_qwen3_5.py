@@ -192,9 +192,9 @@ def test_the_mtp_drafter_is_on_the_last_tp_ranks_only_and_named_as_vllm_holds_it
         ),
         (
             "deepseek-v3-tiny",
-            ParallelLayout(speculative_method="mtp"),
-            "mxload plans the MTP module of Qwen3.5 and Qwen3.5-MoE only; "
-            "DeepseekV3ForCausalLM's MTP layer (model.layers.3.*)",
+            ParallelLayout(pp=2, speculative_method="mtp"),
+            "method 'mtp' with --pp 2: vLLM 0.23 builds the MTP drafter on the last pipeline "
+            "stage only",
         ),
     ],
 )

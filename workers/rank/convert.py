@@ -11,7 +11,7 @@ back as writes (:mod:`.writes`) for the loader to run once the whole step is con
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -60,10 +60,18 @@ class Converted:
 class Converter:
     """Converts units for one rank on ``backend`` into the model dtype ``model_dtype``."""
 
-    def __init__(self, backend: Any, model_dtype: str, unit_buffers: UnitBuffers) -> None:
+    def __init__(
+        self,
+        backend: Any,
+        model_dtype: str,
+        unit_buffers: UnitBuffers,
+        buffers: Mapping[str, torch.Tensor] | None = None,
+    ) -> None:
+        """``buffers``: the rank's buffers by name, where units' derived tensors are."""
         self.backend = backend  # a numerics Backend, or any object with its methods
         self.dtype = MODEL_TORCH_DTYPE[model_dtype]
         self._unit_buffers = unit_buffers
+        self._buffers = buffers or {}
 
     def convert(
         self,
@@ -131,6 +139,8 @@ class Converter:
                 )
         if not mx:
             out.writes.extend(writes.zero_uncovered(unit, row_base, w_buf))
+        # after the unit's rows: what the engine derives from them (docs/contract.md §2.4)
+        out.writes.extend(writes.derived(w_buf, self._buffers[d.buffer], d) for d in unit.derived)
         return staged
 
     def _convert_part(

@@ -76,6 +76,8 @@ class UnitIdentities:
             seen.setdefault(unit.buffer, set()).add(ident)
             if unit.buffer + "_scale" in self._names:
                 seen.setdefault(unit.buffer + "_scale", set()).add(ident)
+            for d in unit.derived:  # recomputed with the unit, so at its identity
+                seen.setdefault(d.buffer, set()).add(ident)
         out: dict[str, Identity | None] = {}
         for name in self.buffers:
             ids = seen.get(name, {self.identity or NOTHING})
@@ -89,6 +91,8 @@ class UnitIdentities:
             out[unit.buffer] = min(out.get(unit.buffer, v), v)
             if unit.buffer + "_scale" in self._names:
                 out[unit.buffer + "_scale"] = out[unit.buffer]
+            for d in unit.derived:
+                out[d.buffer] = out[unit.buffer]
         for name in self.buffers:
             out.setdefault(name, self.version)
         return out

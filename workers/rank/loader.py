@@ -97,7 +97,10 @@ class RankLoader:
         self._counts = Counts()
         self._reader = Reader(self.rank, self._counts, storage_factory)
         self._converter = Converter(
-            backend, model_dtype, lambda unit: rank_buffers.unit_buffers(canonical, unit)
+            backend,
+            model_dtype,
+            lambda unit: rank_buffers.unit_buffers(canonical, unit),
+            canonical,
         )
         self._checksums: dict[str, str] | None = None
 

@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 import torch
 
-from ...orchestrator.plan.types import Unit
+from ...orchestrator.plan.types import Derived, Unit
 
 Write = Callable[[], None]
 
@@ -50,6 +50,18 @@ def packed_columns(
     def write() -> None:
         w_buf.view(torch.uint8)[:, a:b].copy_(q.view(torch.uint8))
         s_buf[:, a:b, :].copy_(sc)
+
+    return write
+
+
+def derived(source: torch.Tensor, dst: torch.Tensor, d: Derived) -> Write:
+    """Recompute the derived tensor ``d`` (``.derived``) from the unit's whole ``source``
+    buffer into ``dst``, in place. Runs after the unit's own writes (a row-chunked unit:
+    after each chunk, the last one leaving the final values)."""
+    from .derived import compute
+
+    def write() -> None:
+        dst.copy_(compute(source, d))
 
     return write
 
