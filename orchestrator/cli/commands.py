@@ -157,6 +157,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
         refuse_refit_flags(args)
     config, meta = _plan_config(args)
+    # the engine's knobs are checked whether or not the cache is sized (--device-memory)
+    from ..plan.kvcache import max_model_len
+
+    max_model_len(config, flags.serve_knobs(args))
     budget = flags.size(args, "staging_budget")
     plan = _build_plan(args, config, meta, layout, device_memory=True)
     if budget is not None and budget < plan.min_staging_load:

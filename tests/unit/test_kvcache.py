@@ -143,9 +143,10 @@ def test_vllm_spellings_of_the_layout_flags(mxload: Callable[..., tuple[int, str
 def test_knob_refusals(
     mxload: Callable[..., tuple[int, str, str]], argv: list[str], flag: str
 ) -> None:
-    rc, out, err = mxload("plan", "--model", "qwen3-32b-fp8", "--device-memory", "64GiB", *argv)
-    assert rc == 2 and out == "", (rc, out)
-    assert err.startswith("mxload: error: ") and flag in err and len(err.splitlines()) == 1, err
+    for memory in (["--device-memory", "64GiB"], []):  # checked whether or not sized
+        rc, out, err = mxload("plan", "--model", "qwen3-32b-fp8", *memory, *argv)
+        assert rc == 2 and out == "", (rc, out)
+        assert err.startswith("mxload: error: ") and flag in err and len(err.splitlines()) == 1, err
 
 
 def test_a_config_without_a_length_takes_vllms_default() -> None:
