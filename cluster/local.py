@@ -78,10 +78,73 @@ def prepare_environment() -> None:
 
 def quiet_ray_logging() -> None:
     """Silence the traceback of Ray's Ascend probe (noise for a user, docs/contract.md
-    §5) and Ray's own INFO chatter."""
+    §5) and Ray's own INFO chatter; once :func:`route_ray_output` was called, send what
+    Ray still says (its loggers, the raylet's messages about workers) to the log file.
+    Called again after each ``ray.init``, which sets Ray's own handlers back."""
     for name in raycompat.ACCELERATOR_PROBE_LOGGERS:
         logging.getLogger(name).setLevel(logging.CRITICAL)
-    logging.getLogger("ray").setLevel(logging.ERROR)
+    ray_logger = logging.getLogger("ray")
+    ray_logger.setLevel(logging.ERROR)
+    if _RAY_LOG is not None:
+        for handler in list(ray_logger.handlers):
+            ray_logger.removeHandler(handler)
+        ray_logger.addHandler(_RAY_LOG)
+        ray_logger.propagate = False
+        if "ray._private.worker" in sys.modules:  # imported by now if Ray runs here
+            raycompat.route_driver_messages(_RAY_LOG.write)
+
+
+class RayLog(logging.Handler):
+    """Ray's own messages in ``$MXLOAD_HOME/logs/ray-<time>-<pid>.log`` (0600, in the
+    0700 folder error logs use), opened at the first one, so a run Ray says nothing
+    about leaves no file. Never writes to the terminal, even when the file cannot be
+    written (docs/contract.md §5: Ray's tracebacks and warnings go to the log)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        self.path: str | None = None
+        self._file: Any = None
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            self.write(self.format(record))
+        except Exception:  # a record that cannot be formatted is dropped, not printed
+            pass
+
+    def write(self, text: str) -> None:
+        try:
+            if self._file is None:
+                folder = mxload_home() / "logs"
+                folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+                name = f"ray-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.log"
+                flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+                self._file = os.fdopen(os.open(folder / name, flags, 0o600), "w")
+                self.path = str(folder / name)
+            self._file.write(text.rstrip("\n") + "\n")
+            self._file.flush()
+        except OSError:  # a read-only or full $MXLOAD_HOME: dropped, never printed
+            pass
+
+
+_RAY_LOG: RayLog | None = None
+"""Where Ray's own messages go once the command asked (:func:`route_ray_output`)."""
+
+
+def ray_log_path() -> str | None:
+    """The file Ray's messages went to in this process, if it said anything."""
+    return _RAY_LOG.path if _RAY_LOG is not None else None
+
+
+def route_ray_output() -> RayLog:
+    """From now on, Ray's messages in this process go to a log file, not the terminal
+    (the command calls it unless ``--debug``); the handler, whose ``path`` names the file
+    once something was written."""
+    global _RAY_LOG
+    if _RAY_LOG is None:
+        _RAY_LOG = RayLog()
+    quiet_ray_logging()
+    return _RAY_LOG
 
 
 @contextmanager

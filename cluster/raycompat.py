@@ -9,6 +9,8 @@ importing this module imports no Ray.
 
 from __future__ import annotations
 
+from typing import Any
+
 ACCELERATOR_PROBE_LOGGERS = ("ray._private.accelerators", "ray._private.accelerators.npu")
 """Loggers of Ray's probe for Ascend libraries, which logs a traceback when ``acl`` is
 missing."""
@@ -100,3 +102,17 @@ def kv_del(key: str, *, by_prefix: bool = False) -> None:
     from ray.experimental.internal_kv import _internal_kv_del
 
     _internal_kv_del(key.encode(), del_by_prefix=by_prefix, namespace=KV_NAMESPACE)
+
+
+def route_driver_messages(write: Any) -> None:
+    """Send what Ray's driver prints about the cluster (``listen_error_messages``: "A
+    worker died or was killed ...", on stdout through ``print_to_stdstream``) to
+    ``write(text)`` instead. The thread looks the printer up in its module at each
+    message, so replacing it there takes effect at once."""
+    import ray._private.worker as worker
+
+    def to_log(data: Any, ignore_prefix: bool = False) -> None:
+        for line in data.get("lines", ()):
+            write(f"({data.get('pid', 'ray')}) {line}")
+
+    worker.print_to_stdstream = to_log

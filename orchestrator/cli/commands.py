@@ -157,6 +157,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
         refuse_refit_flags(args)
     config, meta = _plan_config(args)
+    # the engine's knobs are checked whether or not the cache is sized (--device-memory)
+    from ..plan.kvcache import max_model_len
+
+    max_model_len(config, flags.serve_knobs(args))
     budget = flags.size(args, "staging_budget")
     plan = _build_plan(args, config, meta, layout, device_memory=True)
     if budget is not None and budget < plan.min_staging_load:
@@ -169,6 +173,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     obj["device"] = args.device
     if obj["device_memory_bytes"] is None:
         obj["fits"] = None  # not checked: no --device-memory (docs/contract.md §5)
+    else:
+        add_kv_cache(obj, config, args)
     add_times(obj, plan, config, args, meta)
     per_node = max(1, args.devices_per_node)
     human = show.render_plan_table(obj, per_node, args.defaults_used)
@@ -178,6 +184,59 @@ def cmd_plan(args: argparse.Namespace) -> int:
         human += "\n" + add_refit(obj, plan, config, args)
     show.emit(args, obj, human)
     return 3 if obj["fits"] is False else 0
+
+
+def add_kv_cache(obj: dict[str, Any], config: Any, args: argparse.Namespace) -> None:
+    """The engine's KV cache beside the weights (``plan/kvcache.py``): per rank its room,
+    the longest request it holds alone and the batch of ``--max-model-len`` requests;
+    under ``kv_cache`` the knobs and whether every rank holds one such request, which
+    ``fits`` then requires too (docs/contract.md §5)."""
+    from ..plan.kvcache import rank_rooms
+
+    knobs = flags.serve_knobs(args)
+    ranks = obj["ranks"]
+    parallel = obj["parallel"]
+    # an MTP drafter's attention layers sit with the last stage's (mxload plans MTP
+    # with --pp 1), their cache in the same pool
+    draft = config.mtp_layers if knobs.num_speculative_tokens else 0
+    last = parallel["pp"] - 1
+    rooms = rank_rooms(
+        config,
+        parallel["tp"],
+        [(r["layers"], draft if r["pp_rank"] == last else 0, r["peak_bytes"]) for r in ranks],
+        obj["device_memory_bytes"],
+        knobs,
+        args.device,
+    )
+    held = [(r, room) for r, room in zip(ranks, rooms, strict=True) if room is not None]
+    for entry, room in held:
+        entry["kv_cache"] = {
+            "room_bytes": room.room_bytes,
+            "bytes_per_sequence": room.bytes_per_sequence,
+            "blocks": room.blocks,
+            "largest_context": room.largest_context,
+            "largest_batch": room.largest_batch,
+        }
+    summary: dict[str, Any] = {
+        "gpu_memory_utilization": knobs.gpu_memory_utilization,
+        "max_model_len": held[0][1].max_model_len if held else knobs.max_model_len,
+        "max_num_seqs": knobs.max_num_seqs,
+        "kv_cache_dtype": knobs.kv_cache_dtype,
+        "enable_prefix_caching": knobs.enable_prefix_caching,
+        "fits": all(room.fits for _, room in held),
+    }
+    if held:
+        entry, room = min(held, key=lambda h: (h[1].largest_batch, h[1].largest_context))
+        g = room.geometry
+        summary.update(
+            kind=g.kind,
+            block_size=g.block_size,
+            page_bytes=g.page_bytes,
+            block_bytes=g.block_bytes,
+            tightest_rank=entry["rank"],
+        )
+    obj["kv_cache"] = summary
+    obj["fits"] = bool(obj["fits"]) and summary["fits"]
 
 
 def add_times(
@@ -422,6 +481,14 @@ def cmd_release(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_sessions(args: argparse.Namespace) -> int:
+    from ..runtime.listing import list_sessions
+
+    listing = list_sessions()
+    show.emit(args, listing, show.render_sessions(listing))
+    return 0
+
+
 def cmd_convert(args: argparse.Namespace) -> int:
     from ..tools.convert import convert_checkpoint
 
@@ -462,6 +529,7 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "reload": cmd_reload,
     "status": cmd_status,
     "release": cmd_release,
+    "sessions": cmd_sessions,
     "convert": cmd_convert,
 }
 
@@ -476,10 +544,12 @@ def configure_logging(debug: bool, verbose: bool) -> None:
     logging.basicConfig(level=level, format="mxload: %(levelname)s %(name)s: %(message)s")
     logging.getLogger("mxload").setLevel(level)
     if not debug:
-        from ...cluster.local import quiet_ray_logging
+        from ...cluster.local import route_ray_output
 
         warnings.filterwarnings("ignore")
-        quiet_ray_logging()
+        # Ray's tracebacks and warnings go to $MXLOAD_HOME/logs, never the terminal
+        # (docs/contract.md §5); --debug shows them as Ray prints them.
+        route_ray_output()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -603,6 +673,10 @@ def write_error_log(
     details = err.context.get("details") if isinstance(err, MxloadError) else None
     if details:
         body += ["", "--- from the worker ---", str(details)]
+    from ...cluster.local import ray_log_path
+
+    if ray_log_path():  # Ray's own messages of this run (never on the terminal)
+        body += ["", f"--- what Ray said: {ray_log_path()} ---"]
     name = f"mxload-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.log"
     folder = mxload_home() / "logs"
     try:

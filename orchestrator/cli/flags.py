@@ -56,7 +56,7 @@ def option_strings(parser: argparse.ArgumentParser) -> list[str]:
     return [s for a in parser._actions for s in a.option_strings]
 
 
-ALL = ("demo", "make-checkpoint", "inspect", "plan", "load", "reload", "status", "release", "convert")  # fmt: skip
+ALL = ("demo", "make-checkpoint", "inspect", "plan", "load", "reload", "status", "release", "sessions", "convert")  # fmt: skip
 LAYOUT = ("plan", "load")
 """Commands that take a parallel layout."""
 SESSION = ("load", "reload", "status", "release")
@@ -94,17 +94,36 @@ class Flag:
 
 FLAGS: tuple[Flag, ...] = (
     # layout
-    Flag(("--tp",), LAYOUT, "tensor-parallel size", 1, kwargs={"type": int, "metavar": "N"}),
-    Flag(("--dp",), LAYOUT, "data-parallel size", 1, kwargs={"type": int, "metavar": "N"}),
-    Flag(("--pp",), LAYOUT, "pipeline-parallel size", 1, kwargs={"type": int, "metavar": "N"}),
+    # vLLM's spellings of the layout flags are aliases: what a vLLM user types works.
     Flag(
-        ("--enable-expert-parallel",),
+        ("--tp", "--tensor-parallel-size", "-tp"),
+        LAYOUT,
+        "tensor-parallel size",
+        1,
+        kwargs={"type": int, "metavar": "N"},
+    ),
+    Flag(
+        ("--dp", "--data-parallel-size", "-dp"),
+        LAYOUT,
+        "data-parallel size",
+        1,
+        kwargs={"type": int, "metavar": "N"},
+    ),
+    Flag(
+        ("--pp", "--pipeline-parallel-size", "-pp"),
+        LAYOUT,
+        "pipeline-parallel size",
+        1,
+        kwargs={"type": int, "metavar": "N"},
+    ),
+    Flag(
+        ("--enable-expert-parallel", "-ep"),
         LAYOUT,
         "shard MoE experts over tp x dp ranks (vLLM's EP) instead of TP-sharding each expert",
         kwargs={"action": "store_true"},
     ),
     Flag(
-        ("--expert-placement",),
+        ("--expert-placement", "--expert-placement-strategy"),
         LAYOUT,
         "how experts map to EP ranks: linear (contiguous blocks) or round_robin",
         "linear",
@@ -118,7 +137,7 @@ FLAGS: tuple[Flag, ...] = (
         kwargs={"action": "store_true"},
     ),
     Flag(
-        ("--speculative-config",),
+        ("--speculative-config", "-sc"),
         LAYOUT,
         "the engine's vLLM speculative_config as JSON: "
         '\'{"method": "mtp", "num_speculative_tokens": 1}\' plans the checkpoint\'s own MTP '
@@ -178,6 +197,51 @@ FLAGS: tuple[Flag, ...] = (
         size=True,
         kwargs={"metavar": "SIZE"},
     ),
+    # the engine's KV cache (vLLM's own knobs, names and defaults; plan/kvcache.py)
+    Flag(
+        ("--gpu-memory-utilization",),
+        ("plan",),
+        "share of --device-memory the engine may use; its KV cache gets what the weights "
+        "and mxload's staging leave of it",
+        0.92,
+        kwargs={"type": float, "metavar": "F"},
+    ),
+    Flag(
+        ("--max-model-len",),
+        ("plan",),
+        "longest request the engine serves; the KV cache must hold one (default: the "
+        "model's max_position_embeddings, as vLLM)",
+        kwargs={"type": int, "metavar": "TOKENS"},
+    ),
+    Flag(
+        ("--max-num-seqs",),
+        ("plan",),
+        "most requests the engine batches per DP rank (caps the batch the KV cache holds)",
+        128,
+        kwargs={"type": int, "metavar": "N"},
+    ),
+    Flag(
+        ("--kv-cache-dtype",),
+        ("plan",),
+        "KV cache dtype: auto (the model's), bfloat16, float16, fp8, fp8_e4m3, fp8_e5m2",
+        "auto",
+        kwargs={"choices": ["auto", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2"]},
+    ),
+    Flag(
+        ("--block-size",),
+        ("plan",),
+        "tokens per KV block (default: 128 on npu, as vllm-ascend; 16 elsewhere, vLLM's); "
+        "a hybrid model's is raised until a block holds a Gated DeltaNet state, as vLLM does",
+        kwargs={"type": int, "metavar": "TOKENS"},
+    ),
+    Flag(
+        ("--enable-prefix-caching",),
+        ("plan",),
+        "vLLM's prefix caching (on by default there): a Gated DeltaNet layer then keeps two "
+        "states per request; --no-enable-prefix-caching one",
+        True,
+        kwargs={"action": argparse.BooleanOptionalAction},
+    ),
     Flag(
         ("--staging-budget",),
         ("plan", "load", "reload"),
@@ -196,8 +260,9 @@ FLAGS: tuple[Flag, ...] = (
     Flag(
         ("--device",),
         ("plan",),
-        "device the plan is for (its kernels' scratch differs): npu, cuda, cpu, auto",
-        "cpu",
+        "device the plan is for (its kernels' scratch, the engine's KV block size): npu "
+        "(Ascend, vllm-ascend), cuda, cpu, auto",
+        "npu",
         kwargs={"choices": ["auto", "npu", "cuda", "cpu"]},
     ),
     Flag(
@@ -508,6 +573,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     command("status", "a detached session's ranks, versions, addresses, memory")
     command("release", "end a detached session (and the head 'load --detach' started)")
+    command(
+        "sessions",
+        "the detached sessions and head recorded in $MXLOAD_HOME, from its files (no Ray call)",
+    )
 
     p = command("convert", "offline block-FP8 -> MXFP8 checkpoint (ModelOpt or vllm-ascend)")
     p.add_argument("src", metavar="SRC", help="block-FP8 checkpoint folder or fsspec URL")
@@ -906,6 +975,31 @@ def speculative_method(text: str | None) -> Literal["", "mtp"]:
             key=flag,
         )
     return "mtp"
+
+
+def serve_knobs(args: argparse.Namespace) -> Any:
+    """The engine's memory knobs from ``plan``'s flags (``kvcache.ServeKnobs``)."""
+    from ..plan.kvcache import ServeKnobs, check_knobs
+
+    knobs = ServeKnobs(
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        kv_cache_dtype=args.kv_cache_dtype,
+        block_size=args.block_size,
+        enable_prefix_caching=args.enable_prefix_caching,
+        num_speculative_tokens=speculative_tokens(args.speculative_config),
+    )
+    check_knobs(knobs)
+    return knobs
+
+
+def speculative_tokens(text: str | None) -> int:
+    """``num_speculative_tokens`` of an MTP ``--speculative-config`` (checked by
+    :func:`speculative_method`); 0 without one."""
+    if speculative_method(text) == "":
+        return 0
+    return int(json.loads(str(text))["num_speculative_tokens"])
 
 
 def size(args: argparse.Namespace, name: str) -> int | None:

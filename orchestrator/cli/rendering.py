@@ -229,6 +229,35 @@ def render_reloaded(manifest: dict[str, Any]) -> str:
     )
 
 
+def render_sessions(listing: dict[str, Any]) -> str:
+    """``sessions``: the recorded head, then a line per recorded session."""
+    import time
+
+    head = listing["head"]
+    lines = [f"$MXLOAD_HOME {listing['home']}:"]
+    if head is None:
+        lines.append("  no head recorded (`mxload load SRC --detach` starts one)")
+    else:
+        since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(head["started_at"]))
+        why = f" ({'; '.join(head['why'])})" if head["why"] else ""
+        lines.append(
+            f"  head {head['address']}, {head['devices']} {head['resource']}, started {since}: "
+            f"{head['state']}{why}"
+        )
+    if not listing["sessions"]:
+        lines.append("  no sessions recorded")
+    for s in listing["sessions"]:
+        if "unreadable" in s:
+            lines.append(f"  session {s['session']}: record unreadable ({s['unreadable']})")
+            continue
+        where = "" if s["on_recorded_head"] else " (not the recorded head)"
+        lines.append(
+            f"  session {s['session']}: head {s['address']}{where}, {s['running']} of "
+            f"{s['processes']} processes running (`mxload status --session {s['session']}`)"
+        )
+    return "\n".join(lines)
+
+
 def render_status(manifest: dict[str, Any]) -> str:
     versions = sorted({r["version"] for r in manifest["ranks"]})
     return "\n".join(
@@ -419,16 +448,61 @@ def plan_verdict(obj: dict[str, Any]) -> str:
         return "fit not checked: give --device-memory SIZE to check each rank's peak against it"
     worst = max(obj["ranks"], key=lambda r: r["peak_bytes"])
     peak = worst["peak_bytes"]
+    over = sum(r["peak_bytes"] > dev for r in obj["ranks"])
+    kv = obj.get("kv_cache")
+    if not over and kv is not None:
+        return _kv_verdict(obj, kv, dev)
     if obj["fits"]:
         return (
             f"FITS: every rank's peak fits {format_size(dev)} of device memory (tightest: "
             f"rank {worst['rank']}, peak {format_size(peak)}, headroom {format_size(dev - peak)})"
         )
-    over = sum(r["peak_bytes"] > dev for r in obj["ranks"])
     return (
         f"DOES NOT FIT: {over} of {len(obj['ranks'])} ranks need more than "
         f"{format_size(dev)} of device memory (worst: rank {worst['rank']}, peak "
         f"{format_size(peak)}, short by {format_size(peak - dev)})"
+    )
+
+
+def _kv_verdict(obj: dict[str, Any], kv: dict[str, Any], dev: int) -> str:
+    """The verdict of a plan whose weights fit: whether the KV cache holds one request of
+    ``--max-model-len`` on every rank, and how much it holds on the tightest."""
+    if "tightest_rank" not in kv:
+        return f"FITS: every rank's peak fits {format_size(dev)} of device memory (no KV cache)"
+    rank = obj["ranks"][kv["tightest_rank"]]
+    room = rank["kv_cache"]
+    length = kv["max_model_len"]
+    share = f"--gpu-memory-utilization {kv['gpu_memory_utilization']}"
+    if kv["fits"]:
+        return (
+            f"FITS: the weights and a KV cache of {format_size(room['room_bytes'])} on the "
+            f"tightest rank {rank['rank']} ({share} of {format_size(dev)}): "
+            f"{room['largest_batch']} request{'s' if room['largest_batch'] != 1 else ''} of "
+            f"--max-model-len {length} at once "
+            f"(--max-num-seqs {kv['max_num_seqs']}), {room['largest_context']} tokens alone"
+        )
+    if room["room_bytes"] <= 0:
+        return (
+            f"DOES NOT FIT: the weights fit {format_size(dev)}, but rank {rank['rank']} leaves "
+            f"no KV cache under {share} (short by {format_size(-room['room_bytes'])}): "
+            "raise --gpu-memory-utilization or --device-memory, or spread the weights "
+            "(--tp, --pp)"
+        )
+    longest = room["largest_context"]
+    return (
+        f"DOES NOT FIT: the weights fit {format_size(dev)}, but rank {rank['rank']}'s KV cache "
+        f"({format_size(room['room_bytes'])} under {share}) cannot hold one request of "
+        f"--max-model-len {length} ({format_size(room['bytes_per_sequence'])}); "
+        + (
+            f"it holds {longest} tokens: lower --max-model-len"
+            if longest
+            else "lower --max-model-len"
+        )
+        + (
+            ", raise --gpu-memory-utilization, or give the KV cache fp8 (--kv-cache-dtype fp8)"
+            if not str(kv["kv_cache_dtype"]).startswith("fp8")
+            else " or raise --gpu-memory-utilization"
+        )
     )
 
 

@@ -167,6 +167,10 @@ class ModelConfig:
     mtp_layers: int = 0
     """MTP (multi-token prediction) layers the checkpoint carries; planned only for a
     layout with MTP speculative decoding (Qwen3.5)."""
+    max_position_embeddings: int = 0
+    """The model's length, vLLM's default ``max_model_len``; 0 when the config gives none."""
+    mamba_ssm_dtype: str = ""
+    """Qwen3.5: the Gated DeltaNet temporal state's dtype vLLM caches (``""``: the model's)."""
     vision: VisionConfig | None = None
     """The vision tower (``model.visual.*``) the engine builds unless it runs
     language-model-only (``ParallelLayout.language_model_only``)."""
@@ -266,6 +270,7 @@ MAX_COUNT = {
     "n_routed_experts": 4096,
     "num_nextn_predict_layers": 16,
     "mtp_num_hidden_layers": 16,
+    "max_position_embeddings": 1 << 30,  # a length: nothing is held per token
 }
 """Largest layer and expert counts a config may give (released models: at most 128 layers
 and 512 experts); the plan holds one unit per layer and expert."""
@@ -537,6 +542,7 @@ def _parse_config(cfg: Mapping[str, Any], source: str, dtype: str | None) -> Mod
         tie_word_embeddings=_flag(cfg, "tie_word_embeddings", source, default=False),
         model_dtype=model_dtype_of(cfg, dtype),
         quant=quant,
+        max_position_embeddings=_int(cfg, "max_position_embeddings", source, default=0),
         source=source,
     )
     if arch == "DeepseekV3ForCausalLM":
@@ -582,6 +588,20 @@ def _parse_config(cfg: Mapping[str, Any], source: str, dtype: str | None) -> Mod
         mlp_only_layers=mlp_only,
         **common,
     )
+
+
+def _mamba_ssm_dtype(text: Mapping[str, Any], source: str) -> str:
+    """``mamba_ssm_dtype`` of a Qwen3.5 text config (vLLM caches the temporal state in it)."""
+    value = text.get("mamba_ssm_dtype")
+    if value is None:
+        return ""
+    if value not in ("float32", "bfloat16", "float16"):
+        raise ConfigError(
+            f"{source}: key 'mamba_ssm_dtype' must be float32, bfloat16 or float16, got {value!r}",
+            file=source,
+            key="mamba_ssm_dtype",
+        )
+    return str(value)
 
 
 def _parse_qwen3_5(
@@ -652,6 +672,8 @@ def _parse_qwen3_5(
         linear_conv_kernel_dim=_positive(text, "linear_conv_kernel_dim", tsrc),
         attn_output_gate=_flag(text, "attn_output_gate", tsrc, default=True),
         mtp_layers=_int(text, "mtp_num_hidden_layers", tsrc, default=0),
+        max_position_embeddings=_int(text, "max_position_embeddings", tsrc, default=0),
+        mamba_ssm_dtype=_mamba_ssm_dtype(text, tsrc),
         vision=_vision_config(cfg, source),
         source=source,
     )

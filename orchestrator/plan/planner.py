@@ -1056,116 +1056,120 @@ def _build_plan(
     read_ahead: bool = False,
 ) -> Plan:
     """``by_kind`` False plans a config alone once per stage, TP rank and MoE rank, as a
-    plan with byte ranges is (the reference the kinds are checked against)."""
-    from .memory import (
-        ConvertOptions,
-        min_budgets,
-        proportional_read_fn,
-        rank_staging,
-        read_fn_from_reads,
-    )
+    plan with byte ranges is (the reference the kinds are checked against).
+
+    In two passes: which ranks are planned alike and what each such class holds and
+    reads (:func:`_rank_classes`, sizing the staging minimums on the way), then the
+    staging budget (:func:`_budget`) and each class's staging under it
+    (:func:`_class_staging`)."""
+    from .memory import ConvertOptions
 
     planner = _Planner(config, layout, checkpoint, engine)
     policy = REMOTE_POLICY if remote else LOCAL_POLICY
-    quant = config.quant.kind
     opts = ConvertOptions.for_source(
         config.model_dtype,
-        quant,
+        config.quant.kind,
         config.quant.block_n,
         fused=fused,
         device=device,
         remote=read_ahead,
     )
-    block_n = opts.block_n
-    reads_of: dict[int, UnitReads] = {}
-    # The loader requests each unit's ranges on their own (per file, coalesced under the
-    # policy), so a rank fetches the sum of its units' requests: a tensor two units share
-    # (a tied embedding on a one-stage rank) is fetched twice, and no gap between two
-    # units' ranges is ever bridged.
-    fetch_of: dict[int, int] = {}
-    # Sizing is the slow part (min_budgets walks every 16-row chunk of a unit), and it
-    # depends only on a unit's geometry and read sizes, never on its name or layer: units
-    # of equal geometry are sized once, and classes whose units have equal geometries, in
-    # the same order, share one staging estimate.
-    geometry_ids: dict[tuple[Any, ...], int] = {}
-    mins_of_geometry: list[tuple[int, int]] = []
-    gids_of_block: dict[tuple[int, int], tuple[tuple[int, ...], int]] = {}
-    load_min = reload_min = 0
+    stager = _Stager(planner, checkpoint, policy, opts)
+    staged, summaries = _rank_classes(planner, stager, by_kind=checkpoint is None and by_kind)
+    budget = _budget(staging_budget, stager.load_min, stager.reload_min)
+    classes = _class_staging(staged, opts, budget)
+    ranks: Sequence[RankPlan]
+    if checkpoint is not None:
+        ranks = tuple(
+            _rank_plan(
+                s,
+                classes[s.rank_class],
+                staged[s.rank_class].units or (),
+                staged[s.rank_class].reads,
+                planner.scale_alg,
+            )
+            for s in summaries
+        )
+    else:
+        ranks = _LazyRanks(summaries, classes, planner)
+    return Plan(
+        model=_model_summary(config, layout),
+        layout=layout,
+        ranks=ranks,
+        min_staging_load=stager.load_min,
+        min_staging_reload=stager.reload_min,
+        device_memory_bytes=device_memory,
+        extra={
+            "staging_budget_bytes": budget,
+            "device": device,
+            "coalescing": {
+                "remote": remote,
+                "max_gap_bytes": policy.max_gap_bytes,
+                "max_overread_ratio": policy.max_overread_ratio,
+            },
+            "from_checkpoint": checkpoint is not None,
+        },
+        engine=planner.engine.name,
+        moe_mode=planner.moe_mode.to_json() if config.is_moe else {},
+        scale_alg=planner.scale_alg,
+        summaries=summaries,
+        classes=classes,
+    )
 
-    def stage(c: RankCoords) -> _Staged:
-        nonlocal load_min, reload_min
-        blocks = tuple(planner.blocks(c))
+
+class _Stager:
+    """The first pass over one rank class: its blocks, what it reads (with a checkpoint:
+    each unit's byte ranges, the fetches they cost), and the staging minimums of its
+    units' geometries, gathered over every class (``load_min``, ``reload_min``)."""
+
+    def __init__(
+        self,
+        planner: _Planner,
+        checkpoint: CheckpointMeta | None,
+        policy: Any,
+        opts: Any,
+    ) -> None:
+        self.planner = planner
+        self.checkpoint = checkpoint
+        self.policy = policy
+        self.opts = opts
+        self.quant = planner.config.quant.kind
+        self.block_n = opts.block_n
+        self.reads_of: dict[int, UnitReads] = {}
+        # The loader requests each unit's ranges on their own (per file, coalesced under
+        # the policy), so a rank fetches the sum of its units' requests: a tensor two
+        # units share (a tied embedding on a one-stage rank) is fetched twice, and no gap
+        # between two units' ranges is ever bridged.
+        self.fetch_of: dict[int, int] = {}
+        # Sizing is the slow part (min_budgets walks every 16-row chunk of a unit), and
+        # it depends only on a unit's geometry and read sizes, never on its name or
+        # layer: units of equal geometry are sized once, and classes whose units have
+        # equal geometries, in the same order, share one staging estimate.
+        self.geometry_ids: dict[tuple[Any, ...], int] = {}
+        self.mins_of_geometry: list[tuple[int, int]] = []
+        self.gids_of_block: dict[tuple[int, int], tuple[tuple[int, ...], int]] = {}
+        self.load_min = 0
+        self.reload_min = 0
+
+    def stage(self, c: RankCoords) -> _Staged:
+        from .memory import read_fn_from_reads
+
+        blocks = tuple(self.planner.blocks(c))
         buffers = tuple(b for block in blocks for b in block.buffers)
         units: tuple[Unit, ...] | None = None
         reads: tuple[UnitReads, ...] | None = None
         read_fn: Callable[[Unit, int, int], int] | None = None
-        groups: list[ReadGroup] = []
-        if checkpoint is not None:
+        if self.checkpoint is not None:
             units = tuple(u for block in blocks for u in block.units())
-            rank_reads: list[UnitReads] = []
-            to_read = 0
-            for u in units:
-                r = reads_of.get(id(u))
-                if r is None:
-                    r = reads_of[id(u)] = unit_reads(u, checkpoint, whole=policy.whole_rows)
-                    fetch_of[id(u)] = predicted_read_bytes((r,), policy)
-                rank_reads.append(r)
-                to_read += fetch_of[id(u)]
-            reads = tuple(rank_reads)
+            reads, to_read = self._reads(units)
             needed = sum(r.needed_bytes for r in reads)
-            read_fn = read_fn_from_reads(units, reads, block_n=block_n, source_quant=quant)
-            pos = 0
-            for block in blocks:
-                n = block.count
-                br = reads[pos : pos + n]
-                needs = tuple(r.needed_bytes for r in br)
-                groups.append(ReadGroup(units[pos : pos + n], br, needs))
-                pos += n
+            read_fn = read_fn_from_reads(
+                units, reads, block_n=self.block_n, source_quant=self.quant
+            )
+            groups = self._groups_of_reads(blocks, units, reads)
         else:
             needed = to_read = sum(block.needed_bytes for block in blocks)
-            # Routed experts are the rank's own (no other rank holds the same ones, or the
-            # same rows of them): the kind's ranks differ in them, so they are counted,
-            # and expanded per rank only where other ranks read the same whole rows.
-            for (idx, layer), b in zip(planner.placed(c), blocks, strict=True):
-                if planner.arch.rules[idx].style == "moe":
-                    expand = planner.expand_on(idx, layer)
-                    groups.append(ReadGroup(b.sample, None, b.needed, b.repeat, expand, own=True))
-                else:
-                    groups.append(ReadGroup(b.sample, None, b.needed, b.repeat))
-        signature: list[tuple[tuple[int, ...], int]] = []
-        pos = 0
-        for block in blocks:
-            # Blocks sharing a sample (other layers' and MoE ranks' experts of one shape)
-            # share their geometry ids.
-            bkey = (id(block.sample), block.repeat)
-            gkey = gids_of_block.get(bkey)
-            if gkey is None:
-                sample, repeat = block.sample, block.repeat
-                # Every expert of a MoE block has the same geometry: size its first pair.
-                if sample and sample[0].kind == "moe_w13" and repeat == 1 and len(sample) > 2:
-                    sample, repeat = sample[:2], len(sample) // 2
-                if reads is not None:
-                    sizes: Sequence[UnitReads | int] = reads[pos : pos + len(sample)]
-                    sample_fn = read_fn_from_reads(
-                        sample, reads[pos : pos + len(sample)], block_n=block_n, source_quant=quant
-                    )
-                else:
-                    sizes = block.needed
-                    sample_fn = proportional_read_fn(sample, block.needed)
-                ids = []
-                for u, size in zip(sample, sizes, strict=True):
-                    # A proportional read size does not depend on tile alignment.
-                    key = _geometry(u, size, block_n if reads is not None else 1)
-                    gid = geometry_ids.get(key)
-                    if gid is None:
-                        gid = geometry_ids[key] = len(mins_of_geometry)
-                        mins_of_geometry.append(min_budgets((u,), sample_fn, opts))
-                        load_min = max(load_min, mins_of_geometry[gid][0])
-                        reload_min = max(reload_min, mins_of_geometry[gid][1])
-                    ids.append(gid)
-                gkey = gids_of_block[bkey] = (tuple(ids), repeat)
-            signature.append(gkey)
-            pos += block.count
+            groups = self._groups_of_config(c, blocks)
         return _Staged(
             c,
             blocks,
@@ -1175,24 +1179,118 @@ def _build_plan(
             needed,
             to_read,
             reads,
-            tuple(signature),
-            tuple(groups),
+            self._signature(blocks, reads),
+            groups,
         )
 
+    def _reads(self, units: Sequence[Unit]) -> tuple[tuple[UnitReads, ...], int]:
+        """Each unit's byte ranges (planned once per unit) and the bytes the rank fetches."""
+        assert self.checkpoint is not None
+        rank_reads: list[UnitReads] = []
+        to_read = 0
+        for u in units:
+            r = self.reads_of.get(id(u))
+            if r is None:
+                r = self.reads_of[id(u)] = unit_reads(
+                    u, self.checkpoint, whole=self.policy.whole_rows
+                )
+                self.fetch_of[id(u)] = predicted_read_bytes((r,), self.policy)
+            rank_reads.append(r)
+            to_read += self.fetch_of[id(u)]
+        return tuple(rank_reads), to_read
+
+    @staticmethod
+    def _groups_of_reads(
+        blocks: Sequence[_Block], units: Sequence[Unit], reads: Sequence[UnitReads]
+    ) -> tuple[ReadGroup, ...]:
+        groups = []
+        pos = 0
+        for block in blocks:
+            n = block.count
+            br = tuple(reads[pos : pos + n])
+            needs = tuple(r.needed_bytes for r in br)
+            groups.append(ReadGroup(tuple(units[pos : pos + n]), br, needs))
+            pos += n
+        return tuple(groups)
+
+    def _groups_of_config(self, c: RankCoords, blocks: Sequence[_Block]) -> tuple[ReadGroup, ...]:
+        # Routed experts are the rank's own (no other rank holds the same ones, or the
+        # same rows of them): the kind's ranks differ in them, so they are counted,
+        # and expanded per rank only where other ranks read the same whole rows.
+        groups = []
+        for (idx, layer), b in zip(self.planner.placed(c), blocks, strict=True):
+            if self.planner.arch.rules[idx].style == "moe":
+                expand = self.planner.expand_on(idx, layer)
+                groups.append(ReadGroup(b.sample, None, b.needed, b.repeat, expand, own=True))
+            else:
+                groups.append(ReadGroup(b.sample, None, b.needed, b.repeat))
+        return tuple(groups)
+
+    def _signature(
+        self, blocks: Sequence[_Block], reads: Sequence[UnitReads] | None
+    ) -> tuple[tuple[tuple[int, ...], int], ...]:
+        """Per block, the geometry ids of its sample units and their repeat, sizing each
+        new geometry's staging minimums."""
+        from .memory import min_budgets, proportional_read_fn, read_fn_from_reads
+
+        signature: list[tuple[tuple[int, ...], int]] = []
+        pos = 0
+        for block in blocks:
+            # Blocks sharing a sample (other layers' and MoE ranks' experts of one shape)
+            # share their geometry ids.
+            bkey = (id(block.sample), block.repeat)
+            gkey = self.gids_of_block.get(bkey)
+            if gkey is None:
+                sample, repeat = block.sample, block.repeat
+                # Every expert of a MoE block has the same geometry: size its first pair.
+                if sample and sample[0].kind == "moe_w13" and repeat == 1 and len(sample) > 2:
+                    sample, repeat = sample[:2], len(sample) // 2
+                sizes: list[UnitReads | int]
+                if reads is not None:
+                    sample_reads = reads[pos : pos + len(sample)]
+                    sizes = list(sample_reads)
+                    sample_fn = read_fn_from_reads(
+                        sample, sample_reads, block_n=self.block_n, source_quant=self.quant
+                    )
+                else:
+                    sizes = list(block.needed)
+                    sample_fn = proportional_read_fn(sample, block.needed)
+                ids = []
+                for u, size in zip(sample, sizes, strict=True):
+                    # A proportional read size does not depend on tile alignment.
+                    key = _geometry(u, size, self.block_n if reads is not None else 1)
+                    gid = self.geometry_ids.get(key)
+                    if gid is None:
+                        gid = self.geometry_ids[key] = len(self.mins_of_geometry)
+                        self.mins_of_geometry.append(min_budgets((u,), sample_fn, self.opts))
+                        self.load_min = max(self.load_min, self.mins_of_geometry[gid][0])
+                        self.reload_min = max(self.reload_min, self.mins_of_geometry[gid][1])
+                    ids.append(gid)
+                gkey = self.gids_of_block[bkey] = (tuple(ids), repeat)
+            signature.append(gkey)
+            pos += block.count
+        return tuple(signature)
+
+
+def _rank_classes(
+    planner: _Planner, stager: _Stager, *, by_kind: bool
+) -> tuple[list[_Staged], tuple[RankSummary, ...]]:
+    """Which ranks are planned alike, each class staged once, and every rank's summary.
+
+    Blocks depend on the stage, the TP rank and the MoE rank only (docs/contract.md §3);
+    ``by_kind`` (a config-only plan): ranks whose MoE blocks differ only in which experts
+    (or rows of them) they hold are one kind, planned once."""
+    key_of = planner.kind_key if by_kind else planner.class_key
     class_of_key: dict[tuple[int, ...], int] = {}
     staged: list[_Staged] = []
     summaries: list[RankSummary] = []
-    # Blocks depend on the stage, the TP rank and the MoE rank only (docs/contract.md §3);
-    # without byte ranges, ranks whose MoE blocks differ only in which experts (or rows
-    # of them) they hold are one kind, planned once.
-    key_of = planner.kind_key if checkpoint is None and by_kind else planner.class_key
-    for rank in range(layout.world):
+    for rank in range(planner.layout.world):
         c = planner.coords(rank)
         ckey = key_of(c)
         k = class_of_key.get(ckey)
         if k is None:
             k = class_of_key[ckey] = len(staged)
-            staged.append(stage(c))
+            staged.append(stager.stage(c))
         summaries.append(
             RankSummary(
                 rank=c.rank,
@@ -1205,7 +1303,12 @@ def _build_plan(
                 rank_class=k,
             )
         )
+    return staged, tuple(summaries)
 
+
+def _budget(staging_budget: int | None, load_min: int, reload_min: int) -> int:
+    """The staging budget: the one given, or the reload minimum (docs/contract.md §6);
+    refused below the load minimum."""
     budget = staging_budget if staging_budget is not None else reload_min
     if budget < load_min:
         raise StagingBudgetError(
@@ -1213,6 +1316,14 @@ def _build_plan(
             f"({load_min} bytes; a reload needs {reload_min}); raise --staging-budget",
             key="--staging-budget",
         )
+    return budget
+
+
+def _class_staging(staged: Sequence[_Staged], opts: Any, budget: int) -> tuple[RankClass, ...]:
+    """Each class's staging under ``budget`` (classes of equal signature share one
+    estimate) and its persistent bytes."""
+    from .memory import rank_staging
+
     classes: list[RankClass] = []
     staging_of: dict[tuple[tuple[tuple[int, ...], int], ...], StagingEstimate] = {}
     bytes_of: dict[int, int] = {}
@@ -1236,45 +1347,7 @@ def _build_plan(
         classes.append(
             RankClass(st.buffers, count, st.needed, st.to_read, staging, st.groups, persistent)
         )
-    all_summaries = tuple(summaries)
-    all_classes = tuple(classes)
-    ranks: Sequence[RankPlan]
-    if checkpoint is not None:
-        ranks = tuple(
-            _rank_plan(
-                s,
-                all_classes[s.rank_class],
-                staged[s.rank_class].units or (),
-                staged[s.rank_class].reads,
-                planner.scale_alg,
-            )
-            for s in all_summaries
-        )
-    else:
-        ranks = _LazyRanks(all_summaries, all_classes, planner)
-    return Plan(
-        model=_model_summary(config, layout),
-        layout=layout,
-        ranks=ranks,
-        min_staging_load=load_min,
-        min_staging_reload=reload_min,
-        device_memory_bytes=device_memory,
-        extra={
-            "staging_budget_bytes": budget,
-            "device": device,
-            "coalescing": {
-                "remote": remote,
-                "max_gap_bytes": policy.max_gap_bytes,
-                "max_overread_ratio": policy.max_overread_ratio,
-            },
-            "from_checkpoint": checkpoint is not None,
-        },
-        engine=planner.engine.name,
-        moe_mode=planner.moe_mode.to_json() if config.is_moe else {},
-        scale_alg=planner.scale_alg,
-        summaries=all_summaries,
-        classes=all_classes,
-    )
+    return tuple(classes)
 
 
 def _derived_of(k: RankClass) -> tuple[list[str], int]:

@@ -59,6 +59,7 @@ Memory
 from __future__ import annotations
 
 import json
+import logging
 import math
 import queue
 import threading
@@ -73,7 +74,7 @@ from ...workers.numerics import kernels
 from ...workers.numerics.scales import check_block_scales
 from ...workers.safetensors_io import SafetensorsWriter, data_order
 from ...workers.storage import ALLOW_OUTSIDE_LINKS, Storage
-from ..errors import UnsupportedError, UsageError
+from ..errors import MxloadError, UnsupportedError, UsageError
 from ..plan.checkpoint import CheckpointMeta
 from ..plan.engines import EngineProfile
 from ..plan.formats import (
@@ -109,6 +110,8 @@ NUMERICS = ("auto", "fast", "reference")
 
 Converter = Callable[[np.ndarray, np.ndarray], tuple[np.ndarray, ...]]
 """(uint8 payload ``[n, k]``, float32 tile scales) -> output arrays of one job."""
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -339,7 +342,48 @@ def _write(
                 f,
                 indent=2,
             )
+    _carry_files(storage, fs, root_path)
     return counts[1]
+
+
+SERVING_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "generation_config.json",
+    "chat_template.jinja",
+    "chat_template.json",
+    "preprocessor_config.json",
+    "video_preprocessor_config.json",
+    "processor_config.json",
+)
+"""The files besides the weights that ``LLM(model=DST)`` reads (tokenizer, generation
+defaults, chat template, image and video preprocessors), copied as they are."""
+
+
+SERVING_FILE_MAX_BYTES = 1 << 30
+"""Largest serving file copied (a tokenizer of a large vocabulary is tens of MiB)."""
+
+
+def _carry_files(storage: Storage, fs: Any, root_path: str) -> None:
+    """Copy the source's :data:`SERVING_FILES` (those it has) into the output, so that
+    the converted folder serves as the source would (docs/contract.md §5, convert). A
+    file the store will not say it has (an S3 key without list permission answers 403
+    where it is absent) is left out with a warning: the weights do not depend on it."""
+    for name in SERVING_FILES:
+        try:
+            if not storage.exists(name):
+                continue
+            data = storage.read_file(name, SERVING_FILE_MAX_BYTES)
+        except MxloadError as err:
+            log.warning("%s not carried into the output: %s", name, err)
+            continue
+        with fs.open(_join(root_path, name), "wb") as f:
+            f.write(data)
 
 
 # --- what to write ---------------------------------------------------------------------------

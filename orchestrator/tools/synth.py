@@ -790,6 +790,62 @@ def _write_text(path: str, text: str, storage_options: Mapping[str, Any]) -> Non
         f.write(text)
 
 
+EOS = "<|endoftext|>"
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{{ eos_token }}{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+def serving_files(vocab_size: int) -> dict[str, str]:
+    """A tiny tokenizer (a word-level ``tokenizer.json`` in the format of Hugging Face's
+    ``tokenizers``), its ``tokenizer_config.json`` with a chat template, and a
+    ``generation_config.json``: what an engine reads besides the weights to start."""
+    words = [EOS, "<unk>", "<|user|>", "<|assistant|>", "<|system|>"]
+    words += [f"w{i}" for i in range(min(vocab_size, 64) - len(words))]
+    special = [
+        {
+            "id": i,
+            "content": w,
+            "single_word": False,
+            "lstrip": False,
+            "rstrip": False,
+            "normalized": False,
+            "special": True,
+        }
+        for i, w in enumerate(words[:5])
+    ]
+    tokenizer = {
+        "version": "1.0",
+        "truncation": None,
+        "padding": None,
+        "added_tokens": special,
+        "normalizer": None,
+        "pre_tokenizer": {"type": "Whitespace"},
+        "post_processor": None,
+        "decoder": None,
+        "model": {
+            "type": "WordLevel",
+            "vocab": {w: i for i, w in enumerate(words)},
+            "unk_token": "<unk>",
+        },
+    }
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "eos_token": EOS,
+        "unk_token": "<unk>",
+        "pad_token": EOS,
+        "model_max_length": 4096,
+        "chat_template": CHAT_TEMPLATE,
+    }
+    generation = {"eos_token_id": 0, "pad_token_id": 0, "temperature": 0.6, "top_p": 0.95}
+    return {
+        "tokenizer.json": json.dumps(tokenizer, indent=1) + "\n",
+        "tokenizer_config.json": json.dumps(config, indent=2) + "\n",
+        "generation_config.json": json.dumps(generation, indent=2) + "\n",
+    }
+
+
 def make_checkpoint(
     out: str,
     preset: str,
@@ -875,6 +931,9 @@ def make_checkpoint(
     files = list(names)
     _write_text(_join(out, CONFIG_FILE), json.dumps(cfg_dict, indent=2) + "\n", options)
     files.insert(0, CONFIG_FILE)
+    for name, text in serving_files(cfg.vocab_size).items():
+        _write_text(_join(out, name), text, options)
+        files.append(name)
     if shards > 1:
         index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
         _write_text(_join(out, INDEX_FILE), json.dumps(index, indent=2) + "\n", options)

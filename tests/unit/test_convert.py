@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import re
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -276,7 +277,16 @@ def test_single_file_checkpoint(ckpt_factory, tmp_path) -> None:
     src = ckpt_factory("qwen3-dense-tiny", 6, shards=1)
     dst = str(tmp_path / "out")
     convert_checkpoint(src, dst)
-    assert sorted(os.listdir(dst)) == ["config.json", "model.safetensors"]
+    # the serving files carried as they are (tests/engine/test_vllm_serving_files.py)
+    assert sorted(os.listdir(dst)) == [
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ]
+    for name in ("generation_config.json", "tokenizer.json", "tokenizer_config.json"):
+        assert (Path(dst) / name).read_bytes() == (Path(src) / name).read_bytes(), name
     want, _, _ = expected_output(src)
     _, got, _ = read_all(dst)
     assert set(got) == set(want)

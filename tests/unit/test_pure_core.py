@@ -30,6 +30,7 @@ PURE_MODULES = (
     "mxload.orchestrator.plan.planner",
     "mxload.orchestrator.plan.readplan",
     "mxload.orchestrator.plan.memory",
+    "mxload.orchestrator.plan.kvcache",
     "mxload.orchestrator.plan.safetensors_header",
     "mxload.orchestrator.plan.checkpoint",
     "mxload.orchestrator.plan.sharing",

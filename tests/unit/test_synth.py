@@ -87,11 +87,14 @@ def test_moe_tiny_layout(moe_tiny):
     assert [cfg.is_moe_layer(i) for i in range(4)] == [True, True, False, True]
     assert sorted(os.listdir(d)) == [
         "config.json",
+        "generation_config.json",
         "model-00001-of-00002.safetensors",
         "model-00002-of-00002.safetensors",
         "model.safetensors.index.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
     ]
-    assert summary["files"][0] == "config.json" and len(summary["files"]) == 4
+    assert summary["files"][0] == "config.json" and len(summary["files"]) == 7
     # 3 global + 4 layers x (8 attn + 4 norms) + 3 MoE layers x (router + 8 x 3 x 2) + 6
     assert len(tensors) == summary["tensors"] == 3 + 4 * 12 + 3 * 49 + 6 == 204
     assert summary["bytes"] == sum(t.numel() * t.element_size() for t in tensors.values())
@@ -151,7 +154,13 @@ def test_awkward_preset_edges(awkward):
 def test_dense_tiny_is_dense():
     d = f"memory://mxload-test-{uuid.uuid4().hex}"
     summary = make_checkpoint(d, "qwen3-dense-tiny", shards=1)
-    assert summary["files"] == ["config.json", "model.safetensors"]
+    assert summary["files"] == [
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "generation_config.json",
+    ]
     fs = fsspec.filesystem("memory")
     assert not fs.exists(f"{d}/model.safetensors.index.json")
     from safetensors.torch import load
