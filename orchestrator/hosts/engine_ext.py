@@ -57,6 +57,7 @@ from ..plan.releases import (
     release_of_version,
 )
 from ..plan.types import ParallelLayout, Plan
+from ..runtime.refit import RefitRank, RefitSetup, TrainerSource, refit, refit_setup
 from ..runtime.reload import ReloadInputs, reload
 from ..runtime.state import Progress, Report, SessionState
 
@@ -208,6 +209,8 @@ class _OneRank:
         self.held = held
         self.maps = maps
         self.last_stats: RunStats | None = None
+        self.refit: RefitRank | None = None
+        """This rank's receiver once a trainer source is attached (a refit's bytes)."""
 
     def check_experts(self) -> None:
         """AdoptionError unless every MoE module's expert map (read now) places exactly
@@ -247,12 +250,16 @@ class _OneRank:
         self, inputs: ReloadInputs, version: int, on_progress: Progress | None
     ) -> list[Report]:
         r = self.rank
+        storage = None
+        if self.refit is not None and self.refit.update is not None:
+            storage = self.refit.prepare(inputs, version, self.loader)
         self.last_stats = self.loader.reload(
             list(inputs.reads[r]),
             inputs.source,
             version=version,
             staging_budget=inputs.budgets[r],
             units=list(inputs.units[r]),
+            storage=storage,
         )
         self.loader.backend.synchronize()
         self.check("while mxload wrote")
@@ -328,6 +335,7 @@ class Attachment:
         self.loader = RankLoader(
             rp, model_dtype=meta.config.model_dtype, device=device, buffers=mine
         )
+        self.config = meta.config
         self._ranks = _OneRank(facts.rank, self.loader, held, maps or {})
         self._ranks.check_experts()
         # Version 0 of the attached checkpoint: the parameters hold what the engine
@@ -391,11 +399,83 @@ class Attachment:
             "addresses_moved": [],
         }
 
+    def attach_trainer(self, trainer: Mapping[str, Any] | TrainerSource) -> RefitSetup:
+        """Take updates from a trainer's ranks (the trainer form, docs/adoption.md): plan
+        the refit (ReloadMismatch, nothing touched, when the trainer's tensors do not give
+        this engine what it holds) and join the refit group (waits for the others)."""
+        source = TrainerSource.from_json(trainer)
+        setup = refit_setup(self.plan, self.config, source, fused=self._ranks.fused)
+        if self._ranks.refit is not None:
+            self._ranks.refit.close()
+            self._ranks.refit = None
+        self._ranks.refit = RefitRank(setup, self.facts.rank)
+        return setup
+
+    def refit(
+        self,
+        step: int,
+        manifest_hash: str,
+        *,
+        delta_of: int | None = None,
+        staging_budget: int | None = None,
+    ) -> dict[str, Any]:
+        """Receive trainer step ``step`` and write it in place (docs/contract.md §4
+        "Refit"): the same checks as :meth:`reload`; refused, nothing touched, for another
+        manifest or a delta of a step this engine does not hold."""
+        rr = self._ranks.refit
+        if rr is None:
+            raise RunError(
+                "this engine takes no trainer updates: initialise it with the trainer form "
+                "({'src': ..., 'trainer': {...}})"
+            )
+        self._ranks.check("since attach; nothing was written")
+        refit(
+            self._ranks,
+            self.state,
+            lambda _: None,  # the state is this object's attribute
+            rr.setup,
+            [rr],
+            step=step,
+            manifest_hash=manifest_hash,
+            delta_of=delta_of,
+            staging_budget=staging_budget,
+        )
+        stats = self._ranks.last_stats
+        got = rr.last
+        assert stats is not None and got is not None
+        return {
+            "rank": self.facts.rank,
+            "step": step,
+            "version": self.loader.version,
+            "identity": self.identity,
+            "consistent": self.loader.consistent,
+            "seconds": stats.seconds,
+            "receive_seconds": round(got.seconds, 6),
+            "bytes_received": got.bytes_received,
+            "tensors_unchanged": sum(not c for c in got.changed.values()),
+            "measured_peak_staging_bytes": stats.measured_peak_staging_bytes,
+            "addresses_moved": [],
+        }
+
+    def close(self) -> None:
+        """Leave the refit group (if any)."""
+        if self._ranks.refit is not None:
+            self._ranks.refit.close()
+            self._ranks.refit = None
+
     @property
     def identity(self) -> str:
         """The checkpoint the parameters hold: version and fingerprint (``weight_version``
-        of vLLM's weight-transfer API)."""
+        of vLLM's weight-transfer API; after a refit, the trainer step and
+        ``trainer-<manifest hash>``)."""
         return f"{self.state.version}:{self.state.fingerprint}"
+
+    @property
+    def consistent(self) -> bool:
+        """Every unit holds one identity, the one the latest update was writing: a refit
+        whose bytes did not all arrive leaves this False until an update completes."""
+        units = self.loader.unit_status()
+        return bool(units["consistent"]) and not units["stale_count"]
 
     def status(self, *, checksums: bool = True) -> dict[str, Any]:
         """This rank's state; AddressMoved if the engine rebound an adopted tensor."""
@@ -411,7 +491,7 @@ class Attachment:
             "src": self.src,
             "version": self.loader.version,
             "identity": self.identity,
-            "consistent": self.loader.consistent,
+            "consistent": self.consistent,
             "units": self.loader.unit_status(),
             "tensors": self.loader.tensor_report(with_checksums=checksums),
         }
