@@ -100,11 +100,21 @@ def main() -> None:
                         real(peer, buf)
 
                     transport.send = send
-                reply = {"ok": True, **sender.send_weights(
-                    params, cmd["step"], delta_of=cmd.get("delta_of"), changed=cmd.get("changed")
-                )}
+                reply = {
+                    "ok": True,
+                    **sender.send_weights(
+                        params,
+                        cmd["step"],
+                        delta_of=cmd.get("delta_of"),
+                        changed=cmd.get("changed"),
+                    ),
+                }
         except Exception as err:
-            reply = {"ok": False, "error": f"{type(err).__name__}: {err}", "tb": traceback.format_exc()}
+            reply = {
+                "ok": False,
+                "error": f"{type(err).__name__}: {err}",
+                "tb": traceback.format_exc(),
+            }
         print(json.dumps(reply), flush=True)
     for s in senders.values():
         s.close()

@@ -20,7 +20,10 @@ as the engine holds them after its post-load. This module lets the engine host m
     checkpoint (block-FP8, MXFP8 or the BF16 an RL trainer writes); verifies no address
     moved (the reload of every session host: ``mxload.orchestrator.runtime.reload``);
   - ``mxload_status()``: rank coordinates, engine, version, consistency, per-tensor
-    addresses, strides and checksums.
+    addresses, strides and checksums;
+  - ``mxload_attach(src, trainer={...})`` then ``mxload_refit(step, manifest_hash)``: the
+    same writes from a trainer's ranks instead of a checkpoint
+    (``mxload.orchestrator.runtime.refit``).
 
 * :class:`EngineReloader` is the driver side for an RL loop: it calls those methods on
   every worker and checks the answers (all ranks at one version, no address moved since
@@ -639,6 +642,7 @@ class MxloadWorkerExtension:
         engine: str | None = None,
         storage_options: Mapping[str, Any] | None = None,
         load: bool = False,
+        trainer: Mapping[str, Any] | None = None,
     ) -> dict[str, Any]:
         facts = vllm_facts(self.vllm_config, engine)  # type: ignore[attr-defined]
         runner = self.model_runner  # type: ignore[attr-defined]
@@ -651,7 +655,20 @@ class MxloadWorkerExtension:
         self._mxload = Attachment(src, facts, params, storage_options=storage_options, maps=maps)
         if load:  # an engine started with load_format="dummy" gets its weights from mxload
             self._mxload.load(storage_options=storage_options)
+        if trainer is not None:  # updates come from the trainer's ranks (refit)
+            self._mxload.attach_trainer(trainer)
         return self._mxload.status(checksums=False)
+
+    def mxload_refit(
+        self,
+        step: int,
+        manifest_hash: str,
+        delta_of: int | None = None,
+        staging_budget: int | None = None,
+    ) -> dict[str, Any]:
+        return self._attached().refit(
+            step, manifest_hash, delta_of=delta_of, staging_budget=staging_budget
+        )
 
     def mxload_reload(
         self,
@@ -713,6 +730,18 @@ class EngineReloader:
                 f"reload from {src}: ranks disagree: identities {sorted(idents)}, "
                 f"inconsistent ranks {[r['rank'] for r in reports if not r['consistent']]}; "
                 "run the reload again to complete it"
+            )
+        return reports
+
+    def refit(self, step: int, manifest_hash: str, **kwargs: Any) -> list[dict[str, Any]]:
+        """Every worker receives trainer step ``step`` (the trainer's ranks send it with
+        ``MxloadSender.send_weights`` meanwhile); RunError unless all ranks end at it."""
+        reports = self._call("mxload_refit", args=(step, manifest_hash), kwargs=kwargs)
+        idents = {r["identity"] for r in reports}
+        if len(idents) != 1 or not all(r["consistent"] for r in reports):
+            raise RunError(
+                f"refit to step {step}: ranks disagree: identities {sorted(idents)}; send "
+                "the next step to complete it"
             )
         return reports
 

@@ -232,7 +232,9 @@ def expected(ckpts, which: str) -> list[dict[str, Any]]:
     return [expected_rank(ref, REF, r, like=like) for r in range(LAYOUT.world)]
 
 
-def test_refits_are_byte_exact_in_place_and_read_back_as_the_step(engine, trainers, ckpts, manifest):
+def test_refits_are_byte_exact_in_place_and_read_back_as_the_step(
+    engine, trainers, ckpts, manifest
+):
     h = manifest.digest()
     ptrs = engine.ptrs()
     want = {w: expected(ckpts, w) for w in ("bf16-1", "bf16-2")}
@@ -254,7 +256,9 @@ def test_refits_are_byte_exact_in_place_and_read_back_as_the_step(engine, traine
         a.reload(ckpts["bf16-2"])
     for r in range(LAYOUT.world):
         a, b = engine.held(r), other.held(r)
-        assert [n for n in a if not torch.equal(a[n].view(torch.uint8), b[n].view(torch.uint8))] == []
+        assert [
+            n for n in a if not torch.equal(a[n].view(torch.uint8), b[n].view(torch.uint8))
+        ] == []
 
 
 def test_sender_side_conversion_agrees_and_sends_fewer_bytes(engine, trainers, ckpts, manifest):
@@ -343,7 +347,9 @@ def test_a_killed_sender_is_named_and_leaves_inconsistent_until_the_next_update(
     assert any("bucket 2 of" in m for m in msgs), msgs  # header, buckets 0 and 1 arrived
     status = [a.status(checksums=False) for a in engine.ranks]
     assert not any(s["consistent"] for s in status)
-    assert all(s["units"]["stale_count"] == len(a.loader.plan.units) for s, a in zip(status, engine.ranks))
+    assert all(
+        s["units"]["stale_count"] == len(a.loader.plan.units) for s, a in zip(status, engine.ranks)
+    )
 
     # The trainer restarts its rank, both sides form the group again, the next step repairs.
     trainers.start(1)
