@@ -51,6 +51,22 @@ def shards(tensors: dict[str, torch.Tensor], rank: int, world: int) -> dict[str,
     return out
 
 
+def die_after(sender: MxloadSender, messages: int) -> None:
+    """Kill this process (SIGKILL) when the sender is about to send message
+    ``messages`` (0-based) of its send: a trainer rank dying mid-update."""
+    transport = sender.sender.transport
+    real = transport.send
+    count = [0]
+
+    def send(peer: int, buf: torch.Tensor) -> None:
+        if count[0] == messages:
+            os.kill(os.getpid(), signal.SIGKILL)
+        count[0] += 1
+        real(peer, buf)
+
+    transport.send = send
+
+
 def main() -> None:
     rank, world = int(sys.argv[1]), int(sys.argv[2])
     torch.set_num_threads(1)
@@ -88,18 +104,7 @@ def main() -> None:
                     params.update({n: other[n] for n in mix["tensors"] if n in other})
                 die = cmd.get("die_after")
                 if die is not None:
-                    transport = sender.sender.transport
-                    real = transport.send
-                    count = [0]
-
-                    def send(peer: int, buf: torch.Tensor) -> None:
-                        if count[0] == die:
-                            sys.stdout.flush()
-                            os.kill(os.getpid(), signal.SIGKILL)
-                        count[0] += 1
-                        real(peer, buf)
-
-                    transport.send = send
+                    die_after(sender, die)
                 reply = {
                     "ok": True,
                     **sender.send_weights(

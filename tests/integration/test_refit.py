@@ -52,7 +52,7 @@ def shapes_of(path: str) -> dict[str, tuple[int, ...]]:
     for f in sorted(os.listdir(path)):
         if f.endswith(".safetensors"):
             with safe_open(os.path.join(path, f), "pt") as st:
-                for n in st.keys():  # noqa: SIM118 - safe_open has no __iter__
+                for n in st.keys():
                     out[n] = tuple(st.get_slice(n).get_shape())
     return out
 
@@ -268,7 +268,7 @@ def test_sender_side_conversion_agrees_and_sends_fewer_bytes(engine, trainers, c
     try:
         got, sent = step(trainers, mx_engine, "B", 1, ckpts["bf16-1"], h)
         assert not [g for g in got if isinstance(g, BaseException)], got
-        ref_got, ref_sent = step(trainers, engine, "A", 4, ckpts["bf16-1"], h)
+        _, ref_sent = step(trainers, engine, "A", 4, ckpts["bf16-1"], h)
         want = expected(ckpts, "bf16-1")
         for r in range(LAYOUT.world):
             assert compare_rank(want[r], mx_engine.held(r)) == []
@@ -287,7 +287,7 @@ def test_delta_restamps_unchanged_tensors(engine, trainers, ckpts, manifest):
     assert not [g for g in got if isinstance(g, BaseException)], got
     full = sum(g["bytes_received"] for g in got)
     layer1 = [t.name for t in manifest.tensors if ".layers.1." in t.name]
-    got, sent = step(
+    got, _ = step(
         trainers,
         engine,
         "A",
@@ -348,13 +348,14 @@ def test_a_killed_sender_is_named_and_leaves_inconsistent_until_the_next_update(
     status = [a.status(checksums=False) for a in engine.ranks]
     assert not any(s["consistent"] for s in status)
     assert all(
-        s["units"]["stale_count"] == len(a.loader.plan.units) for s, a in zip(status, engine.ranks)
+        s["units"]["stale_count"] == len(a.loader.plan.units)
+        for s, a in zip(status, engine.ranks, strict=True)
     )
 
     # The trainer restarts its rank, both sides form the group again, the next step repairs.
     trainers.start(1)
     join(trainers, engine, "A", ckpts, trainer_form(manifest))
-    got, sent = step(trainers, engine, "A", 8, ckpts["bf16-2"], h)
+    got, _ = step(trainers, engine, "A", 8, ckpts["bf16-2"], h)
     assert not [g for g in got if isinstance(g, BaseException)], got
     want = expected(ckpts, "bf16-2")
     for r in range(LAYOUT.world):
