@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import sys
 import traceback
 from typing import Any
@@ -30,6 +31,13 @@ from mxload.orchestrator.plan.trainer import fsdp_manifest
 from mxload.orchestrator.plan.types import ParallelLayout
 from mxload.orchestrator.runtime.refit import MxloadSender
 from safetensors.torch import load_file
+
+
+def free_port() -> int:
+    """A loopback port free now (the refit group's rendezvous)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 def read_checkpoint(path: str) -> dict[str, torch.Tensor]:

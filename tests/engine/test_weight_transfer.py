@@ -171,8 +171,7 @@ def test_trainer_form_through_vllm_factory_and_worker(ckpt_factory, monkeypatch)
     from mxload.orchestrator.plan.trainer import fsdp_manifest, manifest_to_json
     from mxload.orchestrator.runtime.refit import MxloadSender
 
-    from tests.integration.test_refit import free_port
-    from tests.refit_trainer import read_checkpoint, shards
+    from tests.refit_trainer import free_port, read_checkpoint, shards
 
     fp8 = ckpt_factory("qwen3-moe-tiny", seed=1)
     twins = {s: ckpt_factory("qwen3-moe-tiny", seed=s, bf16=True) for s in (1, 2)}

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -31,6 +30,7 @@ from mxload.orchestrator.runtime.catalog import open_checkpoint
 from safetensors import safe_open
 
 from tests.reference_model import Layout, RefCheckpoint, compare_rank, expected_rank
+from tests.refit_trainer import free_port
 from tests.unit.test_engine_ext import _engine_model
 
 pytestmark = pytest.mark.slow
@@ -39,12 +39,6 @@ ROOT = Path(__file__).resolve().parents[2]
 LAYOUT = ParallelLayout(tp=2, dp=2, enable_expert_parallel=True)
 REF = Layout(tp=2, dp=2, ep=True)
 BUCKET = 64 << 10
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def shapes_of(path: str) -> dict[str, tuple[int, ...]]:

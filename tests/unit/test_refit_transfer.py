@@ -1,0 +1,165 @@
+"""The refit's wire, without an engine: the transports and the byte bookkeeping.
+
+* every transport kind moves byte messages in order between two members, and a peer
+  that is gone is named (shared memory: its pid; torch.distributed: its socket);
+* the transfer plan's pieces, packed by the sender and scattered by the receiver, give
+  every range the loader reads exactly the bytes of the gathered tensor (checked against
+  slicing the whole tensor, not against the plan's own arithmetic).
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+from typing import Any
+
+import pytest
+import torch
+from mxload.orchestrator.errors import RunError
+from mxload.orchestrator.plan.planner import build_plan
+from mxload.orchestrator.plan.ranges import ByteRange
+from mxload.orchestrator.plan.refit import _cut, buckets, refit_plan, wire_checkpoint
+from mxload.orchestrator.plan.trainer import fsdp_manifest
+from mxload.orchestrator.plan.types import ParallelLayout
+from mxload.orchestrator.runtime.catalog import open_checkpoint
+from mxload.orchestrator.runtime.reload import plan_for
+from mxload.workers.transfer.transports import ShmTransport, make_transport
+from mxload.workers.transfer.wire import ReceiveArea, pack
+
+from tests.refit_trainer import free_port, read_checkpoint, shards
+
+
+def _exchange(make: Any, messages: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Member 0 sends ``messages`` to member 1 (each side on its own thread)."""
+    got = [torch.empty_like(m) for m in messages]
+    ends: list[Any] = [None, None]
+    errors: list[BaseException] = []
+
+    def side(member: int) -> None:
+        try:
+            ends[member] = t = make(member)
+            for m, g in zip(messages, got, strict=True):
+                t.send(1, m) if member == 0 else t.recv(0, g)
+        except BaseException as err:
+            errors.append(err)
+
+    threads = [threading.Thread(target=side, args=(m,)) for m in (0, 1)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(timeout=60)
+    for t in ends:
+        if t is not None:
+            t.close()
+    assert not errors, errors
+    return got
+
+
+MESSAGES = [torch.randint(0, 256, (n,), dtype=torch.uint8) for n in (72, 4096, 1, 65536, 300)]
+
+
+@pytest.mark.parametrize("kind", ["gloo", "shm"])
+def test_transport_moves_messages_in_order(kind: str, tmp_path) -> None:
+    port = free_port()
+
+    def make(member: int) -> Any:
+        if kind == "shm":
+            return ShmTransport(
+                member, 1, 2, slot_bytes=1 << 16, group="t", directory=str(tmp_path)
+            )
+        return make_transport(
+            kind,
+            addresses=[f"127.0.0.1:{port}"],
+            member=member,
+            senders=1,
+            size=2,
+            group="t",
+            timeout_s=20,
+            bucket_bytes=1 << 16,
+        )
+
+    got = _exchange(make, MESSAGES)
+    assert all(torch.equal(a, b) for a, b in zip(MESSAGES, got, strict=True))
+    if kind == "shm":
+        assert list(tmp_path.iterdir()) == []  # the sender removed its segment
+
+
+def test_shm_names_a_sender_that_is_gone(tmp_path) -> None:
+    tx = ShmTransport(0, 1, 2, slot_bytes=64, group="g", directory=str(tmp_path))
+    rx = ShmTransport(1, 1, 2, slot_bytes=64, group="g", directory=str(tmp_path), timeout_s=5)
+    _, head = tx._maps[(0, 1)]
+    head[2] = 2**22 + 12345  # a pid no process has: the sender's process is gone
+    with pytest.raises(RunError, match=r"member 0 .*is gone"):
+        rx.recv(0, torch.empty(8, dtype=torch.uint8))
+    rx.close()
+    tx.close()
+
+
+def test_unknown_transport_is_refused_naming_it() -> None:
+    with pytest.raises(Exception, match="transport 'carrier-pigeon'"):
+        make_transport(
+            "carrier-pigeon",
+            addresses=[],
+            member=0,
+            senders=1,
+            size=2,
+            group="g",
+            timeout_s=1,
+            bucket_bytes=1,
+        )
+
+
+def test_cut_gives_exactly_the_bytes_inside() -> None:
+    rng = random.Random(7)
+    for _ in range(500):
+        length = rng.randint(1, 9)
+        count = rng.randint(1, 6)
+        stride = length + rng.randint(0, 5) if count > 1 else length
+        r = ByteRange(rng.randint(0, 20), length, stride, count)
+        a = rng.randint(0, 60)
+        b = a + rng.randint(0, 40)
+        want = [(i, x) for i, x in enumerate(x for s, n in r.segments() for x in range(s, s + n))]
+        want = [(i, x) for i, x in want if a <= x < b]
+        got = []
+        for off, part in _cut(r, a, b):
+            got += [
+                (off + i, x)
+                for i, x in enumerate(x for s, n in part.segments() for x in range(s, s + n))
+            ]
+        assert sorted(got) == want, (r, a, b)
+
+
+def test_packed_pieces_give_every_read_range_the_gathered_bytes(ckpt_factory) -> None:
+    fp8 = open_checkpoint(ckpt_factory("qwen3-moe-tiny", seed=1))
+    twin = ckpt_factory("qwen3-moe-tiny", seed=1, bf16=True)
+    full = read_checkpoint(twin)
+    manifest = fsdp_manifest({n: tuple(t.shape) for n, t in full.items()}, 3)
+    held = build_plan(
+        fp8.config, ParallelLayout(tp=2, dp=2, enable_expert_parallel=True), checkpoint=fp8
+    )
+    wire = wire_checkpoint(fp8.config, manifest)
+    new = plan_for(held, wire, wire.root, fused=True)
+    bucket = 5000
+    plan = refit_plan(new, manifest, bucket_bytes=bucket)
+    local = {s: shards(full, s, 3) for s in range(3)}
+    for r in range(held.layout.world):
+        area = ReceiveArea(plan, r)
+        for link in plan.links_of_receiver(r):
+            flat = {
+                n: t.contiguous().reshape(-1).view(torch.uint8)
+                for n, t in local[link.sender].items()
+            }
+            for b in buckets(link.pieces, bucket):
+                buf = torch.empty(bucket, dtype=torch.uint8)
+                n = pack(b, flat.__getitem__, buf)
+                assert n <= bucket
+                area.scatter(b, buf[:n])
+        store = area.storage()
+        for ur in new.ranks[r].reads or ():
+            for pr in ur.parts:
+                out = bytearray(pr.weight.nbytes)
+                store.read_ranges_into(pr.file, [pr.weight], memoryview(out))
+                whole = full[pr.file].contiguous().reshape(-1).view(torch.uint8)
+                want = b"".join(bytes(whole[s : s + k].numpy()) for s, k in pr.weight.segments())
+                assert bytes(out) == want, (r, pr.file)
+        assert sum(n.range.nbytes for n in plan.needed[r]) == plan.area_bytes[r]
