@@ -1,392 +1,640 @@
-"""The transfer plan of a refit: who sends which slice of which tensor to whom. Pure.
+"""The transfer plan of a refit: which trainer rank sends which slice of which tensor to
+which engine rank, in buckets, and what that costs in bytes per link and staging. Pure.
 
-A refit is a reload whose bytes come from a trainer's ranks (docs/contract.md §4
-"Refit"). The trainer's memory is described to the planner as a checkpoint of its own
-(:func:`wire_checkpoint`): one "file" per tensor as it crosses the wire, BF16 as the
-trainer holds it, or, with ``convert_on="sender"``, each linear the engine holds as MXFP8
-already converted (E4M3 payload ``X.weight`` and E8M0 scales ``X.weight_scale``). The
-existing planner then gives every engine rank its byte ranges of those files, and
-:func:`refit_plan` cuts each range by the trainer ranks holding it into pieces: a
-strided byte range of one sender's local bytes landing at an offset of one receiver's
-receive area (laid out sender by sender). Both sides compute the same plan; its
-:attr:`RefitPlan.digest` travels with every transfer.
+The engine side is the ordinary plan (``planner.build_plan``): every rank's units and
+their parts, each part a rectangle ``rows x cols`` of one checkpoint tensor's ``[N, K]``
+view. The trainer side is a :class:`~.trainer.TrainerManifest` (docs/contract.md
+"Trainer sources"). A part is cut where the trainer's slices cut it; each piece is sent
+by the rank holding it, once per engine node: ranks of one node that need the same
+rectangle (TP-replicated KV heads, data-parallel replicas packed on one node) get it
+through the node's shared memory from the rank it lands on.
 
-Executed by ``mxload.orchestrator.runtime.refit`` over ``mxload.workers.transfer``.
+Units the engine holds in MXFP8 are converted on the way: on the receiver (BF16 on the
+wire, as a BF16 checkpoint's reload converts) or on the sender (E4M3 plus one E8M0 byte
+per 32 values along K on the wire, 33/64 of BF16). A sender can only convert groups it
+holds whole, so with ``convert_on="sender"`` a piece whose K range does not start and
+end on the receiver's 32-column groups is refused at plan time.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
-from collections.abc import Iterable, Mapping, Sequence
+import bisect
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Literal
 
-from ..errors import InputError, LayoutError
-from .checkpoint import CheckpointMeta, build_meta
-from .config import ModelConfig, QuantConfig
+from ..errors import InputError
 from .formats import MX_GROUP
-from .ranges import ByteRange
-from .safetensors_header import FileHeader, TensorInfo
+from .memory import ConvertOptions, unit_cost
 from .trainer import TrainerManifest, TrainerTensor
-from .types import Plan
+from .types import Part, Plan, Unit
 
 ConvertOn = Literal["receiver", "sender"]
-WireKind = Literal["raw", "mx_payload", "mx_scale"]
+CONVERT_ON: tuple[ConvertOn, ...] = ("receiver", "sender")
 
-WIRE_ROOT = "trainer://"
-"""The root of a trainer source (what ``status`` names as the source of a refit)."""
+MX_LAYOUTS = ("mx_linear", "mx_moe")
+"""Buffer layouts the engine holds in MXFP8: their units are converted on the way."""
 
-WIRE_DTYPES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}
-MX_SCALE_SUFFIX = "_scale"
-DEFAULT_BUCKET_BYTES = 64 << 20
+DEFAULT_BUCKET_BYTES = 256 << 20
+"""Bytes one sender packs into one bucket (one message on one link). A sender holds at
+most two (one filling or converting, one on the wire)."""
+
+DEFAULT_DEVICES_PER_NODE = 16
+"""Engine ranks per node when the caller does not say (the CLI's ``--devices-per-node``)."""
 
 
 @dataclass(frozen=True)
-class WireFile:
-    """One file of the wire form: a trainer tensor's bytes as they are sent."""
+class Transfer:
+    """One piece: ``rows x cols`` of ``tensor``'s ``[N, K]`` view (docs/contract.md §6:
+    1-D tensors are ``[1, n]``, more dims ``[N, prod(rest)]``), sent by trainer rank
+    ``sender`` to engine rank ``receivers[0]``, which passes it on to the other
+    ``receivers`` (all on its node) through shared memory."""
 
-    name: str
+    sender: int
+    receivers: tuple[int, ...]
     tensor: str
-    """The trainer tensor it is made from (its manifest name)."""
-    kind: WireKind
-    """``raw``: the trainer's own bytes; ``mx_payload`` / ``mx_scale``: its MXFP8
-    conversion (docs/contract.md §2.2), row for row."""
-    row_bytes: int
-    """Bytes of one dim-0 row on the wire."""
+    rows: tuple[int, int]
+    cols: tuple[int, int]
+    shard_origin: tuple[int, int]
+    """Where the sender's shard starts in the ``[N, K]`` view: the piece is rows
+    ``rows - shard_origin[0]`` and cols ``cols - shard_origin[1]`` of the shard's own
+    ``[n, k]`` view."""
+    nbytes: int
+    """Bytes on the wire."""
+    source_bytes: int
+    """Bytes of the piece in the trainer's dtype."""
+    mx: bool
+    """The engine holds it in MXFP8 (converted on the sender or on the receiver)."""
+    on_sender: bool
+    """Converted on the sender: the wire holds E4M3 then the E8M0 scales, row-major
+    ``[rows, cols]`` and ``[rows, cols / 32]``."""
+
+    @property
+    def receiver(self) -> int:
+        """The engine rank the piece lands on."""
+        return self.receivers[0]
 
 
 @dataclass(frozen=True)
-class Piece:
-    """Bytes one sender sends one receiver: ``src`` of the sender's local bytes of wire
-    file ``file`` (its dim-0 slice), landing contiguously at ``dst`` of the receive area."""
+class Bucket:
+    """Transfers one sender packs into one message to one receiver (the landing rank),
+    in order; ``index`` counts the sender's buckets in the order it sends them."""
 
-    file: str
-    src: ByteRange
-    dst: int
+    sender: int
+    receiver: int
+    index: int
+    transfers: tuple[Transfer, ...]
 
     @property
     def nbytes(self) -> int:
-        return self.src.nbytes
-
-
-@dataclass(frozen=True)
-class Needed:
-    """One byte range a receiver's loader reads, and where its bytes land in the area:
-    ``chunks`` of (offset in the range's bytes, area offset, bytes), in order."""
-
-    file: str
-    range: ByteRange
-    chunks: tuple[tuple[int, int, int], ...]
+        return sum(t.nbytes for t in self.transfers)
 
 
 @dataclass(frozen=True)
 class Link:
-    sender: int
-    receiver: int
-    pieces: tuple[Piece, ...]
+    """Bytes from one trainer node to one engine node (``same_node``: the two are one
+    machine, and the bytes move through shared memory or device IPC)."""
+
+    sender_node: int
+    receiver_node: int
+    nbytes: int
 
     @property
-    def nbytes(self) -> int:
-        return sum(p.nbytes for p in self.pieces)
+    def same_node(self) -> bool:
+        return self.sender_node == self.receiver_node
+
+
+@dataclass(frozen=True)
+class RefitSummary:
+    """What a refit moves, without its per-piece list (:func:`refit_summary`)."""
+
+    convert_on: ConvertOn
+    bucket_bytes: int
+    manifest_digest: str
+    links: tuple[Link, ...]
+    needed_bytes: int
+    """Bytes the engine nodes need in the trainer's dtype, each element once per node."""
+    wire_bytes: int
+    """Bytes over all links (== ``needed_bytes`` with ``convert_on="receiver"``)."""
+    mx_needed_bytes: int
+    """The part of ``needed_bytes`` held in MXFP8 by the engine."""
+    mx_wire_bytes: int
+    """What those bytes are on the wire."""
+    fanout_bytes: tuple[int, ...]
+    """Per engine node, bytes passed on in shared memory to a second, third... rank of
+    the node that needs the same piece (not on any link)."""
+    receiver_nodes: tuple[int, ...]
+    """Per engine rank, its node."""
+    receiver_bytes: tuple[int, ...]
+    """Per engine rank, wire bytes of the pieces landing on it."""
+    receiver_staging: tuple[int, ...]
+    """Per engine rank, peak staging bytes: one unit's received bytes and its conversion
+    output, plus the next unit's bytes arriving meanwhile."""
+    sender_bytes: tuple[int, ...]
+    """Per trainer rank, bytes it sends."""
+    sender_staging: tuple[int, ...]
+    """Per trainer rank, peak bytes of its buckets in flight: two consecutive buckets."""
+    sender_buckets: tuple[int, ...]
+    """Per trainer rank, how many buckets it sends."""
+    sender_convert_bytes: tuple[int, ...]
+    """Per trainer rank, bytes (its dtype) it converts to MXFP8 (none on the receiver)."""
+    receiver_mx_bytes: tuple[int, ...]
+    """Per engine rank, bytes of its MX units as they arrive: what it converts (BF16),
+    or repacks (MXFP8, converted on the sender)."""
+    transfers: int
+    """Pieces sent (after splitting pieces larger than a bucket)."""
+    unused_tensors: tuple[str, ...] = ()
+    """Manifest tensors no engine rank holds (not sent)."""
+
+    @property
+    def wire_ratio(self) -> float:
+        return self.wire_bytes / self.needed_bytes if self.needed_bytes else 1.0
+
+    @property
+    def receiver_node_bytes(self) -> dict[int, int]:
+        """Bytes each engine node takes in, over all links."""
+        out: dict[int, int] = {}
+        for link in self.links:
+            out[link.receiver_node] = out.get(link.receiver_node, 0) + link.nbytes
+        return out
 
 
 @dataclass(frozen=True)
 class RefitPlan:
-    """Every link of a refit, and each receiver's area."""
+    """The whole transfer plan: the summary and every bucket, by sender then index."""
 
-    manifest_hash: str
-    convert_on: ConvertOn
-    bucket_bytes: int
-    senders: int
-    receivers: int
-    files: tuple[WireFile, ...]
-    links: tuple[Link, ...]
-    """One per (sender, receiver) with bytes to move, sender-major."""
-    area_bytes: tuple[int, ...]
-    """Per receiver, the bytes of its receive area (what it needs of the trainer)."""
-    needed: tuple[tuple[Needed, ...], ...]
-    """Per receiver, every range its loader reads."""
-    sender_offsets: tuple[tuple[int, ...], ...]
-    """Per receiver, where each sender's pieces start in the area."""
-    digest: str = ""
+    summary: RefitSummary
+    buckets: tuple[Bucket, ...]
 
-    def links_of_sender(self, sender: int) -> list[Link]:
-        return [k for k in self.links if k.sender == sender]
+    def transfers_to(self, rank: int) -> tuple[Transfer, ...]:
+        """Every piece engine rank ``rank`` needs (landing on it or passed on to it)."""
+        return tuple(t for b in self.buckets for t in b.transfers if rank in t.receivers)
 
-    def links_of_receiver(self, receiver: int) -> list[Link]:
-        return [k for k in self.links if k.receiver == receiver]
-
-    def file_info(self) -> dict[str, WireFile]:
-        return {f.name: f for f in self.files}
-
-    def wire_bytes(self) -> int:
-        return sum(k.nbytes for k in self.links)
-
-
-def mx_tensors(held: Plan) -> frozenset[str]:
-    """The tensors the engine holds as MXFP8 (every part of an MX unit): the ones a
-    sender converts when ``convert_on="sender"``."""
-    return frozenset(
-        p.tensor_name
-        for r in held.ranks
-        for u in r.units
-        if u.layout in ("mx_linear", "mx_moe")
-        for p in u.parts
-    )
-
-
-def wire_files(
-    manifest: TrainerManifest, convert_on: ConvertOn, mx: Iterable[str] = ()
-) -> tuple[WireFile, ...]:
-    """The wire files of ``manifest``'s tensors (``mx``: those converted by the sender)."""
-    mx = frozenset(mx) if convert_on == "sender" else frozenset()
-    out: list[WireFile] = []
-    for t in manifest.tensors:
-        row = t.nbytes // t.shape[0]
-        if t.name in mx:
-            k = t.shape[-1]
-            if len(t.shape) != 2 or k % MX_GROUP:
-                raise LayoutError(
-                    f"trainer tensor {t.name!r} {list(t.shape)}: the engine holds it as "
-                    f"MXFP8, which needs [N, K] with K a multiple of {MX_GROUP}"
-                )
-            out.append(WireFile(t.name, t.name, "mx_payload", k))
-            out.append(WireFile(t.name + MX_SCALE_SUFFIX, t.name, "mx_scale", k // MX_GROUP))
-        else:
-            out.append(WireFile(t.name, t.name, "raw", row))
-    return tuple(out)
-
-
-def wire_checkpoint(
-    config: ModelConfig,
-    manifest: TrainerManifest,
-    *,
-    convert_on: ConvertOn = "receiver",
-    mx: Iterable[str] = (),
-) -> CheckpointMeta:
-    """The trainer's memory as the planner reads a checkpoint: one file per wire file,
-    its bytes at offset 0 (validated as a checkpoint is)."""
-    files = wire_files(manifest, convert_on, mx)
-    by_name = manifest.by_name()
-    headers: dict[str, FileHeader] = {}
-    for f in files:
-        t = by_name[f.tensor]
-        if f.kind == "raw":
-            dtype, shape = WIRE_DTYPES[t.dtype], t.shape
-        elif f.kind == "mx_payload":
-            dtype, shape = "F8_E4M3", t.shape
-        else:
-            dtype, shape = "U8", (t.shape[0], t.shape[-1] // MX_GROUP)
-        nbytes = f.row_bytes * t.shape[0]
-        info = TensorInfo(f.name, dtype, tuple(shape), f.name, 0, nbytes)
-        headers[f.name] = FileHeader(f.name, nbytes, 0, 0, {f.name: info}, {})
-    quant = (
-        QuantConfig(kind="mxfp8")
-        if convert_on == "sender" and any(f.kind != "raw" for f in files)
-        else QuantConfig(kind="none")
-    )
-    wire_config = replace(config, quant=quant)
-    root = WIRE_ROOT + manifest.digest()
-    meta = build_meta(root, wire_config, {f.name: f.name for f in files}, headers)
-    return replace(meta, fingerprint=trainer_fingerprint(manifest.digest()))
-
-
-def trainer_fingerprint(manifest_hash: str) -> str:
-    """What units written by a refit record as their checkpoint (with the step)."""
-    return f"trainer-{manifest_hash}"
-
-
-def _holders(t: TrainerTensor, f: WireFile, receiver: int) -> list[tuple[int, int, int]]:
-    """(sender, first byte, end byte) of the file's global bytes each sender gives."""
-    split = [s for s in t.placement if s.dim is not None]
-    if not split:
-        one = t.placement[receiver % len(t.placement)]
-        return [(one.rank, 0, f.row_bytes * t.shape[0])]
-    if split[0].dim != 0:
-        raise LayoutError(
-            f"trainer tensor {t.name!r}: split along dim {split[0].dim}; refits take dim-0 "
-            "slices (FSDP2) and whole tensors"
-        )
-    return [(s.rank, s.start * f.row_bytes, s.stop * f.row_bytes) for s in split]
-
-
-def _cut(rng: ByteRange, a: int, b: int) -> list[tuple[int, ByteRange]]:
-    """The parts of ``rng`` inside global bytes ``[a, b)``: (offset in the range's own
-    bytes, range of those bytes, still global)."""
-    s, n, count = rng.start, rng.length, rng.count
-    if not n or not count or b <= a:
-        return []
-    if count == 1:
-        lo, hi = max(s, a), min(s + n, b)
-        return [(lo - s, ByteRange(lo, hi - lo, hi - lo, 1))] if lo < hi else []
-    step = rng.stride
-    first = max(0, -(-(a - s - n + 1) // step))
-    last = min(count - 1, (b - 1 - s) // step)
-    if first > last:
-        return []
-    out: list[tuple[int, ByteRange]] = []
-
-    def inside(i: int) -> bool:
-        return s + i * step >= a and s + i * step + n <= b
-
-    i0 = first if inside(first) else first + 1
-    i1 = last if inside(last) else last - 1
-    if not inside(first):
-        lo, hi = max(s + first * step, a), min(s + first * step + n, b)
-        out.append((first * n + lo - s - first * step, ByteRange(lo, hi - lo, hi - lo, 1)))
-    if i0 <= i1:
-        out.append((i0 * n, ByteRange(s + i0 * step, n, step, i1 - i0 + 1)))
-    if last != first and not inside(last):
-        lo, hi = s + last * step, min(s + last * step + n, b)
-        out.append((last * n, ByteRange(lo, hi - lo, hi - lo, 1)))
-    return out
-
-
-def _split(rng: ByteRange, limit: int) -> list[tuple[int, ByteRange]]:
-    """``rng`` in ranges of at most ``limit`` bytes: (offset in its bytes, range)."""
-    if rng.nbytes <= limit:
-        return [(0, rng)]
-    out: list[tuple[int, ByteRange]] = []
-    if rng.count == 1 or rng.length > limit:
-        at = 0
-        for seg_start, seg_len in rng.segments():
-            for o in range(0, seg_len, limit):
-                m = min(limit, seg_len - o)
-                out.append((at + o, ByteRange(seg_start + o, m, m, 1)))
-            at += seg_len
-        return out
-    per = limit // rng.length
-    for i in range(0, rng.count, per):
-        c = min(per, rng.count - i)
-        out.append(
-            (i * rng.length, ByteRange(rng.start + i * rng.stride, rng.length, rng.stride, c))
-        )
-    return out
+    def buckets_of(self, sender: int) -> tuple[Bucket, ...]:
+        return tuple(b for b in self.buckets if b.sender == sender)
 
 
 def refit_plan(
     plan: Plan,
     manifest: TrainerManifest,
     *,
-    convert_on: ConvertOn = "receiver",
+    convert_on: str = "receiver",
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-    mx: Iterable[str] = (),
+    devices_per_node: int = DEFAULT_DEVICES_PER_NODE,
+    receiver_nodes: Sequence[int] | None = None,
 ) -> RefitPlan:
-    """Who sends which slice to whom. ``plan``: the engine's plan of the wire checkpoint
-    (``build_plan(..., checkpoint=wire_checkpoint(...))``, its reads per rank); ``mx``:
-    the tensors converted by the sender (``convert_on="sender"``, :func:`mx_tensors`)."""
-    if bucket_bytes < 1:
-        raise InputError(f"bucket bytes {bucket_bytes} must be positive", key="bucket_bytes")
-    files = wire_files(manifest, convert_on, mx)
-    info = {f.name: f for f in files}
-    tensors = manifest.by_name()
-    # receiver -> sender -> [(needed index, offset in range, global range)]
-    receivers = len(plan.ranks)
-    links: list[Link] = []
-    needed_all: list[tuple[Needed, ...]] = []
-    area: list[int] = []
-    offsets: list[tuple[int, ...]] = []
-    per_link: dict[tuple[int, int], list[Piece]] = {}
-    for rp in plan.ranks:
-        r = rp.rank
-        ranges: list[tuple[str, ByteRange]] = []
-        seen: set[tuple[str, ByteRange]] = set()
-        for ur in rp.reads or ():
-            for pr in ur.parts:
-                for file, rng in ((pr.file, pr.weight), (pr.scale_file or pr.file, pr.scale)):
-                    if rng is None or (file, rng) in seen:
-                        continue
-                    if file not in info:
-                        raise InputError(f"rank {r} reads {file!r}, not a trainer tensor")
-                    seen.add((file, rng))
-                    ranges.append((file, rng))
-        cuts: dict[int, list[tuple[int, int, str, ByteRange, int]]] = {}
-        for n, (file, rng) in enumerate(ranges):
-            f = info[file]
-            for sender, a, b in _holders(tensors[f.tensor], f, r):
-                for off, part in _cut(rng, a, b):
-                    local = replace(part, start=part.start - a)
-                    for o2, sub in _split(local, bucket_bytes):
-                        cuts.setdefault(sender, []).append((n, off + o2, file, sub, 0))
-        chunks: list[list[tuple[int, int, int]]] = [[] for _ in ranges]
-        at = 0
-        starts = []
-        for sender in range(manifest.world):
-            starts.append(at)
-            pieces = []
-            for n, off, file, sub, _ in cuts.get(sender, []):
-                pieces.append(Piece(file, sub, at))
-                chunks[n].append((off, at, sub.nbytes))
-                at += sub.nbytes
-            if pieces:
-                per_link[(sender, r)] = pieces
-        area.append(at)
-        offsets.append(tuple(starts))
-        needed = []
-        for (file, rng), ch in zip(ranges, chunks, strict=True):
-            ch.sort()
-            if sum(c[2] for c in ch) != rng.nbytes:
+    """The transfer plan of refitting ``plan``'s ranks from ``manifest``'s trainer.
+
+    Engine rank ``r`` is on node ``receiver_nodes[r]`` (default ``r // devices_per_node``,
+    as the driver packs ranks); trainer rank ``s`` on ``manifest.node_of(s)``: node
+    numbers name the same machines on both sides (a colocated trainer shares them).
+    InputError, one line naming the tensor and rank: a tensor the engine needs that the
+    manifest lacks or shapes otherwise, a slice that is no rectangle of the ``[N, K]``
+    view, a cut a sender cannot convert (``convert_on="sender"``)."""
+    walk = _Walk(plan, manifest, convert_on, bucket_bytes, devices_per_node, receiver_nodes)
+    walk.run(detail=True)
+    return RefitPlan(summary=walk.summary(), buckets=walk.buckets())
+
+
+def refit_summary(
+    plan: Plan,
+    manifest: TrainerManifest,
+    *,
+    convert_on: str = "receiver",
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    devices_per_node: int = DEFAULT_DEVICES_PER_NODE,
+    receiver_nodes: Sequence[int] | None = None,
+) -> RefitSummary:
+    """:func:`refit_plan`'s summary alone, without building its pieces (a plan of a large
+    model has millions of them): the same walk, the same checks and figures."""
+    walk = _Walk(plan, manifest, convert_on, bucket_bytes, devices_per_node, receiver_nodes)
+    walk.run(detail=False)
+    return walk.summary()
+
+
+def needed_shapes(plan: Plan) -> dict[str, tuple[int, ...]]:
+    """Every tensor some rank of ``plan`` holds a part of, with the shape the config
+    predicts for it (what a trainer holding the same model holds): the input of
+    ``trainer.fsdp_manifest`` / ``megatron_manifest`` for a manifest on paper."""
+    shapes: dict[str, tuple[int, ...]] = {}
+    for rank in range(len(plan.summaries) or len(plan.ranks)):
+        for unit in plan.ranks[rank].units:
+            for part in unit.parts:
+                if not part.source_shape:
+                    raise InputError(
+                        f"the plan does not say the shape of tensor {part.tensor_name!r}",
+                        tensor=part.tensor_name,
+                    )
+                shapes.setdefault(part.tensor_name, part.source_shape)
+    return shapes
+
+
+# --- the walk -----------------------------------------------------------------------------
+
+
+def matrix_shape(shape: Sequence[int]) -> tuple[int, int]:
+    """``[N, K]`` of a tensor as parts address it (``readplan``'s view)."""
+    if len(shape) == 1:
+        return 1, shape[0]
+    return shape[0], math.prod(shape[1:])
+
+
+@dataclass(frozen=True)
+class _Held:
+    """One trainer rank's rectangle of a tensor's ``[N, K]`` view."""
+
+    rank: int
+    node: int
+    rows: tuple[int, int]
+    cols: tuple[int, int]
+
+
+@dataclass(frozen=True)
+class _Source:
+    """A manifest tensor as the walk cuts parts by it."""
+
+    tensor: TrainerTensor
+    n: int
+    k: int
+    split: Literal["rows", "cols", "whole"]
+    held: tuple[_Held, ...]
+    """Sorted along the split."""
+    starts: tuple[int, ...]
+
+
+def _source(t: TrainerTensor, manifest: TrainerManifest) -> _Source:
+    n, k = matrix_shape(t.shape)
+    held: list[_Held] = []
+    split: Literal["rows", "cols", "whole"] = "whole"
+    for s in t.placement:
+        if s.dim is None:
+            held.append(_Held(s.rank, manifest.node_of(s.rank), (0, n), (0, k)))
+        elif s.dim == 0 and len(t.shape) >= 2:
+            split = "rows"
+            held.append(_Held(s.rank, manifest.node_of(s.rank), (s.start, s.stop), (0, k)))
+        elif math.prod(t.shape[1 : s.dim]) == 1:
+            # A slice along dim d is a column range of [N, K] when every dim between
+            # 0 and d is 1 wide (a 1-D tensor's dim 0, a matrix's dim 1).
+            inner = math.prod(t.shape[s.dim + 1 :])
+            split = "cols"
+            held.append(
+                _Held(s.rank, manifest.node_of(s.rank), (0, n), (s.start * inner, s.stop * inner))
+            )
+        else:
+            raise InputError(
+                f"trainer manifest: tensor {t.name!r}: rank {s.rank}'s slice along dim "
+                f"{s.dim} of {list(t.shape)} is no column range of its [N, K] view; a refit "
+                "takes slices along dim 0 or dim 1"
+            )
+    if split == "rows":
+        held.sort(key=lambda h: h.rows)
+        starts = tuple(h.rows[0] for h in held)
+    elif split == "cols":
+        held.sort(key=lambda h: h.cols)
+        starts = tuple(h.cols[0] for h in held)
+    else:
+        starts = ()
+    return _Source(t, n, k, split, tuple(held), starts)
+
+
+class _Streams:
+    """The buckets of every (sender, landing receiver) stream, filled greedily in the
+    order pieces come: sizes are tracked, not kept (first, last, largest, largest two
+    in a row, count), which is all the senders' staging needs."""
+
+    def __init__(self, senders: int, receivers: int, bucket_bytes: int) -> None:
+        n = senders * receivers
+        self.receivers = receivers
+        self.cap = bucket_bytes
+        self.fill = [0] * n
+        self.first = [0] * n
+        self.last = [0] * n
+        self.single = [0] * n
+        self.pair = [0] * n
+        self.count = [0] * n
+
+    def add(self, key: int, nbytes: int) -> bool:
+        """Put ``nbytes`` into stream ``key``'s open bucket; True when a bucket closed
+        first (it would have grown past the cap)."""
+        f = self.fill[key]
+        closed = bool(f) and f + nbytes > self.cap
+        if closed:
+            self.close(key)
+            f = 0
+        self.fill[key] = f + nbytes
+        return closed
+
+    def close(self, key: int) -> None:
+        f = self.fill[key]
+        if not f:
+            return
+        if self.count[key]:
+            self.pair[key] = max(self.pair[key], self.last[key] + f)
+        else:
+            self.first[key] = f
+        self.last[key] = f
+        self.single[key] = max(self.single[key], f)
+        self.count[key] += 1
+        self.fill[key] = 0
+
+    def per_sender(self, sender: int, order: Sequence[int]) -> tuple[int, int]:
+        """(buckets, peak of two in flight) of ``sender``, its streams sent in ``order``
+        of receivers."""
+        count = peak = prev = 0
+        for r in order:
+            key = sender * self.receivers + r
+            self.close(key)
+            if not self.count[key]:
+                continue
+            peak = max(peak, self.single[key], self.pair[key])
+            if prev:
+                peak = max(peak, prev + self.first[key])
+            prev = self.last[key]
+            count += self.count[key]
+        return count, peak
+
+
+class _Walk:
+    """Every receiver's parts, node by node, cut by the trainer's slices: pieces counted
+    (and kept when ``detail``), bucketed per (sender, landing receiver)."""
+
+    def __init__(
+        self,
+        plan: Plan,
+        manifest: TrainerManifest,
+        convert_on: str,
+        bucket_bytes: int,
+        devices_per_node: int,
+        receiver_nodes: Sequence[int] | None,
+    ) -> None:
+        if convert_on not in CONVERT_ON:
+            raise InputError(f"convert_on {convert_on!r} is not one of {', '.join(CONVERT_ON)}")
+        if bucket_bytes < 1:
+            raise InputError(f"bucket bytes {bucket_bytes} must be at least 1")
+        if devices_per_node < 1:
+            raise InputError(f"devices per node {devices_per_node} must be at least 1")
+        self.plan = plan
+        self.manifest = manifest
+        self.on_sender = convert_on == "sender"
+        self.convert_on: ConvertOn = "sender" if self.on_sender else "receiver"
+        self.bucket_bytes = bucket_bytes
+        world = len(plan.summaries) or len(plan.ranks)
+        if receiver_nodes is None:
+            self.rnode = tuple(r // devices_per_node for r in range(world))
+        else:
+            if len(receiver_nodes) != world:
                 raise InputError(
-                    f"rank {r}: the trainer's ranks do not hold every byte of {file!r} it "
-                    "needs (the manifest's placement leaves a gap)",
-                    tensor=file,
+                    f"receiver nodes name {len(receiver_nodes)} ranks, the plan has {world}"
                 )
-            needed.append(Needed(file, rng, tuple(ch)))
-        needed_all.append(tuple(needed))
-    for sender in range(manifest.world):
-        for r in range(receivers):
-            if (sender, r) in per_link:
-                links.append(Link(sender, r, tuple(per_link[(sender, r)])))
-    out = RefitPlan(
-        manifest_hash=manifest.digest(),
-        convert_on=convert_on,
-        bucket_bytes=bucket_bytes,
-        senders=manifest.world,
-        receivers=receivers,
-        files=files,
-        links=tuple(links),
-        area_bytes=tuple(area),
-        needed=tuple(needed_all),
-        sender_offsets=tuple(offsets),
+            self.rnode = tuple(receiver_nodes)
+        self.world = world
+        self.nodes = max(self.rnode, default=-1) + 1
+        self.order = sorted(range(world), key=lambda r: (self.rnode[r], r))
+        # Tensors sharing a placement (and shape) share its rectangles.
+        shared: dict[tuple[int, tuple[int, ...]], _Source] = {}
+        self.sources: dict[str, _Source] = {}
+        for t in manifest.tensors:
+            like = shared.get((id(t.placement), t.shape))
+            if like is None:
+                like = shared[(id(t.placement), t.shape)] = _source(t, manifest)
+            self.sources[t.name] = replace(like, tensor=t)
+        self.used: set[str] = set()
+        # bytes from each trainer rank to each engine node
+        self.to_node = [[0] * self.nodes for _ in range(manifest.world)]
+        self.needed = self.wire = self.mx_needed = self.mx_wire = 0
+        self.fanout = [0] * self.nodes
+        self.receiver_bytes = [0] * world
+        self.receiver_staging = [0] * world
+        self.receiver_mx = [0] * world
+        self.sender_convert = [0] * manifest.world
+        self.streams = _Streams(manifest.world, world, bucket_bytes)
+        self.count = 0
+        self.detail = False
+        # detail: per stream, its closed buckets' records and the open one's
+        self.open: dict[int, list[list[object]]] = {}
+        self.done: dict[int, list[list[list[object]]]] = {}
+
+    def run(self, *, detail: bool) -> None:
+        self.detail = detail
+        # Pieces already on a node: (tensor, rows, cols) -> their records (detail).
+        on_node: dict[int, dict[tuple[str, tuple[int, int], tuple[int, int]], list[object]]] = {}
+        for rank in self.order:
+            node = self.rnode[rank]
+            seen = on_node.setdefault(node, {})
+            units = self.plan.ranks[rank].units
+            wires = []
+            for unit in units:
+                mx = unit.layout in MX_LAYOUTS
+                unit_wire = 0
+                for part in unit.parts:
+                    src = self._check(part, unit, rank)
+                    wire = self._wire(part.nrows, part.ncols, src, mx)
+                    unit_wire += wire
+                    if mx:
+                        self.receiver_mx[rank] += wire
+                    key = (part.tensor_name, part.rows, part.cols)
+                    got = seen.get(key)
+                    if got is not None:
+                        self.fanout[node] += wire
+                        for rec in got:
+                            assert isinstance(rec, list)
+                            rec[1].append(rank)
+                        continue
+                    # The slices cover each tensor once (the manifest is checked so):
+                    # the pieces of a part add up to it.
+                    source = part.nrows * part.ncols * src.tensor.itemsize
+                    self.needed += source
+                    self.wire += wire
+                    if mx:
+                        self.mx_needed += source
+                        self.mx_wire += wire
+                    self.receiver_bytes[rank] += wire
+                    seen[key] = self._cut(part, src, mx, rank, node)
+                wires.append(unit_wire)
+            self.receiver_staging[rank] = self._staging(units, wires)
+
+    def _check(self, part: Part, unit: Unit, rank: int) -> _Source:
+        name = part.tensor_name
+        src = self.sources.get(name)
+        if src is None:
+            raise InputError(
+                f"trainer manifest: tensor {name!r} (for {unit.buffer} on engine rank {rank}) "
+                "is not in the manifest",
+                tensor=name,
+                rank=rank,
+            )
+        want = part.source_shape and matrix_shape(part.source_shape)
+        if (want and want != (src.n, src.k)) or part.rows[1] > src.n or part.cols[1] > src.k:
+            raise InputError(
+                f"trainer manifest: tensor {name!r} has shape {list(src.tensor.shape)}, "
+                f"engine rank {rank} needs rows {list(part.rows)} x cols {list(part.cols)} of "
+                f"{list(part.source_shape) or '?'}",
+                tensor=name,
+                rank=rank,
+            )
+        self.used.add(name)
+        return src
+
+    def _wire(self, rows: int, cols: int, src: _Source, mx: bool) -> int:
+        if mx and self.on_sender:
+            return rows * (cols + -(-cols // MX_GROUP))
+        return rows * cols * src.tensor.itemsize
+
+    def _cut(self, part: Part, src: _Source, mx: bool, rank: int, node: int) -> list[object]:
+        """The pieces of a part no rank of ``node`` had yet: counted on their links and
+        in their senders' buckets (and kept, in detail)."""
+        (r0, r1), (c0, c1) = part.rows, part.cols
+        if src.split == "whole":
+            near = [h for h in src.held if h.node == node]
+            pool = near or list(src.held)
+            held: Sequence[_Held] = [pool[node % len(pool)]]
+        else:
+            lo, hi = (r0, r1) if src.split == "rows" else (c0, c1)
+            first = max(0, bisect.bisect_right(src.starts, lo) - 1)
+            last = bisect.bisect_left(src.starts, hi)
+            held = src.held[first:last]
+        records: list[object] = []
+        check = mx and self.on_sender
+        cap = self.bucket_bytes
+        add = self.streams.add
+        to_node = self.to_node
+        detail = self.detail
+        base = rank
+        world = self.world
+        width = row_wire = 0
+        for h in held:
+            a, b = h.rows
+            x, y = h.cols
+            a = r0 if r0 > a else a
+            b = r1 if r1 < b else b
+            x = c0 if c0 > x else x
+            y = c1 if c1 < y else y
+            if a >= b or x >= y:
+                continue
+            if check and ((x - c0) % MX_GROUP or ((y - c0) % MX_GROUP and y != c1)):
+                raise InputError(
+                    f"trainer manifest: tensor {part.tensor_name!r}: trainer rank {h.rank} "
+                    f"holds cols {list(h.cols)}, which cuts an MX group of engine rank "
+                    f"{rank}'s cols {list(part.cols)} (K groups of {MX_GROUP} from {c0}): "
+                    "a sender cannot convert it; convert on the receiver or cut at a group",
+                    tensor=part.tensor_name,
+                    rank=rank,
+                )
+            if y - x != width:
+                width = y - x
+                row_wire = self._wire(1, width, src, mx)
+            wire = (b - a) * row_wire
+            to_node[h.rank][node] += wire
+            if check:
+                self.sender_convert[h.rank] += (b - a) * (y - x) * src.tensor.itemsize
+            key = h.rank * world + base
+            if wire <= cap and not detail:
+                add(key, wire)
+                self.count += 1
+                continue
+            per = cap // row_wire
+            if per < 1:
+                raise InputError(
+                    f"bucket bytes {cap} are below one row of tensor {part.tensor_name!r} "
+                    f"on the wire ({row_wire} bytes, for engine rank {rank})",
+                    tensor=part.tensor_name,
+                    rank=rank,
+                )
+            for i in range(a, b, per):
+                j = min(b, i + per)
+                nbytes = (j - i) * row_wire
+                closed = add(key, nbytes)
+                self.count += 1
+                if detail:
+                    if closed:
+                        self.done.setdefault(key, []).append(self.open.pop(key))
+                    source = (j - i) * (y - x) * src.tensor.itemsize
+                    rec: list[object] = [h, [rank], part.tensor_name, (i, j), (x, y)]
+                    rec += [nbytes, source, mx]
+                    self.open.setdefault(key, []).append(rec)
+                    records.append(rec)
+        return records
+
+    def _staging(self, units: Sequence[Unit], wires: Sequence[int]) -> int:
+        """Peak staging of one receiver: a unit's received bytes and conversion output
+        (``memory.unit_cost``: MX payload and scales unless the sender converted), plus
+        the next unit's bytes arriving while it is written."""
+        opts = ConvertOptions(source_quant="mxfp8" if self.on_sender else "none")
+        peak = 0
+        cost: dict[tuple[int, int, str, bool, int], int] = {}
+        for i, (u, w) in enumerate(zip(units, wires, strict=True)):
+            quantized = self.on_sender and u.layout in MX_LAYOUTS
+            ckey = (u.rows, u.cols, u.layout, quantized, w)
+            here = cost.get(ckey)
+            if here is None:
+                here = cost[ckey] = unit_cost(replace(u, quantized=quantized), u.rows, w, opts).pool
+            peak = max(peak, here + (wires[i + 1] if i + 1 < len(wires) else 0))
+        return peak
+
+    # -- results ------------------------------------------------------------------------
+
+    def summary(self) -> RefitSummary:
+        staging = [0] * self.manifest.world
+        counts = [0] * self.manifest.world
+        for s in range(self.manifest.world):
+            counts[s], staging[s] = self.streams.per_sender(s, self.order)
+        links: dict[tuple[int, int], int] = {}
+        for s, row in enumerate(self.to_node):
+            for node, nbytes in enumerate(row):
+                if nbytes:
+                    key = (self.manifest.node_of(s), node)
+                    links[key] = links.get(key, 0) + nbytes
+        return RefitSummary(
+            convert_on=self.convert_on,
+            bucket_bytes=self.bucket_bytes,
+            manifest_digest=self.manifest.digest(),
+            links=tuple(Link(s, r, n) for (s, r), n in sorted(links.items())),
+            needed_bytes=self.needed,
+            wire_bytes=self.wire,
+            mx_needed_bytes=self.mx_needed,
+            mx_wire_bytes=self.mx_wire,
+            fanout_bytes=tuple(self.fanout),
+            receiver_nodes=self.rnode,
+            receiver_bytes=tuple(self.receiver_bytes),
+            receiver_staging=tuple(self.receiver_staging),
+            sender_bytes=tuple(sum(row) for row in self.to_node),
+            sender_staging=tuple(staging),
+            sender_buckets=tuple(counts),
+            sender_convert_bytes=tuple(self.sender_convert),
+            receiver_mx_bytes=tuple(self.receiver_mx),
+            transfers=self.count,
+            unused_tensors=tuple(sorted(set(self.sources) - self.used)),
+        )
+
+    def buckets(self) -> tuple[Bucket, ...]:
+        for key, recs in self.open.items():
+            self.done.setdefault(key, []).append(recs)
+        out: list[Bucket] = []
+        for sender in range(self.manifest.world):
+            index = 0
+            for rank in self.order:
+                for recs in self.done.get(sender * self.world + rank, []):
+                    transfers = tuple(_transfer(r, self.on_sender) for r in recs)
+                    out.append(Bucket(sender, rank, index, transfers))
+                    index += 1
+        return tuple(out)
+
+
+def _transfer(rec: list[object], on_sender: bool) -> Transfer:
+    h, receivers, tensor, rows, cols, wire, source, mx = rec
+    assert isinstance(h, _Held) and isinstance(receivers, list)
+    assert isinstance(tensor, str) and isinstance(wire, int) and isinstance(source, int)
+    assert isinstance(rows, tuple) and isinstance(cols, tuple) and isinstance(mx, bool)
+    return Transfer(
+        sender=h.rank,
+        receivers=tuple(receivers),
+        tensor=tensor,
+        rows=rows,
+        cols=cols,
+        shard_origin=(h.rows[0], h.cols[0]),
+        nbytes=wire,
+        source_bytes=source,
+        mx=mx,
+        on_sender=mx and on_sender,
     )
-    return replace(out, digest=_digest(out))
-
-
-def _digest(p: RefitPlan) -> str:
-    h = hashlib.sha256()
-    head = [p.manifest_hash, p.convert_on, p.bucket_bytes, p.senders, p.receivers]
-    h.update(json.dumps(head).encode())
-    for k in p.links:
-        h.update(f"{k.sender}>{k.receiver}".encode())
-        for pc in k.pieces:
-            s = pc.src
-            h.update(f"{pc.file}:{s.start},{s.length},{s.stride},{s.count}@{pc.dst};".encode())
-    return h.hexdigest()[:15]
-
-
-def buckets(
-    pieces: Sequence[Piece], bucket_bytes: int, skip: frozenset[str] = frozenset()
-) -> list[tuple[Piece, ...]]:
-    """A link's pieces, those of files in ``skip`` left out (unchanged tensors of a delta),
-    in buckets of at most ``bucket_bytes`` (a piece is never larger: :func:`refit_plan`),
-    in order. Both sides compute the same buckets."""
-    out: list[tuple[Piece, ...]] = []
-    cur: list[Piece] = []
-    size = 0
-    for p in pieces:
-        if p.file in skip:
-            continue
-        if cur and size + p.nbytes > bucket_bytes:
-            out.append(tuple(cur))
-            cur, size = [], 0
-        cur.append(p)
-        size += p.nbytes
-    if cur:
-        out.append(tuple(cur))
-    return out
-
-
-def unchanged_files(plan: RefitPlan, changed: Mapping[str, bool]) -> frozenset[str]:
-    """The wire files of the trainer tensors flagged unchanged (to skip)."""
-    return frozenset(f.name for f in plan.files if not changed.get(f.tensor, True))

@@ -53,13 +53,14 @@ from .readplan import (
     predicted_reads,
     share_key,
 )
+from .refit import RefitSummary
 from .sharing import (
     ClassItem,
     RankTraffic,
     class_traffic,
     share_classes,
 )
-from .types import Plan, ReadGroup, StagingEstimate, Unit, UnitReads
+from .types import Plan, RankClass, ReadGroup, StagingEstimate, Unit, UnitReads
 
 GB = 1e9
 
@@ -94,6 +95,42 @@ REQUEST_CONCURRENCY = 16
 
 MAX_REQUEST_BYTES = 32 << 20
 """Longest remote request ``Storage`` sends; a longer coalesced range is split."""
+
+
+GLOO_BYTES_PER_S = 2 * GB
+"""torch.distributed's gloo backend, one node's sends or receives: ~2 GB/s, as measured
+on this project's test machine (host memory over TCP)."""
+
+SHM_BYTES_PER_S = 6.7 * GB
+"""Host shared memory within a node (buffers exported once, copied by the receiver):
+6.7 GB/s, as measured on this project's test machine."""
+
+DEVICE_IPC_BYTES_PER_S = 50 * GB
+"""Device to device within a node (HCCS, NVLink; HCCL/NCCL's intra-node path), per
+node: an estimate until measured, a fraction of the links' peak."""
+
+RAY_PULL_BYTES_PER_S = 2.5 * GB
+"""A node pulling objects from other nodes' Ray object stores: an estimate until
+measured (Ray's object manager moves objects in chunks over gRPC, well under the
+NIC's rate); within a node Ray's store is shared memory."""
+
+NPU_REPACK_BYTES_PER_S = 200 * GB
+"""One NPU repacking MXFP8 that arrived already converted into its kernel layout (a
+permute over HBM, a few passes at 1.6 TB/s): an estimate until measured."""
+
+CPU_REPACK_BYTES_PER_S = 2 * GB
+"""One CPU core repacking MXFP8 (one strided copy per byte): an estimate until
+measured."""
+
+TRAINER_LINKS: dict[str, tuple[float, float]] = {
+    "hccl": (NETWORK_NODE_BYTES_PER_S, DEVICE_IPC_BYTES_PER_S),
+    "nccl": (NETWORK_NODE_BYTES_PER_S, DEVICE_IPC_BYTES_PER_S),
+    "gloo": (GLOO_BYTES_PER_S, GLOO_BYTES_PER_S),
+    "ray": (RAY_PULL_BYTES_PER_S, SHM_BYTES_PER_S),
+    "shm": (0.0, SHM_BYTES_PER_S),
+}
+"""Per link kind of a refit: (bytes/s a node sends or takes in from other nodes, bytes/s
+moved within a node). ``shm`` reaches no other node (0)."""
 
 
 @dataclass(frozen=True)
@@ -300,150 +337,11 @@ def plan_times(
     remote = bool(coalescing.get("remote")) if local is None else not local
     if policy is None:
         policy = REMOTE_POLICY if remote else LOCAL_POLICY
-    max_request = MAX_REQUEST_BYTES if remote else 0
-    # Classes share their unit (and reads) objects: each object is hashed by value and
-    # sized once, then known by a small int.
-    canon: dict[Hashable, int] = {}
-    item_of: dict[int, ClassItem] = {}
-
-    whole = policy.whole_rows
-
-    def cost(unit: Unit, reads: UnitReads | None) -> tuple[int, int, int]:
-        if reads is not None:
-            fetch, requests = predicted_reads((reads,), policy, max_request)
-            return reads.nbytes, fetch, requests
-        nbytes = estimated_fetch(unit, config, whole=whole)
-        return nbytes, nbytes, estimated_requests(unit, config, remote=remote, whole=whole)
-
-    def item_for(unit: Unit, reads: UnitReads | None) -> ClassItem:
-        o: Any = reads if reads is not None else unit
-        item = item_of.get(id(o))
-        if item is None:
-            fetched = reads.fetch_key if reads is not None else share_key(unit, whole=whole)
-            key = canon.setdefault(fetched, len(canon))
-            item = item_of[id(o)] = (key, *cost(unit, reads))
-        return item
-
-    windowed: dict[int, list[bool]] = {}
-
-    def windowed_of(sample: tuple[Unit, ...]) -> list[bool]:
-        """Per unit of a config-only sample: whether it is read as whole rows."""
-        got = windowed.get(id(sample))
-        if got is None:
-            got = windowed[id(sample)] = [share_key(u, whole=whole) is not u for u in sample]
-        return got
-
-    def slice_free(sample: tuple[Unit, ...], rows: list[bool]) -> bool:
-        """Whether the whole-row keys of a group's units name nothing but tensors and
-        whole source rows: every part of a unit read as whole rows covers its source's
-        rows, and its columns too unless the key leaves them out. Then ranks that hold
-        the same experts have the same keys, whichever slice of them each holds."""
-        for u, read_whole in zip(sample, rows, strict=True):
-            if not read_whole:
-                continue
-            key = share_key(u, whole=whole)
-            assert isinstance(key, tuple)
-            for p, (_, part_rows, part_cols) in zip(u.parts, key, strict=True):
-                src = p.source_shape
-                if len(src) != 2 or part_rows != (0, src[0]):
-                    return False
-                if part_cols is not None and part_cols != (0, src[1]):
-                    return False
-        return True
-
-    # A rank's own experts read as whole rows, by (block, the sample's costs, experts
-    # held): ranks holding the same experts read the same whole rows (see slice_free),
-    # and ranks whose samples cost the same count the same bytes for them.
-    expanded: dict[tuple[Any, ...], tuple[list[ClassItem], int, int, int]] = {}
-
-    # Classes whose shareable reads are the same (a TP rank's attention on every MoE
-    # rank) are one class for sharing; what only one rank reads is counted apart.
+    items = _Items(config, policy, remote)
+    sharing = _sharing(plan, items)
+    share = share_classes(nodes, sharing.of_rank, scope, sharing.class_items)
+    traffic, requests, units = class_traffic(share, sharing.class_items, sharing.private_of_rank)
     class_of_rank = [s.rank_class for s in plan.summaries]
-    members: list[list[int]] = [[] for _ in plan.classes]
-    for rank, k in enumerate(class_of_rank):
-        members[k].append(rank)
-    sharing_class: dict[tuple[ClassItem, ...], int] = {}
-    class_items: list[tuple[ClassItem, ...]] = []
-    of_rank = [0] * world
-    private_of_rank: list[tuple[int, int, int]] = [(0, 0, 0)] * world
-
-    def sharing_class_of(items: tuple[ClassItem, ...]) -> int:
-        sc = sharing_class.get(items)
-        if sc is None:
-            sc = sharing_class[items] = len(class_items)
-            class_items.append(items)
-        return sc
-
-    for k, rank_class in enumerate(plan.classes):
-        # The class's reads in unit order: items every member reads, and groups of each
-        # member's own experts whose whole rows other ranks read too (expanded per rank).
-        segments: list[list[ClassItem] | tuple[ReadGroup, list[ClassItem], list[bool], bool]]
-        segments = [[]]
-        fetch_p = requests_p = units_p = 0
-        for g in rank_class.groups:
-            sample = [
-                item_for(u, g.reads[j] if g.reads is not None else None)
-                for j, u in enumerate(g.units)
-            ]
-            if not g.private:
-                last = segments[-1]
-                if isinstance(last, list):
-                    last.extend(sample)
-                else:
-                    segments.append(sample)
-                continue
-            rows = windowed_of(g.units)
-            if not any(rows) or g.expand is None:
-                fetch_p += sum(c[2] for c in sample) * g.repeat
-                requests_p += sum(c[3] for c in sample) * g.repeat
-                units_p += sum(1 for c in sample if c[1]) * g.repeat
-                continue
-            segments.append((g, sample, rows, slice_free(g.units, rows)))
-        if len(segments) == 1 and isinstance(segments[0], list):
-            sc = sharing_class_of(tuple(segments[0]))
-            for rank in members[k]:
-                of_rank[rank] = sc
-                private_of_rank[rank] = (fetch_p, requests_p, units_p)
-            continue
-        for rank in members[k]:
-            items: list[ClassItem] = []
-            fetch_r, requests_r, units_r = fetch_p, requests_p, units_p
-            for seg in segments:
-                if isinstance(seg, list):
-                    items.extend(seg)
-                    continue
-                # Experts whose slices are read as whole rows: the other MoE ranks of the
-                # group read the same rows, so those are items of their own (keyed by the
-                # rows); the rest of the group is still this rank's alone.
-                g, sample, rows, free = seg
-                assert g.expand is not None
-                costs = tuple(c[1:] for c in sample)
-                memo = (id(g.expand), costs, plan.summaries[rank].experts) if free else None
-                got = expanded.get(memo) if memo is not None else None
-                if got is None:
-                    seg_items: list[ClassItem] = []
-                    seg_fetch = seg_requests = seg_units = 0
-                    n = len(g.units)
-                    for j, u in enumerate(g.expand(rank)):
-                        c = sample[j % n]
-                        if rows[j % n]:
-                            key = canon.setdefault(share_key(u, whole=whole), len(canon))
-                            seg_items.append((key, c[1], c[2], c[3]))
-                        else:
-                            seg_fetch += c[2]
-                            seg_requests += c[3]
-                            seg_units += 1 if c[1] else 0
-                    got = (seg_items, seg_fetch, seg_requests, seg_units)
-                    if memo is not None:
-                        expanded[memo] = got
-                items.extend(got[0])
-                fetch_r += got[1]
-                requests_r += got[2]
-                units_r += got[3]
-            of_rank[rank] = sharing_class_of(tuple(items))
-            private_of_rank[rank] = (fetch_r, requests_r, units_r)
-    share = share_classes(nodes, of_rank, scope, class_items)
-    traffic, requests, units = class_traffic(share, class_items, private_of_rank)
     convert = [plan.classes[k].bytes_needed for k in class_of_rank]
     # A rank keeps the reads of several steps in flight where its schedule reads ahead
     # that far (an object store): its units' waits overlap that many at a time.
@@ -451,18 +349,13 @@ def plan_times(
     serial = [n / d for n, d in zip(units, depth, strict=True)]
     times = predict(traffic, convert, nodes, rates, requests, serial)
     slowest = max(range(world), key=lambda r: times[r].load_seconds, default=0)
-    by_kind: dict[str, int] = {}
-    if world:
-        for g in plan.classes[class_of_rank[slowest]].groups:
-            for j, u in enumerate(g.units):
-                item = item_for(u, g.reads[j] if g.reads is not None else None)
-                by_kind[u.kind] = by_kind.get(u.kind, 0) + item[3] * g.repeat
+    by_kind = _requests_by_kind(plan.classes[class_of_rank[slowest]], items) if world else {}
     distinct: dict[Hashable, int] = {}
-    for its in class_items:
+    for its in sharing.class_items:
         for item in its:
             distinct[item[0]] = item[2]
     # What only one rank reads (its experts), once per rank.
-    private_fetch = sum(f for f, _, _ in private_of_rank)
+    private_fetch = sum(f for f, _, _ in sharing.private_of_rank)
     return {
         "share": scope,
         "devices_per_node": devices_per_node,
@@ -488,3 +381,332 @@ def plan_times(
         "predicted_load_seconds": max((t.load_seconds for t in times), default=0.0),
         "predicted_reload_seconds": max((t.reload_seconds for t in times), default=0.0),
     }
+
+
+class _Items:
+    """What a unit's reads cost and which reads are the same, for sharing
+    (``sharing.ClassItem``: share key, bytes, fetched bytes, requests).
+
+    Classes share their unit (and reads) objects: each object is hashed by value and
+    sized once, then known by a small int."""
+
+    def __init__(self, config: ModelConfig, policy: CoalescePolicy, remote: bool) -> None:
+        self.config = config
+        self.policy = policy
+        self.remote = remote
+        self.whole = policy.whole_rows
+        self.max_request = MAX_REQUEST_BYTES if remote else 0
+        self.canon: dict[Hashable, int] = {}
+        self.item_of: dict[int, ClassItem] = {}
+        self.windowed: dict[int, list[bool]] = {}
+        # A rank's own experts read as whole rows, by (block, the sample's costs, experts
+        # held): ranks holding the same experts read the same whole rows (see
+        # slice_free), and ranks whose samples cost the same count the same bytes.
+        self.expanded: dict[tuple[Any, ...], tuple[list[ClassItem], int, int, int]] = {}
+
+    def cost(self, unit: Unit, reads: UnitReads | None) -> tuple[int, int, int]:
+        if reads is not None:
+            fetch, requests = predicted_reads((reads,), self.policy, self.max_request)
+            return reads.nbytes, fetch, requests
+        nbytes = estimated_fetch(unit, self.config, whole=self.whole)
+        requests = estimated_requests(unit, self.config, remote=self.remote, whole=self.whole)
+        return nbytes, nbytes, requests
+
+    def item(self, unit: Unit, reads: UnitReads | None) -> ClassItem:
+        o: Any = reads if reads is not None else unit
+        item = self.item_of.get(id(o))
+        if item is None:
+            fetched = reads.fetch_key if reads is not None else share_key(unit, whole=self.whole)
+            key = self.canon.setdefault(fetched, len(self.canon))
+            item = self.item_of[id(o)] = (key, *self.cost(unit, reads))
+        return item
+
+    def key(self, unit: Unit) -> int:
+        """The share key of a config-only unit read as whole rows."""
+        return self.canon.setdefault(share_key(unit, whole=self.whole), len(self.canon))
+
+    def windowed_of(self, sample: tuple[Unit, ...]) -> list[bool]:
+        """Per unit of a config-only sample: whether it is read as whole rows."""
+        got = self.windowed.get(id(sample))
+        if got is None:
+            whole = self.whole
+            got = self.windowed[id(sample)] = [share_key(u, whole=whole) is not u for u in sample]
+        return got
+
+    def slice_free(self, sample: tuple[Unit, ...], rows: list[bool]) -> bool:
+        """Whether the whole-row keys of a group's units name nothing but tensors and
+        whole source rows: every part of a unit read as whole rows covers its source's
+        rows, and its columns too unless the key leaves them out. Then ranks that hold
+        the same experts have the same keys, whichever slice of them each holds."""
+        for u, read_whole in zip(sample, rows, strict=True):
+            if not read_whole:
+                continue
+            key = share_key(u, whole=self.whole)
+            assert isinstance(key, tuple)
+            for p, (_, part_rows, part_cols) in zip(u.parts, key, strict=True):
+                src = p.source_shape
+                if len(src) != 2 or part_rows != (0, src[0]):
+                    return False
+                if part_cols is not None and part_cols != (0, src[1]):
+                    return False
+        return True
+
+
+_Segment = list[ClassItem] | tuple[ReadGroup, list[ClassItem], list[bool], bool]
+"""A class's reads in unit order: items every member reads, or a group of each member's
+own experts whose whole rows other ranks read too (expanded per rank)."""
+
+
+@dataclass(frozen=True)
+class _Sharing:
+    """Every rank's sharing class (``of_rank``), the classes' shareable items, and
+    per rank (fetched bytes, requests, units) of what it alone reads."""
+
+    of_rank: list[int]
+    class_items: list[tuple[ClassItem, ...]]
+    private_of_rank: list[tuple[int, int, int]]
+
+
+def _sharing(plan: Plan, items: _Items) -> _Sharing:
+    """Classes whose shareable reads are the same (a TP rank's attention on every MoE
+    rank) are one class for sharing; what only one rank reads is counted apart."""
+    world = len(plan.summaries)
+    members: list[list[int]] = [[] for _ in plan.classes]
+    for rank, s in enumerate(plan.summaries):
+        members[s.rank_class].append(rank)
+    sharing_class: dict[tuple[ClassItem, ...], int] = {}
+    class_items: list[tuple[ClassItem, ...]] = []
+    of_rank = [0] * world
+    private_of_rank: list[tuple[int, int, int]] = [(0, 0, 0)] * world
+
+    def sharing_class_of(its: tuple[ClassItem, ...]) -> int:
+        sc = sharing_class.get(its)
+        if sc is None:
+            sc = sharing_class[its] = len(class_items)
+            class_items.append(its)
+        return sc
+
+    for k, rank_class in enumerate(plan.classes):
+        segments, private = _segments(rank_class, items)
+        if len(segments) == 1 and isinstance(segments[0], list):
+            sc = sharing_class_of(tuple(segments[0]))
+            for rank in members[k]:
+                of_rank[rank] = sc
+                private_of_rank[rank] = private
+            continue
+        for rank in members[k]:
+            its, private_r = _rank_items(plan, rank, segments, private, items)
+            of_rank[rank] = sharing_class_of(its)
+            private_of_rank[rank] = private_r
+    return _Sharing(of_rank, class_items, private_of_rank)
+
+
+def _segments(rank_class: RankClass, items: _Items) -> tuple[list[_Segment], tuple[int, int, int]]:
+    """A class's reads in unit order, and (fetched bytes, requests, units) of the groups
+    only each member reads, none of whose rows any other rank reads."""
+    segments: list[_Segment] = [[]]
+    fetch_p = requests_p = units_p = 0
+    for g in rank_class.groups:
+        sample = [
+            items.item(u, g.reads[j] if g.reads is not None else None)
+            for j, u in enumerate(g.units)
+        ]
+        if not g.private:
+            last = segments[-1]
+            if isinstance(last, list):
+                last.extend(sample)
+            else:
+                segments.append(sample)
+            continue
+        rows = items.windowed_of(g.units)
+        if not any(rows) or g.expand is None:
+            fetch_p += sum(c[2] for c in sample) * g.repeat
+            requests_p += sum(c[3] for c in sample) * g.repeat
+            units_p += sum(1 for c in sample if c[1]) * g.repeat
+            continue
+        segments.append((g, sample, rows, items.slice_free(g.units, rows)))
+    return segments, (fetch_p, requests_p, units_p)
+
+
+def _rank_items(
+    plan: Plan,
+    rank: int,
+    segments: Sequence[_Segment],
+    private: tuple[int, int, int],
+    items: _Items,
+) -> tuple[tuple[ClassItem, ...], tuple[int, int, int]]:
+    """One member's shareable items and what it alone reads, its own experts' groups
+    expanded."""
+    out: list[ClassItem] = []
+    fetch_r, requests_r, units_r = private
+    for seg in segments:
+        if isinstance(seg, list):
+            out.extend(seg)
+            continue
+        # Experts whose slices are read as whole rows: the other MoE ranks of the
+        # group read the same rows, so those are items of their own (keyed by the
+        # rows); the rest of the group is still this rank's alone.
+        g, sample, rows, free = seg
+        assert g.expand is not None
+        costs = tuple(c[1:] for c in sample)
+        memo = (id(g.expand), costs, plan.summaries[rank].experts) if free else None
+        got = items.expanded.get(memo) if memo is not None else None
+        if got is None:
+            seg_items: list[ClassItem] = []
+            seg_fetch = seg_requests = seg_units = 0
+            n = len(g.units)
+            for j, u in enumerate(g.expand(rank)):
+                c = sample[j % n]
+                if rows[j % n]:
+                    seg_items.append((items.key(u), c[1], c[2], c[3]))
+                else:
+                    seg_fetch += c[2]
+                    seg_requests += c[3]
+                    seg_units += 1 if c[1] else 0
+            got = (seg_items, seg_fetch, seg_requests, seg_units)
+            if memo is not None:
+                items.expanded[memo] = got
+        out.extend(got[0])
+        fetch_r += got[1]
+        requests_r += got[2]
+        units_r += got[3]
+    return tuple(out), (fetch_r, requests_r, units_r)
+
+
+def _requests_by_kind(rank_class: RankClass, items: _Items) -> dict[str, int]:
+    """A class's units' requests by unit kind (a shared read counted for every user)."""
+    by_kind: dict[str, int] = {}
+    for g in rank_class.groups:
+        for j, u in enumerate(g.units):
+            item = items.item(u, g.reads[j] if g.reads is not None else None)
+            by_kind[u.kind] = by_kind.get(u.kind, 0) + item[3] * g.repeat
+    return by_kind
+
+
+# --- refit from a trainer's memory ---------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RefitRates:
+    """A refit's rates (bytes per second): ``network`` a node's sends or receipts from
+    other nodes, ``same_node`` what moves within one node (links whose sender and
+    receiver share a node, and pieces passed on to a node's other ranks), ``convert``
+    one rank converting BF16 to MXFP8 (source bytes), ``repack`` one engine rank laying
+    out MXFP8 converted on the sender (wire bytes)."""
+
+    link: str = "hccl"
+    network: float = NETWORK_NODE_BYTES_PER_S
+    same_node: float = DEVICE_IPC_BYTES_PER_S
+    convert: float = NPU_CONVERT_BYTES_PER_S
+    repack: float = NPU_REPACK_BYTES_PER_S
+
+    def __post_init__(self) -> None:
+        for name in ("same_node", "convert", "repack"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"refit rate {name} must be > 0, got {getattr(self, name)}")
+        if not self.network >= 0:
+            raise ValueError(f"refit rate network must be >= 0, got {self.network}")
+
+    @classmethod
+    def for_link(
+        cls, link: str, *, network: float | None = None, device: str = "npu", **rates: float
+    ) -> RefitRates:
+        """The rates of link kind ``link`` (:data:`TRAINER_LINKS`), its network rate
+        replaced by ``network`` where given (not for ``shm``, which has none), and the
+        conversion rates of ``device`` unless given."""
+        if link not in TRAINER_LINKS:
+            raise ValueError(f"link {link!r} is not one of {', '.join(TRAINER_LINKS)}")
+        net, same = TRAINER_LINKS[link]
+        cpu = device == "cpu"
+        return cls(
+            link=link,
+            network=net if network is None or link == "shm" else network,
+            same_node=rates.get("same_node", same),
+            convert=rates.get(
+                "convert", CPU_CONVERT_BYTES_PER_S if cpu else NPU_CONVERT_BYTES_PER_S
+            ),
+            repack=rates.get("repack", CPU_REPACK_BYTES_PER_S if cpu else NPU_REPACK_BYTES_PER_S),
+        )
+
+
+@dataclass(frozen=True)
+class RefitTime:
+    """Predicted seconds of one refit, itemised; the stages overlap bucket by bucket."""
+
+    network_seconds: float
+    """The busiest node's sends or receipts over the network, whichever is larger."""
+    same_node_seconds: float
+    """The busiest node's bytes within itself (same-node links and pieces passed on)."""
+    sender_convert_seconds: float
+    """The slowest trainer rank converting its MX pieces (0 converting on the receiver)."""
+    receiver_seconds: float
+    """The slowest engine rank converting (or repacking) its MX units."""
+    fill_seconds: float
+    """The pipeline's fill: one bucket through the stages before the slowest one ends."""
+    seconds: float
+    """max(network, same node, sender convert, receiver) + fill."""
+    slowest_node: int
+
+
+def refit_times(summary: RefitSummary, rates: RefitRates) -> RefitTime:
+    """Predicted seconds of a refit of ``summary`` (``refit.refit_summary``).
+
+    Every link carries its bytes at once: a node's network sends and receipts each
+    share its ``network`` rate (full duplex: the larger of the two bounds it), its
+    same-node bytes share ``same_node``; senders convert and receivers convert or
+    repack while buckets flow (each stage works on another bucket), so the refit takes
+    its slowest stage plus one bucket's way through the others (docs/time-model.md,
+    "Refit")."""
+    out: dict[int, int] = {}
+    into: dict[int, int] = {}
+    within = dict(enumerate(summary.fanout_bytes))
+    for link in summary.links:
+        if link.same_node:
+            within[link.receiver_node] = within.get(link.receiver_node, 0) + link.nbytes
+        else:
+            out[link.sender_node] = out.get(link.sender_node, 0) + link.nbytes
+            into[link.receiver_node] = into.get(link.receiver_node, 0) + link.nbytes
+    if (out or into) and rates.network <= 0:
+        crossing = sum(out.values())
+        raise ValueError(
+            f"link {rates.link} moves bytes within a node only; this refit sends {crossing} "
+            "bytes between nodes"
+        )
+    nodes = sorted(set(out) | set(into) | set(within))
+    net = {
+        n: max(out.get(n, 0), into.get(n, 0)) / rates.network if rates.network else 0.0
+        for n in nodes
+    }
+    same = {n: within.get(n, 0) / rates.same_node for n in nodes}
+    slowest = max(nodes, key=lambda n: max(net[n], same[n]), default=0)
+    sender = max(summary.sender_convert_bytes, default=0) / rates.convert
+    per = rates.repack if summary.convert_on == "sender" else rates.convert
+    receiver = max(summary.receiver_mx_bytes, default=0) / per
+    stages = {
+        "network": (max(net.values(), default=0.0), rates.network),
+        "same_node": (max(same.values(), default=0.0), rates.same_node),
+        "sender": (sender, rates.convert),
+        "receiver": (receiver, per),
+    }
+    slow = max(stages, key=lambda k: stages[k][0])
+    bucket = min(summary.bucket_bytes, max(summary.sender_bytes, default=0))
+    fill = sum(bucket / rate for k, (t, rate) in stages.items() if k != slow and t > 0 and rate > 0)
+    return RefitTime(
+        network_seconds=stages["network"][0],
+        same_node_seconds=stages["same_node"][0],
+        sender_convert_seconds=sender,
+        receiver_seconds=receiver,
+        fill_seconds=fill,
+        seconds=stages[slow][0] + fill,
+        slowest_node=slowest,
+    )
+
+
+def save_seconds(node_bytes: dict[int, int], rates: Rates) -> float:
+    """A trainer writing a checkpoint and fsyncing it: each node's bytes through its
+    link to the store, the whole through the store's aggregate, as a load reads them
+    (the same rates: ``Rates.storage_node``, ``Rates.storage_aggregate``)."""
+    node = max(node_bytes.values(), default=0) / rates.storage_node if rates.storage_node else 0.0
+    total = sum(node_bytes.values())
+    agg = total / rates.storage_aggregate if rates.storage_aggregate else 0.0
+    return max(node, agg)

@@ -72,11 +72,18 @@ class TrainerManifest:
                 f"trainer manifest: 'nodes' names {len(self.nodes)} ranks, world is {self.world}"
             )
         seen: set[str] = set()
+        # Tensors of one shape share their placement (fsdp_manifest builds it once per
+        # shape): a placement checked for a shape and dtype is checked for every tensor
+        # holding the same object.
+        checked: set[tuple[int, tuple[int, ...], str]] = set()
         for t in self.tensors:
             if t.name in seen:
                 raise InputError(f"trainer manifest: tensor {t.name!r} is listed twice")
             seen.add(t.name)
-            _check_tensor(t, self.world)
+            key = (id(t.placement), t.shape, t.dtype)
+            if key not in checked:
+                _check_tensor(t, self.world)
+                checked.add(key)
 
     def node_of(self, rank: int) -> int:
         return self.nodes[rank] if self.nodes else rank
@@ -84,10 +91,24 @@ class TrainerManifest:
     def by_name(self) -> dict[str, TrainerTensor]:
         return {t.name: t for t in self.tensors}
 
+    def node_bytes(self) -> dict[int, int]:
+        """Bytes each trainer node holds, a tensor held whole by several ranks counted
+        at its first (what a checkpoint of the trainer writes from each node)."""
+        out: dict[int, int] = {}
+        for t in self.tensors:
+            for s in t.placement:
+                if s.dim is None:
+                    node = self.node_of(s.rank)
+                    out[node] = out.get(node, 0) + t.nbytes
+                    break
+                part = t.nbytes * (s.stop - s.start) // t.shape[s.dim]
+                node = self.node_of(s.rank)
+                out[node] = out.get(node, 0) + part
+        return out
+
     def digest(self) -> str:
         """The manifest's hash: a refit's identity is (trainer step, this)."""
-        text = json.dumps(manifest_to_json(self), sort_keys=True, separators=(",", ":"))
-        return hashlib.sha256(text.encode()).hexdigest()[:16]
+        return hashlib.sha256(_canonical_json(self).encode()).hexdigest()[:16]
 
 
 def _check_tensor(t: TrainerTensor, world: int) -> None:
@@ -128,6 +149,15 @@ def _check_tensor(t: TrainerTensor, world: int) -> None:
         raise InputError(f"{where}: the slices end at {end}, the dim's size is not covered")
 
 
+def _placement_json(placement: tuple[TrainerSlice, ...]) -> list[dict[str, Any]]:
+    return [
+        {"rank": s.rank, "dim": s.dim, "start": s.start, "stop": s.stop}
+        if s.dim is not None
+        else {"rank": s.rank}
+        for s in placement
+    ]
+
+
 def manifest_to_json(m: TrainerManifest) -> dict[str, Any]:
     return {
         "world": m.world,
@@ -137,16 +167,32 @@ def manifest_to_json(m: TrainerManifest) -> dict[str, Any]:
                 "name": t.name,
                 "shape": list(t.shape),
                 "dtype": t.dtype,
-                "placement": [
-                    {"rank": s.rank, "dim": s.dim, "start": s.start, "stop": s.stop}
-                    if s.dim is not None
-                    else {"rank": s.rank}
-                    for s in t.placement
-                ],
+                "placement": _placement_json(t.placement),
             }
             for t in m.tensors
         ],
     }
+
+
+def _canonical_json(m: TrainerManifest) -> str:
+    """``json.dumps(manifest_to_json(m), sort_keys=True, separators=(",", ":"))``, built
+    tensor by tensor with each shared placement written once (a large model's manifest
+    has millions of slices in a few distinct placements)."""
+
+    def dump(value: Any) -> str:
+        return json.dumps(value, sort_keys=True, separators=(",", ":"))
+
+    placed: dict[int, str] = {}
+    tensors = []
+    for t in m.tensors:
+        p = placed.get(id(t.placement))
+        if p is None:
+            p = placed[id(t.placement)] = dump(_placement_json(t.placement))
+        tensors.append(
+            f'{{"dtype":{dump(t.dtype)},"name":{dump(t.name)},"placement":{p},'
+            f'"shape":{dump(list(t.shape))}}}'
+        )
+    return f'{{"nodes":{dump(list(m.nodes))},"tensors":[{",".join(tensors)}],"world":{m.world}}}'
 
 
 def _int(value: Any, what: str) -> int:
@@ -224,19 +270,69 @@ def _parse(data: Any) -> TrainerManifest:
 
 
 def fsdp_manifest(
-    shapes: Mapping[str, tuple[int, ...]], world: int, *, dtype: str = "bfloat16"
+    shapes: Mapping[str, tuple[int, ...]],
+    world: int,
+    *,
+    dtype: str = "bfloat16",
+    devices_per_node: int | None = None,
 ) -> TrainerManifest:
     """The manifest of FSDP2's placement: every tensor's dim 0 split over ``world`` ranks in
     ``torch.chunk``'s sizes (ceil(n / world) per rank, the last ones shorter or empty); a
-    tensor with fewer rows than ranks is held by the first ranks only."""
+    tensor with fewer rows than ranks is held by the first ranks only.
+    ``devices_per_node``: rank ``r`` on node ``r // devices_per_node`` (default: no
+    ``nodes``, every rank its own node)."""
+    by_rows: dict[int, tuple[TrainerSlice, ...]] = {}
     tensors = []
     for name, shape in shapes.items():
         rows = shape[0]
-        step = -(-rows // world)
-        slices = tuple(
-            TrainerSlice(rank=r, dim=0, start=r * step, stop=min(rows, (r + 1) * step))
-            for r in range(world)
-            if r * step < rows
-        )
+        slices = by_rows.get(rows)
+        if slices is None:
+            step = -(-rows // world)
+            slices = by_rows[rows] = tuple(
+                TrainerSlice(rank=r, dim=0, start=r * step, stop=min(rows, (r + 1) * step))
+                for r in range(world)
+                if r * step < rows
+            )
         tensors.append(TrainerTensor(name=name, shape=tuple(shape), dtype=dtype, placement=slices))
-    return TrainerManifest(world=world, tensors=tuple(tensors))
+    nodes = () if devices_per_node is None else _packed(world, devices_per_node)
+    return TrainerManifest(world=world, tensors=tuple(tensors), nodes=nodes)
+
+
+def _packed(world: int, devices_per_node: int) -> tuple[int, ...]:
+    if devices_per_node < 1:
+        raise InputError(f"trainer manifest: devices per node {devices_per_node} must be >= 1")
+    return tuple(r // devices_per_node for r in range(world))
+
+
+def megatron_manifest(
+    shapes: Mapping[str, tuple[int, ...]],
+    tp: int,
+    *,
+    dtype: str = "bfloat16",
+    row_parallel: Sequence[str] = ("o_proj.weight", "down_proj.weight"),
+    devices_per_node: int | None = None,
+) -> TrainerManifest:
+    """The manifest of Megatron's tensor parallelism over ``tp`` ranks, by Hugging Face
+    name (as a trainer exports it): a row-parallel linear (a name ending in one of
+    ``row_parallel``) split along dim 1, every other matrix (column-parallel linears,
+    the vocab-parallel embedding and head) along dim 0, in equal parts; 1-D tensors
+    (norms, biases) held whole by every rank. A dim that ``tp`` does not divide is
+    refused, naming the tensor (Megatron splits evenly)."""
+    tensors = []
+    for name, shape in shapes.items():
+        if len(shape) == 1:
+            whole = tuple(TrainerSlice(rank=r) for r in range(tp))
+            tensors.append(TrainerTensor(name, tuple(shape), dtype, whole))
+            continue
+        dim = 1 if name.endswith(tuple(row_parallel)) else 0
+        size = shape[dim]
+        if size % tp:
+            raise InputError(
+                f"trainer manifest: tensor {name!r}: dim {dim} of {list(shape)} does not "
+                f"split evenly over tp {tp}"
+            )
+        step = size // tp
+        slices = tuple(TrainerSlice(r, dim, r * step, (r + 1) * step) for r in range(tp))
+        tensors.append(TrainerTensor(name, tuple(shape), dtype, slices))
+    nodes = () if devices_per_node is None else _packed(tp, devices_per_node)
+    return TrainerManifest(world=tp, tensors=tuple(tensors), nodes=nodes)

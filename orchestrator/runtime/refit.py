@@ -20,20 +20,15 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Collection, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, cast
 
 from ..errors import InputError, ReloadMismatch
-from ..plan.checkpoint import CheckpointMeta
-from ..plan.config import ModelConfig
-from ..plan.refit import (
-    DEFAULT_BUCKET_BYTES,
-    ConvertOn,
-    RefitPlan,
-    mx_tensors,
-    refit_plan,
-    wire_checkpoint,
-)
+from ..plan.checkpoint import CheckpointMeta, build_meta
+from ..plan.config import ModelConfig, QuantConfig
+from ..plan.formats import MX_GROUP
+from ..plan.refit import ConvertOn, RefitPlan, matrix_shape, refit_plan
+from ..plan.safetensors_header import FileHeader, TensorInfo
 from ..plan.trainer import TrainerManifest, manifest_from_json
 from ..plan.types import ParallelLayout, Plan
 from .reload import Ranks, ReloadInputs, ReloadResult, apply, inputs_for, plan_for
@@ -46,6 +41,56 @@ if TYPE_CHECKING:
     from ...workers.transfer.exchange import Received
 
 log = logging.getLogger(__name__)
+
+DEFAULT_BUCKET_BYTES = 64 << 20
+"""Bytes of one message on one link (a trainer rank stages two)."""
+
+WIRE_ROOT = "trainer://"
+"""The root of a trainer source (what ``status`` names as the source of a refit)."""
+
+WIRE_DTYPES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}
+SCALE_SUFFIX = "_scale"
+
+
+def trainer_fingerprint(manifest_hash: str) -> str:
+    """What units written by a refit record as their checkpoint (with the step)."""
+    return f"trainer-{manifest_hash}"
+
+
+def wire_checkpoint(
+    config: ModelConfig, manifest: TrainerManifest, *, on_sender: frozenset[str] = frozenset()
+) -> CheckpointMeta:
+    """The trainer's memory as the planner reads a checkpoint: one file per tensor as the
+    wire carries it, its bytes at offset 0 (validated as a checkpoint is). ``on_sender``:
+    the tensors converted to MXFP8 by the sender, each an E4M3 file and its
+    ``_scale`` file of E8M0 bytes, as an MXFP8 checkpoint stores them (§1.2)."""
+    headers: dict[str, FileHeader] = {}
+
+    def add(name: str, dtype: str, shape: tuple[int, ...], nbytes: int) -> None:
+        info = TensorInfo(name, dtype, shape, name, 0, nbytes)
+        headers[name] = FileHeader(name, nbytes, 0, 0, {name: info}, {})
+
+    for t in manifest.tensors:
+        if t.name in on_sender:
+            n, k = matrix_shape(t.shape)
+            add(t.name, "F8_E4M3", t.shape, n * k)
+            add(t.name + SCALE_SUFFIX, "U8", (n, k // MX_GROUP), n * (k // MX_GROUP))
+        else:
+            add(t.name, WIRE_DTYPES[t.dtype], t.shape, t.nbytes)
+    quant = QuantConfig(kind="mxfp8" if on_sender else "none")
+    root = WIRE_ROOT + manifest.digest()
+    meta = build_meta(root, replace(config, quant=quant), {f: f for f in headers}, headers)
+    return replace(meta, fingerprint=trainer_fingerprint(manifest.digest()))
+
+
+def row_bytes(wire: CheckpointMeta) -> dict[str, int]:
+    """Per wire file, the bytes of one row of its ``[N, K]`` view."""
+    out = {}
+    for name, info in wire.tensors.items():
+        n, _ = matrix_shape(info.shape)
+        out[name] = info.nbytes // n
+    return out
+
 
 TRAINER_KEYS = (
     "transport",
@@ -161,25 +206,28 @@ class RefitSetup:
 
     @property
     def manifest_hash(self) -> str:
-        return self.refit.manifest_hash
+        return self.refit.summary.manifest_digest
 
 
 def refit_setup(
     held: Plan, config: ModelConfig, source: TrainerSource, *, fused: bool = True
 ) -> RefitSetup:
-    """Plan a refit of ``held`` (the engine's plan, ``config`` its model) from ``source``;
-    ReloadMismatch (nothing touched) when the trainer's tensors do not give every rank
-    exactly what it holds."""
-    mx = mx_tensors(held) if source.convert_on == "sender" else frozenset()
-    wire = wire_checkpoint(config, source.manifest, convert_on=source.convert_on, mx=mx)
-    plan = plan_for(held, wire, wire.root, fused=fused)
+    """Plan a refit of ``held`` (the engine's plan, ``config`` its model) from ``source``:
+    the transfer plan (``plan.refit.refit_plan``; every engine rank its own node: each
+    receives all it needs from the trainer) and the wire checkpoint's plan (the loader's
+    reads); ReloadMismatch (nothing touched) when the trainer's tensors do not give every
+    rank exactly what it holds."""
+    world = held.layout.world
     rp = refit_plan(
-        plan,
+        held,
         source.manifest,
         convert_on=source.convert_on,
         bucket_bytes=source.bucket_bytes,
-        mx=mx,
+        receiver_nodes=tuple(range(world)),
     )
+    on_sender = frozenset(t.tensor for b in rp.buckets for t in b.transfers if t.on_sender)
+    wire = wire_checkpoint(config, source.manifest, on_sender=on_sender)
+    plan = plan_for(held, wire, wire.root, fused=fused)
     return RefitSetup(source, held, wire, plan, rp)
 
 
@@ -221,7 +269,14 @@ class RefitRank:
         from ...workers.transfer.exchange import Receiver
 
         member = self.setup.source.world + self.rank
-        self.receiver = Receiver(self.setup.refit, self.rank, _transport(self.setup, member))
+        itemsize = {t.name: t.itemsize for t in self.setup.source.manifest.tensors}
+        self.receiver = Receiver(
+            self.setup.refit,
+            self.rank,
+            _transport(self.setup, member),
+            itemsize,
+            row_bytes(self.setup.wire),
+        )
 
     def prepare(self, inputs: ReloadInputs, version: int, loader: RankLoader) -> Any:
         """Receive this rank's bytes of step ``version`` and re-stamp the units a delta
@@ -233,13 +288,8 @@ class RefitRank:
         got = self.receiver.receive(version, delta_of=upd.delta_of)
         self.last = got
         if upd.delta_of is not None:
-            files = self.setup.refit.file_info()
             same = [
-                all(
-                    not got.changed[files[f].tensor]
-                    for pr in reads.parts
-                    for f in (pr.file, pr.scale_file or pr.file)
-                )
+                all(not got.changed.get(pr.file, True) for pr in reads.parts)
                 for reads in inputs.reads[self.rank]
             ]
             loader.restamp(same, (upd.delta_of, fp), (version, fp))

@@ -34,6 +34,7 @@ PURE_MODULES = (
     "mxload.orchestrator.plan.sharing",
     "mxload.orchestrator.plan.timemodel",
     "mxload.orchestrator.plan.trainer",
+    "mxload.orchestrator.plan.refit",
 )
 HEAVY = ("torch", "ray", "numpy", "fsspec")
 ROOT = Path(__file__).resolve().parents[2]

@@ -11,9 +11,9 @@ the bucket it owed (docs/contract.md §4 "Refit").
 
 from __future__ import annotations
 
-import threading
+import hashlib
 import time
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,12 +21,14 @@ from typing import Any
 import torch
 
 from ...orchestrator.errors import MxloadError, ReloadMismatch, RunError
-from ...orchestrator.plan.refit import Piece, RefitPlan, buckets, unchanged_files
+from ...orchestrator.plan.refit import RefitPlan, Transfer
 from .transports import Transport
-from .wire import LocalBytes, ReceiveArea, pack
+from .wire import ReceiveArea, local_rect, pack
 
 MAGIC = 0x6D786C6F6164  # "mxload"
 HEAD_WORDS = 8
+
+Bucket = tuple[Transfer, ...]
 
 
 def _hash_int(text: str) -> int:
@@ -34,20 +36,49 @@ def _hash_int(text: str) -> int:
 
 
 def plan_tensors(plan: RefitPlan) -> list[str]:
-    """The trainer tensors of a plan, in the order of the changed flags."""
-    return list(dict.fromkeys(f.tensor for f in plan.files))
+    """The trainer tensors a plan sends, in the order of the changed flags."""
+    return sorted({t.tensor for b in plan.buckets for t in b.transfers})
+
+
+def plan_digest(plan: RefitPlan) -> str:
+    """What both sides check the other planned: every bucket and transfer."""
+    h = hashlib.sha256()
+    s = plan.summary
+    h.update(f"{s.manifest_digest}|{s.convert_on}|{s.bucket_bytes}".encode())
+    for b in plan.buckets:
+        h.update(f"/{b.sender}>{b.receiver}#{b.index}".encode())
+        for t in b.transfers:
+            h.update(f"{t.tensor}{t.rows}{t.cols}{int(t.on_sender)};".encode())
+    return h.hexdigest()[:15]
+
+
+def link_buckets(plan: RefitPlan) -> dict[tuple[int, int], list[Bucket]]:
+    """Per (sender, receiver) link, its buckets in the order the sender sends them."""
+    out: dict[tuple[int, int], list[Bucket]] = {}
+    for b in plan.buckets:
+        out.setdefault((b.sender, b.receiver), []).append(b.transfers)
+    return out
+
+
+def _without(buckets: Sequence[Bucket], skip: Collection[str]) -> list[Bucket]:
+    """The buckets with the transfers of unchanged tensors left out (empty ones too):
+    both sides compute the same."""
+    if not skip:
+        return list(buckets)
+    out = [tuple(t for t in b if t.tensor not in skip) for b in buckets]
+    return [b for b in out if b]
 
 
 def header(
-    plan: RefitPlan, sender: int, step: int, delta_of: int | None, flags: list[bool]
+    digest: str, manifest_hash: str, sender: int, step: int, delta_of: int | None, flags: list[bool]
 ) -> torch.Tensor:
     words = torch.tensor(
         [
             MAGIC,
             step,
             -1 if delta_of is None else delta_of,
-            _hash_int(plan.manifest_hash),
-            _hash_int(plan.digest),
+            _hash_int(manifest_hash),
+            _hash_int(digest),
             sender,
             len(flags),
             0,
@@ -63,21 +94,23 @@ class SendStats:
     buckets: int = 0
     seconds: float = 0.0
     pack_seconds: float = 0.0
-    convert_seconds: float = 0.0
 
 
 class Sender:
-    """A trainer rank's side of every link it has (``plan.links_of_sender``)."""
+    """A trainer rank's side of every link it has."""
 
     def __init__(self, plan: RefitPlan, rank: int, transport: Transport, backend: Any) -> None:
         self.plan = plan
         self.rank = rank
         self.transport = transport
         self.backend = backend
+        self.senders = len(plan.summary.sender_bytes)
         self.tensors = plan_tensors(plan)
-        self.files = plan.file_info()
+        self.digest = plan_digest(plan)
+        self.links = {k: v for k, v in link_buckets(plan).items() if k[0] == rank}
         # Two buckets of staging, allocated once: what this rank holds beyond its params.
-        self.bufs = [torch.empty(plan.bucket_bytes, dtype=torch.uint8) for _ in range(2)]
+        cap = plan.summary.bucket_bytes
+        self.bufs = [torch.empty(cap, dtype=torch.uint8) for _ in range(2)]
         self.last = SendStats()
 
     def send(
@@ -88,26 +121,32 @@ class Sender:
         delta_of: int | None = None,
         changed: Collection[str] | None = None,
     ) -> SendStats:
-        """Send this rank's slices of ``params`` (trainer name -> local shard) to every
+        """Send this rank's slices of ``params`` (checkpoint name -> local shard) to every
         receiver; ``changed``: the tensors changed since ``delta_of`` (None: all)."""
         stats = SendStats()
         t0 = time.perf_counter()
-        flags = [changed is None or t in changed for t in self.tensors]
-        if delta_of is None:
-            flags = [True] * len(flags)
-        skip = unchanged_files(self.plan, dict(zip(self.tensors, flags, strict=True)))
-        local = LocalBytes(self.files, params, self.backend, self.rank)
-        head = header(self.plan, self.rank, step, delta_of, flags)
-        for link in self.plan.links_of_sender(self.rank):
-            peer = self.plan.senders + link.receiver
-            todo = buckets(link.pieces, self.plan.bucket_bytes, skip)
+        if delta_of is None or changed is None:
+            flags = [True] * len(self.tensors)
+        else:
+            flags = [t in changed for t in self.tensors]
+        skip = {t for t, f in zip(self.tensors, flags, strict=True) if not f}
+        local = local_rect(params, self.rank)
+        head = header(
+            self.digest, self.plan.summary.manifest_digest, self.rank, step, delta_of, flags
+        )
+        n_bucket = 0
+        for (_, receiver), buckets in sorted(self.links.items()):
+            peer = self.senders + receiver
+            todo = _without(buckets, skip)
             b = -1
             try:
                 self.transport.send(peer, head)
-                for b, pieces in enumerate(todo):
-                    buf = self.bufs[b % 2]
+                for bucket in todo:
+                    b += 1
+                    buf = self.bufs[n_bucket % 2]
+                    n_bucket += 1
                     tp = time.perf_counter()
-                    n = pack(pieces, local, buf)
+                    n = pack(bucket, local, buf, self.backend)
                     stats.pack_seconds += time.perf_counter() - tp
                     self.transport.send(peer, buf[:n])
                     stats.bytes_sent += n
@@ -118,7 +157,7 @@ class Sender:
                 what = "the header" if b < 0 else f"bucket {b} of {len(todo)}"
                 raise RunError(
                     f"trainer rank {self.rank}: sending {what} of step {step} to engine rank "
-                    f"{link.receiver} failed: {type(err).__name__}: {err}",
+                    f"{receiver} failed: {type(err).__name__}: {err}",
                     rank=self.rank,
                 ) from err
         stats.seconds = time.perf_counter() - t0
@@ -137,19 +176,29 @@ class Received:
 
 
 class Receiver:
-    """An engine rank's side of every link it has, into its receive area."""
+    """An engine rank's side of every link it has, into its receive area. ``itemsize``:
+    per tensor, its trainer dtype's size; ``row_bytes``: per wire file, one row's bytes."""
 
-    def __init__(self, plan: RefitPlan, rank: int, transport: Transport) -> None:
+    def __init__(
+        self,
+        plan: RefitPlan,
+        rank: int,
+        transport: Transport,
+        itemsize: Mapping[str, int],
+        row_bytes: Mapping[str, int],
+    ) -> None:
         self.plan = plan
         self.rank = rank
         self.transport = transport
-        self.area = ReceiveArea(plan, rank)
+        self.senders = len(plan.summary.sender_bytes)
         self.tensors = plan_tensors(plan)
-        self.links = plan.links_of_receiver(rank)
-        self._scratch = {
-            k.sender: torch.empty(plan.bucket_bytes, dtype=torch.uint8) for k in self.links
-        }
-        self._lock = threading.Lock()
+        self.digest = plan_digest(plan)
+        self.links = {k[0]: v for k, v in sorted(link_buckets(plan).items()) if k[1] == rank}
+        order = [t for s in sorted(self.links) for b in self.links[s] for t in b]
+        self.area = ReceiveArea(rank, order, itemsize, row_bytes)
+        self.at = {id(t): off for t, off in zip(order, self.area.offsets, strict=True)}
+        cap = plan.summary.bucket_bytes
+        self._scratch = {s: torch.empty(cap, dtype=torch.uint8) for s in self.links}
 
     def receive(self, step: int, *, delta_of: int | None = None) -> Received:
         """Every link's header and buckets of ``step``; RunError naming the trainer rank
@@ -163,13 +212,14 @@ class Receiver:
         with ThreadPoolExecutor(
             max_workers=len(self.links), thread_name_prefix=f"mxload-refit-{self.rank}"
         ) as pool:
-            futures = [
-                pool.submit(self._link, k.sender, k.pieces, step, delta_of) for k in self.links
-            ]
+            futures = {
+                s: pool.submit(self._link, s, buckets, step, delta_of)
+                for s, buckets in self.links.items()
+            }
             errors = []
-            for k, fut in zip(self.links, futures, strict=True):
+            for s, fut in futures.items():
                 try:
-                    flags[k.sender], got[k.sender] = fut.result()
+                    flags[s], got[s] = fut.result()
                 except BaseException as err:
                     errors.append(err)
             if errors:
@@ -189,7 +239,7 @@ class Receiver:
         )
 
     def _link(
-        self, sender: int, pieces: tuple[Piece, ...], step: int, delta_of: int | None
+        self, sender: int, buckets: list[Bucket], step: int, delta_of: int | None
     ) -> tuple[list[bool], int]:
         n = len(self.tensors)
         head = torch.empty(HEAD_WORDS * 8 + n, dtype=torch.uint8)
@@ -204,7 +254,7 @@ class Receiver:
             ) from err
         words = head[: HEAD_WORDS * 8].view(torch.int64).tolist()
         want = [MAGIC, step, -1 if delta_of is None else delta_of]
-        want += [_hash_int(self.plan.manifest_hash), _hash_int(self.plan.digest), sender, n]
+        want += [_hash_int(self.plan.summary.manifest_digest), _hash_int(self.digest), sender, n]
         if words[:7] != want:
             names = ["magic", "step", "delta_of", "manifest hash", "plan digest", "rank", "tensors"]
             diff = [
@@ -213,20 +263,19 @@ class Receiver:
                 if x != y
             ]
             raise ReloadMismatch(
-                f"{where} sent {', '.join(diff)}; nothing was written",
-                rank=self.rank,
+                f"{where} sent {', '.join(diff)}; nothing was written", rank=self.rank
             )
         flags = [bool(x) for x in head[HEAD_WORDS * 8 :].tolist()]
-        skip = unchanged_files(self.plan, dict(zip(self.tensors, flags, strict=True)))
-        todo = buckets(pieces, self.plan.bucket_bytes, skip)
+        skip = {t for t, f in zip(self.tensors, flags, strict=True) if not f}
+        todo = _without(buckets, skip)
         total = 0
+        area = self.area.tensor
         for b, bucket in enumerate(todo):
-            size = sum(p.nbytes for p in bucket)
-            first = bucket[0].dst
-            direct = all(
-                p.dst == first + off for p, off in zip(bucket, _offsets(bucket), strict=True)
-            )
-            buf = self.area.tensor[first : first + size] if direct else self._scratch[sender][:size]
+            size = sum(t.nbytes for t in bucket)
+            first = self.at[id(bucket[0])]
+            offs = [self.at[id(t)] for t in bucket]
+            direct = offs[-1] + bucket[-1].nbytes - first == size
+            buf = area[first : first + size] if direct else self._scratch[sender][:size]
             try:
                 self.transport.recv(sender, buf)
             except Exception as err:
@@ -236,14 +285,9 @@ class Receiver:
                     rank=self.rank,
                 ) from err
             if not direct:
-                self.area.scatter(bucket, buf)
+                at = 0
+                for t, off in zip(bucket, offs, strict=True):
+                    area[off : off + t.nbytes].copy_(buf[at : at + t.nbytes])
+                    at += t.nbytes
             total += size
         return flags, total
-
-
-def _offsets(bucket: tuple[Piece, ...]) -> list[int]:
-    out, at = [], 0
-    for p in bucket:
-        out.append(at)
-        at += p.nbytes
-    return out

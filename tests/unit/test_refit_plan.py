@@ -1,0 +1,421 @@
+"""The transfer plan of a refit (``mxload.orchestrator.plan.refit``), checked rank by rank.
+
+Every engine rank's parts are simulated in a loop and marked element by element on a
+per-node map (the independent reference: what the plan's units say each rank holds);
+the transfers the refit plan lists are marked on another. The two must be equal on
+every node (complete, disjoint coverage: each element crosses to each node once), every
+transfer must be held by its sender, and the bytes over all links must be what the
+nodes need: 1.00 x BF16 converted on the receiver, 33/32 bytes per MX element (0.516 x
+BF16) converted on the sender.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+from collections.abc import Iterator
+from dataclasses import replace
+
+import pytest
+from mxload.orchestrator.errors import InputError
+from mxload.orchestrator.plan.config import parse_config
+from mxload.orchestrator.plan.planner import build_plan
+from mxload.orchestrator.plan.refit import (
+    MX_LAYOUTS,
+    Link,
+    RefitPlan,
+    RefitSummary,
+    needed_shapes,
+    refit_plan,
+    refit_summary,
+)
+from mxload.orchestrator.plan.timemodel import Rates, RefitRates, refit_times, save_seconds
+from mxload.orchestrator.plan.trainer import (
+    TrainerManifest,
+    TrainerSlice,
+    TrainerTensor,
+    fsdp_manifest,
+    manifest_from_json,
+    manifest_to_json,
+    megatron_manifest,
+)
+from mxload.orchestrator.plan.types import ParallelLayout, Plan
+from mxload.orchestrator.runtime.models import model_config
+from mxload.orchestrator.tools.synth import preset_config
+
+LAYOUT = ParallelLayout(tp=2, dp=2, enable_expert_parallel=True)
+
+
+def preset_plan(name: str) -> Plan:
+    """The engine's plan of a preset (MXFP8 buffers: the FP8 model's), which the trainer
+    refits from the preset's BF16 twin (the same tensors, unquantized)."""
+    return build_plan(parse_config(preset_config(name), name), LAYOUT)
+
+
+def matrix(shape: tuple[int, ...]) -> tuple[int, int]:
+    # [N, K] of docs/contract.md §6, written out here rather than taken from the module
+    return (1, shape[0]) if len(shape) == 1 else (shape[0], _prod(shape[1:]))
+
+
+def _prod(xs: tuple[int, ...]) -> int:
+    out = 1
+    for x in xs:
+        out *= x
+    return out
+
+
+class Marks:
+    """Per (node, tensor) a byte per element of the [N, K] view: marked or not."""
+
+    def __init__(self, shapes: dict[str, tuple[int, int]]) -> None:
+        self.shapes = shapes
+        self.maps: dict[tuple[int, str], bytearray] = {}
+
+    def mark(self, node: int, tensor: str, rows: tuple[int, int], cols: tuple[int, int]) -> int:
+        """Mark a rectangle; how many of its elements were marked before."""
+        n, k = self.shapes[tensor]
+        arr = self.maps.setdefault((node, tensor), bytearray(n * k))
+        width = cols[1] - cols[0]
+        ones = b"\x01" * width
+        before = 0
+        for r in range(*rows):
+            off = r * k + cols[0]
+            before += width - arr[off : off + width].count(0)
+            arr[off : off + width] = ones
+        return before
+
+    def ones(self) -> dict[tuple[int, str], bytes]:
+        return {key: bytes(arr) for key, arr in self.maps.items()}
+
+
+def views(plan: Plan) -> dict[str, tuple[int, int]]:
+    return {t: matrix(s) for t, s in needed_shapes(plan).items()}
+
+
+def reference(plan: Plan, nodes: list[int]) -> tuple[Marks, dict[int, int], dict[int, int]]:
+    """What each node needs, from the plan's parts alone: the marks, and per node the
+    elements of MX units and of the rest (an element of both counted as MX: a tensor
+    is held one way by every engine rank)."""
+    shapes_ = views(plan)
+    marks = Marks(shapes_)
+    mx_of: dict[tuple[int, str], bool] = {}
+    for rank in range(len(plan.summaries)):
+        for unit in plan.ranks[rank].units:
+            for part in unit.parts:
+                marks.mark(nodes[rank], part.tensor_name, part.rows, part.cols)
+                mx_of[(nodes[rank], part.tensor_name)] = unit.layout in MX_LAYOUTS
+    mx: dict[int, int] = {}
+    other: dict[int, int] = {}
+    for key, arr in marks.ones().items():
+        count = arr.count(1)
+        into = mx if mx_of[key] else other
+        into[key[0]] = into.get(key[0], 0) + count
+    return marks, mx, other
+
+
+def check_refit(
+    plan: Plan, manifest: TrainerManifest, got: RefitPlan, nodes: list[int], bucket: int
+) -> None:
+    world = len(plan.summaries)
+    need, mx, other = reference(plan, nodes)
+    shapes_ = views(plan)
+    sent = Marks(shapes_)
+    to_rank: dict[int, Marks] = {r: Marks(shapes_) for r in range(world)}
+    held = {
+        (t.name, s.rank): s for t in manifest.tensors for s in t.placement
+    }  # what each sender holds
+    shapes = {t.name: t.shape for t in manifest.tensors}
+    wire = 0
+    for b in got.buckets:
+        assert b.nbytes <= bucket
+        for t in b.transfers:
+            assert t.sender == b.sender and t.receiver == b.receiver
+            node = nodes[t.receiver]
+            assert {nodes[r] for r in t.receivers} == {node}
+            assert sent.mark(node, t.tensor, t.rows, t.cols) == 0, (t, "sent twice to a node")
+            for r in t.receivers:
+                to_rank[r].mark(0, t.tensor, t.rows, t.cols)
+            s = held[(t.tensor, t.sender)]
+            n, k = matrix(shapes[t.tensor])
+            if s.dim is None:
+                box = ((0, n), (0, k))
+            elif s.dim == 0 and len(shapes[t.tensor]) > 1:
+                box = ((s.start, s.stop), (0, k))
+            else:
+                inner = _prod(shapes[t.tensor][s.dim + 1 :])
+                box = ((0, n), (s.start * inner, s.stop * inner))
+            assert box[0][0] <= t.rows[0] < t.rows[1] <= box[0][1], (t, s)
+            assert box[1][0] <= t.cols[0] < t.cols[1] <= box[1][1], (t, s)
+            assert t.shard_origin == (box[0][0], box[1][0])
+            wire += t.nbytes
+    assert sent.ones() == need.ones()
+    # every rank gets exactly its own parts
+    for rank in range(world):
+        mine = Marks(shapes_)
+        for unit in plan.ranks[rank].units:
+            for part in unit.parts:
+                mine.mark(0, part.tensor_name, part.rows, part.cols)
+        assert to_rank[rank].ones() == mine.ones(), rank
+    s = got.summary
+    assert sum(link.nbytes for link in s.links) == wire == s.wire_bytes
+    for node in set(nodes):
+        into = sum(link.nbytes for link in s.links if link.receiver_node == node)
+        if s.convert_on == "receiver":
+            assert into == 2 * (mx.get(node, 0) + other.get(node, 0))
+        else:
+            # E4M3 + one E8M0 per 32 along K (every MX part here is whole groups)
+            assert into == mx.get(node, 0) * 33 // 32 + 2 * other.get(node, 0)
+    assert s.needed_bytes == 2 * (sum(mx.values()) + sum(other.values()))
+    assert s.mx_needed_bytes == 2 * sum(mx.values())
+    # the senders' staging: two consecutive buckets, from the list itself
+    for sender in range(manifest.world):
+        sizes = [b.nbytes for b in got.buckets_of(sender)]
+        assert [b.index for b in got.buckets_of(sender)] == list(range(len(sizes)))
+        two = max((a + b for a, b in itertools.pairwise(sizes)), default=max(sizes, default=0))
+        assert s.sender_staging[sender] == two <= 2 * bucket
+        assert s.sender_buckets[sender] == len(sizes)
+        assert s.sender_bytes[sender] == sum(sizes)
+    assert s.transfers == sum(len(b.transfers) for b in got.buckets)
+
+
+def cases() -> Iterator[tuple[str, str, int, str, int]]:
+    for preset in ("qwen3-moe-tiny", "qwen3-dense-tiny"):
+        for how, per_node in (("fsdp", 1), ("fsdp", 2), ("fsdp", 4), ("megatron", 2)):
+            yield preset, how, per_node, "receiver", 48 << 10
+        yield preset, "fsdp", 2, "sender", 20 << 10
+        yield preset, "megatron", 1, "sender", 1 << 20
+
+
+@pytest.mark.parametrize(("preset", "how", "per_node", "convert_on", "bucket"), list(cases()))
+def test_every_rank_gets_its_parts_once_per_node(
+    preset: str, how: str, per_node: int, convert_on: str, bucket: int
+) -> None:
+    plan = preset_plan(preset)
+    shapes = needed_shapes(plan)
+    if how == "fsdp":
+        manifest = fsdp_manifest(shapes, 2, devices_per_node=per_node)
+    else:
+        manifest = megatron_manifest(shapes, 2, devices_per_node=per_node)
+    nodes = [r // per_node for r in range(len(plan.summaries))]
+    got = refit_plan(
+        plan, manifest, convert_on=convert_on, bucket_bytes=bucket, devices_per_node=per_node
+    )
+    check_refit(plan, manifest, got, nodes, bucket)
+    assert (
+        refit_summary(
+            plan, manifest, convert_on=convert_on, bucket_bytes=bucket, devices_per_node=per_node
+        )
+        == got.summary
+    )
+    s = got.summary
+    if convert_on == "sender":
+        assert 0.51 <= s.mx_wire_bytes / s.mx_needed_bytes <= 0.53
+    else:
+        assert s.wire_bytes == s.needed_bytes
+    # KV heads (2) are not fewer than tp (2) here, but data-parallel replicas share a
+    # node at 2 and 4 ranks per node: their pieces cross once, the rest fan out.
+    if per_node >= 2:
+        assert all(b > 0 for b in s.fanout_bytes)
+    else:
+        assert s.fanout_bytes == (0,) * 4
+
+
+def test_a_k_split_layer_is_cut_where_both_sides_cut_it() -> None:
+    # o_proj at tp 2 is K-split on the engine; Megatron splits it along K as well: each
+    # engine rank's half comes from exactly one trainer rank, whole.
+    plan = preset_plan("qwen3-dense-tiny")
+    got = refit_plan(plan, megatron_manifest(needed_shapes(plan), 2), devices_per_node=1)
+    o_proj = "model.layers.0.self_attn.o_proj.weight"
+    pieces = [(t.sender, t.receivers, t.cols) for t in got.transfers_to(1) if t.tensor == o_proj]
+    assert pieces == [(1, (1,), (128, 256))]
+    # FSDP cuts rows instead: both trainer ranks send half the rows of the engine's half
+    got = refit_plan(plan, fsdp_manifest(needed_shapes(plan), 2), devices_per_node=1)
+    pieces = [(t.sender, t.rows, t.cols) for t in got.transfers_to(1) if t.tensor == o_proj]
+    assert sorted(pieces) == [(0, (0, 128), (128, 256)), (1, (128, 256), (128, 256))]
+
+
+def _split_at(plan: Plan, tensor: str, col: int) -> TrainerManifest:
+    """FSDP's manifest, with ``tensor`` split along K at ``col`` instead."""
+    base = fsdp_manifest(needed_shapes(plan), 2)
+    out = []
+    for t in base.tensors:
+        if t.name == tensor:
+            k = t.shape[1]
+            t = TrainerTensor(
+                t.name, t.shape, t.dtype, (TrainerSlice(0, 1, 0, col), TrainerSlice(1, 1, col, k))
+            )
+        out.append(t)
+    return TrainerManifest(world=2, tensors=tuple(out))
+
+
+@pytest.mark.parametrize("col", [48, 144, 200])
+def test_a_cut_inside_an_mx_group_is_refused_with_sender_side_conversion(col: int) -> None:
+    plan = preset_plan("qwen3-dense-tiny")
+    tensor = "model.layers.1.self_attn.o_proj.weight"
+    manifest = _split_at(plan, tensor, col)
+    with pytest.raises(InputError) as err:
+        refit_plan(plan, manifest, convert_on="sender")
+    msg = str(err.value)
+    assert tensor in msg and "engine rank" in msg and "trainer rank" in msg
+    assert "\n" not in msg and err.value.tensor == tensor
+    # on the receiver the same cut converts: BF16 on the wire, every group whole there
+    got = refit_plan(plan, manifest, convert_on="receiver")
+    check_refit(plan, manifest, got, [r // 16 for r in range(4)], got.summary.bucket_bytes)
+
+
+def test_a_cut_on_a_group_converts_on_the_sender() -> None:
+    plan = preset_plan("qwen3-dense-tiny")
+    manifest = _split_at(plan, "model.layers.1.self_attn.o_proj.weight", 160)
+    got = refit_plan(plan, manifest, convert_on="sender")
+    check_refit(plan, manifest, got, [0] * 4, got.summary.bucket_bytes)
+
+
+def test_manifest_mismatches_are_refused_naming_tensor_and_rank() -> None:
+    plan = preset_plan("qwen3-moe-tiny")
+    shapes = needed_shapes(plan)
+    name = "model.layers.3.mlp.experts.7.down_proj.weight"
+    missing = {k: v for k, v in shapes.items() if k != name}
+    with pytest.raises(InputError, match=r"'model.layers.3.mlp.experts.7.down_proj.weight'") as e:
+        refit_plan(plan, fsdp_manifest(missing, 2))
+    assert e.value.tensor == name and e.value.rank in (1, 3)  # expert 7: the last EP rank
+    wrong = {**shapes, name: (shapes[name][0], shapes[name][1] * 2)}
+    with pytest.raises(InputError, match="has shape") as e:
+        refit_plan(plan, fsdp_manifest(wrong, 2))
+    assert e.value.tensor == name
+    three = "model.layers.0.self_attn.q_proj.weight"
+    n, k = shapes[three]
+    t = TrainerTensor(
+        three, (n, 2, k // 2), "bfloat16", (TrainerSlice(0, 2, 0, 64), TrainerSlice(1, 2, 64, 128))
+    )
+    rest = fsdp_manifest({a: b for a, b in shapes.items() if a != three}, 2)
+    with pytest.raises(InputError, match="dim 2"):
+        refit_plan(plan, TrainerManifest(2, (*rest.tensors, t)))
+    with pytest.raises(InputError, match="below one row"):
+        refit_plan(plan, fsdp_manifest(shapes, 2), bucket_bytes=100)
+    with pytest.raises(InputError, match="convert_on"):
+        refit_plan(plan, fsdp_manifest(shapes, 2), convert_on="both")
+
+
+def test_replicas_are_sent_from_the_receivers_node() -> None:
+    # Megatron holds norms whole on both ranks; each engine node takes them from the
+    # trainer rank on it (trainer rank 0 on node 1, rank 1 on node 0).
+    plan = preset_plan("qwen3-dense-tiny")
+    manifest = replace(megatron_manifest(needed_shapes(plan), 2), nodes=(1, 0))
+    got = refit_plan(plan, manifest, devices_per_node=2)
+    norm = "model.norm.weight"
+    sent = {(t.sender, t.receivers) for b in got.buckets for t in b.transfers if t.tensor == norm}
+    assert sent == {(1, (0, 1)), (0, (2, 3))}
+
+
+def test_the_digest_is_the_hash_of_the_manifest_json() -> None:
+    plan = preset_plan("qwen3-moe-tiny")
+    m = megatron_manifest(needed_shapes(plan), 2, devices_per_node=1)
+    text = json.dumps(manifest_to_json(m), sort_keys=True, separators=(",", ":"))
+    assert m.digest() == hashlib.sha256(text.encode()).hexdigest()[:16]
+    again = manifest_from_json(json.loads(json.dumps(manifest_to_json(m))))
+    assert again == m and again.digest() == m.digest()
+    assert fsdp_manifest(needed_shapes(plan), 2).digest() != m.digest()
+
+
+def test_megatron_refuses_an_uneven_split() -> None:
+    with pytest.raises(InputError, match=r"'x\.o_proj\.weight'.*tp 3"):
+        megatron_manifest({"x.o_proj.weight": (6, 8)}, 3)
+
+
+@pytest.mark.parametrize(
+    ("model", "layout", "world", "per_node"),
+    [
+        ("qwen3-30b-a3b-fp8", ParallelLayout(tp=2, dp=2, enable_expert_parallel=True), 8, 2),
+        ("qwen3-32b-fp8", ParallelLayout(tp=4, dp=2), 4, 4),
+    ],
+)
+def test_real_models_bytes_over_links_are_what_the_nodes_need(
+    model: str, layout: ParallelLayout, world: int, per_node: int
+) -> None:
+    plan = build_plan(parse_config(model_config(model), model), layout)
+    manifest = fsdp_manifest(needed_shapes(plan), world, devices_per_node=per_node)
+    # per node, the distinct rectangles its ranks hold (equal rectangles counted once)
+    rects: dict[int, set[tuple[str, tuple[int, int], tuple[int, int], bool]]] = {}
+    for rank in range(layout.world):
+        for unit in plan.ranks[rank].units:
+            for p in unit.parts:
+                rects.setdefault(rank // per_node, set()).add(
+                    (p.tensor_name, p.rows, p.cols, unit.layout in MX_LAYOUTS)
+                )
+    need = {
+        n: sum((r[1] - r[0]) * (c[1] - c[0]) * 2 for _, r, c, _ in rs) for n, rs in rects.items()
+    }
+    mx = {
+        n: sum((r[1] - r[0]) * (c[1] - c[0]) * 2 for _, r, c, m in rs if m)
+        for n, rs in rects.items()
+    }
+    bf16 = refit_summary(plan, manifest, devices_per_node=per_node)
+    assert bf16.receiver_node_bytes == need
+    assert bf16.wire_bytes == bf16.needed_bytes == sum(need.values())
+    mxfp8 = refit_summary(plan, manifest, convert_on="sender", devices_per_node=per_node)
+    assert mxfp8.mx_needed_bytes == sum(mx.values())
+    assert mxfp8.wire_bytes == sum(need.values()) - sum(mx.values()) * 31 // 64
+    assert 0.51 <= mxfp8.mx_wire_bytes / mxfp8.mx_needed_bytes <= 0.53
+    # what the engine holds in BF16 (norms, embeddings, routers) stays BF16 on the wire
+    assert mxfp8.wire_ratio < 0.55
+    assert max(mxfp8.sender_staging) <= 2 * mxfp8.bucket_bytes
+
+
+def _summary(**over: object) -> RefitSummary:
+    base: dict[str, object] = {
+        "convert_on": "receiver",
+        "bucket_bytes": 10,
+        "manifest_digest": "x",
+        "links": (),
+        "needed_bytes": 0,
+        "wire_bytes": 0,
+        "mx_needed_bytes": 0,
+        "mx_wire_bytes": 0,
+        "fanout_bytes": (),
+        "receiver_nodes": (),
+        "receiver_bytes": (),
+        "receiver_staging": (),
+        "sender_bytes": (),
+        "sender_staging": (),
+        "sender_buckets": (),
+        "sender_convert_bytes": (),
+        "receiver_mx_bytes": (),
+        "transfers": 0,
+    }
+    base.update(over)
+    return RefitSummary(**base)  # type: ignore[arg-type]
+
+
+def test_refit_time_by_hand() -> None:
+    # node 0 sends 300 to node 1 and 100 to itself; node 1 sends 200 to node 0 and passes
+    # 50 on to a second rank: node 0 sends 300 and takes in 200 (network 300/100 = 3 s),
+    # node 1 has 50 within (0.5 s at 100); receivers convert 400 at 200/s (2 s).
+    s = _summary(
+        links=(Link(0, 0, 100), Link(0, 1, 300), Link(1, 0, 200)),
+        fanout_bytes=(0, 50),
+        sender_bytes=(400, 200),
+        receiver_mx_bytes=(400, 100),
+        sender_convert_bytes=(0, 0),
+    )
+    rates = RefitRates(link="x", network=100.0, same_node=100.0, convert=200.0, repack=1000.0)
+    t = refit_times(s, rates)
+    assert (t.network_seconds, t.receiver_seconds, t.sender_convert_seconds) == (3.0, 2.0, 0.0)
+    assert t.same_node_seconds == 1.0  # node 0: its own 100 bytes
+    # fill: one bucket (10 bytes) through the other stages: same node 0.1 + receiver 0.05
+    assert t.seconds == pytest.approx(3.0 + 0.1 + 0.05)
+    assert t.slowest_node == 0
+    # converted on the sender, the receiver repacks its MX bytes at the repack rate
+    t = refit_times(replace(s, convert_on="sender", sender_convert_bytes=(800, 0)), rates)
+    assert (t.sender_convert_seconds, t.receiver_seconds) == (4.0, 0.4)
+    assert t.seconds == pytest.approx(4.0 + 0.1 + 0.1 + 0.01)
+    with pytest.raises(ValueError, match="within a node only"):
+        refit_times(s, RefitRates.for_link("shm", device="cpu"))
+    only_here = replace(s, links=(Link(0, 0, 100),), fanout_bytes=(0, 0))
+    assert refit_times(only_here, RefitRates.for_link("shm", device="cpu")).seconds > 0
+
+
+def test_storage_save_by_hand() -> None:
+    rates = Rates(storage_node=10.0, storage_aggregate=25.0)
+    assert save_seconds({0: 100, 1: 50}, rates) == 10.0  # node 0's link
+    assert save_seconds({0: 100, 1: 100, 2: 100}, rates) == 12.0  # the aggregate
