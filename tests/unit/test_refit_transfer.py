@@ -2,14 +2,13 @@
 
 * every transport kind moves byte messages in order between two members, and a peer
   that is gone is named (shared memory: its pid; torch.distributed: its socket);
-* the transfer plan's pieces, packed by the sender and scattered by the receiver, give
-  every range the loader reads exactly the bytes of the gathered tensor (checked against
-  slicing the whole tensor, not against the plan's own arithmetic).
+* the transfer plan's pieces, packed by the sender and landed in the receiver's area,
+  give every range the loader reads exactly the bytes of the gathered tensor (checked
+  against slicing the whole tensor, not against the plan's own arithmetic).
 """
 
 from __future__ import annotations
 
-import random
 import threading
 from typing import Any
 
@@ -17,14 +16,13 @@ import pytest
 import torch
 from mxload.orchestrator.errors import RunError
 from mxload.orchestrator.plan.planner import build_plan
-from mxload.orchestrator.plan.ranges import ByteRange
-from mxload.orchestrator.plan.refit import _cut, buckets, refit_plan, wire_checkpoint
 from mxload.orchestrator.plan.trainer import fsdp_manifest
 from mxload.orchestrator.plan.types import ParallelLayout
 from mxload.orchestrator.runtime.catalog import open_checkpoint
-from mxload.orchestrator.runtime.reload import plan_for
+from mxload.orchestrator.runtime.refit import TrainerSource, refit_setup, row_bytes
+from mxload.workers.transfer.exchange import link_buckets
 from mxload.workers.transfer.transports import ShmTransport, make_transport
-from mxload.workers.transfer.wire import ReceiveArea, pack
+from mxload.workers.transfer.wire import ReceiveArea, local_rect, pack
 
 from tests.refit_trainer import free_port, read_checkpoint, shards
 
@@ -109,57 +107,41 @@ def test_unknown_transport_is_refused_naming_it() -> None:
         )
 
 
-def test_cut_gives_exactly_the_bytes_inside() -> None:
-    rng = random.Random(7)
-    for _ in range(500):
-        length = rng.randint(1, 9)
-        count = rng.randint(1, 6)
-        stride = length + rng.randint(0, 5) if count > 1 else length
-        r = ByteRange(rng.randint(0, 20), length, stride, count)
-        a = rng.randint(0, 60)
-        b = a + rng.randint(0, 40)
-        want = [(i, x) for i, x in enumerate(x for s, n in r.segments() for x in range(s, s + n))]
-        want = [(i, x) for i, x in want if a <= x < b]
-        got = []
-        for off, part in _cut(r, a, b):
-            got += [
-                (off + i, x)
-                for i, x in enumerate(x for s, n in part.segments() for x in range(s, s + n))
-            ]
-        assert sorted(got) == want, (r, a, b)
-
-
-def test_packed_pieces_give_every_read_range_the_gathered_bytes(ckpt_factory) -> None:
+def test_packed_transfers_give_every_read_range_the_gathered_bytes(ckpt_factory) -> None:
+    """Three FSDP trainer ranks -> tp2 x dp2 + EP: each sender packs its buckets, each
+    lands where the receiver's area puts it, and every byte range the loader reads of
+    the wire checkpoint is the gathered tensor's bytes (sliced here from the whole
+    tensor, not from the plan)."""
     fp8 = open_checkpoint(ckpt_factory("qwen3-moe-tiny", seed=1))
-    twin = ckpt_factory("qwen3-moe-tiny", seed=1, bf16=True)
-    full = read_checkpoint(twin)
+    full = read_checkpoint(ckpt_factory("qwen3-moe-tiny", seed=1, bf16=True))
     manifest = fsdp_manifest({n: tuple(t.shape) for n, t in full.items()}, 3)
-    held = build_plan(
-        fp8.config, ParallelLayout(tp=2, dp=2, enable_expert_parallel=True), checkpoint=fp8
-    )
-    wire = wire_checkpoint(fp8.config, manifest)
-    new = plan_for(held, wire, wire.root, fused=True)
+    layout = ParallelLayout(tp=2, dp=2, enable_expert_parallel=True)
+    held = build_plan(fp8.config, layout, checkpoint=fp8)
     bucket = 5000
-    plan = refit_plan(new, manifest, bucket_bytes=bucket)
-    local = {s: shards(full, s, 3) for s in range(3)}
-    for r in range(held.layout.world):
-        area = ReceiveArea(plan, r)
-        for link in plan.links_of_receiver(r):
-            flat = {
-                n: t.contiguous().reshape(-1).view(torch.uint8)
-                for n, t in local[link.sender].items()
-            }
-            for b in buckets(link.pieces, bucket):
-                buf = torch.empty(bucket, dtype=torch.uint8)
-                n = pack(b, flat.__getitem__, buf)
+    source = TrainerSource(transport="gloo", world=3, manifest=manifest, bucket_bytes=bucket)
+    setup = refit_setup(held, fp8.config, source)
+    links = link_buckets(setup.refit)
+    itemsize = {t.name: t.itemsize for t in manifest.tensors}
+    local = {s: local_rect(shards(full, s, 3), s) for s in range(3)}
+    buf = torch.empty(bucket, dtype=torch.uint8)
+    for r in range(layout.world):
+        mine = sorted((s, b) for (s, rr), b in links.items() if rr == r)
+        order = [t for _, bs in mine for b in bs for t in b]
+        area = ReceiveArea(r, order, itemsize, row_bytes(setup.wire))
+        at = iter(area.offsets)
+        for s, bs in mine:
+            for b in bs:
+                n = pack(b, local[s], buf, backend=None)
                 assert n <= bucket
-                area.scatter(b, buf[:n])
+                first = next(at)
+                for _ in b[1:]:
+                    next(at)
+                area.tensor[first : first + n].copy_(buf[:n])
         store = area.storage()
-        for ur in new.ranks[r].reads or ():
+        for ur in setup.plan.ranks[r].reads or ():
             for pr in ur.parts:
                 out = bytearray(pr.weight.nbytes)
                 store.read_ranges_into(pr.file, [pr.weight], memoryview(out))
                 whole = full[pr.file].contiguous().reshape(-1).view(torch.uint8)
                 want = b"".join(bytes(whole[s : s + k].numpy()) for s, k in pr.weight.segments())
                 assert bytes(out) == want, (r, pr.file)
-        assert sum(n.range.nbytes for n in plan.needed[r]) == plan.area_bytes[r]
