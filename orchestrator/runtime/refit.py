@@ -23,7 +23,7 @@ from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, cast
 
-from ..errors import InputError, ReloadMismatch
+from ..errors import InputError, ReloadMismatch, RunError
 from ..plan.checkpoint import CheckpointMeta, build_meta
 from ..plan.config import ModelConfig, QuantConfig
 from ..plan.formats import MX_GROUP
@@ -264,6 +264,9 @@ class RefitRank:
     receiver: Any = field(init=False)
     update: _Update | None = None
     last: Received | None = None
+    broken: str = ""
+    """Why the refit group can carry no more updates (a receive failed part-way: bytes of
+    it may still be on the links); "" while it can."""
 
     def __post_init__(self) -> None:
         from ...workers.transfer.exchange import Receiver
@@ -285,7 +288,18 @@ class RefitRank:
         assert upd is not None and upd.step == version
         fp = inputs.source.fingerprint
         loader.begin((version, fp))
-        got = self.receiver.receive(version, delta_of=upd.delta_of)
+        if self.broken:
+            raise RunError(
+                f"engine rank {self.rank}: the refit group broke ({self.broken}); "
+                "initialise the weight transfer again (the trainer form) before the next "
+                "update",
+                rank=self.rank,
+            )
+        try:
+            got = self.receiver.receive(version, delta_of=upd.delta_of)
+        except BaseException as err:
+            self.broken = f"step {version}: {err}"[:300]
+            raise
         self.last = got
         if upd.delta_of is not None:
             same = [
