@@ -456,6 +456,7 @@ class Attachment:
             "receive_seconds": round(got.seconds, 6),
             "bytes_received": got.bytes_received,
             "tensors_unchanged": sum(not c for c in got.changed.values()),
+            "units_written": stats.units,
             "measured_peak_staging_bytes": stats.measured_peak_staging_bytes,
             "addresses_moved": [],
         }

@@ -303,6 +303,12 @@ def test_delta_restamps_unchanged_tensors(engine, trainers, ckpts, manifest):
         old = set(mine) - new
         assert compare_rank({n: one[r][n] for n in old}, {n: mine[n] for n in old}) == []
     assert {g["identity"] for g in got} == {f"6:trainer-{h}"}
+    # Units reading only unchanged tensors were re-stamped, not converted and written.
+    for a, g in zip(engine.ranks, got, strict=True):
+        touched = [
+            u for u in a.loader.plan.units if any(".layers.1." in p.tensor_name for p in u.parts)
+        ]
+        assert 0 < g["units_written"] == len(touched) < len(a.loader.plan.units)
     assert all(a.status(checksums=False)["consistent"] for a in engine.ranks)
 
     # A delta of a step the engine does not hold is refused before anything is received.
