@@ -23,7 +23,7 @@ from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, cast
 
-from ..errors import InputError, ReloadMismatch, RunError
+from ..errors import InputError, ReloadMismatch
 from ..plan.checkpoint import CheckpointMeta, build_meta
 from ..plan.config import ModelConfig, QuantConfig
 from ..plan.formats import MX_GROUP
@@ -32,13 +32,15 @@ from ..plan.safetensors_header import FileHeader, TensorInfo
 from ..plan.trainer import TrainerManifest, manifest_from_json
 from ..plan.types import ParallelLayout, Plan
 from .reload import Ranks, ReloadInputs, ReloadResult, apply, inputs_for, plan_for
-from .state import Progress, SessionState
+from .state import Progress, Report, SessionState
 
 if TYPE_CHECKING:
     import torch
 
     from ...workers.rank.loader import RankLoader
     from ...workers.transfer.exchange import Received
+    from ...workers.transfer.rank import RankRefit, TransportSpec
+    from .ray_run import RayRun
 
 log = logging.getLogger(__name__)
 
@@ -231,13 +233,13 @@ def refit_setup(
     return RefitSetup(source, held, wire, plan, rp)
 
 
-def _transport(setup: RefitSetup, member: int) -> Any:
+def transport_spec(setup: RefitSetup, member: int) -> TransportSpec:
     from ...workers.transfer.exchange import HEAD_WORDS
-    from ...workers.transfer.transports import make_transport
+    from ...workers.transfer.rank import TransportSpec
 
     s = setup.source
-    return make_transport(
-        s.transport,
+    return TransportSpec(
+        kind=s.transport,
         addresses=s.addresses,
         member=member,
         senders=s.world,
@@ -248,6 +250,13 @@ def _transport(setup: RefitSetup, member: int) -> Any:
     )
 
 
+def receiver_args(setup: RefitSetup, rank: int) -> tuple[Any, ...]:
+    """What engine rank ``rank``'s ``RankRefit`` is built from (in its own process)."""
+    itemsize = {t.name: t.itemsize for t in setup.source.manifest.tensors}
+    member = setup.source.world + rank
+    return setup.refit, rank, transport_spec(setup, member), itemsize, row_bytes(setup.wire)
+
+
 @dataclass
 class _Update:
     step: int
@@ -256,61 +265,76 @@ class _Update:
 
 @dataclass
 class RefitRank:
-    """One engine rank's receiving side, held between updates (its transport and its
-    receive area are made once)."""
+    """One in-process engine rank's receiving side (``workers.transfer.rank.RankRefit``)
+    with the update it is running."""
 
     setup: RefitSetup
     rank: int
-    receiver: Any = field(init=False)
+    receiver: RankRefit = field(init=False)
     update: _Update | None = None
-    last: Received | None = None
-    broken: str = ""
-    """Why the refit group can carry no more updates (a receive failed part-way: bytes of
-    it may still be on the links); "" while it can."""
 
     def __post_init__(self) -> None:
-        from ...workers.transfer.exchange import Receiver
+        from ...workers.transfer.rank import RankRefit
 
-        member = self.setup.source.world + self.rank
-        itemsize = {t.name: t.itemsize for t in self.setup.source.manifest.tensors}
-        self.receiver = Receiver(
-            self.setup.refit,
-            self.rank,
-            _transport(self.setup, member),
-            itemsize,
-            row_bytes(self.setup.wire),
-        )
+        self.receiver = RankRefit(*receiver_args(self.setup, self.rank))
+
+    @property
+    def last(self) -> Received | None:
+        return self.receiver.last
 
     def prepare(self, inputs: ReloadInputs, version: int, loader: RankLoader) -> Any:
-        """Receive this rank's bytes of step ``version`` and re-stamp the units a delta
-        leaves unchanged; returns the storage the loader reads them from."""
+        """Receive this rank's bytes of step ``version`` (and re-stamp what a delta
+        leaves unchanged); returns the storage the loader reads them from."""
         upd = self.update
         assert upd is not None and upd.step == version
-        fp = inputs.source.fingerprint
-        loader.begin((version, fp))
-        if self.broken:
-            raise RunError(
-                f"engine rank {self.rank}: the refit group broke ({self.broken}); "
-                "initialise the weight transfer again (the trainer form) before the next "
-                "update",
-                rank=self.rank,
-            )
-        try:
-            got = self.receiver.receive(version, delta_of=upd.delta_of)
-        except BaseException as err:
-            self.broken = f"step {version}: {err}"[:300]
-            raise
-        self.last = got
-        if upd.delta_of is not None:
-            same = [
-                all(not got.changed.get(pr.file, True) for pr in reads.parts)
-                for reads in inputs.reads[self.rank]
-            ]
-            loader.restamp(same, (upd.delta_of, fp), (version, fp))
-        return self.receiver.area.storage()
+        return self.receiver.prepare(
+            loader, inputs.reads[self.rank], inputs.source.fingerprint, version, upd.delta_of
+        )
 
     def close(self) -> None:
-        self.receiver.transport.close()
+        self.receiver.close()
+
+
+class RayRefitRanks:
+    """:class:`Ranks` of a refit of a session whose ranks are Ray actors: each actor
+    receives its bytes itself (``RankWorker.refit_load``)."""
+
+    def __init__(self, run: RayRun, step: int, delta_of: int | None) -> None:
+        self.run = run
+        self.step = step
+        self.delta_of = delta_of
+
+    @property
+    def fused(self) -> bool:
+        from .request import workers_fused
+
+        return workers_fused(self.run.req.device)
+
+    def run_ranks(
+        self, inputs: ReloadInputs, version: int, on_progress: Progress | None
+    ) -> list[Report]:
+        import ray
+
+        refs = [
+            a.refit_load.remote(
+                self.step,
+                self.delta_of,
+                list(inputs.reads[r]),
+                inputs.source,
+                inputs.budgets[r],
+                list(inputs.units[r]),
+            )
+            for r, a in enumerate(self.run.actors)
+        ]
+        out: list[Report] = ray.get(refs)
+        return out
+
+
+def join_ray(run: RayRun, setup: RefitSetup) -> None:
+    """Every actor of ``run`` joins the refit group (waits for the trainer's ranks)."""
+    import ray
+
+    ray.get([a.refit_join.remote(*receiver_args(setup, r)) for r, a in enumerate(run.actors)])
 
 
 def refit(
@@ -408,7 +432,7 @@ class MxloadSender:
         self.setup = refit_setup(held, meta.config, source)
         self.rank = rank
         self.sender = Sender(
-            self.setup.refit, rank, _transport(self.setup, rank), select_backend(device)
+            self.setup.refit, rank, transport_spec(self.setup, rank).make(), select_backend(device)
         )
 
     @property
