@@ -122,8 +122,8 @@ def main() -> None:
     from mxload.orchestrator.runtime.refit import MxloadSender
     from mxload.orchestrator.tools.synth import make_checkpoint
 
-    facts = machine_facts()
-    print(f"load average before: {facts['load_average_start']}", flush=True)
+    machine = machine_facts()
+    print(f"load average before: {machine['load_average_start']}", flush=True)
     work = args.work or tempfile.mkdtemp(prefix="mxload-bench-refit-")
     fp8, twin, saved = (os.path.join(work, n) for n in ("fp8", "bf16", "saved"))
     if not os.path.exists(os.path.join(twin, "config.json")):
@@ -222,7 +222,7 @@ def main() -> None:
     delta_bytes = stats["refit shm"][-1]["bytes_received"]
 
     rows = []
-    out: dict[str, Any] = {"bytes_bf16": nbytes, "machine": facts, "candidates": {}}
+    out: dict[str, Any] = {"bytes_bf16": nbytes, "machine": machine, "candidates": {}}
     for name, t in timings.items():
         ratio = paired_ratio(t, timings["storage"])
         row = {"seconds": t.to_json(), "vs_storage": ratio.to_json()}
