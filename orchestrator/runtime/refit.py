@@ -11,7 +11,8 @@ hash): ``status`` and vLLM's ``weight_version`` read the step back.
   addresses, world, manifest, ``convert_on``, bucket bytes);
 * :func:`refit_setup`: the wire checkpoint, its plan for the engine's layout (preflight
   against what the ranks hold) and the transfer plan; both sides compute it;
-* :class:`RefitRank`: one engine rank's receiver; :func:`refit`: one update;
+* :class:`RefitRank`: an in-process engine rank's receiver, :class:`RayRefitRanks` and
+  :func:`join_ray` a ``Session``'s actors'; :func:`refit`: one update;
 * :class:`MxloadSender`: the trainer side, ``MxloadSender(...).send_weights(params, step)``.
 """
 

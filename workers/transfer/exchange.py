@@ -2,7 +2,8 @@
 
 Per (sender, receiver) link, in order: one header (step, the step the delta is taken
 against, manifest hash, plan digest, and which tensors changed), then the link's buckets
-(``mxload.orchestrator.plan.refit.buckets``: the pieces of unchanged tensors left out).
+of the transfer plan (``mxload.orchestrator.plan.refit``), the transfers of unchanged
+tensors left out.
 A receiver takes every link on its own thread, into its receive area, and checks every
 header before the first bucket; nothing is written into the engine's buffers here (the
 loader does that once every byte has arrived). A sender that dies or stops is named with
