@@ -9,7 +9,7 @@ on stdin and answers one JSON line on stdout:
   "die_after"?}``: send this rank's shards of the BF16 checkpoint ``weights`` (tensors
   named in ``mix`` taken from the checkpoint ``mix["from"]`` instead) as ``step``;
   ``die_after``: the process kills itself (SIGKILL) after that many messages of the
-  send (a trainer dying mid-update);
+  send (a trainer dying mid-update); ``stop_after``: it stops itself (SIGSTOP) there;
 * ``{"op": "exit"}``.
 
 Its shards are what the manifest (``fsdp_manifest`` of the checkpoint's shapes) places
@@ -59,16 +59,17 @@ def shards(tensors: dict[str, torch.Tensor], rank: int, world: int) -> dict[str,
     return out
 
 
-def die_after(sender: MxloadSender, messages: int) -> None:
-    """Kill this process (SIGKILL) when the sender is about to send message
-    ``messages`` (0-based) of its send: a trainer rank dying mid-update."""
+def die_after(sender: MxloadSender, messages: int, sig: int = signal.SIGKILL) -> None:
+    """Send this process ``sig`` (SIGKILL: a trainer rank dying mid-update; SIGSTOP: one
+    stopped, until the test sends SIGCONT) when the sender is about to send message
+    ``messages`` (0-based) of its send."""
     transport = sender.sender.transport
     real = transport.send
     count = [0]
 
     def send(peer: int, buf: torch.Tensor) -> None:
         if count[0] == messages:
-            os.kill(os.getpid(), signal.SIGKILL)
+            os.kill(os.getpid(), sig)
         count[0] += 1
         real(peer, buf)
 
@@ -113,6 +114,9 @@ def main() -> None:
                 die = cmd.get("die_after")
                 if die is not None:
                     die_after(sender, die)
+                stop = cmd.get("stop_after")
+                if stop is not None:
+                    die_after(sender, stop, signal.SIGSTOP)
                 reply = {
                     "ok": True,
                     **sender.send_weights(

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -206,7 +207,7 @@ def step(
     trainers: Trainers, engine: Engine, name: str, n: int, weights: str, h: str, **kw: Any
 ) -> list[Any]:
     cmd = {"op": "send", "name": name, "step": n, "weights": weights}
-    cmd.update({k: v for k, v in kw.items() if k in ("delta_of", "changed", "mix", "die_after")})
+    cmd.update({k: v for k, v in kw.items() if k in ("delta_of", "changed", "mix")})
     trainers.post(cmd)
     got = engine.refit(n, h, delta_of=kw.get("delta_of"))
     sent = trainers.replies()
@@ -369,3 +370,23 @@ def test_a_killed_sender_is_named_and_leaves_inconsistent_until_the_next_update(
         assert compare_rank(want[r], engine.held(r)) == []
     assert all(a.status(checksums=False)["consistent"] for a in engine.ranks)
     assert {a.identity for a in engine.ranks} == {f"8:trainer-{h}"}
+
+
+def test_a_stopped_sender_past_the_wait_writes_nothing_and_is_told_it_failed(
+    engine, trainers, ckpts, manifest
+):
+    h = manifest.digest()
+    join(trainers, engine, "S", ckpts, {**trainer_form(manifest), "timeout_s": 3})
+    before = [a.status()["tensors"] for a in engine.ranks]
+    trainers.post({"op": "send", "name": "S", "step": 20, "weights": ckpts["bf16-1"]}, [0])
+    trainers.post(
+        {"op": "send", "name": "S", "step": 20, "weights": ckpts["bf16-1"], "stop_after": 3}, [1]
+    )
+    got = engine.refit(20, h)
+    assert all(isinstance(g, RunError) and "trainer rank 1" in str(g) for g in got), got
+    # The engine wrote nothing; the stopped rank, resumed, is told its send failed.
+    assert [a.status()["tensors"] for a in engine.ranks] == before
+    os.kill(trainers.procs[1].pid, signal.SIGCONT)
+    first, second = trainers.replies()
+    assert first["ok"]
+    assert not second["ok"] and "trainer rank 1: sending" in second["error"], second

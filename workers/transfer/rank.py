@@ -6,7 +6,9 @@ records the step it is bringing the rank to (until written, status lists every u
 at it), and re-stamps the units a delta leaves unchanged; the loader then reads the bytes
 from the area (:meth:`RankRefit.prepare` returns the storage). A receive that fails
 part-way breaks the group: bytes of that step may still be on the links, so no update
-goes through it until it is formed again (docs/contract.md §4 "Refit").
+goes through it until it is formed again, and this rank leaves it at once, so a sender
+that was stopped past the wait is told its send failed when it resumes (docs/contract.md
+§4 "Refit").
 """
 
 from __future__ import annotations
@@ -87,6 +89,9 @@ class RankRefit:
             got = self.receiver.receive(step, delta_of=delta_of)
         except BaseException as err:
             self.broken = f"step {step}: {err}"[:300]
+            # Leave the group now: a sender that was only stopped (past the wait) finds
+            # its sends failing when it resumes, instead of handing bytes to nobody.
+            self.receiver.transport.close()
             raise
         self.last = got
         if delta_of is not None:
