@@ -183,6 +183,17 @@ class TrainerSource:
             raise InputError(
                 "trainer.addresses must be a list of 'HOST:PORT'", key="trainer.addresses"
             )
+        timeout = data.get("timeout_s", 60.0)
+        if isinstance(timeout, bool) or not isinstance(timeout, int | float) or timeout <= 0:
+            raise InputError(
+                f"trainer.timeout_s {timeout!r} must be a positive number of seconds",
+                key="trainer.timeout_s",
+            )
+        group = data.get("group", "mxload-refit")
+        if not isinstance(group, str) or not group or "/" in group:
+            raise InputError(
+                f"trainer.group {group!r} must be a name without '/'", key="trainer.group"
+            )
         return cls(
             transport=transport,
             world=world,
@@ -190,8 +201,8 @@ class TrainerSource:
             addresses=tuple(addresses),
             convert_on=cast(ConvertOn, convert_on),
             bucket_bytes=bucket,
-            group=str(data.get("group", "mxload-refit")),
-            timeout_s=float(data.get("timeout_s", 60.0)),
+            group=group,
+            timeout_s=float(timeout),
         )
 
 

@@ -145,3 +145,34 @@ def test_packed_transfers_give_every_read_range_the_gathered_bytes(ckpt_factory)
                 whole = full[pr.file].contiguous().reshape(-1).view(torch.uint8)
                 want = b"".join(bytes(whole[s : s + k].numpy()) for s, k in pr.weight.segments())
                 assert bytes(out) == want, (r, pr.file)
+
+
+TRAINER = {"transport": "gloo", "world": 1, "addresses": ["127.0.0.1:1"]}
+
+
+@pytest.mark.parametrize(
+    ("change", "key"),
+    [
+        ({"transport": "pigeon"}, "trainer.transport"),
+        ({"world": 2}, "trainer.world"),
+        ({"world": True}, "trainer.world"),
+        ({"convert_on": "both"}, "trainer.convert_on"),
+        ({"bucket_bytes": 12}, "trainer.bucket_bytes"),
+        ({"timeout_s": "soon"}, "trainer.timeout_s"),
+        ({"group": "../etc"}, "trainer.group"),
+        ({"addresses": "127.0.0.1:1"}, "trainer.addresses"),
+        ({"colour": "blue"}, "trainer"),
+    ],
+)
+def test_a_bad_trainer_form_is_one_line_naming_the_key(change: dict, key: str) -> None:
+    """What an RL framework may get wrong in the init info's trainer form: each refused
+    with one InputError naming the key (exit 2 through the CLI's error hierarchy)."""
+    from mxload.orchestrator.errors import InputError
+    from mxload.orchestrator.plan.trainer import manifest_to_json
+
+    manifest = fsdp_manifest({"a.weight": (4, 32)}, 1)
+    form = {**TRAINER, "manifest": manifest_to_json(manifest), **change}
+    with pytest.raises(InputError) as err:
+        TrainerSource.from_json(form)
+    assert err.value.context.get("key") == key, err.value.context
+    assert "\n" not in str(err.value)
