@@ -196,7 +196,8 @@ class RankLoader:
             source.block_n,
             fused=bool(getattr(self.backend, "fused", False)),
             device=torch.device(self.backend.device).type,
-            remote=is_remote(source.root),
+            # a storage the host gave (a refit's receive area) is memory, not a network
+            remote=self._reader.given is None and is_remote(source.root),
         )
         read_fn = read_fn_from_reads(
             units, reads, block_n=source.block_n, source_quant=source.quant
