@@ -140,6 +140,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from ..plan.planner import plan_to_json
 
     layout = flags.layout(args)
+    if args.from_trainer is None:
+        from .refit import refuse_refit_flags
+
+        refuse_refit_flags(args)
     config, meta = _plan_config(args)
     budget = flags.size(args, "staging_budget")
     plan = _build_plan(args, config, meta, layout, device_memory=True)
@@ -155,7 +159,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
         obj["fits"] = None  # not checked: no --device-memory (docs/contract.md §5)
     add_times(obj, plan, config, args, meta)
     per_node = max(1, args.devices_per_node)
-    show.emit(args, obj, show.render_plan_table(obj, per_node, args.defaults_used))
+    human = show.render_plan_table(obj, per_node, args.defaults_used)
+    if args.from_trainer is not None:
+        from .refit import add_refit
+
+        human += "\n" + add_refit(obj, plan, config, args)
+    show.emit(args, obj, human)
     return 3 if obj["fits"] is False else 0
 
 

@@ -260,6 +260,37 @@ FLAGS: tuple[Flag, ...] = (
         0.0,
         kwargs={"type": float, "metavar": "N"},
     ),
+    # refit from a trainer's memory (no defaults here: a plan without --from-trainer
+    # lists none of them among its defaults; orchestrator/cli/refit.py fills them in)
+    Flag(
+        ("--from-trainer",),
+        ("plan",),
+        "plan a refit from a trainer's memory beside the storage round trip: a trainer "
+        "manifest (JSON FILE, docs/contract.md), or fsdp:N / megatron:N for N trainer "
+        "ranks holding the plan's model in BF16, --devices-per-node of them per node",
+        kwargs={"metavar": "MANIFEST"},
+    ),
+    Flag(
+        ("--trainer-link",),
+        ("plan",),
+        "refit: how the bytes move: hccl or nccl (--network-bandwidth between nodes), "
+        "gloo, ray (object store) or shm (within a node only) (default: hccl)",
+        kwargs={"choices": ["hccl", "nccl", "gloo", "ray", "shm"]},
+    ),
+    Flag(
+        ("--convert-on",),
+        ("plan",),
+        "refit: where BF16 becomes MXFP8: receiver (BF16 on the wire) or sender (MXFP8 on "
+        "the wire) (default: receiver)",
+        kwargs={"choices": ["receiver", "sender"]},
+    ),
+    Flag(
+        ("--bucket-size",),
+        ("plan",),
+        f"refit: bytes one trainer rank packs into one message (default: 256MiB; {SIZE_HELP})",
+        size=True,
+        kwargs={"metavar": "SIZE"},
+    ),
     # cluster and session
     Flag(
         ("--address",),

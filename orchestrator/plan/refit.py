@@ -175,6 +175,48 @@ class RefitPlan:
         return tuple(b for b in self.buckets if b.sender == sender)
 
 
+@dataclass(frozen=True)
+class Placement:
+    """Where a piece lands in one of a rank's units: rows ``rows`` and cols ``cols`` of
+    unit ``unit`` (source orientation ``[N, K]``, rows from the unit's first) take rows
+    ``piece_rows`` and cols ``piece_cols`` of the piece (counted from its own first)."""
+
+    unit: int
+    part: int
+    rows: tuple[int, int]
+    cols: tuple[int, int]
+    piece_rows: tuple[int, int]
+    piece_cols: tuple[int, int]
+
+
+def placements(units: Sequence[Unit], transfer: Transfer) -> tuple[Placement, ...]:
+    """Every place among ``units`` (one engine rank's, in plan order) that ``transfer``'s
+    piece fills: each part of that tensor whose rectangle meets the piece's."""
+    out = []
+    for i, unit in enumerate(units):
+        for j, part in enumerate(unit.parts):
+            if part.tensor_name != transfer.tensor:
+                continue
+            a = max(part.rows[0], transfer.rows[0])
+            b = min(part.rows[1], transfer.rows[1])
+            x = max(part.cols[0], transfer.cols[0])
+            y = min(part.cols[1], transfer.cols[1])
+            if a >= b or x >= y:
+                continue
+            dst = part.dst_row - part.rows[0]
+            out.append(
+                Placement(
+                    unit=i,
+                    part=j,
+                    rows=(dst + a, dst + b),
+                    cols=(x - part.cols[0], y - part.cols[0]),
+                    piece_rows=(a - transfer.rows[0], b - transfer.rows[0]),
+                    piece_cols=(x - transfer.cols[0], y - transfer.cols[0]),
+                )
+            )
+    return tuple(out)
+
+
 def refit_plan(
     plan: Plan,
     manifest: TrainerManifest,
@@ -417,8 +459,11 @@ class _Walk:
 
     def run(self, *, detail: bool) -> None:
         self.detail = detail
-        # Pieces already on a node: (tensor, rows, cols) -> their records (detail).
-        on_node: dict[int, dict[tuple[str, tuple[int, int], tuple[int, int]], list[object]]] = {}
+        # Pieces already on a node: (tensor, rows, cols) -> the ranks needing them and
+        # their records (detail).
+        on_node: dict[
+            int, dict[tuple[str, tuple[int, int], tuple[int, int]], tuple[set[int], list[object]]]
+        ] = {}
         for rank in self.order:
             node = self.rnode[rank]
             seen = on_node.setdefault(node, {})
@@ -436,10 +481,13 @@ class _Walk:
                     key = (part.tensor_name, part.rows, part.cols)
                     got = seen.get(key)
                     if got is not None:
-                        self.fanout[node] += wire
-                        for rec in got:
-                            assert isinstance(rec, list)
-                            rec[1].append(rank)
+                        ranks, recs = got
+                        if rank not in ranks:  # (a tied embedding: twice on one rank)
+                            ranks.add(rank)
+                            self.fanout[node] += wire
+                            for rec in recs:
+                                assert isinstance(rec, list)
+                                rec[1].append(rank)
                         continue
                     # The slices cover each tensor once (the manifest is checked so):
                     # the pieces of a part add up to it.
@@ -450,7 +498,7 @@ class _Walk:
                         self.mx_needed += source
                         self.mx_wire += wire
                     self.receiver_bytes[rank] += wire
-                    seen[key] = self._cut(part, src, mx, rank, node)
+                    seen[key] = ({rank}, self._cut(part, src, mx, rank, node))
                 wires.append(unit_wire)
             self.receiver_staging[rank] = self._staging(units, wires)
 
@@ -500,7 +548,6 @@ class _Walk:
         add = self.streams.add
         to_node = self.to_node
         detail = self.detail
-        base = rank
         world = self.world
         width = row_wire = 0
         for h in held:
@@ -528,7 +575,7 @@ class _Walk:
             to_node[h.rank][node] += wire
             if check:
                 self.sender_convert[h.rank] += (b - a) * (y - x) * src.tensor.itemsize
-            key = h.rank * world + base
+            key = h.rank * world + rank
             if wire <= cap and not detail:
                 add(key, wire)
                 self.count += 1

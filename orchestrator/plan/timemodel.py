@@ -37,6 +37,12 @@ opening its session), which a load pays once, at the start of its first phase, a
 reload, whose processes are warm, does not. Starting Ray and the workers and allocating
 buffers are not modelled: the figures are from the first byte requested to the last unit
 written.
+
+A refit from a trainer's memory (``refit_times``) is predicted from its transfer plan
+(``refit.refit_summary``): each node's bytes over the network and within itself at the
+link kind's rates (:data:`TRAINER_LINKS`), and the conversion on the sender or the
+receiver, overlapping bucket by bucket; beside it ``save_seconds`` prices the storage
+round trip's save (docs/time-model.md, "Refit").
 """
 
 from __future__ import annotations

@@ -27,6 +27,7 @@ from mxload.orchestrator.plan.refit import (
     RefitPlan,
     RefitSummary,
     needed_shapes,
+    placements,
     refit_plan,
     refit_summary,
 )
@@ -133,6 +134,7 @@ def check_refit(
             assert t.sender == b.sender and t.receiver == b.receiver
             node = nodes[t.receiver]
             assert {nodes[r] for r in t.receivers} == {node}
+            assert len(set(t.receivers)) == len(t.receivers), t
             assert sent.mark(node, t.tensor, t.rows, t.cols) == 0, (t, "sent twice to a node")
             for r in t.receivers:
                 to_rank[r].mark(0, t.tensor, t.rows, t.cols)
@@ -185,6 +187,9 @@ def cases() -> Iterator[tuple[str, str, int, str, int]]:
             yield preset, how, per_node, "receiver", 48 << 10
         yield preset, "fsdp", 2, "sender", 20 << 10
         yield preset, "megatron", 1, "sender", 1 << 20
+    # odd widths, a tied embedding (one rank holds the same rows for two buffers)
+    yield "qwen3-moe-awkward", "fsdp", 2, "receiver", 48 << 10
+    yield "qwen3-moe-awkward", "fsdp", 1, "sender", 48 << 10
 
 
 @pytest.mark.parametrize(("preset", "how", "per_node", "convert_on", "bucket"), list(cases()))
@@ -419,3 +424,36 @@ def test_storage_save_by_hand() -> None:
     rates = Rates(storage_node=10.0, storage_aggregate=25.0)
     assert save_seconds({0: 100, 1: 50}, rates) == 10.0  # node 0's link
     assert save_seconds({0: 100, 1: 100, 2: 100}, rates) == 12.0  # the aggregate
+
+
+@pytest.mark.parametrize("how", ["fsdp", "megatron"])
+def test_placements_fill_every_unit_once(how: str) -> None:
+    # Each rank's pieces, placed into its units, cover every unit's parts' rows x cols
+    # exactly once (a map per unit, marked at the rows and cols the placements name).
+    plan = preset_plan("qwen3-moe-tiny")
+    make = fsdp_manifest if how == "fsdp" else megatron_manifest
+    got = refit_plan(plan, make(needed_shapes(plan), 2), devices_per_node=2, bucket_bytes=32 << 10)
+    for rank in range(4):
+        units = plan.ranks[rank].units
+        marks = [bytearray(u.rows * u.cols) for u in units]
+        for t in got.transfers_to(rank):
+            for p in placements(units, t):
+                u = units[p.unit]
+                part = u.parts[p.part]
+                assert part.tensor_name == t.tensor
+                assert p.rows[1] - p.rows[0] == p.piece_rows[1] - p.piece_rows[0]
+                assert p.cols[1] - p.cols[0] == p.piece_cols[1] - p.piece_cols[0]
+                # the piece's own row r is row rows[0] + r of the tensor's view
+                assert t.rows[0] + p.piece_rows[0] - part.rows[0] + part.dst_row == p.rows[0]
+                for r in range(*p.rows):
+                    seg = marks[p.unit][r * u.cols + p.cols[0] : r * u.cols + p.cols[1]]
+                    assert seg.count(0) == len(seg), (rank, p)
+                    marks[p.unit][r * u.cols + p.cols[0] : r * u.cols + p.cols[1]] = b"\x01" * len(
+                        seg
+                    )
+        for u, m in zip(units, marks, strict=True):
+            want = bytearray(u.rows * u.cols)
+            for part in u.parts:
+                for r in range(part.dst_row, part.dst_row + part.nrows):
+                    want[r * u.cols : r * u.cols + part.ncols] = b"\x01" * part.ncols
+            assert m == want, (rank, u.buffer)
