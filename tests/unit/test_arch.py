@@ -132,10 +132,11 @@ def test_deepseek_names() -> None:
     got = {b.name for b in buffers}
     assert {n[len("model.layers.0.") :] for n in got if n.startswith("model.layers.0.")} == attn | dense_mlp  # fmt: skip
     assert {n[len("model.layers.1.") :] for n in got if n.startswith("model.layers.1.")} == attn | moe  # fmt: skip
-    # vllm-ascend's MLA holds kv_b_proj unquantized: no scale
+    # vllm-ascend's MLA holds kv_b_proj unquantized (no scale) and derives W_UK_T / W_UV
     buffers, _ = plan_rank(cfg, ParallelLayout(), 0, engine="vllm-ascend-main")
     got = {b.name for b in buffers}
-    assert {n[len("model.layers.0.") :] for n in got if n.startswith("model.layers.0.")} == (attn | dense_mlp) - {"self_attn.kv_b_proj.weight_scale"}  # fmt: skip
+    impl = {f"self_attn.mla_attn.mla_attn.impl.{n}" for n in ("W_UK_T", "W_UV")}
+    assert {n[len("model.layers.0.") :] for n in got if n.startswith("model.layers.0.")} == (attn | dense_mlp | impl) - {"self_attn.kv_b_proj.weight_scale"}  # fmt: skip
 
 
 def test_qwen3_source_shapes_follow_the_config() -> None:
