@@ -178,10 +178,14 @@ def test_a_bad_trainer_form_is_one_line_naming_the_key(change: dict, key: str) -
     assert "\n" not in str(err.value)
 
 
-def test_a_trainer_step_during_the_send_fails_the_update_naming_the_tensor(ckpt_factory) -> None:
-    """An optimizer step taken while ``send_weights`` runs (after the first bucket left):
-    the trainer rank is told which tensor changed, the engine rank does not take the step
-    (not consistent, identity not the step), and the next update, once the group is
+@pytest.mark.parametrize("write", ["optimizer step", "rebound"])
+def test_a_trainer_step_during_the_send_fails_the_update_naming_the_tensor(
+    ckpt_factory, write: str
+) -> None:
+    """A parameter written while ``send_weights`` runs (after the first bucket left): by
+    an optimizer step (in place), or rebound to new memory (``p.data = ...``). The
+    trainer rank is told which tensor changed, the engine rank does not take the step
+    (not consistent, identity the step it held), and the next update, once the group is
     formed again, repairs it. In process: one trainer rank, one engine rank, shm."""
     import os
 
@@ -205,9 +209,12 @@ def test_a_trainer_step_during_the_send_fails_the_update_naming_the_tensor(ckpt_
     params[stepped].grad = torch.ones_like(params[stepped])
 
     def optimizer_step() -> None:
-        # SGD's update of one parameter (torch.optim's own import costs seconds here)
+        p = params[stepped]
         with torch.no_grad():
-            params[stepped].add_(params[stepped].grad, alpha=-1.0)
+            if write == "rebound":
+                p.data = p.data - 1.0
+            else:  # SGD's update (torch.optim's own import costs seconds here)
+                p.add_(p.grad, alpha=-1.0)
 
     def form() -> dict[str, Any]:
         group = f"refit-step-{os.getpid()}-{free_port()}"
