@@ -176,3 +176,96 @@ def test_a_bad_trainer_form_is_one_line_naming_the_key(change: dict, key: str) -
         TrainerSource.from_json(form)
     assert err.value.context.get("key") == key, err.value.context
     assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("write", ["optimizer step", "rebound"])
+def test_a_trainer_step_during_the_send_fails_the_update_naming_the_tensor(
+    ckpt_factory, write: str
+) -> None:
+    """A parameter written while ``send_weights`` runs (after the first bucket left): by
+    an optimizer step (in place), or rebound to new memory (``p.data = ...``). The
+    trainer rank is told which tensor changed, the engine rank does not take the step
+    (not consistent, identity the step it held), and the next update, once the group is
+    formed again, repairs it. In process: one trainer rank, one engine rank, shm."""
+    import os
+
+    from mxload.orchestrator.hosts.engine_ext import Attachment, EngineFacts, engine_params
+    from mxload.orchestrator.plan.trainer import manifest_to_json
+    from mxload.orchestrator.runtime.refit import MxloadSender
+
+    from tests.integration.test_refit import on_threads
+    from tests.unit.test_engine_ext import _engine_model
+
+    src = ckpt_factory("qwen3-moe-tiny", seed=1)
+    full = read_checkpoint(ckpt_factory("qwen3-moe-tiny", seed=1, bf16=True))
+    manifest = fsdp_manifest({n: tuple(t.shape) for n, t in full.items()}, 1)
+    h = manifest.digest()
+    layout = ParallelLayout(tp=1)
+    meta = open_checkpoint(src)
+    model = _engine_model(build_plan(meta.config, layout, checkpoint=meta).ranks[0])
+    engine = Attachment(src, EngineFacts(layout, 0, 0, 0, "mxload", {}), engine_params(model))
+    params = {n: torch.nn.Parameter(t) for n, t in shards(full, 0, 1).items()}
+    stepped = sorted(params)[-1]  # not the first tensor sent: the whole plan is walked
+    params[stepped].grad = torch.ones_like(params[stepped])
+
+    def optimizer_step() -> None:
+        p = params[stepped]
+        with torch.no_grad():
+            if write == "rebound":
+                p.data = p.data - 1.0
+            else:  # SGD's update (torch.optim's own import costs seconds here)
+                p.add_(p.grad, alpha=-1.0)
+
+    def form() -> dict[str, Any]:
+        group = f"refit-step-{os.getpid()}-{free_port()}"
+        return {"transport": "shm", "world": 1, "manifest": manifest_to_json(manifest),
+                "bucket_bytes": 1 << 20, "group": group, "timeout_s": 20}  # fmt: skip
+
+    def join() -> MxloadSender:
+        f = form()
+        got = on_threads(
+            [lambda: MxloadSender(src, layout, f, rank=0), lambda: engine.attach_trainer(f)]
+        )
+        assert not [g for g in got if isinstance(g, BaseException)], got
+        return got[0]
+
+    def update(sender: MxloadSender, n: int) -> list[Any]:
+        with torch.no_grad():
+            return on_threads([lambda: sender.send_weights(params, n), lambda: engine.refit(n, h)])
+
+    sender = join()
+    try:
+        sent, got = update(sender, 1)
+        assert not isinstance(sent, BaseException) and got["identity"] == f"1:trainer-{h}"
+        assert engine.consistent
+
+        transport = sender.sender.transport
+        real = transport.send
+        count = [0]
+
+        def send(peer: int, buf: torch.Tensor) -> None:
+            real(peer, buf)
+            count[0] += 1
+            if count[0] == 2:  # the header and bucket 0 are out: the trainer steps
+                optimizer_step()
+
+        transport.send = send  # type: ignore[method-assign]
+        sent, got = update(sender, 2)
+        assert count[0] > 3, "the step came before the send's end"
+        assert isinstance(sent, RunError), sent
+        assert f"trainer rank 0: tensor {stepped} changed while step 2" in str(sent)
+        assert isinstance(got, RunError), got
+        assert f"tensor {stepped} changed while step 2" in str(got)
+        assert not engine.consistent
+        assert not engine.status(checksums=False)["consistent"]
+        assert engine.identity == f"1:trainer-{h}"  # the step it held before
+        sender.close()
+
+        sender = join()
+        sent, got = update(sender, 3)
+        assert not isinstance(sent, BaseException), sent
+        assert not isinstance(got, BaseException), got
+        assert engine.consistent and engine.identity == f"3:trainer-{h}"
+    finally:
+        sender.close()
+        engine.close()

@@ -3,19 +3,22 @@
 Per (sender, receiver) link, in order: one header (step, the step the delta is taken
 against, manifest hash, plan digest, and which tensors changed), then the link's buckets
 of the transfer plan (``mxload.orchestrator.plan.refit``), the transfers of unchanged
-tensors left out.
+tensors left out, then one trailer, sent once every link's buckets are out: whether a
+tensor the sender read changed while it sent (a trainer step taken during the update).
 A receiver takes every link on its own thread, into its receive area, and checks every
-header before the first bucket; nothing is written into the engine's buffers here (the
-loader does that once every byte has arrived). A sender that dies or stops is named with
-the bucket it owed (docs/contract.md §4 "Refit").
+header before the first bucket and every trailer after the last; nothing is written into
+the engine's buffers here (the loader does that once every byte has arrived). A sender
+that dies or stops is named with the bucket it owed, a tensor that changed with its
+name, both failing the update the same way (docs/contract.md §4 "Refit").
 """
 
 from __future__ import annotations
 
 import hashlib
 import time
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,6 +31,7 @@ from .wire import ReceiveArea, local_rect, pack
 
 MAGIC = 0x6D786C6F6164  # "mxload"
 HEAD_WORDS = 8
+TRAILER_WORDS = 3
 
 Bucket = tuple[Transfer, ...]
 
@@ -89,6 +93,18 @@ def header(
     return torch.cat([words.view(torch.uint8), torch.tensor(flags, dtype=torch.uint8)])
 
 
+def trailer(step: int, changed: int) -> torch.Tensor:
+    """The last message of a link: ``changed`` is the index (in ``plan_tensors``) of a
+    tensor the sender found written during the send, -1 when none was."""
+    return torch.tensor([MAGIC, step, changed], dtype=torch.int64).view(torch.uint8)
+
+
+def _stamp(t: torch.Tensor) -> tuple[int, int]:
+    # torch bumps ``_version`` on every in-place write (an optimizer step's ``add_``)
+    # to the tensor or a view of it; ``data_ptr`` moves when the parameter is rebound.
+    return t._version, t.data_ptr()
+
+
 @dataclass
 class SendStats:
     bytes_sent: int = 0
@@ -114,6 +130,24 @@ class Sender:
         self.bufs = [torch.empty(cap, dtype=torch.uint8) for _ in range(2)]
         self.last = SendStats()
 
+    @contextmanager
+    def _naming(self, step: int, receiver: int, buckets: int) -> Iterator[list[int]]:
+        """Name the message of ``step`` to ``receiver`` whose send failed: the header
+        (``where[0] == -1``), bucket ``where[0]``, or the trailer (-2)."""
+        where = [-1]
+        try:
+            yield where
+        except MxloadError:
+            raise
+        except Exception as err:
+            b = where[0]
+            what = {-1: "the header", -2: "the trailer"}.get(b, f"bucket {b} of {buckets}")
+            raise RunError(
+                f"trainer rank {self.rank}: sending {what} of step {step} to engine rank "
+                f"{receiver} failed: {type(err).__name__}: {err}",
+                rank=self.rank,
+            ) from err
+
     def send(
         self,
         params: Mapping[str, torch.Tensor],
@@ -135,32 +169,41 @@ class Sender:
         head = header(
             self.digest, self.plan.summary.manifest_digest, self.rank, step, delta_of, flags
         )
+        sent = [t for t in self.tensors if t not in skip and t in params]
+        before = {t: _stamp(params[t]) for t in sent}
         n_bucket = 0
-        for (_, receiver), buckets in sorted(self.links.items()):
-            peer = self.senders + receiver
+        links = sorted(self.links.items())
+        for (_, receiver), buckets in links:
             todo = _without(buckets, skip)
-            b = -1
-            try:
-                self.transport.send(peer, head)
+            with self._naming(step, receiver, len(todo)) as where:
+                self.transport.send(self.senders + receiver, head)
                 for bucket in todo:
-                    b += 1
+                    where[0] += 1
                     buf = self.bufs[n_bucket % 2]
                     n_bucket += 1
                     tp = time.perf_counter()
                     n = pack(bucket, local, buf, self.backend)
                     stats.pack_seconds += time.perf_counter() - tp
-                    self.transport.send(peer, buf[:n])
+                    self.transport.send(self.senders + receiver, buf[:n])
                     stats.bytes_sent += n
                     stats.buckets += 1
-            except MxloadError:
-                raise
-            except Exception as err:
-                what = "the header" if b < 0 else f"bucket {b} of {len(todo)}"
-                raise RunError(
-                    f"trainer rank {self.rank}: sending {what} of step {step} to engine rank "
-                    f"{receiver} failed: {type(err).__name__}: {err}",
-                    rank=self.rank,
-                ) from err
+        # Checked once every link's bytes are out, so that no engine rank writes a step
+        # another rank got different bytes of (docs/contract.md §4 "Refit").
+        moved = [t for t in sent if _stamp(params[t]) != before[t]]
+        index = self.tensors.index(moved[0]) if moved else -1
+        for (_, receiver), _todo in links:
+            with self._naming(step, receiver, -1) as where:
+                where[0] = -2
+                self.transport.send(self.senders + receiver, trailer(step, index))
+        if moved:
+            raise RunError(
+                f"trainer rank {self.rank}: tensor {moved[0]} changed while step {step} was "
+                f"sent ({len(moved)} tensor(s) written during the send: a trainer step or "
+                "another in-place write); the engine does not take the step; initialise the "
+                "weight transfer again and send a step whose parameters stay still until "
+                "send_weights returns",
+                rank=self.rank,
+            )
         stats.seconds = time.perf_counter() - t0
         self.last = stats
         return stats
@@ -291,4 +334,25 @@ class Receiver:
                     area[off : off + t.nbytes].copy_(buf[at : at + t.nbytes])
                     at += t.nbytes
             total += size
+        tail = torch.empty(TRAILER_WORDS * 8, dtype=torch.uint8)
+        try:
+            self.transport.recv(sender, tail)
+        except Exception as err:
+            raise RunError(
+                f"{where} died or stopped after its last bucket of step {step}: "
+                f"{type(err).__name__}: {err}",
+                rank=self.rank,
+            ) from err
+        magic, got_step, changed = tail.view(torch.int64).tolist()
+        if (magic, got_step) != (MAGIC, step):
+            raise ReloadMismatch(
+                f"{where} ended step {step} with a trailer of step {got_step}; nothing was written",
+                rank=self.rank,
+            )
+        if changed >= 0:
+            raise RunError(
+                f"{where}: tensor {self.tensors[changed]} changed while step {step} was "
+                "sent (a trainer step taken during the update); nothing was written",
+                rank=self.rank,
+            )
         return flags, total
