@@ -18,9 +18,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import InputError
+from .safetensors_header import MAX_TENSOR_BYTES
 
 TRAINER_DTYPES = {"bfloat16": 2, "float16": 2, "float32": 4}
 """Element sizes of the dtypes a trainer may hold (the BF16 twin of a model, mostly)."""
+
+MAX_TRAINER_WORLD = 1 << 16
+"""Most trainer ranks a manifest may name: the transfer plan keeps a table per sender
+(and per sender and engine rank), so a world no trainer has must not reach it."""
 
 
 @dataclass(frozen=True)
@@ -65,12 +70,17 @@ class TrainerManifest:
     nodes: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
-        if self.world < 1:
-            raise InputError(f"trainer manifest: world {self.world} must be at least 1")
+        if not 1 <= self.world <= MAX_TRAINER_WORLD:
+            raise InputError(
+                f"trainer manifest: world {self.world} must be from 1 to {MAX_TRAINER_WORLD}"
+            )
         if self.nodes and len(self.nodes) != self.world:
             raise InputError(
                 f"trainer manifest: 'nodes' names {len(self.nodes)} ranks, world is {self.world}"
             )
+        if any(n < 0 for n in self.nodes):
+            rank = next(r for r, n in enumerate(self.nodes) if n < 0)
+            raise InputError(f"trainer manifest: rank {rank}'s node {self.nodes[rank]} is below 0")
         seen: set[str] = set()
         # Tensors of one shape share their placement (fsdp_manifest builds it once per
         # shape): a placement checked for a shape and dtype is checked for every tensor
@@ -117,6 +127,11 @@ def _check_tensor(t: TrainerTensor, world: int) -> None:
         raise InputError(f"{where}: dtype {t.dtype!r} is not one of {sorted(TRAINER_DTYPES)}")
     if not t.shape or any(d < 1 for d in t.shape):
         raise InputError(f"{where}: shape {list(t.shape)} must have positive sizes")
+    nbytes = t.itemsize
+    for d in t.shape:  # checked as it grows: a shape of huge dims stops at once
+        nbytes *= d
+        if nbytes > MAX_TENSOR_BYTES:
+            raise InputError(f"{where}: shape of more than {MAX_TENSOR_BYTES} bytes")
     if not t.placement:
         raise InputError(f"{where}: no rank holds it")
     split = [s for s in t.placement if s.dim is not None]

@@ -8,6 +8,7 @@ import json
 import os
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 from mxload.orchestrator.cli.commands import main
@@ -57,3 +58,62 @@ def test_a_head_record_mxload_did_not_write_is_named(
     assert len(err.splitlines()) == 1 and "Traceback" not in err, err
     assert str(home / "head.json") in err, err
     assert os.path.lexists(home / "head.json")  # nothing removed: it may be someone's
+
+
+def refused(capsys: pytest.CaptureFixture[str], argv: list[str]) -> str:
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "Traceback" not in err, err
+    return err
+
+
+def unused(**tensor: Any) -> dict[str, Any]:
+    return {"name": "extra.weight", "dtype": "bfloat16", **tensor}
+
+
+def good_manifest() -> dict[str, Any]:
+    """FSDP over 2 of qwen3-dense-tiny as tp2 x dp2 + EP needs it: planned as it is."""
+    from mxload.orchestrator.plan.config import parse_config
+    from mxload.orchestrator.plan.planner import build_plan
+    from mxload.orchestrator.plan.refit import needed_shapes
+    from mxload.orchestrator.plan.trainer import fsdp_manifest, manifest_to_json
+    from mxload.orchestrator.plan.types import ParallelLayout
+    from mxload.orchestrator.tools.synth import preset_config
+
+    cfg = parse_config(preset_config("qwen3-dense-tiny"), "qwen3-dense-tiny")
+    plan = build_plan(cfg, ParallelLayout(tp=2, dp=2, enable_expert_parallel=True))
+    return manifest_to_json(fsdp_manifest(needed_shapes(plan), 2))
+
+
+def _extra(**tensor: Any) -> Callable[[dict[str, Any]], None]:
+    return lambda m: m["tensors"].append(unused(**tensor))
+
+
+MANIFESTS: list[tuple[str, Callable[[dict[str, Any]], None], str]] = [
+    # a world no trainer has: every per-sender table of the walk would take it
+    ("a world of 10^12 ranks", lambda m: m.update(world=10**12), "world"),
+    # an unused tensor is still summed into the trainer's save: no float holds its bytes
+    ("a tensor of 10^400 bytes", _extra(shape=[10**200] * 2, placement=[{"rank": 0}]), "extra"),
+    ("a node below 0", lambda m: m.update(nodes=[0, -1]), "node"),
+]
+
+
+@pytest.mark.parametrize(("what", "spoil", "named"), MANIFESTS, ids=[w for w, _, _ in MANIFESTS])
+def test_a_manifest_no_trainer_has_is_refused(
+    what: str,
+    spoil: Callable[[dict[str, Any]], None],
+    named: str,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from mxload.orchestrator.tools.synth import preset_config
+
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(preset_config("qwen3-dense-tiny")))
+    data = good_manifest()
+    spoil(data)
+    path = tmp_path / "trainer.json"
+    path.write_text(json.dumps(data))
+    argv = ["plan", "--config", str(config), "--tp", "2", "--dp", "2"]
+    err = refused(capsys, [*argv, "--enable-expert-parallel", "--from-trainer", str(path)])
+    assert str(path) in err and named in err, err
