@@ -325,17 +325,19 @@ def megatron_manifest(
     *,
     dtype: str = "bfloat16",
     row_parallel: Sequence[str] = ("o_proj.weight", "down_proj.weight"),
+    replicated: Sequence[str] = ("mlp.gate.weight", "shared_expert_gate.weight"),
     devices_per_node: int | None = None,
 ) -> TrainerManifest:
     """The manifest of Megatron's tensor parallelism over ``tp`` ranks, by Hugging Face
     name (as a trainer exports it): a row-parallel linear (a name ending in one of
     ``row_parallel``) split along dim 1, every other matrix (column-parallel linears,
     the vocab-parallel embedding and head) along dim 0, in equal parts; 1-D tensors
-    (norms, biases) held whole by every rank. A dim that ``tp`` does not divide is
+    (norms, biases) and the MoE router and shared-expert gate (a name ending in one of
+    ``replicated``: Megatron does not split them over TP) held whole by every rank. A dim that ``tp`` does not divide is
     refused, naming the tensor (Megatron splits evenly)."""
     tensors = []
     for name, shape in shapes.items():
-        if len(shape) == 1:
+        if len(shape) == 1 or name.endswith(tuple(replicated)):
             whole = tuple(TrainerSlice(rank=r) for r in range(tp))
             tensors.append(TrainerTensor(name, tuple(shape), dtype, whole))
             continue

@@ -117,3 +117,27 @@ def test_a_manifest_no_trainer_has_is_refused(
     argv = ["plan", "--config", str(config), "--tp", "2", "--dp", "2"]
     err = refused(capsys, [*argv, "--enable-expert-parallel", "--from-trainer", str(path)])
     assert str(path) in err and named in err, err
+
+
+def test_megatron_holds_the_moe_gates_whole_on_every_rank(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Megatron replicates the router and the shared expert's gate over its TP ranks (only
+    linears are split): megatron:N plans Qwen3.5-MoE, whose shared_expert_gate has 1 row."""
+    from mxload.orchestrator.plan.trainer import megatron_manifest
+    from mxload.orchestrator.tools.synth import preset_config
+
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(preset_config("qwen3.5-moe-tiny")))
+    argv = ["plan", "--config", str(config), "--tp", "2", "--from-trainer", "megatron:2"]
+    assert main(argv) == 0, capsys.readouterr().err
+    capsys.readouterr()
+    shapes = {
+        "model.layers.0.mlp.gate.weight": (8, 64),
+        "model.layers.0.mlp.shared_expert_gate.weight": (1, 64),
+        "model.layers.0.mlp.shared_expert.gate_proj.weight": (64, 64),
+    }
+    held = {t.name: t.placement for t in megatron_manifest(shapes, 2).tensors}
+    assert [s.dim for s in held["model.layers.0.mlp.gate.weight"]] == [None, None]
+    assert [s.dim for s in held["model.layers.0.mlp.shared_expert_gate.weight"]] == [None, None]
+    assert [s.dim for s in held["model.layers.0.mlp.shared_expert.gate_proj.weight"]] == [0, 0]
