@@ -141,3 +141,31 @@ def test_megatron_holds_the_moe_gates_whole_on_every_rank(
     assert [s.dim for s in held["model.layers.0.mlp.gate.weight"]] == [None, None]
     assert [s.dim for s in held["model.layers.0.mlp.shared_expert_gate.weight"]] == [None, None]
     assert [s.dim for s in held["model.layers.0.mlp.shared_expert.gate_proj.weight"]] == [0, 0]
+
+
+SESSION_RECORDS: list[tuple[str, Callable[[Path], None]]] = [
+    ("a JSON list", _write("[1]")),
+    ("a FIFO", lambda path: os.mkfifo(path)),
+    ("a folder", lambda path: path.mkdir()),
+]
+
+
+@pytest.mark.parametrize(("what", "make"), SESSION_RECORDS, ids=[w for w, _ in SESSION_RECORDS])
+def test_release_of_a_dead_head_passes_over_session_records_it_cannot_read(
+    what: str,
+    make: Callable[[Path], None],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A head recorded at a port nothing listens on is down: `release` ends it without
+    Ray, reading its sessions' records; one that is no record is passed over, not a
+    traceback or a wait, and left where it is."""
+    home = tmp_path / "home"
+    (home / "sessions").mkdir(parents=True)
+    (home / "head.json").write_text(json.dumps(RECORD))
+    make(home / "sessions" / "x.json")
+    monkeypatch.setenv("MXLOAD_HOME", str(home))
+    assert main(["release", "--json"]) == 0, capsys.readouterr().err
+    assert json.loads(capsys.readouterr().out)["sessions_removed"] == []
+    assert os.path.lexists(home / "sessions" / "x.json") and not (home / "head.json").exists()
