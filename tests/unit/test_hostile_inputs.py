@@ -169,3 +169,24 @@ def test_release_of_a_dead_head_passes_over_session_records_it_cannot_read(
     assert main(["release", "--json"]) == 0, capsys.readouterr().err
     assert json.loads(capsys.readouterr().out)["sessions_removed"] == []
     assert os.path.lexists(home / "sessions" / "x.json") and not (home / "head.json").exists()
+
+
+def test_an_error_log_never_goes_through_a_link_in_place_of_the_logs_folder(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """$MXLOAD_HOME/logs a link to a shared folder: the log of a failed run is not
+    written there and the folder's mode is not made 0700 (it would lock others out)."""
+    from mxload.orchestrator.cli.commands import write_error_log
+
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o755)
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / "logs").symlink_to(shared)
+    monkeypatch.setenv("MXLOAD_HOME", str(home))
+    assert write_error_log(RuntimeError("boom"), ["status"]) is None
+    assert shared.stat().st_mode & 0o777 == 0o755 and not list(shared.iterdir())
+    (home / "logs").unlink()  # a real folder: the log is written, private
+    path = write_error_log(RuntimeError("boom"), ["status"])
+    assert path is not None and Path(path).stat().st_mode & 0o777 == 0o600
