@@ -237,6 +237,7 @@ def _parse(data: Any) -> TrainerManifest:
     if not isinstance(nodes, Sequence) or isinstance(nodes, str):
         raise InputError("trainer manifest: 'nodes' must be a list")
     parsed: list[TrainerTensor] = []
+    placements: dict[Any, tuple[TrainerSlice, ...]] = {}
     for i, t in enumerate(tensors):
         if not isinstance(t, Mapping) or not isinstance(t.get("name"), str):
             raise InputError(f"trainer manifest: tensor {i} needs a string 'name'")
@@ -250,6 +251,18 @@ def _parse(data: Any) -> TrainerManifest:
         placement = t.get("placement")
         if not isinstance(placement, Sequence) or isinstance(placement, str):
             raise InputError(f"trainer manifest: tensor {name!r}: 'placement' must be a list")
+        # Equal placements parsed once into one object: the checks and the refit walk
+        # do their work once per distinct placement (a large model's manifest has
+        # millions of slices in a few of them). Keyed with each value's type, so a
+        # placement is validated as written (True is no rank 1).
+        try:
+            key: Any = tuple(tuple((k, type(v), v) for k, v in p.items()) for p in placement)
+            known = placements.get(key)
+        except (AttributeError, TypeError):  # not objects of hashable values: checked below
+            key = known = None
+        if known is not None:
+            parsed.append(_tensor(t, name, shape, known))
+            continue
         slices: list[TrainerSlice] = []
         for p in placement:
             if not isinstance(p, Mapping) or set(p) - {"rank", "dim", "start", "stop"}:
@@ -266,21 +279,28 @@ def _parse(data: Any) -> TrainerManifest:
                     stop=_int(p.get("stop", 0), f"tensor {name!r} placement stop"),
                 )
             )
-        dtype = t.get("dtype")
-        if not isinstance(dtype, str):
-            raise InputError(f"trainer manifest: tensor {name!r}: 'dtype' must be a string")
-        parsed.append(
-            TrainerTensor(
-                name=name,
-                shape=tuple(_int(d, f"tensor {name!r} shape") for d in shape),
-                dtype=dtype,
-                placement=tuple(slices),
-            )
-        )
+        held = tuple(slices)
+        if key is not None:
+            placements[key] = held
+        parsed.append(_tensor(t, name, shape, held))
     return TrainerManifest(
         world=_int(data.get("world"), "'world'"),
         tensors=tuple(parsed),
         nodes=tuple(_int(n, "a node") for n in nodes),
+    )
+
+
+def _tensor(
+    t: Mapping[str, Any], name: str, shape: Sequence[Any], held: tuple[TrainerSlice, ...]
+) -> TrainerTensor:
+    dtype = t.get("dtype")
+    if not isinstance(dtype, str):
+        raise InputError(f"trainer manifest: tensor {name!r}: 'dtype' must be a string")
+    return TrainerTensor(
+        name=name,
+        shape=tuple(_int(d, f"tensor {name!r} shape") for d in shape),
+        dtype=dtype,
+        placement=held,
     )
 
 

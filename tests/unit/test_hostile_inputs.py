@@ -190,3 +190,30 @@ def test_an_error_log_never_goes_through_a_link_in_place_of_the_logs_folder(
     (home / "logs").unlink()  # a real folder: the log is written, private
     path = write_error_log(RuntimeError("boom"), ["status"])
     assert path is not None and Path(path).stat().st_mode & 0o777 == 0o600
+
+
+def test_equal_placements_of_a_manifest_file_are_parsed_into_one() -> None:
+    """The checks and the refit walk do their work once per placement object: a manifest
+    read from a file must share them as fsdp:N does, and still check each as written."""
+    from mxload.orchestrator.errors import InputError
+    from mxload.orchestrator.plan.trainer import manifest_from_json
+
+    half = [
+        {"rank": 0, "dim": 0, "start": 0, "stop": 2},
+        {"rank": 1, "dim": 0, "start": 2, "stop": 4},
+    ]
+    tensors = [
+        {
+            "name": f"t{i}",
+            "shape": [4, 4],
+            "dtype": "bfloat16",
+            "placement": json.loads(json.dumps(half)),
+        }
+        for i in range(3)
+    ]
+    m = manifest_from_json({"world": 2, "tensors": tensors})
+    assert m.tensors[0].placement is m.tensors[1].placement is m.tensors[2].placement
+    tensors.append({"name": "b", "shape": [4], "dtype": "bfloat16", "placement": [{"rank": True}]})
+    tensors.insert(0, {"name": "a", "shape": [4], "dtype": "bfloat16", "placement": [{"rank": 1}]})
+    with pytest.raises(InputError, match="'b' placement rank must be an integer, not True"):
+        manifest_from_json({"world": 2, "tensors": tensors})
