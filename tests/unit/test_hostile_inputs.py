@@ -217,3 +217,22 @@ def test_equal_placements_of_a_manifest_file_are_parsed_into_one() -> None:
     tensors.insert(0, {"name": "a", "shape": [4], "dtype": "bfloat16", "placement": [{"rank": 1}]})
     with pytest.raises(InputError, match="'b' placement rank must be an integer, not True"):
         manifest_from_json({"world": 2, "tensors": tensors})
+
+
+TRAINER_SPELLINGS = [
+    ("megatron:8", "heads (4)"),  # qwen3-dense-tiny: 4 heads, 2 KV heads
+    ("megatron:4", "KV heads (2)"),
+    ("fsdp:\u0663", "fsdp:N"),  # an Arabic-Indic 3: a digit to str.isdigit, no rank count
+]
+
+
+@pytest.mark.parametrize(("source", "named"), TRAINER_SPELLINGS)
+def test_a_trainer_no_framework_builds_is_refused(
+    source: str, named: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from mxload.orchestrator.tools.synth import preset_config
+
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(preset_config("qwen3-dense-tiny")))
+    err = refused(capsys, ["plan", "--config", str(config), "--from-trainer", source])
+    assert "--from-trainer" in err and named in err, err
