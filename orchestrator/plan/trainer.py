@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import InputError
-from .safetensors_header import MAX_TENSOR_BYTES
+from .safetensors_header import MAX_TENSOR_BYTES, _bad_tensor_name
 
 TRAINER_DTYPES = {"bfloat16": 2, "float16": 2, "float32": 4}
 """Element sizes of the dtypes a trainer may hold (the BF16 twin of a model, mostly)."""
@@ -242,6 +242,9 @@ def _parse(data: Any) -> TrainerManifest:
         if not isinstance(t, Mapping) or not isinstance(t.get("name"), str):
             raise InputError(f"trainer manifest: tensor {i} needs a string 'name'")
         name = t["name"]
+        bad_name = _bad_tensor_name(name)  # the rule of a checkpoint's names (§1.3)
+        if bad_name:
+            raise InputError(f"trainer manifest: tensor {i} {name!r}: {bad_name}")
         extra = set(t) - {"name", "shape", "dtype", "placement"}
         if extra:
             raise InputError(f"trainer manifest: tensor {name!r}: unknown keys {sorted(extra)}")

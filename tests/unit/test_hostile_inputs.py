@@ -68,7 +68,7 @@ def refused(capsys: pytest.CaptureFixture[str], argv: list[str]) -> str:
 
 
 def unused(**tensor: Any) -> dict[str, Any]:
-    return {"name": "extra.weight", "dtype": "bfloat16", **tensor}
+    return {"name": "extra.weight", "dtype": "bfloat16"} | tensor
 
 
 def good_manifest() -> dict[str, Any]:
@@ -95,6 +95,13 @@ MANIFESTS: list[tuple[str, Callable[[dict[str, Any]], None], str]] = [
     # an unused tensor is still summed into the trainer's save: no float holds its bytes
     ("a tensor of 10^400 bytes", _extra(shape=[10**200] * 2, placement=[{"rank": 0}]), "extra"),
     ("a node below 0", lambda m: m.update(nodes=[0, -1]), "node"),
+    # names a checkpoint may not have: the table prints them (a terminal's escapes)
+    (
+        "a name with an escape",
+        _extra(name="x\x1b[2J", shape=[4], placement=[{"rank": 0}]),
+        "control",
+    ),
+    ("an empty name", _extra(name="", shape=[4], placement=[{"rank": 0}]), "empty"),
 ]
 
 
