@@ -590,7 +590,7 @@ def read_head_record() -> HeadRecord | None:
     try:
         # Not blocking on a FIFO's open; its kind checked on the open descriptor.
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):  # no home folder: no record
         return None
     except OSError as err:
         raise _bad_record(path, err.strerror or type(err).__name__) from None

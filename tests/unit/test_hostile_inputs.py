@@ -243,3 +243,13 @@ def test_a_trainer_no_framework_builds_is_refused(
     config.write_text(json.dumps(preset_config("qwen3-dense-tiny")))
     err = refused(capsys, ["plan", "--config", str(config), "--from-trainer", source])
     assert "--from-trainer" in err and named in err, err
+
+
+def test_a_home_that_is_a_file_records_no_head(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    home = tmp_path / "home"
+    home.write_text("")
+    monkeypatch.setenv("MXLOAD_HOME", str(home))
+    err = refused(capsys, ["status"])
+    assert "no detached session here" in err and str(home) in err, err
