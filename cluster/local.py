@@ -715,7 +715,11 @@ def end_head(
         except psutil.NoSuchProcess:
             pass
     psutil.wait_procs(alive, timeout=5)
-    if read_head_record() == record:
+    try:
+        ours = read_head_record() == record
+    except SessionError:  # replaced meanwhile by what mxload did not write: left as it is
+        ours = False
+    if ours:
         _record_path(mxload_home()).unlink(missing_ok=True)
     shutil.rmtree(record.temp_dir, ignore_errors=True)
     return ended
