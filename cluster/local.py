@@ -24,6 +24,7 @@ import os
 import secrets
 import shutil
 import socket
+import stat
 import subprocess
 import sys
 import tempfile
@@ -639,16 +640,65 @@ def client_server_port_flags() -> list[str]:
     return [f"--ray-client-server-port={free_port()}"]
 
 
+HEAD_RECORD_MAX_BYTES = 1 << 20
+"""Largest head.json read (one head's address, token and a few processes)."""
+
+
 def read_head_record() -> HeadRecord | None:
+    """The head recorded in $MXLOAD_HOME/head.json, None when there is none. The record
+    is an input like any other (docs/contract.md §5 "Files"): one that is no regular
+    file (a FIFO would block the read for ever) or not a record mxload wrote is a
+    SessionError (exit 2) naming it, never a traceback or a wait."""
     path = _record_path(mxload_home())
-    if not path.exists():
-        return None
     try:
-        data: dict[str, Any] = json.loads(path.read_text())
-        data["processes"] = tuple(data.get("processes") or ())
-        return HeadRecord(**data)
-    except (ValueError, TypeError):
+        # Not blocking on a FIFO's open; its kind checked on the open descriptor.
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except (FileNotFoundError, NotADirectoryError):  # no home folder: no record
         return None
+    except OSError as err:
+        raise _bad_record(path, err.strerror or type(err).__name__) from None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise _bad_record(path, "not a regular file")
+        os.set_blocking(fd, True)
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            raw = f.read(HEAD_RECORD_MAX_BYTES + 1)
+    except OSError as err:
+        raise _bad_record(path, err.strerror or type(err).__name__) from None
+    finally:
+        os.close(fd)
+    try:
+        if len(raw) > HEAD_RECORD_MAX_BYTES:
+            raise ValueError(f"larger than {HEAD_RECORD_MAX_BYTES} bytes")
+        data = json.loads(raw)
+        if not isinstance(data, dict):
+            raise ValueError("not a JSON object")
+        data["processes"] = tuple(data.get("processes") or ())
+        record = HeadRecord(**data)
+    except (ValueError, TypeError, RecursionError) as err:
+        raise _bad_record(path, str(err) or type(err).__name__) from None
+    _check_record_types(record, path)
+    return record
+
+
+def _check_record_types(record: HeadRecord, path: Path) -> None:
+    texts = (record.address, record.temp_dir, record.resource, record.token)
+    numbers = (record.num_devices, record.started_at)
+    if (
+        not all(isinstance(t, str) for t in texts)
+        or not all(isinstance(n, int | float) and not isinstance(n, bool) for n in numbers)
+        or not all(isinstance(p, dict) for p in record.processes)
+    ):
+        raise _bad_record(path, "a field of the wrong type")
+
+
+def _bad_record(path: Path, why: str) -> SessionError:
+    return SessionError(
+        f"{path}: not a record of a Ray head mxload started ({why}); remove it if no head "
+        "of yours runs, or set MXLOAD_HOME to another folder",
+        file=str(path),
+        key="MXLOAD_HOME",
+    )
 
 
 def head_alive(record: HeadRecord) -> bool:
@@ -728,7 +778,11 @@ def end_head(
         except psutil.NoSuchProcess:
             pass
     psutil.wait_procs(alive, timeout=5)
-    if read_head_record() == record:
+    try:
+        ours = read_head_record() == record
+    except SessionError:  # replaced meanwhile by what mxload did not write: left as it is
+        ours = False
+    if ours:
         _record_path(mxload_home()).unlink(missing_ok=True)
     shutil.rmtree(record.temp_dir, ignore_errors=True)
     return ended

@@ -681,11 +681,17 @@ def write_error_log(
     folder = mxload_home() / "logs"
     try:
         folder.mkdir(mode=0o700, parents=True, exist_ok=True)
-        os.chmod(folder, 0o700)  # an older mxload made it 0755
-        path = os.path.join(folder, name)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        # Opened without following a link: a logs "folder" that links to a shared one
+        # must neither be made 0700 nor receive the log (ELOOP: no log).
+        dir_fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+        try:
+            os.fchmod(dir_fd, 0o700)  # an older mxload made it 0755
+            flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+            fd = os.open(name, flags, 0o600, dir_fd=dir_fd)
+        finally:
+            os.close(dir_fd)
         with os.fdopen(fd, "w") as f:
             f.write(scrub("\n".join(body) + "\n", hidden))
-        return path
+        return os.path.join(folder, name)
     except OSError:
         return None

@@ -29,17 +29,26 @@ def refuse_refit_flags(args: argparse.Namespace) -> None:
             raise UsageError(f"{flag} applies to a refit plan: give --from-trainer too", key=flag)
 
 
-def trainer_manifest(source: str, plan: Any, devices_per_node: int) -> Any:
+def trainer_manifest(source: str, plan: Any, config: Any, devices_per_node: int) -> Any:
     """The manifest ``--from-trainer`` names: a JSON file, or ``fsdp:N`` / ``megatron:N``
-    over the plan's own tensors."""
+    over the plan's own tensors (Megatron's N dividing the attention heads and the KV
+    heads, as Megatron's attention requires)."""
     from ..plan.refit import needed_shapes
     from ..plan.trainer import fsdp_manifest, manifest_from_json, megatron_manifest
 
     kind, sep, count = source.partition(":")
     if sep and kind in ("fsdp", "megatron") and not os.path.exists(source):
-        if not count.isdigit() or int(count) < 1:
+        if not (count.isascii() and count.isdigit()) or int(count) < 1:
             raise UsageError(
                 f"--from-trainer {source}: {kind}:N needs a number of trainer ranks >= 1",
+                key="--from-trainer",
+            )
+        heads = (config.num_attention_heads, config.num_key_value_heads)
+        if kind == "megatron" and any(h % int(count) for h in heads):
+            raise UsageError(
+                f"--from-trainer {source}: Megatron splits the attention heads over its "
+                f"tensor-parallel ranks; {count} must divide both the heads ({heads[0]}) "
+                f"and the KV heads ({heads[1]})",
                 key="--from-trainer",
             )
         make = fsdp_manifest if kind == "fsdp" else megatron_manifest
@@ -82,7 +91,7 @@ def add_refit(obj: dict[str, Any], plan: Any, config: Any, args: argparse.Namesp
         raise UsageError(f"--bucket-size must be > 0, got {bucket}", key="--bucket-size")
     bucket = bucket or DEFAULT_BUCKET_BYTES
     per_node = args.devices_per_node
-    manifest = trainer_manifest(source, plan, per_node)
+    manifest = trainer_manifest(source, plan, config, per_node)
     link = args.trainer_link or DEFAULT_LINK
     convert_on = args.convert_on or "receiver"
     try:

@@ -18,9 +18,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import InputError
+from .safetensors_header import MAX_TENSOR_BYTES, _bad_tensor_name
 
 TRAINER_DTYPES = {"bfloat16": 2, "float16": 2, "float32": 4}
 """Element sizes of the dtypes a trainer may hold (the BF16 twin of a model, mostly)."""
+
+MAX_TRAINER_WORLD = 1 << 16
+"""Most trainer ranks a manifest may name: the transfer plan keeps a table per sender
+(and per sender and engine rank), so a world no trainer has must not reach it."""
 
 
 @dataclass(frozen=True)
@@ -65,12 +70,17 @@ class TrainerManifest:
     nodes: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
-        if self.world < 1:
-            raise InputError(f"trainer manifest: world {self.world} must be at least 1")
+        if not 1 <= self.world <= MAX_TRAINER_WORLD:
+            raise InputError(
+                f"trainer manifest: world {self.world} must be from 1 to {MAX_TRAINER_WORLD}"
+            )
         if self.nodes and len(self.nodes) != self.world:
             raise InputError(
                 f"trainer manifest: 'nodes' names {len(self.nodes)} ranks, world is {self.world}"
             )
+        if any(n < 0 for n in self.nodes):
+            rank = next(r for r, n in enumerate(self.nodes) if n < 0)
+            raise InputError(f"trainer manifest: rank {rank}'s node {self.nodes[rank]} is below 0")
         seen: set[str] = set()
         # Tensors of one shape share their placement (fsdp_manifest builds it once per
         # shape): a placement checked for a shape and dtype is checked for every tensor
@@ -117,6 +127,11 @@ def _check_tensor(t: TrainerTensor, world: int) -> None:
         raise InputError(f"{where}: dtype {t.dtype!r} is not one of {sorted(TRAINER_DTYPES)}")
     if not t.shape or any(d < 1 for d in t.shape):
         raise InputError(f"{where}: shape {list(t.shape)} must have positive sizes")
+    nbytes = t.itemsize
+    for d in t.shape:  # checked as it grows: a shape of huge dims stops at once
+        nbytes *= d
+        if nbytes > MAX_TENSOR_BYTES:
+            raise InputError(f"{where}: shape of more than {MAX_TENSOR_BYTES} bytes")
     if not t.placement:
         raise InputError(f"{where}: no rank holds it")
     split = [s for s in t.placement if s.dim is not None]
@@ -222,10 +237,14 @@ def _parse(data: Any) -> TrainerManifest:
     if not isinstance(nodes, Sequence) or isinstance(nodes, str):
         raise InputError("trainer manifest: 'nodes' must be a list")
     parsed: list[TrainerTensor] = []
+    placements: dict[Any, tuple[TrainerSlice, ...]] = {}
     for i, t in enumerate(tensors):
         if not isinstance(t, Mapping) or not isinstance(t.get("name"), str):
             raise InputError(f"trainer manifest: tensor {i} needs a string 'name'")
         name = t["name"]
+        bad_name = _bad_tensor_name(name)  # the rule of a checkpoint's names (§1.3)
+        if bad_name:
+            raise InputError(f"trainer manifest: tensor {i} {name!r}: {bad_name}")
         extra = set(t) - {"name", "shape", "dtype", "placement"}
         if extra:
             raise InputError(f"trainer manifest: tensor {name!r}: unknown keys {sorted(extra)}")
@@ -235,6 +254,18 @@ def _parse(data: Any) -> TrainerManifest:
         placement = t.get("placement")
         if not isinstance(placement, Sequence) or isinstance(placement, str):
             raise InputError(f"trainer manifest: tensor {name!r}: 'placement' must be a list")
+        # Equal placements parsed once into one object: the checks and the refit walk
+        # do their work once per distinct placement (a large model's manifest has
+        # millions of slices in a few of them). Keyed with each value's type, so a
+        # placement is validated as written (True is no rank 1).
+        try:
+            key: Any = tuple(tuple((k, type(v), v) for k, v in p.items()) for p in placement)
+            known = placements.get(key)
+        except (AttributeError, TypeError):  # not objects of hashable values: checked below
+            key = known = None
+        if known is not None:
+            parsed.append(_tensor(t, name, shape, known))
+            continue
         slices: list[TrainerSlice] = []
         for p in placement:
             if not isinstance(p, Mapping) or set(p) - {"rank", "dim", "start", "stop"}:
@@ -251,21 +282,28 @@ def _parse(data: Any) -> TrainerManifest:
                     stop=_int(p.get("stop", 0), f"tensor {name!r} placement stop"),
                 )
             )
-        dtype = t.get("dtype")
-        if not isinstance(dtype, str):
-            raise InputError(f"trainer manifest: tensor {name!r}: 'dtype' must be a string")
-        parsed.append(
-            TrainerTensor(
-                name=name,
-                shape=tuple(_int(d, f"tensor {name!r} shape") for d in shape),
-                dtype=dtype,
-                placement=tuple(slices),
-            )
-        )
+        held = tuple(slices)
+        if key is not None:
+            placements[key] = held
+        parsed.append(_tensor(t, name, shape, held))
     return TrainerManifest(
         world=_int(data.get("world"), "'world'"),
         tensors=tuple(parsed),
         nodes=tuple(_int(n, "a node") for n in nodes),
+    )
+
+
+def _tensor(
+    t: Mapping[str, Any], name: str, shape: Sequence[Any], held: tuple[TrainerSlice, ...]
+) -> TrainerTensor:
+    dtype = t.get("dtype")
+    if not isinstance(dtype, str):
+        raise InputError(f"trainer manifest: tensor {name!r}: 'dtype' must be a string")
+    return TrainerTensor(
+        name=name,
+        shape=tuple(_int(d, f"tensor {name!r} shape") for d in shape),
+        dtype=dtype,
+        placement=held,
     )
 
 
@@ -310,17 +348,19 @@ def megatron_manifest(
     *,
     dtype: str = "bfloat16",
     row_parallel: Sequence[str] = ("o_proj.weight", "down_proj.weight"),
+    replicated: Sequence[str] = ("mlp.gate.weight", "shared_expert_gate.weight"),
     devices_per_node: int | None = None,
 ) -> TrainerManifest:
     """The manifest of Megatron's tensor parallelism over ``tp`` ranks, by Hugging Face
     name (as a trainer exports it): a row-parallel linear (a name ending in one of
     ``row_parallel``) split along dim 1, every other matrix (column-parallel linears,
     the vocab-parallel embedding and head) along dim 0, in equal parts; 1-D tensors
-    (norms, biases) held whole by every rank. A dim that ``tp`` does not divide is
+    (norms, biases) and the MoE router and shared-expert gate (a name ending in one of
+    ``replicated``: Megatron does not split them over TP) held whole by every rank. A dim that ``tp`` does not divide is
     refused, naming the tensor (Megatron splits evenly)."""
     tensors = []
     for name, shape in shapes.items():
-        if len(shape) == 1:
+        if len(shape) == 1 or name.endswith(tuple(replicated)):
             whole = tuple(TrainerSlice(rank=r) for r in range(tp))
             tensors.append(TrainerTensor(name, tuple(shape), dtype, whole))
             continue

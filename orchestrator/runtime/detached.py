@@ -539,7 +539,13 @@ def _release_without_ray(session: str, record: Any, down: list[str]) -> dict[str
     from ...cluster.local import end_head
 
     sessions = recorded_sessions(record.address)
-    extra = [p for data in sessions.values() for p in data.get("processes", [])]
+    extra = [
+        p
+        for data in sessions.values()
+        if isinstance(data.get("processes"), list)
+        for p in data["processes"]
+        if isinstance(p, dict)
+    ]
     ended = end_head(record, extra, grace_s=2.0 if down else 10.0)
     for path, data in sessions.items():
         try:

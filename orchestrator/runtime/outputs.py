@@ -44,7 +44,7 @@ from types import TracebackType
 from typing import Any
 
 from ...workers.storage.urls import PROTOCOLS, is_remote, local_path, protocol
-from ..errors import OutputError
+from ..errors import OutputError, SessionError
 
 _DISK_ERRNOS = {
     errno.ENOSPC: "no space left on the device",
@@ -395,7 +395,7 @@ def own_state() -> list[tuple[str, str]]:
     ]
     try:
         record = read_head_record()
-    except OSError:  # unreadable: nothing to say where its folder is
+    except SessionError:  # no record mxload wrote: nothing to say where its folder is
         record = None
     if record is not None and record.temp_dir:
         out.append(("the folder of the Ray head mxload started", record.temp_dir))

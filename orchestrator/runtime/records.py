@@ -13,11 +13,28 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from ..errors import RunError, SessionError
+from ..errors import MxloadError, RunError, SessionError
 from .heads import same_address
 from .state import SessionState, caller_options
 
 NAMESPACE = "mxload"
+
+
+RECORD_MAX_BYTES = 1 << 20
+"""Largest session record or options file read (pids, start times, a few options)."""
+
+
+def read_record(path: Path) -> dict[str, Any] | None:
+    """A JSON object mxload keeps under $MXLOAD_HOME/sessions, or None when ``path`` is
+    missing, no regular file (a FIFO would block the read for ever), too large, not JSON
+    or not an object: these records are inputs too (docs/contract.md §5 "Files")."""
+    from ...workers.storage.local import read_whole
+
+    try:
+        data = json.loads(read_whole(str(path), RECORD_MAX_BYTES))
+    except (OSError, ValueError, RecursionError, MxloadError):
+        return None
+    return data if isinstance(data, dict) else None
 
 
 def keeper_name(session: str) -> str:
@@ -110,11 +127,8 @@ def keep_options(session: str, created: float, options: Mapping[str, Any] | None
 def kept_options(session: str, created: float) -> dict[str, Any] | None:
     """The caller's storage options kept for this load of ``session`` (``created``:
     a file left by an earlier load of the name is not taken), None if none."""
-    try:
-        data = json.loads(options_file(session).read_text())
-    except (OSError, ValueError):
-        return None
-    if not isinstance(data, dict) or data.get("created") != created:
+    data = read_record(options_file(session))
+    if data is None or data.get("created") != created:
         return None
     options = data.get("options")
     return options if isinstance(options, dict) else None
@@ -126,11 +140,8 @@ def recorded_sessions(address: str) -> dict[str, dict[str, Any]]:
 
     out = {}
     for path in sorted((mxload_home() / "sessions").glob("*.json")):
-        try:
-            data = json.loads(path.read_text())
-        except (OSError, ValueError):
-            continue
-        if same_address(str(data.get("address", "")), address):
+        data = read_record(path)
+        if data is not None and same_address(str(data.get("address", "")), address):
             out[str(path)] = data
     return out
 
@@ -144,13 +155,18 @@ def check_ranks_running(state: SessionState) -> None:
     from ...cluster.local import live_process
 
     try:
-        recorded = json.loads(session_file(state.session).read_text())["processes"]
-    except (OSError, ValueError, KeyError, SessionError):
+        data = read_record(session_file(state.session))
+    except SessionError:
+        return
+    recorded = data.get("processes") if data is not None else None
+    if not isinstance(recorded, list):
         return
     rank_of = {pid: r for r, pid in state.pids.items() if pid is not None}
     stopped = []
     for entry in recorded:
-        rank = rank_of.get(int(entry.get("pid", -1)))
+        if not isinstance(entry, dict) or not isinstance(entry.get("pid"), int):
+            continue
+        rank = rank_of.get(entry["pid"])
         proc = live_process(entry) if rank is not None else None
         try:
             if proc is not None and proc.status() in (
