@@ -93,6 +93,9 @@ def _open(src: str, storage: StorageLike, *, dtype: str | None, max_workers: int
                 file=config_path,
             ) from exc
         raise
+    tagger = getattr(storage, "version_tag", None)
+    # config.json is read again by convert: its tag is checked with the shards'.
+    config_tag = tagger(CONFIG_FILE) if tagger is not None else ""
     config_obj = _load_json(config_bytes, config_path)
     if isinstance(config_obj, dict) and "quantization_config" not in config_obj:
         # vllm-ascend's own form (convert --format ascend): the scheme per tensor lives in
@@ -124,8 +127,6 @@ def _open(src: str, storage: StorageLike, *, dtype: str | None, max_workers: int
             file=_display(src, INDEX_FILE),
         )
 
-    tagger = getattr(storage, "version_tag", None)
-
     def read(f: str) -> tuple[FileHeader, str]:
         return read_header(storage, f, src=src), (tagger(f) if tagger is not None else "")
 
@@ -139,6 +140,8 @@ def _open(src: str, storage: StorageLike, *, dtype: str | None, max_workers: int
     meta = build_meta(src, config, weight_map, headers)
     tags = {f: t for f, (_, t) in got.items()}
     fp, identity = fingerprint(src, config_bytes, index_bytes, headers, tags)
+    if CONFIG_FILE not in tags:
+        tags[CONFIG_FILE] = config_tag
     return replace(meta, fingerprint=fp, identity=identity, file_tags=tags)
 
 

@@ -10,6 +10,7 @@ mxload's own catalog (and loader) as an MXFP8 checkpoint.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -510,6 +511,48 @@ def test_failed_convert_leaves_an_earlier_conversion_byte_for_byte(
     assert len(finished) == (1 if overwrite else 0)
     assert _tree_bytes(str(dst)) == before
     assert os.listdir(tmp_path) == ["out"]
+
+
+@pytest.mark.parametrize("where", ["local", "http-etag"])
+def test_a_source_rewritten_while_converted_is_never_put_in_place(
+    ckpt_factory, tmp_path, where
+) -> None:
+    """After the first tensor is converted, one shard of the source is overwritten in
+    place by another checkpoint's (same model: same header and size, other weights), as
+    a trainer saving over its last checkpoint does. convert fails naming that file (what
+    load and reload say), and neither DST nor its temporary folder is left."""
+    import shutil
+
+    from mxload.orchestrator.errors import RunError
+
+    from tests.servers import Faults, RangeHTTPServer
+
+    src = tmp_path / "src"
+    shutil.copytree(ckpt_factory("qwen3-moe-tiny", 5), src)
+    other = ckpt_factory("qwen3-moe-tiny", 6)
+    shard = "model-00002-of-00002.safetensors"
+    new_bytes = open(os.path.join(other, shard), "rb").read()
+    assert os.path.getsize(src / shard) == len(new_bytes)
+    rewritten: list[str] = []
+
+    def rewrite_once(*_: int) -> None:
+        if not rewritten:
+            with open(src / shard, "r+b") as f:  # in place: same inode, same size
+                f.write(new_bytes)
+            rewritten.append(shard)
+
+    dst = tmp_path / "out"
+    with contextlib.ExitStack() as stack:
+        url = str(src)
+        if where == "http-etag":
+            url = stack.enter_context(RangeHTTPServer(str(src), Faults(etag=True))).url
+        with pytest.raises(RunError) as err:
+            convert_checkpoint(url, str(dst), on_progress=rewrite_once)
+    assert rewritten, "the source was rewritten during the run"
+    msg = str(err.value)
+    assert shard in msg and "changed while this run read it" in msg, msg
+    assert err.value.exit_code == 1
+    assert sorted(os.listdir(tmp_path)) == ["src"], "no DST, no temporary folder"
 
 
 def test_overwrite_replaces_the_shard_set_whole(ckpt_factory, tmp_path) -> None:
