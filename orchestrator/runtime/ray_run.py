@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 from ..errors import MxloadError, RunError, WorkerLost
 from ..plan.types import Plan, Unit, UnitReads
 from . import placement, shared_reads
+from .liveness import RANK_ANSWER_S, Liveness
 from .reports import first_line, plain, rank_error
 from .request import LoadRequest, staging_budget_of
 from .state import Progress, Report
@@ -46,6 +47,8 @@ class RayRun:
         self.actors: list[Any] = []
         self.last_sharing: dict[str, Any] = {}
         """What the last run's read-once sharing planned and measured (manifest "sharing")."""
+        self.answer_timeout_s = RANK_ANSWER_S
+        """How long a rank with work may leave a ping unanswered (``liveness``)."""
 
     # --- cluster ------------------------------------------------------------------------
 
@@ -110,30 +113,40 @@ class RayRun:
         units: Sequence[Sequence[Unit]] | None = None,
         on_progress: Progress | None = None,
         budgets: Sequence[int] | None = None,
+        only: Sequence[int] | None = None,
     ) -> list[Report]:
-        """Every rank loads (or reloads) concurrently; a dead rank is redone.
+        """Every rank loads (or reloads) concurrently; a dead rank is redone; a rank that
+        stops answering is named (``liveness``).
 
         ``reads``/``units``: per rank, the byte ranges and the units they fill (default:
         the plan's units). ``budgets``: staging budget per rank (default: the plan's); a
         reload passes its own (a BF16 checkpoint stages more bytes per unit than the FP8
-        one loaded first). Each report's ``restarts`` counts how often the rank's process
-        was lost during this run."""
+        one loaded first). ``only``: the ranks to run (default: all; a repair runs the
+        restarted ones), whose reports are returned in that order, without read-once
+        sharing. Each report's ``restarts`` counts how often the rank's process was lost
+        during this run."""
         if budgets is None:
             budgets = [staging_budget_of(self.plan, r) for r in self.plan.ranks]
         units_all = units or [r.units for r in self.plan.ranks]
         pids = self.pids()
+        live = Liveness(self.actors, self.answer_timeout_s, pids)
         t_run = time.perf_counter()
-        share, self.last_sharing = shared_reads.plan_shares(
-            self.plan,
-            shared_reads.node_ids(self.actors, self.req.placement_timeout_s),
-            self.req.share,
-            reads,
-            source,
-            budgets,
-            whole_units,
-        )
-        t_planned = time.perf_counter()
-        shared = shared_reads.fetch_shares(self.actors, share, units_all, reads, source, budgets)
+        shared, self.last_sharing = shared_reads.Shared(), {}
+        t_planned = t_run
+        if only is None:
+            share, self.last_sharing = shared_reads.plan_shares(
+                self.plan,
+                shared_reads.node_ids(self.actors, self.req.placement_timeout_s),
+                self.req.share,
+                reads,
+                source,
+                budgets,
+                whole_units,
+            )
+            t_planned = time.perf_counter()
+            shared = shared_reads.fetch_shares(
+                self.actors, share, units_all, reads, source, budgets, live
+            )
         t_fetched = time.perf_counter()
 
         def submit(rank: int) -> Any:
@@ -147,8 +160,9 @@ class RayRun:
                 shared.peers_of.get(rank),
             )
 
-        reports, attempts = self._wait_all(submit, on_progress)
-        for rank, rep in enumerate(reports):
+        ranks = list(range(len(self.actors))) if only is None else list(only)
+        reports, attempts = self._wait_all(submit, on_progress, live, ranks)
+        for rank, rep in zip(ranks, reports, strict=True):
             rep["restarts"] = max(attempts[rank], int(rep["pid"] != pids[rank]))
             rep["addresses_changed"] = rep["restarts"] > 0
         shared_reads.add_fetched(reports, shared)
@@ -162,12 +176,17 @@ class RayRun:
         return reports
 
     def _wait_all(
-        self, submit: Callable[[int], Any], on_progress: Progress | None
+        self,
+        submit: Callable[[int], Any],
+        on_progress: Progress | None,
+        live: Liveness,
+        ranks: Sequence[int],
     ) -> tuple[list[Report], list[int]]:
-        """Run ``submit`` for every rank and wait for them all, resubmitting a rank whose
-        process was lost (up to ``--max-restarts``) or is being restarted. Returns the
-        reports and how often each rank's process was lost; raises the first rank's error
-        naming every rank that failed.
+        """Run ``submit`` for every rank of ``ranks`` and wait for them all, resubmitting
+        a rank whose process was lost (up to ``--max-restarts``) or is being restarted.
+        Returns their reports (in ``ranks`` order) and how often each rank's process was
+        lost; raises the first rank's error naming every rank that failed, or RankSilent
+        naming a rank that stopped answering (``live``).
 
         Every rank is waited for even after one failed: a rank still writing must not be
         handed the next load, and the error names every rank that failed."""
@@ -176,14 +195,15 @@ class RayRun:
 
         world = len(self.actors)
         attempts = [0] * world
-        refs = {submit(r): r for r in range(world)}
+        refs = {submit(r): r for r in ranks}
         reports: list[Report | None] = [None] * world
         failures: dict[int, MxloadError] = {}
         unavailable_since: dict[int, float] = {}
         while refs:
             done, _ = ray.wait(list(refs), num_returns=1, timeout=0.5)
+            live.poll(r for ref, r in refs.items() if ref not in done)
             if on_progress is not None:
-                on_progress(self._poll_progress())
+                on_progress(live.progress())
             for ref in done:
                 rank = refs.pop(ref)
                 try:
@@ -216,12 +236,13 @@ class RayRun:
                     failures[rank] = rank_error(rank, err)
         if failures:
             raise _first_failure(failures)
-        return [r for r in reports if r is not None], attempts
+        return [rep for rep in (reports[r] for r in ranks) if rep is not None], attempts
 
     def pids(self) -> list[int | None]:
         """Each rank's worker pid now (None for one that does not answer). A rank whose
         process Ray is restarting (Ray refuses calls to it meanwhile) is waited for, up
-        to the placement timeout, and answers from its new process."""
+        to the placement timeout, and answers from its new process; one that does not
+        answer a call in the answer timeout is named (RunError)."""
         import ray
 
         out: list[int | None] = []
@@ -229,12 +250,13 @@ class RayRun:
         for rank, a in enumerate(self.actors):
             pid: int | None = None
             while True:
+                wait = max(min(deadline - time.monotonic(), self.answer_timeout_s), 1)
                 try:
-                    pid = ray.get(a.pid.remote(), timeout=max(deadline - time.monotonic(), 1))
+                    pid = ray.get(a.pid.remote(), timeout=wait)
                 except ray.exceptions.GetTimeoutError:
                     raise RunError(
-                        f"rank {rank}: its worker did not answer in "
-                        f"{self.req.placement_timeout_s:g} s (stopped, or its node stalled)",
+                        f"rank {rank}: its worker did not answer in {wait:.3g} s (stopped, "
+                        "or its node stalled)",
                         rank=rank,
                     ) from None
                 except ray.exceptions.ActorUnavailableError:
@@ -246,14 +268,6 @@ class RayRun:
                 break
             out.append(pid)
         return out
-
-    def _poll_progress(self) -> list[tuple[int, int, int]]:
-        import ray
-
-        refs = [a.progress.remote() for a in self.actors]
-        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0.2)
-        got = {r: ray.get(r) for r in ready}
-        return [got.get(r, (0, 0, 0)) for r in refs]
 
 
 def _first_failure(failures: dict[int, MxloadError]) -> MxloadError:

@@ -352,10 +352,10 @@ def repair(
     run: RayRun, state: SessionState, save: Callable[[SessionState], None], fence: int = 0
 ) -> list[int]:
     """Reload every rank whose worker was restarted (a fresh process, empty buffers) to
-    the session's version from its current source; returns those ranks. ``fence``: as
-    for :func:`reload`."""
-    import ray
-
+    the session's version from its current source; returns those ranks. They run as a
+    reload's ranks do (``RayRun.run_all``: restarts handled, a silent rank named) and
+    their buffers are checked where they were recorded. ``fence``: as for
+    :func:`reload`."""
     pids = run.pids()
     lost = [r for r, pid in enumerate(pids) if state.lost(r, pid)]
     if not lost:
@@ -367,19 +367,18 @@ def repair(
         fused=workers_fused(run.req.device),
         allow_nonfinite=run.req.allow_nonfinite,
     )
-    source = replace(inputs.source, fence=fence)
-    reports = []
-    for rank in lost:
-        budget = staging_budget_of(state.plan, state.plan.ranks[rank])
-        ref = run.actors[rank].load.remote(
-            list(inputs.reads[rank]),
-            source,
-            state.version,
-            budget,
-            False,
-            list(inputs.units[rank]),
-        )
-        reports.append(ray.get(ref))
+    reports = run.run_all(
+        [list(r) for r in inputs.reads],
+        replace(inputs.source, fence=fence),
+        units=[list(u) for u in inputs.units],
+        version=state.version,
+        whole_units=False,
+        budgets=[staging_budget_of(state.plan, rp) for rp in state.plan.ranks],
+        only=lost,
+    )
     state.observe(reports)
+    moved = state.moved(reports)
+    if moved:
+        raise AddressMoved("buffers moved during repair: " + ", ".join(moved[:20]))
     save(state)
     return lost

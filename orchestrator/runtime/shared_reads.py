@@ -18,6 +18,7 @@ from .state import Report
 if TYPE_CHECKING:
     from ...workers.rank.loader import PeerUnit, SourceInfo
     from ..plan.sharing import SharePlan
+    from .liveness import Liveness
 
 
 @dataclass
@@ -106,9 +107,11 @@ def fetch_shares(
     reads_all: Sequence[Sequence[UnitReads]],
     source: SourceInfo,
     budgets: Sequence[int],
+    live: Liveness,
 ) -> Shared:
     """The owners fetch every shared read and publish it in Ray's object store. An owner
-    whose process is lost publishes nothing: its users read storage themselves.
+    whose process is lost publishes nothing: its users read storage themselves; one
+    that stops answering is named (``live``, RankSilent).
 
     An owner fetches several of its units at once within the staging of its run's
     largest unit read: every unit's reads are staged whole at some point of the load,
@@ -128,6 +131,7 @@ def fetch_shares(
             items.append((s.key, units_all[rank][i], reads_all[rank][i]))
         window = max((r.nbytes for r in reads_all[rank]), default=0)
         refs[rank] = actors[rank].fetch_shared.remote(items, source, budgets[rank], window)
+    live.wait(refs)
     handles: dict[Any, Any] = {}
     for rank, ref in refs.items():
         try:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import time
 
 import pytest
 import ray
@@ -23,6 +24,7 @@ import torch
 from mxload.orchestrator.errors import ReloadMismatch, StorageError, WorkerLost
 from mxload.orchestrator.plan.types import ParallelLayout
 from mxload.orchestrator.runtime.driver import first_load, plan_load
+from mxload.orchestrator.runtime.liveness import RankSilent
 from mxload.orchestrator.runtime.ray_run import RayRun
 from mxload.orchestrator.runtime.reports import write_dump
 from mxload.orchestrator.runtime.request import LoadRequest
@@ -245,6 +247,49 @@ def test_interrupted_reload_runs_again_to_completion(small: Session, ckpt_factor
         assert all(r["version"] == start + 1 and r["consistent"] for r in m["ranks"])
         assert addresses(m) == first
         assert_holds(s, v2, lay=SMALL_LAY)
+
+
+def test_a_rank_stopped_during_a_reload_is_named_and_the_wait_ends(
+    small: Session, ckpt_factory
+) -> None:
+    """SIGSTOP of rank 1's worker once the reload runs (after every check before it):
+    the reload names rank 1, its pid and what resumes it within its answer timeout
+    (2 s here) instead of waiting for ever; resumed, the same reload run again completes.
+    The checkpoint is served slowly (0.2 s per request) so the rank is still reading
+    when it is stopped."""
+    s = small
+    v5 = ckpt_factory("qwen3-moe-tiny", 5)
+    pid = s.run.pids()[1]
+    assert pid is not None
+    stopped: list[float] = []
+
+    def stop_rank_1(_progress: object) -> None:
+        if not stopped:
+            os.kill(pid, signal.SIGSTOP)
+            stopped.append(time.monotonic())
+
+    s.run.answer_timeout_s = 2.0
+    try:
+        with RangeHTTPServer(v5, Faults(etag=True), latency=0.2) as server:
+            try:
+                with pytest.raises(RankSilent) as err:
+                    s.reload(server.url, on_progress=stop_rank_1)
+                waited = time.monotonic() - stopped[0]
+            finally:
+                os.kill(pid, signal.SIGCONT)
+            server.state.latency = 0.0
+            print(f"a stopped rank named after {waited:.1f} s: {err.value}")
+            msg = str(err.value)
+            assert msg.startswith(f"rank 1 (pid {pid}) did not answer in 2 s"), msg
+            assert f"kill -CONT {pid}" in msg and err.value.exit_code == 1
+            assert waited < 30, "bounded by the answer timeout, not by the load"
+            # The resumed rank finishes its own run first (a rank runs one load at a time).
+            assert ray.get(s.run.actors[1].fence.remote(0, 60.0)) is True
+            m = s.reload(server.url)
+    finally:
+        s.run.answer_timeout_s = 60.0
+    assert all(r["consistent"] for r in m["ranks"])
+    assert_holds(s, v5, lay=SMALL_LAY)
 
 
 def test_killed_worker_of_a_session_reports_changed_addresses(small: Session, ckpt_factory) -> None:
