@@ -238,10 +238,13 @@ class ModelConfig:
         return out
 
 
-def _vision_config(cfg: Mapping[str, Any], source: str) -> VisionConfig | None:
+def _vision_config(cfg: Mapping[str, Any], source: str) -> VisionConfig:
+    """The vision tower vLLM builds: without ``vision_config`` (absent or null) its
+    ``Qwen3_5Config`` fills a default tower, which the checkpoint must then hold (or
+    ``--language-model-only`` skip); planning none would leave it unloaded."""
     raw = cfg.get("vision_config")
     if raw is None:
-        return None
+        return VisionConfig(**VISION_DEFAULTS)
     vsrc = f"{source} (vision_config)"
     if not isinstance(raw, Mapping):
         raise ConfigError(
