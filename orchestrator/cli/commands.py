@@ -370,9 +370,28 @@ def cmd_reload(args: argparse.Namespace) -> int:
     finally:
         if bar:
             bar.close()
-    _write_report(args.report, manifest)
+    try:
+        _write_report(args.report, manifest)
+    except OutputError as err:
+        # The weights were replaced before the report failed: the outcome is said first,
+        # then the failure, which must not read as a reload that did not happen (§5).
+        show.emit(args, manifest, show.render_reloaded(manifest))
+        raise reload_report_failed(manifest, args.src, err) from None
     show.emit(args, manifest, show.render_reloaded(manifest))
     return 0
+
+
+def reload_report_failed(manifest: dict[str, Any], src: str, err: OutputError) -> OutputError:
+    """The error of a reload that replaced the weights and then failed to write its
+    ``--report`` (a full disk): exit 2 as every output failure, saying the weights ARE
+    replaced."""
+    version = manifest["ranks"][0]["version"] if manifest.get("ranks") else "?"
+    return OutputError(
+        f"the reload completed: the weights ARE replaced (session "
+        f"{manifest.get('session', '?')!r} at version {version}, from {src}); only its "
+        f"report was not written: {err.message}",
+        **err.context,
+    )
 
 
 def cmd_status(args: argparse.Namespace) -> int:

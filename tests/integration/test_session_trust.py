@@ -292,6 +292,48 @@ def test_a_restarted_rank_shows_in_human_status(work: Path, ckpts, session) -> N
     assert dump_matches(work, before["identity"]["src"], "dump-restarted") == []
 
 
+@pytest.fixture
+def full_disk(tmp_path: Path):
+    """A real file system with no room left (a 64 KiB tmpfs, filled): new empty files
+    can be made there, no bytes written. Needs the right to mount (root here)."""
+    mnt = tmp_path / "full"
+    mnt.mkdir()
+    made = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mnt)], capture_output=True
+    )
+    if made.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here: {made.stderr.decode()[:200]}")
+    try:
+        with open(mnt / "filler", "wb") as f, contextlib.suppress(OSError):
+            while True:
+                f.write(b"\0" * 4096)
+                f.flush()
+        yield mnt
+    finally:
+        subprocess.run(["umount", str(mnt)], check=False)
+
+
+def test_a_reload_whose_report_finds_a_full_disk_says_the_weights_are_replaced(
+    work: Path, ckpts, session, full_disk: Path
+) -> None:
+    """--report on a full disk passes the check before any work (an empty file can still
+    be made there) and fails once the weights were replaced: exit 2 as every output
+    failure, with the reload's own outcome printed and the line saying the weights ARE
+    replaced (it read as a reload that did not happen)."""
+    assert session.returncode == 0, show(session)
+    _, before = status_json(work)
+    target = before["identity"]["version"] + 1
+    proc = mx_here(work, "reload", ckpts["v3"], "--report", str(full_disk / "r.json"))
+    assert proc.returncode == 2, show(proc)
+    first = proc.stderr.splitlines()[0]
+    assert "the weights ARE replaced" in first and f"version {target}" in first, show(proc)
+    assert "--report" in first and "r.json" in first, show(proc)
+    assert f"reloaded to version {target}" in proc.stdout, show(proc)
+    rc, after = status_json(work)
+    assert rc == 0 and after["identity"]["version"] == target
+    assert after["identity"]["src"] == ckpts["v3"]
+
+
 def test_a_stopped_rank_is_named_in_seconds(work: Path, ckpts, session) -> None:
     """SIGSTOP of one rank's worker: status and reload say which rank, in one line and in
     seconds (Ray's call would wait 42 s and name none); resumed, status is whole again."""
