@@ -704,6 +704,35 @@ def test_ascend_format_describes_every_tensor_and_reads_back(ckpt_factory, tmp_p
         open_checkpoint(dst)
 
 
+def test_an_ascend_description_that_contradicts_its_tensors_is_refused(
+    ckpt_factory, tmp_path, capsys
+) -> None:
+    """A quant_model_description.json entry that says FLOAT over an MXFP8 weight (with its
+    weight_scale), or W8A8_MXFP8 over a BF16 one: every command that opens the checkpoint
+    refuses it naming the tensor and what it holds (exit 2), before a plan is made."""
+    from mxload.orchestrator.cli import main
+    from mxload.orchestrator.errors import CheckpointError
+
+    dst = str(tmp_path / "ascend")
+    convert_checkpoint(ckpt_factory("qwen3-dense-tiny", 5), dst, fmt="ascend")
+    path = os.path.join(dst, "quant_model_description.json")
+    with open(path) as f:
+        good = json.load(f)
+    for tensor, described, held in (
+        ("model.layers.0.self_attn.o_proj.weight", "FLOAT", "F8_E4M3 with"),
+        ("model.embed_tokens.weight", "W8A8_MXFP8", "BF16"),
+    ):
+        assert good[tensor] != described
+        with open(path, "w") as f:
+            json.dump({**good, tensor: described}, f)
+        with pytest.raises(CheckpointError) as err:
+            open_checkpoint(dst)
+        msg = str(err.value)
+        assert f"{tensor} is described {described}" in msg and f"holds it as {held}" in msg
+        assert main(["plan", dst, "--tp", "1"]) == 2
+        assert tensor in capsys.readouterr().err
+
+
 def test_deepseek_kv_b_proj_stays_in_model_dtype_in_every_layer_mtp_included(
     ckpt_factory, tmp_path
 ) -> None:
