@@ -241,8 +241,8 @@ class RayRun:
     def pids(self) -> list[int | None]:
         """Each rank's worker pid now (None for one that does not answer). A rank whose
         process Ray is restarting (Ray refuses calls to it meanwhile) is waited for, up
-        to the placement timeout, and answers from its new process; one that does not
-        answer a call in the answer timeout is named (RunError)."""
+        to the placement timeout, and answers from its new process (a worker still
+        starting, importing torch on a busy host, answers late but answers)."""
         import ray
 
         out: list[int | None] = []
@@ -250,13 +250,12 @@ class RayRun:
         for rank, a in enumerate(self.actors):
             pid: int | None = None
             while True:
-                wait = max(min(deadline - time.monotonic(), self.answer_timeout_s), 1)
                 try:
-                    pid = ray.get(a.pid.remote(), timeout=wait)
+                    pid = ray.get(a.pid.remote(), timeout=max(deadline - time.monotonic(), 1))
                 except ray.exceptions.GetTimeoutError:
                     raise RunError(
-                        f"rank {rank}: its worker did not answer in {wait:.3g} s (stopped, "
-                        "or its node stalled)",
+                        f"rank {rank}: its worker did not answer in "
+                        f"{self.req.placement_timeout_s:g} s (stopped, or its node stalled)",
                         rank=rank,
                     ) from None
                 except ray.exceptions.ActorUnavailableError:

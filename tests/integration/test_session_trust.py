@@ -304,10 +304,9 @@ def full_disk(tmp_path: Path):
     if made.returncode != 0:
         pytest.skip(f"cannot mount a small tmpfs here: {made.stderr.decode()[:200]}")
     try:
-        with open(mnt / "filler", "wb") as f, contextlib.suppress(OSError):
+        with open(mnt / "filler", "wb", buffering=0) as f, contextlib.suppress(OSError):
             while True:
                 f.write(b"\0" * 4096)
-                f.flush()
         yield mnt
     finally:
         subprocess.run(["umount", str(mnt)], check=False)
