@@ -95,8 +95,10 @@ class SessionKeeper:
         self.fence = 0
         """The last fencing token handed out (with a lease)."""
         self.granted: Lease | None = None
-        """The last lease handed out, kept after its release: what fenced off a command
-        suspended past its own lease is named to it (``granted``)."""
+        """The last lease handed out, kept after its release."""
+        self.recorded: Lease | None = None
+        """The lease whose holder's result the state is (its last accepted ``put``): the
+        command that won over one fenced off (``took_over``)."""
         self.notes: list[str] = []
         """What status should say happened to the session: commands refused because
         their lease had lapsed, a restart of this keeper."""
@@ -164,6 +166,7 @@ class SessionKeeper:
             self._save()
             return why
         self.state = state
+        self.recorded = cur
         self._save()
         return ""
 
@@ -189,10 +192,15 @@ class SessionKeeper:
         self.granted = self.lease
         return self.lease
 
-    def last_granted(self) -> Lease | None:
-        """The last lease handed out, released or not (None after a restart of this
-        keeper: only its token was kept)."""
-        return self.granted
+    def took_over(self, fence: int) -> Lease | None:
+        """The lease that fenced off the holder of token ``fence``: the one whose result
+        the session holds when it is later, else the last one handed out when that is
+        (None when neither is, or after a restart of this keeper: only its token was
+        kept)."""
+        for lease in (self.recorded, self.granted):
+            if lease is not None and lease.fence > fence:
+                return lease
+        return None
 
     def renew(self, token: str, ttl_s: float) -> bool:
         """Extend the live lease of ``token``; an expired one stays lapsed (its holder was
@@ -707,10 +715,10 @@ def fenced_off(keeper: Any, lease: Lease, why: str) -> FencedOff:
     session = "?"
     winner = ""
     try:
-        later: Lease | None = ray.get(keeper.last_granted.remote(), timeout=10)
+        later: Lease | None = ray.get(keeper.took_over.remote(lease.fence), timeout=10)
         state: SessionState = ray.get(keeper.get.remote(), timeout=10)
         session = state.session
-        if later is not None and later.fence > lease.fence:
+        if later is not None:
             h = later.holder
             since = time.strftime("%H:%M:%S", time.localtime(later.since))
             winner = (
