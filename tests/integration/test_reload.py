@@ -309,6 +309,50 @@ def test_killed_worker_of_a_session_reports_changed_addresses(small: Session, ck
     assert_holds(s, v4, lay=SMALL_LAY)
 
 
+def test_a_repair_survives_its_rank_dying_again(small: Session, ckpt_factory) -> None:
+    """repair() (what `mxload status` runs for a restarted rank) goes through the run's
+    restart handling: rank 0 killed (-9), then killed again while its repair reads (the
+    checkpoint served at 0.05 s per request), is restarted and redone, and holds the
+    session's checkpoint, its new addresses recorded."""
+    import threading
+
+    from mxload.orchestrator.runtime.reload import repair
+
+    s = small
+    v3 = ckpt_factory("qwen3-moe-tiny", 3)
+    with RangeHTTPServer(v3, Faults(etag=True)) as server:
+        s.reload(server.url)
+        first = s.run.pids()[0]
+        assert first is not None
+        os.kill(first, signal.SIGKILL)
+        second = s.run.pids()[0]  # answers once Ray restarted it
+        assert second is not None and second != first
+        server.state.latency = 0.05
+        killed: list[int] = []
+
+        def kill_mid_repair() -> None:
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:
+                done, total, _ = ray.get(s.run.actors[0].progress.remote())
+                if 1 <= done < total:
+                    os.kill(second, signal.SIGKILL)
+                    killed.append(second)
+                    return
+                time.sleep(0.02)
+
+        killer = threading.Thread(target=kill_mid_repair)
+        killer.start()
+        try:
+            assert repair(s.run, s.state, lambda _: None) == [0]
+        finally:
+            killer.join()
+        assert killed == [second], "rank 0 died during its repair"
+    third = s.run.pids()[0]
+    assert third not in (None, first, second) and s.state.pids[0] == third
+    assert 0 in s.state.restarted
+    assert_holds(s, v3, lay=SMALL_LAY)
+
+
 def test_two_sessions_side_by_side(shared: Session, small: Session, ckpt_factory) -> None:
     """A policy and a reference model held at once; reloading one leaves the other alone."""
     v2 = ckpt_factory("qwen3-moe-tiny", 2)

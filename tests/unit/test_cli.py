@@ -912,7 +912,7 @@ def test_sigterm_during_convert_leaves_no_partial_output(
     # Were SIGTERM left to its default here, it would end pytest itself.
     before = signal.signal(signal.SIGTERM, lambda signum, _frame: got.append(signum))
     try:
-        src = shutil.copytree(ckpt_factory("qwen3-moe-tiny", 1), tmp_path / "src")
+        src = shutil.copytree(ckpt_factory("qwen3-dense-tiny", 1), tmp_path / "src")
         rc = main(["convert", str(src), str(tmp_path / "out")])
     finally:
         signal.signal(signal.SIGTERM, before)
