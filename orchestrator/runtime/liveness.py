@@ -23,8 +23,8 @@ from ..errors import RunError
 
 RANK_ANSWER_S = 60.0
 """How long a rank with work may leave a ping unanswered before the run names it and
-stops waiting (``--answer-timeout`` is not a flag: a parameter of the run, so tests
-can wait less)."""
+stops waiting for it (a parameter of the run, ``RayRun.answer_timeout_s``, not a flag:
+tests wait less)."""
 
 
 class RankSilent(RunError):
@@ -80,9 +80,9 @@ class Liveness:
         self._pending: dict[int, tuple[Any, float]] = {}
         self._last: dict[int, tuple[int, int, int]] = {}
 
-    def poll(self, ranks: Iterable[int]) -> None:
+    def poll(self, ranks: Iterable[int]) -> list[int]:
         """Ping every rank of ``ranks`` that has no ping in flight and collect the answers
-        that came; RankSilent when one of ``ranks`` left a ping unanswered too long."""
+        that came; the ranks of ``ranks`` that left a ping unanswered too long."""
         import ray
 
         waiting = set(ranks)
@@ -93,7 +93,7 @@ class Liveness:
         for rank in waiting - set(self._pending):
             self._pending[rank] = (self.actors[rank].progress.remote(), now)
         if not self._pending:
-            return
+            return []
         refs = [ref for ref, _ in self._pending.values()]
         ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
         answered = set(ready)
@@ -105,9 +105,11 @@ class Liveness:
                     self._last[rank] = (int(done), int(total), int(nbytes))
                 except ray.exceptions.RayError:
                     pass  # lost or restarting: the run's own wait sees it
-        late = sorted(r for r, (_, since) in self._pending.items() if now - since > self.timeout_s)
-        if late:
-            raise silent_error(late, self.pids, self.timeout_s)
+        return sorted(r for r, (_, since) in self._pending.items() if now - since > self.timeout_s)
+
+    def error(self, late: Sequence[int]) -> RankSilent:
+        """The error naming the ranks in ``late`` (from :meth:`poll`)."""
+        return silent_error(late, self.pids, self.timeout_s)
 
     def progress(self) -> list[tuple[int, int, int]]:
         """Each rank's last answered progress (done, total, bytes)."""
@@ -123,4 +125,6 @@ class Liveness:
             ready, _ = ray.wait(list(left.values()), num_returns=len(left), timeout=period_s)
             done = set(ready)
             left = {r: ref for r, ref in left.items() if ref not in done}
-            self.poll(left)
+            late = self.poll(left)
+            if late:
+                raise self.error(late)

@@ -185,11 +185,12 @@ class RayRun:
         """Run ``submit`` for every rank of ``ranks`` and wait for them all, resubmitting
         a rank whose process was lost (up to ``--max-restarts``) or is being restarted.
         Returns their reports (in ``ranks`` order) and how often each rank's process was
-        lost; raises the first rank's error naming every rank that failed, or RankSilent
-        naming a rank that stopped answering (``live``).
+        lost; raises the first rank's error naming every rank that failed (RankSilent for
+        one that stopped answering, ``live``).
 
-        Every rank is waited for even after one failed: a rank still writing must not be
-        handed the next load, and the error names every rank that failed."""
+        Every rank that answers is waited for even after one failed: a rank still writing
+        must not be handed the next load, and the error names every rank that failed. A
+        silent rank cannot be waited for: it is given up and named."""
         import ray
         from ray.exceptions import RayActorError
 
@@ -201,7 +202,13 @@ class RayRun:
         unavailable_since: dict[int, float] = {}
         while refs:
             done, _ = ray.wait(list(refs), num_returns=1, timeout=0.5)
-            live.poll(r for ref, r in refs.items() if ref not in done)
+            # A rank that stopped answering is given up (named); the others are still
+            # waited for, as after any failure.
+            silent = set(live.poll(r for ref, r in refs.items() if ref not in done))
+            for ref, rank in list(refs.items()):
+                if rank in silent and ref not in done:
+                    del refs[ref]
+                    failures[rank] = live.error([rank])
             if on_progress is not None:
                 on_progress(live.progress())
             for ref in done:

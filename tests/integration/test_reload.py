@@ -253,9 +253,10 @@ def test_a_rank_stopped_during_a_reload_is_named_and_the_wait_ends(
     small: Session, ckpt_factory
 ) -> None:
     """SIGSTOP of rank 1's worker once the reload runs (after every check before it):
-    the reload names rank 1, its pid and what resumes it within its answer timeout
-    (2 s here) instead of waiting for ever; resumed, the same reload run again completes.
-    The checkpoint is served slowly (0.2 s per request) so the rank is still reading
+    the reload names rank 1, its pid and what resumes it once its answer timeout (2 s
+    here) passed and rank 0 finished, instead of waiting for ever; resumed, the same
+    reload run again completes.
+    The checkpoint is served slowly (0.1 s per request) so the rank is still reading
     when it is stopped."""
     s = small
     v5 = ckpt_factory("qwen3-moe-tiny", 5)
@@ -270,7 +271,7 @@ def test_a_rank_stopped_during_a_reload_is_named_and_the_wait_ends(
 
     s.run.answer_timeout_s = 2.0
     try:
-        with RangeHTTPServer(v5, Faults(etag=True), latency=0.2) as server:
+        with RangeHTTPServer(v5, Faults(etag=True), latency=0.1) as server:
             try:
                 with pytest.raises(RankSilent) as err:
                     s.reload(server.url, on_progress=stop_rank_1)
@@ -283,7 +284,9 @@ def test_a_rank_stopped_during_a_reload_is_named_and_the_wait_ends(
             assert msg.startswith(f"rank 1 (pid {pid}) did not answer in 2 s"), msg
             assert f"kill -CONT {pid}" in msg and err.value.exit_code == 1
             assert waited < 30, "bounded by the answer timeout, not by the load"
-            # The resumed rank finishes its own run first (a rank runs one load at a time).
+            # Rank 0, which answered, was waited for: it is free at once. The resumed
+            # rank 1 finishes its own run first (a rank runs one load at a time).
+            assert ray.get(s.run.actors[0].fence.remote(0, 0.0)) is True
             assert ray.get(s.run.actors[1].fence.remote(0, 60.0)) is True
             m = s.reload(server.url)
     finally:
