@@ -20,7 +20,10 @@ as the engine holds them after its post-load. This module lets the engine host m
     checkpoint (block-FP8, MXFP8 or the BF16 an RL trainer writes); verifies no address
     moved (the reload of every session host: ``mxload.orchestrator.runtime.reload``);
   - ``mxload_status()``: rank coordinates, engine, version, consistency, per-tensor
-    addresses, strides and checksums.
+    addresses, strides and checksums;
+  - ``mxload_attach(src, trainer={...})`` then ``mxload_refit(step, manifest_hash)``: the
+    same writes from a trainer's ranks instead of a checkpoint
+    (``mxload.orchestrator.runtime.refit``).
 
 * :class:`EngineReloader` is the driver side for an RL loop: it calls those methods on
   every worker and checks the answers (all ranks at one version, no address moved since
@@ -58,6 +61,7 @@ from ..plan.releases import (
     release_of_version,
 )
 from ..plan.types import ParallelLayout, Plan
+from ..runtime.refit import RefitRank, RefitSetup, TrainerSource, refit, refit_setup
 from ..runtime.reload import ReloadInputs, reload
 from ..runtime.state import Progress, Report, SessionState
 
@@ -243,6 +247,8 @@ class _OneRank:
         self.held = held
         self.maps = maps
         self.last_stats: RunStats | None = None
+        self.refit: RefitRank | None = None
+        """This rank's receiver once a trainer source is attached (a refit's bytes)."""
 
     def check_experts(self) -> None:
         """AdoptionError unless every MoE module's expert map (read now) places exactly
@@ -282,7 +288,10 @@ class _OneRank:
         self, inputs: ReloadInputs, version: int, on_progress: Progress | None
     ) -> list[Report]:
         r = self.rank
-        self.last_stats = self.loader.run(inputs.job(r, version))
+        storage = None
+        if self.refit is not None and self.refit.update is not None:
+            storage = self.refit.prepare(inputs, version, self.loader)
+        self.last_stats = self.loader.run(inputs.job(r, version), storage=storage)
         self.loader.backend.synchronize()
         self.check("while mxload wrote")
         tensors = {
@@ -374,6 +383,7 @@ class Attachment:
         self.loader = RankLoader(
             rp, model_dtype=meta.config.model_dtype, device=device, buffers=mine
         )
+        self.config = meta.config
         self._ranks = _OneRank(facts.rank, self.loader, held, maps or {})
         self._ranks.check_experts()
         # Version 0 of the attached checkpoint: the parameters hold what the engine
@@ -437,11 +447,84 @@ class Attachment:
             "addresses_moved": [],
         }
 
+    def attach_trainer(self, trainer: Mapping[str, Any] | TrainerSource) -> RefitSetup:
+        """Take updates from a trainer's ranks (the trainer form, docs/adoption.md): plan
+        the refit (ReloadMismatch, nothing touched, when the trainer's tensors do not give
+        this engine what it holds) and join the refit group (waits for the others)."""
+        source = TrainerSource.from_json(trainer)
+        setup = refit_setup(self.plan, self.config, source, fused=self._ranks.fused)
+        if self._ranks.refit is not None:
+            self._ranks.refit.close()
+            self._ranks.refit = None
+        self._ranks.refit = RefitRank(setup, self.facts.rank)
+        return setup
+
+    def refit(
+        self,
+        step: int,
+        manifest_hash: str,
+        *,
+        delta_of: int | None = None,
+        staging_budget: int | None = None,
+    ) -> dict[str, Any]:
+        """Receive trainer step ``step`` and write it in place (docs/contract.md §4
+        "Refit"): the same checks as :meth:`reload`; refused, nothing touched, for another
+        manifest or a delta of a step this engine does not hold."""
+        rr = self._ranks.refit
+        if rr is None:
+            raise RunError(
+                "this engine takes no trainer updates: initialise it with the trainer form "
+                "({'src': ..., 'trainer': {...}})"
+            )
+        self._ranks.check("since attach; nothing was written")
+        refit(
+            self._ranks,
+            self.state,
+            lambda _: None,  # the state is this object's attribute
+            rr.setup,
+            [rr],
+            step=step,
+            manifest_hash=manifest_hash,
+            delta_of=delta_of,
+            staging_budget=staging_budget,
+        )
+        stats = self._ranks.last_stats
+        got = rr.last
+        assert stats is not None and got is not None
+        return {
+            "rank": self.facts.rank,
+            "step": step,
+            "version": self.loader.version,
+            "identity": self.identity,
+            "consistent": self.loader.consistent,
+            "seconds": stats.seconds,
+            "receive_seconds": round(got.seconds, 6),
+            "bytes_received": got.bytes_received,
+            "tensors_unchanged": sum(not c for c in got.changed.values()),
+            "units_written": stats.units,
+            "measured_peak_staging_bytes": stats.measured_peak_staging_bytes,
+            "addresses_moved": [],
+        }
+
+    def close(self) -> None:
+        """Leave the refit group (if any)."""
+        if self._ranks.refit is not None:
+            self._ranks.refit.close()
+            self._ranks.refit = None
+
     @property
     def identity(self) -> str:
         """The checkpoint the parameters hold: version and fingerprint (``weight_version``
-        of vLLM's weight-transfer API)."""
+        of vLLM's weight-transfer API; after a refit, the trainer step and
+        ``trainer-<manifest hash>``)."""
         return f"{self.state.version}:{self.state.fingerprint}"
+
+    @property
+    def consistent(self) -> bool:
+        """Every unit holds one identity, the one the latest update was writing: a refit
+        whose bytes did not all arrive leaves this False until an update completes."""
+        units = self.loader.unit_status()
+        return bool(units["consistent"]) and not units["stale_count"]
 
     def status(self, *, checksums: bool = True) -> dict[str, Any]:
         """This rank's state; AddressMoved if the engine rebound an adopted tensor."""
@@ -457,7 +540,7 @@ class Attachment:
             "src": self.src,
             "version": self.loader.version,
             "identity": self.identity,
-            "consistent": self.loader.consistent,
+            "consistent": self.consistent,
             "units": self.loader.unit_status(),
             "tensors": self.loader.tensor_report(with_checksums=checksums),
         }
@@ -639,6 +722,7 @@ class MxloadWorkerExtension:
         engine: str | None = None,
         storage_options: Mapping[str, Any] | None = None,
         load: bool = False,
+        trainer: Mapping[str, Any] | None = None,
     ) -> dict[str, Any]:
         facts = vllm_facts(self.vllm_config, engine)  # type: ignore[attr-defined]
         runner = self.model_runner  # type: ignore[attr-defined]
@@ -651,7 +735,20 @@ class MxloadWorkerExtension:
         self._mxload = Attachment(src, facts, params, storage_options=storage_options, maps=maps)
         if load:  # an engine started with load_format="dummy" gets its weights from mxload
             self._mxload.load(storage_options=storage_options)
+        if trainer is not None:  # updates come from the trainer's ranks (refit)
+            self._mxload.attach_trainer(trainer)
         return self._mxload.status(checksums=False)
+
+    def mxload_refit(
+        self,
+        step: int,
+        manifest_hash: str,
+        delta_of: int | None = None,
+        staging_budget: int | None = None,
+    ) -> dict[str, Any]:
+        return self._attached().refit(
+            step, manifest_hash, delta_of=delta_of, staging_budget=staging_budget
+        )
 
     def mxload_reload(
         self,
@@ -713,6 +810,18 @@ class EngineReloader:
                 f"reload from {src}: ranks disagree: identities {sorted(idents)}, "
                 f"inconsistent ranks {[r['rank'] for r in reports if not r['consistent']]}; "
                 "run the reload again to complete it"
+            )
+        return reports
+
+    def refit(self, step: int, manifest_hash: str, **kwargs: Any) -> list[dict[str, Any]]:
+        """Every worker receives trainer step ``step`` (the trainer's ranks send it with
+        ``MxloadSender.send_weights`` meanwhile); RunError unless all ranks end at it."""
+        reports = self._call("mxload_refit", args=(step, manifest_hash), kwargs=kwargs)
+        idents = {r["identity"] for r in reports}
+        if len(idents) != 1 or not all(r["consistent"] for r in reports):
+            raise RunError(
+                f"refit to step {step}: ranks disagree: identities {sorted(idents)}; send "
+                "the next step to complete it"
             )
         return reports
 

@@ -13,6 +13,11 @@ the live-tensor check, reload):
   them, for an engine started with ``load_format="dummy"``);
 * update info ``{"src": URL, "storage_options": None, "staging_budget": None}``: one
   whole checkpoint per update (several calls between start and finish each reload);
+* the trainer form (refit, docs/adoption.md "Refit from the trainer"): init info
+  ``{"src": URL, "trainer": {"transport", "addresses", "world", "manifest", "convert_on",
+  "bucket_bytes"}}`` plans the refit and joins the refit group; each update
+  ``{"step": N, "manifest_hash": H, "delta_of": None}`` receives trainer step N from the
+  trainer's ranks (``MxloadSender.send_weights``) and writes it in place;
 * :func:`weight_identity`, run on the workers with ``collective_rpc``, gives the identity
   every rank holds (version:fingerprint), to pass as ``finish_weight_update``'s
   ``weight_version``.
@@ -39,7 +44,7 @@ from vllm.distributed.weight_transfer.base import (  # type: ignore[import-not-f
     WeightTransferUpdateInfo,
 )
 
-from ..errors import RunError
+from ..errors import InputError, RunError
 from .engine_ext import Attachment, engine_params, expert_maps, vllm_facts
 
 BACKEND = "mxload"
@@ -53,15 +58,21 @@ class MxloadInitInfo(WeightTransferInitInfo):  # type: ignore[misc]
     engine: str | None = None
     storage_options: dict[str, Any] | None = None
     load: bool = False
+    trainer: dict[str, Any] | None = None
+    """The trainer form: updates come from the trainer's ranks (``TrainerSource``)."""
 
 
 @dataclass
 class MxloadUpdateInfo(WeightTransferUpdateInfo):  # type: ignore[misc]
-    """One update: the checkpoint the parameters must hold after it."""
+    """One update: the checkpoint (``src``) or the trainer step (``step``, with the
+    manifest's hash and the step a delta is taken against) the parameters hold after it."""
 
-    src: str
+    src: str = ""
     storage_options: dict[str, Any] | None = None
     staging_budget: int | None = None
+    step: int | None = None
+    manifest_hash: str | None = None
+    delta_of: int | None = None
 
 
 class MxloadWeightTransferEngine(WeightTransferEngine):  # type: ignore[misc]
@@ -87,6 +98,8 @@ class MxloadWeightTransferEngine(WeightTransferEngine):  # type: ignore[misc]
         )
         if init_info.load:
             self.attachment.load(storage_options=init_info.storage_options)
+        if init_info.trainer is not None:
+            self.attachment.attach_trainer(init_info.trainer)
 
     def _attached(self) -> Attachment:
         if self.attachment is None:
@@ -102,16 +115,33 @@ class MxloadWeightTransferEngine(WeightTransferEngine):  # type: ignore[misc]
         self._attached().status(checksums=False)
 
     def receive_weights(self, update_info: MxloadUpdateInfo) -> None:
+        u = update_info
+        if (u.step is None) == (not u.src):
+            raise InputError(
+                "mxload update info: give either 'src' (a checkpoint) or 'step' with "
+                "'manifest_hash' (a trainer update), not " + ("both" if u.src else "neither"),
+                key="update_info",
+            )
+        if u.step is not None:
+            self._attached().refit(
+                u.step,
+                u.manifest_hash or "",
+                delta_of=u.delta_of,
+                staging_budget=u.staging_budget,
+            )
+            return
         self._attached().reload(
-            update_info.src,
-            storage_options=update_info.storage_options,
-            staging_budget=update_info.staging_budget,
+            u.src,
+            storage_options=u.storage_options,
+            staging_budget=u.staging_budget,
         )
 
     def finish_weight_update(self) -> None:
         """Every update was written in place and checked by ``receive_weights``."""
 
     def shutdown(self) -> None:
+        if self.attachment is not None:
+            self.attachment.close()
         self.attachment = None
 
 

@@ -152,10 +152,18 @@ def plan_reload(
 ) -> tuple[CheckpointMeta, Plan]:
     """Open ``src`` and plan it for the held layout; ReloadMismatch (nothing touched)
     listing every difference from what the ranks hold. Returns (checkpoint, plan)."""
-    from ..plan.planner import build_plan
     from .catalog import open_checkpoint
 
     meta = open_checkpoint(src, storage_options=storage_options, dtype=held.model["dtype"])
+    return meta, plan_for(held, meta, src, fused=fused, remote=is_remote(src))
+
+
+def plan_for(held: Plan, meta: Any, src: str, *, fused: bool, remote: bool = False) -> Plan:
+    """The plan of the new source ``meta`` (a checkpoint, or a trainer's memory as the
+    wire carries it) for the held layout; ReloadMismatch (nothing touched) listing every
+    difference from what the ranks hold."""
+    from ..plan.planner import build_plan
+
     problems: list[str] = []
     block_old = held.model.get("weight_block_size")
     q = meta.config.quant
@@ -171,7 +179,7 @@ def plan_reload(
         checkpoint=meta,
         staging_budget=None,
         device="cpu",
-        remote=is_remote(src),
+        remote=remote,
         fused=fused,
         engine=held.engine,
     )
@@ -191,7 +199,7 @@ def plan_reload(
             + more,
             file=src,
         )
-    return meta, new
+    return new
 
 
 @dataclass(frozen=True)
@@ -235,6 +243,31 @@ def reload_inputs(
     plan its reads for every rank."""
     src = absolute(src)
     meta, new = plan_reload(held, src, storage_options, fused=fused)
+    return inputs_for(
+        held,
+        meta,
+        new,
+        src,
+        storage_options=storage_options,
+        staging_budget=staging_budget,
+        fused=fused,
+        allow_nonfinite=allow_nonfinite,
+    )
+
+
+def inputs_for(
+    held: Plan,
+    meta: Any,
+    new: Plan,
+    src: str,
+    *,
+    storage_options: Mapping[str, Any] | None = None,
+    staging_budget: int | None = None,
+    fused: bool = True,
+    allow_nonfinite: bool = False,
+) -> ReloadInputs:
+    """What every rank runs to bring ``held`` to the new source ``meta`` planned as ``new``
+    (:func:`plan_for`)."""
     budgets = reload_budgets(held, new, meta.config, staging_budget, fused)
     world = held.layout.world
     return ReloadInputs(
@@ -306,8 +339,36 @@ def reload(
         fused=ranks.fused,
         allow_nonfinite=allow_nonfinite,
     )
+    return apply(
+        ranks,
+        state,
+        save,
+        inputs,
+        src,
+        target=state.version + 1,
+        storage_options=options,
+        on_progress=on_progress,
+        fence=fence,
+    )
+
+
+def apply(
+    ranks: Ranks,
+    state: SessionState,
+    save: Callable[[SessionState], None],
+    inputs: ReloadInputs,
+    src: str,
+    *,
+    target: int,
+    storage_options: Mapping[str, Any] | None = None,
+    on_progress: Progress | None = None,
+    fence: int = 0,
+) -> ReloadResult:
+    """Run ``inputs`` on every rank as version ``target`` of ``src`` and record the
+    outcome in ``state`` (a failure too, for ``status``), then ``save`` it: the one
+    sequence of every reload and refit."""
+    options = storage_options
     inputs = replace(inputs, source=replace(inputs.source, fence=fence))
-    target = state.version + 1
     fingerprint = inputs.source.fingerprint
     t0 = time.perf_counter()
     try:

@@ -105,6 +105,62 @@ class Session:
         self.manifest = manifest
         return manifest
 
+    def attach_trainer(self, trainer: Mapping[str, Any]) -> None:
+        """Take updates from a trainer's ranks (the trainer form of docs/adoption.md
+        "Refit from the trainer"): plan the refit (ReloadMismatch, nothing touched, when
+        the trainer's tensors do not give every rank what it holds) and have every rank
+        join the refit group (waits for the trainer's ranks)."""
+        from .catalog import open_checkpoint
+        from .refit import TrainerSource, join_ray, refit_setup
+        from .request import workers_fused
+
+        req = self.run.req
+        config = open_checkpoint(
+            req.src, storage_options=req.storage_options, dtype=self.state.plan.model["dtype"]
+        ).config
+        setup = refit_setup(
+            self.state.plan,
+            config,
+            TrainerSource.from_json(trainer),
+            fused=workers_fused(req.device),
+        )
+        join_ray(self.run, setup)
+        self._refit = setup
+
+    def refit(
+        self, step: int, manifest_hash: str, *, delta_of: int | None = None
+    ) -> dict[str, Any]:
+        """Receive trainer step ``step`` on every rank and write it in place (the trainer's
+        ranks send it with ``MxloadSender.send_weights`` meanwhile); returns the manifest.
+        The same semantics as :meth:`reload` (docs/contract.md §4 "Refit")."""
+        from ..errors import RunError
+        from .refit import RayRefitRanks, refit
+
+        setup = getattr(self, "_refit", None)
+        if setup is None:
+            raise RunError("this session takes no trainer updates: call attach_trainer first")
+        if not self._reloading.acquire(blocking=False):
+            raise SessionBusy("this session is already reloading; nothing was started")
+        try:
+            done = refit(
+                RayRefitRanks(self.run, step, delta_of),
+                self.state,
+                lambda _: None,  # the state is this object's attribute
+                setup,
+                [],
+                step=step,
+                manifest_hash=manifest_hash,
+                delta_of=delta_of,
+                staging_budget=self.run.req.staging_budget,
+            )
+        finally:
+            self._reloading.release()
+        manifest = build_manifest(self.state.plan, done.reports)
+        manifest["seconds"] = done.seconds
+        manifest["addresses_moved"] = []
+        self.manifest = manifest
+        return manifest
+
     def status(self) -> dict[str, Any]:
         """What every rank holds, with the same verdict as ``mxload status``:
         ``consistent`` only when every unit of every rank holds this session's version of

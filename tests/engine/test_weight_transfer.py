@@ -27,13 +27,14 @@ from __future__ import annotations
 import ast
 import contextlib
 import importlib
+from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import torch
-from mxload.orchestrator.errors import AddressMoved
+from mxload.orchestrator.errors import AddressMoved, InputError
 from mxload.orchestrator.hosts.engine_ext import register_weight_transfer
 from mxload.orchestrator.plan.planner import build_plan
 from mxload.orchestrator.plan.types import ParallelLayout
@@ -68,7 +69,10 @@ def worker_class(gpu_worker: Path, namespace: dict[str, Any]) -> type:
     return namespace["Worker"]  # type: ignore[no-any-return]
 
 
-def test_backend_through_vllm_factory_and_worker(ckpt_factory, monkeypatch) -> None:
+@contextlib.contextmanager
+def vllm_worker(model: torch.nn.Module, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    """A worker with vLLM 0.30's own weight-transfer methods over ``model`` (tp 1), its
+    backend built by vLLM's real factory from ``backend="mxload"``."""
     root = sources.vllm_wheel("0.30.0")
     wt = "vllm.distributed.weight_transfer"
     real = {
@@ -89,11 +93,6 @@ def test_backend_through_vllm_factory_and_worker(ckpt_factory, monkeypatch) -> N
         ),
     }
     monkeypatch.setattr(torch.accelerator, "synchronize", lambda *a, **k: None)
-
-    src = {s: ckpt_factory("qwen3-moe-tiny", seed=s) for s in (1, 2)}
-    layout = ParallelLayout(tp=1)
-    meta = open_checkpoint(src[1])
-    model = _engine_model(build_plan(meta.config, layout, checkpoint=meta, engine=ENGINE).ranks[0])
     vllm_config = SimpleNamespace(
         parallel_config=SimpleNamespace(
             tensor_parallel_size=1,
@@ -105,7 +104,6 @@ def test_backend_through_vllm_factory_and_worker(ckpt_factory, monkeypatch) -> N
         ),
         model_config=SimpleNamespace(),
     )
-
     with stubbed_packages({"vllm", "vllm_ascend"}, real, given):
         factory = importlib.import_module(f"{wt}.factory")
         register_weight_transfer()
@@ -113,8 +111,6 @@ def test_backend_through_vllm_factory_and_worker(ckpt_factory, monkeypatch) -> N
         backend = factory.WeightTransferEngineFactory.create_engine(
             SimpleNamespace(backend="mxload"), vllm_config, torch.device("cpu"), model
         )
-        from mxload.orchestrator.hosts.weight_transfer import weight_identity
-
         Worker = worker_class(
             root / "vllm/v1/worker/gpu_worker.py",
             {"set_current_vllm_config": lambda c: contextlib.nullcontext()},
@@ -126,6 +122,17 @@ def test_backend_through_vllm_factory_and_worker(ckpt_factory, monkeypatch) -> N
         worker._weight_update_active = False
         worker._weight_update_is_draft = False
         worker.model_runner = SimpleNamespace(reset_lora_state=lambda: None)
+        yield worker
+
+
+def test_backend_through_vllm_factory_and_worker(ckpt_factory, monkeypatch) -> None:
+    src = {s: ckpt_factory("qwen3-moe-tiny", seed=s) for s in (1, 2)}
+    layout = ParallelLayout(tp=1)
+    meta = open_checkpoint(src[1])
+    model = _engine_model(build_plan(meta.config, layout, checkpoint=meta, engine=ENGINE).ranks[0])
+
+    with vllm_worker(model, monkeypatch) as worker:
+        from mxload.orchestrator.hosts.weight_transfer import weight_identity
 
         worker.init_weight_transfer_engine({"src": src[1], "engine": ENGINE})
         ptrs = {n: p.data_ptr() for n, p in model.named_parameters()}
@@ -152,3 +159,90 @@ def test_backend_through_vllm_factory_and_worker(ckpt_factory, monkeypatch) -> N
         p.data = p.data.clone()
         with pytest.raises(AddressMoved, match=r"self_attn\.o_proj\.weight"):
             worker.start_weight_update()
+
+
+def test_trainer_form_through_vllm_factory_and_worker(ckpt_factory, monkeypatch) -> None:
+    """init / start / update / finish with the trainer form: two trainer ranks (threads
+    here, each with its own gloo member) push FSDP dim-0 shards of the BF16 twin; the
+    identity read back is the trainer step."""
+    import threading
+
+    from mxload.orchestrator.hosts.weight_transfer import weight_identity
+    from mxload.orchestrator.plan.trainer import fsdp_manifest, manifest_to_json
+    from mxload.orchestrator.runtime.refit import MxloadSender
+
+    from tests.refit_trainer import free_port, read_checkpoint, shards
+
+    fp8 = ckpt_factory("qwen3-moe-tiny", seed=1)
+    twins = {s: ckpt_factory("qwen3-moe-tiny", seed=s, bf16=True) for s in (1, 2)}
+    layout = ParallelLayout(tp=1)
+    meta = open_checkpoint(fp8)
+    model = _engine_model(build_plan(meta.config, layout, checkpoint=meta, engine=ENGINE).ranks[0])
+    full = {s: read_checkpoint(p) for s, p in twins.items()}
+    manifest = fsdp_manifest({n: tuple(t.shape) for n, t in full[1].items()}, 2)
+    port = free_port()
+    trainer = {
+        "transport": "gloo",
+        "addresses": [f"127.0.0.1:{port}"],
+        "world": 2,
+        "manifest": manifest_to_json(manifest),
+        "bucket_bytes": 1 << 16,
+        "group": f"vllm-api-{port}",
+        "timeout_s": 30,
+    }
+    senders: list[Any] = [None, None]
+
+    def join(r: int) -> None:
+        senders[r] = MxloadSender(fp8, layout, trainer, rank=r, engine=ENGINE)
+
+    def together(main: Any, *others: Any) -> None:
+        threads = [threading.Thread(target=f) for f in others]
+        for t in threads:
+            t.start()
+        try:
+            main()
+        finally:
+            for t in threads:
+                t.join(timeout=60)
+
+    one = Layout(1, 1, 1, False, "linear")
+    like = RefCheckpoint(fp8)
+    with vllm_worker(model, monkeypatch) as worker:
+        together(
+            lambda: worker.init_weight_transfer_engine(
+                {"src": fp8, "engine": ENGINE, "trainer": trainer}
+            ),
+            lambda: join(0),
+            lambda: join(1),
+        )
+        ptrs = {n: p.data_ptr() for n, p in model.named_parameters()}
+        for step, seed in ((3, 2), (4, 1)):
+            worker.start_weight_update()
+            together(
+                lambda step=step: worker.update_weights(
+                    {"step": step, "manifest_hash": manifest.digest()}
+                ),
+                *[
+                    lambda r=r, step=step, seed=seed: senders[r].send_weights(
+                        shards(full[seed], r, 2), step
+                    )
+                    for r in range(2)
+                ],
+            )
+            ident = weight_identity(worker)
+            worker.finish_weight_update()
+            assert ident == f"{step}:trainer-{manifest.digest()}"
+            held = {
+                n.replace(".routed_experts.", "."): p.data.contiguous()
+                for n, p in model.named_parameters()
+            }
+            want = expected_rank(RefCheckpoint(twins[seed]), one, 0, like=like)
+            assert compare_rank(want, held) == [], f"step {step}"
+            assert {n: p.data_ptr() for n, p in model.named_parameters()} == ptrs
+        # An update naming both a checkpoint and a step is refused by the backend.
+        worker.start_weight_update()
+        with pytest.raises(InputError, match="either 'src'"):
+            worker.update_weights({"src": fp8, "step": 5, "manifest_hash": manifest.digest()})
+        worker.weight_transfer_engine.shutdown()
+        for s in senders:
+            s.close()

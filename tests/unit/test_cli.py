@@ -905,7 +905,9 @@ def test_plan_counts_the_tensors_vllm_ascend_derives_for_deepseek_mla(mxload) ->
     want = 61 * 16 * 256 * 512 * 2
     for a, m in zip(ascend["ranks"], mine["ranks"], strict=True):
         assert (a["derived_buffers"], a["derived_bytes"]) == (2 * 61, want)
-        assert a["persistent_bytes"] - m["persistent_bytes"] == want
+        # plain vLLM (the mxload profile) also holds the shared experts whole and kv_b_proj
+        # MXFP8 here: 2,180,956,160 B more per rank, counted by hand in test_moe_mode.py
+        assert m["persistent_bytes"] - a["persistent_bytes"] == 2_180_956_160 - want
         assert "derived_bytes" not in m
     code, out, _ = mxload("plan", *layout, "--engine", "vllm-ascend-main")
     assert (

@@ -137,9 +137,12 @@ def test_full_size_tp8_dp4_ep_plain_vllm_against_vllm_ascend(model: str, measure
         kvb = cfg.num_hidden_layers * (kvb_n * cfg.kv_lora_rank * 2 - _mx(kvb_n, cfg.kv_lora_rank))
     else:
         si, moe_layers, kvb = cfg.shared_expert_intermediate_size, cfg.num_hidden_layers, 0
+        kvb_n = 0
     # the shortfall measured against vLLM's model (a checkpoint whose kv_b_proj is BF16)
     assert moe_layers * _shared_gain(h, si, 8) == measured
-    want = measured - kvb
+    # vllm-ascend also holds W_UK_T / W_UV per MLA layer (kv_b_proj's size, BF16; §2.4)
+    derived = kvb_n * cfg.kv_lora_rank * 2 * cfg.num_hidden_layers if kvb else 0
+    want = measured - kvb - derived
     for a, b in zip(plain.ranks, ascend.ranks, strict=True):
         assert a.persistent_bytes - b.persistent_bytes == want, a.rank
     assert json.loads(json.dumps(plain.moe_mode))["shared_experts"] == "whole"

@@ -59,6 +59,8 @@ class RankWorker:
         self.loader = RankLoader(plan, model_dtype=model_dtype, backend=self.backend)
         self._progress = (0, len(plan.units), 0)
         self._lock = threading.Lock()
+        self._refit: Any = None
+        """This rank's side of a refit group once joined (``transfer.rank.RankRefit``)."""
         # torch, numba's kernels and the rank's plan are loaded for good: keep their many
         # objects out of the cyclic collector's walks, which would pause a load.
         gc.freeze()
@@ -118,6 +120,52 @@ class RankWorker:
             peer_get = ray.get
         stats = self.loader.run(job, progress=self._set_progress, peer_get=peer_get)
         return self.report(stats)
+
+    def refit_join(self, *args: Any) -> bool:
+        """Join a refit group (``mxload.workers.transfer.rank.RankRefit(*args)``; waits for
+        the trainer's ranks), leaving the one joined before."""
+        from ..transfer.rank import RankRefit
+
+        self.refit_close()
+        self._refit = RankRefit(*args)
+        return True
+
+    def refit_load(
+        self,
+        step: int,
+        delta_of: int | None,
+        reads: list[UnitReads],
+        source: SourceInfo,
+        staging_budget: int,
+        units: list[Unit],
+    ) -> dict[str, Any]:
+        """Receive trainer step ``step`` and write it in place (a reload whose bytes came
+        from the trainer's ranks, docs/contract.md §4 "Refit")."""
+        refit = self._refit
+        if refit is None:
+            from ...orchestrator.errors import RunError
+
+            raise RunError(f"rank {self.loader.rank}: no refit group joined", rank=self.loader.rank)
+        storage = refit.prepare(self.loader, reads, source.fingerprint, step, delta_of)
+        stats = self.loader.reload(
+            reads,
+            source,
+            version=step,
+            staging_budget=staging_budget,
+            units=units,
+            progress=self._set_progress,
+            storage=storage,
+        )
+        out = self.report(stats)
+        got = refit.last
+        out["bytes_received"] = got.bytes_received if got is not None else 0
+        return out
+
+    def refit_close(self) -> None:
+        refit = self._refit
+        if refit is not None:
+            refit.close()
+            self._refit = None
 
     def fence(self, token: int, wait_s: float = 30.0) -> bool:
         """A new lease's token: runs with a smaller one write nothing more

@@ -123,6 +123,7 @@ class RankLoader:
         progress: Callable[[int, int, int], None] | None = None,
         peers: Mapping[int, PeerUnit] | None = None,
         peer_get: Callable[[Any], Any] | None = None,
+        storage: Any = None,
     ) -> RunStats:
         """:meth:`run` of the job these arguments spell (``RankJob``'s fields), for a
         caller in this process."""
@@ -135,7 +136,7 @@ class RankLoader:
             units=None if units is None else tuple(units),
             peers=peers or {},
         )
-        return self.run(job, progress=progress, peer_get=peer_get)
+        return self.run(job, progress=progress, peer_get=peer_get, storage=storage)
 
     def run(
         self,
@@ -143,6 +144,7 @@ class RankLoader:
         *,
         progress: Callable[[int, int, int], None] | None = None,
         peer_get: Callable[[Any], Any] | None = None,
+        storage: Any = None,
     ) -> RunStats:
         """Fill every buffer from ``job.source``; ``job.whole_units`` for a reload.
 
@@ -150,7 +152,9 @@ class RankLoader:
         skipped (an interrupted reload run again); a unit at the same version number from
         another checkpoint is rewritten. ``job.units`` (reload) are the plan's units with
         the new source's quantized flags; they must have the plan's geometry.
-        ``job.peers``' published bytes are fetched with ``peer_get``."""
+        ``job.peers``' published bytes are fetched with ``peer_get``; a unit converted in
+        row chunks is read from storage all the same. ``storage``: where the source's bytes
+        are read instead of its root (a refit's receive area)."""
         if not self._busy.acquire(blocking=False):
             raise RunError(
                 f"rank {self.rank}: a load is already running on this rank", rank=self.rank
@@ -162,11 +166,13 @@ class RankLoader:
             # checksums of the previous bytes cached for status to report.
             self._checksums = None
             self._reader.peer_get = peer_get
+            self._reader.given = storage
             units = self._check_inputs(job.reads, job.units)
             return self._load(job, units, progress=progress)
         finally:
             self._checksums = None
             self._reader.peer_get = None
+            self._reader.given = None
             self._counts.stats = None
             self._busy.release()
 
@@ -203,7 +209,8 @@ class RankLoader:
             source.block_n,
             fused=bool(getattr(self.backend, "fused", False)),
             device=torch.device(self.backend.device).type,
-            remote=is_remote(source.root),
+            # a storage the host gave (a refit's receive area) is memory, not a network
+            remote=self._reader.given is None and is_remote(source.root),
         )
         read_fn = read_fn_from_reads(
             units, reads, block_n=source.block_n, source_quant=source.quant
@@ -356,11 +363,13 @@ class RankLoader:
         staging_budget: int,
         units: Sequence[Unit] | None = None,
         progress: Callable[[int, int, int], None] | None = None,
+        storage: Any = None,
     ) -> RunStats:
         """In-place reload: whole units only, addresses verified at the end.
 
         ``units``: the held units with the new source's quantized flags
-        (``mxload.orchestrator.runtime.reload.reload_inputs``); default: the plan's."""
+        (``mxload.orchestrator.runtime.reload.reload_inputs``); default: the plan's.
+        ``storage``: as for :meth:`load`."""
         return self.load(
             reads,
             source,
@@ -369,7 +378,33 @@ class RankLoader:
             whole_units=True,
             units=units,
             progress=progress,
+            storage=storage,
         )
+
+    def begin(self, target: Identity) -> None:
+        """Record ``target`` as what this rank is being brought to, before its bytes
+        arrive (a refit): until a run writes it, status lists every unit not at it."""
+        self._ids.target = target
+
+    def restamp(self, which: Sequence[bool], held: Identity, target: Identity) -> int:
+        """Units flagged in ``which`` that hold ``held`` now hold ``target`` without a
+        write: a delta refit's unchanged tensors (their bytes are the same). RunError,
+        nothing changed, if one of them does not hold ``held``; returns how many."""
+        ids = self._ids.ids
+        wrong = [i for i, w in enumerate(which) if w and ids[i] != held]
+        if wrong:
+            u = self.plan.units[wrong[0]]
+            raise RunError(
+                f"rank {self.rank}: {u.buffer} holds {ids[wrong[0]]}, not {held}: the delta "
+                f"cannot re-stamp it ({len(wrong)} unit(s)); send the update in full",
+                rank=self.rank,
+            )
+        n = 0
+        for i, w in enumerate(which):
+            if w:
+                ids[i] = target
+                n += 1
+        return n
 
     # --- reporting -----------------------------------------------------------------------
 

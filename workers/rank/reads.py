@@ -110,9 +110,14 @@ class Reader:
         self._last: tuple[SourceInfo, Any] | None = None
         self.peer_get: Callable[[Any], Any] | None = None
         """How a shared unit's published bytes are fetched, during a run that has some."""
+        self.given: Any = None
+        """The storage of the running run when its host gave one (a refit's receive area,
+        ``mxload.workers.transfer.wire.AreaStorage``); None: made from the source."""
 
     def storage(self, source: SourceInfo) -> Any:
         """The storage of ``source``'s location (made once per location and options)."""
+        if self.given is not None:
+            return self.given
         last = self._last
         if last is not None and last[0] is source:  # every unit of a run: no key to build
             return last[1]

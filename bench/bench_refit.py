@@ -1,0 +1,301 @@
+"""Refit from the trainer's memory against the storage round trip: ``python bench/bench_refit.py``.
+
+One Qwen3-30B-A3B layer (128 experts of 2048 x 768, attention 32/4 heads of 128; 1.2 GB
+in BF16) held by two trainer ranks as FSDP dim-0 shards, refitting one engine rank (tp 1)
+that holds it as MXFP8 (planned from the FP8 checkpoint, as an engine started from it).
+Side by side in each repeat (``common.interleave``, medians of 3 after one warm-up):
+
+* ``storage``: the trainer's state saved as a BF16 checkpoint (``safetensors``, 2 shards),
+  every file fsynced, then reloaded in place (the checkpoint form, the path today);
+* ``refit shm`` / ``refit gloo``: the same bytes sent by the two trainer ranks (threads of
+  this process, each its own member of the refit group) and written in place;
+* ``refit shm, convert on sender``: MXFP8 on the wire, the engine rank only repacks.
+
+Printed and written to ``bench/results/refit.{json,md}``: each median with its spread,
+the ratio refit / storage per repeat, the transfer phase's GB/s (bytes received over the
+receive seconds), the receiver's own time (convert and write) with sender-side conversion
+over its time with BF16 on the wire, and the bytes a delta sends when half the tensors
+are unchanged over a full refit's. The load average before and after is printed: the
+machine is small and shared, so the ratios are the figures to read.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import threading
+from pathlib import Path
+from typing import Any
+
+import torch
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.common import interleave, load_average, machine_facts, md_table, paired_ratio
+
+OVERRIDES = {
+    "hidden_size": 2048,
+    "moe_intermediate_size": 768,
+    "num_experts": 128,
+    "num_experts_per_tok": 8,
+    "num_hidden_layers": 1,
+    "mlp_only_layers": [],
+    "num_attention_heads": 32,
+    "num_key_value_heads": 4,
+    "head_dim": 128,
+    "intermediate_size": 6144,
+}
+
+
+def engine_model(plan_rank: Any) -> torch.nn.Module:
+    """A module holding one zeroed parameter per buffer of the rank, as an engine would."""
+    model = torch.nn.Module()
+    for b in plan_rank.buffers:
+        *path, leaf = b.name.split(".")
+        mod = model
+        for p in path:
+            if not hasattr(mod, p):
+                mod.add_module(p, torch.nn.Module())
+            mod = getattr(mod, p)
+        t = torch.zeros(b.storage_shape, dtype=getattr(torch, b.dtype))
+        if b.storage_order:
+            t = t.permute([b.storage_order.index(d) for d in range(len(b.shape))])
+        mod.register_parameter(leaf, torch.nn.Parameter(t, requires_grad=False))
+    return model
+
+
+def read_twin(path: str) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    out: dict[str, torch.Tensor] = {}
+    for f in sorted(os.listdir(path)):
+        if f.endswith(".safetensors"):
+            out.update(load_file(os.path.join(path, f)))
+    return out
+
+
+def save_round_trip(twin: str, full: dict[str, torch.Tensor], out: str) -> None:
+    """The trainer's state written as a checkpoint: the twin's config and index, its
+    shards rewritten from ``full``, every file fsynced."""
+    from safetensors.torch import save_file
+
+    os.makedirs(out, exist_ok=True)
+    index = json.load(open(os.path.join(twin, "model.safetensors.index.json")))
+    by_file: dict[str, dict[str, torch.Tensor]] = {}
+    for name, f in index["weight_map"].items():
+        by_file.setdefault(f, {})[name] = full[name]
+    for name in ("config.json", "model.safetensors.index.json"):
+        shutil.copyfile(os.path.join(twin, name), os.path.join(out, name))
+    for f, tensors in by_file.items():
+        save_file(tensors, os.path.join(out, f))
+    for name in os.listdir(out):
+        fd = os.open(os.path.join(out, name), os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--work", default="", help="folder for the checkpoints (default: a temp dir)")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    ap.add_argument("--small", action="store_true", help="a 30 MB model: a smoke run")
+    args = ap.parse_args()
+    overrides = dict(OVERRIDES)
+    if args.small:
+        overrides.update(hidden_size=512, moe_intermediate_size=256, num_experts=16)
+
+    from mxload.orchestrator.hosts.engine_ext import Attachment, EngineFacts, engine_params
+    from mxload.orchestrator.plan.planner import build_plan
+    from mxload.orchestrator.plan.trainer import fsdp_manifest, manifest_to_json
+    from mxload.orchestrator.plan.types import ParallelLayout
+    from mxload.orchestrator.runtime.catalog import open_checkpoint
+    from mxload.orchestrator.runtime.refit import MxloadSender
+    from mxload.orchestrator.tools.synth import make_checkpoint
+
+    machine = machine_facts()
+    print(f"load average before: {machine['load_average_start']}", flush=True)
+    work = args.work or tempfile.mkdtemp(prefix="mxload-bench-refit-")
+    fp8, twin, saved = (os.path.join(work, n) for n in ("fp8", "bf16", "saved"))
+    if not os.path.exists(os.path.join(twin, "config.json")):
+        make_checkpoint(fp8, "qwen3-moe-tiny", seed=1, overrides=overrides)
+        make_checkpoint(twin, "qwen3-moe-tiny", seed=1, overrides=overrides, bf16=True)
+    full = read_twin(twin)
+    nbytes = sum(t.numel() * t.element_size() for t in full.values())
+    print(f"trainer state: {len(full)} tensors, {nbytes / 2**30:.2f} GiB BF16", flush=True)
+    manifest = fsdp_manifest({n: tuple(t.shape) for n, t in full.items()}, 2)
+    h = manifest.digest()
+    shards = []
+    for r in range(2):
+        mine = {}
+        for t in manifest.tensors:
+            for s in t.placement:
+                if s.rank == r:
+                    mine[t.name] = full[t.name][s.start : s.stop]
+        shards.append(mine)
+
+    layout = ParallelLayout(tp=1)
+    meta = open_checkpoint(fp8)
+    plan = build_plan(meta.config, layout, checkpoint=meta)
+    model = engine_model(plan.ranks[0])
+    facts = EngineFacts(layout, 0, 0, 0, "mxload", {})
+    storage_engine = Attachment(fp8, facts, engine_params(model))
+
+    from tests.refit_trainer import free_port
+
+    groups: dict[str, tuple[Attachment, list[MxloadSender]]] = {}
+    for name, kind, conv in (
+        ("refit shm", "shm", "receiver"),
+        ("refit gloo", "gloo", "receiver"),
+        ("refit shm, convert on sender", "shm", "sender"),
+    ):
+        port = free_port()
+        form = {
+            "transport": kind,
+            "addresses": [f"127.0.0.1:{port}"],
+            "world": 2,
+            "manifest": manifest_to_json(manifest),
+            "convert_on": conv,
+            "bucket_bytes": 64 << 20,
+            "group": f"bench-refit-{port}",
+            "timeout_s": 600,
+        }
+        eng = Attachment(fp8, facts, engine_params(model))
+        senders: list[Any] = [None, None]
+
+        def join(r: int, form: dict[str, Any] = form, senders: list[Any] = senders) -> None:
+            senders[r] = MxloadSender(fp8, layout, form, rank=r)
+
+        threads = [threading.Thread(target=join, args=(r,)) for r in range(2)]
+        for t in threads:
+            t.start()
+        eng.attach_trainer(form)
+        for t in threads:
+            t.join()
+        groups[name] = (eng, senders)
+
+    steps = itertools.count(1)
+    stats: dict[str, list[dict[str, Any]]] = {n: [] for n in groups}
+
+    def refit_fn(name: str, **kw: Any) -> Any:
+        eng, senders = groups[name]
+
+        def run() -> None:
+            step = next(steps)
+            delta = {"delta_of": step - 1} if kw else {}
+            threads = [
+                threading.Thread(
+                    target=senders[r].send_weights, args=(shards[r], step), kwargs={**delta, **kw}
+                )
+                for r in range(2)
+            ]
+            for t in threads:
+                t.start()
+            stats[name].append(eng.refit(step, h, **delta))
+            for t in threads:
+                t.join()
+
+        return run
+
+    storage_stats: list[dict[str, Any]] = []
+
+    def storage() -> None:
+        save_round_trip(twin, full, saved)
+        storage_stats.append(storage_engine.reload(saved))
+
+    candidates: dict[str, Any] = {"storage": storage}
+    candidates.update({n: refit_fn(n) for n in groups})
+    timings = interleave(candidates, repeats=args.repeats, warmup=1)
+
+    # A delta with half the tensors unchanged, against the full refit before it.
+    names = sorted(full)
+    half = names[: len(names) // 2]
+    full_run = refit_fn("refit shm")
+    full_run()
+    full_bytes = stats["refit shm"][-1]["bytes_received"]
+    refit_fn("refit shm", changed=half)()
+    delta_bytes = stats["refit shm"][-1]["bytes_received"]
+
+    rows = []
+    out: dict[str, Any] = {"bytes_bf16": nbytes, "machine": machine, "candidates": {}}
+    for name, t in timings.items():
+        ratio = paired_ratio(t, timings["storage"])
+        row = {"seconds": t.to_json(), "vs_storage": ratio.to_json()}
+        if name == "storage":
+            # the reload's own convert-and-write seconds, beside the refits' receiver time
+            row["receiver_seconds"] = statistics.median(
+                g["seconds"] for g in storage_stats[1 : 1 + args.repeats]
+            )
+        if name != "storage":
+            got = stats[name][1 : 1 + args.repeats]
+            recv = statistics.median(g["receive_seconds"] for g in got)
+            own = statistics.median(g["seconds"] for g in got)
+            moved = statistics.median(g["bytes_received"] for g in got)
+            row.update(receive_seconds=recv, receiver_seconds=own, bytes_received=moved)
+            row["transfer_gb_s"] = moved / recv / 1e9 if recv else None
+        out["candidates"][name] = row
+        rows.append(
+            [
+                name,
+                t.text(),
+                ratio.text(digits=2, unit="x") if name != "storage" else "1",
+                f"{row.get('transfer_gb_s') or 0:.2f}" if name != "storage" else "-",
+                f"{row['receiver_seconds']:.3f}",
+            ]
+        )
+    rx = out["candidates"]
+    out["sender_conversion_receiver_ratio"] = (
+        rx["refit shm, convert on sender"]["receiver_seconds"] / rx["refit shm"]["receiver_seconds"]
+    )
+    out["sender_conversion_wire_ratio"] = (
+        rx["refit shm, convert on sender"]["bytes_received"] / rx["refit shm"]["bytes_received"]
+    )
+    out["delta_half_unchanged_bytes_ratio"] = delta_bytes / full_bytes
+    out["load_average_after"] = load_average()
+    table = md_table(
+        [
+            "candidate",
+            "seconds (median [min-max])",
+            "/ storage round trip",
+            "transfer GB/s",
+            "engine rank's convert+write s",
+        ],
+        rows,
+    )
+    extra = (
+        f"\nsender-side conversion: receiver time ratio {out['sender_conversion_receiver_ratio']:.3f}, "
+        f"wire bytes ratio {out['sender_conversion_wire_ratio']:.3f}\n"
+        f"delta with half the tensors unchanged: bytes ratio {out['delta_half_unchanged_bytes_ratio']:.3f}\n"
+        f"load average before {out['machine'].get('load_average_start')}, after {out['load_average_after']}\n"
+    )
+    print(table + extra, flush=True)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "refit.json"), "w") as f:
+        json.dump(out, f, indent=2)
+    with open(os.path.join(args.out, "refit.md"), "w") as f:
+        f.write(
+            f"# Refit vs storage round trip ({nbytes / 2**30:.2f} GiB BF16, 2 trainer ranks -> "
+            f"1 engine rank, medians of {args.repeats})\n\n`python bench/bench_refit.py`\n\n"
+            + table
+            + extra
+        )
+    for eng, senders in groups.values():
+        eng.close()
+        for s in senders:
+            s.close()
+    if not args.work:
+        shutil.rmtree(work, ignore_errors=True)
+    sys.exit(0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,478 @@
+"""Refit: a reload whose bytes come from a trainer's ranks (docs/contract.md §4 "Refit").
+
+The same units, conversion and write stages, identities, fencing and address check as a
+checkpoint reload (:func:`mxload.orchestrator.runtime.reload.apply`); only the read stage
+differs: every engine rank first receives the bytes its units read of the trainer's
+memory (``mxload.workers.transfer``) into a receive area allocated once, then its
+loader reads them from there. The identity a refit writes is (trainer step, manifest
+hash): ``status`` and vLLM's ``weight_version`` read the step back.
+
+* :class:`TrainerSource`: the trainer form of the weight-transfer init info (transport,
+  addresses, world, manifest, ``convert_on``, bucket bytes);
+* :func:`refit_setup`: the wire checkpoint, its plan for the engine's layout (preflight
+  against what the ranks hold) and the transfer plan; both sides compute it;
+* :class:`RefitRank`: an in-process engine rank's receiver, :class:`RayRefitRanks` and
+  :func:`join_ray` a ``Session``'s actors'; :func:`refit`: one update;
+* :class:`MxloadSender`: the trainer side, ``MxloadSender(...).send_weights(params, step)``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Collection, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any, cast
+
+from ..errors import InputError, ReloadMismatch
+from ..plan.checkpoint import CheckpointMeta, build_meta
+from ..plan.config import ModelConfig, QuantConfig
+from ..plan.formats import MX_GROUP
+from ..plan.refit import ConvertOn, RefitPlan, matrix_shape, refit_plan
+from ..plan.safetensors_header import FileHeader, TensorInfo
+from ..plan.trainer import TrainerManifest, manifest_from_json
+from ..plan.types import ParallelLayout, Plan
+from .reload import Ranks, ReloadInputs, ReloadResult, apply, inputs_for, plan_for
+from .state import Progress, Report, SessionState
+
+if TYPE_CHECKING:
+    import torch
+
+    from ...workers.rank.loader import RankLoader
+    from ...workers.transfer.exchange import Received
+    from ...workers.transfer.rank import RankRefit, TransportSpec
+    from .ray_run import RayRun
+
+log = logging.getLogger(__name__)
+
+DEFAULT_BUCKET_BYTES = 64 << 20
+"""Bytes of one message on one link (a trainer rank stages two)."""
+
+WIRE_ROOT = "trainer://"
+"""The root of a trainer source (what ``status`` names as the source of a refit)."""
+
+WIRE_DTYPES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}
+SCALE_SUFFIX = "_scale"
+
+
+def trainer_fingerprint(manifest_hash: str) -> str:
+    """What units written by a refit record as their checkpoint (with the step)."""
+    return f"trainer-{manifest_hash}"
+
+
+def wire_checkpoint(
+    config: ModelConfig, manifest: TrainerManifest, *, on_sender: frozenset[str] = frozenset()
+) -> CheckpointMeta:
+    """The trainer's memory as the planner reads a checkpoint: one file per tensor as the
+    wire carries it, its bytes at offset 0 (validated as a checkpoint is). ``on_sender``:
+    the tensors converted to MXFP8 by the sender, each an E4M3 file and its
+    ``_scale`` file of E8M0 bytes, as an MXFP8 checkpoint stores them (§1.2)."""
+    headers: dict[str, FileHeader] = {}
+
+    def add(name: str, dtype: str, shape: tuple[int, ...], nbytes: int) -> None:
+        info = TensorInfo(name, dtype, shape, name, 0, nbytes)
+        headers[name] = FileHeader(name, nbytes, 0, 0, {name: info}, {})
+
+    for t in manifest.tensors:
+        if t.name in on_sender:
+            n, k = matrix_shape(t.shape)
+            add(t.name, "F8_E4M3", t.shape, n * k)
+            add(t.name + SCALE_SUFFIX, "U8", (n, k // MX_GROUP), n * (k // MX_GROUP))
+        else:
+            add(t.name, WIRE_DTYPES[t.dtype], t.shape, t.nbytes)
+    quant = QuantConfig(kind="mxfp8" if on_sender else "none")
+    root = WIRE_ROOT + manifest.digest()
+    meta = build_meta(root, replace(config, quant=quant), {f: f for f in headers}, headers)
+    return replace(meta, fingerprint=trainer_fingerprint(manifest.digest()))
+
+
+def row_bytes(wire: CheckpointMeta) -> dict[str, int]:
+    """Per wire file, the bytes of one row of its ``[N, K]`` view."""
+    out = {}
+    for name, info in wire.tensors.items():
+        n, _ = matrix_shape(info.shape)
+        out[name] = info.nbytes // n
+    return out
+
+
+TRAINER_KEYS = (
+    "transport",
+    "addresses",
+    "world",
+    "manifest",
+    "convert_on",
+    "bucket_bytes",
+    "group",
+    "timeout_s",
+)
+
+
+@dataclass(frozen=True)
+class TrainerSource:
+    """Where a refit's bytes come from: the trainer form of the ``"mxload"`` backend's
+    init info (docs/adoption.md "Refit from the trainer")."""
+
+    transport: str
+    """``gloo`` | ``nccl`` | ``hccl`` (torch.distributed push), ``ray`` (object store
+    pull), ``shm`` (same-node shared memory)."""
+    world: int
+    """Trainer ranks that send (members ``0..world-1`` of the refit group; engine rank
+    ``r`` is member ``world + r``)."""
+    manifest: TrainerManifest
+    addresses: tuple[str, ...] = ()
+    """``HOST:PORT`` of the group's rendezvous (torch.distributed transports)."""
+    convert_on: ConvertOn = "receiver"
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    group: str = "mxload-refit"
+    """Name of the refit group (shared-memory segments, Ray mailbox, store prefix)."""
+    timeout_s: float = 60.0
+    """How long a rank waits on the other side before naming it (the refit's lease)."""
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any] | TrainerSource) -> TrainerSource:
+        """Parse the trainer form; one InputError naming the bad key."""
+        if isinstance(data, TrainerSource):
+            return data
+        if not isinstance(data, Mapping):
+            raise InputError("trainer: must be an object", key="trainer")
+        unknown = sorted(set(data) - set(TRAINER_KEYS))
+        if unknown:
+            raise InputError(f"trainer: unknown keys {unknown}", key="trainer")
+        for key in ("transport", "world", "manifest"):
+            if key not in data:
+                raise InputError(f"trainer: {key!r} is required", key=f"trainer.{key}")
+        m = data["manifest"]
+        if isinstance(m, TrainerManifest):
+            manifest = m
+        elif isinstance(m, str):
+            try:
+                with open(m) as f:
+                    manifest = manifest_from_json(json.load(f), file=m)
+            except OSError as e:
+                raise InputError(f"trainer.manifest: {m}: {e.strerror}", file=m) from None
+        else:
+            manifest = manifest_from_json(m)
+        from ...workers.transfer.transports import KINDS
+
+        transport = data["transport"]
+        if transport not in KINDS:
+            raise InputError(
+                f"trainer.transport {transport!r} is not one of {list(KINDS)}",
+                key="trainer.transport",
+            )
+        convert_on = data.get("convert_on", "receiver")
+        if convert_on not in ("receiver", "sender"):
+            raise InputError(
+                f"trainer.convert_on {convert_on!r} is not 'receiver' or 'sender'",
+                key="trainer.convert_on",
+            )
+        world = data["world"]
+        if isinstance(world, bool) or not isinstance(world, int) or world != manifest.world:
+            raise InputError(
+                f"trainer.world {world!r} is not the manifest's world {manifest.world}",
+                key="trainer.world",
+            )
+        bucket = data.get("bucket_bytes", DEFAULT_BUCKET_BYTES)
+        if isinstance(bucket, bool) or not isinstance(bucket, int) or bucket < 1 << 10:
+            raise InputError(
+                f"trainer.bucket_bytes {bucket!r} must be an integer of at least 1024",
+                key="trainer.bucket_bytes",
+            )
+        addresses = data.get("addresses", ())
+        if isinstance(addresses, str) or not all(isinstance(a, str) for a in addresses):
+            raise InputError(
+                "trainer.addresses must be a list of 'HOST:PORT'", key="trainer.addresses"
+            )
+        timeout = data.get("timeout_s", 60.0)
+        if isinstance(timeout, bool) or not isinstance(timeout, int | float) or timeout <= 0:
+            raise InputError(
+                f"trainer.timeout_s {timeout!r} must be a positive number of seconds",
+                key="trainer.timeout_s",
+            )
+        group = data.get("group", "mxload-refit")
+        if not isinstance(group, str) or not group or "/" in group:
+            raise InputError(
+                f"trainer.group {group!r} must be a name without '/'", key="trainer.group"
+            )
+        return cls(
+            transport=transport,
+            world=world,
+            manifest=manifest,
+            addresses=tuple(addresses),
+            convert_on=cast(ConvertOn, convert_on),
+            bucket_bytes=bucket,
+            group=group,
+            timeout_s=float(timeout),
+        )
+
+
+@dataclass(frozen=True)
+class RefitSetup:
+    """What both sides of a refit compute from the engine's plan and the trainer source."""
+
+    source: TrainerSource
+    held: Plan
+    wire: CheckpointMeta
+    """The trainer's memory as the wire carries it, read as a checkpoint."""
+    plan: Plan
+    """``wire`` planned for the held layout: every rank's reads."""
+    refit: RefitPlan
+
+    @property
+    def manifest_hash(self) -> str:
+        return self.refit.summary.manifest_digest
+
+
+def refit_setup(
+    held: Plan, config: ModelConfig, source: TrainerSource, *, fused: bool = True
+) -> RefitSetup:
+    """Plan a refit of ``held`` (the engine's plan, ``config`` its model) from ``source``:
+    the transfer plan (``plan.refit.refit_plan``; every engine rank its own node: each
+    receives all it needs from the trainer) and the wire checkpoint's plan (the loader's
+    reads); ReloadMismatch (nothing touched) when the trainer's tensors do not give every
+    rank exactly what it holds."""
+    world = held.layout.world
+    rp = refit_plan(
+        held,
+        source.manifest,
+        convert_on=source.convert_on,
+        bucket_bytes=source.bucket_bytes,
+        receiver_nodes=tuple(range(world)),
+    )
+    on_sender = frozenset(t.tensor for b in rp.buckets for t in b.transfers if t.on_sender)
+    wire = wire_checkpoint(config, source.manifest, on_sender=on_sender)
+    plan = plan_for(held, wire, wire.root, fused=fused)
+    return RefitSetup(source, held, wire, plan, rp)
+
+
+def transport_spec(setup: RefitSetup, member: int) -> TransportSpec:
+    from ...workers.transfer.exchange import HEAD_WORDS
+    from ...workers.transfer.rank import TransportSpec
+
+    s = setup.source
+    return TransportSpec(
+        kind=s.transport,
+        addresses=s.addresses,
+        member=member,
+        senders=s.world,
+        size=s.world + setup.held.layout.world,
+        group=s.group,
+        timeout_s=s.timeout_s,
+        bucket_bytes=max(s.bucket_bytes, HEAD_WORDS * 8 + len(s.manifest.tensors)),
+    )
+
+
+def receiver_args(setup: RefitSetup, rank: int) -> tuple[Any, ...]:
+    """What engine rank ``rank``'s ``RankRefit`` is built from (in its own process)."""
+    itemsize = {t.name: t.itemsize for t in setup.source.manifest.tensors}
+    member = setup.source.world + rank
+    return setup.refit, rank, transport_spec(setup, member), itemsize, row_bytes(setup.wire)
+
+
+@dataclass
+class _Update:
+    step: int
+    delta_of: int | None
+
+
+@dataclass
+class RefitRank:
+    """One in-process engine rank's receiving side (``workers.transfer.rank.RankRefit``)
+    with the update it is running."""
+
+    setup: RefitSetup
+    rank: int
+    receiver: RankRefit = field(init=False)
+    update: _Update | None = None
+
+    def __post_init__(self) -> None:
+        from ...workers.transfer.rank import RankRefit
+
+        self.receiver = RankRefit(*receiver_args(self.setup, self.rank))
+
+    @property
+    def last(self) -> Received | None:
+        return self.receiver.last
+
+    def prepare(self, inputs: ReloadInputs, version: int, loader: RankLoader) -> Any:
+        """Receive this rank's bytes of step ``version`` (and re-stamp what a delta
+        leaves unchanged); returns the storage the loader reads them from."""
+        upd = self.update
+        assert upd is not None and upd.step == version
+        return self.receiver.prepare(
+            loader, inputs.reads[self.rank], inputs.source.fingerprint, version, upd.delta_of
+        )
+
+    def close(self) -> None:
+        self.receiver.close()
+
+
+class RayRefitRanks:
+    """:class:`Ranks` of a refit of a session whose ranks are Ray actors: each actor
+    receives its bytes itself (``RankWorker.refit_load``)."""
+
+    def __init__(self, run: RayRun, step: int, delta_of: int | None) -> None:
+        self.run = run
+        self.step = step
+        self.delta_of = delta_of
+
+    @property
+    def fused(self) -> bool:
+        from .request import workers_fused
+
+        return workers_fused(self.run.req.device)
+
+    def run_ranks(
+        self, inputs: ReloadInputs, version: int, on_progress: Progress | None
+    ) -> list[Report]:
+        import ray
+
+        refs = [
+            a.refit_load.remote(
+                self.step,
+                self.delta_of,
+                list(inputs.reads[r]),
+                inputs.source,
+                inputs.budgets[r],
+                list(inputs.units[r]),
+            )
+            for r, a in enumerate(self.run.actors)
+        ]
+        out: list[Report] = ray.get(refs)
+        return out
+
+
+def join_ray(run: RayRun, setup: RefitSetup) -> None:
+    """Every actor of ``run`` joins the refit group (waits for the trainer's ranks)."""
+    import ray
+
+    ray.get([a.refit_join.remote(*receiver_args(setup, r)) for r, a in enumerate(run.actors)])
+
+
+def refit(
+    ranks: Ranks,
+    state: SessionState,
+    save: Any,
+    setup: RefitSetup,
+    receivers: Sequence[RefitRank],
+    *,
+    step: int,
+    manifest_hash: str,
+    delta_of: int | None = None,
+    staging_budget: int | None = None,
+    on_progress: Progress | None = None,
+    fence: int = 0,
+) -> ReloadResult:
+    """Bring ``state``'s session to trainer step ``step``: refused, nothing touched and
+    nothing received, when ``manifest_hash`` is not the manifest the refit was set up for,
+    or when ``delta_of`` is not the step the session holds."""
+    if isinstance(step, bool) or not isinstance(step, int) or step < 1:
+        raise InputError(f"update step {step!r} must be a positive integer", key="step")
+    if manifest_hash != setup.manifest_hash:
+        raise ReloadMismatch(
+            f"refit to step {step} refused, nothing was touched: the trainer's manifest "
+            f"hash is {manifest_hash}, the engine was set up for {setup.manifest_hash} "
+            "(a tensor, shape, dtype or placement changed); initialise the weight transfer "
+            "again with the new manifest",
+            key="manifest_hash",
+        )
+    if delta_of is not None and (delta_of, setup.wire.fingerprint) != state.identity:
+        raise ReloadMismatch(
+            f"refit to step {step} as a delta of step {delta_of} refused, nothing was "
+            f"touched: the engine holds version {state.version} of {state.src}; send the "
+            "update in full (delta_of None)",
+            key="delta_of",
+        )
+    inputs = inputs_for(
+        setup.held,
+        setup.wire,
+        setup.plan,
+        setup.wire.root,
+        staging_budget=staging_budget,
+        fused=ranks.fused,
+    )
+    for r in receivers:
+        r.update = _Update(step, delta_of)
+    try:
+        return apply(
+            ranks,
+            state,
+            save,
+            inputs,
+            setup.wire.root,
+            target=step,
+            storage_options=state.storage_options,
+            on_progress=on_progress,
+            fence=fence,
+        )
+    finally:
+        for r in receivers:
+            r.update = None
+
+
+class MxloadSender:
+    """The trainer side of a refit: one per trainer rank.
+
+    ``src``: the checkpoint the engine was started from (its plan's layouts), ``layout``
+    and ``engine`` the engine's; ``trainer``: the same trainer form the engine's init info
+    carries. Joins the refit group on construction (the engine's ranks join theirs in
+    ``init_weight_transfer_engine``)."""
+
+    def __init__(
+        self,
+        src: str,
+        layout: ParallelLayout,
+        trainer: Mapping[str, Any] | TrainerSource,
+        *,
+        rank: int,
+        engine: str | None = None,
+        storage_options: Mapping[str, Any] | None = None,
+        device: str = "cpu",
+    ) -> None:
+        from ...workers.numerics.select import select_backend
+        from ...workers.transfer.exchange import Sender
+        from ..plan.engines import DEFAULT_ENGINE, engine_profile
+        from ..plan.planner import build_plan
+        from .catalog import open_checkpoint
+
+        source = TrainerSource.from_json(trainer)
+        if not 0 <= rank < source.world:
+            raise InputError(f"trainer rank {rank} is outside world {source.world}", key="rank")
+        meta = open_checkpoint(src, storage_options=storage_options)
+        profile = engine_profile(engine or DEFAULT_ENGINE)
+        held = build_plan(meta.config, layout, checkpoint=meta, engine=profile)
+        self.setup = refit_setup(held, meta.config, source)
+        self.rank = rank
+        self.sender = Sender(
+            self.setup.refit, rank, transport_spec(self.setup, rank).make(), select_backend(device)
+        )
+
+    @property
+    def manifest_hash(self) -> str:
+        return self.setup.manifest_hash
+
+    def send_weights(
+        self,
+        named_params: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
+        step: int,
+        *,
+        delta_of: int | None = None,
+        changed: Collection[str] | None = None,
+    ) -> dict[str, Any]:
+        """Send this rank's local shards (checkpoint names, as the manifest names them)
+        of trainer step ``step`` to every engine rank that needs them. ``delta_of``: the
+        step the engine holds; ``changed``: the tensors changed since (the others are not
+        sent). Returns what was sent."""
+        params = dict(named_params.items() if isinstance(named_params, Mapping) else named_params)
+        stats = self.sender.send(params, step, delta_of=delta_of, changed=changed)
+        return {
+            "rank": self.rank,
+            "step": step,
+            "bytes_sent": stats.bytes_sent,
+            "buckets": stats.buckets,
+            "seconds": round(stats.seconds, 6),
+            "manifest_hash": self.manifest_hash,
+        }
+
+    def close(self) -> None:
+        self.sender.transport.close()

@@ -1,0 +1,141 @@
+"""A trainer rank for the refit tests: a real process holding FSDP-style dim-0 shards.
+
+Run as ``python -m tests.refit_trainer RANK WORLD``; it reads one JSON command per line
+on stdin and answers one JSON line on stdout:
+
+* ``{"op": "join", "name", "src", "layout", "engine", "trainer"}``: make an
+  ``MxloadSender`` for refit group ``name`` (blocks until the engine's ranks join);
+* ``{"op": "send", "name", "step", "weights", "delta_of"?, "changed"?, "mix"?,
+  "die_after"?}``: send this rank's shards of the BF16 checkpoint ``weights`` (tensors
+  named in ``mix`` taken from the checkpoint ``mix["from"]`` instead) as ``step``;
+  ``die_after``: the process kills itself (SIGKILL) after that many messages of the
+  send (a trainer dying mid-update); ``stop_after``: it stops itself (SIGSTOP) there;
+* ``{"op": "exit"}``.
+
+Its shards are what the manifest (``fsdp_manifest`` of the checkpoint's shapes) places
+on this rank, cut with ``torch.chunk``'s sizes as FSDP2 does.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import sys
+import traceback
+from typing import Any
+
+import torch
+from mxload.orchestrator.plan.trainer import fsdp_manifest
+from mxload.orchestrator.plan.types import ParallelLayout
+from mxload.orchestrator.runtime.refit import MxloadSender
+from safetensors.torch import load_file
+
+
+def free_port() -> int:
+    """A loopback port free now (the refit group's rendezvous)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def read_checkpoint(path: str) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for f in sorted(os.listdir(path)):
+        if f.endswith(".safetensors"):
+            out.update(load_file(os.path.join(path, f)))
+    return out
+
+
+def shards(tensors: dict[str, torch.Tensor], rank: int, world: int) -> dict[str, torch.Tensor]:
+    """This rank's dim-0 chunk of every tensor (FSDP2's placement), cloned: its own memory."""
+    m = fsdp_manifest({n: tuple(t.shape) for n, t in tensors.items()}, world)
+    out = {}
+    for t in m.tensors:
+        for s in t.placement:
+            if s.rank == rank:
+                out[t.name] = tensors[t.name][s.start : s.stop].clone()
+    return out
+
+
+def die_after(sender: MxloadSender, messages: int, sig: int = signal.SIGKILL) -> None:
+    """Send this process ``sig`` (SIGKILL: a trainer rank dying mid-update; SIGSTOP: one
+    stopped, until the test sends SIGCONT) when the sender is about to send message
+    ``messages`` (0-based) of its send."""
+    transport = sender.sender.transport
+    real = transport.send
+    count = [0]
+
+    def send(peer: int, buf: torch.Tensor) -> None:
+        if count[0] == messages:
+            os.kill(os.getpid(), sig)
+        count[0] += 1
+        real(peer, buf)
+
+    transport.send = send
+
+
+def main() -> None:
+    rank, world = int(sys.argv[1]), int(sys.argv[2])
+    torch.set_num_threads(1)
+    senders: dict[str, MxloadSender] = {}
+    cache: dict[str, dict[str, torch.Tensor]] = {}
+
+    def weights(path: str) -> dict[str, torch.Tensor]:
+        if path not in cache:
+            cache[path] = shards(read_checkpoint(path), rank, world)
+        return cache[path]
+
+    for line in sys.stdin:
+        cmd: dict[str, Any] = json.loads(line)
+        try:
+            if cmd["op"] == "exit":
+                break
+            if cmd["op"] == "join":
+                old = senders.pop(cmd["name"], None)
+                if old is not None:
+                    old.close()
+                senders[cmd["name"]] = MxloadSender(
+                    cmd["src"],
+                    ParallelLayout(**cmd["layout"]),
+                    cmd["trainer"],
+                    rank=rank,
+                    engine=cmd.get("engine"),
+                )
+                reply: dict[str, Any] = {"ok": True}
+            else:
+                sender = senders[cmd["name"]]
+                params = dict(weights(cmd["weights"]))
+                mix = cmd.get("mix")
+                if mix:
+                    other = weights(mix["from"])
+                    params.update({n: other[n] for n in mix["tensors"] if n in other})
+                die = cmd.get("die_after")
+                if die is not None:
+                    die_after(sender, die)
+                stop = cmd.get("stop_after")
+                if stop is not None:
+                    die_after(sender, stop, signal.SIGSTOP)
+                reply = {
+                    "ok": True,
+                    **sender.send_weights(
+                        params,
+                        cmd["step"],
+                        delta_of=cmd.get("delta_of"),
+                        changed=cmd.get("changed"),
+                    ),
+                }
+        except Exception as err:
+            reply = {
+                "ok": False,
+                "error": f"{type(err).__name__}: {err}",
+                "tb": traceback.format_exc(),
+            }
+        print(json.dumps(reply), flush=True)
+    for s in senders.values():
+        s.close()
+
+
+if __name__ == "__main__":
+    main()
