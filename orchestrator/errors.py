@@ -165,6 +165,12 @@ class SessionBusy(SessionError):
     """Another command is reloading (or repairing) this session; names it (docs/contract.md §4)."""
 
 
+class FencedOff(SessionError):
+    """A command whose lease on its session lapsed (it was suspended past it) and was
+    taken by a later one: nothing it wrote counts; names the command that took over
+    (docs/contract.md §4 "Reload")."""
+
+
 class ReloadMismatch(InputError):
     """A reload's checkpoint would not fill the session's buffers (lists every mismatch)."""
 

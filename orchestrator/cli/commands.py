@@ -4,7 +4,8 @@ exit statuses (docs/contract.md §5).
 
 Exit status: 0 success; 2 bad input or a refusal (``mxload: error: ...`` on stderr, no
 traceback unless ``--debug``); 3 a plan that does not fit; 1 a failed run; 4 ``status``
-of a session that does not hold one checkpoint on every rank.
+of a session that does not hold one checkpoint on every rank; 130 interrupted (Ctrl-C),
+143 terminated (SIGTERM).
 """
 
 from __future__ import annotations
@@ -457,9 +458,28 @@ def cmd_reload(args: argparse.Namespace) -> int:
     finally:
         if bar:
             bar.close()
-    _write_report(args.report, manifest)
+    try:
+        _write_report(args.report, manifest)
+    except OutputError as err:
+        # The weights were replaced before the report failed: the outcome is said first,
+        # then the failure, which must not read as a reload that did not happen (§5).
+        show.emit(args, manifest, show.render_reloaded(manifest))
+        raise reload_report_failed(manifest, args.src, err) from None
     show.emit(args, manifest, show.render_reloaded(manifest))
     return 0
+
+
+def reload_report_failed(manifest: dict[str, Any], src: str, err: OutputError) -> OutputError:
+    """The error of a reload that replaced the weights and then failed to write its
+    ``--report`` (a full disk): exit 2 as every output failure, saying the weights ARE
+    replaced."""
+    version = manifest["ranks"][0]["version"] if manifest.get("ranks") else "?"
+    return OutputError(
+        f"the reload completed: the weights ARE replaced (session "
+        f"{manifest.get('session', '?')!r} at version {version}, from {src}); only its "
+        f"report was not written: {err.message}",
+        **err.context,
+    )
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -552,7 +572,32 @@ def configure_logging(debug: bool, verbose: bool) -> None:
         route_ray_output()
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where the command runs: it unwinds as a Ctrl-C does (a temporary
+    output folder removed, a reload's interruption said), then exits 143."""
+
+
+def _raise_terminated(signum: int, frame: Any) -> None:
+    raise Terminated()
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run one command; its exit status (docs/contract.md §5). SIGTERM is handled as a
+    Ctrl-C for the command's duration (the default ends the process where it stands,
+    leaving convert's temporary folder behind)."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return _main(argv)
+    previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    try:
+        return _main(argv)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _main(argv: Sequence[str] | None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv
     configure_logging(debug, verbose=bool({"-v", "--verbose"} & set(argv)))
@@ -574,11 +619,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                 sys.stderr.write(f"--- from the worker ---\n{err.context['details']}\n")
             raise
         return report_error(err, err.exit_code, argv, hidden)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as stop:
         command = next((a for a in argv if not a.startswith("-")), "")
         hint = " (`mxload status` says what the devices hold)" if command == "reload" else ""
-        sys.stderr.write(f"mxload: interrupted{hint}\n")
-        return 130
+        what, code = ("terminated", 143) if isinstance(stop, Terminated) else ("interrupted", 130)
+        sys.stderr.write(f"mxload: {what}{hint}\n")
+        return code
     except BrokenPipeError:
         # `mxload plan ... | head`: the reader left; say nothing more, like other tools.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

@@ -94,9 +94,10 @@ class CheckpointMeta:
     """Identity of what was read (``catalog.fingerprint``): with a version number, it names
     the checkpoint a unit was loaded from (docs/contract.md §4 "Reload"). "" when unknown."""
     file_tags: Mapping[str, str] = field(default_factory=dict)
-    """Per shard, what changes whenever its bytes do (``Storage.version_tag``; "" where the
-    store gives nothing): ranks compare it after reading, so a shard rewritten while a
-    run reads it fails the run instead of leaving mixed bytes under one identity."""
+    """Per shard, and for config.json, what changes whenever its bytes do
+    (``Storage.version_tag``; "" where the store gives nothing): ranks and ``convert``
+    compare it after reading (``Storage.changed``), so a file rewritten while a run reads
+    it fails the run instead of leaving mixed bytes under one identity."""
     identity: str = ""
     """How the fingerprint was established (``catalog.fingerprint``), as ``status`` says
     it: from what the store vouches for, or "unverified: ..." and why."""

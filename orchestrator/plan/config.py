@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any, Literal
 
-from ..errors import ConfigError, UnsupportedError
+from ..errors import CheckpointError, ConfigError, UnsupportedError
 from .formats import ASCEND_MXFP8, MODEL_DTYPES, TORCH_DTYPE_ALIASES
 
 QuantKind = Literal["block_fp8", "mxfp8", "none"]
@@ -238,10 +238,13 @@ class ModelConfig:
         return out
 
 
-def _vision_config(cfg: Mapping[str, Any], source: str) -> VisionConfig | None:
+def _vision_config(cfg: Mapping[str, Any], source: str) -> VisionConfig:
+    """The vision tower vLLM builds: without ``vision_config`` (absent or null) its
+    ``Qwen3_5Config`` fills a default tower, which the checkpoint must then hold (or
+    ``--language-model-only`` skip); planning none would leave it unloaded."""
     raw = cfg.get("vision_config")
     if raw is None:
-        return None
+        return VisionConfig(**VISION_DEFAULTS)
     vsrc = f"{source} (vision_config)"
     if not isinstance(raw, Mapping):
         raise ConfigError(
@@ -440,6 +443,32 @@ def ascend_description_quant(desc: Any, source: str) -> dict[str, Any]:
             f"{source}: group_size {group!r}; MXFP8 groups are 32", file=source, key="group_size"
         )
     return {"quant_method": "mxfp8", "modules_to_not_convert": sorted(floats)}
+
+
+def check_ascend_description(
+    desc: Mapping[str, Any], dtypes: Mapping[str, str], source: str
+) -> None:
+    """The description agrees with the tensors it describes (``dtypes``: every tensor's
+    safetensors dtype): a ``W8A8_MXFP8`` weight is ``F8_E4M3`` with a ``U8``
+    ``weight_scale``, a ``FLOAT`` one is neither. vllm-ascend builds each layer from the
+    description alone, so a contradiction would load payload bytes as model-dtype values
+    or the reverse: refused, naming the tensor (CheckpointError)."""
+    for key, value in desc.items():
+        if not key.endswith(".weight") or key not in dtypes:
+            continue
+        scale = f"{key}_scale"
+        held = dtypes[key] + (f" with {scale} {dtypes[scale]}" if scale in dtypes else "")
+        if value == ASCEND_MXFP8:
+            agrees = dtypes[key] == "F8_E4M3" and dtypes.get(scale) == "U8"
+        else:  # FLOAT (any other scheme is refused by ascend_description_quant)
+            agrees = dtypes[key] != "F8_E4M3" and scale not in dtypes
+        if not agrees:
+            raise CheckpointError(
+                f"{source}: {key} is described {value}, but the checkpoint holds it as "
+                f"{held}: the description contradicts its tensors",
+                file=source,
+                tensor=key,
+            )
 
 
 MAX_EXPERT_UNITS = 1 << 17

@@ -32,7 +32,7 @@ from typing import Any, Protocol
 
 from ..errors import CheckpointError, ConfigError, StorageError, TruncatedFile
 from ..plan.checkpoint import CheckpointMeta, build_meta, parse_index
-from ..plan.config import ascend_description_quant, parse_config
+from ..plan.config import ascend_description_quant, check_ascend_description, parse_config
 from ..plan.formats import (
     ASCEND_DESCRIPTION_FILE,
     BLOCK_SCALE_SUFFIX,
@@ -93,7 +93,11 @@ def _open(src: str, storage: StorageLike, *, dtype: str | None, max_workers: int
                 file=config_path,
             ) from exc
         raise
+    tagger = getattr(storage, "version_tag", None)
+    # config.json is read again by convert: its tag is checked with the shards'.
+    config_tag = tagger(CONFIG_FILE) if tagger is not None else ""
     config_obj = _load_json(config_bytes, config_path)
+    described: tuple[Any, str] | None = None
     if isinstance(config_obj, dict) and "quantization_config" not in config_obj:
         # vllm-ascend's own form (convert --format ascend): the scheme per tensor lives in
         # its description file, config.json has no quantization_config.
@@ -106,6 +110,7 @@ def _open(src: str, storage: StorageLike, *, dtype: str | None, max_workers: int
         else:
             qc = ascend_description_quant(desc, desc_path)
             config_obj = {**config_obj, "quantization_config": qc}
+            described = (desc, desc_path)
     config = parse_config(config_obj, config_path, dtype=dtype)
 
     index_bytes: bytes | None = None
@@ -124,8 +129,6 @@ def _open(src: str, storage: StorageLike, *, dtype: str | None, max_workers: int
             file=_display(src, INDEX_FILE),
         )
 
-    tagger = getattr(storage, "version_tag", None)
-
     def read(f: str) -> tuple[FileHeader, str]:
         return read_header(storage, f, src=src), (tagger(f) if tagger is not None else "")
 
@@ -136,9 +139,14 @@ def _open(src: str, storage: StorageLike, *, dtype: str | None, max_workers: int
     else:
         got = {f: read(f) for f in files}
     headers = {f: h for f, (h, _) in got.items()}
+    if described is not None:
+        dtypes = {n: t.dtype for h in headers.values() for n, t in h.tensors.items()}
+        check_ascend_description(described[0], dtypes, described[1])
     meta = build_meta(src, config, weight_map, headers)
     tags = {f: t for f, (_, t) in got.items()}
     fp, identity = fingerprint(src, config_bytes, index_bytes, headers, tags)
+    if CONFIG_FILE not in tags:
+        tags[CONFIG_FILE] = config_tag
     return replace(meta, fingerprint=fp, identity=identity, file_tags=tags)
 
 

@@ -46,11 +46,14 @@ from __future__ import annotations
 import json
 import logging
 import os
+import time
 from collections.abc import Callable, Mapping, Sequence
+from contextlib import ExitStack
 from dataclasses import replace
 from typing import Any
 
 from ..errors import (
+    FencedOff,
     RunError,
     SessionBusy,
     SessionError,
@@ -60,6 +63,7 @@ from ..plan.types import Plan
 from .driver import first_load, plan_load
 from .heads import check_recorded_head, connect_session, recorded_head, watching_head
 from .keeper import SessionKeeper, session_lease, store
+from .liveness import RANK_ANSWER_S, silent_error
 from .outputs import OutputDir, check_not_input
 from .placement import forget_rank_plans
 from .ray_run import RayRun
@@ -279,12 +283,7 @@ def _saver(keeper: Any, state: SessionState, lease: Lease) -> Callable[[SessionS
             keeper.put.remote(state.without_credentials(), lease.holder.token), timeout=60
         )
         if why:
-            raise SessionError(
-                f"session {state.session!r}: this {lease.holder.what} was fenced off, its "
-                f"result not recorded: {why} (suspended past its lease?); `mxload status` "
-                "says what the session holds now",
-                key="--session",
-            )
+            raise fenced_off(keeper, lease, why)
         if recorded != state.pids:
             _refresh_session_file(keeper, state)
             recorded.clear()
@@ -293,6 +292,35 @@ def _saver(keeper: Any, state: SessionState, lease: Lease) -> Callable[[SessionS
             keep_options(state.session, state.created, state.storage_options)
 
     return save
+
+
+def fenced_off(keeper: Any, lease: Lease, why: str) -> FencedOff:
+    """The error of a command fenced off its session (``why``: the keeper's or a rank's
+    reason), naming the command that took the session over and what it holds now."""
+    import ray
+
+    session = "?"
+    winner = ""
+    try:
+        later: Lease | None = ray.get(keeper.took_over.remote(lease.fence), timeout=10)
+        state: SessionState = ray.get(keeper.get.remote(), timeout=10)
+        session = state.session
+        if later is not None:
+            h = later.holder
+            since = time.strftime("%H:%M:%S", time.localtime(later.since))
+            winner = (
+                f"; {h.what} from {h.src or '-'} by pid {h.pid} on {h.host} took the "
+                f"session at {since} (token {later.fence})"
+            )
+        winner += f"; the session holds version {state.version} from {state.src}"
+    except Exception as err:  # the keeper unreachable: the refusal itself still stands
+        log.info("who fenced off this command is unknown: %s", err)
+    return FencedOff(
+        f"session {session!r}: this {lease.holder.what} (token {lease.fence}) was fenced "
+        f"off, suspended past its lease: {why}{winner}; nothing it wrote counts "
+        "(`mxload status` says what the ranks hold)",
+        key="--session",
+    )
 
 
 def _refresh_session_file(keeper: Any, state: SessionState) -> None:
@@ -408,11 +436,13 @@ def detached_reload(
     on_progress: Progress | None = None,
     engine: str | None = None,
     outputs: Sequence[tuple[str, str]] = (),
+    answer_timeout_s: float = RANK_ANSWER_S,
 ) -> dict[str, Any]:
     """In-place reload of a detached session from ``src`` (docs/contract.md §4 "Reload"),
     holding the session's lease (SessionBusy when another command holds it).
     ``outputs``: (path, flag) of what the caller will write, refused before any work
-    when it would overwrite the session's checkpoint."""
+    when it would overwrite the session's checkpoint. ``answer_timeout_s``: how long a
+    rank may not answer before the reload names it and ends (``liveness``)."""
     import ray
 
     from ...workers.storage.urls import absolute
@@ -420,6 +450,7 @@ def detached_reload(
     src = absolute(src)
     try:
         keeper, first, run = _attach(session, address)
+        run.answer_timeout_s = answer_timeout_s
         check_ranks_running(first)
         with (
             watching_head(recorded_head(address)),
@@ -429,18 +460,25 @@ def detached_reload(
             state = _state_of(keeper)
             _check_engine(session, state.plan, engine)
             _check_outputs(state, outputs)
-            fence_ranks(run, lease.fence)
-            done = reload(
-                RayRanks(run),
-                state,
-                _saver(keeper, state, lease),
-                src,
-                fence=lease.fence,
-                storage_options=storage_options,
-                staging_budget=staging_budget,
-                allow_nonfinite=run.req.allow_nonfinite,
-                on_progress=on_progress,
-            )
+            fence_ranks(run, lease.fence, [state.pids.get(r) for r in range(len(run.actors))])
+            try:
+                done = reload(
+                    RayRanks(run),
+                    state,
+                    _saver(keeper, state, lease),
+                    src,
+                    fence=lease.fence,
+                    storage_options=storage_options,
+                    staging_budget=staging_budget,
+                    allow_nonfinite=run.req.allow_nonfinite,
+                    on_progress=on_progress,
+                )
+            except FencedOff as err:
+                rank = err.context.get("rank")
+                if rank is None:
+                    raise  # the keeper's refusal (``_saver``), already naming the winner
+                why = f"rank {rank} refused to write for it (a later token reached it)"
+                raise fenced_off(keeper, lease, why) from None
         manifest = build_manifest(state.plan, done.reports)
         manifest["seconds"] = done.seconds
         manifest["session"] = session
@@ -450,14 +488,21 @@ def detached_reload(
         ray.shutdown()
 
 
-def fence_ranks(run: RayRun, token: int, wait_s: float = 30.0) -> None:
+def fence_ranks(
+    run: RayRun, token: int, pids: Sequence[int | None] = (), wait_s: float = 30.0
+) -> None:
     """Every rank takes ``token`` before this command writes: a run of an older lease
     still going (its command was suspended past it) stops at its next unit. SessionError
-    naming the ranks that are still busy after ``wait_s``."""
+    naming the ranks that are still busy after ``wait_s``; RankSilent naming those that
+    do not answer (``pids``: each rank's worker, for the message)."""
     import ray
 
     refs = [a.fence.remote(token, wait_s) for a in run.actors]
-    free = ray.get(refs, timeout=wait_s + 30)
+    ready, _ = ray.wait(refs, num_returns=len(refs), timeout=wait_s + run.answer_timeout_s)
+    late = [r for r, ref in enumerate(refs) if ref not in ready]
+    if late:
+        raise silent_error(late, pids, wait_s + run.answer_timeout_s)
+    free = ray.get(refs)
     busy = [r for r, ok in enumerate(free) if not ok]
     if busy:
         raise SessionBusy(
@@ -496,7 +541,15 @@ def detached_release(
             raise
         keeper = None  # gone for good: end what it left, by name
     state: SessionState | None = None
+    hold = ExitStack()
     if keeper is not None:
+        try:
+            # Not under a running reload (its ranks would vanish and be blamed): refused,
+            # naming it; and no reload starts while the session is ended (§5 "release").
+            hold.enter_context(session_lease(keeper, session, "release"))
+        except SessionBusy:
+            ray.shutdown()
+            raise
         state = ray.get(keeper.get.remote())
         ray.get(keeper.forget.remote())
     killed = 0
@@ -521,6 +574,7 @@ def detached_release(
         and str(a.get("name", "")).endswith("/keeper")
         and a.get("name") != keeper_name(session)
     ]
+    hold.close()
     ray.shutdown()
     stopped = False
     # A keeper gone for good took with it whether this session started the head: kept.

@@ -35,9 +35,9 @@ class SessionKeeper:
     an argument larger than Ray passes inline is owned by the process that created the
     actor, and gone with it, so a keeper given the state itself could not be restarted
     once the ``load`` that made it exited. The record is rewritten on every change (the
-    state when it is put, the small rest, fencing counter, lease and notes, on each
+    state when it is put, the small rest, fencing counter, leases and notes, on each
     lease call), so a keeper that Ray restarts (it died: OOM, a kill) has all of it, the
-    running reload's lease included. It never holds the caller's storage options
+    running reload's lease and the one whose result the state is included. It never holds the caller's storage options
     (credentials: docs/contract.md §4 "Reads")."""
 
     def __init__(self, key: str, state: SessionState | None = None) -> None:
@@ -50,6 +50,11 @@ class SessionKeeper:
         self.lease: Lease | None = None
         self.fence = 0
         """The last fencing token handed out (with a lease)."""
+        self.granted: Lease | None = None
+        """The last lease handed out, kept after its release."""
+        self.recorded: Lease | None = None
+        """The lease whose holder's result the state is (its last accepted ``put``): the
+        command that won over one fenced off (:meth:`took_over`)."""
         self.notes: list[str] = []
         """What status should say happened to the session: commands refused because
         their lease had lapsed, a restart of this keeper."""
@@ -61,7 +66,8 @@ class SessionKeeper:
         record = _read(key)
         if record is None:
             raise SessionError(f"the session's record {key!r} is not in the Ray cluster")
-        self.state, (self.fence, self.notes, self.lease, self.starts) = record
+        self.state, meta = record
+        self.fence, self.notes, self.lease, self.starts, self.granted, self.recorded = meta
         self.starts += 1
         if self.starts > 1:
             self._note("the session's keeper died and was restarted; its state restored")
@@ -73,13 +79,16 @@ class SessionKeeper:
         if self.persist:
             if state:
                 _write_state(self.key, self.state)
-            _write(self.key, (self.fence, self.notes, self.lease, self.starts))
+            meta = (self.fence, self.notes, self.lease, self.starts, self.granted, self.recorded)
+            _write(self.key, meta)
 
     def forget(self) -> None:
-        """Drop the stored record (release)."""
+        """Drop the stored record (release); nothing is stored again after it (the
+        release's own lease, given back after this, would write the record back)."""
         if self.persist:
             from ...cluster import raycompat
 
+            self.persist = False
             for suffix in ("", STATE_SUFFIX, PLAN_SUFFIX):
                 raycompat.kv_del(self.key + suffix)
 
@@ -106,6 +115,7 @@ class SessionKeeper:
             self._save()
             return why
         self.state = state.without_credentials()
+        self.recorded = cur
         self._save(state=True)
         return ""
 
@@ -127,8 +137,18 @@ class SessionKeeper:
             took_over_from=cur.holder if cur else None,
             fence=self.fence,
         )
+        self.granted = self.lease
         self._save()  # a restarted keeper never hands out a token twice, nor drops a lease
         return self.lease
+
+    def took_over(self, fence: int) -> Lease | None:
+        """The lease that fenced off the holder of token ``fence``: the one whose result
+        the session holds when it is later, else the last one handed out when that is
+        (None when neither is)."""
+        for lease in (self.recorded, self.granted):
+            if lease is not None and lease.fence > fence:
+                return lease
+        return None
 
     def renew(self, token: str, ttl_s: float) -> bool:
         """Extend the live lease of ``token``; an expired one stays lapsed (its holder was
@@ -163,8 +183,9 @@ the bulk of the state (megabytes for a large model)."""
 STATE_SUFFIX = "/state"
 """The rest of the state, rewritten when a command puts it (not on each lease renewal)."""
 
-Meta = tuple[int, list[str], Lease | None, int]
-"""What the keeper's own key holds: fencing counter, notes, lease, starts."""
+Meta = tuple[int, list[str], Lease | None, int, Lease | None, Lease | None]
+"""What the keeper's own key holds: fencing counter, notes, lease, starts, the last lease
+handed out and the lease whose result the state is."""
 
 
 def keeper_key(state: SessionState) -> str:
@@ -182,7 +203,7 @@ def store(state: SessionState) -> str:
     key = keeper_key(state)
     raycompat.kv_put(key + PLAN_SUFFIX, pickle.dumps(state.plan))
     _write_state(key, state.without_credentials())
-    _write(key, (0, [], None, 0))
+    _write(key, (0, [], None, 0, None, None))
     return key
 
 

@@ -15,6 +15,7 @@ from ..errors import MxloadError, RunError, WorkerLost
 from ..plan.message import RankJob
 from ..plan.types import Plan
 from . import placement, shared_reads
+from .liveness import RANK_ANSWER_S, Liveness
 from .request import LoadRequest
 from .state import Progress, Report
 from .worker_errors import first_line, plain, rank_error
@@ -47,6 +48,8 @@ class RayRun:
         self.actors: list[Any] = []
         self.last_sharing: dict[str, Any] = {}
         """What the last run's read-once sharing planned and measured (manifest "sharing")."""
+        self.answer_timeout_s = RANK_ANSWER_S
+        """How long a rank with work may leave a ping unanswered (``liveness``)."""
 
     # --- cluster ------------------------------------------------------------------------
 
@@ -102,23 +105,33 @@ class RayRun:
     # --- running ---------------------------------------------------------------------------
 
     def run_all(
-        self, jobs: Sequence[RankJob], *, on_progress: Progress | None = None
+        self,
+        jobs: Sequence[RankJob],
+        *,
+        on_progress: Progress | None = None,
+        only: Sequence[int] | None = None,
     ) -> list[Report]:
         """Every rank runs its job (one per rank, all of one source) concurrently; a dead
-        rank is redone.
+        rank is redone; a rank that stops answering is named (``liveness``).
 
-        Read-once sharing adds each job's ``peers``. Each report's ``restarts`` counts
-        how often the rank's process was lost during this run."""
+        Read-once sharing adds each job's ``peers``. ``only``: the ranks to run (default:
+        all; a repair runs the restarted ones), whose reports are returned in that order,
+        without read-once sharing (``jobs`` still holds one job per rank). Each report's
+        ``restarts`` counts how often the rank's process was lost during this run."""
         pids = self.pids()
+        live = Liveness(self.actors, self.answer_timeout_s, pids)
         t_run = time.perf_counter()
-        share, self.last_sharing = shared_reads.plan_shares(
-            self.plan,
-            shared_reads.node_ids(self.actors, self.req.placement_timeout_s),
-            self.req.share,
-            jobs,
-        )
-        t_planned = time.perf_counter()
-        shared = shared_reads.fetch_shares(self.actors, share, self.plan, jobs)
+        shared, self.last_sharing = shared_reads.Shared(), {}
+        t_planned = t_run
+        if only is None:
+            share, self.last_sharing = shared_reads.plan_shares(
+                self.plan,
+                shared_reads.node_ids(self.actors, self.req.placement_timeout_s),
+                self.req.share,
+                jobs,
+            )
+            t_planned = time.perf_counter()
+            shared = shared_reads.fetch_shares(self.actors, share, self.plan, jobs, live)
         t_fetched = time.perf_counter()
 
         def submit(rank: int) -> Any:
@@ -126,8 +139,9 @@ class RayRun:
             job = replace(jobs[rank], peers=peers) if peers else jobs[rank]
             return self.actors[rank].load.remote(job)
 
-        reports, attempts = self._wait_all(submit, on_progress)
-        for rank, rep in enumerate(reports):
+        ranks = list(range(len(self.actors))) if only is None else list(only)
+        reports, attempts = self._wait_all(submit, on_progress, live, ranks)
+        for rank, rep in zip(ranks, reports, strict=True):
             rep["restarts"] = max(attempts[rank], int(rep["pid"] != pids[rank]))
             rep["addresses_changed"] = rep["restarts"] > 0
         shared_reads.add_fetched(reports, shared)
@@ -141,28 +155,41 @@ class RayRun:
         return reports
 
     def _wait_all(
-        self, submit: Callable[[int], Any], on_progress: Progress | None
+        self,
+        submit: Callable[[int], Any],
+        on_progress: Progress | None,
+        live: Liveness,
+        ranks: Sequence[int],
     ) -> tuple[list[Report], list[int]]:
-        """Run ``submit`` for every rank and wait for them all, resubmitting a rank whose
-        process was lost (up to ``--max-restarts``) or is being restarted. Returns the
-        reports and how often each rank's process was lost; raises the first rank's error
-        naming every rank that failed.
+        """Run ``submit`` for every rank of ``ranks`` and wait for them all, resubmitting
+        a rank whose process was lost (up to ``--max-restarts``) or is being restarted.
+        Returns their reports (in ``ranks`` order) and how often each rank's process was
+        lost; raises the first rank's error naming every rank that failed (RankSilent for
+        one that stopped answering, ``live``).
 
-        Every rank is waited for even after one failed: a rank still writing must not be
-        handed the next load, and the error names every rank that failed."""
+        Every rank that answers is waited for even after one failed: a rank still writing
+        must not be handed the next load, and the error names every rank that failed. A
+        silent rank cannot be waited for: it is given up and named."""
         import ray
         from ray.exceptions import RayActorError
 
         world = len(self.actors)
         attempts = [0] * world
-        refs = {submit(r): r for r in range(world)}
+        refs = {submit(r): r for r in ranks}
         reports: list[Report | None] = [None] * world
         failures: dict[int, MxloadError] = {}
         unavailable_since: dict[int, float] = {}
         while refs:
             done, _ = ray.wait(list(refs), num_returns=1, timeout=0.5)
+            # A rank that stopped answering is given up (named); the others are still
+            # waited for, as after any failure.
+            silent = set(live.poll(r for ref, r in refs.items() if ref not in done))
+            for ref, rank in list(refs.items()):
+                if rank in silent and ref not in done:
+                    del refs[ref]
+                    failures[rank] = live.error([rank])
             if on_progress is not None:
-                on_progress(self._poll_progress())
+                on_progress(live.progress())
             for ref in done:
                 rank = refs.pop(ref)
                 try:
@@ -195,12 +222,13 @@ class RayRun:
                     failures[rank] = rank_error(rank, err)
         if failures:
             raise _first_failure(failures)
-        return [r for r in reports if r is not None], attempts
+        return [rep for rep in (reports[r] for r in ranks) if rep is not None], attempts
 
     def pids(self) -> list[int | None]:
         """Each rank's worker pid now (None for one that does not answer). A rank whose
         process Ray is restarting (Ray refuses calls to it meanwhile) is waited for, up
-        to the placement timeout, and answers from its new process."""
+        to the placement timeout, and answers from its new process (a worker still
+        starting, importing torch on a busy host, answers late but answers)."""
         import ray
 
         out: list[int | None] = []
@@ -225,14 +253,6 @@ class RayRun:
                 break
             out.append(pid)
         return out
-
-    def _poll_progress(self) -> list[tuple[int, int, int]]:
-        import ray
-
-        refs = [a.progress.remote() for a in self.actors]
-        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0.2)
-        got = {r: ray.get(r) for r in ready}
-        return [got.get(r, (0, 0, 0)) for r in refs]
 
 
 def _first_failure(failures: dict[int, MxloadError]) -> MxloadError:

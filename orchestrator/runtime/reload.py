@@ -419,10 +419,10 @@ def repair(
     run: RayRun, state: SessionState, save: Callable[[SessionState], None], fence: int = 0
 ) -> list[int]:
     """Reload every rank whose worker was restarted (a fresh process, empty buffers) to
-    the session's version from its current source; returns those ranks. ``fence``: as
-    for :func:`reload`."""
-    import ray
-
+    the session's version from its current source; returns those ranks. They run as a
+    reload's ranks do (``RayRun.run_all``: restarts handled, a silent rank named) and
+    their buffers are checked where they were recorded. ``fence``: as for
+    :func:`reload`."""
     pids = run.pids()
     lost = [r for r, pid in enumerate(pids) if state.lost(r, pid)]
     if not lost:
@@ -435,18 +435,20 @@ def repair(
         allow_nonfinite=run.req.allow_nonfinite,
     )
     source = replace(inputs.source, fence=fence)
-    reports = []
-    for rank in lost:
-        budget = staging_budget_of(state.plan, state.plan.ranks[rank])
-        job = RankJob(
+    jobs = [
+        RankJob(
             reads=inputs.reads[rank],
             source=source,
             version=state.version,
-            staging_budget=budget,
+            staging_budget=staging_budget_of(state.plan, rp),
             units=inputs.units[rank],
         )
-        ref = run.actors[rank].load.remote(job)
-        reports.append(ray.get(ref))
+        for rank, rp in enumerate(state.plan.ranks)
+    ]
+    reports = run.run_all(jobs, only=lost)
     state.observe(reports)
+    moved = state.moved(reports)
+    if moved:
+        raise AddressMoved("buffers moved during repair: " + ", ".join(moved[:20]))
     save(state)
     return lost

@@ -18,6 +18,7 @@ from .state import Report
 
 if TYPE_CHECKING:
     from ..plan.sharing import SharePlan
+    from .liveness import Liveness
 
 
 @dataclass
@@ -104,9 +105,11 @@ def fetch_shares(
     share: SharePlan,
     plan: Plan,
     jobs: Sequence[RankJob],
+    live: Liveness,
 ) -> Shared:
     """The owners fetch every shared read and publish it in Ray's object store. An owner
-    whose process is lost publishes nothing: its users read storage themselves.
+    whose process is lost publishes nothing: its users read storage themselves; one
+    that stops answering is named (``live``, RankSilent).
 
     An owner fetches several of its units at once within the staging of its run's
     largest unit read: every unit's reads are staged whole at some point of the load,
@@ -126,6 +129,7 @@ def fetch_shares(
             items.append((s.key, units[i], job.reads[i]))
         window = max((r.nbytes for r in job.reads), default=0)
         refs[rank] = actors[rank].fetch_shared.remote(items, job.source, job.staging_budget, window)
+    live.wait(refs)
     handles: dict[Any, Any] = {}
     for rank, ref in refs.items():
         try:

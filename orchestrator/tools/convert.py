@@ -74,7 +74,7 @@ from ...workers.numerics import kernels
 from ...workers.numerics.scales import check_block_scales
 from ...workers.safetensors_io import SafetensorsWriter, data_order
 from ...workers.storage import ALLOW_OUTSIDE_LINKS, Storage
-from ..errors import MxloadError, UnsupportedError, UsageError
+from ..errors import MxloadError, RunError, UnsupportedError, UsageError
 from ..plan.checkpoint import CheckpointMeta
 from ..plan.engines import EngineProfile
 from ..plan.formats import (
@@ -240,6 +240,7 @@ def convert_checkpoint(
             dst_storage_options=dst_storage_options, window_bytes=window_bytes, arena=arena,
             stage_seconds=stage_seconds, fmt=fmt,
         )  # fmt: skip
+        _check_unchanged(storage, meta)
         # What is put in place must pass the validator plan and load run (a guard on
         # this module's own rules: the output is read back, headers only).
         check_checkpoint(open_checkpoint(tmp, storage_options=dst_storage_options))
@@ -256,6 +257,26 @@ def convert_checkpoint(
         "threads": n_threads if use_fast else None,
         "stage_seconds": stage_seconds,
     }
+
+
+def _check_unchanged(storage: Storage, meta: CheckpointMeta) -> None:
+    """The files this run read still carry the tags the checkpoint was opened with, as a
+    rank checks after a load (``Storage.changed``): a source rewritten in place while it
+    was read gives an output mixing two checkpoints, which is never put in place
+    (RunError, exit 1; docs/contract.md §1.2). A store that tags nothing (a plain HTTP
+    server) cannot be checked."""
+    tags = meta.file_tags
+    if not tags or not all(tags.values()):
+        return
+    changed = storage.changed(tags)
+    if changed:
+        more = f" and {len(changed) - 1} more" if len(changed) > 1 else ""
+        raise RunError(
+            f"{storage.url(changed[0])}{more} changed while this run read it (rewritten in "
+            "place); the output would mix two checkpoints and was not written: run "
+            "convert again once the checkpoint is written",
+            file=changed[0],
+        )
 
 
 def _write(

@@ -23,7 +23,10 @@ not have at tp 2 and 4.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
+import json
+import tempfile
 from collections.abc import Callable, Iterator
 
 import numpy as np
@@ -238,3 +241,45 @@ def test_tp2xdp2_ep_qwen3_5_moe_under_vllm_ascend_0_23(
     builds it."""
     layout = MOE_LAYOUTS[name]
     assert check_against_vllm(vllm, checkpoints["qwen3.5-moe-tiny"], layout, ENGINE) > 0
+
+
+def test_a_config_without_vision_config_plans_the_tower_vllm_fills_in() -> None:
+    """vLLM's own ``Qwen3_5Config`` / ``Qwen3_5MoeConfig`` (from the wheel, on CPU) build
+    a default vision tower when config.json has no ``vision_config``: mxload plans that
+    tower, field for field, so a checkpoint holding a tower is never left unloaded; the
+    tiny preset's own tower then differs from it and the plan is refused naming a
+    vision tensor (a checkpoint without the tower loads with --language-model-only)."""
+    from mxload.orchestrator.errors import InputError
+    from mxload.orchestrator.plan.config import parse_config
+    from mxload.orchestrator.tools.synth import preset_config
+
+    from tests.engine import sources
+
+    version = "0.23.0"  # what this module tests (later releases' config code needs transformers 5)
+    path = sources.vllm_wheel(version) / "vllm" / "transformers_utils" / "configs"
+    for preset, module, cls in (
+        ("qwen3.5-tiny", "qwen3_5", "Qwen3_5Config"),
+        ("qwen3.5-moe-tiny", "qwen3_5_moe", "Qwen3_5MoeConfig"),
+    ):
+        mod = sources.load_module(f"mxload_test_vllm_{module}_{version}", path / f"{module}.py")
+        raw = dict(preset_config(preset))
+        del raw["vision_config"]
+        engine = getattr(mod, cls)(text_config=raw["text_config"]).vision_config
+        planned = parse_config(raw, preset).vision
+        assert planned is not None, f"{preset}: vLLM {version} builds a tower, none planned"
+        for field in dataclasses.fields(planned):
+            assert getattr(planned, field.name) == getattr(engine, field.name), field.name
+    with tempfile.TemporaryDirectory() as tmp:
+        src = f"{tmp}/ck"
+        make_checkpoint(src, "qwen3.5-tiny", seed=1)
+        cfg_path = f"{src}/config.json"
+        with open(cfg_path) as f:
+            raw = json.load(f)
+        del raw["vision_config"]
+        with open(cfg_path, "w") as f:
+            json.dump(raw, f)
+        meta = open_checkpoint(src)
+        with pytest.raises(InputError, match=r"model\.visual\."):
+            build_plan(meta.config, ParallelLayout(tp=1), checkpoint=meta)
+        lm_only = ParallelLayout(tp=1, language_model_only=True)
+        assert build_plan(meta.config, lm_only, checkpoint=meta).ranks

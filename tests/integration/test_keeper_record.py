@@ -95,7 +95,13 @@ def test_a_keeper_restarts_from_its_record_which_holds_no_credential(local_ray, 
         assert ray.get(keeper.holder.remote()).fence == lease.fence
         assert ray.get(keeper.renew.remote("t1", 60.0)) is True
         assert any("restarted" in n for n in ray.get(keeper.events.remote()))
+        # Who holds the session's result is kept too: a command fenced off after the
+        # restart is still told the command that won (docs/contract.md §4).
+        won = ray.get(keeper.took_over.remote(lease.fence - 1))
+        assert won is not None and (won.fence, won.holder.token) == (lease.fence, "t1")
     finally:
         ray.get(keeper.forget.remote())
+        # release gives its own lease back after forgetting: that writes nothing back
+        ray.get(keeper.release.remote("t1"))
         ray.kill(keeper)
     assert [raycompat.kv_get(name) for name in names] == [None, None, None]

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import time
 
 import pytest
 import ray
@@ -23,6 +24,7 @@ import torch
 from mxload.orchestrator.errors import ReloadMismatch, StorageError, WorkerLost
 from mxload.orchestrator.plan.types import ParallelLayout
 from mxload.orchestrator.runtime.driver import first_load, plan_load
+from mxload.orchestrator.runtime.liveness import RankSilent
 from mxload.orchestrator.runtime.ray_run import RayRun
 from mxload.orchestrator.runtime.reports import write_dump
 from mxload.orchestrator.runtime.request import LoadRequest
@@ -247,6 +249,52 @@ def test_interrupted_reload_runs_again_to_completion(small: Session, ckpt_factor
         assert_holds(s, v2, lay=SMALL_LAY)
 
 
+def test_a_rank_stopped_during_a_reload_is_named_and_the_wait_ends(
+    small: Session, ckpt_factory
+) -> None:
+    """SIGSTOP of rank 1's worker once the reload runs (after every check before it):
+    the reload names rank 1, its pid and what resumes it once its answer timeout (2 s
+    here) passed and rank 0 finished, instead of waiting for ever; resumed, the same
+    reload run again completes.
+    The checkpoint is served slowly (0.1 s per request) so the rank is still reading
+    when it is stopped."""
+    s = small
+    v5 = ckpt_factory("qwen3-moe-tiny", 5)
+    pid = s.run.pids()[1]
+    assert pid is not None
+    stopped: list[float] = []
+
+    def stop_rank_1(_progress: object) -> None:
+        if not stopped:
+            os.kill(pid, signal.SIGSTOP)
+            stopped.append(time.monotonic())
+
+    s.run.answer_timeout_s = 2.0
+    try:
+        with RangeHTTPServer(v5, Faults(etag=True), latency=0.1) as server:
+            try:
+                with pytest.raises(RankSilent) as err:
+                    s.reload(server.url, on_progress=stop_rank_1)
+                waited = time.monotonic() - stopped[0]
+            finally:
+                os.kill(pid, signal.SIGCONT)
+            server.state.latency = 0.0
+            print(f"a stopped rank named after {waited:.1f} s: {err.value}")
+            msg = str(err.value)
+            assert msg.startswith(f"rank 1 (pid {pid}) did not answer in 2 s"), msg
+            assert f"kill -CONT {pid}" in msg and err.value.exit_code == 1
+            assert waited < 30, "bounded by the answer timeout, not by the load"
+            # Rank 0, which answered, was waited for: it is free at once. The resumed
+            # rank 1 finishes its own run first (a rank runs one load at a time).
+            assert ray.get(s.run.actors[0].fence.remote(0, 0.0)) is True
+            assert ray.get(s.run.actors[1].fence.remote(0, 60.0)) is True
+            m = s.reload(server.url)
+    finally:
+        s.run.answer_timeout_s = 60.0
+    assert all(r["consistent"] for r in m["ranks"])
+    assert_holds(s, v5, lay=SMALL_LAY)
+
+
 def test_killed_worker_of_a_session_reports_changed_addresses(small: Session, ckpt_factory) -> None:
     v4 = ckpt_factory("qwen3-moe-tiny", 4)
     s = small
@@ -262,6 +310,50 @@ def test_killed_worker_of_a_session_reports_changed_addresses(small: Session, ck
     assert r1["addresses_changed"] is True and r1["restarts"] >= 1
     assert all(r["version"] == start + 1 for r in m["ranks"] if r["rank"] != 1)
     assert_holds(s, v4, lay=SMALL_LAY)
+
+
+def test_a_repair_survives_its_rank_dying_again(small: Session, ckpt_factory) -> None:
+    """repair() (what `mxload status` runs for a restarted rank) goes through the run's
+    restart handling: rank 0 killed (-9), then killed again while its repair reads (the
+    checkpoint served at 0.05 s per request), is restarted and redone, and holds the
+    session's checkpoint, its new addresses recorded."""
+    import threading
+
+    from mxload.orchestrator.runtime.reload import repair
+
+    s = small
+    v3 = ckpt_factory("qwen3-moe-tiny", 3)
+    with RangeHTTPServer(v3, Faults(etag=True)) as server:
+        s.reload(server.url)
+        first = s.run.pids()[0]
+        assert first is not None
+        os.kill(first, signal.SIGKILL)
+        second = s.run.pids()[0]  # answers once Ray restarted it
+        assert second is not None and second != first
+        server.state.latency = 0.05
+        killed: list[int] = []
+
+        def kill_mid_repair() -> None:
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:
+                done, total, _ = ray.get(s.run.actors[0].progress.remote())
+                if 1 <= done < total:
+                    os.kill(second, signal.SIGKILL)
+                    killed.append(second)
+                    return
+                time.sleep(0.02)
+
+        killer = threading.Thread(target=kill_mid_repair)
+        killer.start()
+        try:
+            assert repair(s.run, s.state, lambda _: None) == [0]
+        finally:
+            killer.join()
+        assert killed == [second], "rank 0 died during its repair"
+    third = s.run.pids()[0]
+    assert third not in (None, first, second) and s.state.pids[0] == third
+    assert 0 in s.state.restarted
+    assert_holds(s, v3, lay=SMALL_LAY)
 
 
 def test_two_sessions_side_by_side(shared: Session, small: Session, ckpt_factory) -> None:

@@ -229,8 +229,8 @@ def test_failed_reload_on_one_rank_then_another_checkpoint(work: Path, ckpts, se
 
 
 def test_reload_refused_while_another_holds_the_session(work: Path, ckpts, session) -> None:
-    """The lease is the keeper's: a reload while another command holds it is refused,
-    naming the holder, and touches nothing."""
+    """The lease is the keeper's: a reload, or a release, while another command holds it
+    is refused, naming the holder, and touches nothing."""
     import ray
     from mxload.cluster.local import connect, read_head_record
     from mxload.orchestrator.runtime.keeper import session_lease
@@ -245,11 +245,14 @@ def test_reload_refused_while_another_holds_the_session(work: Path, ckpts, sessi
             keeper = ray.get_actor("default/keeper", namespace=NAMESPACE)
             with session_lease(keeper, "default", "a test holding the lease", "elsewhere"):
                 refused = mx(work, "reload", ckpts["v4"])
+                # release too: ending the ranks under a running reload made it blame them
+                kept = mx(work, "release")
         finally:
             ray.shutdown()
-    assert refused.returncode == 2, show(refused)
-    assert "busy" in refused.stderr and "a test holding the lease" in refused.stderr
-    assert f"pid {os.getpid()}" in refused.stderr, show(refused)
+    for proc in (refused, kept):
+        assert proc.returncode == 2, show(proc)
+        assert "busy" in proc.stderr and "a test holding the lease" in proc.stderr
+        assert f"pid {os.getpid()}" in proc.stderr, show(proc)
     rc, after = status_json(work)
     assert rc == 0 and after["identity"] == before["identity"]
     assert [r["tensors"] for r in after["ranks"]] == [r["tensors"] for r in before["ranks"]]
@@ -297,6 +300,47 @@ def test_a_restarted_rank_shows_in_human_status(work: Path, ckpts, session) -> N
     assert dump_matches(work, before["identity"]["src"], "dump-restarted") == []
 
 
+@pytest.fixture
+def full_disk(tmp_path: Path):
+    """A real file system with no room left (a 64 KiB tmpfs, filled): new empty files
+    can be made there, no bytes written. Needs the right to mount (root here)."""
+    mnt = tmp_path / "full"
+    mnt.mkdir()
+    made = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mnt)], capture_output=True
+    )
+    if made.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here: {made.stderr.decode()[:200]}")
+    try:
+        with open(mnt / "filler", "wb", buffering=0) as f, contextlib.suppress(OSError):
+            while True:
+                f.write(b"\0" * 4096)
+        yield mnt
+    finally:
+        subprocess.run(["umount", str(mnt)], check=False)
+
+
+def test_a_reload_whose_report_finds_a_full_disk_says_the_weights_are_replaced(
+    work: Path, ckpts, session, full_disk: Path
+) -> None:
+    """--report on a full disk passes the check before any work (an empty file can still
+    be made there) and fails once the weights were replaced: exit 2 as every output
+    failure, with the reload's own outcome printed and the line saying the weights ARE
+    replaced (it read as a reload that did not happen)."""
+    assert session.returncode == 0, show(session)
+    _, before = status_json(work)
+    target = before["identity"]["version"] + 1
+    proc = mx_here(work, "reload", ckpts["v3"], "--report", str(full_disk / "r.json"))
+    assert proc.returncode == 2, show(proc)
+    first = proc.stderr.splitlines()[0]
+    assert "the weights ARE replaced" in first and f"version {target}" in first, show(proc)
+    assert "--report" in first and "r.json" in first, show(proc)
+    assert f"reloaded to version {target}" in proc.stdout, show(proc)
+    rc, after = status_json(work)
+    assert rc == 0 and after["identity"]["version"] == target
+    assert after["identity"]["src"] == ckpts["v3"]
+
+
 def test_a_stopped_rank_is_named_in_seconds(work: Path, ckpts, session) -> None:
     """SIGSTOP of one rank's worker: status and reload say which rank, in one line and in
     seconds (Ray's call would wait 42 s and name none); resumed, status is whole again."""
@@ -319,8 +363,9 @@ def test_a_stopped_rank_is_named_in_seconds(work: Path, ckpts, session) -> None:
 
 def test_a_reload_suspended_past_its_lease_writes_nothing(work: Path, ckpts, session) -> None:
     """Ctrl-Z of a reload holding the lease, longer than the lease (2 s here): another
-    reload is admitted and completes; the first, resumed, is fenced off (one line, no
-    state recorded), and the session keeps the later checkpoint, checked byte for byte."""
+    reload is admitted and completes; the first, resumed, is fenced off (one line naming
+    the reload that won, exit 2, no state recorded), and the session keeps the later
+    checkpoint, checked byte for byte."""
     import ray
     from mxload.orchestrator.runtime.detached import _keeper
     from mxload.orchestrator.runtime.heads import connect_session
@@ -356,9 +401,13 @@ def test_a_reload_suspended_past_its_lease_writes_nothing(work: Path, ckpts, ses
     t0 = time.monotonic()
     _, err = stale.communicate(timeout=120)
     print(f"a resumed stale reload: exit {stale.returncode} in {time.monotonic() - t0:.1f} s")
-    assert stale.returncode in (1, 2), err
+    # Never 0: its caller must not believe it is on the devices. It names the reload
+    # that took the session over (this process ran it) and what the session holds.
+    assert stale.returncode == 2, err
     first, *rest = err.splitlines()
     assert first.startswith("mxload: error:") and "fenced off" in first, err
+    assert f"reload from {ckpts['v4']} by pid {os.getpid()}" in first, err
+    assert f"the session holds version {mid['identity']['version']} from {ckpts['v4']}" in first
     assert all(line.startswith("mxload: the traceback is in") for line in rest), err
     rc, after = status_json(work)
     assert rc == 0, after["problems"]

@@ -914,3 +914,34 @@ def test_plan_counts_the_tensors_vllm_ascend_derives_for_deepseek_mla(mxload) ->
         "derived in place after their source (W_UK_T, W_UV; --engine vllm-ascend-main): "
         "up to 122 tensors, 244.00 MiB per rank" in out
     )
+
+
+def test_sigterm_during_convert_leaves_no_partial_output(
+    ckpt_factory, tmp_path, monkeypatch, capsys
+) -> None:
+    """SIGTERM (what a scheduler or `kill` sends) during convert: handled as Ctrl-C is,
+    the temporary output folder is removed, exit 143. The signal comes at the first
+    converted tensor, through the progress display's hook."""
+    import signal
+
+    from mxload.orchestrator.cli import commands
+
+    class TermAtFirstTensor:
+        def __call__(self, *_: int) -> None:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+        def close(self) -> None:
+            pass
+
+    monkeypatch.setattr(commands.show, "convert_progress", lambda _json: TermAtFirstTensor())
+    got: list[int] = []
+    # Were SIGTERM left to its default here, it would end pytest itself.
+    before = signal.signal(signal.SIGTERM, lambda signum, _frame: got.append(signum))
+    try:
+        src = shutil.copytree(ckpt_factory("qwen3-dense-tiny", 1), tmp_path / "src")
+        rc = main(["convert", str(src), str(tmp_path / "out")])
+    finally:
+        signal.signal(signal.SIGTERM, before)
+    assert (rc, got) == (143, []), capsys.readouterr().err
+    assert capsys.readouterr().err == "mxload: terminated\n"
+    assert sorted(os.listdir(tmp_path)) == ["src"], "no DST, no temporary folder"

@@ -10,6 +10,7 @@ mxload's own catalog (and loader) as an MXFP8 checkpoint.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -523,6 +524,48 @@ def test_failed_convert_leaves_an_earlier_conversion_byte_for_byte(
     assert os.listdir(tmp_path) == ["out"]
 
 
+@pytest.mark.parametrize("where", ["local", "http-etag"])
+def test_a_source_rewritten_while_converted_is_never_put_in_place(
+    ckpt_factory, tmp_path, where
+) -> None:
+    """After the first tensor is converted, one shard of the source is overwritten in
+    place by another checkpoint's (same model: same header and size, other weights), as
+    a trainer saving over its last checkpoint does. convert fails naming that file (what
+    load and reload say), and neither DST nor its temporary folder is left."""
+    import shutil
+
+    from mxload.orchestrator.errors import RunError
+
+    from tests.servers import Faults, RangeHTTPServer
+
+    src = tmp_path / "src"
+    shutil.copytree(ckpt_factory("qwen3-moe-tiny", 5), src)
+    other = ckpt_factory("qwen3-moe-tiny", 6)
+    shard = "model-00002-of-00002.safetensors"
+    new_bytes = open(os.path.join(other, shard), "rb").read()
+    assert os.path.getsize(src / shard) == len(new_bytes)
+    rewritten: list[str] = []
+
+    def rewrite_once(*_: int) -> None:
+        if not rewritten:
+            with open(src / shard, "r+b") as f:  # in place: same inode, same size
+                f.write(new_bytes)
+            rewritten.append(shard)
+
+    dst = tmp_path / "out"
+    with contextlib.ExitStack() as stack:
+        url = str(src)
+        if where == "http-etag":
+            url = stack.enter_context(RangeHTTPServer(str(src), Faults(etag=True))).url
+        with pytest.raises(RunError) as err:
+            convert_checkpoint(url, str(dst), on_progress=rewrite_once)
+    assert rewritten, "the source was rewritten during the run"
+    msg = str(err.value)
+    assert shard in msg and "changed while this run read it" in msg, msg
+    assert err.value.exit_code == 1
+    assert sorted(os.listdir(tmp_path)) == ["src"], "no DST, no temporary folder"
+
+
 def test_overwrite_replaces_the_shard_set_whole(ckpt_factory, tmp_path) -> None:
     """Four shards, then a two-shard source with --overwrite: exactly the new set (no
     stale *-of-00004 beside the *-of-00002), equal to a fresh conversion of it."""
@@ -670,6 +713,35 @@ def test_ascend_format_describes_every_tensor_and_reads_back(ckpt_factory, tmp_p
         json.dump(desc, f)
     with pytest.raises(UnsupportedError, match=r"o_proj\.weight.*W4A8_DYNAMIC"):
         open_checkpoint(dst)
+
+
+def test_an_ascend_description_that_contradicts_its_tensors_is_refused(
+    ckpt_factory, tmp_path, capsys
+) -> None:
+    """A quant_model_description.json entry that says FLOAT over an MXFP8 weight (with its
+    weight_scale), or W8A8_MXFP8 over a BF16 one: every command that opens the checkpoint
+    refuses it naming the tensor and what it holds (exit 2), before a plan is made."""
+    from mxload.orchestrator.cli import main
+    from mxload.orchestrator.errors import CheckpointError
+
+    dst = str(tmp_path / "ascend")
+    convert_checkpoint(ckpt_factory("qwen3-dense-tiny", 5), dst, fmt="ascend")
+    path = os.path.join(dst, "quant_model_description.json")
+    with open(path) as f:
+        good = json.load(f)
+    for tensor, described, held in (
+        ("model.layers.0.self_attn.o_proj.weight", "FLOAT", "F8_E4M3 with"),
+        ("model.embed_tokens.weight", "W8A8_MXFP8", "BF16"),
+    ):
+        assert good[tensor] != described
+        with open(path, "w") as f:
+            json.dump({**good, tensor: described}, f)
+        with pytest.raises(CheckpointError) as err:
+            open_checkpoint(dst)
+        msg = str(err.value)
+        assert f"{tensor} is described {described}" in msg and f"holds it as {held}" in msg
+        assert main(["plan", dst, "--tp", "1"]) == 2
+        assert tensor in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(

@@ -942,7 +942,7 @@ def test_a_run_fenced_off_writes_no_further_unit(ckpt_factory) -> None:
     refused before it writes anything."""
     import dataclasses
 
-    from mxload.orchestrator.errors import RunError
+    from mxload.orchestrator.errors import FencedOff
 
     src = ckpt_factory("qwen3-dense-tiny", 1)
     meta, plan = plan_of(src, ParallelLayout(tp=2))
@@ -956,11 +956,11 @@ def test_a_run_fenced_off_writes_no_further_unit(ckpt_factory) -> None:
         if i == 1:  # while unit 1 converts, a later lease fences this run off
             loader.fence.advance(5)
 
-    with on_each_unit(unit), pytest.raises(RunError, match="rank 0: this reload was fenced off"):
+    with on_each_unit(unit), pytest.raises(FencedOff, match="rank 0: this reload was fenced off"):
         loader.load(list(rp.reads), old, version=2, staging_budget=rp.staging.budget_bytes)
     assert loader.unit_ids[0] == (2, meta.fingerprint)
     assert all(v == 0 for v in loader.unit_versions[1:]), loader.unit_versions
-    with on_each_unit(written.append), pytest.raises(RunError, match="token 4"):
+    with on_each_unit(written.append), pytest.raises(FencedOff, match="token 4"):
         written.clear()
         loader.load(list(rp.reads), old, version=2, staging_budget=rp.staging.budget_bytes)
     assert written == []

@@ -218,6 +218,26 @@ def test_lease_of_a_dead_holder_or_expired_is_taken_over(plan) -> None:
     assert got(k, holder(token="t2"), 60)
 
 
+def test_a_fenced_holder_is_told_the_command_whose_result_the_session_holds(plan) -> None:
+    """Reload A's lease lapses (suspended); reload B takes the session and records its
+    result; a status takes the lease after it and records nothing. A, resumed, is
+    refused, and the command named to it is B (the one that won), not the last lease."""
+    k = SessionKeeper("k", state_of(plan))
+    a = k.acquire(holder(token="ta", src="/a"), 0)  # lapsed at once
+    b = k.acquire(holder(token="tb", src="/b"), 60)
+    assert b.fence > a.fence
+    won = dataclasses.replace(state_of(plan, version=2, fp="fb"), src="/b")
+    assert k.put(won, "tb") == ""
+    k.release("tb")
+    status = k.acquire(dataclasses.replace(holder(token="ts"), what="status"), 60)
+    k.release("ts")
+    assert status.fence > b.fence
+    assert "lapsed" in k.put(state_of(plan, version=2, fp="fa"), "ta")
+    winner = k.took_over(a.fence)
+    assert winner is not None and (winner.holder.src, winner.fence) == ("/b", b.fence)
+    assert k.took_over(status.fence) is None
+
+
 # --- names and addresses ---------------------------------------------------------------------
 
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from ...orchestrator.errors import RunError
+from ...orchestrator.errors import FencedOff
 from ...orchestrator.plan.types import Unit
 
 Identity = tuple[int, str]
@@ -145,9 +145,9 @@ class Fence:
             return self.highest
 
     def check(self, token: int, rank: int) -> None:
-        """RunError when a run with ``token`` has been fenced off."""
+        """FencedOff when a run with ``token`` has been fenced off."""
         if token and token < self.highest:
-            raise RunError(
+            raise FencedOff(
                 f"rank {rank}: this reload was fenced off: its lease on the session (token "
                 f"{token}) lapsed and a later command (token {self.highest}) took the "
                 "session; it writes nothing more (run `mxload status`)",

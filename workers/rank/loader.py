@@ -268,7 +268,7 @@ class RankLoader:
                         if f:
                             used.setdefault(f, []).append(i)
         storage = self._reader.storage(source)
-        changed = [f for f in sorted(used) if storage.version_tag(f) != source.file_tags.get(f, "")]
+        changed = storage.changed({f: source.file_tags.get(f, "") for f in used})
         if changed:
             for f in changed:
                 for i in used[f]:

@@ -266,6 +266,12 @@ class Storage:
 
         return self._call(relpath, None, stat)
 
+    def changed(self, tags: Mapping[str, str]) -> list[str]:
+        """The files of ``tags`` (relpath -> its :meth:`version_tag` when a run began)
+        whose tag is another now, sorted: rewritten in place while the run read them
+        (docs/contract.md §4 "Reload", §1.2 convert). One stat (or HEAD) per file."""
+        return [f for f in sorted(tags) if self.version_tag(f) != tags[f]]
+
     def exists(self, relpath: str) -> bool:
         """Whether ``relpath`` exists. Errors other than "not found" still raise."""
         try:
