@@ -111,6 +111,20 @@ class Liveness:
         """The error naming the ranks in ``late`` (from :meth:`poll`)."""
         return silent_error(late, self.pids, self.timeout_s)
 
+    def settle(self, rank: int) -> None:
+        """Record the final progress of a rank whose run returned (it answers at once: it
+        is idle); a rank that does not answer in time keeps its last one."""
+        import ray
+
+        self._pending.pop(rank, None)
+        try:
+            done, total, nbytes = ray.get(
+                self.actors[rank].progress.remote(), timeout=self.timeout_s
+            )
+            self._last[rank] = (int(done), int(total), int(nbytes))
+        except (ray.exceptions.RayError, TimeoutError):
+            pass
+
     def progress(self) -> list[tuple[int, int, int]]:
         """Each rank's last answered progress (done, total, bytes)."""
         return [self._last.get(r, (0, 0, 0)) for r in range(len(self.actors))]

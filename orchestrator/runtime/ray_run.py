@@ -188,13 +188,13 @@ class RayRun:
                 if rank in silent and ref not in done:
                     del refs[ref]
                     failures[rank] = live.error([rank])
-            if on_progress is not None:
-                on_progress(live.progress())
             for ref in done:
                 rank = refs.pop(ref)
                 try:
                     reports[rank] = ray.get(ref)
                     unavailable_since.pop(rank, None)
+                    if on_progress is not None:
+                        live.settle(rank)  # its last units, not the ping before them
                 except ray.exceptions.ActorUnavailableError:
                     # The process is being restarted (already counted): try again shortly.
                     since = unavailable_since.setdefault(rank, time.monotonic())
@@ -220,6 +220,8 @@ class RayRun:
                 except ray.exceptions.RayTaskError as err:
                     # Say which rank failed (a bad scale in an expert only it holds).
                     failures[rank] = rank_error(rank, err)
+            if on_progress is not None:
+                on_progress(live.progress())
         if failures:
             raise _first_failure(failures)
         return [rep for rep in (reports[r] for r in ranks) if rep is not None], attempts
