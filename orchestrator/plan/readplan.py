@@ -70,14 +70,19 @@ def rect_range(
     return ByteRange(first, width, row_bytes, nrows)
 
 
-def _matrix_shape(info: TensorInfo) -> tuple[int, int]:
+def matrix_shape(shape: Sequence[int]) -> tuple[int, int]:
     """``[N, K]`` of a tensor as parts address it: 1-D tensors are ``[1, n]``, tensors of
     more dims ``[N, prod(rest)]`` (the same row-major bytes; Qwen3.5's ``conv1d`` is
-    ``[conv_dim, 1, kernel]``)."""
-    if len(info.shape) >= 2:
-        return info.shape[0], math.prod(info.shape[1:])
-    if len(info.shape) == 1:
-        return 1, info.shape[0]
+    ``[conv_dim, 1, kernel]``). A checkpoint's and a trainer's tensors alike."""
+    if len(shape) == 1:
+        return 1, shape[0]
+    return shape[0], math.prod(shape[1:])
+
+
+def _matrix_shape(info: TensorInfo) -> tuple[int, int]:
+    """:func:`matrix_shape` of a checkpoint tensor, which must have a dim."""
+    if info.shape:
+        return matrix_shape(info.shape)
     raise CheckpointError(
         f"{info.file}: tensor {info.name!r} has shape {list(info.shape)}; mxload reads "
         "tensors of one or more dims only",

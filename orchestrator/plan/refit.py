@@ -27,6 +27,7 @@ from typing import Literal
 from ..errors import InputError
 from .formats import MX_GROUP
 from .memory import ConvertOptions, unit_cost
+from .readplan import matrix_shape
 from .trainer import TrainerManifest, TrainerTensor
 from .types import Part, Plan, Unit
 
@@ -273,13 +274,6 @@ def needed_shapes(plan: Plan) -> dict[str, tuple[int, ...]]:
 
 
 # --- the walk -----------------------------------------------------------------------------
-
-
-def matrix_shape(shape: Sequence[int]) -> tuple[int, int]:
-    """``[N, K]`` of a tensor as parts address it (``readplan``'s view)."""
-    if len(shape) == 1:
-        return 1, shape[0]
-    return shape[0], math.prod(shape[1:])
 
 
 @dataclass(frozen=True)

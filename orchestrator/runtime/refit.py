@@ -28,7 +28,8 @@ from ..errors import InputError, ReloadMismatch
 from ..plan.checkpoint import CheckpointMeta, build_meta
 from ..plan.config import ModelConfig, QuantConfig
 from ..plan.formats import MX_GROUP
-from ..plan.refit import ConvertOn, RefitPlan, matrix_shape, refit_plan
+from ..plan.readplan import matrix_shape
+from ..plan.refit import ConvertOn, RefitPlan, refit_plan
 from ..plan.safetensors_header import FileHeader, TensorInfo
 from ..plan.trainer import TrainerManifest, manifest_from_json
 from ..plan.types import ParallelLayout, Plan
