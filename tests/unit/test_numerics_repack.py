@@ -128,3 +128,34 @@ def test_pack_refuses_mismatched_groups() -> None:
         repack.pack_linear(_payload(2, 48), _scale(2, 1))
     with pytest.raises(NumericsError):
         repack.unpack_scale(torch.zeros((2, 3, 2), dtype=torch.uint8), 5)
+
+
+@pytest.mark.parametrize(
+    ("n", "k", "n_total", "row0"),
+    [
+        (64, 64, 128, 64),  # one whole 64-row item, words throughout
+        (136, 64, 272, 128),  # three items, the last 8 rows
+        (9, 16, 24, 8),  # 8 rows by words, the ninth by bytes
+        (13, 40, 40, 3),  # a column off the 8-byte words: bytes only
+        (100, 96, 300, 7),  # n_total off the words
+        (70, 36, 72, 0),  # K off the words
+        (1, 32, 1, 0),
+    ],
+)
+def test_put_columns_is_the_transposing_copy(n: int, k: int, n_total: int, row0: int) -> None:
+    """The numba column writer writes what torch's transposing copy does, and nothing
+    outside the chunk's columns (numba is a dependency: its kernels run here)."""
+    from mxload.workers.numerics import kernels
+
+    assert kernels.available(), kernels.unavailable_reason()
+    g = torch.Generator().manual_seed(n * 1000 + k)
+    payload = torch.randint(0, 256, (n, k), dtype=torch.uint8, generator=g)
+    before = torch.randint(0, 256, (k, n_total), dtype=torch.uint8, generator=g)
+    want = before.clone()
+    want[:, row0 : row0 + n] = payload.t()
+    got = before.clone()
+    kernels.run_columns(payload.numpy(), n, k, got.view(-1).numpy(), row0, 2)
+    assert torch.equal(got, want)
+    got = before.clone()  # and through the row writer
+    repack._put_columns(got.view(torch.float8_e4m3fn), payload.view(torch.float8_e4m3fn), row0)
+    assert torch.equal(got, want)

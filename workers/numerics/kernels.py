@@ -680,6 +680,36 @@ def _transpose_words(
             q64[o + 7 * n8] = x7
 
 
+@_jit(parallel=True)
+def _columns_kernel(
+    src: np.ndarray,
+    src64: np.ndarray,
+    n: int,
+    k: int,
+    q: np.ndarray,
+    q64: np.ndarray,
+    n_total: int,
+    col: int,
+) -> None:
+    """Rows ``src [n, k]`` (row-major) as columns ``[col, col + n)`` of ``q [k, n_total]``:
+    64-row items in parallel, 8x8 bytes in registers where words line up (``src64`` and
+    ``q64`` non-empty), bytes elsewhere."""
+    for item in prange((n + 63) // 64):
+        r0 = item * 64
+        r1 = min(n, r0 + 64)
+        done = r0
+        if src64.shape[0] > 0 and q64.shape[0] > 0 and col % 8 == 0:
+            whole = (r1 - r0) // 8 * 8
+            if whole:
+                s8 = k // 8
+                _transpose_words(src64[r0 * s8 :], s8, whole, k, q64, n_total // 8, (col + r0) // 8)
+                done = r0 + whole
+        for c in range(k):
+            o = c * n_total + col
+            for i in range(done, r1):
+                q[o + i] = src[i * k + c]
+
+
 @_jit()
 def _convert_item(
     w: np.ndarray,
@@ -1138,6 +1168,21 @@ def run_convert_parts(
         )  # fmt: skip
 
 
+def run_columns(src: np.ndarray, n: int, k: int, q: np.ndarray, col: int, threads: int) -> None:
+    """Write ``src`` (uint8 ``[n, k]``, C-contiguous) as columns ``[col, col + n)`` of the
+    flat uint8 ``q`` holding ``[k, n_total]`` row-major (``n_total = q.size // k``): the
+    transpose a row-major MX payload takes into the kernel layout (docs/contract.md §2.3)."""
+    if n == 0 or k == 0:
+        return
+    n_total = q.size // k
+    src = src.reshape(-1)
+    src64 = words(src) if k % 8 == 0 else np.zeros(0, dtype=np.uint64)
+    q64 = words(q) if n_total % 8 == 0 else np.zeros(0, dtype=np.uint64)
+    with LOCK:
+        set_threads(threads)
+        _columns_kernel(src, src64, n, k, q, q64, n_total, col)
+
+
 def run_mx(
     bits: np.ndarray,
     is_bf16: bool,
@@ -1186,6 +1231,12 @@ def _self_test() -> None:
         run_resolve(b, 0, 0, 128, 128, mode, out, 1)
         run_convert(b, 0, 0, 128, 128, mode, False, q, s, 1, 0, 1)
         run_convert(b, 0, 0, 128, 128, mode, True, q, s, 1, 0, 1)
+    # 9 rows of 16 bytes as columns 8..16 of [16, 24]: 8 rows by words, the ninth by bytes.
+    src = np.arange(9 * 16, dtype=np.uint8).reshape(9, 16)
+    q24 = np.zeros(16 * 24, dtype=np.uint8)
+    run_columns(src, 9, 16, q24, 8, 1)
+    if not (q24.reshape(16, 24)[:, 8:17] == src.T).all() or q24.reshape(16, 24)[:, :8].any():
+        raise RuntimeError("columns self-test: the transpose is wrong")
 
 
 def available() -> bool:
