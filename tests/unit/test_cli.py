@@ -581,6 +581,22 @@ def test_convert_to_an_empty_path_from_the_current_folder(
     assert "inside" not in err
 
 
+def test_a_storage_option_the_back_end_does_not_take_is_named(
+    mxload: Callable[..., tuple[int, str, str]], guard: list[str], ckpts: dict[str, str]
+) -> None:
+    """fsspec's HTTP file system hands unknown options to every request (aiohttp then
+    raises TypeError): a bad input named by its key, not a missing config.json."""
+    from tests.servers import RangeHTTPServer
+
+    root = Path(ckpts["v1"])
+    with RangeHTTPServer(str(root.parent)) as server:
+        url = f"{server.url}/{root.name}"
+        assert mxload("inspect", url)[0] == 0
+        got = mxload("inspect", url, "--storage-options", '{"verify_tls": false}')
+    err = assert_refused(got, "--storage-options", "'verify_tls'", "takes no option")
+    assert "no such file" not in err
+
+
 HOSTILE = ["oversized_header_length", "overlapping_tensors", "unknown_dtype", "header_nested_too_deep"]  # fmt: skip
 
 

@@ -9,6 +9,7 @@ errno) or by class name, so this module imports none of the HTTP stacks fsspec m
 from __future__ import annotations
 
 import errno
+import re
 from collections.abc import Iterable, Mapping
 from typing import Literal
 
@@ -124,6 +125,21 @@ def _causes(exc: BaseException) -> Iterable[BaseException]:
         seen.add(id(cur))
         yield cur
         cur = cur.__cause__ or cur.__context__
+
+
+_UNEXPECTED_KEYWORD = re.compile(r"unexpected keyword argument '([^']+)'")
+
+
+def rejected_option(exc: BaseException) -> str | None:
+    """The storage option a back end refused, when a read failed because of one: fsspec
+    hands the options it does not know to each request (aiohttp, botocore), which then
+    raises TypeError naming the keyword. None for any other failure."""
+    for e in _causes(exc):
+        if isinstance(e, TypeError):
+            m = _UNEXPECTED_KEYWORD.search(str(e))
+            if m:
+                return m.group(1)
+    return None
 
 
 def classify(exc: BaseException) -> Verdict:

@@ -19,8 +19,8 @@ from typing import TypeVar
 
 from tenacity import RetryCallState, Retrying, retry_if_exception, stop_after_attempt
 
-from ...orchestrator.errors import StorageError
-from .faults import classify, is_retryable, is_timeout
+from ...orchestrator.errors import StorageError, UsageError
+from .faults import classify, is_retryable, is_timeout, rejected_option
 from .stats import StorageStats
 
 T = TypeVar("T")
@@ -73,6 +73,13 @@ def retry_after_first_failure(
     """Tries 2..attempts of a request whose first try (run bare by the caller, where a
     tenacity loop per read would cost more than a small read) failed with ``first``.
     ``where`` names the byte range in messages. StorageError once it fails for good."""
+    option = rejected_option(first)
+    if option is not None:
+        raise UsageError(
+            f"{url}: the storage back end takes no option {option!r} (--storage-options)",
+            key="--storage-options",
+            file=url,
+        ) from first
     if policy.attempts == 1 or not is_retryable(first):
         raise storage_error(first, url, where, 1) from first
     key = f"{url}@{where}"
