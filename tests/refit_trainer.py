@@ -1,10 +1,13 @@
-"""A trainer rank for the refit tests: a real process holding FSDP-style dim-0 shards.
+"""A trainer rank for the refit tests: a real process holding the shards its manifest
+places on it (FSDP-style dim-0 shards, Megatron-style dim-1 shards of row-parallel layers,
+whole replicas).
 
 Run as ``python -m tests.refit_trainer RANK WORLD``; it reads one JSON command per line
 on stdin and answers one JSON line on stdout:
 
 * ``{"op": "join", "name", "src", "layout", "engine", "trainer"}``: make an
-  ``MxloadSender`` for refit group ``name`` (blocks until the engine's ranks join);
+  ``MxloadSender`` for refit group ``name`` (blocks until the engine's ranks join); the
+  sends of ``name`` hold what the trainer form's ``manifest`` places on this rank;
 * ``{"op": "send", "name", "step", "weights", "delta_of"?, "changed"?, "mix"?,
   "die_after"?}``: send this rank's shards of the BF16 checkpoint ``weights`` (tensors
   named in ``mix`` taken from the checkpoint ``mix["from"]`` instead) as ``step``;
@@ -12,8 +15,9 @@ on stdin and answers one JSON line on stdout:
   send (a trainer dying mid-update); ``stop_after``: it stops itself (SIGSTOP) there;
 * ``{"op": "exit"}``.
 
-Its shards are what the manifest (``fsdp_manifest`` of the checkpoint's shapes) places
-on this rank, cut with ``torch.chunk``'s sizes as FSDP2 does.
+Its shards are cut from the whole tensors as the manifest's placements say, each slice
+along its ``dim`` (an FSDP manifest: dim-0 chunks in ``torch.chunk``'s sizes, as FSDP2
+cuts them; a Megatron one: dim 1 for row-parallel layers), each its own memory.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ import traceback
 from typing import Any
 
 import torch
-from mxload.orchestrator.plan.trainer import fsdp_manifest
+from mxload.orchestrator.plan.trainer import TrainerManifest, fsdp_manifest, manifest_from_json
 from mxload.orchestrator.plan.types import ParallelLayout
 from mxload.orchestrator.runtime.refit import MxloadSender
 from safetensors.torch import load_file
@@ -48,15 +52,25 @@ def read_checkpoint(path: str) -> dict[str, torch.Tensor]:
     return out
 
 
+def manifest_shards(
+    tensors: dict[str, torch.Tensor], manifest: TrainerManifest, rank: int
+) -> dict[str, torch.Tensor]:
+    """What ``manifest`` places on ``rank`` of every tensor it names: the slice along the
+    placement's dim (or the whole tensor), cloned: its own memory, as a trainer holds it."""
+    out = {}
+    for t in manifest.tensors:
+        for s in t.placement:
+            if s.rank == rank:
+                whole = tensors[t.name]
+                cut = whole if s.dim is None else whole.narrow(s.dim, s.start, s.stop - s.start)
+                out[t.name] = cut.clone()
+    return out
+
+
 def shards(tensors: dict[str, torch.Tensor], rank: int, world: int) -> dict[str, torch.Tensor]:
     """This rank's dim-0 chunk of every tensor (FSDP2's placement), cloned: its own memory."""
     m = fsdp_manifest({n: tuple(t.shape) for n, t in tensors.items()}, world)
-    out = {}
-    for t in m.tensors:
-        for s in t.placement:
-            if s.rank == rank:
-                out[t.name] = tensors[t.name][s.start : s.stop].clone()
-    return out
+    return manifest_shards(tensors, m, rank)
 
 
 def die_after(sender: MxloadSender, messages: int, sig: int = signal.SIGKILL) -> None:
@@ -80,12 +94,15 @@ def main() -> None:
     rank, world = int(sys.argv[1]), int(sys.argv[2])
     torch.set_num_threads(1)
     senders: dict[str, MxloadSender] = {}
-    cache: dict[str, dict[str, torch.Tensor]] = {}
+    manifests: dict[str, TrainerManifest] = {}
+    cache: dict[tuple[str, str], dict[str, torch.Tensor]] = {}
 
-    def weights(path: str) -> dict[str, torch.Tensor]:
-        if path not in cache:
-            cache[path] = shards(read_checkpoint(path), rank, world)
-        return cache[path]
+    def weights(path: str, name: str) -> dict[str, torch.Tensor]:
+        m = manifests[name]
+        key = (path, m.digest())
+        if key not in cache:
+            cache[key] = manifest_shards(read_checkpoint(path), m, rank)
+        return cache[key]
 
     for line in sys.stdin:
         cmd: dict[str, Any] = json.loads(line)
@@ -93,6 +110,9 @@ def main() -> None:
             if cmd["op"] == "exit":
                 break
             if cmd["op"] == "join":
+                m = manifest_from_json(cmd["trainer"]["manifest"])
+                if m.world != world:
+                    raise ValueError(f"the manifest's world is {m.world}, this trainer's {world}")
                 old = senders.pop(cmd["name"], None)
                 if old is not None:
                     old.close()
@@ -103,13 +123,14 @@ def main() -> None:
                     rank=rank,
                     engine=cmd.get("engine"),
                 )
+                manifests[cmd["name"]] = m
                 reply: dict[str, Any] = {"ok": True}
             else:
                 sender = senders[cmd["name"]]
-                params = dict(weights(cmd["weights"]))
+                params = dict(weights(cmd["weights"], cmd["name"]))
                 mix = cmd.get("mix")
                 if mix:
-                    other = weights(mix["from"])
+                    other = weights(mix["from"], cmd["name"])
                     params.update({n: other[n] for n in mix["tensors"] if n in other})
                 die = cmd.get("die_after")
                 if die is not None:

@@ -276,6 +276,37 @@ def test_a_cut_on_a_group_converts_on_the_sender() -> None:
     check_refit(plan, manifest, got, [0] * 4, got.summary.bucket_bytes)
 
 
+def test_megatron_k_cuts_off_the_engines_groups_are_refused_on_the_sender() -> None:
+    # A trainer at tp 4, an engine at tp 2: qwen3.5-tiny's 448-wide down_proj is 224
+    # columns (7 MX groups) per engine rank, 112 (3.5 groups) per trainer rank, so
+    # trainer rank 0's slice ends inside engine rank 0's fourth group.
+    plan = preset_plan("qwen3.5-tiny")
+    manifest = megatron_manifest(needed_shapes(plan), 4)
+    tensor = "model.language_model.layers.0.mlp.down_proj.weight"
+    assert [(s.dim, s.start) for s in manifest.by_name()[tensor].placement][:2] == [
+        (1, 0),
+        (1, 112),
+    ]
+    with pytest.raises(InputError) as err:
+        refit_plan(plan, manifest, convert_on="sender")
+    msg = str(err.value)
+    assert (err.value.tensor, err.value.rank) == (tensor, 0)
+    assert f"{tensor!r}: trainer rank 0 holds cols [0, 112]" in msg and "engine rank 0" in msg
+    assert "\n" not in msg
+    got = refit_plan(plan, manifest, convert_on="receiver")
+    check_refit(plan, manifest, got, [r // 16 for r in range(4)], got.summary.bucket_bytes)
+    # Megatron at tp 8 of qwen3-dense-tiny cuts K every 32 or 64 columns, on the groups:
+    # each engine part's columns come from several trainer ranks, converted on the sender.
+    plan = preset_plan("qwen3-dense-tiny")
+    manifest = megatron_manifest(needed_shapes(plan), 8)
+    got = refit_plan(plan, manifest, convert_on="sender")
+    o_proj = "model.layers.0.self_attn.o_proj.weight"
+    assert [t.cols for t in got.transfers_to(0) if t.tensor == o_proj] == [
+        (c, c + 32) for c in range(0, 128, 32)
+    ]
+    check_refit(plan, manifest, got, [0] * 4, got.summary.bucket_bytes)
+
+
 def test_manifest_mismatches_are_refused_naming_tensor_and_rank() -> None:
     plan = preset_plan("qwen3-moe-tiny")
     shapes = needed_shapes(plan)
