@@ -269,3 +269,101 @@ def test_a_trainer_step_during_the_send_fails_the_update_naming_the_tensor(
     finally:
         sender.close()
         engine.close()
+
+
+class _Allocations:
+    """Peak bytes of the tensors torch allocates on this thread while in use: every op's
+    output storage that is none of its inputs' is counted until it is freed (a finalizer
+    on the storage, which outlives views and numpy arrays of it)."""
+
+    def __init__(self) -> None:
+        self.live = self.peak = 0
+        self.held: set[int] = set()
+
+    def _free(self, ptr: int, nbytes: int) -> None:
+        self.held.discard(ptr)
+        self.live -= nbytes
+
+    def mode(self) -> Any:
+        import weakref
+
+        from torch.utils._python_dispatch import TorchDispatchMode
+        from torch.utils._pytree import tree_leaves
+
+        counter = self
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+                out = func(*args, **(kwargs or {}))
+                given = {
+                    x.untyped_storage().data_ptr()
+                    for x in tree_leaves((args, kwargs))
+                    if isinstance(x, torch.Tensor)
+                }
+                for t in tree_leaves(out):
+                    if not isinstance(t, torch.Tensor):
+                        continue
+                    st = t.untyped_storage()
+                    ptr, nbytes = st.data_ptr(), st.nbytes()
+                    if nbytes and ptr not in given and ptr not in counter.held:
+                        counter.held.add(ptr)
+                        counter.live += nbytes
+                        counter.peak = max(counter.peak, counter.live)
+                        weakref.finalize(st, counter._free, ptr, nbytes)
+                return out
+
+        return Mode()
+
+
+@pytest.mark.parametrize("on_sender", [True, False], ids=["convert-on-sender", "bf16"])
+def test_packing_a_bucket_holds_at_most_one_more_bucket(on_sender: bool) -> None:
+    """A trainer rank's staging beyond its bucket buffer, measured: packing a bucket of
+    K-split pieces (views with a row stride, converted to MXFP8 on the sender or not)
+    allocates at most the buffer's size at any time (docs/contract.md §4 "Refit": a
+    sender holds at most two buckets). Sent as they are, nothing is allocated."""
+    from mxload.orchestrator.plan.refit import Transfer
+    from mxload.workers.numerics.select import select_backend
+
+    held = (2048, 6144)  # this rank holds K columns 2048..6144 of a [4096, 8192] tensor
+    shard = torch.randn(4096, held[1] - held[0]).to(torch.bfloat16)
+    cols = (3072, 6144)  # the receiver's K columns: 3072 of them, starting inside the shard
+    width = cols[1] - cols[0]
+    wire_row = width + width // 32 if on_sender else width * 2
+    transfers = [
+        Transfer(
+            sender=0,
+            receivers=(0,),
+            tensor="w",
+            rows=rows,
+            cols=cols,
+            shard_origin=(0, held[0]),
+            nbytes=(rows[1] - rows[0]) * wire_row,
+            source_bytes=(rows[1] - rows[0]) * width * 2,
+            mx=True,
+            on_sender=on_sender,
+        )
+        for rows in ((0, 2048), (2048, 4096))
+    ]
+    buf = torch.empty(sum(t.nbytes for t in transfers), dtype=torch.uint8).fill_(0)
+    local = local_rect({"w": shard}, 0)
+    backend = select_backend("cpu")
+    assert backend.name == "cpu-fast"
+    counted = _Allocations()
+    with counted.mode():
+        n = pack(transfers, local, buf, backend)
+    assert n == buf.numel()
+    if on_sender:
+        assert 0 < counted.peak <= buf.numel(), counted.peak
+    else:
+        assert counted.peak == 0, counted.peak
+    # what went on the wire is each piece as the receiver reads it
+    at = 0
+    for t in transfers:
+        piece = shard[t.rows[0] : t.rows[1], t.cols[0] - held[0] : t.cols[1] - held[0]]
+        if not on_sender:
+            want = piece.contiguous().view(torch.uint8).reshape(-1)
+        else:
+            q, s = backend.mx_quantize(piece)
+            want = torch.cat([q.view(torch.uint8).reshape(-1), s.reshape(-1)])
+        assert torch.equal(buf[at : at + want.numel()], want)
+        at += want.numel()

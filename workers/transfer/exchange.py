@@ -125,9 +125,11 @@ class Sender:
         self.tensors = plan_tensors(plan)
         self.digest = plan_digest(plan)
         self.links = {k: v for k, v in link_buckets(plan).items() if k[0] == rank}
-        # Two buckets of staging, allocated once: what this rank holds beyond its params.
-        cap = plan.summary.bucket_bytes
-        self.bufs = [torch.empty(cap, dtype=torch.uint8) for _ in range(2)]
+        # One bucket buffer, allocated once (each send returns once it may be reused): with
+        # the row chunks of a conversion on the sender (``pack``), what this rank holds
+        # beyond its params.
+        size = max((sum(t.nbytes for t in b) for bs in self.links.values() for b in bs), default=0)
+        self.buf = torch.empty(size, dtype=torch.uint8)
         self.last = SendStats()
 
     @contextmanager
@@ -171,7 +173,6 @@ class Sender:
         )
         sent = [t for t in self.tensors if t not in skip and t in params]
         before = {t: _stamp(params[t]) for t in sent}
-        n_bucket = 0
         links = sorted(self.links.items())
         for (_, receiver), buckets in links:
             todo = _without(buckets, skip)
@@ -179,12 +180,10 @@ class Sender:
                 self.transport.send(self.senders + receiver, head)
                 for bucket in todo:
                     where[0] += 1
-                    buf = self.bufs[n_bucket % 2]
-                    n_bucket += 1
                     tp = time.perf_counter()
-                    n = pack(bucket, local, buf, self.backend)
+                    n = pack(bucket, local, self.buf, self.backend)
                     stats.pack_seconds += time.perf_counter() - tp
-                    self.transport.send(self.senders + receiver, buf[:n])
+                    self.transport.send(self.senders + receiver, self.buf[:n])
                     stats.bytes_sent += n
                     stats.buckets += 1
         # Checked once every link's bytes are out, so that no engine rank writes a step

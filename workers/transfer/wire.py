@@ -47,21 +47,35 @@ def pack(
     backend: Any,
 ) -> int:
     """Copy ``transfers`` one after another into the uint8 tensor ``out`` as the wire
-    carries them; ``local(t)`` is the sender's rectangle of ``t`` (a view of its shard).
-    Returns the bytes packed."""
+    carries them; ``local(t)`` is the sender's rectangle of ``t`` (a view of its shard,
+    on the trainer's device or not). Returns the bytes packed.
+
+    Nothing is allocated for a piece sent as it is (one copy from the view into ``out``).
+    A piece converted here is quantized in row chunks whose input copy and results stay
+    within ``out``'s size, written straight into ``out``: the sender's staging is at most
+    twice its bucket buffer (docs/contract.md §4 "Refit")."""
     at = 0
+    budget = out.numel()
     for t in transfers:
         piece = local(t)
-        if t.on_sender:
-            payload, scale = backend.mx_quantize(piece)
-            for part in (payload, scale):
-                flat = part.contiguous().view(torch.uint8).reshape(-1).cpu()
-                out[at : at + flat.numel()].copy_(flat)
-                at += flat.numel()
-        else:
-            flat = piece.contiguous().view(torch.uint8).reshape(-1)
-            out[at : at + flat.numel()].copy_(flat)
-            at += flat.numel()
+        rows, cols = piece.shape
+        if not t.on_sender:
+            n = rows * cols * piece.element_size()
+            out[at : at + n].view(rows, -1).copy_(piece.view(torch.uint8))
+            at += n
+            continue
+        groups = -(-cols // MX_GROUP)
+        payload = out[at : at + rows * cols].view(rows, cols)
+        at += rows * cols
+        scales = out[at : at + rows * groups].view(rows, groups)
+        at += rows * groups
+        # half the buffer per chunk: the allocator keeps some of what a chunk frees
+        step = max(1, budget // 2 // (cols * (piece.element_size() + 1) + groups))
+        for i in range(0, rows, step):
+            q, s = backend.mx_quantize(piece[i : i + step])
+            payload[i : i + step].copy_(q.view(torch.uint8))
+            scales[i : i + step].copy_(s)
+            del q, s  # before the next chunk's are made
     return at
 
 
