@@ -374,7 +374,8 @@ FLAGS: tuple[Flag, ...] = (
     Flag(
         ("--bucket-size",),
         ("plan",),
-        f"refit: bytes one trainer rank packs into one message (default: 256MiB; {SIZE_HELP})",
+        f"refit: bytes one trainer rank packs into one message (default: 64MiB, as the "
+        f"trainer form's bucket_bytes; {SIZE_HELP})",
         size=True,
         kwargs={"metavar": "SIZE"},
     ),

@@ -37,9 +37,9 @@ CONVERT_ON: tuple[ConvertOn, ...] = ("receiver", "sender")
 MX_LAYOUTS = ("mx_linear", "mx_moe")
 """Buffer layouts the engine holds in MXFP8: their units are converted on the way."""
 
-DEFAULT_BUCKET_BYTES = 256 << 20
-"""Bytes one sender packs into one bucket (one message on one link). A sender holds at
-most two (one filling or converting, one on the wire)."""
+DEFAULT_BUCKET_BYTES = 64 << 20
+"""Bytes one sender packs into one bucket (one message on one link), the trainer form's
+``bucket_bytes`` and ``plan --bucket-size`` unless given."""
 
 DEFAULT_DEVICES_PER_NODE = 16
 """Engine ranks per node when the caller does not say (the CLI's ``--devices-per-node``)."""

@@ -54,7 +54,6 @@ from typing import Any
 
 from ..errors import (
     FencedOff,
-    RunError,
     SessionBusy,
     SessionError,
     WorkerLost,
@@ -63,7 +62,7 @@ from ..plan.types import Plan
 from .driver import first_load, plan_load
 from .heads import check_recorded_head, connect_session, recorded_head, watching_head
 from .keeper import SessionKeeper, session_lease, store
-from .liveness import RANK_ANSWER_S, silent_error
+from .liveness import RANK_ANSWER_S, ask_ranks, silent_error
 from .outputs import OutputDir, check_not_input
 from .placement import forget_rank_plans
 from .ray_run import RayRun
@@ -84,7 +83,6 @@ from .reload import RayRanks, reload, repair
 from .reports import build_manifest, write_dump
 from .request import LoadRequest
 from .state import Lease, Progress, SessionState, caller_options, verdict
-from .worker_errors import first_line
 
 log = logging.getLogger(__name__)
 
@@ -335,26 +333,6 @@ def _refresh_session_file(keeper: Any, state: SessionState) -> None:
     record_session(state.session, address, [*state.pids.values(), ray.get(keeper.pid.remote())])
 
 
-def ask_ranks(run: RayRun, method: str, timeout_s: float = 30.0) -> list[Any]:
-    """``method()`` of every rank, or RunError naming the ranks that did not answer in
-    ``timeout_s`` (a stalled node; a rank Ray is restarting is waited for)."""
-    import ray
-
-    refs = [getattr(a, method).remote() for a in run.actors]
-    ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
-    late = [r for r, ref in enumerate(refs) if ref not in ready]
-    if late:
-        raise RunError(
-            f"session: rank(s) {', '.join(map(str, late))} did not answer in {timeout_s:g} s "
-            "(a stopped or stalled worker, or its node); nothing was changed",
-            rank=late[0],
-        )
-    try:
-        return list(ray.get(refs))
-    except ray.exceptions.RayError as err:
-        raise RunError(f"session: a rank failed to answer: {first_line(err)}") from None
-
-
 def _check_engine(session: str, held: Plan, engine: str | None) -> None:
     """``--engine`` on reload/status names what the caller expects; the session's buffers
     are laid out for the engine it was loaded with, and cannot change."""
@@ -406,7 +384,7 @@ def detached_status(
                     repaired = repair(run, state, _saver(keeper, state, lease), lease.fence)
             except SessionBusy:
                 busy = ray.get(keeper.holder.remote())
-        reports = ask_ranks(run, "report")
+        reports = ask_ranks(run.actors, "report", run.answer_timeout_s)
         state.observe(reports)
         manifest = build_manifest(state.plan, reports)
         manifest["session"] = session

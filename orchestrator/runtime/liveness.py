@@ -20,6 +20,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from ..errors import RunError
+from .worker_errors import first_line
 
 RANK_ANSWER_S = 60.0
 """How long a rank with work may leave a ping unanswered before the run names it and
@@ -62,6 +63,27 @@ def silent_error(late: Sequence[int], pids: Sequence[int | None], timeout_s: flo
         "waiting for it (`mxload status` says what the ranks hold)",
         rank=late[0],
     )
+
+
+def ask_ranks(actors: Sequence[Any], method: str, timeout_s: float, *args: Any) -> list[Any]:
+    """``method(*args)`` of every rank, or RankSilent naming the ranks that did not answer
+    in ``timeout_s`` (a stopped worker, a stalled node; a rank Ray is restarting is
+    waited for), RunError when one failed."""
+    import ray
+
+    refs = [getattr(a, method).remote(*args) for a in actors]
+    ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+    late = [r for r, ref in enumerate(refs) if ref not in ready]
+    if late:
+        raise RankSilent(
+            f"rank(s) {', '.join(map(str, late))} did not answer in {timeout_s:g} s (a stopped "
+            "or stalled worker, or its node); nothing was changed",
+            rank=late[0],
+        )
+    try:
+        return list(ray.get(refs))
+    except ray.exceptions.RayError as err:
+        raise RunError(f"a rank failed to answer {method}: {first_line(err)}") from None
 
 
 class Liveness:

@@ -29,10 +29,11 @@ from ..plan.checkpoint import CheckpointMeta, build_meta
 from ..plan.config import ModelConfig, QuantConfig
 from ..plan.formats import MX_GROUP
 from ..plan.readplan import matrix_shape
-from ..plan.refit import ConvertOn, RefitPlan, refit_plan
+from ..plan.refit import DEFAULT_BUCKET_BYTES, ConvertOn, RefitPlan, refit_plan
 from ..plan.safetensors_header import FileHeader, TensorInfo
 from ..plan.trainer import TrainerManifest, manifest_from_json
 from ..plan.types import ParallelLayout, Plan
+from .liveness import Liveness
 from .reload import Ranks, ReloadInputs, ReloadResult, apply, inputs_for, plan_for
 from .state import Progress, Report, SessionState
 
@@ -45,9 +46,6 @@ if TYPE_CHECKING:
     from .ray_run import RayRun
 
 log = logging.getLogger(__name__)
-
-DEFAULT_BUCKET_BYTES = 64 << 20
-"""Bytes of one message on one link (a trainer rank stages two)."""
 
 WIRE_ROOT = "trainer://"
 """The root of a trainer source (what ``status`` names as the source of a refit)."""
@@ -339,6 +337,9 @@ class RayRefitRanks:
             )
             for r, a in enumerate(self.run.actors)
         ]
+        Liveness(self.run.actors, self.run.answer_timeout_s, self.run.pids()).wait(
+            dict(enumerate(refs))
+        )
         out: list[Report] = ray.get(refs)
         return out
 

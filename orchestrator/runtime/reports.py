@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..plan.formats import DUMP_FORMAT
 from ..plan.types import Plan
+from .liveness import Liveness
 from .outputs import OutputDir
 from .state import Report
 
@@ -98,7 +99,10 @@ def write_dump(run: RayRun, manifest: dict[str, Any], out_dir: str | OutputDir) 
     with out:
         tmp = out.begin()
         for rank, actor in enumerate(run.actors):
-            raw = ray.get(actor.host_tensors.remote())
+            ref = actor.host_tensors.remote()
+            # a rank stopped or stalled mid-copy is named, not waited for for ever
+            Liveness(run.actors, run.answer_timeout_s).wait({rank: ref})
+            raw = ray.get(ref)
             specs = [
                 (n, BUFFER_TO_SAFETENSORS[d], tuple(shape)) for n, (d, shape, _) in raw.items()
             ]

@@ -26,6 +26,7 @@ from typing import Any
 from ..errors import SessionBusy
 from ..plan.types import ParallelLayout
 from .driver import load as driver_load
+from .liveness import ask_ranks
 from .ray_run import RayRun
 from .reload import RayRanks, reload
 from .reports import build_manifest
@@ -166,9 +167,7 @@ class Session:
         ``consistent`` only when every unit of every rank holds this session's version of
         one checkpoint and replicated buffers agree; ``problems`` and ``notices`` say why
         not and what else happened (a failed reload, a restarted rank)."""
-        import ray
-
-        reports = ray.get([a.report.remote() for a in self.run.actors])
+        reports = ask_ranks(self.run.actors, "report", self.run.answer_timeout_s)
         self.state.observe(reports)
         manifest = build_manifest(self.state.plan, reports)
         verdict(self.state, manifest)

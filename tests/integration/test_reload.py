@@ -276,6 +276,9 @@ def test_a_rank_stopped_during_a_reload_is_named_and_the_wait_ends(
                 with pytest.raises(RankSilent) as err:
                     s.reload(server.url, on_progress=stop_rank_1)
                 waited = time.monotonic() - stopped[0]
+                with pytest.raises(RankSilent) as silent:
+                    s.status()  # asked while rank 1 is still stopped: named, not waited for
+                assert str(silent.value).startswith("rank(s) 1 did not answer in 2 s"), silent
             finally:
                 os.kill(pid, signal.SIGCONT)
             server.state.latency = 0.0
