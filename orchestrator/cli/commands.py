@@ -641,7 +641,14 @@ def run() -> None:
     command's outcome was already said."""
     import signal
 
-    code = main()
+    from .outcome import watch
+
+    outcome = watch(sys.argv[1:])
+    try:
+        code = main()
+    finally:  # said, or shown as a traceback (--debug)
+        if outcome is not None:
+            outcome.said()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     sys.exit(code)
 

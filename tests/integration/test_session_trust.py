@@ -592,15 +592,6 @@ def test_gcs_killed(work: Path, ckpts, session) -> None:
     _kill_and_check(work, "gcs_server")
 
 
-@pytest.mark.xfail(
-    reason="known defect: with a session's arguments in the object store (any real model; "
-    "this module's inline limit), a raylet killed mid-reload ends the reload with exit 1 "
-    "and nothing on stderr before the head watcher names the raylet (Ray ends a driver "
-    "whose object-store connection breaks: connection.cc 'The connection to the plasma "
-    "store is failed. Terminate the process.'); passes with arguments inlined; not run: "
-    "it costs 20-30 s of the suite's budget to fail",
-    run=False,
-)
 def test_status_address_of_the_recorded_head_uses_its_token_then_raylet_killed(
     work: Path, ckpts
 ) -> None:

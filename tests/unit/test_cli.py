@@ -20,7 +20,9 @@ import json
 import logging
 import os
 import shutil
+import signal
 import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -961,3 +963,30 @@ def test_sigterm_during_convert_leaves_no_partial_output(
     assert (rc, got) == (143, []), capsys.readouterr().err
     assert capsys.readouterr().err == "mxload: terminated\n"
     assert sorted(os.listdir(tmp_path)) == ["src"], "no DST, no temporary folder"
+
+
+@pytest.mark.parametrize("end", ["said", "killed"])
+def test_a_command_ended_from_outside_is_still_told(tmp_path: Path, end: str) -> None:
+    """The console script's watcher (``outcome.watch``): a command that said its outcome
+    leaves stderr to itself; one ended at once from outside (SIGKILL here; Ray's core
+    worker ending a driver alike) gets one line naming it and its pid."""
+    script = (
+        "import os, signal, sys\n"
+        "from mxload.orchestrator.cli.outcome import watch\n"
+        "out = watch(['reload', 'ckpt'])\n"
+        "print(os.getpid(), flush=True)\n"
+        f"out.said() if {end == 'said'!r} else os.kill(os.getpid(), signal.SIGKILL)\n"
+    )
+    env = dict(os.environ, MXLOAD_HOME=str(tmp_path / "home"))
+    got = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, env=env
+    )
+    pid = got.stdout.strip()
+    if end == "said":
+        assert (got.returncode, got.stderr) == (0, ""), got
+    else:
+        assert got.returncode == -signal.SIGKILL
+        assert got.stderr.splitlines() == [
+            f"mxload: error: reload (pid {pid}) ended without saying its outcome (killed, or "
+            "ended by Ray); `mxload status` says what the devices hold"
+        ], got.stderr
