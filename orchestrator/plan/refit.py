@@ -130,10 +130,10 @@ class RefitSummary:
     receiver_bytes: tuple[int, ...]
     """Per engine rank, wire bytes of the pieces landing on it."""
     receiver_staging: tuple[int, ...]
-    """Per engine rank, peak staging bytes: its receive ring and pinned region
-    (``receiver_ring`` + ``receiver_pinned``, allocated exactly so) plus the loader's
-    own: one unit's bytes and its conversion output, plus the next unit's bytes read
-    meanwhile."""
+    """Per engine rank, the loader's peak staging bytes: one unit's received bytes and
+    its conversion output, plus the next unit's bytes read meanwhile. The receive area
+    is beside it: today the rank's whole need (``receiver_bytes``); a receiver that
+    streams through a ring holds ``receiver_ring`` + ``receiver_pinned`` instead."""
     sender_bytes: tuple[int, ...]
     """Per trainer rank, bytes it sends."""
     sender_staging: tuple[int, ...]
@@ -150,10 +150,10 @@ class RefitSummary:
     unused_tensors: tuple[str, ...] = ()
     """Manifest tensors no engine rank holds (not sent)."""
     receiver_ring: tuple[int, ...] = ()
-    """Per engine rank, bytes of its receive ring (:func:`receive_layout`): the pieces
-    landing on it pass through it in its units' order, each released once its unit is
-    read, so a rank holds this much of the trainer's bytes at a time, not its whole
-    need."""
+    """Per engine rank, bytes of a receive ring (:func:`receive_layout`) the pieces
+    landing on it can pass through in its units' order, each released once its unit
+    is read: the most of the trainer's bytes a streaming receiver must hold at a time
+    (not yet what the runtime allocates: it receives the whole need first)."""
     receiver_pinned: tuple[int, ...] = ()
     """Per engine rank, bytes of the pieces more than one of its units reads (a tied
     embedding): held beside the ring for the whole update."""
@@ -854,10 +854,7 @@ class _Walk:
             fanout_bytes=tuple(self.fanout),
             receiver_nodes=self.rnode,
             receiver_bytes=tuple(self.receiver_bytes),
-            receiver_staging=tuple(
-                a + b + c
-                for a, b, c in zip(self.receiver_staging, ring, self.receiver_pinned, strict=True)
-            ),
+            receiver_staging=tuple(self.receiver_staging),
             sender_bytes=tuple(sum(row) for row in self.to_node),
             sender_staging=tuple(staging),
             sender_buckets=tuple(counts),
