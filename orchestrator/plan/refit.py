@@ -309,8 +309,8 @@ def receive_layout(units: Sequence[Unit], plan: RefitPlan, rank: int) -> Receive
             ring_bytes[u] += t.nbytes
             piece = max(piece, t.nbytes)
     prefix = [0]
-    for b in ring_bytes:
-        prefix.append(prefix[-1] + b)
+    for nbytes in ring_bytes:
+        prefix.append(prefix[-1] + nbytes)
     widest = 0
     lo: dict[int, int] = {}
     hi: dict[int, int] = {}
