@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import bisect
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Literal
 
@@ -130,8 +130,10 @@ class RefitSummary:
     receiver_bytes: tuple[int, ...]
     """Per engine rank, wire bytes of the pieces landing on it."""
     receiver_staging: tuple[int, ...]
-    """Per engine rank, peak staging bytes: one unit's received bytes and its conversion
-    output, plus the next unit's bytes arriving meanwhile."""
+    """Per engine rank, the loader's peak staging bytes: one unit's received bytes and
+    its conversion output, plus the next unit's bytes read meanwhile. The receive area
+    is beside it: today the rank's whole need (``receiver_bytes``); a receiver that
+    streams through a ring holds ``receiver_ring`` + ``receiver_pinned`` instead."""
     sender_bytes: tuple[int, ...]
     """Per trainer rank, bytes it sends."""
     sender_staging: tuple[int, ...]
@@ -147,6 +149,14 @@ class RefitSummary:
     """Pieces sent (after splitting pieces larger than a bucket)."""
     unused_tensors: tuple[str, ...] = ()
     """Manifest tensors no engine rank holds (not sent)."""
+    receiver_ring: tuple[int, ...] = ()
+    """Per engine rank, bytes of a receive ring (:func:`receive_layout`) the pieces
+    landing on it can pass through in its units' order, each released once its unit
+    is read: the most of the trainer's bytes a streaming receiver must hold at a time
+    (not yet what the runtime allocates: it receives the whole need first)."""
+    receiver_pinned: tuple[int, ...] = ()
+    """Per engine rank, bytes of the pieces more than one of its units reads (a tied
+    embedding): held beside the ring for the whole update."""
 
     @property
     def wire_ratio(self) -> float:
@@ -216,6 +226,134 @@ def placements(units: Sequence[Unit], transfer: Transfer) -> tuple[Placement, ..
                 )
             )
     return tuple(out)
+
+
+@dataclass(frozen=True)
+class ReceiveLayout:
+    """Where the pieces landing on one engine rank are held while its loader reads them
+    (its receive area): a ring of ``capacity`` bytes they pass through in the order of
+    the rank's units, and a pinned region for the pieces several of its units read.
+
+    Why it cannot deadlock. A rank's loader reads its units in order and releases a
+    unit's ring bytes once it has read them (into its own staging); a link thread
+    writes a bucket only into ring bytes already released. Every link brings its
+    pieces in unit order (the walk visits the rank's units in order), so when the loader
+    waits on unit ``u`` every earlier unit's pieces have landed and been released, and
+    the first bucket not yet landed on any link that carries a piece of ``u`` touches
+    units ``u..h`` only. The planner closed that bucket before those units' ring bytes
+    exceeded the receive window, and the capacity is the widest such span plus the
+    largest piece (a piece that would cross the ring's end starts again at its
+    beginning, which wastes less than one piece within any span); so that bucket fits
+    in what is released, lands, and the loader goes on. Pinned pieces take no ring
+    bytes and are never released during the update."""
+
+    rank: int
+    capacity: int
+    pinned_bytes: int
+    transfers: tuple[Transfer, ...]
+    """Landing on the rank: sender by sender, each sender's buckets in order."""
+    unit: tuple[int, ...]
+    """Per transfer, the first of the rank's units that reads it."""
+    last_unit: tuple[int, ...]
+    """Per transfer, the last of the rank's units that reads it."""
+    pinned: tuple[bool, ...]
+    """Per transfer, whether it is held in the pinned region (read by several units)."""
+    at: tuple[int, ...]
+    """Per transfer, its offset in the ring's unbounded sequence (its bytes are at
+    ``at % capacity``), or, pinned, in the pinned region."""
+    order: tuple[int, ...]
+    """The ring's transfers (indices into ``transfers``) in ring order."""
+    needed: int
+    """What the ring must hold for these buckets (at most ``capacity``)."""
+
+
+def receive_layout(units: Sequence[Unit], plan: RefitPlan, rank: int) -> ReceiveLayout:
+    """The receive area of engine rank ``rank`` (``units``: its units, in the order its
+    loader reads them) for the pieces landing on it; its ring has the capacity the walk
+    predicted (``RefitSummary.receiver_ring``). InputError when these buckets would
+    need more (the walk and this layout disagree: a bug, refused before any byte
+    moves)."""
+    by_tensor: dict[str, list[tuple[int, Part]]] = {}
+    for i, unit in enumerate(units):
+        for part in unit.parts:
+            by_tensor.setdefault(part.tensor_name, []).append((i, part))
+    buckets = [b for b in plan.buckets if b.receiver == rank]
+    transfers: list[Transfer] = []
+    first: list[int] = []
+    last: list[int] = []
+    bucket_of: list[int] = []
+    for n, b in enumerate(buckets):
+        for t in b.transfers:
+            readers = [
+                i
+                for i, p in by_tensor.get(t.tensor, ())
+                if max(p.rows[0], t.rows[0]) < min(p.rows[1], t.rows[1])
+                and max(p.cols[0], t.cols[0]) < min(p.cols[1], t.cols[1])
+            ]
+            if not readers:
+                raise InputError(
+                    f"engine rank {rank}: no unit reads the piece of {t.tensor!r} rows "
+                    f"{list(t.rows)} cols {list(t.cols)} trainer rank {t.sender} sends it",
+                    tensor=t.tensor,
+                    rank=rank,
+                )
+            transfers.append(t)
+            first.append(min(readers))
+            last.append(max(readers))
+            bucket_of.append(n)
+    pinned = [a != b for a, b in zip(first, last, strict=True)]
+    ring_bytes = [0] * len(units)
+    piece = 0
+    for t, u, p in zip(transfers, first, pinned, strict=True):
+        if not p:
+            ring_bytes[u] += t.nbytes
+            piece = max(piece, t.nbytes)
+    prefix = [0]
+    for nbytes in ring_bytes:
+        prefix.append(prefix[-1] + nbytes)
+    widest = 0
+    lo: dict[int, int] = {}
+    hi: dict[int, int] = {}
+    for n, u in zip(bucket_of, first, strict=True):
+        lo[n] = min(lo.get(n, u), u)
+        hi[n] = max(hi.get(n, u), u)
+    for n in lo:
+        widest = max(widest, prefix[hi[n] + 1] - prefix[lo[n]])
+    needed = widest + piece if piece else 0
+    summary = plan.summary
+    capacity = summary.receiver_ring[rank] if summary.receiver_ring else needed
+    if needed > capacity:
+        raise InputError(
+            f"engine rank {rank}: its buckets need a receive ring of {needed} bytes, the "
+            f"transfer plan gives it {capacity}",
+            rank=rank,
+        )
+    at = [0] * len(transfers)
+    order = sorted((i for i, p in enumerate(pinned) if not p), key=lambda i: first[i])
+    v = 0
+    for i in order:
+        size = transfers[i].nbytes
+        if v % capacity + size > capacity:
+            v += capacity - v % capacity
+        at[i] = v
+        v += size
+    pin = 0
+    for i, p in enumerate(pinned):
+        if p:
+            at[i] = pin
+            pin += transfers[i].nbytes
+    return ReceiveLayout(
+        rank=rank,
+        capacity=capacity,
+        pinned_bytes=pin,
+        transfers=tuple(transfers),
+        unit=tuple(first),
+        last_unit=tuple(last),
+        pinned=tuple(pinned),
+        at=tuple(at),
+        order=tuple(order),
+        needed=needed,
+    )
 
 
 def refit_plan(
@@ -337,7 +475,12 @@ def _source(t: TrainerTensor, manifest: TrainerManifest) -> _Source:
 class _Streams:
     """The buckets of every (sender, landing receiver) stream, filled greedily in the
     order pieces come: sizes are tracked, not kept (first, last, largest, largest two
-    in a row, count), which is all the senders' staging needs."""
+    in a row, count), which is all the senders' staging needs.
+
+    A bucket is also closed before it would touch units spanning more than
+    ``window`` bytes of its receiver's ring (``prefix``: the receiver's ring bytes
+    before each unit, set while its units are walked); the widest span a bucket
+    touches is kept per receiver (its ring's capacity, :func:`receive_layout`)."""
 
     def __init__(self, senders: int, receivers: int, bucket_bytes: int) -> None:
         n = senders * receivers
@@ -349,15 +492,31 @@ class _Streams:
         self.single = [0] * n
         self.pair = [0] * n
         self.count = [0] * n
+        self.lo = [0] * n
+        """The first unit the open bucket touches."""
+        self.span = [0] * n
+        """Ring bytes of the units the open bucket touches."""
+        self.widest = [0] * receivers
+        self.prefix: Sequence[int] = (0,)
+        self.window = bucket_bytes
 
-    def add(self, key: int, nbytes: int) -> bool:
-        """Put ``nbytes`` into stream ``key``'s open bucket; True when a bucket closed
-        first (it would have grown past the cap)."""
+    def add(self, key: int, nbytes: int, unit: int = 0) -> bool:
+        """Put ``nbytes`` of ``unit`` into stream ``key``'s open bucket; True when a
+        bucket closed first (it would have grown past the cap, or its units past the
+        receive window)."""
         f = self.fill[key]
-        closed = bool(f) and f + nbytes > self.cap
-        if closed:
-            self.close(key)
-            f = 0
+        p = self.prefix
+        closed = False
+        if f:
+            span = p[unit + 1] - p[self.lo[key]]
+            if f + nbytes > self.cap or span > self.window:
+                self.close(key)
+                f = 0
+                closed = True
+        if not f:
+            self.lo[key] = unit
+            span = p[unit + 1] - p[unit]
+        self.span[key] = span
         self.fill[key] = f + nbytes
         return closed
 
@@ -373,6 +532,8 @@ class _Streams:
         self.single[key] = max(self.single[key], f)
         self.count[key] += 1
         self.fill[key] = 0
+        r = key % self.receivers
+        self.widest[r] = max(self.widest[r], self.span[key])
 
     def per_sender(self, sender: int, order: Sequence[int]) -> tuple[int, int]:
         """(buckets, peak of two in flight) of ``sender``, its streams sent in ``order``
@@ -442,6 +603,9 @@ class _Walk:
         self.fanout = [0] * self.nodes
         self.receiver_bytes = [0] * world
         self.receiver_staging = [0] * world
+        self.receiver_pinned = [0] * world
+        self.piece_max = [0] * world
+        """Per receiver, its largest piece in the ring."""
         self.receiver_mx = [0] * world
         self.sender_convert = [0] * manifest.world
         self.streams = _Streams(manifest.world, world, bucket_bytes)
@@ -462,8 +626,14 @@ class _Walk:
             node = self.rnode[rank]
             seen = on_node.setdefault(node, {})
             units = self.plan.ranks[rank].units
+            ring, pinned = self._ring_bytes(units, rank, seen)
+            prefix = [0]
+            for b in ring:
+                prefix.append(prefix[-1] + b)
+            self.streams.prefix = prefix
+            self.streams.window = max(self.bucket_bytes, max(ring, default=0))
             wires = []
-            for unit in units:
+            for i, unit in enumerate(units):
                 mx = unit.layout in MX_LAYOUTS
                 unit_wire = 0
                 for part in unit.parts:
@@ -492,9 +662,42 @@ class _Walk:
                         self.mx_needed += source
                         self.mx_wire += wire
                     self.receiver_bytes[rank] += wire
-                    seen[key] = ({rank}, self._cut(part, src, mx, rank, node))
+                    seen[key] = ({rank}, self._cut(part, src, mx, rank, node, i, key in pinned))
                 wires.append(unit_wire)
             self.receiver_staging[rank] = self._staging(units, wires)
+
+    def _ring_bytes(
+        self,
+        units: Sequence[Unit],
+        rank: int,
+        seen: Mapping[tuple[str, tuple[int, int], tuple[int, int]], object],
+    ) -> tuple[list[int], set[tuple[str, tuple[int, int], tuple[int, int]]]]:
+        """Per unit of ``rank``, the wire bytes of the pieces landing on it that go
+        through its ring (read by this unit alone), and the parts more than one of its
+        units reads (a tied embedding: held in the pinned region, whose bytes are
+        recorded). ``seen``: the parts already landed on other ranks of the node."""
+        first: dict[tuple[str, tuple[int, int], tuple[int, int]], int] = {}
+        wire_of: dict[tuple[str, tuple[int, int], tuple[int, int]], int] = {}
+        multi: set[tuple[str, tuple[int, int], tuple[int, int]]] = set()
+        for i, unit in enumerate(units):
+            mx = unit.layout in MX_LAYOUTS
+            for part in unit.parts:
+                key = (part.tensor_name, part.rows, part.cols)
+                if key in seen:
+                    continue
+                j = first.get(key)
+                if j is None:
+                    first[key] = i
+                    src = self._check(part, unit, rank)
+                    wire_of[key] = self._wire(part.nrows, part.ncols, src, mx)
+                elif j != i:
+                    multi.add(key)
+        ring = [0] * len(units)
+        for key, i in first.items():
+            if key not in multi:
+                ring[i] += wire_of[key]
+        self.receiver_pinned[rank] = sum(wire_of[k] for k in multi)
+        return ring, multi
 
     def _check(self, part: Part, unit: Unit, rank: int) -> _Source:
         name = part.tensor_name
@@ -523,9 +726,12 @@ class _Walk:
             return rows * (cols + -(-cols // MX_GROUP))
         return rows * cols * src.tensor.itemsize
 
-    def _cut(self, part: Part, src: _Source, mx: bool, rank: int, node: int) -> list[object]:
-        """The pieces of a part no rank of ``node`` had yet: counted on their links and
-        in their senders' buckets (and kept, in detail)."""
+    def _cut(
+        self, part: Part, src: _Source, mx: bool, rank: int, node: int, unit: int, pinned: bool
+    ) -> list[object]:
+        """The pieces of a part (of ``rank``'s unit ``unit``) no rank of ``node`` had
+        yet: counted on their links and in their senders' buckets (and kept, in
+        detail). ``pinned``: they land in the rank's pinned region, not its ring."""
         (r0, r1), (c0, c1) = part.rows, part.cols
         if src.split == "whole":
             near = [h for h in src.held if h.node == node]
@@ -571,8 +777,10 @@ class _Walk:
                 self.sender_convert[h.rank] += (b - a) * (y - x) * src.tensor.itemsize
             key = h.rank * world + rank
             if wire <= cap and not detail:
-                add(key, wire)
+                add(key, wire, unit)
                 self.count += 1
+                if not pinned and wire > self.piece_max[rank]:
+                    self.piece_max[rank] = wire
                 continue
             per = cap // row_wire
             if per < 1:
@@ -585,8 +793,10 @@ class _Walk:
             for i in range(a, b, per):
                 j = min(b, i + per)
                 nbytes = (j - i) * row_wire
-                closed = add(key, nbytes)
+                closed = add(key, nbytes, unit)
                 self.count += 1
+                if not pinned and nbytes > self.piece_max[rank]:
+                    self.piece_max[rank] = nbytes
                 if detail:
                     if closed:
                         self.done.setdefault(key, []).append(self.open.pop(key))
@@ -620,6 +830,12 @@ class _Walk:
         counts = [0] * self.manifest.world
         for s in range(self.manifest.world):
             counts[s], staging[s] = self.streams.per_sender(s, self.order)
+        # Every bucket is closed now: a ring holds the widest span of units one bucket
+        # touches plus one piece of padding where a piece would wrap (receive_layout).
+        ring = [
+            self.streams.widest[r] + self.piece_max[r] if self.piece_max[r] else 0
+            for r in range(self.world)
+        ]
         links: dict[tuple[int, int], int] = {}
         for s, row in enumerate(self.to_node):
             for node, nbytes in enumerate(row):
@@ -646,6 +862,8 @@ class _Walk:
             receiver_mx_bytes=tuple(self.receiver_mx),
             transfers=self.count,
             unused_tensors=tuple(sorted(set(self.sources) - self.used)),
+            receiver_ring=tuple(ring),
+            receiver_pinned=tuple(self.receiver_pinned),
         )
 
     def buckets(self) -> tuple[Bucket, ...]:

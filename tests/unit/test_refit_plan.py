@@ -24,10 +24,12 @@ from mxload.orchestrator.plan.planner import build_plan
 from mxload.orchestrator.plan.refit import (
     MX_LAYOUTS,
     Link,
+    ReceiveLayout,
     RefitPlan,
     RefitSummary,
     needed_shapes,
     placements,
+    receive_layout,
     refit_plan,
     refit_summary,
 )
@@ -488,3 +490,134 @@ def test_placements_fill_every_unit_once(how: str) -> None:
                 for r in range(part.dst_row, part.dst_row + part.nrows):
                     want[r * u.cols : r * u.cols + part.ncols] = b"\x01" * part.ncols
             assert m == want, (rank, u.buffer)
+
+
+# --- the receive ring ---------------------------------------------------------------------
+
+
+def simulate_ring(layout: ReceiveLayout, buckets: list[list[int]], units: int, skip: set[int]):
+    """The receive protocol played out by hand: each link lands its buckets in order, a
+    bucket only once every ring byte it lands on was released by the loader (the
+    sequence position ``at + n - capacity`` is behind the first transfer not yet
+    released), the loader reads units in order once their pieces have landed and then
+    releases every ring piece whose last reader it has read. ``buckets``: per link, its
+    buckets as transfer indices; ``skip``: transfers never sent (a delta). Returns the
+    units read before it stopped, and the most ring bytes held at once; asserts no piece
+    lands on ring bytes another piece still holds."""
+    cap = layout.capacity
+    held = bytearray(cap)
+    landed: set[int] = set()
+    released: set[int] = set(skip)
+    readers: dict[int, list[int]] = {}
+    for i, u in enumerate(layout.unit):
+        if i not in skip:
+            readers.setdefault(u, []).append(i)
+    pos = [0] * len(buckets)
+    done = 0
+    peak = in_ring = 0
+
+    def front() -> float:
+        for i in layout.order:
+            if i not in released:
+                return layout.at[i]
+        return float("inf")
+
+    progress = True
+    while progress:
+        progress = False
+        for k, link in enumerate(buckets):
+            while pos[k] < len(link):
+                ring = [i for i in link[pos[k]] if not layout.pinned[i]]
+                f = front()
+                if any(layout.at[i] + layout.transfers[i].nbytes - cap > f for i in ring):
+                    break
+                for i in ring:
+                    a = layout.at[i] % cap
+                    n = layout.transfers[i].nbytes
+                    assert a + n <= cap, "a piece wraps the ring's end"
+                    assert held[a : a + n].count(0) == n, "landed on bytes still held"
+                    held[a : a + n] = b"\x01" * n
+                    in_ring += n
+                landed.update(link[pos[k]])
+                peak = max(peak, in_ring)
+                pos[k] += 1
+                progress = True
+        while done < units and all(i in landed for i in readers.get(done, ())):
+            for i in layout.order:
+                if i not in released and i not in skip and layout.last_unit[i] <= done:
+                    released.add(i)
+                    a, n = layout.at[i] % cap, layout.transfers[i].nbytes
+                    held[a : a + n] = bytes(n)
+                    in_ring -= n
+            done += 1
+            progress = True
+    return done, peak
+
+
+def ring_case(plan: Plan, manifest: TrainerManifest, bucket: int, skip_tensors=frozenset()):
+    got = refit_plan(plan, manifest, bucket_bytes=bucket, devices_per_node=1)
+    s = got.summary
+    assert refit_summary(plan, manifest, bucket_bytes=bucket, devices_per_node=1) == s
+    for rank in range(len(plan.ranks)):
+        units = plan.ranks[rank].units
+        layout = receive_layout(units, got, rank)
+        # the walk's prediction is the layout's need, and what the area allocates
+        assert layout.needed == s.receiver_ring[rank] == layout.capacity
+        assert layout.pinned_bytes == s.receiver_pinned[rank]
+        index = {id(t): i for i, t in enumerate(layout.transfers)}
+        links: dict[int, list[list[int]]] = {}
+        skip = {i for i, t in enumerate(layout.transfers) if t.tensor in skip_tensors}
+        for b in got.buckets:
+            if b.receiver == rank:
+                kept = [index[id(t)] for t in b.transfers if index[id(t)] not in skip]
+                if kept:
+                    links.setdefault(b.sender, []).append(kept)
+        # every unit a delta leaves to be read still has all its pieces sent
+        wanted = {layout.unit[i] for i in skip} & {
+            layout.unit[i] for i in range(len(layout.transfers)) if i not in skip
+        }
+        assert not wanted, "a unit reads both a sent and an unsent tensor"
+        done, peak = simulate_ring(layout, list(links.values()), len(units), skip)
+        assert done == len(units), f"rank {rank}: the ring stalled at unit {done}"
+        assert 0 < peak <= layout.capacity
+        yield rank, layout, s
+
+
+@pytest.mark.parametrize(
+    ("preset", "senders", "bucket"),
+    [
+        ("qwen3-moe-tiny", 2, 4 << 10),  # a tiny bucket: most units span many buckets
+        ("qwen3-moe-tiny", 8, 256 << 10),  # thin slices of every unit on each link
+        ("qwen3-dense-tiny", 8, 48 << 10),
+        ("qwen3-dense-tiny", 1, 16 << 10),  # one sender, units larger than a bucket
+        ("qwen3-moe-awkward", 3, 48 << 10),  # a tied embedding: read by two units
+    ],
+)
+def test_the_receive_ring_never_stalls_and_is_bounded_by_a_bucket_span(
+    preset: str, senders: int, bucket: int
+) -> None:
+    plan = preset_plan(preset)
+    manifest = fsdp_manifest(needed_shapes(plan), senders)
+    for rank, layout, s in ring_case(plan, manifest, bucket):
+        units = plan.ranks[rank].units
+        unit_bytes = [0] * len(units)
+        for i, t in enumerate(layout.transfers):
+            if not layout.pinned[i]:
+                unit_bytes[layout.unit[i]] += t.nbytes
+        window = max(bucket, *unit_bytes)
+        biggest = max(t.nbytes for i, t in enumerate(layout.transfers) if not layout.pinned[i])
+        assert layout.capacity <= window + biggest
+        # bounded by a span of units, not by everything the rank needs
+        assert layout.capacity + layout.pinned_bytes < s.receiver_bytes[rank]
+        if preset == "qwen3-moe-awkward":
+            assert layout.pinned_bytes > 0
+            tied = {layout.transfers[i].tensor for i, p in enumerate(layout.pinned) if p}
+            assert tied == {"model.embed_tokens.weight"}
+
+
+def test_a_delta_leaves_no_unit_waiting_for_an_unsent_piece() -> None:
+    plan = preset_plan("qwen3-moe-tiny")
+    shapes = needed_shapes(plan)
+    manifest = fsdp_manifest(shapes, 2)
+    skip = frozenset(n for n in shapes if ".layers.1." not in n)
+    assert list(ring_case(plan, manifest, 8 << 10, skip))
