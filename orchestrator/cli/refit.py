@@ -219,7 +219,8 @@ def render_refit(r: dict[str, Any]) -> list[str]:
     worst = max(senders, key=lambda s: s["staging_bytes"])
     lines += [
         f"  trainer ranks: staging at most {format_size(worst['staging_bytes'])} (rank "
-        f"{worst['rank']}; 2 buckets), at most {max(s['buckets'] for s in senders)} buckets",
+        f"{worst['rank']}: its largest bucket, and a conversion's chunk), at most "
+        f"{max(s['buckets'] for s in senders)} buckets",
         f"predicted refit {p['seconds']:.2f} s (network {p['network_seconds']:.2f} s, "
         f"same node {p['same_node_seconds']:.2f} s, sender convert "
         f"{p['sender_convert_seconds']:.2f} s, receiver {p['receiver_seconds']:.2f} s, fill "

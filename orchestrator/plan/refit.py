@@ -137,7 +137,8 @@ class RefitSummary:
     sender_bytes: tuple[int, ...]
     """Per trainer rank, bytes it sends."""
     sender_staging: tuple[int, ...]
-    """Per trainer rank, peak bytes of its buckets in flight: two consecutive buckets."""
+    """Per trainer rank, peak bytes it stages: one buffer of its largest bucket, and
+    when it converts, at most half as much again for a conversion's row chunk."""
     sender_buckets: tuple[int, ...]
     """Per trainer rank, how many buckets it sends."""
     sender_convert_bytes: tuple[int, ...]
@@ -474,8 +475,8 @@ def _source(t: TrainerTensor, manifest: TrainerManifest) -> _Source:
 
 class _Streams:
     """The buckets of every (sender, landing receiver) stream, filled greedily in the
-    order pieces come: sizes are tracked, not kept (first, last, largest, largest two
-    in a row, count), which is all the senders' staging needs.
+    order pieces come: sizes are tracked, not kept (largest, count), which is all the
+    senders' staging needs.
 
     A bucket is also closed before it would touch units spanning more than
     ``window`` bytes of its receiver's ring (``prefix``: the receiver's ring bytes
@@ -487,10 +488,7 @@ class _Streams:
         self.receivers = receivers
         self.cap = bucket_bytes
         self.fill = [0] * n
-        self.first = [0] * n
-        self.last = [0] * n
         self.single = [0] * n
-        self.pair = [0] * n
         self.count = [0] * n
         self.lo = [0] * n
         """The first unit the open bucket touches."""
@@ -524,32 +522,21 @@ class _Streams:
         f = self.fill[key]
         if not f:
             return
-        if self.count[key]:
-            self.pair[key] = max(self.pair[key], self.last[key] + f)
-        else:
-            self.first[key] = f
-        self.last[key] = f
         self.single[key] = max(self.single[key], f)
         self.count[key] += 1
         self.fill[key] = 0
         r = key % self.receivers
         self.widest[r] = max(self.widest[r], self.span[key])
 
-    def per_sender(self, sender: int, order: Sequence[int]) -> tuple[int, int]:
-        """(buckets, peak of two in flight) of ``sender``, its streams sent in ``order``
-        of receivers."""
-        count = peak = prev = 0
-        for r in order:
+    def per_sender(self, sender: int) -> tuple[int, int]:
+        """(buckets, largest bucket) of ``sender``."""
+        count = largest = 0
+        for r in range(self.receivers):
             key = sender * self.receivers + r
             self.close(key)
-            if not self.count[key]:
-                continue
-            peak = max(peak, self.single[key], self.pair[key])
-            if prev:
-                peak = max(peak, prev + self.first[key])
-            prev = self.last[key]
             count += self.count[key]
-        return count, peak
+            largest = max(largest, self.single[key])
+        return count, largest
 
 
 class _Walk:
@@ -829,7 +816,9 @@ class _Walk:
         staging = [0] * self.manifest.world
         counts = [0] * self.manifest.world
         for s in range(self.manifest.world):
-            counts[s], staging[s] = self.streams.per_sender(s, self.order)
+            counts[s], largest = self.streams.per_sender(s)
+            # wire.pack: one buffer; a conversion's row chunks take at most half of it
+            staging[s] = largest + (largest // 2 if self.sender_convert[s] else 0)
         # Every bucket is closed now: a ring holds the widest span of units one bucket
         # touches plus one piece of padding where a piece would wrap (receive_layout).
         ring = [

@@ -12,7 +12,6 @@ BF16) converted on the sender.
 from __future__ import annotations
 
 import hashlib
-import itertools
 import json
 from collections.abc import Iterator
 from dataclasses import replace
@@ -172,12 +171,15 @@ def check_refit(
             assert into == mx.get(node, 0) * 33 // 32 + 2 * other.get(node, 0)
     assert s.needed_bytes == 2 * (sum(mx.values()) + sum(other.values()))
     assert s.mx_needed_bytes == 2 * sum(mx.values())
-    # the senders' staging: two consecutive buckets, from the list itself
+    # the senders' staging: its largest bucket, half as much again to convert in, from
+    # the list itself
     for sender in range(manifest.world):
         sizes = [b.nbytes for b in got.buckets_of(sender)]
         assert [b.index for b in got.buckets_of(sender)] == list(range(len(sizes)))
-        two = max((a + b for a, b in itertools.pairwise(sizes)), default=max(sizes, default=0))
-        assert s.sender_staging[sender] == two <= 2 * bucket
+        converts = any(t.on_sender for b in got.buckets_of(sender) for t in b.transfers)
+        largest = max(sizes, default=0)
+        assert s.sender_staging[sender] == largest + (largest // 2 if converts else 0)
+        assert s.sender_staging[sender] <= 2 * bucket
         assert s.sender_buckets[sender] == len(sizes)
         assert s.sender_bytes[sender] == sum(sizes)
     assert s.transfers == sum(len(b.transfers) for b in got.buckets)
