@@ -112,6 +112,16 @@ def add_refit(obj: dict[str, Any], plan: Any, config: Any, args: argparse.Namesp
     )
     try:
         t = refit_times(summary, refit_rates)
+        # The runtime does not pass pieces on within a node yet: every rank receives its own.
+        direct = refit_summary(
+            plan,
+            manifest,
+            convert_on=convert_on,
+            bucket_bytes=bucket,
+            devices_per_node=per_node,
+            fanout=False,
+        )
+        t_direct = refit_times(direct, refit_rates)
     except ValueError as err:
         raise UsageError(f"--trainer-link {link}: {err}", key="--trainer-link") from None
     # The storage round trip of the same bytes: the trainer saves its BF16 state, the
@@ -176,6 +186,10 @@ def add_refit(obj: dict[str, Any], plan: Any, config: Any, args: argparse.Namesp
         },
         "predicted": {k: round(v, 4) if isinstance(v, float) else v for k, v in asdict(t).items()},
         "predicted_seconds": round(t.seconds, 4),
+        "without_fanout": {
+            "link_bytes": sum(k.nbytes for k in direct.links),
+            "predicted_seconds": round(t_direct.seconds, 4),
+        },
         "storage_round_trip": {
             "bytes_saved": sum(node_bytes.values()),
             "save_seconds": round(save, 4),
@@ -219,7 +233,8 @@ def render_refit(r: dict[str, Any]) -> list[str]:
     worst = max(senders, key=lambda s: s["staging_bytes"])
     lines += [
         f"  trainer ranks: staging at most {format_size(worst['staging_bytes'])} (rank "
-        f"{worst['rank']}: its largest bucket, and a conversion's chunk), at most "
+        f"{worst['rank']}: its largest bucket"
+        f"{', and a conversion chunk' if worst['convert_bytes'] else ''}), at most "
         f"{max(s['buckets'] for s in senders)} buckets",
         f"predicted refit {p['seconds']:.2f} s (network {p['network_seconds']:.2f} s, "
         f"same node {p['same_node_seconds']:.2f} s, sender convert "
@@ -227,6 +242,9 @@ def render_refit(r: dict[str, Any]) -> list[str]:
         f"{p['fill_seconds']:.2f} s; {format_size(int(r['rates_bytes_per_s']['network_node']))}"
         f"/s per node between nodes, {format_size(int(r['rates_bytes_per_s']['same_node']))}/s "
         "within)",
+        f"  without the node fan-out (what the runtime does today: each engine rank "
+        f"receives its own copy) {r['without_fanout']['predicted_seconds']:.2f} s, "
+        f"{format_size(r['without_fanout']['link_bytes'])} over the links",
         f"storage round trip of the same bytes {trip['predicted_seconds']:.2f} s (save + "
         f"fsync {format_size(trip['bytes_saved'])} {trip['save_seconds']:.2f} s, reload "
         f"{trip['reload_seconds']:.2f} s)",

@@ -365,6 +365,7 @@ def refit_plan(
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     devices_per_node: int = DEFAULT_DEVICES_PER_NODE,
     receiver_nodes: Sequence[int] | None = None,
+    fanout: bool = True,
 ) -> RefitPlan:
     """The transfer plan of refitting ``plan``'s ranks from ``manifest``'s trainer.
 
@@ -373,8 +374,10 @@ def refit_plan(
     numbers name the same machines on both sides (a colocated trainer shares them).
     InputError, one line naming the tensor and rank: a tensor the engine needs that the
     manifest lacks or shapes otherwise, a slice that is no rectangle of the ``[N, K]``
-    view, a cut a sender cannot convert (``convert_on="sender"``)."""
-    walk = _Walk(plan, manifest, convert_on, bucket_bytes, devices_per_node, receiver_nodes)
+    view, a cut a sender cannot convert (``convert_on="sender"``). ``fanout``: a piece
+    several ranks of a node need crosses to the node once and is passed on in its shared
+    memory (False: each rank receives its own, as the runtime does today)."""
+    walk = _Walk(plan, manifest, convert_on, bucket_bytes, devices_per_node, receiver_nodes, fanout)
     walk.run(detail=True)
     return RefitPlan(summary=walk.summary(), buckets=walk.buckets())
 
@@ -387,10 +390,11 @@ def refit_summary(
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     devices_per_node: int = DEFAULT_DEVICES_PER_NODE,
     receiver_nodes: Sequence[int] | None = None,
+    fanout: bool = True,
 ) -> RefitSummary:
     """:func:`refit_plan`'s summary alone, without building its pieces (a plan of a large
     model has millions of them): the same walk, the same checks and figures."""
-    walk = _Walk(plan, manifest, convert_on, bucket_bytes, devices_per_node, receiver_nodes)
+    walk = _Walk(plan, manifest, convert_on, bucket_bytes, devices_per_node, receiver_nodes, fanout)
     walk.run(detail=False)
     return walk.summary()
 
@@ -551,7 +555,9 @@ class _Walk:
         bucket_bytes: int,
         devices_per_node: int,
         receiver_nodes: Sequence[int] | None,
+        fanout: bool = True,
     ) -> None:
+        self.fans_out = fanout
         if convert_on not in CONVERT_ON:
             raise InputError(f"convert_on {convert_on!r} is not one of {', '.join(CONVERT_ON)}")
         if bucket_bytes < 1:
@@ -611,7 +617,8 @@ class _Walk:
         ] = {}
         for rank in self.order:
             node = self.rnode[rank]
-            seen = on_node.setdefault(node, {})
+            # without the fan-out every rank receives all it needs: its own scope
+            seen = on_node.setdefault(node if self.fans_out else -1 - rank, {})
             units = self.plan.ranks[rank].units
             ring, pinned = self._ring_bytes(units, rank, seen)
             prefix = [0]

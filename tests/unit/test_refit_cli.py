@@ -59,6 +59,17 @@ def test_the_transfer_plan_beside_the_storage_round_trip(
         trip["save_seconds"] + trip["reload_seconds"], abs=1e-3
     )
     assert 0 < r["predicted_seconds"] < trip["predicted_seconds"]
+    # Without the node fan-out (the runtime today) every rank receives all it needs: the
+    # four ranks' needs added up (two data-parallel replicas on the one node).
+    cfg = parse_config(preset_config("qwen3-dense-tiny"), "qwen3-dense-tiny")
+    held = build_plan(cfg, ParallelLayout(tp=2, dp=2, enable_expert_parallel=True), device="npu")
+    each = [
+        {(p.tensor_name, p.rows, p.cols): p.nrows * p.ncols * 2 for u in rk.units for p in u.parts}
+        for rk in held.ranks
+    ]
+    direct = r["without_fanout"]
+    assert direct["link_bytes"] == sum(sum(e.values()) for e in each) > r["wire_bytes"]
+    assert direct["predicted_seconds"] >= r["predicted_seconds"]
     # the same manifest from a file: the same plan
     path = tmp_path / "trainer.json"
     path.write_text(json.dumps(manifest_json(devices_per_node=16)))
