@@ -242,6 +242,14 @@ def render_refit(r: dict[str, Any]) -> list[str]:
         f"{p['fill_seconds']:.2f} s; {format_size(int(r['rates_bytes_per_s']['network_node']))}"
         f"/s per node between nodes, {format_size(int(r['rates_bytes_per_s']['same_node']))}/s "
         "within)",
+        *(
+            [
+                f"  link {r['trainer_link']}: on paper; the runtime sends over gloo, ray or shm "
+                "today (its buffers are host memory)"
+            ]
+            if r["trainer_link"] in ("hccl", "nccl")
+            else []
+        ),
         f"  without the node fan-out (what the runtime does today: each engine rank "
         f"receives its own copy) {r['without_fanout']['predicted_seconds']:.2f} s, "
         f"{format_size(r['without_fanout']['link_bytes'])} over the links",

@@ -47,6 +47,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+DEVICE_TRANSPORTS = ("nccl", "hccl")
+"""Transports whose messages live on the device: refused until the refit's buffers do
+(``workers.transfer.transports`` builds their process groups; nothing has run them)."""
+
 WIRE_ROOT = "trainer://"
 """The root of a trainer source (what ``status`` names as the source of a refit)."""
 
@@ -112,7 +116,7 @@ class TrainerSource:
     init info (docs/adoption.md "Refit from the trainer")."""
 
     transport: str
-    """``gloo`` | ``nccl`` | ``hccl`` (torch.distributed push), ``ray`` (object store
+    """``gloo`` (torch.distributed push over TCP), ``ray`` (object store
     pull), ``shm`` (same-node shared memory)."""
     world: int
     """Trainer ranks that send (members ``0..world-1`` of the refit group; engine rank
@@ -157,6 +161,13 @@ class TrainerSource:
         if transport not in KINDS:
             raise InputError(
                 f"trainer.transport {transport!r} is not one of {list(KINDS)}",
+                key="trainer.transport",
+            )
+        if transport in DEVICE_TRANSPORTS:
+            raise InputError(
+                f"trainer.transport {transport!r} is not supported yet: a refit's message "
+                "buffers are host memory, which NCCL/HCCL do not send; use 'gloo' (TCP "
+                "between hosts), 'ray' or 'shm' (same node)",
                 key="trainer.transport",
             )
         convert_on = data.get("convert_on", "receiver")

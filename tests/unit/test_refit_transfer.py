@@ -154,6 +154,7 @@ TRAINER = {"transport": "gloo", "world": 1, "addresses": ["127.0.0.1:1"]}
     ("change", "key"),
     [
         ({"transport": "pigeon"}, "trainer.transport"),
+        ({"transport": "hccl"}, "trainer.transport"),
         ({"world": 2}, "trainer.world"),
         ({"world": True}, "trainer.world"),
         ({"convert_on": "both"}, "trainer.convert_on"),
