@@ -745,7 +745,8 @@ def end_head(
     its command line (a user's `tail -f` of a Ray log names the temp dir). Then remove its
     record and temp dir. ``grace_s``: how long SIGTERM is given before SIGKILL (a head
     whose GCS or raylet is dead has nothing to shut down cleanly: its workers wait for
-    them, so a short grace). Returns what was ended, ``"role (pid N)"`` each."""
+    them, so a short grace; the GCS gets at most :data:`GCS_GRACE_S`). Returns what was
+    ended, ``"role (pid N)"`` each."""
     if record is None:
         return []
     import psutil
@@ -764,20 +765,14 @@ def end_head(
         except psutil.Error:
             pass
     found.pop(os.getpid(), None)
-    victims = list(found.values())
-    ended = [f"{process_role(p)} (pid {p.pid})" for p in victims]
-    for proc in victims:
-        try:
-            proc.terminate()
-        except psutil.NoSuchProcess:
-            pass
-    _, alive = psutil.wait_procs(victims, timeout=grace_s)
-    for proc in alive:
-        try:
-            proc.kill()
-        except psutil.NoSuchProcess:
-            pass
-    psutil.wait_procs(alive, timeout=5)
+    roles = {pid: process_role(p) for pid, p in found.items()}
+    ended = [f"{roles[pid]} (pid {pid})" for pid in found]
+    # The GCS last, as `ray stop` does (the others report to it while they stop), and
+    # with a short grace: this Ray's GCS does not exit on SIGTERM for ten seconds and
+    # more, and it holds nothing to keep (the head's record and temp dir go with it).
+    gcs = [p for pid, p in found.items() if roles[pid] == "gcs_server"]
+    _terminate([p for pid, p in found.items() if roles[pid] != "gcs_server"], grace_s)
+    _terminate(gcs, min(grace_s, GCS_GRACE_S))
     try:
         ours = read_head_record() == record
     except SessionError:  # replaced meanwhile by what mxload did not write: left as it is
@@ -786,6 +781,28 @@ def end_head(
         _record_path(mxload_home()).unlink(missing_ok=True)
     shutil.rmtree(record.temp_dir, ignore_errors=True)
     return ended
+
+
+GCS_GRACE_S = 2.0
+"""How long a head's GCS is given after SIGTERM before SIGKILL (:func:`end_head`)."""
+
+
+def _terminate(procs: list[Any], grace_s: float) -> None:
+    """SIGTERM, ``grace_s`` to exit, then SIGKILL for what is still alive."""
+    import psutil
+
+    for proc in procs:
+        try:
+            proc.terminate()
+        except psutil.NoSuchProcess:
+            pass
+    _, alive = psutil.wait_procs(procs, timeout=grace_s)
+    for proc in alive:
+        try:
+            proc.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(alive, timeout=5)
 
 
 def processes_under(root: str) -> list[Any]:

@@ -166,6 +166,7 @@ class RankLoader:
             # checksums of the previous bytes cached for status to report.
             self._checksums = None
             self._reader.peer_get = peer_get
+            self._reader.lost_owners.clear()
             self._reader.given = storage
             units = self._check_inputs(job.reads, job.units)
             return self._load(job, units, progress=progress)

@@ -110,6 +110,10 @@ class Reader:
         self._last: tuple[SourceInfo, Any] | None = None
         self.peer_get: Callable[[Any], Any] | None = None
         """How a shared unit's published bytes are fetched, during a run that has some."""
+        self.lost_owners: set[int] = set()
+        """Ranks whose published bytes could not be had in this run (their process died,
+        and every object it published with it): their other units are read from storage
+        at once, without asking Ray for each (about a second apiece)."""
         self.given: Any = None
         """The storage of the running run when its host gave one (a refit's receive area,
         ``mxload.workers.transfer.wire.AreaStorage``); None: made from the source."""
@@ -237,11 +241,14 @@ class Reader:
         storage, which stays the source of truth."""
         if self.peer_get is None or [f for f, _, _ in taken] != [f for f, _ in peer.handles]:
             return False
+        if peer.owner in self.lost_owners:
+            return False
         try:
             for (_, _, lease), (_, handle) in zip(taken, peer.handles, strict=True):
                 if lease.nbytes:
                     lease.tensor.numpy()[...] = self.peer_get(handle)
         except Exception:
+            self.lost_owners.add(peer.owner)
             return False
         return True
 
