@@ -8,6 +8,7 @@ session, are in tests/integration/test_session_trust.py.
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import threading
@@ -200,7 +201,10 @@ def test_a_failed_run_logs_no_secret_privately(tmp_path, monkeypatch, capsys) ->
     with socket.socket() as s:  # a port nothing listens on: connection refused
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    opts = f'{{"key": "{KEY}", "secret": "{SECRET}", "client_kwargs": {{"x": "{SECRET}"}}}}'
+    # options HTTP takes (headers for every request, the session's own), secrets as values
+    opts = json.dumps(
+        {"headers": {"Authorization": SECRET}, "client_kwargs": {"headers": {"X-Key": KEY}}}
+    )
     url = f"http://127.0.0.1:{port}/ck/{SECRET}"
     timeouts = ["--connect-timeout", "0.5", "--read-timeout", "0.5"]
     rc = main(["inspect", url, "--storage-options", opts, *timeouts])
