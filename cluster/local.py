@@ -771,8 +771,8 @@ def end_head(
     # with a short grace: this Ray's GCS does not exit on SIGTERM for ten seconds and
     # more, and it holds nothing to keep (the head's record and temp dir go with it).
     gcs = [p for pid, p in found.items() if roles[pid] == "gcs_server"]
-    _terminate([p for pid, p in found.items() if roles[pid] != "gcs_server"], grace_s)
-    _terminate(gcs, min(grace_s, GCS_GRACE_S))
+    terminate([p for pid, p in found.items() if roles[pid] != "gcs_server"], grace_s)
+    terminate(gcs, min(grace_s, GCS_GRACE_S))
     try:
         ours = read_head_record() == record
     except SessionError:  # replaced meanwhile by what mxload did not write: left as it is
@@ -787,7 +787,7 @@ GCS_GRACE_S = 2.0
 """How long a head's GCS is given after SIGTERM before SIGKILL (:func:`end_head`)."""
 
 
-def _terminate(procs: list[Any], grace_s: float) -> None:
+def terminate(procs: list[Any], grace_s: float) -> None:
     """SIGTERM, ``grace_s`` to exit, then SIGKILL for what is still alive."""
     import psutil
 
