@@ -423,6 +423,42 @@ def refit(
             r.update = None
 
 
+def local_tensors(manifest: TrainerManifest, rank: int) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """What trainer rank ``rank`` holds of each tensor the manifest places on it: its
+    dtype and local shape."""
+    out: dict[str, tuple[str, tuple[int, ...]]] = {}
+    for t in manifest.tensors:
+        for sl in t.placement:
+            if sl.rank == rank:
+                shape = list(t.shape)
+                if sl.dim is not None:
+                    shape[sl.dim] = sl.stop - sl.start
+                out[t.name] = (t.dtype, tuple(shape))
+    return out
+
+
+def check_local(
+    params: Mapping[str, torch.Tensor], local: Mapping[str, tuple[str, tuple[int, ...]]], rank: int
+) -> None:
+    """Each given tensor is what the manifest places on trainer rank ``rank`` (``local``,
+    :func:`local_tensors`), before a byte is sent: a trainer's fp32 master weights under a
+    bfloat16 manifest, or a whole tensor for a shard, would otherwise be sent as bytes the
+    engine reads as something else. InputError naming the tensor and rank."""
+    for name, t in params.items():
+        want = local.get(name)
+        if want is None:
+            continue  # not placed here: never read
+        dtype, shape = want
+        got = str(t.dtype).removeprefix("torch.")
+        if got != dtype or tuple(t.shape) != shape:
+            raise InputError(
+                f"trainer rank {rank}: tensor {name!r} is {got} {list(t.shape)}, the manifest "
+                f"places {dtype} {list(shape)} on this rank; nothing was sent",
+                tensor=name,
+                rank=rank,
+            )
+
+
 class MxloadSender:
     """The trainer side of a refit: one per trainer rank.
 
@@ -456,6 +492,7 @@ class MxloadSender:
         held = build_plan(meta.config, layout, checkpoint=meta, engine=profile)
         self.setup = refit_setup(held, meta.config, source)
         self.rank = rank
+        self.local = local_tensors(source.manifest, rank)
         self.sender = Sender(
             self.setup.refit, rank, transport_spec(self.setup, rank).make(), select_backend(device)
         )
@@ -477,6 +514,7 @@ class MxloadSender:
         step the engine holds; ``changed``: the tensors changed since (the others are not
         sent). Returns what was sent."""
         params = dict(named_params.items() if isinstance(named_params, Mapping) else named_params)
+        check_local(params, self.local, self.rank)
         stats = self.sender.send(params, step, delta_of=delta_of, changed=changed)
         return {
             "rank": self.rank,

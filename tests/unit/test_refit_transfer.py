@@ -368,3 +368,25 @@ def test_packing_a_bucket_holds_at_most_one_more_bucket(on_sender: bool) -> None
             want = torch.cat([q.view(torch.uint8).reshape(-1), s.reshape(-1)])
         assert torch.equal(buf[at : at + want.numel()], want)
         at += want.numel()
+
+
+def test_a_trainer_tensor_unlike_its_manifest_is_refused_before_sending() -> None:
+    """What send_weights checks first (``check_local``): the dtype and local shape the
+    manifest places on the rank; fp32 master weights under a bfloat16 manifest, or a
+    whole tensor where the rank holds a shard, name the tensor and rank."""
+    from mxload.orchestrator.errors import InputError
+    from mxload.orchestrator.runtime.refit import check_local, local_tensors
+
+    manifest = fsdp_manifest({"a.weight": (10, 64), "n.weight": (64,)}, 2)
+    local = local_tensors(manifest, 1)
+    assert local == {"a.weight": ("bfloat16", (5, 64)), "n.weight": ("bfloat16", (32,))}
+    good = {"a.weight": torch.zeros(5, 64, dtype=torch.bfloat16), "other": torch.zeros(3)}
+    check_local(good, local, 1)
+    for bad, what in (
+        (torch.zeros(5, 64), "float32 [5, 64]"),
+        (torch.zeros(10, 64, dtype=torch.bfloat16), "bfloat16 [10, 64]"),
+    ):
+        with pytest.raises(InputError) as err:
+            check_local({**good, "a.weight": bad}, local, 1)
+        assert f"trainer rank 1: tensor 'a.weight' is {what}, the manifest places" in str(err.value)
+        assert (err.value.context["tensor"], err.value.context["rank"]) == ("a.weight", 1)
