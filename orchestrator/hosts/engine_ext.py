@@ -503,6 +503,8 @@ class Attachment:
             "tensors_unchanged": sum(not c for c in got.changed.values()),
             "units_written": stats.units,
             "measured_peak_staging_bytes": stats.measured_peak_staging_bytes,
+            "predicted_staging_bytes": rr.setup.refit.summary.receiver_staging[self.facts.rank],
+            "receive_area_bytes": stats.extra.get("receive_area_bytes", 0),
             "addresses_moved": [],
         }
 

@@ -26,7 +26,7 @@ from typing import Literal
 
 from ..errors import InputError
 from .formats import MX_GROUP
-from .memory import ConvertOptions, unit_cost
+from .memory import ConvertOptions, min_budgets, proportional_read_fn, schedule
 from .readplan import matrix_shape
 from .trainer import TrainerManifest, TrainerTensor
 from .types import Part, Plan, Unit
@@ -40,6 +40,9 @@ MX_LAYOUTS = ("mx_linear", "mx_moe")
 DEFAULT_BUCKET_BYTES = 64 << 20
 """Bytes one sender packs into one bucket (one message on one link), the trainer form's
 ``bucket_bytes`` and ``plan --bucket-size`` unless given."""
+
+POSITION_SCALE = 1 << 20
+"""``Bucket.position`` counts a receiver's ring in this many parts."""
 
 DEFAULT_DEVICES_PER_NODE = 16
 """Engine ranks per node when the caller does not say (the CLI's ``--devices-per-node``)."""
@@ -86,6 +89,13 @@ class Bucket:
     receiver: int
     index: int
     transfers: tuple[Transfer, ...]
+    unit: int = 0
+    """The first of the receiver's units (in its loader's order) that reads a piece of it:
+    the bucket can land once the receiver has read its units before this one."""
+    position: int = 0
+    """How far into its receiver's ring order that unit comes: the ring bytes of the
+    units before it, in parts of ``POSITION_SCALE`` of the receiver's whole ring
+    bytes (:func:`send_order`)."""
 
     @property
     def nbytes(self) -> int:
@@ -130,10 +140,11 @@ class RefitSummary:
     receiver_bytes: tuple[int, ...]
     """Per engine rank, wire bytes of the pieces landing on it."""
     receiver_staging: tuple[int, ...]
-    """Per engine rank, the loader's peak staging bytes: one unit's received bytes and
-    its conversion output, plus the next unit's bytes read meanwhile. The receive area
-    is beside it: today the rank's whole need (``receiver_bytes``); a receiver that
-    streams through a ring holds ``receiver_ring`` + ``receiver_pinned`` instead."""
+    """Per engine rank, the host bytes its update stages at its peak, as the runtime
+    allocates them: the loader's staging (one unit's received bytes and its conversion
+    output, plus the next unit's bytes read meanwhile) + the receive ring
+    (``receiver_ring``) + the pinned region (``receiver_pinned``). The trainer's bytes
+    pass through the ring; the rank never holds its whole need (``receiver_bytes``)."""
     sender_bytes: tuple[int, ...]
     """Per trainer rank, bytes it sends."""
     sender_staging: tuple[int, ...]
@@ -151,10 +162,10 @@ class RefitSummary:
     unused_tensors: tuple[str, ...] = ()
     """Manifest tensors no engine rank holds (not sent)."""
     receiver_ring: tuple[int, ...] = ()
-    """Per engine rank, bytes of a receive ring (:func:`receive_layout`) the pieces
-    landing on it can pass through in its units' order, each released once its unit
-    is read: the most of the trainer's bytes a streaming receiver must hold at a time
-    (not yet what the runtime allocates: it receives the whole need first)."""
+    """Per engine rank, bytes of its receive ring (:func:`receive_layout`), which the
+    pieces landing on it pass through in its units' order, each released once its unit
+    is read: the most of the trainer's bytes the rank holds at a time (allocated once,
+    at this size)."""
     receiver_pinned: tuple[int, ...] = ()
     """Per engine rank, bytes of the pieces more than one of its units reads (a tied
     embedding): held beside the ring for the whole update."""
@@ -178,6 +189,9 @@ class RefitPlan:
 
     summary: RefitSummary
     buckets: tuple[Bucket, ...]
+    unit_tensors: tuple[tuple[str, ...], ...] = ()
+    """The tensors each engine unit reads (each set once, sorted): a delta sends the
+    tensors one unit reads all or none (``workers.transfer.exchange.tensor_groups``)."""
 
     def transfers_to(self, rank: int) -> tuple[Transfer, ...]:
         """Every piece engine rank ``rank`` needs (landing on it or passed on to it)."""
@@ -357,6 +371,32 @@ def receive_layout(units: Sequence[Unit], plan: RefitPlan, rank: int) -> Receive
     )
 
 
+def _send_key(b: Bucket) -> tuple[int, int, int, int]:
+    return (b.position, b.receiver, b.unit, b.index)
+
+
+def send_order(plan: RefitPlan, sender: int) -> tuple[Bucket, ...]:
+    """Trainer rank ``sender``'s buckets in the order it sends them, one at a time on
+    one thread: interleaved across its receivers by how far into each receiver's ring
+    order the bucket's first unit comes (``Bucket.position``), so that the engine ranks
+    it feeds progress together; each link's buckets stay in link order.
+
+    Why no cycle of waits. A send returns once its receiver took the bucket, and a
+    receiver takes a bucket once its ring has room for it (one thread per link, so a
+    link waiting for room holds up no other link of that receiver). Every sender sends
+    in the order of one key, ``(position, receiver, unit, index)``, the same total order
+    of all buckets for every sender; for one receiver it orders buckets by ``unit``
+    (``position`` grows with ``unit``), and a link's buckets already come in ``unit``
+    order. Take the first bucket ``b`` of that order not yet landed (sender ``s``,
+    receiver ``r``, first unit ``u``). Every bucket before it has landed, so ``s`` has
+    nothing older left to send and is at ``b``. Every piece a unit of ``r`` before ``u``
+    reads is in a bucket whose first unit is before ``u``, so before ``b``, so landed:
+    ``r``'s loader reads those units and releases their ring bytes, and then ``b``
+    fits (:class:`ReceiveLayout`'s window argument). So ``b`` lands, and by induction
+    every bucket does, whatever the number of senders and receivers."""
+    return tuple(sorted(plan.buckets_of(sender), key=_send_key))
+
+
 def refit_plan(
     plan: Plan,
     manifest: TrainerManifest,
@@ -366,6 +406,7 @@ def refit_plan(
     devices_per_node: int = DEFAULT_DEVICES_PER_NODE,
     receiver_nodes: Sequence[int] | None = None,
     fanout: bool = True,
+    fused: bool = True,
 ) -> RefitPlan:
     """The transfer plan of refitting ``plan``'s ranks from ``manifest``'s trainer.
 
@@ -376,10 +417,20 @@ def refit_plan(
     manifest lacks or shapes otherwise, a slice that is no rectangle of the ``[N, K]``
     view, a cut a sender cannot convert (``convert_on="sender"``). ``fanout``: a piece
     several ranks of a node need crosses to the node once and is passed on in its shared
-    memory (False: each rank receives its own, as the runtime does today)."""
-    walk = _Walk(plan, manifest, convert_on, bucket_bytes, devices_per_node, receiver_nodes, fanout)
+    memory (False: each rank receives its own, as the runtime does today). ``fused``: the
+    engine's loaders convert on the fused CPU path (their staging schedule)."""
+    walk = _Walk(
+        plan, manifest, convert_on, bucket_bytes, devices_per_node, receiver_nodes, fanout, fused
+    )
     walk.run(detail=True)
-    return RefitPlan(summary=walk.summary(), buckets=walk.buckets())
+    together = {
+        tuple(sorted({p.tensor_name for p in unit.parts}))
+        for rank in range(walk.world)
+        for unit in plan.ranks[rank].units
+    }
+    return RefitPlan(
+        summary=walk.summary(), buckets=walk.buckets(), unit_tensors=tuple(sorted(together))
+    )
 
 
 def refit_summary(
@@ -391,10 +442,13 @@ def refit_summary(
     devices_per_node: int = DEFAULT_DEVICES_PER_NODE,
     receiver_nodes: Sequence[int] | None = None,
     fanout: bool = True,
+    fused: bool = True,
 ) -> RefitSummary:
     """:func:`refit_plan`'s summary alone, without building its pieces (a plan of a large
     model has millions of them): the same walk, the same checks and figures."""
-    walk = _Walk(plan, manifest, convert_on, bucket_bytes, devices_per_node, receiver_nodes, fanout)
+    walk = _Walk(
+        plan, manifest, convert_on, bucket_bytes, devices_per_node, receiver_nodes, fanout, fused
+    )
     walk.run(detail=False)
     return walk.summary()
 
@@ -556,8 +610,10 @@ class _Walk:
         devices_per_node: int,
         receiver_nodes: Sequence[int] | None,
         fanout: bool = True,
+        fused: bool = True,
     ) -> None:
         self.fans_out = fanout
+        self.fused = fused
         if convert_on not in CONVERT_ON:
             raise InputError(f"convert_on {convert_on!r} is not one of {', '.join(CONVERT_ON)}")
         if bucket_bytes < 1:
@@ -565,6 +621,7 @@ class _Walk:
         if devices_per_node < 1:
             raise InputError(f"devices per node {devices_per_node} must be at least 1")
         self.plan = plan
+        self.model_dtype = str(plan.model.get("dtype", "bf16"))
         self.manifest = manifest
         self.on_sender = convert_on == "sender"
         self.convert_on: ConvertOn = "sender" if self.on_sender else "receiver"
@@ -595,10 +652,13 @@ class _Walk:
         self.needed = self.wire = self.mx_needed = self.mx_wire = 0
         self.fanout = [0] * self.nodes
         self.receiver_bytes = [0] * world
-        self.receiver_staging = [0] * world
+        self.unit_wires: list[list[int]] = [[] for _ in range(world)]
+        """Per receiver, per unit, the wire bytes it reads."""
         self.receiver_pinned = [0] * world
         self.piece_max = [0] * world
         """Per receiver, its largest piece in the ring."""
+        self.ring_prefix: list[list[int]] = [[0] for _ in range(world)]
+        """Per receiver, its ring bytes before each of its units."""
         self.receiver_mx = [0] * world
         self.sender_convert = [0] * manifest.world
         self.streams = _Streams(manifest.world, world, bucket_bytes)
@@ -625,6 +685,7 @@ class _Walk:
             for b in ring:
                 prefix.append(prefix[-1] + b)
             self.streams.prefix = prefix
+            self.ring_prefix[rank] = prefix
             self.streams.window = max(self.bucket_bytes, max(ring, default=0))
             wires = []
             for i, unit in enumerate(units):
@@ -658,7 +719,7 @@ class _Walk:
                     self.receiver_bytes[rank] += wire
                     seen[key] = ({rank}, self._cut(part, src, mx, rank, node, i, key in pinned))
                 wires.append(unit_wire)
-            self.receiver_staging[rank] = self._staging(units, wires)
+            self.unit_wires[rank] = wires
 
     def _ring_bytes(
         self,
@@ -796,26 +857,31 @@ class _Walk:
                         self.done.setdefault(key, []).append(self.open.pop(key))
                     source = (j - i) * (y - x) * src.tensor.itemsize
                     rec: list[object] = [h, [rank], part.tensor_name, (i, j), (x, y)]
-                    rec += [nbytes, source, mx]
+                    rec += [nbytes, source, mx, unit]
                     self.open.setdefault(key, []).append(rec)
                     records.append(rec)
         return records
 
-    def _staging(self, units: Sequence[Unit], wires: Sequence[int]) -> int:
-        """Peak staging of one receiver: a unit's received bytes and conversion output
-        (``memory.unit_cost``: MX payload and scales unless the sender converted), plus
-        the next unit's bytes arriving while it is written."""
-        opts = ConvertOptions(source_quant="mxfp8" if self.on_sender else "none")
-        peak = 0
-        cost: dict[tuple[int, int, str, bool, int], int] = {}
-        for i, (u, w) in enumerate(zip(units, wires, strict=True)):
-            quantized = self.on_sender and u.layout in MX_LAYOUTS
-            ckey = (u.rows, u.cols, u.layout, quantized, w)
-            here = cost.get(ckey)
-            if here is None:
-                here = cost[ckey] = unit_cost(replace(u, quantized=quantized), u.rows, w, opts).pool
-            peak = max(peak, here + (wires[i + 1] if i + 1 < len(wires) else 0))
-        return peak
+    def _loader_staging(self) -> list[int]:
+        """Per receiver, the peak staging its loader's schedule holds
+        (``memory.schedule``, as the rank loader runs it): the rank's units read from
+        the wire checkpoint (BF16, or MXFP8 where the sender converted) under the budget
+        a refit runs with, the largest whole unit of any rank, a unit's bytes read
+        ahead while the one before is written where the budget leaves room."""
+        quant = "mxfp8" if self.on_sender else "none"
+        opts = ConvertOptions.for_source(self.model_dtype, quant, 1, fused=self.fused)
+        ranks = []
+        for rank in range(self.world):
+            units = [
+                replace(u, quantized=self.on_sender and u.layout in MX_LAYOUTS)
+                for u in self.plan.ranks[rank].units
+            ]
+            ranks.append((units, proportional_read_fn(units, self.unit_wires[rank])))
+        budget = max((min_budgets(u, fn, opts)[1] for u, fn in ranks), default=0)
+        return [
+            schedule(u, fn, opts, budget, whole_units=True)[1].staging_bytes if u else 0
+            for u, fn in ranks
+        ]
 
     # -- results ------------------------------------------------------------------------
 
@@ -850,7 +916,10 @@ class _Walk:
             fanout_bytes=tuple(self.fanout),
             receiver_nodes=self.rnode,
             receiver_bytes=tuple(self.receiver_bytes),
-            receiver_staging=tuple(self.receiver_staging),
+            receiver_staging=tuple(
+                loader + ring[r] + self.receiver_pinned[r]
+                for r, loader in enumerate(self._loader_staging())
+            ),
             sender_bytes=tuple(sum(row) for row in self.to_node),
             sender_staging=tuple(staging),
             sender_buckets=tuple(counts),
@@ -869,15 +938,20 @@ class _Walk:
         for sender in range(self.manifest.world):
             index = 0
             for rank in self.order:
+                prefix = self.ring_prefix[rank]
+                total = max(1, prefix[-1])
                 for recs in self.done.get(sender * self.world + rank, []):
                     transfers = tuple(_transfer(r, self.on_sender) for r in recs)
-                    out.append(Bucket(sender, rank, index, transfers))
+                    unit = min(r[8] for r in recs)  # type: ignore[type-var]
+                    assert isinstance(unit, int)
+                    position = prefix[unit] * POSITION_SCALE // total
+                    out.append(Bucket(sender, rank, index, transfers, unit, position))
                     index += 1
         return tuple(out)
 
 
 def _transfer(rec: list[object], on_sender: bool) -> Transfer:
-    h, receivers, tensor, rows, cols, wire, source, mx = rec
+    h, receivers, tensor, rows, cols, wire, source, mx, _unit = rec
     assert isinstance(h, _Held) and isinstance(receivers, list)
     assert isinstance(tensor, str) and isinstance(wire, int) and isinstance(source, int)
     assert isinstance(rows, tuple) and isinstance(cols, tuple) and isinstance(mx, bool)

@@ -3,8 +3,9 @@
 The same units, conversion and write stages, identities, fencing and address check as a
 checkpoint reload (:func:`mxload.orchestrator.runtime.reload.apply`); only the read stage
 differs: every engine rank first receives the bytes its units read of the trainer's
-memory (``mxload.workers.transfer``) into a receive area allocated once, then its
-loader reads them from there. The identity a refit writes is (trainer step, manifest
+memory (``mxload.workers.transfer``) into a receive ring allocated once, which its
+loader reads from as the bytes land, unit by unit in order (the ring holds the span of
+units one bucket touches, ``RefitSummary.receiver_ring``, not the rank's whole need). The identity a refit writes is (trainer step, manifest
 hash): ``status`` and vLLM's ``weight_version`` read the step back.
 
 * :class:`TrainerSource`: the trainer form of the weight-transfer init info (transport,
@@ -248,10 +249,22 @@ def refit_setup(
         convert_on=source.convert_on,
         bucket_bytes=source.bucket_bytes,
         receiver_nodes=tuple(range(world)),
+        fused=fused,
     )
     on_sender = frozenset(t.tensor for b in rp.buckets for t in b.transfers if t.on_sender)
     wire = wire_checkpoint(config, source.manifest, on_sender=on_sender)
     plan = plan_for(held, wire, wire.root, fused=fused)
+    # The receive ring is laid out in the held plan's unit order, and the loader reads
+    # the wire plan's units: they must be the same units in the same order.
+    for r in range(world):
+        mine = [(u.buffer, u.expert, u.row0, u.rows) for u in held.ranks[r].units]
+        theirs = [(u.buffer, u.expert, u.row0, u.rows) for u in plan.ranks[r].units]
+        if mine != theirs:
+            raise ReloadMismatch(
+                f"engine rank {r}: the trainer's tensors plan other units than the engine "
+                "holds (or in another order); nothing was touched",
+                rank=r,
+            )
     return RefitSetup(source, held, wire, plan, rp)
 
 
@@ -276,7 +289,9 @@ def receiver_args(setup: RefitSetup, rank: int) -> tuple[Any, ...]:
     """What engine rank ``rank``'s ``RankRefit`` is built from (in its own process)."""
     itemsize = {t.name: t.itemsize for t in setup.source.manifest.tensors}
     member = setup.source.world + rank
-    return setup.refit, rank, transport_spec(setup, member), itemsize, row_bytes(setup.wire)
+    spec = transport_spec(setup, member)
+    units = setup.held.ranks[rank].units
+    return setup.refit, rank, spec, itemsize, row_bytes(setup.wire), units
 
 
 @dataclass

@@ -22,6 +22,7 @@ from mxload.orchestrator.plan.config import parse_config
 from mxload.orchestrator.plan.planner import build_plan
 from mxload.orchestrator.plan.refit import (
     MX_LAYOUTS,
+    Bucket,
     Link,
     ReceiveLayout,
     RefitPlan,
@@ -31,6 +32,7 @@ from mxload.orchestrator.plan.refit import (
     receive_layout,
     refit_plan,
     refit_summary,
+    send_order,
 )
 from mxload.orchestrator.plan.timemodel import Rates, RefitRates, refit_times, save_seconds
 from mxload.orchestrator.plan.trainer import (
@@ -623,3 +625,99 @@ def test_a_delta_leaves_no_unit_waiting_for_an_unsent_piece() -> None:
     manifest = fsdp_manifest(shapes, 2)
     skip = frozenset(n for n in shapes if ".layers.1." not in n)
     assert list(ring_case(plan, manifest, 8 << 10, skip))
+
+
+def simulate_update(plan: Plan, rp: RefitPlan, order: dict[int, list[Bucket]]) -> list[int]:
+    """Every sender and every receiver of one update played out together: a sender
+    sends ``order[s]`` one bucket at a time and a send completes only when the
+    receiver's link takes it (a rendezvous: what gloo does), a link takes its next
+    bucket once the ring bytes it lands on are released, each receiver's loader reads
+    its units in order once every piece a unit reads has landed and releases the ring
+    pieces of the units it has read. Returns, per receiver, the units read when
+    nothing more could move; asserts each link's buckets are sent in link order."""
+    world = len(plan.ranks)
+    lays = {r: receive_layout(plan.ranks[r].units, rp, r) for r in range(world)}
+    index = {r: {id(t): i for i, t in enumerate(lays[r].transfers)} for r in range(world)}
+    links: dict[tuple[int, int], list[Bucket]] = {}
+    for b in rp.buckets:
+        links.setdefault((b.sender, b.receiver), []).append(b)
+    at_link = dict.fromkeys(links, 0)
+    landed: dict[int, set[int]] = {r: set() for r in range(world)}
+    released: dict[int, set[int]] = {r: set() for r in range(world)}
+    done = [0] * world
+    nxt = dict.fromkeys(order, 0)
+
+    def front(r: int) -> float:
+        for i in lays[r].order:
+            if i not in released[r]:
+                return lays[r].at[i]
+        return float("inf")
+
+    progress = True
+    while progress:
+        progress = False
+        for s, mine in order.items():
+            while nxt[s] < len(mine):
+                b = mine[nxt[s]]
+                r, lay = b.receiver, lays[b.receiver]
+                assert links[(s, r)][at_link[(s, r)]] is b, "a link's buckets out of order"
+                items = [index[r][id(t)] for t in b.transfers]
+                f = front(r)
+                ring = [i for i in items if not lay.pinned[i]]
+                if any(lay.at[i] + lay.transfers[i].nbytes - lay.capacity > f for i in ring):
+                    break  # the link waits for room: the sender waits with it
+                landed[r].update(items)
+                at_link[(s, r)] += 1
+                nxt[s] += 1
+                progress = True
+        for r in range(world):
+            lay = lays[r]
+            n = len(plan.ranks[r].units)
+            while done[r] < n:
+                u = done[r]
+                reads = [
+                    i for i in range(len(lay.transfers)) if lay.unit[i] <= u <= lay.last_unit[i]
+                ]
+                if not all(i in landed[r] for i in reads):
+                    break
+                released[r].update(i for i in lay.order if lay.unit[i] <= u)
+                done[r] += 1
+                progress = True
+    return done
+
+
+@pytest.mark.parametrize(
+    ("preset", "senders", "bucket"),
+    [
+        ("qwen3-moe-tiny", 3, 4 << 10),  # tiny buckets: many per unit, rings far below need
+        ("qwen3-dense-tiny", 8, 16 << 10),
+        ("qwen3-moe-awkward", 2, 8 << 10),  # a tied embedding (pinned)
+    ],
+)
+def test_interleaved_sends_to_ring_bound_receivers_never_wait_in_a_cycle(
+    preset: str, senders: int, bucket: int
+) -> None:
+    """Several senders, one thread each, feeding every engine rank through rings smaller
+    than its need: in ``send_order`` every rank reads every unit; in an order that is
+    also per-link (each sender one link after another) but not one order for all
+    senders, the update stops short."""
+    plan = preset_plan(preset)
+    manifest = fsdp_manifest(needed_shapes(plan), senders)
+    rp = refit_plan(plan, manifest, bucket_bytes=bucket, devices_per_node=1)
+    world = len(plan.ranks)
+    assert all(rp.summary.receiver_ring[r] < rp.summary.receiver_bytes[r] for r in range(world))
+    ours = {s: list(send_order(rp, s)) for s in range(senders)}
+    for s, mine in ours.items():
+        assert sorted(mine, key=lambda b: b.index) == list(rp.buckets_of(s))
+        # the receivers are fed together: no receiver's stream is sent whole before
+        # another's begins
+        firsts = {b.receiver: k for k, b in reversed(list(enumerate(mine)))}
+        lasts = {b.receiver: k for k, b in enumerate(mine)}
+        assert max(firsts.values()) < min(lasts.values())
+    assert simulate_update(plan, rp, ours) == [len(plan.ranks[r].units) for r in range(world)]
+    # Odd senders feed the receivers in the other order: a cycle of waits.
+    crossed = {
+        s: sorted(rp.buckets_of(s), key=lambda b: ((-1) ** s * b.receiver, b.index))
+        for s in range(senders)
+    }
+    assert simulate_update(plan, rp, crossed) != [len(plan.ranks[r].units) for r in range(world)]

@@ -10,19 +10,21 @@
 from __future__ import annotations
 
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
 import torch
 from mxload.orchestrator.errors import RunError
 from mxload.orchestrator.plan.planner import build_plan
+from mxload.orchestrator.plan.refit import Transfer, receive_layout
 from mxload.orchestrator.plan.trainer import fsdp_manifest
 from mxload.orchestrator.plan.types import ParallelLayout
 from mxload.orchestrator.runtime.catalog import open_checkpoint
 from mxload.orchestrator.runtime.refit import TrainerSource, refit_setup, row_bytes
 from mxload.workers.transfer.exchange import link_buckets
 from mxload.workers.transfer.transports import ShmTransport, make_transport
-from mxload.workers.transfer.wire import ReceiveArea, local_rect, pack
+from mxload.workers.transfer.wire import AreaStorage, ReceiveArea, local_rect, pack
 
 from tests.refit_trainer import free_port, read_checkpoint, shards
 
@@ -108,10 +110,12 @@ def test_unknown_transport_is_refused_naming_it() -> None:
 
 
 def test_packed_transfers_give_every_read_range_the_gathered_bytes(ckpt_factory) -> None:
-    """Three FSDP trainer ranks -> tp2 x dp2 + EP: each sender packs its buckets, each
-    lands where the receiver's area puts it, and every byte range the loader reads of
-    the wire checkpoint is the gathered tensor's bytes (sliced here from the whole
-    tensor, not from the plan)."""
+    """Three FSDP trainer ranks -> tp2 x dp2 + EP: each sender packs its buckets, one
+    thread per link lands them in the receiver's ring (waiting for the bytes the loader
+    released) while the units are read in order, each released once read, and every
+    byte range the loader reads of the wire checkpoint is the gathered tensor's bytes
+    (sliced here from the whole tensor, not from the plan). The ring is smaller than
+    what the rank needs."""
     fp8 = open_checkpoint(ckpt_factory("qwen3-moe-tiny", seed=1))
     full = read_checkpoint(ckpt_factory("qwen3-moe-tiny", seed=1, bf16=True))
     manifest = fsdp_manifest({n: tuple(t.shape) for n, t in full.items()}, 3)
@@ -123,28 +127,50 @@ def test_packed_transfers_give_every_read_range_the_gathered_bytes(ckpt_factory)
     links = link_buckets(setup.refit)
     itemsize = {t.name: t.itemsize for t in manifest.tensors}
     local = {s: local_rect(shards(full, s, 3), s) for s in range(3)}
-    buf = torch.empty(bucket, dtype=torch.uint8)
     for r in range(layout.world):
-        mine = sorted((s, b) for (s, rr), b in links.items() if rr == r)
-        order = [t for _, bs in mine for b in bs for t in b]
-        area = ReceiveArea(r, order, itemsize, row_bytes(setup.wire))
-        at = iter(area.offsets)
-        for s, bs in mine:
-            for b in bs:
+        lay = receive_layout(held.ranks[r].units, setup.refit, r)
+        assert 0 < lay.capacity < setup.refit.summary.receiver_bytes[r]
+        area = ReceiveArea(lay, itemsize, row_bytes(setup.wire), timeout_s=20)
+        area.reset([True] * len(lay.transfers))
+        index = {id(t): i for i, t in enumerate(lay.transfers)}
+
+        def land(
+            buckets: list[tuple[Transfer, ...]],
+            s: int,
+            area: ReceiveArea = area,
+            index: dict[int, int] = index,
+        ) -> None:
+            buf = torch.empty(bucket, dtype=torch.uint8)
+            for b in buckets:
                 n = pack(b, local[s], buf, backend=None)
                 assert n <= bucket
-                first = next(at)
-                for _ in b[1:]:
-                    next(at)
-                area.tensor[first : first + n].copy_(buf[:n])
-        store = area.storage()
-        for ur in setup.plan.ranks[r].reads or ():
-            for pr in ur.parts:
-                out = bytearray(pr.weight.nbytes)
-                store.read_ranges_into(pr.file, [pr.weight], memoryview(out))
-                whole = full[pr.file].contiguous().reshape(-1).view(torch.uint8)
-                want = b"".join(bytes(whole[s : s + k].numpy()) for s, k in pr.weight.segments())
-                assert bytes(out) == want, (r, pr.file)
+                items = [index[id(t)] for t in b]
+                keep = area.wait_space(items, f"trainer rank {s}")
+                at = 0
+                for t, i in zip(b, items, strict=True):
+                    area.view(i).copy_(buf[at : at + t.nbytes])
+                    at += t.nbytes
+                area.landed(keep)
+
+        mine = sorted((s, b) for (s, rr), b in links.items() if rr == r)
+        with ThreadPoolExecutor(len(mine)) as pool:
+            futures = [pool.submit(land, bs, s) for s, bs in mine]
+            store = AreaStorage(area)
+            reads = setup.plan.ranks[r].reads or ()
+            store.begin_reads([True] * len(reads))
+            for u, ur in enumerate(reads):
+                for pr in ur.parts:
+                    out = bytearray(pr.weight.nbytes)
+                    store.read_ranges_into(pr.file, [pr.weight], memoryview(out))
+                    whole = full[pr.file].contiguous().reshape(-1).view(torch.uint8)
+                    want = b"".join(
+                        bytes(whole[s : s + k].numpy()) for s, k in pr.weight.segments()
+                    )
+                    assert bytes(out) == want, (r, pr.file)
+                store.units_read([u])
+            for f in futures:
+                f.result()
+        assert 0 < area.peak_held <= lay.capacity
 
 
 TRAINER = {"transport": "gloo", "world": 1, "addresses": ["127.0.0.1:1"]}

@@ -232,20 +232,45 @@ class RankLoader:
         todo = [not source.fingerprint or self.unit_ids[i] != target for i in range(len(units))]
         meter = Meter(self.backend)
         run = RunInputs(job, units, opts, pool, target, todo)
-        StepRunner(
-            self.rank,
-            self._reader,
-            self._converter,
-            self._ids,
-            run,
-            stats,
-            meter,
-            progress=progress,
-            fence=self.fence,
-        ).run_steps(steps)
+        # A host's storage that streams (a refit's receive ring) is told which units this
+        # run reads and, at the end, waits for the rest of its source (the trailers).
+        given = self._reader.given
+        streaming = given is not None and hasattr(given, "begin_reads")
+        try:
+            if streaming:
+                given.begin_reads(todo)
+            StepRunner(
+                self.rank,
+                self._reader,
+                self._converter,
+                self._ids,
+                run,
+                stats,
+                meter,
+                progress=progress,
+                fence=self.fence,
+            ).run_steps(steps)
+            if streaming:
+                given.finish()
+        except BaseException as err:
+            if streaming:
+                # Units written from a source that then failed (a sender died, a tensor
+                # changed while it was sent) hold no one step: status says so until an
+                # update rewrites them.
+                for i, t in enumerate(todo):
+                    if t and self._ids.ids[i] == target:
+                        self._ids.ids[i] = NOTHING
+                given.abort(err)
+            raise
         self._check_unchanged(source, reads, todo)
         meter.finish(stats)
         stats.measured_peak_staging_bytes = pool.high_water
+        if streaming:
+            # The receive area is staging too: allocated once, at the size planned.
+            area = int(getattr(given, "area_bytes", 0))
+            stats.measured_peak_staging_bytes += area
+            stats.predicted_peak_staging_bytes += int(getattr(given, "planned_bytes", area))
+            stats.extra["receive_area_bytes"] = area
         stats.extra["staging_estimate"] = estimate
         self.last_stats = stats
         self._checksums = None

@@ -154,6 +154,7 @@ class StepRunner:
             )
         self.stats.read_seconds += time.perf_counter() - t_r
         self.stats.bytes_read += fetched
+        self._units_read(members)
         later = self._read_ahead(steps, s)
         try:
             self._convert_and_write(
@@ -220,7 +221,16 @@ class StepRunner:
             leases, raw_parts, fetched = self.reader.read(su, sr, src, run.pool)
             self.stats.read_seconds += time.perf_counter() - t_r
             self.stats.bytes_read += fetched
+            if chunk is step.chunks[-1]:
+                self._units_read([i])
             self._convert_and_write([(su, sr, raw_parts, unit.row0 + chunk.start)], leases)
+
+    def _units_read(self, members: Sequence[int]) -> None:
+        """Tell a storage that streams (a refit's receive ring) that ``members`` are read
+        whole, so the bytes they were read from can be reused."""
+        given = self.reader.given
+        if given is not None and hasattr(given, "units_read"):
+            given.units_read(members)
 
     def _convert_and_write(self, members: Sequence[Member], leases: list[Lease]) -> None:
         """Convert a step, then run its writes; every lease of the step is released."""

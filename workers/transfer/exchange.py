@@ -5,19 +5,27 @@ against, manifest hash, plan digest, and which tensors changed), then the link's
 of the transfer plan (``mxload.orchestrator.plan.refit``), the transfers of unchanged
 tensors left out, then one trailer, sent once every link's buckets are out: whether a
 tensor the sender read changed while it sent (a trainer step taken during the update).
-A receiver takes every link on its own thread, into its receive area, and checks every
-header before the first bucket and every trailer after the last; nothing is written into
-the engine's buffers here (the loader does that once every byte has arrived). A sender
-that dies or stops is named with the bucket it owed, a tensor that changed with its
-name, both failing the update the same way (docs/contract.md §4 "Refit").
+A sender sends all its headers first, then its buckets on one thread, interleaved across
+its receivers in the order they consume them (``plan.refit.send_order``), through one
+bucket buffer. A receiver takes every link on its own thread, into its receive ring, and
+checks every header before the first bucket lands and every trailer after the last; the
+loader converts and writes units as their bytes land, and its run ends by waiting for
+the trailers (a delta sends every tensor of a unit that reads a changed one, so no unit
+waits for a byte that is not sent). A sender that dies or stops is named with the
+bucket it owed, a tensor that changed with its name; either, or an engine rank that
+fails or stalls, fails the whole update: the engine ranks stop taking bytes and leave
+the group, so every trainer rank still sending is told too (docs/contract.md §4
+"Refit").
 """
 
 from __future__ import annotations
 
 import hashlib
+import itertools
+import threading
 import time
 from collections.abc import Collection, Iterator, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,7 +33,8 @@ from typing import Any
 import torch
 
 from ...orchestrator.errors import MxloadError, ReloadMismatch, RunError
-from ...orchestrator.plan.refit import RefitPlan, Transfer
+from ...orchestrator.plan.refit import RefitPlan, Transfer, receive_layout, send_order
+from ...orchestrator.plan.types import Unit
 from .transports import Transport
 from .wire import ReceiveArea, local_rect, pack
 
@@ -49,7 +58,8 @@ def plan_digest(plan: RefitPlan) -> str:
     """What both sides check the other planned: every bucket and transfer."""
     h = hashlib.sha256()
     s = plan.summary
-    h.update(f"{s.manifest_digest}|{s.convert_on}|{s.bucket_bytes}".encode())
+    h.update(f"{s.manifest_digest}|{s.convert_on}|{s.bucket_bytes}|{s.receiver_ring}".encode())
+    h.update(repr(plan.unit_tensors).encode())
     for b in plan.buckets:
         h.update(f"/{b.sender}>{b.receiver}#{b.index}".encode())
         for t in b.transfers:
@@ -123,8 +133,10 @@ class Sender:
         self.backend = backend
         self.senders = len(plan.summary.sender_bytes)
         self.tensors = plan_tensors(plan)
+        self.groups = plan_groups(plan)
         self.digest = plan_digest(plan)
         self.links = {k: v for k, v in link_buckets(plan).items() if k[0] == rank}
+        self.order = send_order(plan, rank)
         # One bucket buffer, allocated once (each send returns once it may be reused): with
         # the row chunks of a conversion on the sender (``pack``), what this rank holds
         # beyond its params.
@@ -166,7 +178,8 @@ class Sender:
             flags = [True] * len(self.tensors)
         else:
             flags = [t in changed for t in self.tensors]
-        skip = {t for t, f in zip(self.tensors, flags, strict=True) if not f}
+        sent_flags = effective_flags(self.tensors, flags, self.groups)
+        skip = {t for t, f in zip(self.tensors, sent_flags, strict=True) if not f}
         local = local_rect(params, self.rank)
         head = header(
             self.digest, self.plan.summary.manifest_digest, self.rank, step, delta_of, flags
@@ -174,18 +187,30 @@ class Sender:
         sent = [t for t in self.tensors if t not in skip and t in params]
         before = {t: _stamp(params[t]) for t in sent}
         links = sorted(self.links.items())
-        for (_, receiver), buckets in links:
-            todo = _without(buckets, skip)
-            with self._naming(step, receiver, len(todo)) as where:
+        # Every header first: each engine rank checks its headers and starts its loader
+        # at once, instead of behind the ranks this one feeds before it.
+        for (_, receiver), _buckets in links:
+            with self._naming(step, receiver, -1):
                 self.transport.send(self.senders + receiver, head)
-                for bucket in todo:
-                    where[0] += 1
-                    tp = time.perf_counter()
-                    n = pack(bucket, local, self.buf, self.backend)
-                    stats.pack_seconds += time.perf_counter() - tp
-                    self.transport.send(self.senders + receiver, self.buf[:n])
-                    stats.bytes_sent += n
-                    stats.buckets += 1
+        # Then the buckets, interleaved across the receivers in the order they consume
+        # them (``plan.refit.send_order``: no cycle of waits between ring-bound
+        # receivers, and no engine rank waits behind another's whole stream).
+        count = {r: len(_without(bs, skip)) for (_, r), bs in links}
+        where_of = dict.fromkeys(count, -1)
+        for bucket in self.order:
+            transfers = _without([bucket.transfers], skip)
+            if not transfers:
+                continue
+            receiver = bucket.receiver
+            where_of[receiver] += 1
+            with self._naming(step, receiver, count[receiver]) as where:
+                where[0] = where_of[receiver]
+                tp = time.perf_counter()
+                n = pack(transfers[0], local, self.buf, self.backend)
+                stats.pack_seconds += time.perf_counter() - tp
+                self.transport.send(self.senders + receiver, self.buf[:n])
+                stats.bytes_sent += n
+                stats.buckets += 1
         # Checked once every link's bytes are out, so that no engine rank writes a step
         # another rank got different bytes of (docs/contract.md §4 "Refit").
         moved = [t for t in sent if _stamp(params[t]) != before[t]]
@@ -216,11 +241,54 @@ class Received:
     bytes_received: int = 0
     seconds: float = 0.0
     per_sender: dict[int, int] = field(default_factory=dict)
+    peak_ring_bytes: int = 0
+    """The most ring bytes landed and not yet read at once."""
+
+
+def tensor_groups(units: Sequence[Sequence[str]]) -> dict[str, int]:
+    """Tensors read together: per tensor, a group number, tensors sharing a unit (of
+    any rank) in one group. A delta sends a group whole or not at all, so that no unit
+    is left to read a tensor that was not sent."""
+    parent: dict[str, str] = {}
+
+    def root(x: str) -> str:
+        while parent.setdefault(x, x) != x:
+            parent[x] = parent[parent[x]]
+            x = parent[x]
+        return x
+
+    for names in units:
+        for a, b in itertools.pairwise(names):
+            ra, rb = root(a), root(b)
+            if ra != rb:
+                parent[max(ra, rb)] = min(ra, rb)
+        for a in names:
+            root(a)
+    roots: dict[str, int] = {}
+    return {t: roots.setdefault(root(t), len(roots)) for t in sorted(parent)}
+
+
+def plan_groups(plan: RefitPlan) -> dict[str, int]:
+    """:func:`tensor_groups` of the tensors each engine unit of the plan reads: both
+    sides compute it from the plan alone."""
+    return tensor_groups(list(plan.unit_tensors))
+
+
+def effective_flags(
+    tensors: Sequence[str], flags: Sequence[bool], groups: Mapping[str, int]
+) -> list[bool]:
+    """The changed flags a delta is sent under: a tensor is sent when any tensor of its
+    group changed."""
+    keys = [groups.get(t, -1 - i) for i, t in enumerate(tensors)]
+    hot = {k for k, f in zip(keys, flags, strict=True) if f}
+    return [k in hot for k in keys]
 
 
 class Receiver:
-    """An engine rank's side of every link it has, into its receive area. ``itemsize``:
-    per tensor, its trainer dtype's size; ``row_bytes``: per wire file, one row's bytes."""
+    """An engine rank's side of every link it has, into its receive area: one thread per
+    link lands its buckets in the ring while the loader reads (``units``: the rank's, in
+    its loader's order). ``itemsize``: per tensor, its trainer dtype's size;
+    ``row_bytes``: per wire file, one row's bytes."""
 
     def __init__(
         self,
@@ -229,61 +297,146 @@ class Receiver:
         transport: Transport,
         itemsize: Mapping[str, int],
         row_bytes: Mapping[str, int],
+        units: Sequence[Unit],
+        timeout_s: float = 60.0,
     ) -> None:
         self.plan = plan
         self.rank = rank
         self.transport = transport
         self.senders = len(plan.summary.sender_bytes)
         self.tensors = plan_tensors(plan)
+        self.groups = plan_groups(plan)
         self.digest = plan_digest(plan)
         self.links = {k[0]: v for k, v in sorted(link_buckets(plan).items()) if k[1] == rank}
-        order = [t for s in sorted(self.links) for b in self.links[s] for t in b]
-        self.area = ReceiveArea(rank, order, itemsize, row_bytes)
-        self.at = {id(t): off for t, off in zip(order, self.area.offsets, strict=True)}
+        layout = receive_layout(units, plan, rank)
+        self.area = ReceiveArea(layout, itemsize, row_bytes, timeout_s)
+        self.index = {id(t): i for i, t in enumerate(layout.transfers)}
         cap = plan.summary.bucket_bytes
         self._scratch = {s: torch.empty(cap, dtype=torch.uint8) for s in self.links}
+        self._pool: ThreadPoolExecutor | None = None
+        self._futures: dict[int, Future[int]] = {}
+        self._go = threading.Event()
+        self._step = 0
+        self._t0 = 0.0
+        self._changed: dict[str, bool] = {}
 
-    def receive(self, step: int, *, delta_of: int | None = None) -> Received:
-        """Every link's header and buckets of ``step``; RunError naming the trainer rank
-        and bucket that did not arrive, ReloadMismatch for a header of another step,
-        delta, manifest or plan."""
-        t0 = time.perf_counter()
-        flags: dict[int, list[bool]] = {}
-        got: dict[int, int] = {}
+    @property
+    def planned_bytes(self) -> int:
+        s = self.plan.summary
+        if not s.receiver_ring:
+            return self.area.nbytes
+        return s.receiver_ring[self.rank] + s.receiver_pinned[self.rank]
+
+    def start(self, step: int, *, delta_of: int | None = None) -> dict[str, bool]:
+        """Every link's header of ``step`` checked, then its buckets landing in the area
+        on the link's own thread (:meth:`finish` waits for them and the trailers);
+        returns which tensors the update sends (a delta's changed ones, grouped by
+        :func:`tensor_groups`). RunError naming a trainer rank whose header did not
+        come, ReloadMismatch for a header of another step, delta, manifest or plan, or
+        trainer ranks that disagree on what changed: nothing landed, nothing written."""
+        self._t0 = time.perf_counter()
+        self._step = step
+        self._go = threading.Event()
+        self._futures = {}
         if not self.links:
-            return Received(dict.fromkeys(self.tensors, True))
-        with ThreadPoolExecutor(
+            self._changed = dict.fromkeys(self.tensors, True)
+            self.area.reset([])
+            return self._changed
+        self._pool = ThreadPoolExecutor(
             max_workers=len(self.links), thread_name_prefix=f"mxload-refit-{self.rank}"
-        ) as pool:
-            futures = {
-                s: pool.submit(self._link, s, buckets, step, delta_of)
-                for s, buckets in self.links.items()
-            }
-            errors = []
-            for s, fut in futures.items():
+        )
+        heads: dict[int, Future[list[bool]]] = {}
+        for s, buckets in self.links.items():
+            got: Future[list[bool]] = Future()
+            heads[s] = got
+            self._futures[s] = self._pool.submit(self._link, s, buckets, step, delta_of, got)
+        flags: dict[int, list[bool]] = {}
+        try:
+            for s, got in heads.items():
                 try:
-                    flags[s], got[s] = fut.result()
-                except BaseException as err:
-                    errors.append(err)
-            if errors:
-                raise errors[0]
-        first = next(iter(flags.values()))
-        if any(f != first for f in flags.values()):
-            raise ReloadMismatch(
-                f"engine rank {self.rank}: the trainer ranks disagree on which tensors "
-                f"changed since step {delta_of}; nothing was written",
-                rank=self.rank,
-            )
+                    flags[s] = got.result(timeout=self.area.timeout_s + 5)
+                except TimeoutError:
+                    raise RunError(
+                        f"engine rank {self.rank}: trainer rank {s} sent no header for step "
+                        f"{step} in {self.area.timeout_s:g} s",
+                        rank=self.rank,
+                    ) from None
+            first = next(iter(flags.values()))
+            if any(f != first for f in flags.values()):
+                raise ReloadMismatch(
+                    f"engine rank {self.rank}: the trainer ranks disagree on which tensors "
+                    f"changed since step {delta_of}; nothing was written",
+                    rank=self.rank,
+                )
+        except BaseException as err:
+            self.stop(err)
+            raise
+        sent = effective_flags(self.tensors, first, self.groups)
+        skip = {t for t, f in zip(self.tensors, sent, strict=True) if not f}
+        lay = self.area.layout
+        self.area.reset([t.tensor not in skip for t in lay.transfers])
+        self._changed = dict(zip(self.tensors, sent, strict=True))
+        self._go.set()
+        return self._changed
+
+    def finish(self) -> Received:
+        """Wait for every link's last bucket and trailer; the first link's error."""
+        got: dict[int, int] = {}
+        errors: list[BaseException] = []
+        for s, fut in self._futures.items():
+            try:
+                got[s] = fut.result()
+            except BaseException as err:
+                errors.append(err)
+        self._close_pool()
+        if errors:
+            raise errors[0]
         return Received(
-            dict(zip(self.tensors, first, strict=True)),
+            self._changed,
             bytes_received=sum(got.values()),
-            seconds=time.perf_counter() - t0,
+            seconds=time.perf_counter() - self._t0,
             per_sender=got,
+            peak_ring_bytes=self.area.peak_held,
         )
 
+    def stop(self, err: BaseException) -> None:
+        """Fail the update: every wait of the area raises, each link stops once its
+        message in flight ends (bounded by the transport's timeout), then this rank
+        leaves the group (its transport closed): the trainer ranks' sends to it fail."""
+        self.area.fail(err)
+        self._go.set()
+        self._close_pool()
+        self.transport.close()
+
+    def _close_pool(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+
     def _link(
-        self, sender: int, buckets: list[Bucket], step: int, delta_of: int | None
-    ) -> tuple[list[bool], int]:
+        self,
+        sender: int,
+        buckets: list[Bucket],
+        step: int,
+        delta_of: int | None,
+        head_out: Future[list[bool]],
+    ) -> int:
+        try:
+            flags = self._header(sender, step, delta_of)
+        except BaseException as err:
+            head_out.set_exception(err)
+            raise
+        head_out.set_result(flags)
+        try:
+            got = self._body(sender, buckets, step, flags)
+        except BaseException as err:
+            self.area.fail(err)
+            raise
+        if self.area.error is not None:
+            raise self.area.error
+        return got
+
+    def _header(self, sender: int, step: int, delta_of: int | None) -> list[bool]:
         n = len(self.tensors)
         head = torch.empty(HEAD_WORDS * 8 + n, dtype=torch.uint8)
         where = f"engine rank {self.rank}: trainer rank {sender}"
@@ -308,17 +461,40 @@ class Receiver:
             raise ReloadMismatch(
                 f"{where} sent {', '.join(diff)}; nothing was written", rank=self.rank
             )
-        flags = [bool(x) for x in head[HEAD_WORDS * 8 :].tolist()]
-        skip = {t for t, f in zip(self.tensors, flags, strict=True) if not f}
-        todo = _without(buckets, skip)
+        return [bool(x) for x in head[HEAD_WORDS * 8 :].tolist()]
+
+    def _body(self, sender: int, buckets: list[Bucket], step: int, flags: list[bool]) -> int:
+        """The link's buckets into the area, then its trailer. Once the update has failed
+        (here, on another link, or in the loader) the link takes nothing more: its
+        sender's next send to this rank fails or times out, so every trainer rank still
+        sending is told (docs/contract.md §4 "Refit")."""
+        where = f"engine rank {self.rank}: trainer rank {sender}"
+        if not self._go.wait(self.area.timeout_s + 5):
+            raise RunError(f"{where}: the update did not start", rank=self.rank)
+        sent = effective_flags(self.tensors, flags, self.groups)
+        todo = _without(buckets, {t for t, f in zip(self.tensors, sent, strict=True) if not f})
         total = 0
-        area = self.area.tensor
+        area = self.area
         for b, bucket in enumerate(todo):
             size = sum(t.nbytes for t in bucket)
-            first = self.at[id(bucket[0])]
-            offs = [self.at[id(t)] for t in bucket]
-            direct = offs[-1] + bucket[-1].nbytes - first == size
-            buf = area[first : first + size] if direct else self._scratch[sender][:size]
+            items = [self.index[id(t)] for t in bucket]
+            keep = area.wait_space(items, f"{where}, bucket {b} of {len(todo)} of step {step}")
+            views = [area.view(i) for i in items]
+            pinned = {area.layout.pinned[i] for i in items}
+            direct = (
+                len(keep) == len(items)
+                and len(pinned) == 1
+                and all(
+                    views[k + 1].data_ptr() == views[k].data_ptr() + views[k].numel()
+                    for k in range(len(views) - 1)
+                )
+            )
+            if direct:
+                region = area.pinned if area.layout.pinned[items[0]] else area.ring
+                at = views[0].storage_offset()
+                buf = region[at : at + size]
+            else:
+                buf = self._scratch[sender][:size]
             try:
                 self.transport.recv(sender, buf)
             except Exception as err:
@@ -327,12 +503,17 @@ class Receiver:
                     f"{step}: {type(err).__name__}: {err}",
                     rank=self.rank,
                 ) from err
+            total += size
+            if area.error is not None:
+                raise area.error
             if not direct:
                 at = 0
-                for t, off in zip(bucket, offs, strict=True):
-                    area[off : off + t.nbytes].copy_(buf[at : at + t.nbytes])
+                keeping = set(keep)
+                for t, i, v in zip(bucket, items, views, strict=True):
+                    if i in keeping:
+                        v.copy_(buf[at : at + t.nbytes])
                     at += t.nbytes
-            total += size
+            area.landed(keep)
         tail = torch.empty(TRAILER_WORDS * 8, dtype=torch.uint8)
         try:
             self.transport.recv(sender, tail)
@@ -345,13 +526,15 @@ class Receiver:
         magic, got_step, changed = tail.view(torch.int64).tolist()
         if (magic, got_step) != (MAGIC, step):
             raise ReloadMismatch(
-                f"{where} ended step {step} with a trailer of step {got_step}; nothing was written",
+                f"{where} ended step {step} with a trailer of step {got_step}; the units "
+                "written from this update hold no step",
                 rank=self.rank,
             )
         if changed >= 0:
             raise RunError(
                 f"{where}: tensor {self.tensors[changed]} changed while step {step} was "
-                "sent (a trainer step taken during the update); nothing was written",
+                "sent (a trainer step taken during the update); the units written from "
+                "this update hold no step",
                 rank=self.rank,
             )
-        return flags, total
+        return total

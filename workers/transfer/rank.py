@@ -1,11 +1,12 @@
 """One engine rank's side of a refit, held between updates, in whatever process hosts the
 rank (an engine worker, a Ray actor): its transport and its receive area are made once.
 
-Before each update's writes it receives the rank's bytes (``exchange.Receiver``),
+Before each update's writes it checks every link's header (``exchange.Receiver``),
 records the step it is bringing the rank to (until written, status lists every unit not
 at it), and re-stamps the units a delta leaves unchanged; the loader then reads the bytes
-from the area (:meth:`RankRefit.prepare` returns the storage). A receive that fails
-part-way breaks the group: bytes of that step may still be on the links, so no update
+from the receive ring as they land (:meth:`RankRefit.prepare` returns the storage), and
+its run ends once every link's trailer is checked. A receive that fails part-way breaks
+the group: bytes of that step may still be on the links, so no update
 goes through it until it is formed again, and this rank leaves it at once, so a sender
 that was stopped past the wait is told its send failed when it resumes (docs/contract.md
 §4 "Refit").
@@ -19,10 +20,10 @@ from typing import Any
 
 from ...orchestrator.errors import RunError
 from ...orchestrator.plan.refit import RefitPlan
-from ...orchestrator.plan.types import UnitReads
+from ...orchestrator.plan.types import Unit, UnitReads
 from .exchange import Received, Receiver
 from .transports import Transport, make_transport
-from .wire import AreaStorage
+from .wire import SCALE_SUFFIX, AreaStorage
 
 
 @dataclass(frozen=True)
@@ -52,7 +53,8 @@ class TransportSpec:
 
 
 class RankRefit:
-    """An engine rank's receiver (joins the group on construction: waits for the others)."""
+    """An engine rank's receiver (joins the group on construction: waits for the others).
+    ``units``: the rank's units, in its loader's order (its receive ring's order)."""
 
     def __init__(
         self,
@@ -61,9 +63,12 @@ class RankRefit:
         spec: TransportSpec,
         itemsize: Mapping[str, int],
         row_bytes: Mapping[str, int],
+        units: Sequence[Unit],
     ) -> None:
         self.rank = rank
-        self.receiver = Receiver(plan, rank, spec.make(), itemsize, row_bytes)
+        self.receiver = Receiver(
+            plan, rank, spec.make(), itemsize, row_bytes, units, timeout_s=spec.timeout_s
+        )
         self.broken = ""
         self.last: Received | None = None
 
@@ -75,9 +80,12 @@ class RankRefit:
         step: int,
         delta_of: int | None,
     ) -> AreaStorage:
-        """Receive step ``step`` into the area and re-stamp what a delta leaves unchanged
-        (``loader``: the rank's ``RankLoader``); the storage its reload reads from."""
+        """Start receiving step ``step`` into the area (every header checked) and re-stamp
+        what a delta leaves unchanged (``loader``: the rank's ``RankLoader``); the
+        storage its reload reads from while the rest arrives, whose ``finish`` (at the
+        end of the loader's run) waits for every link's trailer."""
         loader.begin((step, fingerprint))
+        self.last = None
         if self.broken:
             raise RunError(
                 f"engine rank {self.rank}: the refit group broke ({self.broken}); "
@@ -86,18 +94,43 @@ class RankRefit:
                 rank=self.rank,
             )
         try:
-            got = self.receiver.receive(step, delta_of=delta_of)
+            changed = self.receiver.start(step, delta_of=delta_of)
         except BaseException as err:
-            self.broken = f"step {step}: {err}"[:300]
-            # Leave the group now: a sender that was only stopped (past the wait) finds
-            # its sends failing when it resumes, instead of handing bytes to nobody.
-            self.receiver.transport.close()
+            self._broke(step, err)
             raise
-        self.last = got
         if delta_of is not None:
-            same = [all(not got.changed.get(pr.file, True) for pr in r.parts) for r in reads]
-            loader.restamp(same, (delta_of, fingerprint), (step, fingerprint))
-        return self.receiver.area.storage()
+            same = [all(not changed.get(_tensor(pr.file), True) for pr in r.parts) for r in reads]
+            try:
+                loader.restamp(same, (delta_of, fingerprint), (step, fingerprint))
+            except BaseException as err:
+                self._broke(step, err)
+                raise
+
+        def finish() -> None:
+            try:
+                self.last = self.receiver.finish()
+            except BaseException as err:
+                self._broke(step, err)
+                raise
+
+        return AreaStorage(
+            self.receiver.area,
+            finish=finish,
+            abort=lambda err: self._broke(step, err),
+            planned_bytes=self.receiver.planned_bytes,
+        )
+
+    def _broke(self, step: int, err: BaseException) -> None:
+        # Leave the group now: a sender that was only stopped (past the wait) finds its
+        # sends failing when it resumes, instead of handing bytes to nobody.
+        if not self.broken:
+            self.broken = f"step {step}: {err}"[:300]
+        self.receiver.stop(err)
 
     def close(self) -> None:
         self.receiver.transport.close()
+
+
+def _tensor(file: str) -> str:
+    """The trainer tensor a wire file carries (an MXFP8 scale file: its tensor's)."""
+    return file[: -len(SCALE_SUFFIX)] if file.endswith(SCALE_SUFFIX) else file

@@ -6,18 +6,20 @@ is its rows in the trainer's dtype, or, converted on the sender, its E4M3 payloa
 entry point (``Backend.mx_quantize``: rows and 32-column groups are converted
 independently, so a rectangle converts to exactly the bytes the whole tensor would).
 
-Receiver: the receive area, allocated once (pre-faulted) and rewritten every refit, and
-:class:`AreaStorage`, the loader's storage seam over it: the loader reads the trainer's
-bytes exactly as it reads a checkpoint's (same units, conversion and write stages), the
-checkpoint being the trainer's tensors as the wire carries them, one file per tensor
-(and one per MXFP8 scale).
+Receiver: the receive area, a ring allocated once (pre-faulted) that the bytes pass
+through while they are converted, and :class:`AreaStorage`, the loader's storage seam
+over it: the loader reads the trainer's bytes exactly as it reads a checkpoint's (same
+units, conversion and write stages), the checkpoint being the trainer's tensors as the
+wire carries them, one file per tensor (and one per MXFP8 scale).
 """
 
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -26,7 +28,7 @@ import torch
 from ...orchestrator.errors import InputError, RunError
 from ...orchestrator.plan.formats import MX_GROUP
 from ...orchestrator.plan.ranges import ByteRange
-from ...orchestrator.plan.refit import Transfer
+from ...orchestrator.plan.refit import ReceiveLayout, Transfer
 
 SCALE_SUFFIX = "_scale"
 """The wire file of an MXFP8 tensor's scales: its name + this (``X.weight_scale``)."""
@@ -139,46 +141,205 @@ def rectangle(rng: ByteRange, row_bytes: int) -> tuple[int, int, int, int]:
 
 
 class ReceiveArea:
-    """One engine rank's receive area: every transfer landing on it, sender by sender,
-    each sender's buckets in the order it sends them. ``transfers``: (sender, bucket
-    transfers) in that order; ``itemsize``: per tensor, its trainer dtype's size;
-    ``row_bytes``: per wire file, bytes of one row of its ``[N, K]`` view."""
+    """One engine rank's receive area (``plan.refit.receive_layout``): a ring the pieces
+    landing on it pass through in its units' order, and a pinned region for the pieces
+    several of its units read, both allocated once (pre-faulted) and reused by every
+    update. ``itemsize``: per tensor, its trainer dtype's size; ``row_bytes``: per wire
+    file, bytes of one row of its ``[N, K]`` view; ``timeout_s``: how long a wait goes
+    without progress on the other side before it names what it waited for.
+
+    During an update, link threads land buckets (:meth:`wait_space`, :meth:`landed`)
+    while the loader reads (:meth:`read_into`, which waits for the pieces it covers) and
+    releases what it has read (:meth:`units_read`); a failure on either side
+    (:meth:`fail`) wakes every wait, which raises it."""
 
     def __init__(
         self,
-        rank: int,
-        transfers: Sequence[Transfer],
+        layout: ReceiveLayout,
         itemsize: Mapping[str, int],
         row_bytes: Mapping[str, int],
+        timeout_s: float = 60.0,
     ) -> None:
-        self.rank = rank
+        self.layout = layout
+        self.rank = layout.rank
         self.row_bytes = dict(row_bytes)
-        self.offsets: list[int] = []
-        self.index: dict[str, list[Landed]] = {}
-        at = 0
-        for t in transfers:
-            self.offsets.append(at)
+        self.timeout_s = timeout_s
+        self.index: dict[str, list[tuple[int, Landed]]] = {}
+        cap = layout.capacity
+        for i, t in enumerate(layout.transfers):
+            at = layout.at[i] if layout.pinned[i] else layout.at[i] % cap
             for file, rect in landed(t, itemsize[t.tensor], at):
-                self.index.setdefault(file, []).append(rect)
-            at += t.nbytes
+                self.index.setdefault(file, []).append((i, rect))
         # zero_() faults every page in now, not during the first refit.
-        self.tensor = torch.empty(at, dtype=torch.uint8).zero_()
-        self._np = self.tensor.numpy()
+        self.ring = torch.empty(cap, dtype=torch.uint8).zero_()
+        self.pinned = torch.empty(layout.pinned_bytes, dtype=torch.uint8).zero_()
+        self._ring_np = self.ring.numpy()
+        self._pinned_np = self.pinned.numpy()
+        self._cond = threading.Condition()
+        n = len(layout.transfers)
+        self._landed = [False] * n
+        self._dead = [True] * n
+        self._sent = [False] * n
+        self._todo: list[bool] | None = None
+        self._read: set[int] = set()
+        self._front = 0
+        self._error: BaseException | None = None
+        self._moves = 0
+        self.held = 0
+        self.peak_held = 0
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the area holds (ring and pinned region)."""
+        return self.layout.capacity + self.layout.pinned_bytes
+
+    def view(self, i: int) -> torch.Tensor:
+        """Where transfer ``i`` lands."""
+        t = self.layout.transfers[i]
+        if self.layout.pinned[i]:
+            at = self.layout.at[i]
+            return self.pinned[at : at + t.nbytes]
+        at = self.layout.at[i] % self.layout.capacity
+        return self.ring[at : at + t.nbytes]
+
+    # -- one update ---------------------------------------------------------------------
+
+    def reset(self, sent: Sequence[bool]) -> None:
+        """A new update, whose links bring the transfers flagged in ``sent``; the ring
+        waits for the loader to say which units it reads (:meth:`begin_reads`)."""
+        with self._cond:
+            n = len(self.layout.transfers)
+            self._landed = [False] * n
+            self._sent = list(sent)
+            self._dead = [True] * n
+            self._todo = None
+            self._read = set()
+            self._front = 0
+            self._error = None
+            self.held = self.peak_held = 0
+
+    def begin_reads(self, todo: Sequence[bool]) -> None:
+        """The loader reads the units flagged in ``todo``: the pieces no unit of them
+        reads are not kept (a link receives them into its scratch)."""
+        lay = self.layout
+        with self._cond:
+            self._todo = list(todo)
+            self._dead = [
+                not self._sent[i]
+                or not any(todo[u] for u in range(lay.unit[i], lay.last_unit[i] + 1))
+                for i in range(len(lay.transfers))
+            ]
+            self._advance()
+            self._cond.notify_all()
+
+    def units_read(self, units: Sequence[int]) -> None:
+        """The loader has read ``units`` (into its own staging): their ring bytes are
+        free once every earlier unit's are."""
+        with self._cond:
+            self._read.update(units)
+            self._advance()
+            self._cond.notify_all()
+
+    def _advance(self) -> None:
+        lay = self.layout
+        order = lay.order
+        while self._front < len(order):
+            i = order[self._front]
+            if not self._dead[i]:
+                if lay.unit[i] not in self._read:
+                    break
+                self.held -= lay.transfers[i].nbytes
+            self._front += 1
+            self._moves += 1
+
+    def _front_at(self) -> float:
+        order = self.layout.order
+        return self.layout.at[order[self._front]] if self._front < len(order) else math.inf
+
+    @property
+    def error(self) -> BaseException | None:
+        """The update's first failure (None while it goes on)."""
+        return self._error
+
+    def fail(self, err: BaseException) -> None:
+        """Every wait, now and later, raises ``err`` (the first failure stands)."""
+        with self._cond:
+            if self._error is None:
+                self._error = err
+            self._cond.notify_all()
+
+    def _wait(self, ready: Callable[[], bool], what: str, scale: float = 1.0) -> None:
+        """Wait (holding the lock) until ``ready()``, restarting the clock whenever the
+        other side moves; RunError naming ``what`` after ``timeout_s`` without."""
+        while True:
+            if self._error is not None:
+                raise self._error
+            if ready():
+                return
+            moves = self._moves
+
+            def moved(moves: int = moves) -> bool:
+                return self._error is not None or ready() or self._moves != moves
+
+            self._cond.wait_for(moved, self.timeout_s * scale)
+            if self._error is None and not ready() and self._moves == moves:
+                raise RunError(what, rank=self.rank)
+
+    def wait_space(self, items: Sequence[int], where: str) -> list[int]:
+        """Wait until the ring bytes the transfers ``items`` (a bucket's) land on are
+        released; those to keep (the others are not read this update)."""
+        lay = self.layout
+        cap = lay.capacity
+        with self._cond:
+            self._wait(lambda: self._todo is not None, f"{where}: the loader never started")
+            keep = [i for i in items if not self._dead[i]]
+            ring = [i for i in keep if not lay.pinned[i]]
+            end = max((lay.at[i] + lay.transfers[i].nbytes for i in ring), default=0)
+            self._wait(
+                lambda: end - cap <= self._front_at(),
+                f"{where}: the loader released no receive ring bytes for {2 * self.timeout_s:g} s",
+                # The loader waits on some link itself and names it first.
+                scale=2.0,
+            )
+        return keep
+
+    def landed(self, items: Sequence[int]) -> None:
+        lay = self.layout
+        with self._cond:
+            for i in items:
+                self._landed[i] = True
+                if not lay.pinned[i]:
+                    self.held += lay.transfers[i].nbytes
+            self.peak_held = max(self.peak_held, self.held)
+            self._moves += 1
+            self._cond.notify_all()
+
+    # -- the loader's reads -------------------------------------------------------------
 
     def read_into(self, file: str, rng: ByteRange, dst: np.ndarray) -> None:
         """The bytes of ``rng`` of wire file ``file`` (as the loader reads them, the
-        segments concatenated) into ``dst``."""
+        segments concatenated) into ``dst``, once the pieces it covers have landed."""
         row_bytes = self.row_bytes[file]
         r0, n, c0, w = rectangle(rng, row_bytes)
         view = dst.reshape(n, w)
         covered = 0
-        for rect in self.index.get(file, ()):
+        lay = self.layout
+        for i, rect in self.index.get(file, ()):
             a, b = max(r0, rect.rows[0]), min(r0 + n, rect.rows[1])
             x, y = max(c0, rect.cols[0]), min(c0 + w, rect.cols[1])
             if a >= b or x >= y:
                 continue
+            if not self._landed[i]:
+                t = lay.transfers[i]
+                what = (
+                    f"engine rank {self.rank}: waited {self.timeout_s:g} s for trainer rank {t.sender}'s piece of "
+                    f"{t.tensor} rows {list(t.rows)} (read by unit {lay.unit[i]})"
+                )
+                with self._cond:
+                    self._wait(partial(self._landed.__getitem__, i), what)
             rows = rect.rows[1] - rect.rows[0]
-            src = self._np[rect.at : rect.at + rows * rect.width].reshape(rows, rect.width)
+            region = self._pinned_np if lay.pinned[i] else self._ring_np
+            src = region[rect.at : rect.at + rows * rect.width].reshape(rows, rect.width)
             view[a - r0 : b - r0, x - c0 : y - c0] = src[
                 a - rect.rows[0] : b - rect.rows[0], x - rect.cols[0] : y - rect.cols[0]
             ]
@@ -191,24 +352,55 @@ class ReceiveArea:
                 tensor=file,
             )
 
-    def storage(self) -> AreaStorage:
-        return AreaStorage(self)
-
 
 class AreaStorage:
-    """The storage seam of the rank loader (``read_ranges_into``) over a receive area."""
+    """The storage seam of the rank loader (``read_ranges_into``) over a receive area,
+    with the hooks a streaming source needs: which units the loader reads
+    (``begin_reads``), which it has read (``units_read``), the end of its reads
+    (``finish``: every link's trailer checked) and its failure (``abort``)."""
 
     is_local = True
     reads_ranges_apart = False
 
-    def __init__(self, area: ReceiveArea) -> None:
+    def __init__(
+        self,
+        area: ReceiveArea,
+        *,
+        finish: Callable[[], None] | None = None,
+        abort: Callable[[BaseException], None] | None = None,
+        planned_bytes: int | None = None,
+    ) -> None:
         self.area = area
+        self._finish = finish
+        self._abort = abort
+        self.planned_bytes = area.nbytes if planned_bytes is None else planned_bytes
+        """What the transfer plan predicted the area holds (``receiver_ring`` +
+        ``receiver_pinned``)."""
+
+    @property
+    def area_bytes(self) -> int:
+        return self.area.nbytes
 
     def url(self, file: str) -> str:
         return f"trainer://{file}"
 
     def version_tag(self, file: str) -> str:
         return ""
+
+    def begin_reads(self, todo: Sequence[bool]) -> None:
+        self.area.begin_reads(todo)
+
+    def units_read(self, units: Sequence[int]) -> None:
+        self.area.units_read(units)
+
+    def finish(self) -> None:
+        if self._finish is not None:
+            self._finish()
+
+    def abort(self, err: BaseException) -> None:
+        self.area.fail(err)
+        if self._abort is not None:
+            self._abort(err)
 
     def read_ranges_into(self, file: str, ranges: Sequence[ByteRange], out: Any) -> int:
         dst = np.frombuffer(out, dtype=np.uint8)
