@@ -459,11 +459,14 @@ def check_local(
     :func:`local_tensors`), before a byte is sent: a trainer's fp32 master weights under a
     bfloat16 manifest, or a whole tensor for a shard, would otherwise be sent as bytes the
     engine reads as something else. InputError naming the tensor and rank."""
-    for name, t in params.items():
+    from ...workers.transfer.exchange import local_shard
+
+    for name, param in params.items():
         want = local.get(name)
         if want is None:
             continue  # not placed here: never read
         dtype, shape = want
+        t = local_shard(param)
         got = str(t.dtype).removeprefix("torch.")
         if got != dtype or tuple(t.shape) != shape:
             raise InputError(

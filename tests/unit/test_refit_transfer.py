@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -205,12 +206,27 @@ def test_a_bad_trainer_form_is_one_line_naming_the_key(change: dict, key: str) -
     assert "\n" not in str(err.value)
 
 
-@pytest.mark.parametrize("write", ["optimizer step", "rebound"])
+@pytest.fixture
+def dtensor_mesh() -> Iterator[Any]:
+    """A one-rank CPU device mesh (gloo on an in-memory store), for FSDP2-style DTensor
+    parameters; the default process group is destroyed afterwards."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield init_device_mesh("cpu", (1,))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("write", ["optimizer step", "rebound", "optimizer step on a DTensor"])
 def test_a_trainer_step_during_the_send_fails_the_update_naming_the_tensor(
-    ckpt_factory, write: str
+    ckpt_factory, request: pytest.FixtureRequest, write: str
 ) -> None:
     """A parameter written while ``send_weights`` runs (after the first bucket left): by
-    an optimizer step (in place), or rebound to new memory (``p.data = ...``). The
+    an optimizer step (in place; also on FSDP2-style DTensor parameters, given as they
+    are), or rebound to new memory (``p.data = ...``). The
     trainer rank is told which tensor changed, the engine rank does not take the step
     (not consistent, identity the step it held), and the next update, once the group is
     formed again, repairs it. In process: one trainer rank, one engine rank, shm."""
@@ -231,7 +247,13 @@ def test_a_trainer_step_during_the_send_fails_the_update_naming_the_tensor(
     meta = open_checkpoint(src)
     model = _engine_model(build_plan(meta.config, layout, checkpoint=meta).ranks[0])
     engine = Attachment(src, EngineFacts(layout, 0, 0, 0, "mxload", {}), engine_params(model))
-    params = {n: torch.nn.Parameter(t) for n, t in shards(full, 0, 1).items()}
+    local = shards(full, 0, 1)
+    if write.endswith("DTensor"):
+        from torch.distributed.tensor import DTensor, Shard
+
+        mesh = request.getfixturevalue("dtensor_mesh")
+        local = {n: DTensor.from_local(t, mesh, [Shard(0)]) for n, t in local.items()}
+    params = {n: torch.nn.Parameter(t) for n, t in local.items()}
     stepped = sorted(params)[-1]  # not the first tensor sent: the whole plan is walked
     params[stepped].grad = torch.ones_like(params[stepped])
 

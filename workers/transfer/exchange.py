@@ -109,10 +109,18 @@ def trailer(step: int, changed: int) -> torch.Tensor:
     return torch.tensor([MAGIC, step, changed], dtype=torch.int64).view(torch.uint8)
 
 
+def local_shard(t: torch.Tensor) -> torch.Tensor:
+    """A trainer rank's own shard of a parameter: a DTensor's (FSDP2, Megatron with
+    DTensors) local tensor, or the tensor itself."""
+    to_local = getattr(t, "to_local", None)
+    return to_local() if callable(to_local) else t
+
+
 def _stamp(t: torch.Tensor) -> tuple[int, int]:
     # torch bumps ``_version`` on every in-place write (an optimizer step's ``add_``)
-    # to the tensor or a view of it; ``data_ptr`` moves when the parameter is rebound.
-    return t._version, t.data_ptr()
+    # to the tensor or a view of it (a DTensor's own, not its local tensor's: the
+    # parameter is stamped); ``data_ptr`` moves when the parameter is rebound.
+    return t._version, local_shard(t).data_ptr()
 
 
 @dataclass
@@ -180,7 +188,7 @@ class Sender:
             flags = [t in changed for t in self.tensors]
         sent_flags = effective_flags(self.tensors, flags, self.groups)
         skip = {t for t, f in zip(self.tensors, sent_flags, strict=True) if not f}
-        local = local_rect(params, self.rank)
+        local = local_rect({n: local_shard(t) for n, t in params.items()}, self.rank)
         head = header(
             self.digest, self.plan.summary.manifest_digest, self.rank, step, delta_of, flags
         )
