@@ -505,6 +505,8 @@ class Attachment:
             "measured_peak_staging_bytes": stats.measured_peak_staging_bytes,
             "predicted_staging_bytes": rr.setup.refit.summary.receiver_staging[self.facts.rank],
             "receive_area_bytes": stats.extra.get("receive_area_bytes", 0),
+            # the loader's seconds waiting for the trainer's bytes (the rest is its own work)
+            "waited_for_bytes_seconds": round(stats.extra.get("waited_for_bytes_seconds", 0.0), 6),
             "addresses_moved": [],
         }
 

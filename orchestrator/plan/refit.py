@@ -143,8 +143,9 @@ class RefitSummary:
     """Per engine rank, the host bytes its update stages at its peak, as the runtime
     allocates them: the loader's staging (one unit's received bytes and its conversion
     output, plus the next unit's bytes read meanwhile) + the receive ring
-    (``receiver_ring``) + the pinned region (``receiver_pinned``). The trainer's bytes
-    pass through the ring; the rank never holds its whole need (``receiver_bytes``)."""
+    (``receiver_ring``) + the pinned region (``receiver_pinned``) + its links' landing
+    buffers (``receiver_scratch``). The trainer's bytes pass through the ring; the rank
+    never holds its whole need (``receiver_bytes``)."""
     sender_bytes: tuple[int, ...]
     """Per trainer rank, bytes it sends."""
     sender_staging: tuple[int, ...]
@@ -169,6 +170,10 @@ class RefitSummary:
     receiver_pinned: tuple[int, ...] = ()
     """Per engine rank, bytes of the pieces more than one of its units reads (a tied
     embedding): held beside the ring for the whole update."""
+    receiver_scratch: tuple[int, ...] = ()
+    """Per engine rank, one buffer per link of that link's largest bucket: where a
+    bucket whose pieces do not lie side by side in the ring is received before they are
+    copied to their places (allocated once)."""
 
     @property
     def wire_ratio(self) -> float:
@@ -892,8 +897,14 @@ class _Walk:
             counts[s], largest = self.streams.per_sender(s)
             # wire.pack: one buffer; a conversion's row chunks take at most half of it
             staging[s] = largest + (largest // 2 if self.sender_convert[s] else 0)
-        # Every bucket is closed now: a ring holds the widest span of units one bucket
-        # touches plus one piece of padding where a piece would wrap (receive_layout).
+        # Every bucket is closed now (per_sender): each link's largest is known.
+        senders, streams = self.manifest.world, self.streams
+        scratch = [
+            sum(streams.single[s * self.world + r] for s in range(senders))
+            for r in range(self.world)
+        ]
+        # A ring holds the widest span of units one bucket touches plus one piece of
+        # padding where a piece would wrap (receive_layout).
         ring = [
             self.streams.widest[r] + self.piece_max[r] if self.piece_max[r] else 0
             for r in range(self.world)
@@ -917,7 +928,7 @@ class _Walk:
             receiver_nodes=self.rnode,
             receiver_bytes=tuple(self.receiver_bytes),
             receiver_staging=tuple(
-                loader + ring[r] + self.receiver_pinned[r]
+                loader + ring[r] + self.receiver_pinned[r] + scratch[r]
                 for r, loader in enumerate(self._loader_staging())
             ),
             sender_bytes=tuple(sum(row) for row in self.to_node),
@@ -929,6 +940,7 @@ class _Walk:
             unused_tensors=tuple(sorted(set(self.sources) - self.used)),
             receiver_ring=tuple(ring),
             receiver_pinned=tuple(self.receiver_pinned),
+            receiver_scratch=tuple(scratch),
         )
 
     def buckets(self) -> tuple[Bucket, ...]:

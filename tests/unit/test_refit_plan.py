@@ -568,6 +568,12 @@ def ring_case(plan: Plan, manifest: TrainerManifest, bucket: int, skip_tensors=f
         # the walk's prediction is the layout's need, and what the area allocates
         assert layout.needed == s.receiver_ring[rank] == layout.capacity
         assert layout.pinned_bytes == s.receiver_pinned[rank]
+        # one landing buffer per link, of the link's largest bucket, from the list itself
+        largest: dict[int, int] = {}
+        for b in got.buckets:
+            if b.receiver == rank:
+                largest[b.sender] = max(largest.get(b.sender, 0), b.nbytes)
+        assert s.receiver_scratch[rank] == sum(largest.values())
         index = {id(t): i for i, t in enumerate(layout.transfers)}
         links: dict[int, list[list[int]]] = {}
         skip = {i for i, t in enumerate(layout.transfers) if t.tensor in skip_tensors}

@@ -271,6 +271,7 @@ class RankLoader:
             stats.measured_peak_staging_bytes += area
             stats.predicted_peak_staging_bytes += int(getattr(given, "planned_bytes", area))
             stats.extra["receive_area_bytes"] = area
+            stats.extra["waited_for_bytes_seconds"] = float(getattr(given, "read_wait_s", 0.0))
         stats.extra["staging_estimate"] = estimate
         self.last_stats = stats
         self._checksums = None

@@ -319,8 +319,11 @@ class Receiver:
         layout = receive_layout(units, plan, rank)
         self.area = ReceiveArea(layout, itemsize, row_bytes, timeout_s)
         self.index = {id(t): i for i, t in enumerate(layout.transfers)}
-        cap = plan.summary.bucket_bytes
-        self._scratch = {s: torch.empty(cap, dtype=torch.uint8) for s in self.links}
+        # Per link, its largest bucket (RefitSummary.receiver_scratch), allocated once.
+        self._scratch = {
+            s: torch.empty(max(sum(t.nbytes for t in b) for b in bs), dtype=torch.uint8)
+            for s, bs in self.links.items()
+        }
         self._pool: ThreadPoolExecutor | None = None
         self._futures: dict[int, Future[int]] = {}
         self._go = threading.Event()
@@ -329,11 +332,17 @@ class Receiver:
         self._changed: dict[str, bool] = {}
 
     @property
+    def held_bytes(self) -> int:
+        """What receiving holds beside the loader: the area and the links' buffers."""
+        return self.area.nbytes + sum(b.numel() for b in self._scratch.values())
+
+    @property
     def planned_bytes(self) -> int:
         s = self.plan.summary
         if not s.receiver_ring:
-            return self.area.nbytes
-        return s.receiver_ring[self.rank] + s.receiver_pinned[self.rank]
+            return self.held_bytes
+        r = self.rank
+        return s.receiver_ring[r] + s.receiver_pinned[r] + s.receiver_scratch[r]
 
     def start(self, step: int, *, delta_of: int | None = None) -> dict[str, bool]:
         """Every link's header of ``step`` checked, then its buckets landing in the area

@@ -118,6 +118,7 @@ class RankRefit:
             finish=finish,
             abort=lambda err: self._broke(step, err),
             planned_bytes=self.receiver.planned_bytes,
+            held_bytes=self.receiver.held_bytes,
         )
 
     def _broke(self, step: int, err: BaseException) -> None:

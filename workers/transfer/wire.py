@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -187,6 +188,8 @@ class ReceiveArea:
         self._moves = 0
         self.held = 0
         self.peak_held = 0
+        self.read_wait_s = 0.0
+        """Seconds the loader waited for bytes to land, this update."""
 
     @property
     def nbytes(self) -> int:
@@ -215,6 +218,7 @@ class ReceiveArea:
             self._todo = None
             self._read = set()
             self._front = 0
+            self.read_wait_s = 0.0
             self._error = None
             self.held = self.peak_held = 0
 
@@ -335,8 +339,10 @@ class ReceiveArea:
                     f"engine rank {self.rank}: waited {self.timeout_s:g} s for trainer rank {t.sender}'s piece of "
                     f"{t.tensor} rows {list(t.rows)} (read by unit {lay.unit[i]})"
                 )
+                t0 = time.perf_counter()
                 with self._cond:
                     self._wait(partial(self._landed.__getitem__, i), what)
+                self.read_wait_s += time.perf_counter() - t0
             rows = rect.rows[1] - rect.rows[0]
             region = self._pinned_np if lay.pinned[i] else self._ring_np
             src = region[rect.at : rect.at + rows * rect.width].reshape(rows, rect.width)
@@ -369,17 +375,24 @@ class AreaStorage:
         finish: Callable[[], None] | None = None,
         abort: Callable[[BaseException], None] | None = None,
         planned_bytes: int | None = None,
+        held_bytes: int | None = None,
     ) -> None:
         self.area = area
         self._finish = finish
         self._abort = abort
-        self.planned_bytes = area.nbytes if planned_bytes is None else planned_bytes
-        """What the transfer plan predicted the area holds (``receiver_ring`` +
-        ``receiver_pinned``)."""
+        self.held_bytes = area.nbytes if held_bytes is None else held_bytes
+        """What receiving holds beside the loader: the area, and the links' buffers."""
+        self.planned_bytes = self.held_bytes if planned_bytes is None else planned_bytes
+        """What the transfer plan predicted of it (``receiver_ring`` + ``receiver_pinned``
+        + ``receiver_scratch``)."""
 
     @property
     def area_bytes(self) -> int:
-        return self.area.nbytes
+        return self.held_bytes
+
+    @property
+    def read_wait_s(self) -> float:
+        return self.area.read_wait_s
 
     def url(self, file: str) -> str:
         return f"trainer://{file}"
