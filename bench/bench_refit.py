@@ -12,10 +12,12 @@ Side by side in each repeat (``common.interleave``, medians of 3 after one warm-
 * ``refit shm, convert on sender``: MXFP8 on the wire, the engine rank only repacks.
 
 Printed and written to ``bench/results/refit.{json,md}``: each median with its spread,
-the ratio refit / storage per repeat, the transfer phase's GB/s (bytes received over the
-receive seconds), the receiver's own time (convert and write) with sender-side conversion
-over its time with BF16 on the wire, and the bytes a delta sends when half the tensors
-are unchanged over a full refit's. The load average before and after is printed: the
+the ratio refit / storage per repeat, the transfer phase's GB/s (the refit's receiving
+overlaps its conversion, so each transport is also timed alone: the same bytes in the
+same 64 MiB buckets, two sender threads to one receiver), the receiver's own time
+(its loader's convert-and-write seconds, not reading or waiting for bytes) with
+sender-side conversion over its time with BF16 on the wire, and the bytes a delta sends
+when half the tensors are unchanged over a full refit's. The load average before and after is printed: the
 machine is small and shared, so the ratios are the figures to read.
 """
 
@@ -101,6 +103,62 @@ def save_round_trip(twin: str, full: dict[str, torch.Tensor], out: str) -> None:
             os.fsync(fd)
         finally:
             os.close(fd)
+
+
+def link_rate(kind: str, nbytes: int, bucket: int, repeats: int) -> float:
+    """GB/s of the transport ``kind`` alone: ``nbytes`` in ``bucket``-byte messages from
+    two sender threads to one receiver (the refit's 2 -> 1), nothing converted; the
+    median of ``repeats`` after one warm-up."""
+    import time
+
+    from mxload.workers.transfer.transports import make_transport
+
+    from tests.refit_trainer import free_port
+
+    port, group = free_port(), f"bench-link-{os.getpid()}-{kind}"
+    count = max(1, nbytes // bucket // 2)
+    ends: list[Any] = [None] * 3
+
+    def make(member: int) -> None:
+        ends[member] = make_transport(
+            kind,
+            addresses=[f"127.0.0.1:{port}"],
+            member=member,
+            senders=2,
+            size=3,
+            group=group,
+            timeout_s=120,
+            bucket_bytes=bucket,
+        )
+
+    threads = [threading.Thread(target=make, args=(m,)) for m in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    bufs = [torch.full((bucket,), s, dtype=torch.uint8) for s in range(2)]
+    into = {s: torch.empty(bucket, dtype=torch.uint8) for s in range(2)}
+
+    def send(s: int) -> None:
+        for _ in range(count):
+            ends[s].send(2, bufs[s])
+
+    def recv(s: int) -> None:
+        for _ in range(count):
+            ends[2].recv(s, into[s])
+
+    rates = []
+    for _ in range(repeats + 1):
+        t0 = time.perf_counter()
+        workers = [threading.Thread(target=f, args=(s,)) for f in (send, recv) for s in range(2)]
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join()
+        rates.append(2 * count * bucket / (time.perf_counter() - t0) / 1e9)
+    for end in ends:
+        end.close()
+    return statistics.median(rates[1:])
 
 
 def main() -> None:
@@ -225,6 +283,10 @@ def main() -> None:
     refit_fn("refit shm", changed=half)()
     delta_bytes = stats["refit shm"][-1]["bytes_received"]
 
+    # The transfer phase: each transport alone, moving the same bytes in the same buckets.
+    links = {
+        f"refit {kind}": link_rate(kind, nbytes, 64 << 20, args.repeats) for kind in ("shm", "gloo")
+    }
     rows = []
     out: dict[str, Any] = {"bytes_bf16": nbytes, "machine": machine, "candidates": {}}
     for name, t in timings.items():
@@ -233,22 +295,26 @@ def main() -> None:
         if name == "storage":
             # the reload's own convert-and-write seconds, beside the refits' receiver time
             row["receiver_seconds"] = statistics.median(
-                g["seconds"] for g in storage_stats[1 : 1 + args.repeats]
+                g["convert_seconds"] for g in storage_stats[1 : 1 + args.repeats]
             )
         if name != "storage":
             got = stats[name][1 : 1 + args.repeats]
             recv = statistics.median(g["receive_seconds"] for g in got)
-            own = statistics.median(g["seconds"] for g in got)
+            # its own work: converting (or repacking) and writing, not reading or waiting
+            own = statistics.median(g["convert_seconds"] for g in got)
+            row["waited_for_bytes_seconds"] = statistics.median(
+                g["waited_for_bytes_seconds"] for g in got
+            )
             moved = statistics.median(g["bytes_received"] for g in got)
             row.update(receive_seconds=recv, receiver_seconds=own, bytes_received=moved)
-            row["transfer_gb_s"] = moved / recv / 1e9 if recv else None
+            row["transfer_gb_s"] = links.get(name)
         out["candidates"][name] = row
         rows.append(
             [
                 name,
                 t.text(),
                 ratio.text(digits=2, unit="x") if name != "storage" else "1",
-                f"{row.get('transfer_gb_s') or 0:.2f}" if name != "storage" else "-",
+                f"{row['transfer_gb_s']:.2f}" if row.get("transfer_gb_s") else "-",
                 f"{row['receiver_seconds']:.3f}",
             ]
         )
@@ -266,8 +332,8 @@ def main() -> None:
             "candidate",
             "seconds (median [min-max])",
             "/ storage round trip",
-            "transfer GB/s",
-            "engine rank's convert+write s",
+            "its link alone, GB/s",
+            "engine rank's own convert+write s",
         ],
         rows,
     )

@@ -440,6 +440,7 @@ class Attachment:
             "identity": self.identity,
             "consistent": self.loader.consistent,
             "seconds": stats.seconds,
+            "convert_seconds": round(stats.convert_seconds, 6),
             "bytes_read": stats.bytes_read,
             "bytes_needed": stats.bytes_needed,
             "measured_peak_staging_bytes": stats.measured_peak_staging_bytes,
@@ -498,6 +499,8 @@ class Attachment:
             "identity": self.identity,
             "consistent": self.loader.consistent,
             "seconds": stats.seconds,
+            # its own work: converting (or repacking) and writing, not reading or waiting
+            "convert_seconds": round(stats.convert_seconds, 6),
             "receive_seconds": round(got.seconds, 6),
             "bytes_received": got.bytes_received,
             "tensors_unchanged": sum(not c for c in got.changed.values()),
@@ -505,7 +508,7 @@ class Attachment:
             "measured_peak_staging_bytes": stats.measured_peak_staging_bytes,
             "predicted_staging_bytes": rr.setup.refit.summary.receiver_staging[self.facts.rank],
             "receive_area_bytes": stats.extra.get("receive_area_bytes", 0),
-            # the loader's seconds waiting for the trainer's bytes (the rest is its own work)
+            # the loader's seconds waiting for the trainer's bytes to land
             "waited_for_bytes_seconds": round(stats.extra.get("waited_for_bytes_seconds", 0.0), 6),
             "addresses_moved": [],
         }

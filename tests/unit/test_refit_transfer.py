@@ -289,16 +289,20 @@ def test_a_trainer_step_during_the_send_fails_the_update_naming_the_tensor(
         assert engine.consistent
 
         transport = sender.sender.transport
-        real = transport.send
         count = [0]
 
-        def send(peer: int, buf: torch.Tensor) -> None:
-            real(peer, buf)
-            count[0] += 1
-            if count[0] == 2:  # the header and bucket 0 are out: the trainer steps
-                optimizer_step()
+        def counted(real: Any) -> Any:
+            def go(peer: int, message: Any) -> None:
+                real(peer, message)
+                count[0] += 1
+                if count[0] == 2:  # the header and bucket 0 are out: the trainer steps
+                    optimizer_step()
 
-        transport.send = send  # type: ignore[method-assign]
+            return go
+
+        # a message goes out through send, or (shm: packed in place) publish
+        transport.send = counted(transport.send)  # type: ignore[method-assign]
+        transport.publish = counted(transport.publish)  # type: ignore[method-assign]
         sent, got = update(sender, 2)
         assert count[0] > 3, "the step came before the send's end"
         assert isinstance(sent, RunError), sent

@@ -147,9 +147,10 @@ class Sender:
         self.order = send_order(plan, rank)
         # One bucket buffer, allocated once (each send returns once it may be reused): with
         # the row chunks of a conversion on the sender (``pack``), what this rank holds
-        # beyond its params.
+        # beyond its params. A transport that lends its own memory (shm) needs none.
         size = max((sum(t.nbytes for t in b) for bs in self.links.values() for b in bs), default=0)
-        self.buf = torch.empty(size, dtype=torch.uint8)
+        lends = hasattr(transport, "claim")
+        self.buf = torch.empty(0 if lends else size, dtype=torch.uint8)
         self.last = SendStats()
 
     @contextmanager
@@ -204,6 +205,7 @@ class Sender:
         # them (``plan.refit.send_order``: no cycle of waits between ring-bound
         # receivers, and no engine rank waits behind another's whole stream).
         count = {r: len(_without(bs, skip)) for (_, r), bs in links}
+        claim = getattr(self.transport, "claim", None)
         where_of = dict.fromkeys(count, -1)
         for bucket in self.order:
             transfers = _without([bucket.transfers], skip)
@@ -213,10 +215,17 @@ class Sender:
             where_of[receiver] += 1
             with self._naming(step, receiver, count[receiver]) as where:
                 where[0] = where_of[receiver]
+                peer = self.senders + receiver
                 tp = time.perf_counter()
-                n = pack(transfers[0], local, self.buf, self.backend)
-                stats.pack_seconds += time.perf_counter() - tp
-                self.transport.send(self.senders + receiver, self.buf[:n])
+                if claim is not None:  # packed straight into the transport's memory
+                    size = sum(t.nbytes for t in transfers[0])
+                    n = pack(transfers[0], local, claim(peer, size), self.backend)
+                    stats.pack_seconds += time.perf_counter() - tp
+                    self.transport.publish(peer, n)  # type: ignore[attr-defined]
+                else:
+                    n = pack(transfers[0], local, self.buf, self.backend)
+                    stats.pack_seconds += time.perf_counter() - tp
+                    self.transport.send(peer, self.buf[:n])
                 stats.bytes_sent += n
                 stats.buckets += 1
         # Checked once every link's bytes are out, so that no engine rank writes a step

@@ -296,19 +296,31 @@ class ShmTransport:
             pause = min(0.002, pause + 0.0001)
             time.sleep(pause)
 
-    def send(self, peer: int, buf: torch.Tensor) -> None:
+    def claim(self, peer: int, nbytes: int) -> torch.Tensor:
+        """The next message to ``peer``, to be written in place: a uint8 view of
+        ``nbytes`` of its slot, once the receiver has taken what the slot held;
+        :meth:`publish` sends it (the sender packs straight into shared memory)."""
+        m, head = self._open(self.member, peer, create=True)
+        seq = self._seq.get((self.member, peer), 0) + 1
+        self._wait(lambda: seq - int(head[1]) <= 2, 3, head, peer)
+        if nbytes + 8 > self.slot:
+            raise RunError(f"message of {nbytes} bytes exceeds the shared-memory slot")
+        at = _HEAD + (seq % 2) * self.slot + 8
+        return torch.from_numpy(np.frombuffer(m, dtype=np.uint8, count=nbytes, offset=at))
+
+    def publish(self, peer: int, nbytes: int) -> None:
+        """Send the message :meth:`claim` gave, of ``nbytes``."""
         m, head = self._open(self.member, peer, create=True)
         seq = self._seq.get((self.member, peer), 0) + 1
         self._seq[(self.member, peer)] = seq
-        self._wait(lambda: seq - int(head[1]) <= 2, 3, head, peer)
-        n = buf.numel()
-        if n + 8 > self.slot:
-            raise RunError(f"message of {n} bytes exceeds the shared-memory slot")
         at = _HEAD + (seq % 2) * self.slot
-        view = np.frombuffer(m, dtype=np.uint8, count=self.slot, offset=at)
-        view[:8] = np.frombuffer(np.int64(n).tobytes(), dtype=np.uint8)
-        view[8 : 8 + n] = buf.numpy()
+        np.frombuffer(m, dtype=np.int64, count=1, offset=at)[0] = nbytes
         head[0] = seq
+
+    def send(self, peer: int, buf: torch.Tensor) -> None:
+        n = buf.numel()
+        self.claim(peer, n).copy_(buf)
+        self.publish(peer, n)
 
     def recv(self, peer: int, buf: torch.Tensor) -> None:
         m, head = self._open(peer, self.member, create=False)
