@@ -228,10 +228,29 @@ class RefitSetup:
     plan: Plan
     """``wire`` planned for the held layout: every rank's reads."""
     refit: RefitPlan
+    _inputs: dict[tuple[int | None, bool], ReloadInputs] = field(
+        default_factory=dict, compare=False, repr=False
+    )
 
     @property
     def manifest_hash(self) -> str:
         return self.refit.summary.manifest_digest
+
+    def inputs(self, staging_budget: int | None, fused: bool) -> ReloadInputs:
+        """What every rank runs for an update: the same every step (the staging budgets
+        take a fifth of a small model's update to work out), so worked out once."""
+        key = (staging_budget, fused)
+        got = self._inputs.get(key)
+        if got is None:
+            got = self._inputs[key] = inputs_for(
+                self.held,
+                self.wire,
+                self.plan,
+                self.wire.root,
+                staging_budget=staging_budget,
+                fused=fused,
+            )
+        return got
 
 
 def refit_setup(
@@ -411,14 +430,7 @@ def refit(
             "update in full (delta_of None)",
             key="delta_of",
         )
-    inputs = inputs_for(
-        setup.held,
-        setup.wire,
-        setup.plan,
-        setup.wire.root,
-        staging_budget=staging_budget,
-        fused=ranks.fused,
-    )
+    inputs = setup.inputs(staging_budget, ranks.fused)
     for r in receivers:
         r.update = _Update(step, delta_of)
     try:
