@@ -4,7 +4,10 @@
   that is gone is named (shared memory: its pid; torch.distributed: its socket);
 * the transfer plan's pieces, packed by the sender and landed in the receiver's area,
   give every range the loader reads exactly the bytes of the gathered tensor (checked
-  against slicing the whole tensor, not against the plan's own arithmetic).
+  against slicing the whole tensor, not against the plan's own arithmetic);
+* the worst case of the streaming refit over shm and gloo: three trainer ranks in
+  1024-byte buckets into four engine ranks whose rings wrap many times, completing
+  byte-exact (a cycle of waits would fail on the receive timeout, not hang).
 """
 
 from __future__ import annotations
@@ -442,3 +445,93 @@ def test_a_trainer_tensor_unlike_its_manifest_is_refused_before_sending() -> Non
             check_local({**good, "a.weight": bad}, local, 1)
         assert f"trainer rank 1: tensor 'a.weight' is {what}, the manifest places" in str(err.value)
         assert (err.value.context["tensor"], err.value.context["rank"]) == ("a.weight", 1)
+
+
+@pytest.fixture(scope="module")
+def worst_case(ckpt_factory) -> dict[str, Any]:
+    """For the worst-case refit: the FP8 checkpoint the engine starts from, the BF16
+    weights of another seed its trainer ranks send, their 3-rank FSDP manifest, and what
+    every engine rank must hold after the refit (the reference model's, no mxload code)."""
+    from tests.integration.test_refit import REF
+    from tests.reference_model import RefCheckpoint, expected_rank
+
+    src = ckpt_factory("qwen3-moe-tiny", seed=1)
+    weights = ckpt_factory("qwen3-moe-tiny", seed=2, bf16=True)  # other values than src's
+    full = read_checkpoint(weights)
+    manifest = fsdp_manifest({n: tuple(t.shape) for n, t in full.items()}, 3)
+    ref, like = RefCheckpoint(weights), RefCheckpoint(src)
+    want = [expected_rank(ref, REF, r, like=like) for r in range(4)]
+    return {"src": src, "full": full, "manifest": manifest, "want": want}
+
+
+@pytest.mark.parametrize("kind", ["shm", "gloo"])
+def test_three_senders_in_tiny_buckets_through_wrapping_rings_complete_byte_exact(
+    worst_case: dict[str, Any], kind: str
+) -> None:
+    """The worst case of the streaming refit over a real transport: three trainer ranks
+    (FSDP shards), each on its own thread, send the smallest buckets the trainer form
+    allows (1024 bytes: thousands of buckets each) at once to four engine ranks (tp2 x
+    dp2 + EP, Attachments in this process), each receiving through a ring a fraction of
+    its need, so every ring wraps many times while all senders feed all receivers
+    (``plan.refit.send_order``'s deadlock-freedom argument, on real links). A cycle of
+    waits would end in the receive area's timeout naming a trainer rank, not a hang.
+    Every rank then holds what the reference model makes of the BF16 weights."""
+    import os
+
+    from mxload.orchestrator.plan.trainer import manifest_to_json
+    from mxload.orchestrator.runtime.refit import MxloadSender
+
+    from tests.integration.test_refit import LAYOUT, Engine, on_threads
+    from tests.reference_model import compare_rank
+
+    src, full, manifest, want = (worst_case[k] for k in ("src", "full", "manifest", "want"))
+    world = manifest.world
+    h = manifest.digest()
+    port = free_port()
+    form: dict[str, Any] = {
+        "transport": kind,
+        "world": world,
+        "manifest": manifest_to_json(manifest),
+        "bucket_bytes": 1 << 10,
+        "group": f"refit-worst-{os.getpid()}-{port}",
+        "timeout_s": 30,
+    }
+    if kind == "gloo":
+        form["addresses"] = [f"127.0.0.1:{port}"]
+    engine = Engine(src)
+    senders: list[MxloadSender] = []
+    try:
+        # not what the refit must bring already: a refit that moved nothing would fail
+        assert all(compare_rank(want[r], engine.held(r)) for r in range(LAYOUT.world))
+        joined = on_threads(
+            [lambda s=s: MxloadSender(src, LAYOUT, form, rank=s) for s in range(world)]
+            + [lambda a=a: a.attach_trainer(form) for a in engine.ranks]
+        )
+        senders = [j for j in joined[:world] if isinstance(j, MxloadSender)]
+        assert not [j for j in joined if isinstance(j, BaseException)], joined
+        # The case is the worst one: many buckets per link, and every engine rank's ring
+        # (its own plan's) a fraction of what lands on it, so it wraps again and again.
+        assert set(link_buckets(joined[world].refit)) == {
+            (s, r) for s in range(world) for r in range(LAYOUT.world)
+        }  # every trainer rank feeds every engine rank
+        for r, setup in enumerate(joined[world:]):
+            summary = setup.refit.summary
+            assert min(summary.sender_buckets) > 1000, summary.sender_buckets
+            assert 0 < 4 * summary.receiver_ring[r] < summary.receiver_bytes[r], r
+        params = [shards(full, s, world) for s in range(world)]
+        got = on_threads(
+            [lambda s=s: senders[s].send_weights(params[s], 1) for s in range(world)]
+            + [lambda a=a: a.refit(1, h) for a in engine.ranks]
+        )
+        assert not [g for g in got if isinstance(g, BaseException)], got
+        sent, received = got[:world], got[world:]
+        for r, g in enumerate(received):
+            assert compare_rank(want[r], engine.held(r)) == [], f"rank {r}"
+            assert g["identity"] == f"1:trainer-{h}" and g["consistent"], g
+            assert g["bytes_received"] == joined[world + r].refit.summary.receiver_bytes[r]
+            assert 0 < g["receive_area_bytes"] < g["bytes_received"], g
+        assert sum(s["bytes_sent"] for s in sent) == sum(g["bytes_received"] for g in received)
+    finally:
+        for s in senders:
+            s.close()
+        engine.close()
