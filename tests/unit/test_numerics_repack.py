@@ -159,3 +159,24 @@ def test_put_columns_is_the_transposing_copy(n: int, k: int, n_total: int, row0:
     got = before.clone()  # and through the row writer
     repack._put_columns(got.view(torch.float8_e4m3fn), payload.view(torch.float8_e4m3fn), row0)
     assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize(("n", "g", "n_total", "row0"), [(5, 4, 9, 3), (7, 3, 7, 0), (1, 1, 4, 2)])
+def test_put_pairs_is_the_paired_scale_layout(n: int, g: int, n_total: int, row0: int) -> None:
+    """The numba scale writer: ``buf[j, row0 + i, p] = scale[i, 2j + p]``, the pad byte
+    of an odd ``g`` 0, nothing outside the chunk's columns (spelled out per element)."""
+    from mxload.workers.numerics import kernels
+
+    assert kernels.available(), kernels.unavailable_reason()
+    gen = torch.Generator().manual_seed(n * 100 + g)
+    scale = torch.randint(1, 256, (n, g), dtype=torch.uint8, generator=gen)
+    pairs = (g + 1) // 2
+    before = torch.randint(1, 256, (pairs, n_total, 2), dtype=torch.uint8, generator=gen)
+    want = before.clone()
+    for i in range(n):
+        for j in range(pairs):
+            for p in range(2):
+                want[j, row0 + i, p] = scale[i, 2 * j + p] if 2 * j + p < g else 0
+    got = before.clone()
+    kernels.run_pairs(scale.numpy(), n, g, got.view(-1).numpy(), row0, 2)
+    assert torch.equal(got, want)

@@ -710,6 +710,21 @@ def _columns_kernel(
                 q[o + i] = src[i * k + c]
 
 
+@_jit(parallel=True)
+def _pairs_kernel(s: np.ndarray, n: int, g: int, out: np.ndarray, n_total: int, col: int) -> None:
+    """Row-major scales ``s [n, g]`` as columns ``[col, col + n)`` of the paired layout
+    ``out [ceil(g/2), n_total, 2]`` (flat): ``out[j, col + i, p] = s[i, 2j + p]``, the pad
+    byte of an odd ``g`` written 0."""
+    for j in prange((g + 1) // 2):
+        base = j * n_total + col
+        g0 = 2 * j
+        odd = g0 + 1 == g
+        for i in range(n):
+            o = (base + i) * 2
+            out[o] = s[i * g + g0]
+            out[o + 1] = 0 if odd else s[i * g + g0 + 1]
+
+
 @_jit()
 def _convert_item(
     w: np.ndarray,
@@ -1183,6 +1198,18 @@ def run_columns(src: np.ndarray, n: int, k: int, q: np.ndarray, col: int, thread
         _columns_kernel(src, src64, n, k, q, q64, n_total, col)
 
 
+def run_pairs(s: np.ndarray, n: int, g: int, out: np.ndarray, col: int, threads: int) -> None:
+    """Write the scales ``s`` (uint8 ``[n, g]``, C-contiguous) as columns ``[col, col + n)``
+    of the flat uint8 ``out`` holding the paired layout ``[ceil(g/2), n_total, 2]``
+    (docs/contract.md §2.3), the pad byte of an odd ``g`` zeroed."""
+    if n == 0 or g == 0:
+        return
+    n_total = out.size // (2 * ((g + 1) // 2))
+    with LOCK:
+        set_threads(threads)
+        _pairs_kernel(s.reshape(-1), n, g, out, n_total, col)
+
+
 def run_mx(
     bits: np.ndarray,
     is_bf16: bool,
@@ -1237,6 +1264,12 @@ def _self_test() -> None:
     run_columns(src, 9, 16, q24, 8, 1)
     if not (q24.reshape(16, 24)[:, 8:17] == src.T).all() or q24.reshape(16, 24)[:, :8].any():
         raise RuntimeError("columns self-test: the transpose is wrong")
+    # 3 groups (odd) of 2 rows as columns 1..2 of [2 pairs, 4, 2]: pairs, then pad 0.
+    pairs = np.full(2 * 4 * 2, 9, dtype=np.uint8)
+    run_pairs(np.array([[1, 2, 3], [4, 5, 6]], dtype=np.uint8), 2, 3, pairs, 1, 1)
+    want_pairs = [9, 9, 1, 2, 4, 5, 9, 9, 9, 9, 3, 0, 6, 0, 9, 9]
+    if pairs.tolist() != want_pairs:
+        raise RuntimeError(f"pairs self-test gave {pairs.tolist()}")
 
 
 def available() -> bool:

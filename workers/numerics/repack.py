@@ -180,6 +180,27 @@ def _put_columns(weight_buf: torch.Tensor, payload: torch.Tensor, row0: int) -> 
     weight_buf[:, row0 : row0 + n].copy_(payload.t())
 
 
+def _put_pairs(buf_u8: torch.Tensor, scale_u8: torch.Tensor, row0: int) -> bool:
+    """The scales' part of :func:`write_rows` by the numba kernel (``kernels.run_pairs``;
+    torch's strided copy goes a byte at a time); False where it does not run."""
+    if not (
+        buf_u8.device.type == "cpu"
+        and scale_u8.device.type == "cpu"
+        and buf_u8.is_contiguous()
+        and scale_u8.is_contiguous()
+    ):
+        return False
+    from . import kernels
+
+    if not kernels.available():
+        return False
+    n, g = scale_u8.shape
+    kernels.run_pairs(
+        scale_u8.numpy(), n, g, buf_u8.view(-1).numpy(), row0, torch.get_num_threads()
+    )
+    return True
+
+
 def write_rows(
     weight_buf: torch.Tensor,
     scale_buf: torch.Tensor,
@@ -225,6 +246,8 @@ def write_rows(
     if n == 0:
         return
     _put_columns(weight_buf, payload, row0)
+    if _put_pairs(buf_u8, scale_u8, row0):
+        return
     # [n, pairs, 2] view of the chunk's slots: [j, r, p] of the buffer <- scale[r, 2j + p].
     slots = buf_u8[:, row0 : row0 + n, :].permute(1, 0, 2)
     full = g // MX_PAIR
