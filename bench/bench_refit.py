@@ -16,8 +16,10 @@ the ratio refit / storage per repeat, the transfer phase's GB/s (the refit's rec
 overlaps its conversion, so each transport is also timed alone: the same bytes in the
 same 64 MiB buckets, two sender threads to one receiver), the receiver's own time
 (its loader's convert-and-write seconds, not reading or waiting for bytes) with
-sender-side conversion over its time with BF16 on the wire, and the bytes a delta sends
-when half the tensors are unchanged over a full refit's. The load average before and after is printed: the
+sender-side conversion over its time with BF16 on the wire (in the refits, where the
+trainer threads share the two cores with it, and alone: reloads of the MXFP8 and BF16
+forms of the same weights from checkpoints), and the bytes a delta sends when half the
+tensors are unchanged over a full refit's. The load average before and after is printed: the
 machine is small and shared, so the ratios are the figures to read.
 """
 
@@ -283,6 +285,21 @@ def main() -> None:
     refit_fn("refit shm", changed=half)()
     delta_bytes = stats["refit shm"][-1]["bytes_received"]
 
+    # The engine rank's own work with nothing else running: its convert-and-write from
+    # the BF16 form of the weights and from their MXFP8 form (what the wire carries when
+    # the sender converts), each read from a checkpoint in turn. In the refits the
+    # trainer ranks share this machine's two cores with it.
+    from mxload.orchestrator.tools.convert import convert_checkpoint
+
+    mx_ckpt = os.path.join(work, "mxfp8")
+    if not os.path.exists(os.path.join(mx_ckpt, "config.json")):
+        convert_checkpoint(fp8, mx_ckpt)
+    alone: dict[str, list[float]] = {"bf16": [], "mxfp8": []}
+    for _ in range(args.repeats + 1):
+        for form, path in (("bf16", twin), ("mxfp8", mx_ckpt)):
+            alone[form].append(storage_engine.reload(path)["convert_seconds"])
+    own_alone = {k: statistics.median(v[1:]) for k, v in alone.items()}
+
     # The transfer phase: each transport alone, moving the same bytes in the same buckets.
     links = {
         f"refit {kind}": link_rate(kind, nbytes, 64 << 20, args.repeats) for kind in ("shm", "gloo")
@@ -326,6 +343,8 @@ def main() -> None:
         rx["refit shm, convert on sender"]["bytes_received"] / rx["refit shm"]["bytes_received"]
     )
     out["delta_half_unchanged_bytes_ratio"] = delta_bytes / full_bytes
+    out["receiver_seconds_alone"] = own_alone
+    out["receiver_ratio_alone"] = own_alone["mxfp8"] / own_alone["bf16"]
     out["load_average_after"] = load_average()
     table = md_table(
         [
@@ -338,7 +357,9 @@ def main() -> None:
         rows,
     )
     extra = (
-        f"\nsender-side conversion: receiver time ratio {out['sender_conversion_receiver_ratio']:.3f}, "
+        f"\nsender-side conversion: receiver time ratio {out['sender_conversion_receiver_ratio']:.3f} "
+        f"in the refits, {out['receiver_ratio_alone']:.3f} alone (convert-and-write from MXFP8 "
+        f"{own_alone['mxfp8']:.3f} s, from BF16 {own_alone['bf16']:.3f} s), "
         f"wire bytes ratio {out['sender_conversion_wire_ratio']:.3f}\n"
         f"delta with half the tensors unchanged: bytes ratio {out['delta_half_unchanged_bytes_ratio']:.3f}\n"
         f"load average before {out['machine'].get('load_average_start')}, after {out['load_average_after']}\n"
