@@ -22,7 +22,7 @@ import bisect
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import Literal
+from typing import Any, Literal
 
 from ..errors import InputError
 from .formats import MX_GROUP
@@ -875,18 +875,31 @@ class _Walk:
         ahead while the one before is written where the budget leaves room."""
         quant = "mxfp8" if self.on_sender else "none"
         opts = ConvertOptions.for_source(self.model_dtype, quant, 1, fused=self.fused)
-        ranks = []
+        # Ranks of one geometry (every EP rank of a MoE, each data-parallel replica) have
+        # one schedule: with proportional reads it depends on the units' shapes, layouts
+        # and bytes alone, so each is worked out once (64 ranks of Qwen3-235B: 9 shapes).
+        classes: dict[tuple[object, ...], tuple[list[Unit], Any]] = {}
+        of_rank = []
         for rank in range(self.world):
-            units = [
-                replace(u, quantized=self.on_sender and u.layout in MX_LAYOUTS)
-                for u in self.plan.ranks[rank].units
-            ]
-            ranks.append((units, proportional_read_fn(units, self.unit_wires[rank])))
-        budget = max((min_budgets(u, fn, opts)[1] for u, fn in ranks), default=0)
-        return [
-            schedule(u, fn, opts, budget, whole_units=True)[1].staging_bytes if u else 0
-            for u, fn in ranks
-        ]
+            q = self.on_sender
+            key = (
+                tuple((u.rows, u.cols, u.layout, q and u.layout in MX_LAYOUTS)
+                      for u in self.plan.ranks[rank].units),
+                tuple(self.unit_wires[rank]),
+            )  # fmt: skip
+            if key not in classes:
+                units = [
+                    replace(u, quantized=q and u.layout in MX_LAYOUTS)
+                    for u in self.plan.ranks[rank].units
+                ]
+                classes[key] = (units, proportional_read_fn(units, self.unit_wires[rank]))
+            of_rank.append(key)
+        budget = max((min_budgets(u, fn, opts)[1] for u, fn in classes.values()), default=0)
+        staging = {
+            key: schedule(u, fn, opts, budget, whole_units=True)[1].staging_bytes if u else 0
+            for key, (u, fn) in classes.items()
+        }
+        return [staging[key] for key in of_rank]
 
     # -- results ------------------------------------------------------------------------
 

@@ -227,13 +227,15 @@ def expected(ckpts, which: str) -> list[dict[str, Any]]:
     return [expected_rank(ref, REF, r, like=like) for r in range(LAYOUT.world)]
 
 
-def test_refits_are_byte_exact_in_place_and_read_back_as_the_step(
-    engine, trainers, ckpts, manifest
-):
-    h = manifest.digest()
+def assert_steps_exact(
+    engine: Engine, trainers: Trainers, ckpts: dict[str, str], h: str, steps: Any
+) -> None:
+    """Each (step, weights) of ``steps`` refit in turn: every rank holds the reference of
+    the weights, reads back as the step, moved no parameter; the bytes sent are the bytes
+    received, and each rank's staging is what the plan predicted."""
     ptrs = engine.ptrs()
-    want = {w: expected(ckpts, w) for w in ("bf16-1", "bf16-2")}
-    for n, w in ((1, "bf16-2"), (2, "bf16-1"), (3, "bf16-2")):
+    want = {w: expected(ckpts, w) for w in {w for _, w in steps}}
+    for n, w in steps:
         got, sent = step(trainers, engine, "A", n, ckpts[w], h)
         assert not [g for g in got if isinstance(g, BaseException)], got
         assert all(s["ok"] for s in sent), sent
@@ -244,22 +246,36 @@ def test_refits_are_byte_exact_in_place_and_read_back_as_the_step(
         # every byte a rank needs crossed once: what the senders sent is what was received
         assert sum(s["bytes_sent"] for s in sent) == sum(g["bytes_received"] for g in got)
         # The plan's receiver staging is what each rank held: its loader pool's high water
-        # and its receive area (allocated once: ring + pinned, not the rank's whole need).
+        # and what receiving holds (allocated once: ring, pinned region, link buffers; not
+        # the rank's whole need).
         for g in got:
             measured, predicted = g["measured_peak_staging_bytes"], g["predicted_staging_bytes"]
             assert 0 < measured <= predicted <= 1.10 * measured, (g["rank"], measured, predicted)
             assert 0 < g["receive_area_bytes"] < g["bytes_received"], g
     assert all(a.status(checksums=False)["consistent"] for a in engine.ranks)
 
-    # A checkpoint reload of the same BF16 weights writes the same bytes.
-    other = Engine(ckpts["fp8"])
-    for a in other.ranks:
-        a.reload(ckpts["bf16-2"])
-    for r in range(LAYOUT.world):
-        a, b = engine.held(r), other.held(r)
-        assert [
-            n for n in a if not torch.equal(a[n].view(torch.uint8), b[n].view(torch.uint8))
-        ] == []
+
+def assert_same_as_reload(engine: Engine, fp8: str, weights: str) -> None:
+    """A checkpoint reload of the same BF16 weights writes the same bytes."""
+    other = Engine(fp8)
+    try:
+        for a in other.ranks:
+            a.reload(weights)
+        for r in range(LAYOUT.world):
+            a, b = engine.held(r), other.held(r)
+            assert [
+                n for n in a if not torch.equal(a[n].view(torch.uint8), b[n].view(torch.uint8))
+            ] == []
+    finally:
+        other.close()
+
+
+def test_refits_are_byte_exact_in_place_and_read_back_as_the_step(
+    engine, trainers, ckpts, manifest
+):
+    h = manifest.digest()
+    assert_steps_exact(engine, trainers, ckpts, h, ((1, "bf16-2"), (2, "bf16-1"), (3, "bf16-2")))
+    assert_same_as_reload(engine, ckpts["fp8"], ckpts["bf16-2"])
 
 
 def test_sender_side_conversion_agrees_and_sends_fewer_bytes(engine, trainers, ckpts, manifest):

@@ -28,6 +28,8 @@ from tests.integration.test_refit import (
     LAYOUT,
     Engine,
     Trainers,
+    assert_same_as_reload,
+    assert_steps_exact,
     expected,
     join,
     shapes_of,
@@ -116,31 +118,8 @@ def test_refits_are_byte_exact_in_place_and_equal_a_checkpoint_reload(
     engine, trainers, ckpts, manifest
 ):
     h = manifest.digest()
-    ptrs = engine.ptrs()
-    for n, w in ((1, "bf16-2"), (2, "bf16-1")):
-        got, sent = step(trainers, engine, "A", n, ckpts[w], h)
-        assert not [g for g in got if isinstance(g, BaseException)], got
-        assert all(s["ok"] for s in sent), sent
-        want = expected(ckpts, w)
-        for r in range(LAYOUT.world):
-            assert compare_rank(want[r], engine.held(r)) == [], f"step {n} rank {r}"
-        assert {g["identity"] for g in got} == {f"{n}:trainer-{h}"}
-        assert engine.ptrs() == ptrs, f"step {n} moved a parameter"
-        assert sum(s["bytes_sent"] for s in sent) == sum(g["bytes_received"] for g in got)
-    assert all(a.status(checksums=False)["consistent"] for a in engine.ranks)
-
-    # A checkpoint reload of the same BF16 weights writes the same bytes.
-    other = Engine(ckpts["fp8"])
-    try:
-        for a in other.ranks:
-            a.reload(ckpts["bf16-1"])
-        for r in range(LAYOUT.world):
-            a, b = engine.held(r), other.held(r)
-            assert [
-                n for n in a if not torch.equal(a[n].view(torch.uint8), b[n].view(torch.uint8))
-            ] == []
-    finally:
-        other.close()
+    assert_steps_exact(engine, trainers, ckpts, h, ((1, "bf16-2"), (2, "bf16-1")))
+    assert_same_as_reload(engine, ckpts["fp8"], ckpts["bf16-1"])
 
 
 def test_sender_side_conversion_of_k_slices_agrees_and_sends_fewer_bytes(
