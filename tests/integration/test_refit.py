@@ -184,7 +184,7 @@ def trainer_form(manifest, convert_on: str = "receiver") -> dict[str, Any]:
         "convert_on": convert_on,
         "bucket_bytes": BUCKET,
         "group": f"refit-test-{port}",
-        "timeout_s": 30,
+        "timeout_s": 10,
     }
 
 
