@@ -131,18 +131,25 @@ class SendStats:
     pack_seconds: float = 0.0
 
 
-class Sender:
-    """A trainer rank's side of every link it has."""
+class _Side:
+    """What both ends of a refit's links work out from the transfer plan alike."""
 
-    def __init__(self, plan: RefitPlan, rank: int, transport: Transport, backend: Any) -> None:
+    def __init__(self, plan: RefitPlan, rank: int, transport: Transport) -> None:
         self.plan = plan
         self.rank = rank
         self.transport = transport
-        self.backend = backend
         self.senders = len(plan.summary.sender_bytes)
         self.tensors = plan_tensors(plan)
         self.groups = plan_groups(plan)
         self.digest = plan_digest(plan)
+
+
+class Sender(_Side):
+    """A trainer rank's side of every link it has."""
+
+    def __init__(self, plan: RefitPlan, rank: int, transport: Transport, backend: Any) -> None:
+        super().__init__(plan, rank, transport)
+        self.backend = backend
         self.links = {k: v for k, v in link_buckets(plan).items() if k[0] == rank}
         self.order = send_order(plan, rank)
         # One bucket buffer, allocated once (each send returns once it may be reused): with
@@ -301,7 +308,7 @@ def effective_flags(
     return [k in hot for k in keys]
 
 
-class Receiver:
+class Receiver(_Side):
     """An engine rank's side of every link it has, into its receive area: one thread per
     link lands its buckets in the ring while the loader reads (``units``: the rank's, in
     its loader's order). ``itemsize``: per tensor, its trainer dtype's size;
@@ -317,13 +324,7 @@ class Receiver:
         units: Sequence[Unit],
         timeout_s: float = 60.0,
     ) -> None:
-        self.plan = plan
-        self.rank = rank
-        self.transport = transport
-        self.senders = len(plan.summary.sender_bytes)
-        self.tensors = plan_tensors(plan)
-        self.groups = plan_groups(plan)
-        self.digest = plan_digest(plan)
+        super().__init__(plan, rank, transport)
         self.links = {k[0]: v for k, v in sorted(link_buckets(plan).items()) if k[1] == rank}
         layout = receive_layout(units, plan, rank)
         self.area = ReceiveArea(layout, itemsize, row_bytes, timeout_s)
