@@ -503,6 +503,7 @@ class Attachment:
             "convert_seconds": round(stats.convert_seconds, 6),
             "receive_seconds": round(got.seconds, 6),
             "bytes_received": got.bytes_received,
+            "bytes_received_in_place": got.in_place_bytes,
             "tensors_unchanged": sum(not c for c in got.changed.values()),
             "units_written": stats.units,
             "measured_peak_staging_bytes": stats.measured_peak_staging_bytes,

@@ -38,7 +38,7 @@ MX_LAYOUTS = ("mx_linear", "mx_moe")
 """Buffer layouts the engine holds in MXFP8: their units are converted on the way."""
 
 DEFAULT_BUCKET_BYTES = 64 << 20
-"""Bytes one sender packs into one bucket (one message on one link), the trainer form's
+"""Bytes one sender packs into one bucket (on one link: :func:`messages`), the trainer form's
 ``bucket_bytes`` and ``plan --bucket-size`` unless given."""
 
 POSITION_SCALE = 1 << 20
@@ -82,8 +82,8 @@ class Transfer:
 
 @dataclass(frozen=True)
 class Bucket:
-    """Transfers one sender packs into one message to one receiver (the landing rank),
-    in order; ``index`` counts the sender's buckets in the order it sends them."""
+    """Transfers one sender packs for one receiver (the landing rank), in order, sent as
+    :func:`messages`; ``index`` counts the sender's buckets in the order it sends them."""
 
     sender: int
     receiver: int
@@ -171,8 +171,8 @@ class RefitSummary:
     """Per engine rank, bytes of the pieces more than one of its units reads (a tied
     embedding): held beside the ring for the whole update."""
     receiver_scratch: tuple[int, ...] = ()
-    """Per engine rank, one buffer per link of that link's largest bucket: where a
-    bucket whose pieces do not lie side by side in the ring is received before they are
+    """Per engine rank, one buffer per link of that link's largest bucket: where the
+    short runs of a bucket's pieces (:func:`messages`) are received before they are
     copied to their places (allocated once)."""
 
     @property
@@ -374,6 +374,70 @@ def receive_layout(units: Sequence[Unit], plan: RefitPlan, rank: int) -> Receive
         order=tuple(order),
         needed=needed,
     )
+
+
+MIN_DIRECT_BYTES = 1 << 20
+"""A run of a bucket's pieces lying side by side in the receive area is its own message
+(received in place) from this size on; shorter runs are sent together (received into
+the link's landing buffer and copied to their places): a message costs a round trip."""
+
+
+def _adjacent(layout: ReceiveLayout, i: int, j: int) -> bool:
+    """Whether transfer ``j`` lies right after transfer ``i`` in the receive area."""
+    if layout.pinned[i] != layout.pinned[j]:
+        return False
+    end = layout.at[i] + layout.transfers[i].nbytes
+    if layout.at[j] != end:
+        return False
+    return layout.pinned[i] or end % layout.capacity != 0
+
+
+def messages(
+    layout: ReceiveLayout, items: Sequence[int], min_direct: int | None = None
+) -> tuple[tuple[int, int, bool], ...]:
+    """How a bucket whose transfers are ``items`` (indices into ``layout.transfers``, in
+    bucket order; a delta's unchanged ones left out) goes over its link: per message,
+    ``(first, stop, direct)`` over positions in ``items``. A direct message's pieces lie
+    side by side in the receive area, so it can be received in place; the others are
+    runs shorter than ``min_direct`` (default :data:`MIN_DIRECT_BYTES`) sent together.
+    Both ends compute it from the plan and the engine rank's units alone."""
+    limit = MIN_DIRECT_BYTES if min_direct is None else min_direct
+    runs: list[tuple[int, int]] = []
+    for k, i in enumerate(items):
+        if runs and _adjacent(layout, items[k - 1], i):
+            runs[-1] = (runs[-1][0], k + 1)
+        else:
+            runs.append((k, k + 1))
+    out: list[tuple[int, int, bool]] = []
+    first, count, size = 0, 0, 0  # the open message of short runs
+    for a, b in runs:
+        n = sum(layout.transfers[i].nbytes for i in items[a:b])
+        if n >= limit:
+            if count:
+                out.append((first, a, count == 1))
+                count = 0
+            out.append((a, b, True))
+            continue
+        if not count:
+            first, size = a, 0
+        count += 1
+        size += n
+        if size >= limit:
+            out.append((first, b, count == 1))
+            count = 0
+    if count:
+        out.append((first, len(items), count == 1))
+    return tuple(out)
+
+
+def link_digest(layout: ReceiveLayout, sender: int) -> int:
+    """What both ends of link ``sender -> layout.rank`` check they agree on before a
+    bucket moves: where its pieces land (the messages follow from it)."""
+    h = 0
+    for i, t in enumerate(layout.transfers):
+        if t.sender == sender:
+            h = (h * 1_000_003 + layout.at[i] * 2 + layout.pinned[i]) % (1 << 61)
+    return (h * 1_000_003 + layout.capacity) % (1 << 61)
 
 
 def _send_key(b: Bucket) -> tuple[int, int, int, int]:

@@ -523,8 +523,13 @@ class MxloadSender:
         self.setup = refit_setup(held, meta.config, source)
         self.rank = rank
         self.local = local_tensors(source.manifest, rank)
+        units = {r: ranked.units for r, ranked in enumerate(self.setup.held.ranks)}
         self.sender = Sender(
-            self.setup.refit, rank, transport_spec(self.setup, rank).make(), select_backend(device)
+            self.setup.refit,
+            rank,
+            transport_spec(self.setup, rank).make(),
+            select_backend(device),
+            units,
         )
 
     @property

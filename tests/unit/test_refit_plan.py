@@ -27,6 +27,9 @@ from mxload.orchestrator.plan.refit import (
     ReceiveLayout,
     RefitPlan,
     RefitSummary,
+    Transfer,
+    link_digest,
+    messages,
     needed_shapes,
     placements,
     receive_layout,
@@ -727,3 +730,42 @@ def test_interleaved_sends_to_ring_bound_receivers_never_wait_in_a_cycle(
         for s in range(senders)
     }
     assert simulate_update(plan, rp, crossed) != [len(plan.ranks[r].units) for r in range(world)]
+
+
+def _piece(sender: int, nbytes: int) -> Transfer:
+    return Transfer(sender, (0,), "w", (0, 1), (0, nbytes), (0, 0), nbytes, nbytes, False, False)
+
+
+def test_a_bucket_goes_as_messages_of_runs_lying_side_by_side_where_it_lands() -> None:
+    """Runs of pieces adjacent in the receive area are one message each from
+    ``min_direct`` bytes on (received in place); shorter runs go together (through the
+    landing buffer). Not adjacent: a gap, the other region, a piece that starts the
+    ring's next lap. Worked by hand on a ring of 100 bytes."""
+    sizes = [10, 10, 10, 5, 5, 10, 10]
+    at = [0, 10, 30, 0, 5, 90, 100]
+    pinned = [False, False, False, True, True, False, False]
+    lay = ReceiveLayout(
+        rank=0,
+        capacity=100,
+        pinned_bytes=10,
+        transfers=tuple(_piece(0, n) for n in sizes),
+        unit=(0,) * 7,
+        last_unit=(0,) * 7,
+        pinned=tuple(pinned),
+        at=tuple(at),
+        order=(0, 1, 2, 5, 6),
+        needed=100,
+    )
+    items = list(range(7))
+    assert messages(lay, items, 15) == ((0, 2, True), (2, 5, False), (5, 7, False))
+    assert messages(lay, items, 1) == (
+        (0, 2, True), (2, 3, True), (3, 5, True), (5, 6, True), (6, 7, True),
+    )  # fmt: skip
+    assert messages(lay, items, 1000) == ((0, 7, False),)
+    assert messages(lay, [0, 1], 1000) == ((0, 2, True),)
+    # a delta that leaves piece 1 out: 0 and 2 are no run
+    assert messages(lay, [0, 2], 1) == ((0, 1, True), (1, 2, True))
+    # both ends check they place the link's pieces alike
+    moved = replace(lay, at=(0, 10, 40, 0, 5, 90, 100))
+    assert link_digest(moved, 0) != link_digest(lay, 0)
+    assert link_digest(lay, 1) != link_digest(lay, 0)

@@ -466,7 +466,7 @@ def worst_case(ckpt_factory) -> dict[str, Any]:
 
 @pytest.mark.parametrize("kind", ["shm", "gloo"])
 def test_three_senders_in_tiny_buckets_through_wrapping_rings_complete_byte_exact(
-    worst_case: dict[str, Any], kind: str
+    worst_case: dict[str, Any], kind: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The worst case of the streaming refit over a real transport: three trainer ranks
     (FSDP shards), each on its own thread, send the smallest buckets the trainer form
@@ -475,8 +475,15 @@ def test_three_senders_in_tiny_buckets_through_wrapping_rings_complete_byte_exac
     its need, so every ring wraps many times while all senders feed all receivers
     (``plan.refit.send_order``'s deadlock-freedom argument, on real links). A cycle of
     waits would end in the receive area's timeout naming a trainer rank, not a hang.
-    Every rank then holds what the reference model makes of the BF16 weights."""
+    Every rank then holds what the reference model makes of the BF16 weights. Every run
+    of pieces lying side by side in a ring is its own message here (``messages``' least
+    size 1 byte, not 1 MiB), received in place: between the ring's laps and the pinned
+    region, runs are cut where the receive area cuts them."""
     import os
+
+    from mxload.orchestrator.plan import refit as plan_refit
+
+    monkeypatch.setattr(plan_refit, "MIN_DIRECT_BYTES", 1)
 
     from mxload.orchestrator.plan.trainer import manifest_to_json
     from mxload.orchestrator.runtime.refit import MxloadSender
@@ -530,6 +537,7 @@ def test_three_senders_in_tiny_buckets_through_wrapping_rings_complete_byte_exac
             assert g["identity"] == f"1:trainer-{h}" and g["consistent"], g
             assert g["bytes_received"] == joined[world + r].refit.summary.receiver_bytes[r]
             assert 0 < g["receive_area_bytes"] < g["bytes_received"], g
+            assert g["bytes_received_in_place"] == g["bytes_received"], g
         assert sum(s["bytes_sent"] for s in sent) == sum(g["bytes_received"] for g in received)
     finally:
         for s in senders:

@@ -1,9 +1,11 @@
 """One refit step on the wire: a trainer rank sends, an engine rank receives.
 
 Per (sender, receiver) link, in order: one header (step, the step the delta is taken
-against, manifest hash, plan digest, and which tensors changed), then the link's buckets
-of the transfer plan (``mxload.orchestrator.plan.refit``), the transfers of unchanged
-tensors left out, then one trailer, sent once every link's buckets are out: whether a
+against, manifest hash, plan digest, where the receiver lands the link's pieces, and
+which tensors changed), then the link's buckets of the transfer plan
+(``mxload.orchestrator.plan.refit``), the transfers of unchanged tensors left out, each
+bucket as the messages ``plan.refit.messages`` cuts it into (a run of pieces landing
+side by side is received in place), then one trailer, sent once every link's buckets are out: whether a
 tensor the sender read changed while it sent (a trainer step taken during the update).
 A sender sends all its headers first, then its buckets on one thread, interleaved across
 its receivers in the order they consume them (``plan.refit.send_order``), through one
@@ -33,7 +35,15 @@ from typing import Any
 import torch
 
 from ...orchestrator.errors import MxloadError, ReloadMismatch, RunError
-from ...orchestrator.plan.refit import RefitPlan, Transfer, receive_layout, send_order
+from ...orchestrator.plan.refit import (
+    ReceiveLayout,
+    RefitPlan,
+    Transfer,
+    link_digest,
+    messages,
+    receive_layout,
+    send_order,
+)
 from ...orchestrator.plan.types import Unit
 from .transports import Transport
 from .wire import ReceiveArea, local_rect, pack
@@ -85,8 +95,15 @@ def _without(buckets: Sequence[Bucket], skip: Collection[str]) -> list[Bucket]:
 
 
 def header(
-    digest: str, manifest_hash: str, sender: int, step: int, delta_of: int | None, flags: list[bool]
+    digest: str,
+    manifest_hash: str,
+    sender: int,
+    step: int,
+    delta_of: int | None,
+    flags: list[bool],
+    landing: int,
 ) -> torch.Tensor:
+    """A link's first message; ``landing``: the link's ``plan.refit.link_digest``."""
     words = torch.tensor(
         [
             MAGIC,
@@ -96,7 +113,7 @@ def header(
             _hash_int(digest),
             sender,
             len(flags),
-            0,
+            landing,
         ],
         dtype=torch.int64,
     )
@@ -145,13 +162,23 @@ class _Side:
 
 
 class Sender(_Side):
-    """A trainer rank's side of every link it has."""
+    """A trainer rank's side of every link it has (``units``: per engine rank, its
+    units in its loader's order, which say where the rank lands each piece: a run of
+    pieces landing side by side goes as one message, received in place)."""
 
-    def __init__(self, plan: RefitPlan, rank: int, transport: Transport, backend: Any) -> None:
+    def __init__(
+        self,
+        plan: RefitPlan,
+        rank: int,
+        transport: Transport,
+        backend: Any,
+        units: Mapping[int, Sequence[Unit]],
+    ) -> None:
         super().__init__(plan, rank, transport)
         self.backend = backend
         self.links = {k: v for k, v in link_buckets(plan).items() if k[0] == rank}
         self.order = send_order(plan, rank)
+        self.landing = {r: _Landing(receive_layout(units[r], plan, r)) for _, r in self.links}
         # One bucket buffer, allocated once (each send returns once it may be reused): with
         # the row chunks of a conversion on the sender (``pack``), what this rank holds
         # beyond its params. A transport that lends its own memory (shm) needs none.
@@ -197,15 +224,17 @@ class Sender(_Side):
         sent_flags = effective_flags(self.tensors, flags, self.groups)
         skip = {t for t, f in zip(self.tensors, sent_flags, strict=True) if not f}
         local = local_rect({n: local_shard(t) for n, t in params.items()}, self.rank)
-        head = header(
-            self.digest, self.plan.summary.manifest_digest, self.rank, step, delta_of, flags
-        )
         sent = [t for t in self.tensors if t not in skip and t in params]
         before = {t: _stamp(params[t]) for t in sent}
         links = sorted(self.links.items())
         # Every header first: each engine rank checks its headers and starts its loader
         # at once, instead of behind the ranks this one feeds before it.
         for (_, receiver), _buckets in links:
+            digest = link_digest(self.landing[receiver].layout, self.rank)
+            head = header(
+                self.digest, self.plan.summary.manifest_digest, self.rank, step, delta_of,
+                flags, digest,
+            )  # fmt: skip
             with self._naming(step, receiver, -1):
                 self.transport.send(self.senders + receiver, head)
         # Then the buckets, interleaved across the receivers in the order they consume
@@ -223,17 +252,19 @@ class Sender(_Side):
             with self._naming(step, receiver, count[receiver]) as where:
                 where[0] = where_of[receiver]
                 peer = self.senders + receiver
-                tp = time.perf_counter()
-                if claim is not None:  # packed straight into the transport's memory
-                    size = sum(t.nbytes for t in transfers[0])
-                    n = pack(transfers[0], local, claim(peer, size), self.backend)
-                    stats.pack_seconds += time.perf_counter() - tp
-                    self.transport.publish(peer, n)  # type: ignore[attr-defined]
-                else:
-                    n = pack(transfers[0], local, self.buf, self.backend)
-                    stats.pack_seconds += time.perf_counter() - tp
-                    self.transport.send(peer, self.buf[:n])
-                stats.bytes_sent += n
+                todo = transfers[0]
+                for a, b, _ in self.landing[receiver].messages(todo):
+                    tp = time.perf_counter()
+                    if claim is not None:  # packed straight into the transport's memory
+                        size = sum(t.nbytes for t in todo[a:b])
+                        n = pack(todo[a:b], local, claim(peer, size), self.backend)
+                        stats.pack_seconds += time.perf_counter() - tp
+                        self.transport.publish(peer, n)  # type: ignore[attr-defined]
+                    else:
+                        n = pack(todo[a:b], local, self.buf, self.backend)
+                        stats.pack_seconds += time.perf_counter() - tp
+                        self.transport.send(peer, self.buf[:n])
+                    stats.bytes_sent += n
                 stats.buckets += 1
         # Checked once every link's bytes are out, so that no engine rank writes a step
         # another rank got different bytes of (docs/contract.md §4 "Refit").
@@ -257,6 +288,21 @@ class Sender(_Side):
         return stats
 
 
+class _Landing:
+    """Where one engine rank lands the pieces of its links, and so how a bucket to it
+    goes over the wire (``plan.refit.messages``)."""
+
+    def __init__(self, layout: ReceiveLayout) -> None:
+        self.layout = layout
+        self.index = {id(t): i for i, t in enumerate(layout.transfers)}
+
+    def items(self, bucket: Bucket) -> list[int]:
+        return [self.index[id(t)] for t in bucket]
+
+    def messages(self, bucket: Bucket) -> tuple[tuple[int, int, bool], ...]:
+        return messages(self.layout, self.items(bucket))
+
+
 @dataclass
 class Received:
     """What one receive brought: which tensors changed, and the bytes."""
@@ -267,6 +313,9 @@ class Received:
     per_sender: dict[int, int] = field(default_factory=dict)
     peak_ring_bytes: int = 0
     """The most ring bytes landed and not yet read at once."""
+    in_place_bytes: int = 0
+    """Bytes received straight into the receive area (the rest through a link's
+    landing buffer, then copied)."""
 
 
 def tensor_groups(units: Sequence[Sequence[str]]) -> dict[str, int]:
@@ -326,9 +375,8 @@ class Receiver(_Side):
     ) -> None:
         super().__init__(plan, rank, transport)
         self.links = {k[0]: v for k, v in sorted(link_buckets(plan).items()) if k[1] == rank}
-        layout = receive_layout(units, plan, rank)
-        self.area = ReceiveArea(layout, itemsize, row_bytes, timeout_s)
-        self.index = {id(t): i for i, t in enumerate(layout.transfers)}
+        self.landing = _Landing(receive_layout(units, plan, rank))
+        self.area = ReceiveArea(self.landing.layout, itemsize, row_bytes, timeout_s)
         # Per link, its largest bucket (RefitSummary.receiver_scratch), allocated once.
         self._scratch = {
             s: torch.empty(max(sum(t.nbytes for t in b) for b in bs), dtype=torch.uint8)
@@ -340,6 +388,7 @@ class Receiver(_Side):
         self._step = 0
         self._t0 = 0.0
         self._changed: dict[str, bool] = {}
+        self._in_place: dict[int, int] = {}
 
     @property
     def held_bytes(self) -> int:
@@ -365,6 +414,7 @@ class Receiver(_Side):
         self._step = step
         self._go = threading.Event()
         self._futures = {}
+        self._in_place = dict.fromkeys(self.links, 0)
         if not self.links:
             self._changed = dict.fromkeys(self.tensors, True)
             self.area.reset([])
@@ -424,6 +474,7 @@ class Receiver(_Side):
             seconds=time.perf_counter() - self._t0,
             per_sender=got,
             peak_ring_bytes=self.area.peak_held,
+            in_place_bytes=sum(self._in_place.values()),
         )
 
     def stop(self, err: BaseException) -> None:
@@ -478,11 +529,13 @@ class Receiver(_Side):
         words = head[: HEAD_WORDS * 8].view(torch.int64).tolist()
         want = [MAGIC, step, -1 if delta_of is None else delta_of]
         want += [_hash_int(self.plan.summary.manifest_digest), _hash_int(self.digest), sender, n]
-        if words[:7] != want:
+        want.append(link_digest(self.area.layout, sender))
+        if words != want:
             names = ["magic", "step", "delta_of", "manifest hash", "plan digest", "rank", "tensors"]
+            names.append("landing digest (the engine plans differ)")
             diff = [
                 f"{a} {x} (expected {y})"
-                for a, x, y in zip(names, words[:7], want, strict=True)
+                for a, x, y in zip(names, words, want, strict=True)
                 if x != y
             ]
             raise ReloadMismatch(
@@ -503,44 +556,42 @@ class Receiver(_Side):
         total = 0
         area = self.area
         for b, bucket in enumerate(todo):
-            size = sum(t.nbytes for t in bucket)
-            items = [self.index[id(t)] for t in bucket]
-            keep = area.wait_space(items, f"{where}, bucket {b} of {len(todo)} of step {step}")
-            views = [area.view(i) for i in items]
-            pinned = {area.layout.pinned[i] for i in items}
-            direct = (
-                len(keep) == len(items)
-                and len(pinned) == 1
-                and all(
-                    views[k + 1].data_ptr() == views[k].data_ptr() + views[k].numel()
-                    for k in range(len(views) - 1)
-                )
-            )
-            if direct:
-                region = area.pinned if area.layout.pinned[items[0]] else area.ring
-                at = views[0].storage_offset()
-                buf = region[at : at + size]
-            else:
-                buf = self._scratch[sender][:size]
-            try:
-                self.transport.recv(sender, buf)
-            except Exception as err:
-                raise RunError(
-                    f"{where} died or stopped during bucket {b} of {len(todo)} of step "
-                    f"{step}: {type(err).__name__}: {err}",
-                    rank=self.rank,
-                ) from err
-            total += size
-            if area.error is not None:
-                raise area.error
-            if not direct:
-                at = 0
-                keeping = set(keep)
-                for t, i, v in zip(bucket, items, views, strict=True):
-                    if i in keeping:
-                        v.copy_(buf[at : at + t.nbytes])
-                    at += t.nbytes
-            area.landed(keep)
+            items = self.landing.items(bucket)
+            keep = set(area.wait_space(items, f"{where}, bucket {b} of {len(todo)} of step {step}"))
+            for first, stop, direct in messages(area.layout, items):
+                mine = items[first:stop]
+                size = sum(t.nbytes for t in bucket[first:stop])
+                views = [area.view(i) for i in mine]
+                # in place unless a piece is not read this update (its ring bytes may
+                # hold another's)
+                in_place = direct and keep.issuperset(mine)
+                if in_place:
+                    at = views[0].storage_offset()
+                    buf = (area.pinned if area.layout.pinned[mine[0]] else area.ring)[
+                        at : at + size
+                    ]
+                else:
+                    buf = self._scratch[sender][:size]
+                try:
+                    self.transport.recv(sender, buf)
+                except Exception as err:
+                    raise RunError(
+                        f"{where} died or stopped during bucket {b} of {len(todo)} of step "
+                        f"{step}: {type(err).__name__}: {err}",
+                        rank=self.rank,
+                    ) from err
+                total += size
+                if in_place:
+                    self._in_place[sender] += size
+                if area.error is not None:
+                    raise area.error
+                if not in_place:
+                    at = 0
+                    for i, v in zip(mine, views, strict=True):
+                        if i in keep:
+                            v.copy_(buf[at : at + v.numel()])
+                        at += v.numel()
+                area.landed([i for i in mine if i in keep])
         tail = torch.empty(TRAILER_WORDS * 8, dtype=torch.uint8)
         try:
             self.transport.recv(sender, tail)
