@@ -324,6 +324,9 @@ def main() -> None:
             )
             moved = statistics.median(g["bytes_received"] for g in got)
             row.update(receive_seconds=recv, receiver_seconds=own, bytes_received=moved)
+            row["in_place_fraction"] = (
+                statistics.median(g["bytes_received_in_place"] for g in got) / moved
+            )
             row["transfer_gb_s"] = links.get(name)
         out["candidates"][name] = row
         rows.append(
@@ -333,6 +336,7 @@ def main() -> None:
                 ratio.text(digits=2, unit="x") if name != "storage" else "1",
                 f"{row['transfer_gb_s']:.2f}" if row.get("transfer_gb_s") else "-",
                 f"{row['receiver_seconds']:.3f}",
+                f"{row['in_place_fraction']:.2f}" if "in_place_fraction" in row else "-",
             ]
         )
     rx = out["candidates"]
@@ -353,6 +357,7 @@ def main() -> None:
             "/ storage round trip",
             "its link alone, GB/s",
             "engine rank's own convert+write s",
+            "bytes received in place",
         ],
         rows,
     )

@@ -132,6 +132,12 @@ def _fake_fast(available: Any) -> tuple[types.ModuleType, list[str]]:
         calls.append("mx_quantize")
         return reference.mx_quantize(x)
 
+    def mx_quantize_into(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, alg: int) -> None:
+        calls.append("mx_quantize_into")
+        got_q, got_s = reference.mx_quantize(x)
+        q.copy_(got_q.view(torch.uint8))
+        s.copy_(got_s)
+
     def convert(parts: Any, **kwargs: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
         calls.append("convert")
         return [(torch.zeros(0), torch.zeros(0))]
@@ -139,6 +145,7 @@ def _fake_fast(available: Any) -> tuple[types.ModuleType, list[str]]:
     mod.fast_available = fast_available  # type: ignore[attr-defined]
     mod.resolve_block = resolve_block  # type: ignore[attr-defined]
     mod.mx_quantize = mx_quantize  # type: ignore[attr-defined]
+    mod.mx_quantize_into = mx_quantize_into  # type: ignore[attr-defined]
     mod.convert = convert  # type: ignore[attr-defined]
     return mod, calls
 
@@ -152,8 +159,11 @@ def test_fast_module_used_when_available(monkeypatch: pytest.MonkeyPatch) -> Non
     s = torch.ones(1, 1)
     b.resolve_block(w, s, row0=0, col0=0, block_n=128, block_k=128, dtype=torch.bfloat16)
     b.mx_quantize(torch.zeros(32))
+    b.mx_quantize_into(
+        torch.zeros(32), torch.empty(32, dtype=torch.uint8), torch.empty(1, dtype=torch.uint8)
+    )
     got = b.convert([ConvertPart(w, s)], block_n=128, block_k=128, dtype=torch.bfloat16)
-    assert calls == ["resolve_block", "mx_quantize", "convert"]
+    assert calls == ["resolve_block", "mx_quantize", "mx_quantize_into", "convert"]
     assert b.fused and len(got) == 1 and got[0][0].numel() == 0  # the fast module's answer
     assert select_backend("cpu", prefer_fast=False).name == "cpu-reference"
 

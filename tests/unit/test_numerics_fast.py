@@ -451,6 +451,41 @@ def test_mx_quantize_matches_reference(dtype: torch.dtype, shape: tuple[int, ...
     _assert_same_payload(got_p, want_p, f"mx_quantize {dtype} {shape}")
 
 
+@pytest.mark.parametrize("backend", ["cpu-fast", "cpu-reference"])
+def test_mx_quantize_into_writes_the_reference_bytes_into_views_and_nothing_else(
+    backend: str,
+) -> None:
+    """A message buffer's views take the payload and scales (the sender's conversion);
+    the bytes around them stay as they were, on the fast path (in place) and on the
+    reference backend (through its own results)."""
+    from mxload.workers.numerics.backend import Backend
+
+    be = (
+        select.select_backend("cpu")
+        if backend == "cpu-fast"
+        else Backend(backend, torch.device("cpu"))
+    )
+    assert be.name == backend
+    gen = torch.Generator().manual_seed(11)
+    x = _special_values(gen, (9, 96), torch.bfloat16)
+    want_p, want_s = ref.mx_quantize(x)
+    buf = torch.full((7 + 9 * 96 + 9 * 3 + 5,), 0xA5, dtype=torch.uint8)
+    q = buf[7 : 7 + 9 * 96].view(9, 96)
+    sc = buf[7 + 9 * 96 : 7 + 9 * 96 + 27].view(9, 3)
+    be.mx_quantize_into(x, q, sc)
+    assert torch.equal(sc, want_s)
+    _assert_same_payload(q.view(torch.float8_e4m3fn), want_p, f"into, {backend}")
+    assert (buf[:7] == 0xA5).all() and (buf[7 + 9 * 96 + 27 :] == 0xA5).all()
+
+
+def test_mx_quantize_into_refuses_an_output_of_the_wrong_shape() -> None:
+    x = torch.zeros(4, 64, dtype=torch.bfloat16)
+    with pytest.raises(NumericsError, match=r"shape \(4, 2\)"):
+        fast.mx_quantize_into(
+            x, torch.empty(4, 64, dtype=torch.uint8), torch.empty(4, 3, dtype=torch.uint8)
+        )
+
+
 def test_mx_quantize_noncontiguous_input() -> None:
     gen = torch.Generator().manual_seed(5)
     x = torch.randn(64, 96, generator=gen).to(torch.bfloat16)

@@ -24,6 +24,7 @@ from . import reference
 
 ResolveFn = Callable[..., torch.Tensor]
 QuantizeFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+QuantizeIntoFn = Callable[..., None]
 
 DEVICE_CHOICES: tuple[str, ...] = ("auto", "npu", "cuda", "cpu")
 """Values of ``--device`` (docs/contract.md §5)."""
@@ -81,6 +82,7 @@ class Backend:
         *,
         resolve_fn: ResolveFn | None = None,
         quantize_fn: QuantizeFn | None = None,
+        quantize_into_fn: QuantizeIntoFn | None = None,
         convert_fn: ConvertFn | None = None,
     ) -> None:
         self.name = name
@@ -88,6 +90,7 @@ class Backend:
         self.note = note
         self._resolve_fn: ResolveFn = resolve_fn or reference.resolve_block
         self._quantize_fn: QuantizeFn = quantize_fn or reference.mx_quantize
+        self._quantize_into_fn = quantize_into_fn
         self._convert_fn = convert_fn
         self._on_cpu = device.type == "cpu"
         self.scale_alg = 0
@@ -144,6 +147,17 @@ class Backend:
         if self.scale_alg:
             return self._quantize_fn(self.to_device(x), scale_alg=self.scale_alg)
         return self._quantize_fn(self.to_device(x))
+
+    def mx_quantize_into(self, x: torch.Tensor, q_out: torch.Tensor, s_out: torch.Tensor) -> None:
+        """:meth:`mx_quantize` written into the uint8 tensors ``q_out`` ``[..., K]`` and
+        ``s_out`` ``[..., K/32]`` (views of a message buffer, say): straight there where
+        the backend can (nothing allocated), else through its own results."""
+        if self._quantize_into_fn is not None and q_out.is_contiguous() and s_out.is_contiguous():
+            self._quantize_into_fn(self.to_device(x), q_out, s_out, self.scale_alg)
+            return
+        q, s = self.mx_quantize(x)
+        q_out.copy_(q.view(torch.uint8))
+        s_out.copy_(s)
 
     def convert(
         self,

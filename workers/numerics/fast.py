@@ -138,6 +138,18 @@ def mx_quantize(x: torch.Tensor, scale_alg: int = 0) -> tuple[torch.Tensor, torc
     """docs/contract.md §2.2, as ``reference.mx_quantize``: ``[..., K]`` bf16/fp16/fp32 ->
     (float8_e4m3fn ``[..., K]``, uint8 ``[..., K // 32]``); K must be a multiple of 32;
     ``scale_alg`` 0 or 1 picks the scale rule."""
+    shape = tuple(x.shape)
+    q = torch.empty(shape, dtype=torch.uint8)
+    s = torch.empty((*shape[:-1], shape[-1] // MX_GROUP if shape else 0), dtype=torch.uint8)
+    mx_quantize_into(x, q, s, scale_alg)
+    return q.view(torch.float8_e4m3fn), s
+
+
+def mx_quantize_into(
+    x: torch.Tensor, q_out: torch.Tensor, s_out: torch.Tensor, scale_alg: int = 0
+) -> None:
+    """:func:`mx_quantize` written into ``q_out`` and ``s_out`` (uint8, C-contiguous, of
+    ``x``'s shape and ``[..., K // 32]``), which may be views of a larger buffer."""
     kernels.require()
     if scale_alg not in SCALE_ALGS:
         raise NumericsError(
@@ -153,8 +165,17 @@ def mx_quantize(x: torch.Tensor, scale_alg: int = 0) -> tuple[torch.Tensor, torc
     if x.device.type != "cpu":
         raise NumericsError("mx_quantize: the fast CPU path takes CPU tensors only")
     shape = tuple(x.shape)
-    q = torch.empty(shape, dtype=torch.uint8)
-    s = torch.empty((*shape[:-1], shape[-1] // MX_GROUP), dtype=torch.uint8)
+    for out, want in ((q_out, shape), (s_out, (*shape[:-1], shape[-1] // MX_GROUP))):
+        if (
+            out.dtype != torch.uint8
+            or tuple(out.shape) != want
+            or not out.is_contiguous()
+            or out.device.type != "cpu"
+        ):
+            raise NumericsError(
+                f"mx_quantize: an output must be a contiguous CPU uint8 tensor of shape {want}, "
+                f"got {out.dtype} {tuple(out.shape)} on {out.device}"
+            )
     if x.dtype == torch.bfloat16:
         bits = x.contiguous().view(torch.int16).reshape(-1).numpy().view(np.uint16)
         is_bf16 = True
@@ -162,8 +183,8 @@ def mx_quantize(x: torch.Tensor, scale_alg: int = 0) -> tuple[torch.Tensor, torc
         # fp16 widens exactly to fp32, and docs/contract.md §2.2 takes fp16's Emax from that f32.
         bits = x.contiguous().float().view(torch.int32).reshape(-1).numpy().view(np.uint32)
         is_bf16 = False
-    kernels.run_mx(bits, is_bf16, q.view(-1).numpy(), s.view(-1).numpy(), _threads(), scale_alg)
-    return q.view(torch.float8_e4m3fn), s
+    q_np, s_np = q_out.view(-1).numpy(), s_out.view(-1).numpy()
+    kernels.run_mx(bits, is_bf16, q_np, s_np, _threads(), scale_alg)
 
 
 def convert(

@@ -47,6 +47,7 @@ def _cpu_backend(prefer_fast: bool, why: str) -> Backend:
                 f"cpu: {why}; fast path",
                 resolve_fn=fast.resolve_block,
                 quantize_fn=fast.mx_quantize,
+                quantize_into_fn=fast.mx_quantize_into,
                 convert_fn=fast.convert,
             )
     return Backend("cpu-reference", cpu, f"cpu: {why}; reference path, {fast_why}")

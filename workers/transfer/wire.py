@@ -72,13 +72,14 @@ def pack(
         at += rows * cols
         scales = out[at : at + rows * groups].view(rows, groups)
         at += rows * groups
-        # half the buffer per chunk: the allocator keeps some of what a chunk frees
+        # half the buffer per chunk: the allocator keeps some of what a chunk frees (a
+        # backend that cannot write in place makes a chunk's results, a piece cut along
+        # K a contiguous copy of its rows)
         step = max(1, budget // 2 // (cols * (piece.element_size() + 1) + groups))
         for i in range(0, rows, step):
-            q, s = backend.mx_quantize(piece[i : i + step])
-            payload[i : i + step].copy_(q.view(torch.uint8))
-            scales[i : i + step].copy_(s)
-            del q, s  # before the next chunk's are made
+            backend.mx_quantize_into(
+                piece[i : i + step], payload[i : i + step], scales[i : i + step]
+            )
     return at
 
 
