@@ -327,6 +327,58 @@ def test_a_trainer_step_during_the_send_fails_the_update_naming_the_tensor(
         engine.close()
 
 
+def test_a_sender_that_lands_pieces_elsewhere_is_refused_before_a_byte_lands(ckpt_factory) -> None:
+    """The trainer rank cuts each bucket into messages by where the engine rank lands its
+    pieces, worked out from its own copy of the engine plan. Where the two disagree (here
+    the sender's copy is moved 64 bytes along the ring) the engine rank refuses the
+    update at the header, naming the landing digest, with nothing written; the trainer
+    rank's send fails too. In process: one trainer rank, one engine rank, shm."""
+    import os
+    from dataclasses import replace
+
+    from mxload.orchestrator.errors import ReloadMismatch
+    from mxload.orchestrator.hosts.engine_ext import Attachment, EngineFacts, engine_params
+    from mxload.orchestrator.plan.trainer import manifest_to_json
+    from mxload.orchestrator.runtime.refit import MxloadSender
+    from mxload.workers.transfer.exchange import _Landing
+
+    from tests.integration.test_refit import on_threads
+    from tests.unit.test_engine_ext import _engine_model
+
+    src = ckpt_factory("qwen3-moe-tiny", seed=1)
+    full = read_checkpoint(ckpt_factory("qwen3-moe-tiny", seed=1, bf16=True))
+    manifest = fsdp_manifest({n: tuple(t.shape) for n, t in full.items()}, 1)
+    layout = ParallelLayout(tp=1)
+    meta = open_checkpoint(src)
+    model = _engine_model(build_plan(meta.config, layout, checkpoint=meta).ranks[0])
+    engine = Attachment(src, EngineFacts(layout, 0, 0, 0, "mxload", {}), engine_params(model))
+    group = f"refit-landing-{os.getpid()}-{free_port()}"
+    form = {"transport": "shm", "world": 1, "manifest": manifest_to_json(manifest),
+            "bucket_bytes": 1 << 20, "group": group, "timeout_s": 2}  # fmt: skip
+    joined = on_threads(
+        [lambda: MxloadSender(src, layout, form, rank=0), lambda: engine.attach_trainer(form)]
+    )
+    sender = joined[0]
+    assert isinstance(sender, MxloadSender), joined
+    try:
+        held, was = engine.identity, engine.consistent
+        lay = sender.sender.landing[0].layout
+        sender.sender.landing[0] = _Landing(replace(lay, at=tuple(a + 64 for a in lay.at)))
+        sent, got = on_threads(
+            [
+                lambda: sender.send_weights(shards(full, 0, 1), 1),
+                lambda: engine.refit(1, manifest.digest()),
+            ]
+        )
+        assert isinstance(got, ReloadMismatch), got
+        assert "landing digest" in str(got) and "nothing was written" in str(got), got
+        assert isinstance(sent, RunError), sent
+        assert (engine.identity, engine.consistent) == (held, was)
+    finally:
+        sender.close()
+        engine.close()
+
+
 class _Allocations:
     """Peak bytes of the tensors torch allocates on this thread while in use: every op's
     output storage that is none of its inputs' is counted until it is freed (a finalizer

@@ -18,7 +18,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ...orchestrator.errors import RunError
+from ...orchestrator.errors import ReloadMismatch, RunError
 from ...orchestrator.plan.refit import RefitPlan
 from ...orchestrator.plan.types import Unit, UnitReads
 from .exchange import Received, Receiver
@@ -84,7 +84,6 @@ class RankRefit:
         what a delta leaves unchanged (``loader``: the rank's ``RankLoader``); the
         storage its reload reads from while the rest arrives, whose ``finish`` (at the
         end of the loader's run) waits for every link's trailer."""
-        loader.begin((step, fingerprint))
         self.last = None
         if self.broken:
             raise RunError(
@@ -95,9 +94,18 @@ class RankRefit:
             )
         try:
             changed = self.receiver.start(step, delta_of=delta_of)
-        except BaseException as err:
+        except ReloadMismatch as err:
+            # refused at a header (another step, manifest, plan or landing): nothing was
+            # written here, and every unit says it holds what it held
             self._broke(step, err)
             raise
+        except BaseException as err:
+            # a trainer rank that sent no header failed an update other ranks may be
+            # writing: this rank is not at a step either (docs/contract.md §4 "Refit")
+            loader.begin((step, fingerprint))
+            self._broke(step, err)
+            raise
+        loader.begin((step, fingerprint))
         if delta_of is not None:
             same = [all(not changed.get(_tensor(pr.file), True) for pr in r.parts) for r in reads]
             try:
