@@ -154,46 +154,43 @@ def unpack_moe(
     return weight.transpose(1, 2).contiguous(), scale
 
 
+def _kernels_take(*tensors: torch.Tensor) -> bool:
+    """Whether the numba kernels can write these tensors: contiguous, on the CPU, and
+    the kernels compiled here."""
+    if not all(t.device.type == "cpu" and t.is_contiguous() for t in tensors):
+        return False
+    from . import kernels
+
+    return kernels.available()
+
+
 def _put_columns(weight_buf: torch.Tensor, payload: torch.Tensor, row0: int) -> None:
     """``weight_buf[:, row0 : row0 + n] = payload.t()``: a transposing copy, which torch
     does a byte at a time (0.1-1 GB/s); the numba kernel (``kernels.run_columns``) does it
     in 8x8-byte registers on the worker's threads. Same bytes either way."""
     n = payload.shape[0]
-    if (
-        weight_buf.device.type == "cpu"
-        and payload.device.type == "cpu"
-        and weight_buf.is_contiguous()
-        and payload.is_contiguous()
-    ):
+    if _kernels_take(weight_buf, payload):
         from . import kernels
 
-        if kernels.available():
-            kernels.run_columns(
-                payload.view(torch.uint8).numpy(),
-                n,
-                payload.shape[1],
-                weight_buf.view(torch.uint8).view(-1).numpy(),
-                row0,
-                torch.get_num_threads(),
-            )
-            return
+        kernels.run_columns(
+            payload.view(torch.uint8).numpy(),
+            n,
+            payload.shape[1],
+            weight_buf.view(torch.uint8).view(-1).numpy(),
+            row0,
+            torch.get_num_threads(),
+        )
+        return
     weight_buf[:, row0 : row0 + n].copy_(payload.t())
 
 
 def _put_pairs(buf_u8: torch.Tensor, scale_u8: torch.Tensor, row0: int) -> bool:
     """The scales' part of :func:`write_rows` by the numba kernel (``kernels.run_pairs``;
     torch's strided copy goes a byte at a time); False where it does not run."""
-    if not (
-        buf_u8.device.type == "cpu"
-        and scale_u8.device.type == "cpu"
-        and buf_u8.is_contiguous()
-        and scale_u8.is_contiguous()
-    ):
+    if not _kernels_take(buf_u8, scale_u8):
         return False
     from . import kernels
 
-    if not kernels.available():
-        return False
     n, g = scale_u8.shape
     kernels.run_pairs(
         scale_u8.numpy(), n, g, buf_u8.view(-1).numpy(), row0, torch.get_num_threads()
