@@ -514,18 +514,23 @@ class Receiver(_Side):
             raise self.area.error
         return got
 
+    def _take(self, sender: int, buf: torch.Tensor, failed: str) -> None:
+        """The next message from ``sender`` into ``buf``; RunError ``failed`` when the
+        transport fails (the sender died, stopped past the wait, or left)."""
+        try:
+            self.transport.recv(sender, buf)
+        except Exception as err:
+            raise RunError(
+                f"engine rank {self.rank}: trainer rank {sender} {failed}: "
+                f"{type(err).__name__}: {err}",
+                rank=self.rank,
+            ) from err
+
     def _header(self, sender: int, step: int, delta_of: int | None) -> list[bool]:
         n = len(self.tensors)
         head = torch.empty(HEAD_WORDS * 8 + n, dtype=torch.uint8)
         where = f"engine rank {self.rank}: trainer rank {sender}"
-        try:
-            self.transport.recv(sender, head)
-        except Exception as err:
-            raise RunError(
-                f"{where} sent no header for step {step} (died, stopped or never joined): "
-                f"{type(err).__name__}: {err}",
-                rank=self.rank,
-            ) from err
+        self._take(sender, head, f"sent no header for step {step} (died, stopped or never joined)")
         words = head[: HEAD_WORDS * 8].view(torch.int64).tolist()
         want = [MAGIC, step, -1 if delta_of is None else delta_of]
         want += [_hash_int(self.plan.summary.manifest_digest), _hash_int(self.digest), sender, n]
@@ -572,14 +577,9 @@ class Receiver(_Side):
                     ]
                 else:
                     buf = self._scratch[sender][:size]
-                try:
-                    self.transport.recv(sender, buf)
-                except Exception as err:
-                    raise RunError(
-                        f"{where} died or stopped during bucket {b} of {len(todo)} of step "
-                        f"{step}: {type(err).__name__}: {err}",
-                        rank=self.rank,
-                    ) from err
+                self._take(
+                    sender, buf, f"died or stopped during bucket {b} of {len(todo)} of step {step}"
+                )
                 total += size
                 if in_place:
                     self._in_place[sender] += size
@@ -593,14 +593,7 @@ class Receiver(_Side):
                         at += v.numel()
                 area.landed([i for i in mine if i in keep])
         tail = torch.empty(TRAILER_WORDS * 8, dtype=torch.uint8)
-        try:
-            self.transport.recv(sender, tail)
-        except Exception as err:
-            raise RunError(
-                f"{where} died or stopped after its last bucket of step {step}: "
-                f"{type(err).__name__}: {err}",
-                rank=self.rank,
-            ) from err
+        self._take(sender, tail, f"died or stopped after its last bucket of step {step}")
         magic, got_step, changed = tail.view(torch.int64).tolist()
         if (magic, got_step) != (MAGIC, step):
             raise ReloadMismatch(
