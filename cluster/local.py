@@ -620,15 +620,9 @@ HEAD_START_ATTEMPTS = 3
 
 def _end_failed_start(temp_dir: str, address: str, began: float) -> None:
     """What a failed ``ray start`` left running under ``temp_dir``, and the folder."""
-    import psutil
 
     victims = started_since(head_processes(temp_dir, address), began)
-    for proc in victims:
-        try:
-            proc.kill()
-        except psutil.NoSuchProcess:
-            pass
-    psutil.wait_procs(victims, timeout=5)
+    terminate(victims, 0.0)
     shutil.rmtree(temp_dir, ignore_errors=True)
 
 
@@ -783,8 +777,9 @@ def end_head(
     return ended
 
 
-GCS_GRACE_S = 2.0
-"""How long a head's GCS is given after SIGTERM before SIGKILL (:func:`end_head`)."""
+GCS_GRACE_S = 0.2
+"""How long a head's GCS is given after SIGTERM before SIGKILL (:func:`end_head`): it
+goes last, once everything that reports to it is gone, and holds nothing to keep."""
 
 
 def terminate(procs: list[Any], grace_s: float) -> None:
@@ -796,13 +791,33 @@ def terminate(procs: list[Any], grace_s: float) -> None:
             proc.terminate()
         except psutil.NoSuchProcess:
             pass
-    _, alive = psutil.wait_procs(procs, timeout=grace_s)
+    alive = _wait_ended(procs, grace_s)
     for proc in alive:
         try:
             proc.kill()
         except psutil.NoSuchProcess:
             pass
-    psutil.wait_procs(alive, timeout=5)
+    _wait_ended(alive, 5.0)
+
+
+def _wait_ended(procs: list[Any], timeout_s: float) -> list[Any]:
+    """Wait up to ``timeout_s`` for ``procs`` to end; those still running. A zombie has
+    ended: Ray's daemons are orphans, and a container's first process (not an init) may
+    reap them only seconds later."""
+    import psutil
+
+    def running(proc: Any) -> bool:
+        try:
+            return bool(proc.status() != psutil.STATUS_ZOMBIE)
+        except psutil.NoSuchProcess:
+            return False
+
+    deadline = time.monotonic() + timeout_s
+    left = [p for p in procs if running(p)]
+    while left and time.monotonic() < deadline:
+        time.sleep(0.05)
+        left = [p for p in left if running(p)]
+    return left
 
 
 def processes_under(root: str) -> list[Any]:

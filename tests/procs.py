@@ -27,18 +27,14 @@ def processes_in(cwd: Path) -> list[int]:
 
 
 def end_processes(pids: list[int]) -> None:
-    """SIGTERM, up to 10 s of grace, then SIGKILL for what is still alive."""
+    """SIGTERM, up to 10 s of grace, then SIGKILL for what is still alive (mxload's own
+    process ender)."""
+    from mxload.cluster.local import terminate
+
     procs = []
     for pid in pids:
         try:
-            p = psutil.Process(pid)
-            p.terminate()
-            procs.append(p)
+            procs.append(psutil.Process(pid))
         except psutil.NoSuchProcess:
             pass
-    _, alive = psutil.wait_procs(procs, timeout=10)
-    for p in alive:
-        try:
-            p.kill()
-        except psutil.NoSuchProcess:
-            pass
+    terminate(procs, 10.0)

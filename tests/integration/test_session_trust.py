@@ -208,7 +208,7 @@ def test_failed_reload_on_one_rank_then_another_checkpoint(work: Path, ckpts, se
     assert "experts.7" in bad.stderr and "rank 3" in bad.stderr, show(bad)
 
     # Ranks 0-2 finished the reload, rank 3 did not: inconsistent, said first, exit 4.
-    human = mx(work, "status")
+    human = mx_here(work, "status")
     assert human.returncode == 4, show(human)
     first = human.stdout.splitlines()[0]
     assert first.startswith("INCONSISTENT:"), show(human)
@@ -224,7 +224,7 @@ def test_failed_reload_on_one_rank_then_another_checkpoint(work: Path, ckpts, se
     assert rc == 0 and st["consistent"] is True, st["problems"]
     assert st["identity"]["src"] == ckpts["v3"] and st["replicated_tensors_agree"]
     assert dump_matches(work, ckpts["v3"], "dump-v3") == []
-    human = mx(work, "status")
+    human = mx_here(work, "status")
     assert human.returncode == 0 and human.stdout.startswith("CONSISTENT:"), show(human)
 
 
@@ -292,7 +292,7 @@ def test_a_restarted_rank_shows_in_human_status(work: Path, ckpts, session) -> N
     deadline = time.monotonic() + 60
     while psutil.pid_exists(pid) and time.monotonic() < deadline:
         time.sleep(0.2)
-    human = mx(work, "status")
+    human = mx_here(work, "status")
     assert human.returncode == 0, show(human)
     assert human.stdout.startswith("CONSISTENT:"), show(human)
     assert "rank 2 was lost and restarted" in human.stdout, show(human)
@@ -582,7 +582,7 @@ def _kill_and_check(work: Path, role: str, *, killed: bool = False) -> None:
             pass
     end_processes(left)
     assert described == [], described
-    again = mx(work, "status", timeout=120)
+    again = mx_here(work, "status")
     assert again.returncode == 2 and "no running Ray head is recorded" in again.stderr, show(again)
 
 
