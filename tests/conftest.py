@@ -59,7 +59,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     xdist's loadfile hands whole files to its workers in collection order (its own
     reordering by test count, which put the few-test Ray files last, is turned off in
     pytest_configure): the long files first, the many short ones after them fill in, so
-    that both workers finish at about the same time."""
+    that the workers finish at about the same time."""
     heavy_files = {item.path for item in items if _heavy(item)}
     items.sort(key=lambda item: item.path not in heavy_files)  # stable: files stay whole
     for item in items:
