@@ -591,6 +591,26 @@ def test_three_senders_in_tiny_buckets_through_wrapping_rings_complete_byte_exac
             assert 0 < g["receive_area_bytes"] < g["bytes_received"], g
             assert g["bytes_received_in_place"] == g["bytes_received"], g
         assert sum(s["bytes_sent"] for s in sent) == sum(g["bytes_received"] for g in received)
+        # A delta of half the tensors: the runs the unchanged ones leave out are cut where
+        # they were, on both ends alike.
+        half = sorted(full)[::2]
+        got = on_threads(
+            [
+                lambda s=s: senders[s].send_weights(params[s], 2, delta_of=1, changed=half)
+                for s in range(world)
+            ]
+            + [lambda a=a: a.refit(2, h, delta_of=1) for a in engine.ranks]
+        )
+        assert not [g for g in got if isinstance(g, BaseException)], got
+        for r, g in enumerate(got[world:]):
+            assert compare_rank(want[r], engine.held(r)) == [], f"rank {r}"
+            assert g["identity"] == f"2:trainer-{h}" and g["consistent"], g
+            assert (
+                0
+                < g["bytes_received_in_place"]
+                == g["bytes_received"]
+                < received[r]["bytes_received"]
+            ), g
     finally:
         for s in senders:
             s.close()
