@@ -621,12 +621,17 @@ def test_hostile_header_is_refused(
 
 
 def test_a_silent_listener_is_not_taken_for_a_ray_head(
-    mxload: Callable[..., tuple[int, str, str]], guard: list[str]
+    mxload: Callable[..., tuple[int, str, str]], guard: list[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A port that accepts connections but never speaks gRPC: refused in seconds, naming
-    the address (Ray itself would retry for a minute and more)."""
+    the address (Ray itself would retry for a minute and more). The probe waits 1 s here
+    (5 s by default)."""
     import socket
     import threading
+
+    from mxload.cluster import local
+
+    monkeypatch.setattr(local.check_reachable, "__defaults__", (1.0,))
 
     server = socket.socket()
     server.bind(("127.0.0.1", 0))
