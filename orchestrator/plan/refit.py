@@ -19,6 +19,7 @@ end on the receiver's 32-column groups is refused at plan time.
 from __future__ import annotations
 
 import bisect
+import hashlib
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -430,14 +431,20 @@ def messages(
     return tuple(out)
 
 
+WIRE_FORMAT = 2
+"""The version of how a link's bytes go over the wire (2: buckets cut by
+:func:`messages`); both ends hash it into :func:`link_digest`."""
+
+
 def link_digest(layout: ReceiveLayout, sender: int) -> int:
     """What both ends of link ``sender -> layout.rank`` check they agree on before a
-    bucket moves: where its pieces land (the messages follow from it)."""
-    h = 0
+    bucket moves: the wire format, the least size of a message of its own, and where the
+    link's pieces land (the messages follow from these); 60 bits."""
+    h = hashlib.sha256(f"{WIRE_FORMAT}|{MIN_DIRECT_BYTES}|{layout.capacity}".encode())
     for i, t in enumerate(layout.transfers):
         if t.sender == sender:
-            h = (h * 1_000_003 + layout.at[i] * 2 + layout.pinned[i]) % (1 << 61)
-    return (h * 1_000_003 + layout.capacity) % (1 << 61)
+            h.update(f"|{layout.at[i]},{int(layout.pinned[i])}".encode())
+    return int(h.hexdigest()[:15], 16)
 
 
 def _send_key(b: Bucket) -> tuple[int, int, int, int]:

@@ -524,12 +524,12 @@ class MxloadSender:
         self.rank = rank
         self.local = local_tensors(source.manifest, rank)
         units = {r: ranked.units for r, ranked in enumerate(self.setup.held.ranks)}
+        backend = select_backend(device)
+        if held.scale_alg:
+            # the engine only repacks what a sender converts: the same rule as its loader's
+            backend = backend.with_scale_alg(held.scale_alg)
         self.sender = Sender(
-            self.setup.refit,
-            rank,
-            transport_spec(self.setup, rank).make(),
-            select_backend(device),
-            units,
+            self.setup.refit, rank, transport_spec(self.setup, rank).make(), backend, units
         )
 
     @property

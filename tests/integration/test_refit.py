@@ -358,8 +358,8 @@ def test_a_killed_sender_is_named_and_leaves_inconsistent_until_the_next_update(
 ):
     h = manifest.digest()
     # A group of its own whose waits are short: the engine rank the dead trainer rank never
-    # sent a header to waits that long for it (the default's 10 s, 3 s here).
-    join(trainers, engine, "K", ckpts, {**trainer_form(manifest), "timeout_s": 3})
+    # sent a header to waits that long for it (the default's 10 s, 5 s here).
+    join(trainers, engine, "K", ckpts, {**trainer_form(manifest), "timeout_s": 5})
     trainers.post({"op": "send", "name": "K", "step": 7, "weights": ckpts["bf16-2"]}, [0])
     trainers.post(
         {"op": "send", "name": "K", "step": 7, "weights": ckpts["bf16-2"], "die_after": 3}, [1]

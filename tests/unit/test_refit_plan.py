@@ -769,3 +769,6 @@ def test_a_bucket_goes_as_messages_of_runs_lying_side_by_side_where_it_lands() -
     moved = replace(lay, at=(0, 10, 40, 0, 5, 90, 100))
     assert link_digest(moved, 0) != link_digest(lay, 0)
     assert link_digest(lay, 1) != link_digest(lay, 0)
+    # no linear collision: one piece a byte on, the next a multiplier's worth back
+    skewed = replace(lay, at=(1, 10 - 1_000_003, 30, 0, 5, 90, 100))
+    assert link_digest(skewed, 0) != link_digest(lay, 0)

@@ -379,6 +379,62 @@ def test_a_sender_that_lands_pieces_elsewhere_is_refused_before_a_byte_lands(ckp
         engine.close()
 
 
+def test_sender_side_conversion_quantizes_under_the_engines_scale_rule(ckpt_factory) -> None:
+    """An engine that quantizes under scale rule 1 (docs/contract.md §2.2) only repacks
+    what a trainer rank converts, so the trainer rank converts under rule 1 too: the
+    refitted buffers equal the engine's own reload of the same BF16 weights, and differ
+    from rule 0's. In process: one trainer rank, one engine rank, shm."""
+    import os
+
+    from mxload.orchestrator.hosts.engine_ext import Attachment, EngineFacts, engine_params
+    from mxload.orchestrator.plan.trainer import manifest_to_json
+    from mxload.orchestrator.runtime.refit import MxloadSender
+
+    from tests.integration.test_refit import on_threads
+    from tests.unit.test_engine_ext import _engine_model
+
+    src = ckpt_factory("qwen3-moe-tiny", seed=1)
+    twin = ckpt_factory("qwen3-moe-tiny", seed=2, bf16=True)
+    full = read_checkpoint(twin)
+    manifest = fsdp_manifest({n: tuple(t.shape) for n, t in full.items()}, 1)
+
+    def refit_under(alg: int) -> dict[str, torch.Tensor]:
+        layout = ParallelLayout(tp=1, scale_alg=alg)
+        meta = open_checkpoint(src)
+        model = _engine_model(build_plan(meta.config, layout, checkpoint=meta).ranks[0])
+        facts = EngineFacts(layout, 0, 0, 0, "mxload", {})
+        engine = Attachment(src, facts, engine_params(model))
+        form = {"transport": "shm", "world": 1, "manifest": manifest_to_json(manifest),
+                "convert_on": "sender", "bucket_bytes": 1 << 20,
+                "group": f"refit-alg-{os.getpid()}-{free_port()}", "timeout_s": 20}  # fmt: skip
+        joined = on_threads(
+            [lambda: MxloadSender(src, layout, form, rank=0), lambda: engine.attach_trainer(form)]
+        )
+        sender = joined[0]
+        assert isinstance(sender, MxloadSender), joined
+        try:
+            got = on_threads(
+                [
+                    lambda: sender.send_weights(shards(full, 0, 1), 1),
+                    lambda: engine.refit(1, manifest.digest()),
+                ]
+            )
+            assert not [g for g in got if isinstance(g, BaseException)], got
+            refitted = {n: p.detach().clone() for n, p in model.named_parameters()}
+            engine.reload(twin)  # the engine converts the same BF16 weights itself
+            for n, p in model.named_parameters():
+                assert torch.equal(p.view(torch.uint8), refitted[n].view(torch.uint8)), (alg, n)
+            return refitted
+        finally:
+            sender.close()
+            engine.close()
+
+    held = {alg: refit_under(alg) for alg in (0, 1)}
+    assert any(
+        not torch.equal(held[0][n].view(torch.uint8), held[1][n].view(torch.uint8)) for n in held[0]
+    )
+
+
 class _Allocations:
     """Peak bytes of the tensors torch allocates on this thread while in use: every op's
     output storage that is none of its inputs' is counted until it is freed (a finalizer

@@ -537,7 +537,10 @@ class Receiver(_Side):
         want.append(link_digest(self.area.layout, sender))
         if words != want:
             names = ["magic", "step", "delta_of", "manifest hash", "plan digest", "rank", "tensors"]
-            names.append("landing digest (the engine plans differ)")
+            names.append(
+                "landing digest (the two ends plan the engine differently, or run mxload "
+                "versions whose wire formats differ)"
+            )
             diff = [
                 f"{a} {x} (expected {y})"
                 for a, x, y in zip(names, words, want, strict=True)
