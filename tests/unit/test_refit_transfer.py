@@ -363,7 +363,8 @@ def test_a_sender_that_lands_pieces_elsewhere_is_refused_before_a_byte_lands(ckp
     try:
         held, was = engine.identity, engine.consistent
         lay = sender.sender.landing[0].layout
-        sender.sender.landing[0] = _Landing(replace(lay, at=tuple(a + 64 for a in lay.at)))
+        moved = replace(lay, at=tuple(a + 64 for a in lay.at))
+        sender.sender.landing[0] = _Landing(moved, sender.sender.links[(0, 0)])
         sent, got = on_threads(
             [
                 lambda: sender.send_weights(shards(full, 0, 1), 1),

@@ -26,7 +26,7 @@ import hashlib
 import itertools
 import threading
 import time
-from collections.abc import Collection, Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -178,7 +178,9 @@ class Sender(_Side):
         self.backend = backend
         self.links = {k: v for k, v in link_buckets(plan).items() if k[0] == rank}
         self.order = send_order(plan, rank)
-        self.landing = {r: _Landing(receive_layout(units[r], plan, r)) for _, r in self.links}
+        self.landing = {
+            r: _Landing(receive_layout(units[r], plan, r), bs) for (_, r), bs in self.links.items()
+        }
         # One bucket buffer, allocated once (each send returns once it may be reused): with
         # the row chunks of a conversion on the sender (``pack``), what this rank holds
         # beyond its params. A transport that lends its own memory (shm) needs none.
@@ -230,7 +232,7 @@ class Sender(_Side):
         # Every header first: each engine rank checks its headers and starts its loader
         # at once, instead of behind the ranks this one feeds before it.
         for (_, receiver), _buckets in links:
-            digest = link_digest(self.landing[receiver].layout, self.rank)
+            digest = self.landing[receiver].digest(self.rank)
             head = header(
                 self.digest, self.plan.summary.manifest_digest, self.rank, step, delta_of,
                 flags, digest,
@@ -253,7 +255,7 @@ class Sender(_Side):
                 where[0] = where_of[receiver]
                 peer = self.senders + receiver
                 todo = transfers[0]
-                for a, b, _ in self.landing[receiver].messages(todo):
+                for a, b, _ in self.landing[receiver].cut(todo)[1]:
                     tp = time.perf_counter()
                     if claim is not None:  # packed straight into the transport's memory
                         size = sum(t.nbytes for t in todo[a:b])
@@ -290,17 +292,32 @@ class Sender(_Side):
 
 class _Landing:
     """Where one engine rank lands the pieces of its links, and so how a bucket to it
-    goes over the wire (``plan.refit.messages``)."""
+    goes over the wire (``plan.refit.messages``). Both depend on the plan alone: the
+    plan's own ``buckets`` are cut once, not every step (a delta's, with the unchanged
+    tensors left out, are cut as they come)."""
 
-    def __init__(self, layout: ReceiveLayout) -> None:
+    def __init__(self, layout: ReceiveLayout, buckets: Iterable[Bucket]) -> None:
         self.layout = layout
         self.index = {id(t): i for i, t in enumerate(layout.transfers)}
+        self._cuts = {id(b): (b, *self._cut(b)) for b in buckets}
+        self._digests: dict[int, int] = {}
 
-    def items(self, bucket: Bucket) -> list[int]:
-        return [self.index[id(t)] for t in bucket]
+    def _cut(self, bucket: Bucket) -> tuple[list[int], tuple[tuple[int, int, bool], ...]]:
+        items = [self.index[id(t)] for t in bucket]
+        return items, messages(self.layout, items)
 
-    def messages(self, bucket: Bucket) -> tuple[tuple[int, int, bool], ...]:
-        return messages(self.layout, self.items(bucket))
+    def cut(self, bucket: Bucket) -> tuple[list[int], tuple[tuple[int, int, bool], ...]]:
+        """The bucket's transfers as layout indices, and its messages."""
+        got = self._cuts.get(id(bucket))
+        if got is not None and got[0] is bucket:
+            return got[1], got[2]
+        return self._cut(bucket)
+
+    def digest(self, sender: int) -> int:
+        """``plan.refit.link_digest`` of the link from ``sender``."""
+        if sender not in self._digests:
+            self._digests[sender] = link_digest(self.layout, sender)
+        return self._digests[sender]
 
 
 @dataclass
@@ -375,7 +392,9 @@ class Receiver(_Side):
     ) -> None:
         super().__init__(plan, rank, transport)
         self.links = {k[0]: v for k, v in sorted(link_buckets(plan).items()) if k[1] == rank}
-        self.landing = _Landing(receive_layout(units, plan, rank))
+        self.landing = _Landing(
+            receive_layout(units, plan, rank), [b for bs in self.links.values() for b in bs]
+        )
         self.area = ReceiveArea(self.landing.layout, itemsize, row_bytes, timeout_s)
         # Per link, its largest bucket (RefitSummary.receiver_scratch), allocated once.
         self._scratch = {
@@ -534,7 +553,7 @@ class Receiver(_Side):
         words = head[: HEAD_WORDS * 8].view(torch.int64).tolist()
         want = [MAGIC, step, -1 if delta_of is None else delta_of]
         want += [_hash_int(self.plan.summary.manifest_digest), _hash_int(self.digest), sender, n]
-        want.append(link_digest(self.area.layout, sender))
+        want.append(self.landing.digest(sender))
         if words != want:
             names = ["magic", "step", "delta_of", "manifest hash", "plan digest", "rank", "tensors"]
             names.append(
@@ -564,9 +583,9 @@ class Receiver(_Side):
         total = 0
         area = self.area
         for b, bucket in enumerate(todo):
-            items = self.landing.items(bucket)
+            items, cut = self.landing.cut(bucket)
             keep = set(area.wait_space(items, f"{where}, bucket {b} of {len(todo)} of step {step}"))
-            for first, stop, direct in messages(area.layout, items):
+            for first, stop, direct in cut:
                 mine = items[first:stop]
                 size = sum(t.nbytes for t in bucket[first:stop])
                 views = [area.view(i) for i in mine]
