@@ -644,23 +644,3 @@ def test_status_address_of_the_recorded_head_uses_its_token_then_raylet_killed(
     assert "\x1b" not in err and len(err.splitlines()) <= 2, err
     assert took < BOUND_S, took
     _kill_and_check(work, "raylet", killed=True)
-
-
-def test_embedded_head_temp_dir_is_private() -> None:
-    import shutil
-
-    import ray
-    from mxload.cluster.local import start_embedded
-
-    if ray.is_initialized():
-        ray.shutdown()
-    temp = Path(start_embedded(1, num_cpus=1))
-    try:
-        dirs = [temp, *[p for p in temp.rglob("*") if p.is_dir() and not p.is_symlink()]]
-        assert any(p.name == "sockets" for p in dirs)
-        wrong = [(str(p), oct(stat.S_IMODE(p.stat().st_mode))) for p in dirs]
-        wrong = [(p, m) for p, m in wrong if m != "0o700"]
-        assert wrong == []
-    finally:
-        ray.shutdown()
-        shutil.rmtree(temp, ignore_errors=True)
