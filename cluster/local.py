@@ -765,7 +765,14 @@ def end_head(
     # with a short grace: this Ray's GCS does not exit on SIGTERM for ten seconds and
     # more, and it holds nothing to keep (the head's record and temp dir go with it).
     gcs = [p for pid, p in found.items() if roles[pid] == "gcs_server"]
-    terminate([p for pid, p in found.items() if roles[pid] != "gcs_server"], grace_s)
+    # Ray's autoscaler monitor with no grace: asleep in its update loop, it takes about
+    # 0.6 s to act on SIGTERM (then reports its own end as a failure), and it holds
+    # nothing a head that is ending needs.
+    monitor = [p for pid, p in found.items() if roles[pid] == "monitor"]
+    terminate(monitor, 0.0)
+    terminate(
+        [p for pid, p in found.items() if roles[pid] not in ("gcs_server", "monitor")], grace_s
+    )
     terminate(gcs, min(grace_s, GCS_GRACE_S))
     try:
         ours = read_head_record() == record

@@ -35,6 +35,9 @@ def end() -> None:
     import ray
 
     if ray.is_initialized() and ray.get_runtime_context().gcs_address == _head["gcs"]:
+        from mxload.cluster.raycompat import kill_own_autoscaler_monitor
+
+        kill_own_autoscaler_monitor()
         ray.shutdown()
     shutil.rmtree(_head["temp"], ignore_errors=True)
     _head.clear()

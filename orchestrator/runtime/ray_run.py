@@ -98,6 +98,9 @@ class RayRun:
             except Exception:  # already removed
                 pass
         if self.started_ray:
+            from ...cluster.raycompat import kill_own_autoscaler_monitor
+
+            kill_own_autoscaler_monitor()
             ray.shutdown()
             if self.temp_dir:
                 shutil.rmtree(self.temp_dir, ignore_errors=True)

@@ -569,17 +569,18 @@ def tensors_of(manifest: dict, key: str) -> dict[tuple[int, str], object]:
 
 def test_silent_server_is_a_bounded_failure_naming_the_url(work: Path) -> None:
     """An HTTP server that accepts and never answers: every attempt times out (0.5 s
-    timeouts here; defaults 10 s connect, 30 s read), the 5 attempts run out, and the
-    command fails (exit 1: storage gone after retries) naming the URL, instead of
-    waiting 5 x 300 s in silence. Each timed-out attempt is a warning on stderr (what a
-    user waiting at a terminal needs to see); then the error naming the URL, and last the
-    path of the log that holds the traceback (a failed run, docs/contract.md §5)."""
+    connect and 0.2 s read timeouts here; defaults 10 s and 30 s), the 5 attempts run
+    out, and the command fails (exit 1: storage gone after retries) naming the URL,
+    instead of waiting 5 x 300 s in silence. Each timed-out attempt is a warning on
+    stderr (what a user waiting at a terminal needs to see); then the error naming the
+    URL, and last the path of the log that holds the traceback (a failed run,
+    docs/contract.md §5)."""
     from tests.servers import SilentServer
 
     with SilentServer() as server:
         url = server.url + "/ck"
         t0 = time.monotonic()
-        proc = mx(work, "inspect", url, "--connect-timeout", "0.5", "--read-timeout", "0.5")
+        proc = mx(work, "inspect", url, "--connect-timeout", "0.5", "--read-timeout", "0.2")
         seconds = time.monotonic() - t0
     shown = f"rc={proc.returncode}\nstderr: {proc.stderr[-3000:]}"
     assert proc.returncode == 1, shown

@@ -299,7 +299,7 @@ def test_strict_spread_wider_than_the_cluster_fails_naming_the_strategy(two_node
                 layout=LAYOUT,
                 device="cpu",
                 placement="strict_spread",
-                placement_timeout_s=3,
+                placement_timeout_s=1,
             )
         )
     assert "STRICT_SPREAD" in str(info.value) and "NPU" in str(info.value)

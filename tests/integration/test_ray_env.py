@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import os
 import shutil
+import stat
+from pathlib import Path
 
 import pytest
 
@@ -18,7 +20,10 @@ def _ours(env: os._Environ[str]) -> dict[str, str]:
     return {k: v for k, v in env.items() if k not in RAY_OWN}
 
 
-def test_embedded_head_sets_its_workers_env_and_gives_the_driver_its_own_back() -> None:
+def test_embedded_head_is_private_sets_its_workers_env_and_gives_the_driver_its_own_back() -> None:
+    """One head for both claims (a head start is seconds): its temp dir, Ray's sockets
+    included, is private from the start; its workers get their environment, the driver
+    keeps its own."""
     import ray
     from mxload.cluster.local import start_embedded
 
@@ -27,6 +32,15 @@ def test_embedded_head_sets_its_workers_env_and_gives_the_driver_its_own_back() 
     before = _ours(os.environ)
     temp = start_embedded(1, num_cpus=1)
     try:
+        dirs = [
+            Path(temp),
+            *[p for p in Path(temp).rglob("*") if p.is_dir() and not p.is_symlink()],
+        ]
+        assert any(p.name == "sockets" for p in dirs)
+        wrong = [(str(p), oct(stat.S_IMODE(p.stat().st_mode))) for p in dirs]
+        wrong = [(p, m) for p, m in wrong if m != "0o700"]
+        assert wrong == []
+
         assert _ours(os.environ) == before
 
         @ray.remote(num_cpus=0)
