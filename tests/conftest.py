@@ -49,32 +49,19 @@ SLOW_TIMEOUT_S = 300
 names no limit of its own; every other test has pyproject's default."""
 
 
-def _fixtures(item: pytest.Item) -> tuple[str, ...]:
-    return tuple(getattr(item, "fixturenames", ()))
-
-
 def _heavy(item: pytest.Item) -> bool:
     return any(item.get_closest_marker(m) for m in ("slow", "ray"))
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Slow tests get :data:`SLOW_TIMEOUT_S`; files with a slow or Ray test run first,
-    those on the shared local Ray first of all.
+    """Slow tests get :data:`SLOW_TIMEOUT_S`; files with a slow or Ray test run first.
 
     xdist's loadfile hands whole files to its workers in collection order (its own
     reordering by test count, which put the few-test Ray files last, is turned off in
     pytest_configure): the long files first, the many short ones after them fill in, so
-    that the workers finish at about the same time. The files on the shared Ray
-    (tests/integration/conftest.py) come one after another, so that a worker going from
-    one to the next keeps its head instead of ending it for a file in between and
-    starting another."""
-    shared_ray_files = {item.path for item in items if "local_ray" in _fixtures(item)}
+    that the workers finish at about the same time."""
     heavy_files = {item.path for item in items if _heavy(item)}
-
-    def order(item: pytest.Item) -> int:
-        return 0 if item.path in shared_ray_files else 1 if item.path in heavy_files else 2
-
-    items.sort(key=order)  # stable, one rank per file: files stay whole
+    items.sort(key=lambda item: item.path not in heavy_files)  # stable: files stay whole
     for item in items:
         if item.get_closest_marker("slow") and not item.get_closest_marker("timeout"):
             item.add_marker(pytest.mark.timeout(SLOW_TIMEOUT_S))
