@@ -175,6 +175,10 @@ class RefitSummary:
     """Per engine rank, one buffer per link of that link's largest bucket: where the
     short runs of a bucket's pieces (:func:`messages`) are received before they are
     copied to their places (allocated once)."""
+    scale_alg: int = 0
+    """The MX scale rule the senders quantize under (``convert_on="sender"``: the
+    engine plan's, which the engine only repacks); 0 when the receivers convert, each
+    under its own rule."""
 
     @property
     def wire_ratio(self) -> float:
@@ -1025,6 +1029,7 @@ class _Walk:
             receiver_ring=tuple(ring),
             receiver_pinned=tuple(self.receiver_pinned),
             receiver_scratch=tuple(scratch),
+            scale_alg=self.plan.scale_alg if self.convert_on == "sender" else 0,
         )
 
     def buckets(self) -> tuple[Bucket, ...]:

@@ -525,9 +525,9 @@ class MxloadSender:
         self.local = local_tensors(source.manifest, rank)
         units = {r: ranked.units for r, ranked in enumerate(self.setup.held.ranks)}
         backend = select_backend(device)
-        if held.scale_alg:
-            # the engine only repacks what a sender converts: the same rule as its loader's
-            backend = backend.with_scale_alg(held.scale_alg)
+        rule = self.setup.refit.summary.scale_alg
+        if rule:  # the engine only repacks what a sender converts: the rule its loader has
+            backend = backend.with_scale_alg(rule)
         self.sender = Sender(
             self.setup.refit, rank, transport_spec(self.setup, rank).make(), backend, units
         )

@@ -436,6 +436,69 @@ def test_sender_side_conversion_quantizes_under_the_engines_scale_rule(ckpt_fact
     )
 
 
+def test_a_sender_under_another_scale_rule_is_refused_when_it_converts(ckpt_factory) -> None:
+    """The scale rule is part of the plan both ends check when the sender converts: a
+    trainer rank planning the engine under rule 0 against an engine under rule 1 would
+    hand it other bytes than its own reload, so the engine rank refuses the header
+    (plan digest), nothing written. Converted on the receiver the engine quantizes
+    under its own rule and the same pair refits. In process: one trainer rank, one
+    engine rank, shm."""
+    import os
+
+    from mxload.orchestrator.errors import ReloadMismatch
+    from mxload.orchestrator.hosts.engine_ext import Attachment, EngineFacts, engine_params
+    from mxload.orchestrator.plan.trainer import manifest_to_json
+    from mxload.orchestrator.runtime.refit import MxloadSender
+
+    from tests.integration.test_refit import on_threads
+    from tests.unit.test_engine_ext import _engine_model
+
+    src = ckpt_factory("qwen3-moe-tiny", seed=1)
+    full = read_checkpoint(ckpt_factory("qwen3-moe-tiny", seed=1, bf16=True))
+    manifest = fsdp_manifest({n: tuple(t.shape) for n, t in full.items()}, 1)
+    meta = open_checkpoint(src)
+    engine_layout = ParallelLayout(tp=1, scale_alg=1)
+    model = _engine_model(build_plan(meta.config, engine_layout, checkpoint=meta).ranks[0])
+    facts = EngineFacts(engine_layout, 0, 0, 0, "mxload", {})
+    engine = Attachment(src, facts, engine_params(model))
+
+    def refit(convert_on: str, step: int) -> tuple[object, object]:
+        form = {"transport": "shm", "world": 1, "manifest": manifest_to_json(manifest),
+                "convert_on": convert_on, "bucket_bytes": 1 << 20, "timeout_s": 2,
+                "group": f"refit-rule-{os.getpid()}-{free_port()}"}  # fmt: skip
+        joined = on_threads(
+            [
+                lambda: MxloadSender(src, ParallelLayout(tp=1, scale_alg=0), form, rank=0),
+                lambda: engine.attach_trainer(form),
+            ]
+        )
+        sender = joined[0]
+        assert isinstance(sender, MxloadSender), joined
+        try:
+            sent, got = on_threads(
+                [
+                    lambda: sender.send_weights(shards(full, 0, 1), step),
+                    lambda: engine.refit(step, manifest.digest()),
+                ]
+            )
+        finally:
+            sender.close()
+        return sent, got
+
+    try:
+        held, was = engine.identity, engine.consistent
+        sent, got = refit("sender", 1)
+        assert isinstance(got, ReloadMismatch), got
+        assert "plan digest" in str(got) and "nothing was written" in str(got), got
+        assert isinstance(sent, RunError), sent
+        assert (engine.identity, engine.consistent) == (held, was)
+        sent, got = refit("receiver", 2)
+        assert not isinstance(got, BaseException), got
+        assert not isinstance(sent, BaseException), sent
+    finally:
+        engine.close()
+
+
 class _Allocations:
     """Peak bytes of the tensors torch allocates on this thread while in use: every op's
     output storage that is none of its inputs' is counted until it is freed (a finalizer

@@ -65,10 +65,13 @@ def plan_tensors(plan: RefitPlan) -> list[str]:
 
 
 def plan_digest(plan: RefitPlan) -> str:
-    """What both sides check the other planned: every bucket and transfer."""
+    """What both sides check the other planned: every bucket and transfer, and the
+    scale rule a sender converts under."""
     h = hashlib.sha256()
     s = plan.summary
     h.update(f"{s.manifest_digest}|{s.convert_on}|{s.bucket_bytes}|{s.receiver_ring}".encode())
+    if s.scale_alg:  # a sender and an engine under other scale rules hold other bytes
+        h.update(f"|scale_alg {s.scale_alg}".encode())
     h.update(repr(plan.unit_tensors).encode())
     for b in plan.buckets:
         h.update(f"/{b.sender}>{b.receiver}#{b.index}".encode())
