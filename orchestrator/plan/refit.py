@@ -19,11 +19,14 @@ end on the receiver's 32-column groups is refused at plan time.
 from __future__ import annotations
 
 import bisect
+import gc
 import hashlib
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
-from typing import Any, Literal
+from functools import cached_property
+from typing import Any, Literal, cast
 
 from ..errors import InputError
 from .formats import MX_GROUP
@@ -49,7 +52,7 @@ DEFAULT_DEVICES_PER_NODE = 16
 """Engine ranks per node when the caller does not say (the CLI's ``--devices-per-node``)."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Transfer:
     """One piece: ``rows x cols`` of ``tensor``'s ``[N, K]`` view (docs/contract.md §6:
     1-D tensors are ``[1, n]``, more dims ``[N, prod(rest)]``), sent by trainer rank
@@ -81,7 +84,7 @@ class Transfer:
         return self.receivers[0]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Bucket:
     """Transfers one sender packs for one receiver (the landing rank), in order, sent as
     :func:`messages`; ``index`` counts the sender's buckets in the order it sends them."""
@@ -210,6 +213,18 @@ class RefitPlan:
     def buckets_of(self, sender: int) -> tuple[Bucket, ...]:
         return tuple(b for b in self.buckets if b.sender == sender)
 
+    def buckets_to(self, rank: int) -> tuple[Bucket, ...]:
+        """The buckets landing on engine rank ``rank``, in plan order."""
+        return self._by_receiver.get(rank, ())
+
+    @cached_property
+    def _by_receiver(self) -> dict[int, tuple[Bucket, ...]]:
+        # indexed once: a trainer rank lays out every engine rank it feeds
+        out: dict[int, list[Bucket]] = {}
+        for b in self.buckets:
+            out.setdefault(b.receiver, []).append(b)
+        return {r: tuple(bs) for r, bs in out.items()}
+
 
 @dataclass(frozen=True)
 class Placement:
@@ -302,7 +317,7 @@ def receive_layout(units: Sequence[Unit], plan: RefitPlan, rank: int) -> Receive
     for i, unit in enumerate(units):
         for part in unit.parts:
             by_tensor.setdefault(part.tensor_name, []).append((i, part))
-    buckets = [b for b in plan.buckets if b.receiver == rank]
+    buckets = plan.buckets_to(rank)
     transfers: list[Transfer] = []
     first: list[int] = []
     last: list[int] = []
@@ -502,15 +517,29 @@ def refit_plan(
     walk = _Walk(
         plan, manifest, convert_on, bucket_bytes, devices_per_node, receiver_nodes, fanout, fused
     )
-    walk.run(detail=True)
+    with _no_cycle_collection():
+        walk.run(detail=True)
+        buckets = walk.buckets()
     together = {
         tuple(sorted({p.tensor_name for p in unit.parts}))
         for rank in range(walk.world)
         for unit in plan.ranks[rank].units
     }
-    return RefitPlan(
-        summary=walk.summary(), buckets=walk.buckets(), unit_tensors=tuple(sorted(together))
-    )
+    return RefitPlan(summary=walk.summary(), buckets=buckets, unit_tensors=tuple(sorted(together)))
+
+
+@contextmanager
+def _no_cycle_collection() -> Iterator[None]:
+    """Python's cycle collector off while millions of pieces are built (none of them in
+    a cycle): each of its full passes walks every object built so far, half the time of
+    a large plan. Back as it was after."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
 
 
 def refit_summary(
@@ -561,6 +590,12 @@ class _Held:
     node: int
     rows: tuple[int, int]
     cols: tuple[int, int]
+    origin: tuple[int, int] = (0, 0)
+    """Where the rectangle starts: one tuple every piece of it shares
+    (``Transfer.shard_origin``)."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "origin", (self.rows[0], self.cols[0]))
 
 
 @dataclass(frozen=True)
@@ -786,7 +821,12 @@ class _Walk:
                             self.fanout[node] += wire
                             for rec in recs:
                                 assert isinstance(rec, list)
-                                rec[1].append(rank)
+                                # receivers: the landing rank alone (an int) until a
+                                # second rank of the node needs the piece
+                                got_by = rec[1]
+                                rec[1] = (
+                                    [got_by, rank] if isinstance(got_by, int) else [*got_by, rank]
+                                )
                         continue
                     # The slices cover each tensor once (the manifest is checked so):
                     # the pieces of a part add up to it.
@@ -936,8 +976,21 @@ class _Walk:
                     if closed:
                         self.done.setdefault(key, []).append(self.open.pop(key))
                     source = (j - i) * (y - x) * src.tensor.itemsize
-                    rec: list[object] = [h, [rank], part.tensor_name, (i, j), (x, y)]
-                    rec += [nbytes, source, mx, unit]
+                    # the part's own tuples where the piece is all of it (millions of
+                    # pieces in a large refit, most of them a whole part's rows or cols)
+                    rows = part.rows if (i, j) == part.rows else (i, j)
+                    cols = part.cols if (x, y) == part.cols else (x, y)
+                    rec: list[object] = [
+                        h,
+                        rank,
+                        part.tensor_name,
+                        rows,
+                        cols,
+                        nbytes,
+                        source,
+                        mx,
+                        unit,
+                    ]
                     self.open.setdefault(key, []).append(rec)
                     records.append(rec)
         return records
@@ -1033,36 +1086,37 @@ class _Walk:
         )
 
     def buckets(self) -> tuple[Bucket, ...]:
+        """Every bucket, its records turned into transfers and dropped as it goes (a
+        large refit has millions: both at once would double the peak)."""
         for key, recs in self.open.items():
             self.done.setdefault(key, []).append(recs)
+        self.open = {}
         out: list[Bucket] = []
+        on_sender = self.on_sender
+        solo = [(r,) for r in range(self.world)]  # one tuple per rank, shared
         for sender in range(self.manifest.world):
             index = 0
             for rank in self.order:
                 prefix = self.ring_prefix[rank]
                 total = max(1, prefix[-1])
-                for recs in self.done.get(sender * self.world + rank, []):
-                    transfers = tuple(_transfer(r, self.on_sender) for r in recs)
-                    unit = min(r[8] for r in recs)  # type: ignore[type-var]
-                    assert isinstance(unit, int)
+                for recs in self.done.pop(sender * self.world + rank, []):
+                    transfers = tuple(_transfer(cast(list[Any], r), on_sender, solo) for r in recs)
+                    unit = min(cast(int, r[8]) for r in recs)
                     position = prefix[unit] * POSITION_SCALE // total
                     out.append(Bucket(sender, rank, index, transfers, unit, position))
                     index += 1
         return tuple(out)
 
 
-def _transfer(rec: list[object], on_sender: bool) -> Transfer:
+def _transfer(rec: list[Any], on_sender: bool, solo: Sequence[tuple[int]]) -> Transfer:
     h, receivers, tensor, rows, cols, wire, source, mx, _unit = rec
-    assert isinstance(h, _Held) and isinstance(receivers, list)
-    assert isinstance(tensor, str) and isinstance(wire, int) and isinstance(source, int)
-    assert isinstance(rows, tuple) and isinstance(cols, tuple) and isinstance(mx, bool)
     return Transfer(
         sender=h.rank,
-        receivers=tuple(receivers),
+        receivers=solo[receivers] if isinstance(receivers, int) else tuple(receivers),
         tensor=tensor,
         rows=rows,
         cols=cols,
-        shard_origin=(h.rows[0], h.cols[0]),
+        shard_origin=h.origin,
         nbytes=wire,
         source_bytes=source,
         mx=mx,
