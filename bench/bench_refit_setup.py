@@ -3,14 +3,15 @@
 Every trainer rank (``MxloadSender``) and every engine rank (``attach_trainer``) builds
 the transfer plan in detail (``plan.refit.refit_plan``: every piece of every link), then
 its own side: a trainer rank the receive layout and message cuts of each engine rank it
-feeds, an engine rank its own; both hash the whole plan (``plan_digest``). On a node of
+feeds, an engine rank its own (the plan's digest is hashed as it is built). On a node of
 16 NPUs with a colocated trainer that is 32 such processes, so their seconds and peak
 memory are what an operator sees at init.
 
 Phases, each in a fresh process from config alone (``--child``): ``summary`` (the same
 walk counting, no pieces: the baseline, ``mxload plan --from-trainer``'s cost),
-``plan`` (the detailed plan), ``sender`` (plan + trainer rank 0's side + digest),
-``receiver`` (plan + engine rank 0's side + digest). Repeats take turns; medians with
+``plan`` (the detailed plan), ``sender`` (plan + trainer rank 0's side),
+``receiver`` (plan + engine rank 0's side); then the peak and the memory the process
+still holds once it keeps only its share (``RefitPlan.only``). Repeats take turns; medians with
 min-max; each phase's seconds and peak RSS over the baseline's in the same repeat.
 
 Usage: ``python bench/bench_refit_setup.py [--repeats 3] [--big] [--out bench/results]``
@@ -20,7 +21,9 @@ Usage: ``python bench/bench_refit_setup.py [--repeats 3] [--big] [--out bench/re
 from __future__ import annotations
 
 import argparse
+import gc
 import json
+import os
 import resource
 import statistics
 import subprocess
@@ -49,14 +52,16 @@ def child(phase: str, model: str) -> dict[str, Any]:
     from mxload.orchestrator.plan.planner import build_plan
     from mxload.orchestrator.plan.refit import (
         needed_shapes,
+        open_share,
         receive_layout,
         refit_plan,
         refit_summary,
+        sender_share,
     )
     from mxload.orchestrator.plan.trainer import fsdp_manifest
     from mxload.orchestrator.plan.types import ParallelLayout
     from mxload.orchestrator.runtime.models import model_config_path
-    from mxload.workers.transfer.exchange import _Landing, link_buckets, plan_digest
+    from mxload.workers.transfer.exchange import _Landing, link_buckets
 
     t0 = time.perf_counter()
     config = parse_config(json.loads(model_config_path(model).read_text()))
@@ -64,25 +69,40 @@ def child(phase: str, model: str) -> dict[str, Any]:
     manifest = fsdp_manifest(needed_shapes(plan), TRAINER_RANKS, devices_per_node=DEVICES_PER_NODE)
     world = plan.layout.world
     out: dict[str, Any] = {}
+    kept: Any = None
     if phase == "summary":
         s = refit_summary(plan, manifest, receiver_nodes=tuple(range(world)))
         out["transfers"] = s.transfers
     else:
         rp = refit_plan(plan, manifest, receiver_nodes=tuple(range(world)))
         out["transfers"] = sum(len(b.transfers) for b in rp.buckets)
-        links = link_buckets(rp)
+        # as exchange.Sender and exchange.Receiver set up rank 0, then keep its share
         if phase == "sender":
-            mine = {r: bs for (s, r), bs in links.items() if s == 0}
+            units = {r: ranked.units for r, ranked in enumerate(plan.ranks)}
+            blob = sender_share(rp, 0, units)
+            del rp  # as MxloadSender does, before the share is opened
+            share, layouts = open_share(blob)
+            links = {r: bs for (_, r), bs in link_buckets(share).items()}
+            kept = (share, [_Landing(layouts[r], bs) for r, bs in links.items()])
         elif phase == "receiver":
-            mine = {0: [b for (_, r), bs in links.items() if r == 0 for b in bs]}
+            share = rp.only(receiver=0)
+            kept = (
+                share,
+                _Landing(
+                    receive_layout(plan.ranks[0].units, share, 0),
+                    [b.transfers for b in share.buckets],
+                ),
+            )
+            del rp
+            del rp
         else:
-            mine = {}
-        sides = [_Landing(receive_layout(plan.ranks[r].units, rp, r), bs) for r, bs in mine.items()]
-        if phase != "plan":
-            out["digest"] = plan_digest(rp)
-            out["layouts"] = len(sides)
+            kept = rp
     out["seconds"] = time.perf_counter() - t0
+    gc.collect()
     out["peak_rss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    with open("/proc/self/statm") as f:
+        out["held_rss"] = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    del kept
     return out
 
 
@@ -129,6 +149,7 @@ def main() -> None:
             rss = [r["peak_rss"] / 2**20 for r in runs]
             x_s = [r["seconds"] / b["seconds"] for r, b in zip(runs, base, strict=True)]
             x_m = [r["peak_rss"] / b["peak_rss"] for r, b in zip(runs, base, strict=True)]
+            held = [r["held_rss"] / 2**20 for r in runs]
             rows.append(
                 [
                     f"{model}, tp 8 x dp 8{' EP' if 'enable_expert_parallel' in CASES[model] else ''}",
@@ -138,6 +159,7 @@ def main() -> None:
                     spread(x_s, "{:.2f}"),
                     spread(rss, "{:.0f} MiB"),
                     spread(x_m, "{:.2f}"),
+                    spread(held, "{:.0f} MiB"),
                 ]
             )
     facts = machine_facts()
@@ -150,7 +172,16 @@ def main() -> None:
             f"{facts.get('git_commit', '?')}; load average before {before}, after {after}.",
             "",
             md_table(
-                ["layout", "phase", "pieces", "seconds", "x summary", "peak RSS", "x summary"],
+                [
+                    "layout",
+                    "phase",
+                    "pieces",
+                    "seconds",
+                    "x summary",
+                    "peak RSS",
+                    "x summary",
+                    "RSS held after (its share kept)",
+                ],
                 rows,
             ),
             "",

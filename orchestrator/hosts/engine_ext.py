@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal, cast
 
 import torch
@@ -454,6 +454,8 @@ class Attachment:
         this engine what it holds) and join the refit group (waits for the others)."""
         source = TrainerSource.from_json(trainer)
         setup = refit_setup(self.plan, self.config, source, fused=self._ranks.fused)
+        # this engine rank keeps the buckets landing on it, not the whole plan
+        setup = replace(setup, refit=setup.refit.only(receiver=self.facts.rank))
         if self._ranks.refit is not None:
             self._ranks.refit.close()
             self._ranks.refit = None

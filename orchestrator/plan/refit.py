@@ -22,6 +22,7 @@ import bisect
 import gc
 import hashlib
 import math
+import pickle
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
@@ -198,13 +199,33 @@ class RefitSummary:
 
 @dataclass(frozen=True)
 class RefitPlan:
-    """The whole transfer plan: the summary and every bucket, by sender then index."""
+    """The whole transfer plan: the summary and every bucket, by sender then index (or
+    one rank's share of it, :meth:`only`)."""
 
     summary: RefitSummary
     buckets: tuple[Bucket, ...]
     unit_tensors: tuple[tuple[str, ...], ...] = ()
     """The tensors each engine unit reads (each set once, sorted): a delta sends the
     tensors one unit reads all or none (``workers.transfer.exchange.tensor_groups``)."""
+    tensors: tuple[str, ...] = ()
+    """The trainer tensors the whole plan sends, sorted: the order of a header's
+    changed flags."""
+    digest: str = ""
+    """What both ends of every link check the other planned (:func:`plan_digest` of
+    the whole plan)."""
+
+    def only(self, *, sender: int | None = None, receiver: int | None = None) -> RefitPlan:
+        """The share of one rank: the buckets trainer rank ``sender`` sends, or those
+        landing on engine rank ``receiver``, with the whole plan's summary, tensors and
+        digest. What a rank keeps once its side is set up (a large plan's pieces are
+        gigabytes, in every trainer and engine process)."""
+        kept = tuple(
+            b
+            for b in self.buckets
+            if (sender is None or b.sender == sender)
+            and (receiver is None or b.receiver == receiver)
+        )
+        return replace(self, buckets=kept)
 
     def transfers_to(self, rank: int) -> tuple[Transfer, ...]:
         """Every piece engine rank ``rank`` needs (landing on it or passed on to it)."""
@@ -396,6 +417,46 @@ def receive_layout(units: Sequence[Unit], plan: RefitPlan, rank: int) -> Receive
     )
 
 
+def sender_layout(layout: ReceiveLayout, sender: int) -> ReceiveLayout:
+    """``layout`` with only trainer rank ``sender``'s pieces (same places, capacity and
+    ring): all that rank needs to cut its buckets to the engine rank (:func:`messages`)
+    and hash where they land (:func:`link_digest`), without every other sender's."""
+    keep = [i for i, t in enumerate(layout.transfers) if t.sender == sender]
+    new_index = {i: n for n, i in enumerate(keep)}
+    return replace(
+        layout,
+        transfers=tuple(layout.transfers[i] for i in keep),
+        unit=tuple(layout.unit[i] for i in keep),
+        last_unit=tuple(layout.last_unit[i] for i in keep),
+        pinned=tuple(layout.pinned[i] for i in keep),
+        at=tuple(layout.at[i] for i in keep),
+        order=tuple(new_index[i] for i in layout.order if i in new_index),
+    )
+
+
+def sender_share(plan: RefitPlan, sender: int, units: Mapping[int, Sequence[Unit]]) -> bytes:
+    """What trainer rank ``sender`` keeps of the whole ``plan`` (``units``: per engine
+    rank, its units in its loader's order): its buckets, and per engine rank it feeds,
+    where its pieces land there (:func:`sender_layout`), pickled. Open it
+    (:func:`open_share`) once the whole plan is dropped: its objects are then built in
+    the memory the plan gave back. Kept as references into the plan, or copied while
+    the plan lives, they would sit among the plan's freed objects (the walk builds
+    every rank's pieces interleaved) and keep nearly all of its pages resident."""
+    share = plan.only(sender=sender)
+    layouts = {
+        r: sender_layout(receive_layout(units[r], plan, r), sender)
+        for r in sorted({b.receiver for b in share.buckets})
+    }
+    return pickle.dumps((share, layouts), protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def open_share(blob: bytes) -> tuple[RefitPlan, dict[int, ReceiveLayout]]:
+    """:func:`sender_share`'s share and layouts."""
+    share, layouts = pickle.loads(blob)
+    assert isinstance(share, RefitPlan) and isinstance(layouts, dict)
+    return share, layouts
+
+
 MIN_DIRECT_BYTES = 1 << 20
 """A run of a bucket's pieces lying side by side in the receive area is its own message
 (received in place) from this size on; shorter runs are sent together (received into
@@ -520,12 +581,41 @@ def refit_plan(
     with _no_cycle_collection():
         walk.run(detail=True)
         buckets = walk.buckets()
-    together = {
-        tuple(sorted({p.tensor_name for p in unit.parts}))
-        for rank in range(walk.world)
-        for unit in plan.ranks[rank].units
-    }
-    return RefitPlan(summary=walk.summary(), buckets=buckets, unit_tensors=tuple(sorted(together)))
+    together = tuple(
+        sorted(
+            {
+                tuple(sorted({p.tensor_name for p in unit.parts}))
+                for rank in range(walk.world)
+                for unit in plan.ranks[rank].units
+            }
+        )
+    )
+    summary = walk.summary()
+    return RefitPlan(
+        summary=summary,
+        buckets=buckets,
+        unit_tensors=together,
+        tensors=tuple(sorted({t.tensor for b in buckets for t in b.transfers})),
+        digest=plan_digest(summary, buckets, together),
+    )
+
+
+def plan_digest(
+    summary: RefitSummary, buckets: Sequence[Bucket], unit_tensors: Sequence[Sequence[str]]
+) -> str:
+    """Every bucket and transfer of a plan, what it was planned under and the scale rule
+    a sender converts under, hashed: 60 bits as hex."""
+    h = hashlib.sha256()
+    s = summary
+    h.update(f"{s.manifest_digest}|{s.convert_on}|{s.bucket_bytes}|{s.receiver_ring}".encode())
+    if s.scale_alg:  # a sender and an engine under other scale rules hold other bytes
+        h.update(f"|scale_alg {s.scale_alg}".encode())
+    h.update(repr(tuple(tuple(u) for u in unit_tensors)).encode())
+    for b in buckets:
+        h.update(f"/{b.sender}>{b.receiver}#{b.index}".encode())
+        for t in b.transfers:
+            h.update(f"{t.tensor}{t.rows}{t.cols}{int(t.on_sender)};".encode())
+    return h.hexdigest()[:15]
 
 
 @contextmanager

@@ -310,7 +310,8 @@ def receiver_args(setup: RefitSetup, rank: int) -> tuple[Any, ...]:
     member = setup.source.world + rank
     spec = transport_spec(setup, member)
     units = setup.held.ranks[rank].units
-    return setup.refit, rank, spec, itemsize, row_bytes(setup.wire), units
+    share = setup.refit.only(receiver=rank)  # not the whole plan to every rank
+    return share, rank, spec, itemsize, row_bytes(setup.wire), units
 
 
 @dataclass
@@ -512,6 +513,7 @@ class MxloadSender:
         from ...workers.transfer.exchange import Sender
         from ..plan.engines import DEFAULT_ENGINE, engine_profile
         from ..plan.planner import build_plan
+        from ..plan.refit import open_share, sender_share
         from .catalog import open_checkpoint
 
         source = TrainerSource.from_json(trainer)
@@ -520,17 +522,22 @@ class MxloadSender:
         meta = open_checkpoint(src, storage_options=storage_options)
         profile = engine_profile(engine or DEFAULT_ENGINE)
         held = build_plan(meta.config, layout, checkpoint=meta, engine=profile)
-        self.setup = refit_setup(held, meta.config, source)
+        setup = refit_setup(held, meta.config, source)
         self.rank = rank
         self.local = local_tensors(source.manifest, rank)
-        units = {r: ranked.units for r, ranked in enumerate(self.setup.held.ranks)}
+        units = {r: ranked.units for r, ranked in enumerate(held.ranks)}
         backend = select_backend(device)
-        rule = self.setup.refit.summary.scale_alg
+        rule = setup.refit.summary.scale_alg
         if rule:  # the engine only repacks what a sender converts: the rule its loader has
             backend = backend.with_scale_alg(rule)
-        self.sender = Sender(
-            self.setup.refit, rank, transport_spec(self.setup, rank).make(), backend, units
-        )
+        # This rank keeps its share, not the whole plan (gigabytes for a large model):
+        # the plan is dropped before the share is opened.
+        blob = sender_share(setup.refit, rank, units)
+        setup = replace(setup, refit=replace(setup.refit, buckets=()))
+        share, layouts = open_share(blob)
+        del blob
+        self.setup = replace(setup, refit=share)
+        self.sender = Sender(share, rank, transport_spec(self.setup, rank).make(), backend, layouts)
 
     @property
     def manifest_hash(self) -> str:

@@ -31,11 +31,14 @@ from mxload.orchestrator.plan.refit import (
     link_digest,
     messages,
     needed_shapes,
+    open_share,
     placements,
     receive_layout,
     refit_plan,
     refit_summary,
     send_order,
+    sender_layout,
+    sender_share,
 )
 from mxload.orchestrator.plan.timemodel import Rates, RefitRates, refit_times, save_seconds
 from mxload.orchestrator.plan.trainer import (
@@ -772,3 +775,46 @@ def test_a_bucket_goes_as_messages_of_runs_lying_side_by_side_where_it_lands() -
     # no linear collision: one piece a byte on, the next a multiplier's worth back
     skewed = replace(lay, at=(1, 10 - 1_000_003, 30, 0, 5, 90, 100))
     assert link_digest(skewed, 0) != link_digest(lay, 0)
+
+
+def test_a_ranks_share_cuts_and_checks_its_links_as_the_whole_plan_does() -> None:
+    """What a rank keeps once set up: a trainer rank its own buckets and, per engine rank
+    it feeds, the layout of its own pieces there (``sender_layout``); an engine rank the
+    buckets landing on it (``RefitPlan.only``). Both cut every bucket into the same
+    messages (a delta's too, every other piece left out) and hash the same link and plan
+    digests as the whole plan gives; a share holds only its own buckets."""
+    plan = preset_plan("qwen3-moe-tiny")
+    shapes = needed_shapes(plan)
+    whole = refit_plan(plan, fsdp_manifest(shapes, 3), bucket_bytes=4096, devices_per_node=1)
+    assert whole.digest and whole.tensors == tuple(sorted(shapes))
+    senders = range(len(whole.summary.sender_bytes))
+    for rank in range(len(plan.ranks)):
+        units = plan.ranks[rank].units
+        full = receive_layout(units, whole, rank)
+        share = whole.only(receiver=rank)
+        assert {b.receiver for b in share.buckets} == {rank}
+        assert len(share.buckets) == sum(b.receiver == rank for b in whole.buckets)
+        assert (share.digest, share.tensors, share.summary) == (
+            whole.digest, whole.tensors, whole.summary,
+        )  # fmt: skip
+        assert receive_layout(units, share, rank) == full
+        index = {id(t): i for i, t in enumerate(full.transfers)}
+        for s in senders:
+            mine = sender_layout(full, s)
+            assert mine.transfers == tuple(t for t in full.transfers if t.sender == s)
+            assert link_digest(mine, s) == link_digest(full, s)
+            own = {id(t): i for i, t in enumerate(mine.transfers)}
+            for b in whole.only(sender=s, receiver=rank).buckets:
+                for keep in (b.transfers, b.transfers[::2]):  # all, and a delta's
+                    want = messages(full, [index[id(t)] for t in keep], 64)
+                    assert messages(mine, [own[id(t)] for t in keep], 64) == want
+    # what a trainer rank keeps, opened from its pickle: the same, as new objects
+    units = {r: ranked.units for r, ranked in enumerate(plan.ranks)}
+    for s in senders:
+        share, layouts = open_share(sender_share(whole, s, units))
+        assert share == whole.only(sender=s) and share.buckets
+        assert share.buckets[0] is not whole.only(sender=s).buckets[0]
+        assert layouts == {
+            r: sender_layout(receive_layout(plan.ranks[r].units, whole, r), s)
+            for r in {b.receiver for b in share.buckets}
+        }

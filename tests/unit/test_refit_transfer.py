@@ -690,9 +690,10 @@ def test_three_senders_in_tiny_buckets_through_wrapping_rings_complete_byte_exac
         assert not [j for j in joined if isinstance(j, BaseException)], joined
         # The case is the worst one: many buckets per link, and every engine rank's ring
         # (its own plan's) a fraction of what lands on it, so it wraps again and again.
-        assert set(link_buckets(joined[world].refit)) == {
+        # every trainer rank feeds every engine rank (each engine rank keeps its links)
+        assert {k for setup in joined[world:] for k in link_buckets(setup.refit)} == {
             (s, r) for s in range(world) for r in range(LAYOUT.world)
-        }  # every trainer rank feeds every engine rank
+        }
         for r, setup in enumerate(joined[world:]):
             summary = setup.refit.summary
             assert min(summary.sender_buckets) > 250, summary.sender_buckets

@@ -22,7 +22,6 @@ the group, so every trainer rank still sending is told too (docs/contract.md §4
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 import threading
 import time
@@ -57,27 +56,6 @@ Bucket = tuple[Transfer, ...]
 
 def _hash_int(text: str) -> int:
     return int(text[:15], 16) if text else 0
-
-
-def plan_tensors(plan: RefitPlan) -> list[str]:
-    """The trainer tensors a plan sends, in the order of the changed flags."""
-    return sorted({t.tensor for b in plan.buckets for t in b.transfers})
-
-
-def plan_digest(plan: RefitPlan) -> str:
-    """What both sides check the other planned: every bucket and transfer, and the
-    scale rule a sender converts under."""
-    h = hashlib.sha256()
-    s = plan.summary
-    h.update(f"{s.manifest_digest}|{s.convert_on}|{s.bucket_bytes}|{s.receiver_ring}".encode())
-    if s.scale_alg:  # a sender and an engine under other scale rules hold other bytes
-        h.update(f"|scale_alg {s.scale_alg}".encode())
-    h.update(repr(plan.unit_tensors).encode())
-    for b in plan.buckets:
-        h.update(f"/{b.sender}>{b.receiver}#{b.index}".encode())
-        for t in b.transfers:
-            h.update(f"{t.tensor}{t.rows}{t.cols}{int(t.on_sender)};".encode())
-    return h.hexdigest()[:15]
 
 
 def link_buckets(plan: RefitPlan) -> dict[tuple[int, int], list[Bucket]]:
@@ -124,7 +102,7 @@ def header(
 
 
 def trailer(step: int, changed: int) -> torch.Tensor:
-    """The last message of a link: ``changed`` is the index (in ``plan_tensors``) of a
+    """The last message of a link: ``changed`` is the index (in ``RefitPlan.tensors``) of a
     tensor the sender found written during the send, -1 when none was."""
     return torch.tensor([MAGIC, step, changed], dtype=torch.int64).view(torch.uint8)
 
@@ -155,35 +133,34 @@ class _Side:
     """What both ends of a refit's links work out from the transfer plan alike."""
 
     def __init__(self, plan: RefitPlan, rank: int, transport: Transport) -> None:
-        self.plan = plan
+        self.summary = plan.summary
         self.rank = rank
         self.transport = transport
         self.senders = len(plan.summary.sender_bytes)
-        self.tensors = plan_tensors(plan)
+        self.tensors = list(plan.tensors)
         self.groups = plan_groups(plan)
-        self.digest = plan_digest(plan)
+        self.digest = plan.digest
 
 
 class Sender(_Side):
-    """A trainer rank's side of every link it has (``units``: per engine rank, its
-    units in its loader's order, which say where the rank lands each piece: a run of
-    pieces landing side by side goes as one message, received in place)."""
+    """A trainer rank's side of every link it has, from its share of the plan
+    (``plan.refit.sender_share``: its buckets, and per engine rank it feeds, where that
+    rank lands its pieces: a run of pieces landing side by side goes as one message,
+    received in place)."""
 
     def __init__(
         self,
-        plan: RefitPlan,
+        share: RefitPlan,
         rank: int,
         transport: Transport,
         backend: Any,
-        units: Mapping[int, Sequence[Unit]],
+        layouts: Mapping[int, ReceiveLayout],
     ) -> None:
-        super().__init__(plan, rank, transport)
+        super().__init__(share, rank, transport)
         self.backend = backend
-        self.links = {k: v for k, v in link_buckets(plan).items() if k[0] == rank}
-        self.order = send_order(plan, rank)
-        self.landing = {
-            r: _Landing(receive_layout(units[r], plan, r), bs) for (_, r), bs in self.links.items()
-        }
+        self.links = {k: v for k, v in link_buckets(share).items() if k[0] == rank}
+        self.order = send_order(share, rank)
+        self.landing = {r: _Landing(layouts[r], bs) for (_, r), bs in self.links.items()}
         # One bucket buffer, allocated once (each send returns once it may be reused): with
         # the row chunks of a conversion on the sender (``pack``), what this rank holds
         # beyond its params. A transport that lends its own memory (shm) needs none.
@@ -237,7 +214,7 @@ class Sender(_Side):
         for (_, receiver), _buckets in links:
             digest = self.landing[receiver].digest(self.rank)
             head = header(
-                self.digest, self.plan.summary.manifest_digest, self.rank, step, delta_of,
+                self.digest, self.summary.manifest_digest, self.rank, step, delta_of,
                 flags, digest,
             )  # fmt: skip
             with self._naming(step, receiver, -1):
@@ -419,7 +396,7 @@ class Receiver(_Side):
 
     @property
     def planned_bytes(self) -> int:
-        s = self.plan.summary
+        s = self.summary
         if not s.receiver_ring:
             return self.held_bytes
         r = self.rank
@@ -555,7 +532,7 @@ class Receiver(_Side):
         self._take(sender, head, f"sent no header for step {step} (died, stopped or never joined)")
         words = head[: HEAD_WORDS * 8].view(torch.int64).tolist()
         want = [MAGIC, step, -1 if delta_of is None else delta_of]
-        want += [_hash_int(self.plan.summary.manifest_digest), _hash_int(self.digest), sender, n]
+        want += [_hash_int(self.summary.manifest_digest), _hash_int(self.digest), sender, n]
         want.append(self.landing.digest(sender))
         if words != want:
             names = ["magic", "step", "delta_of", "manifest hash", "plan digest", "rank", "tensors"]
