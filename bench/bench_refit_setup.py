@@ -86,6 +86,7 @@ def child(phase: str, model: str) -> dict[str, Any]:
             kept = (share, [_Landing(layouts[r], bs) for r, bs in links.items()])
         elif phase == "receiver":
             share = rp.only(receiver=0)
+            del rp  # as attach_trainer does, before the receiver is built
             kept = (
                 share,
                 _Landing(
@@ -93,8 +94,6 @@ def child(phase: str, model: str) -> dict[str, Any]:
                     [b.transfers for b in share.buckets],
                 ),
             )
-            del rp
-            del rp
         else:
             kept = rp
     out["seconds"] = time.perf_counter() - t0
