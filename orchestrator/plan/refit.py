@@ -25,7 +25,7 @@ import math
 import pickle
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 from typing import Any, Literal, cast
 
@@ -219,12 +219,8 @@ class RefitPlan:
         landing on engine rank ``receiver``, with the whole plan's summary, tensors and
         digest. What a rank keeps once its side is set up (a large plan's pieces are
         gigabytes, in every trainer and engine process)."""
-        kept = tuple(
-            b
-            for b in self.buckets
-            if (sender is None or b.sender == sender)
-            and (receiver is None or b.receiver == receiver)
-        )
+        pool = self.buckets if receiver is None else self.buckets_to(receiver)
+        kept = tuple(b for b in pool if sender is None or b.sender == sender)
         return replace(self, buckets=kept)
 
     def transfers_to(self, rank: int) -> tuple[Transfer, ...]:
@@ -680,7 +676,7 @@ class _Held:
     node: int
     rows: tuple[int, int]
     cols: tuple[int, int]
-    origin: tuple[int, int] = (0, 0)
+    origin: tuple[int, int] = field(init=False)
     """Where the rectangle starts: one tuple every piece of it shares
     (``Transfer.shard_origin``)."""
 
