@@ -54,14 +54,18 @@ def _heavy(item: pytest.Item) -> bool:
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Slow tests get :data:`SLOW_TIMEOUT_S`; files with a slow or Ray test run first.
+    """Slow tests get :data:`SLOW_TIMEOUT_S`; files with the most slow or Ray tests run first.
 
     xdist's loadfile hands whole files to its workers in collection order (its own
     reordering by test count, which put the few-test Ray files last, is turned off in
     pytest_configure): the long files first, the many short ones after them fill in, so
     that the workers finish at about the same time."""
-    heavy_files = {item.path for item in items if _heavy(item)}
-    items.sort(key=lambda item: item.path not in heavy_files)  # stable: files stay whole
+    heavy: dict[object, int] = {}
+    for item in items:
+        if _heavy(item):
+            heavy[item.path] = heavy.get(item.path, 0) + 1
+    # stable: files stay whole; the most Ray/slow tests first
+    items.sort(key=lambda item: -heavy.get(item.path, 0))
     for item in items:
         if item.get_closest_marker("slow") and not item.get_closest_marker("timeout"):
             item.add_marker(pytest.mark.timeout(SLOW_TIMEOUT_S))
