@@ -377,18 +377,23 @@ def min_budgets(
 ) -> tuple[int, int]:
     """(load minimum, reload minimum) staging budgets in bytes (docs/contract.md §6).
 
-    Reload: the largest whole unit. Load: the largest MIN_CHUNK_ROWS-row chunk (row
-    chunks are exact; shorter ones would re-read scale tiles many times over)."""
-    reload_min = 0
+    Reload: the largest whole unit (:func:`reload_min_budget`). Load: the largest
+    MIN_CHUNK_ROWS-row chunk (row chunks are exact; shorter ones would re-read scale tiles
+    many times over)."""
     load_min = 0
     for u in units:
-        reload_min = max(reload_min, unit_cost(u, u.rows, read_fn(u, 0, u.rows), opts).pool)
         h = min(MIN_CHUNK_ROWS, u.rows)
         worst = 0
         for c in _split(u.rows, h) if u.rows else ():
             worst = max(worst, unit_cost(u, c.end - c.start, read_fn(u, c.start, c.end), opts).pool)
         load_min = max(load_min, worst)
-    return load_min, reload_min
+    return load_min, reload_min_budget(units, read_fn, opts)
+
+
+def reload_min_budget(units: Sequence[Unit], read_fn: ReadBytesFn, opts: ConvertOptions) -> int:
+    """The reload minimum staging budget in bytes: the largest whole unit. Cheap beside
+    the load minimum, which slices every unit's reads into row chunks."""
+    return max((unit_cost(u, u.rows, read_fn(u, 0, u.rows), opts).pool for u in units), default=0)
 
 
 # --- row slices of units and of their reads -------------------------------------------------
@@ -457,7 +462,7 @@ def rank_staging(
         else proportional_read_fn(units, unit_read_bytes)
     )
     if budget is None:
-        budget = min_budgets(units, read_fn, opts)[1]
+        budget = reload_min_budget(units, read_fn, opts)
     _, estimate = schedule(units, read_fn, opts, budget, whole_units=whole_units)
     return estimate
 

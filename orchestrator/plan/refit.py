@@ -31,7 +31,7 @@ from typing import Any, Literal, cast
 
 from ..errors import InputError
 from .formats import MX_GROUP
-from .memory import ConvertOptions, min_budgets, proportional_read_fn, schedule
+from .memory import ConvertOptions, proportional_read_fn, reload_min_budget, schedule
 from .readplan import matrix_shape
 from .trainer import TrainerManifest, TrainerTensor
 from .types import Part, Plan, Unit
@@ -1108,7 +1108,7 @@ class _Walk:
                 ]
                 classes[key] = (units, proportional_read_fn(units, self.unit_wires[rank]))
             of_rank.append(key)
-        budget = max((min_budgets(u, fn, opts)[1] for u, fn in classes.values()), default=0)
+        budget = max((reload_min_budget(u, fn, opts) for u, fn in classes.values()), default=0)
         staging = {
             key: schedule(u, fn, opts, budget, whole_units=True)[1].staging_bytes if u else 0
             for key, (u, fn) in classes.items()

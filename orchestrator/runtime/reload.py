@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -123,21 +123,26 @@ def reload_units(held: Plan, new: Plan, rank: int) -> list[Unit]:
 
 
 def reload_budgets(
-    held: Plan, new: Plan, config: ModelConfig, staging_budget: int | None, fused: bool
+    held: Plan,
+    new: Plan,
+    units: Sequence[Sequence[Unit]],
+    config: ModelConfig,
+    staging_budget: int | None,
+    fused: bool,
 ) -> list[int]:
     """Staging budget of every rank for a reload: the given one, else the largest whole
-    unit of any rank as the reload will convert it (held layouts, new source)."""
-    from ..plan.memory import ConvertOptions, min_budgets, read_fn_from_reads
+    unit of any rank as the reload will convert it (``units``: per rank, its
+    :func:`reload_units`)."""
+    from ..plan.memory import ConvertOptions, read_fn_from_reads, reload_min_budget
 
     quant = config.quant.kind
     block_n = config.quant.block_n if quant == "block_fp8" else 1
     opts = ConvertOptions.for_source(held.model["dtype"], quant, config.quant.block_n, fused=fused)
     need = 0
     for rank in range(held.layout.world):
-        units = reload_units(held, new, rank)
         reads = list(new.ranks[rank].reads or ())
-        read_fn = read_fn_from_reads(units, reads, block_n=block_n, source_quant=quant)
-        need = max(need, min_budgets(units, read_fn, opts)[1])
+        read_fn = read_fn_from_reads(units[rank], reads, block_n=block_n, source_quant=quant)
+        need = max(need, reload_min_budget(units[rank], read_fn, opts))
     if staging_budget is not None and staging_budget < need:
         raise StagingBudgetError(
             f"--staging-budget {staging_budget} bytes is below what this reload needs "
@@ -268,12 +273,13 @@ def inputs_for(
 ) -> ReloadInputs:
     """What every rank runs to bring ``held`` to the new source ``meta`` planned as ``new``
     (:func:`plan_for`)."""
-    budgets = reload_budgets(held, new, meta.config, staging_budget, fused)
     world = held.layout.world
+    units = tuple(tuple(reload_units(held, new, r)) for r in range(world))
+    budgets = reload_budgets(held, new, units, meta.config, staging_budget, fused)
     return ReloadInputs(
         source=source_info(meta, allow_nonfinite, src, storage_options),
         reads=tuple(tuple(new.ranks[r].reads or ()) for r in range(world)),
-        units=tuple(tuple(reload_units(held, new, r)) for r in range(world)),
+        units=units,
         budgets=tuple(budgets),
         identity=meta.identity,
     )
