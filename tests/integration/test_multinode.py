@@ -53,6 +53,9 @@ def src(ckpt_factory) -> str:
 
 def _cli_env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in AUTH_KEYS}
+    # A driver that joined a cluster once died of SIGSEGV after printing its manifest
+    # (not reproduced since): should it again, stderr holds every thread's Python stack.
+    env["PYTHONFAULTHANDLER"] = "1"
     env.update(extra)
     return env
 
@@ -74,7 +77,7 @@ def _cli_load(args: list[str], env: dict[str, str]) -> dict[str, Any]:
         text=True,
         timeout=300,
     )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == 0, f"exit {proc.returncode}: {proc.stderr[-3000:]}"
     manifest: dict[str, Any] = json.loads(proc.stdout)
     return manifest
 
