@@ -6,7 +6,6 @@ the engine reloading it (docs/contract.md §5, docs/time-model.md "Refit")."""
 from __future__ import annotations
 
 import argparse
-import json
 import os
 from dataclasses import asdict, replace
 from typing import Any
@@ -16,8 +15,6 @@ from ..plan.sizes import format_size
 from . import flags
 
 REFIT_FLAGS = ("trainer_link", "convert_on", "bucket_size")
-MANIFEST_MAX_BYTES = 1 << 30
-"""Largest trainer manifest file read (a 1T-parameter model over 1024 ranks is ~300 MB)."""
 DEFAULT_LINK = "hccl"
 
 
@@ -34,7 +31,7 @@ def trainer_manifest(source: str, plan: Any, config: Any, devices_per_node: int)
     over the plan's own tensors (Megatron's N dividing the attention heads and the KV
     heads, as Megatron's attention requires)."""
     from ..plan.refit import needed_shapes
-    from ..plan.trainer import fsdp_manifest, manifest_from_json, megatron_manifest
+    from ..plan.trainer import fsdp_manifest, megatron_manifest
 
     kind, sep, count = source.partition(":")
     if sep and kind in ("fsdp", "megatron") and not os.path.exists(source):
@@ -56,21 +53,9 @@ def trainer_manifest(source: str, plan: Any, config: Any, devices_per_node: int)
             return make(needed_shapes(plan), int(count), devices_per_node=devices_per_node)
         except InputError as err:
             raise InputError(f"--from-trainer {source}: {err}", key="--from-trainer") from None
-    from ...workers.storage.local import read_whole
+    from ..runtime.refit import read_manifest
 
-    path = os.path.abspath(source)
-    try:
-        raw = read_whole(path, MANIFEST_MAX_BYTES, source)
-    except OSError as err:
-        raise UsageError(
-            f"--from-trainer: cannot read {source}: {err.strerror}", file=source
-        ) from None
-    try:
-        data = json.loads(raw)
-    except (ValueError, RecursionError) as err:
-        reason = str(err) if isinstance(err, ValueError) else "nested too deeply"
-        raise InputError(f"{source}: not a JSON trainer manifest: {reason}", file=source) from None
-    return manifest_from_json(data, file=source)
+    return read_manifest(source, "--from-trainer")
 
 
 def add_refit(obj: dict[str, Any], plan: Any, config: Any, args: argparse.Namespace) -> str:
@@ -79,6 +64,7 @@ def add_refit(obj: dict[str, Any], plan: Any, config: Any, args: argparse.Namesp
     from ..plan.planner import build_plan
     from ..plan.refit import DEFAULT_BUCKET_BYTES, refit_summary
     from ..plan.timemodel import RefitRates, plan_times, refit_times, save_seconds
+    from ..runtime.refit import MAX_BUCKET_BYTES, MIN_BUCKET_BYTES
 
     source = args.from_trainer
     if not source:
@@ -87,8 +73,11 @@ def add_refit(obj: dict[str, Any], plan: Any, config: Any, args: argparse.Namesp
             key="--from-trainer",
         )
     bucket = flags.size(args, "bucket_size")
-    if bucket is not None and bucket < 1:
-        raise UsageError(f"--bucket-size must be > 0, got {bucket}", key="--bucket-size")
+    if bucket is not None and not MIN_BUCKET_BYTES <= bucket <= MAX_BUCKET_BYTES:
+        raise UsageError(
+            f"--bucket-size {bucket} bytes is outside 1KiB..16GiB (what the trainer form takes)",
+            key="--bucket-size",
+        )
     bucket = bucket or DEFAULT_BUCKET_BYTES
     per_node = args.devices_per_node
     manifest = trainer_manifest(source, plan, config, per_node)
@@ -100,6 +89,8 @@ def add_refit(obj: dict[str, Any], plan: Any, config: Any, args: argparse.Namesp
         )
     except InputError as err:
         ctx = {k: v for k, v in err.context.items() if k in ("tensor", "rank")}
+        if err.context.get("key") == "bucket_bytes":  # the flag's value, not the source's
+            raise UsageError(f"--bucket-size: {err}", key="--bucket-size", **ctx) from None
         raise InputError(f"{source}: {err}", file=source, **ctx) from None
     rates = flags.time_model_rates(args)
     # --network-bandwidth given: the rate between nodes of an hccl/nccl/gloo/ray link

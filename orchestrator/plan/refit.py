@@ -818,7 +818,7 @@ class _Walk:
         if convert_on not in CONVERT_ON:
             raise InputError(f"convert_on {convert_on!r} is not one of {', '.join(CONVERT_ON)}")
         if bucket_bytes < 1:
-            raise InputError(f"bucket bytes {bucket_bytes} must be at least 1")
+            raise InputError(f"bucket bytes {bucket_bytes} must be at least 1", key="bucket_bytes")
         if devices_per_node < 1:
             raise InputError(f"devices per node {devices_per_node} must be at least 1")
         self.plan = plan
@@ -970,8 +970,8 @@ class _Walk:
                 tensor=name,
                 rank=rank,
             )
-        want = part.source_shape and matrix_shape(part.source_shape)
-        if (want and want != (src.n, src.k)) or part.rows[1] > src.n or part.cols[1] > src.k:
+        want = tuple(part.source_shape)
+        if (want and want != src.tensor.shape) or part.rows[1] > src.n or part.cols[1] > src.k:
             raise InputError(
                 f"trainer manifest: tensor {name!r} has shape {list(src.tensor.shape)}, "
                 f"engine rank {rank} needs rows {list(part.rows)} x cols {list(part.cols)} of "
@@ -1050,6 +1050,7 @@ class _Walk:
                     f"on the wire ({row_wire} bytes, for engine rank {rank})",
                     tensor=part.tensor_name,
                     rank=rank,
+                    key="bucket_bytes",
                 )
             for i in range(a, b, per):
                 j = min(b, i + per)

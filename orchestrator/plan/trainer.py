@@ -135,7 +135,12 @@ def _check_tensor(t: TrainerTensor, world: int) -> None:
     if not t.placement:
         raise InputError(f"{where}: no rank holds it")
     split = [s for s in t.placement if s.dim is not None]
+    ranks: set[int] = set()
     for s in t.placement:
+        if s.rank in ranks:
+            # its send would take one local tensor for two slices
+            raise InputError(f"{where}: rank {s.rank} is placed twice (a rank holds one slice)")
+        ranks.add(s.rank)
         if not 0 <= s.rank < world:
             raise InputError(f"{where}: rank {s.rank} is outside the trainer's world {world}")
         if s.dim is None:

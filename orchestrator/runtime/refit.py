@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import re
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, cast
@@ -99,6 +101,45 @@ def row_bytes(wire: CheckpointMeta) -> dict[str, int]:
     return out
 
 
+MANIFEST_MAX_BYTES = 1 << 30
+"""Largest trainer manifest file read (a 1T-parameter model over 1024 ranks is ~300 MB)."""
+MIN_BUCKET_BYTES = 1 << 10
+MAX_BUCKET_BYTES = 1 << 34
+"""A bucket is one message buffer on each side (a shared-memory slot, a pre-faulted
+object-store buffer): more than 16 GiB is a unit mistake, not a bucket."""
+MAX_TIMEOUT_S = 86400.0
+GROUP_NAME = re.compile(r"[A-Za-z0-9._-]{1,100}")
+"""A refit group's name: part of shared-memory file names and Ray actor names."""
+
+
+def read_manifest(path: str, what: str) -> TrainerManifest:
+    """The trainer manifest JSON file ``path`` (a regular file of at most
+    :data:`MANIFEST_MAX_BYTES`); one InputError naming ``what`` and the file."""
+    from ...workers.storage.local import read_whole
+
+    try:
+        raw = read_whole(os.path.abspath(path), MANIFEST_MAX_BYTES, path)
+    except OSError as err:
+        raise InputError(f"{what}: cannot read {path}: {err.strerror}", file=path) from None
+    except InputError as err:  # not a regular file, or too large
+        raise InputError(f"{what}: {err.message}", file=path) from None
+    try:
+        data = json.loads(raw)
+    except (ValueError, RecursionError) as err:  # UnicodeDecodeError is a ValueError
+        reason = str(err) if isinstance(err, ValueError) else "nested too deeply"
+        raise InputError(
+            f"{what}: {path}: not a JSON trainer manifest: {reason}", file=path
+        ) from None
+    return manifest_from_json(data, file=path)
+
+
+def _host_port(address: Any) -> bool:
+    if not isinstance(address, str):
+        return False
+    host, sep, port = address.rpartition(":")
+    return bool(host and sep and port.isascii() and port.isdigit() and 1 <= int(port) <= 65535)
+
+
 TRAINER_KEYS = (
     "transport",
     "addresses",
@@ -149,11 +190,7 @@ class TrainerSource:
         if isinstance(m, TrainerManifest):
             manifest = m
         elif isinstance(m, str):
-            try:
-                with open(m) as f:
-                    manifest = manifest_from_json(json.load(f), file=m)
-            except OSError as e:
-                raise InputError(f"trainer.manifest: {m}: {e.strerror}", file=m) from None
+            manifest = read_manifest(m, "trainer.manifest")
         else:
             manifest = manifest_from_json(m)
         from ...workers.transfer.transports import KINDS
@@ -184,26 +221,38 @@ class TrainerSource:
                 key="trainer.world",
             )
         bucket = data.get("bucket_bytes", DEFAULT_BUCKET_BYTES)
-        if isinstance(bucket, bool) or not isinstance(bucket, int) or bucket < 1 << 10:
+        if (
+            isinstance(bucket, bool)
+            or not isinstance(bucket, int)
+            or not MIN_BUCKET_BYTES <= bucket <= MAX_BUCKET_BYTES
+        ):
             raise InputError(
-                f"trainer.bucket_bytes {bucket!r} must be an integer of at least 1024",
+                f"trainer.bucket_bytes {bucket!r} must be an integer in "
+                f"{MIN_BUCKET_BYTES}..{MAX_BUCKET_BYTES} (1 KiB..16 GiB)",
                 key="trainer.bucket_bytes",
             )
         addresses = data.get("addresses", ())
-        if isinstance(addresses, str) or not all(isinstance(a, str) for a in addresses):
+        if not isinstance(addresses, list | tuple) or not all(_host_port(a) for a in addresses):
             raise InputError(
-                "trainer.addresses must be a list of 'HOST:PORT'", key="trainer.addresses"
+                f"trainer.addresses {addresses!r} must be a list of 'HOST:PORT' (port 1..65535)",
+                key="trainer.addresses",
             )
         timeout = data.get("timeout_s", 60.0)
-        if isinstance(timeout, bool) or not isinstance(timeout, int | float) or timeout <= 0:
+        if (
+            isinstance(timeout, bool)
+            or not isinstance(timeout, int | float)
+            or not 0 < timeout <= MAX_TIMEOUT_S  # NaN fails too
+        ):
             raise InputError(
-                f"trainer.timeout_s {timeout!r} must be a positive number of seconds",
+                f"trainer.timeout_s {timeout!r} must be a number of seconds in "
+                f"(0, {MAX_TIMEOUT_S}]",
                 key="trainer.timeout_s",
             )
         group = data.get("group", "mxload-refit")
-        if not isinstance(group, str) or not group or "/" in group:
+        if not isinstance(group, str) or not GROUP_NAME.fullmatch(group):
             raise InputError(
-                f"trainer.group {group!r} must be a name without '/'", key="trainer.group"
+                f"trainer.group {group!r} must be 1-100 letters, digits, '.', '_' or '-'",
+                key="trainer.group",
             )
         return cls(
             transport=transport,
@@ -251,6 +300,29 @@ class RefitSetup:
                 fused=fused,
             )
         return got
+
+
+MAX_STEP = (1 << 63) - 1
+"""The largest trainer step: steps travel as signed 64-bit words in each link's header."""
+
+
+def check_update(step: Any, delta_of: Any = None, changed: Collection[str] | None = None) -> None:
+    """One InputError naming the argument of an update (either side) that is not a step
+    in ``1..MAX_STEP``, a ``delta_of`` that is not None or such a step, or a ``changed``
+    that is not a collection of tensor names."""
+    if isinstance(step, bool) or not isinstance(step, int) or not 1 <= step <= MAX_STEP:
+        raise InputError(f"update step {step!r} must be an integer in 1..2**63-1", key="step")
+    if delta_of is not None and (
+        isinstance(delta_of, bool) or not isinstance(delta_of, int) or not 1 <= delta_of <= MAX_STEP
+    ):
+        raise InputError(
+            f"delta_of {delta_of!r} must be None or the step the engine holds (1..2**63-1)",
+            key="delta_of",
+        )
+    if changed is not None and (
+        isinstance(changed, str | bytes) or not all(isinstance(c, str) for c in changed)
+    ):
+        raise InputError("changed must be a collection of tensor names", key="changed")
 
 
 def refit_setup(
@@ -414,8 +486,7 @@ def refit(
     """Bring ``state``'s session to trainer step ``step``: refused, nothing touched and
     nothing received, when ``manifest_hash`` is not the manifest the refit was set up for,
     or when ``delta_of`` is not the step the session holds."""
-    if isinstance(step, bool) or not isinstance(step, int) or step < 1:
-        raise InputError(f"update step {step!r} must be a positive integer", key="step")
+    check_update(step, delta_of)
     if manifest_hash != setup.manifest_hash:
         raise ReloadMismatch(
             f"refit to step {step} refused, nothing was touched: the trainer's manifest "
@@ -428,7 +499,8 @@ def refit(
         raise ReloadMismatch(
             f"refit to step {step} as a delta of step {delta_of} refused, nothing was "
             f"touched: the engine holds version {state.version} of {state.src}; send the "
-            "update in full (delta_of None)",
+            "update in full (delta_of None), after initialising the weight transfer again "
+            "if the trainer already sent this one (its bytes were not taken)",
             key="delta_of",
         )
     inputs = setup.inputs(staging_budget, ranks.fused)
@@ -517,8 +589,11 @@ class MxloadSender:
         from .catalog import open_checkpoint
 
         source = TrainerSource.from_json(trainer)
-        if not 0 <= rank < source.world:
-            raise InputError(f"trainer rank {rank} is outside world {source.world}", key="rank")
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < source.world:
+            raise InputError(
+                f"trainer rank {rank!r} is not an integer in 0..{source.world - 1} (the trainer world)",
+                key="rank",
+            )
         meta = open_checkpoint(src, storage_options=storage_options)
         profile = engine_profile(engine or DEFAULT_ENGINE)
         held = build_plan(meta.config, layout, checkpoint=meta, engine=profile)
@@ -555,6 +630,7 @@ class MxloadSender:
         of trainer step ``step`` to every engine rank that needs them. ``delta_of``: the
         step the engine holds; ``changed``: the tensors changed since (the others are not
         sent). Returns what was sent."""
+        check_update(step, delta_of, changed)
         params = dict(named_params.items() if isinstance(named_params, Mapping) else named_params)
         check_local(params, self.local, self.rank)
         stats = self.sender.send(params, step, delta_of=delta_of, changed=changed)

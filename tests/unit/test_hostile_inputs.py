@@ -226,6 +226,24 @@ def test_equal_placements_of_a_manifest_file_are_parsed_into_one() -> None:
         manifest_from_json({"world": 2, "tensors": tensors})
 
 
+def test_a_rank_placed_twice_in_one_tensor_is_refused() -> None:
+    """A rank sends one local tensor per name: two slices of one tensor on one rank
+    would both be sent from it, and one half would land as the other (it did)."""
+    from mxload.orchestrator.errors import InputError
+    from mxload.orchestrator.plan.trainer import manifest_from_json
+
+    halves = [
+        {"rank": 0, "dim": 0, "start": 0, "stop": 2},
+        {"rank": 0, "dim": 0, "start": 2, "stop": 4},
+    ]
+    tensor = {"name": "w", "shape": [4, 4], "dtype": "bfloat16", "placement": halves}
+    with pytest.raises(InputError, match="'w': rank 0 is placed twice"):
+        manifest_from_json({"world": 1, "tensors": [tensor]})
+    whole_twice = {**tensor, "placement": [{"rank": 0}, {"rank": 0}]}
+    with pytest.raises(InputError, match="rank 0 is placed twice"):
+        manifest_from_json({"world": 1, "tensors": [whole_twice]})
+
+
 TRAINER_SPELLINGS = [
     ("megatron:8", "heads (4)"),  # qwen3-dense-tiny: 4 heads, 2 KV heads
     ("megatron:4", "KV heads (2)"),

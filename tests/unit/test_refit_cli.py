@@ -144,8 +144,9 @@ def test_refit_flags_without_a_trainer_and_links_that_cannot_carry_it(
     args = ["--from-trainer", "fsdp:2", "--trainer-link", "shm", "--devices-per-node", "2"]
     err = refused(capsys, plan(config, *args))
     assert "--trainer-link shm" in err and "between nodes" in err
-    err = refused(capsys, plan(config, "--from-trainer", "fsdp:2", "--bucket-size", "100B"))
-    assert "below one row" in err
+    for size in ("100B", "17GiB"):  # the trainer form's range, 1 KiB..16 GiB
+        err = refused(capsys, plan(config, "--from-trainer", "fsdp:2", "--bucket-size", size))
+        assert "--bucket-size" in err and "1KiB..16GiB" in err
     err = refused(capsys, plan(config, "--from-trainer", "fsdp:2", "--bucket-size", "0B"))
     assert "--bucket-size" in err
     assert "--from-trainer" in refused(capsys, plan(config, "--from-trainer", ""))

@@ -331,6 +331,12 @@ def test_manifest_mismatches_are_refused_naming_tensor_and_rank() -> None:
     with pytest.raises(InputError, match="has shape") as e:
         refit_plan(plan, fsdp_manifest(wrong, 2))
     assert e.value.tensor == name
+    # the same [N, K] view in another shape (contract §1.5: a tensor shaped otherwise)
+    n_, k_ = shapes[name]
+    other = {**shapes, name: (n_, 2, k_ // 2)}
+    with pytest.raises(InputError, match="has shape") as e:
+        refit_plan(plan, fsdp_manifest(other, 2))
+    assert e.value.tensor == name
     three = "model.layers.0.self_attn.q_proj.weight"
     n, k = shapes[three]
     t = TrainerTensor(

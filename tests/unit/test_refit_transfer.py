@@ -15,6 +15,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -193,6 +194,21 @@ TRAINER = {"transport": "gloo", "world": 1, "addresses": ["127.0.0.1:1"]}
         ({"group": "../etc"}, "trainer.group"),
         ({"addresses": "127.0.0.1:1"}, "trainer.addresses"),
         ({"colour": "blue"}, "trainer"),
+        # what once passed: a NaN lease never ends, an address is no list, a name is
+        # no file name, a bucket is a unit mistake, a manifest path is no manifest
+        ({"timeout_s": float("nan")}, "trainer.timeout_s"),
+        ({"timeout_s": float("inf")}, "trainer.timeout_s"),
+        ({"timeout_s": 1e300}, "trainer.timeout_s"),
+        ({"addresses": 5}, "trainer.addresses"),
+        ({"addresses": None}, "trainer.addresses"),
+        ({"addresses": {"127.0.0.1:1": 1}}, "trainer.addresses"),
+        ({"addresses": ["127.0.0.1:99999"]}, "trainer.addresses"),
+        ({"addresses": ["127.0.0.1"]}, "trainer.addresses"),
+        ({"group": "a\x00b"}, "trainer.group"),
+        ({"group": "g" * 300}, "trainer.group"),
+        ({"bucket_bytes": 1 << 45}, "trainer.bucket_bytes"),
+        ({"manifest": "/dev/zero"}, "trainer.manifest"),
+        ({"manifest": "/nonexistent/manifest.json"}, "trainer.manifest"),
     ],
 )
 def test_a_bad_trainer_form_is_one_line_naming_the_key(change: dict, key: str) -> None:
@@ -205,8 +221,30 @@ def test_a_bad_trainer_form_is_one_line_naming_the_key(change: dict, key: str) -
     form = {**TRAINER, "manifest": manifest_to_json(manifest), **change}
     with pytest.raises(InputError) as err:
         TrainerSource.from_json(form)
-    assert err.value.context.get("key") == key, err.value.context
+    if key == "trainer.manifest":  # a file: named as the file
+        assert err.value.context.get("file") == change["manifest"], err.value.context
+        assert str(err.value).startswith("trainer.manifest: ")
+    else:
+        assert err.value.context.get("key") == key, err.value.context
     assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("text", "reason"),
+    [(b'{"world": 1, "tensors": [', "not a JSON"), (b"\xff\xfe", "not a JSON"),
+     (b"[" * 100000 + b"]" * 100000, "not a JSON")],
+)  # fmt: skip
+def test_a_manifest_file_that_is_no_json_is_one_line_naming_it(
+    text: bytes, reason: str, tmp_path: Path
+) -> None:
+    from mxload.orchestrator.errors import InputError
+
+    path = tmp_path / "manifest.json"
+    path.write_bytes(text)
+    with pytest.raises(InputError) as err:
+        TrainerSource.from_json({**TRAINER, "manifest": str(path)})
+    assert err.value.context.get("file") == str(path)
+    assert reason in str(err.value) and "\n" not in str(err.value)
 
 
 @pytest.fixture
@@ -374,6 +412,9 @@ def test_a_sender_that_lands_pieces_elsewhere_is_refused_before_a_byte_lands(ckp
         assert isinstance(got, ReloadMismatch), got
         assert "landing digest" in str(got) and "nothing was written" in str(got), got
         assert isinstance(sent, RunError), sent
+        # the trainer is told in its own terms, not the transport's group members
+        assert "trainer rank 0: sending " in str(sent), sent
+        assert "of step 1 to engine rank 0 failed" in str(sent), sent
         assert (engine.identity, engine.consistent) == (held, was)
     finally:
         sender.close()
@@ -736,3 +777,34 @@ def test_three_senders_in_tiny_buckets_through_wrapping_rings_complete_byte_exac
         for s in senders:
             s.close()
         engine.close()
+
+
+@pytest.mark.parametrize(
+    ("step", "delta_of", "changed", "key"),
+    [
+        (0, None, None, "step"),
+        (-5, None, None, "step"),
+        (True, None, None, "step"),
+        (1.5, None, None, "step"),
+        ("3", None, None, "step"),
+        (1 << 63, None, None, "step"),
+        (2, -1, [], "delta_of"),  # -1 is the header's word for "no delta"
+        (2, 0, [], "delta_of"),
+        (2, True, [], "delta_of"),
+        (2, 1, "model.norm.weight", "changed"),
+        (2, 1, [b"model.norm.weight"], "changed"),
+    ],
+)
+def test_an_update_that_names_no_step_is_refused_on_either_side(
+    step: Any, delta_of: Any, changed: Any, key: str
+) -> None:
+    """``send_weights`` and the engine's update take the same arguments through one
+    check: a step or delta the header cannot carry is refused before anything is sent
+    (a sender once sent them and learnt of it only at its lease's end)."""
+    from mxload.orchestrator.errors import InputError
+    from mxload.orchestrator.runtime.refit import check_update
+
+    with pytest.raises(InputError) as err:
+        check_update(step, delta_of, changed)
+    assert err.value.context.get("key") == key
+    check_update((1 << 63) - 1, 1, ["model.norm.weight"])  # the widest that is fine

@@ -176,16 +176,23 @@ class Sender(_Side):
         where = [-1]
         try:
             yield where
-        except MxloadError:
+        except RunError as err:  # the transport's, naming group members
+            raise RunError(self._failed(where[0], step, receiver, buckets, err.message),
+                           rank=self.rank) from err  # fmt: skip
+        except MxloadError:  # a conversion's, naming the tensor
             raise
         except Exception as err:
-            b = where[0]
-            what = {-1: "the header", -2: "the trailer"}.get(b, f"bucket {b} of {buckets}")
             raise RunError(
-                f"trainer rank {self.rank}: sending {what} of step {step} to engine rank "
-                f"{receiver} failed: {type(err).__name__}: {err}",
+                self._failed(where[0], step, receiver, buckets, f"{type(err).__name__}: {err}"),
                 rank=self.rank,
             ) from err
+
+    def _failed(self, b: int, step: int, receiver: int, buckets: int, why: str) -> str:
+        what = {-1: "the header", -2: "the trailer"}.get(b, f"bucket {b} of {buckets}")
+        return (
+            f"trainer rank {self.rank}: sending {what} of step {step} to engine rank "
+            f"{receiver} failed: {why}"
+        )
 
     def send(
         self,
@@ -546,7 +553,10 @@ class Receiver(_Side):
                 if x != y
             ]
             raise ReloadMismatch(
-                f"{where} sent {', '.join(diff)}; nothing was written", rank=self.rank
+                f"{where} sent {', '.join(diff)}; nothing was written (a header left unread "
+                "by an update the engine refused reads so too: initialise the weight "
+                "transfer again)",
+                rank=self.rank,
             )
         return [bool(x) for x in head[HEAD_WORDS * 8 :].tolist()]
 
