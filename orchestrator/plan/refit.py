@@ -798,6 +798,13 @@ class _Streams:
         return count, largest
 
 
+MAX_PIECES = 30_000_000
+"""Most pieces a refit plan cuts: ten times Qwen3-235B-A22B's from FSDP over 64 to tp 8 x
+dp 8 + EP (2.7 million), about a minute of counting here, and gigabytes in every rank
+that builds it (Qwen3.8-27B at tp 8 x dp 8 passes from FSDP over 1024 and stops from
+2048; FSDP over 65536 ran for many minutes, every row its own slice)."""
+
+
 class _Walk:
     """Every receiver's parts, node by node, cut by the trainer's slices: pieces counted
     (and kept when ``detail``), bucketed per (sender, landing receiver)."""
@@ -993,6 +1000,15 @@ class _Walk:
         """The pieces of a part (of ``rank``'s unit ``unit``) no rank of ``node`` had
         yet: counted on their links and in their senders' buckets (and kept, in
         detail). ``pinned``: they land in the rank's pinned region, not its ring."""
+        if self.count > MAX_PIECES:
+            raise InputError(
+                f"the refit cuts more than {MAX_PIECES:,} pieces (trainer slices x engine "
+                f"parts; at engine rank {rank}, tensor {part.tensor_name!r}), more than a "
+                "rank can plan (each builds the plan): send each tensor from fewer trainer "
+                "ranks (FSDP's shard group, as HSDP does) or in larger buckets",
+                tensor=part.tensor_name,
+                rank=rank,
+            )
         (r0, r1), (c0, c1) = part.rows, part.cols
         if src.split == "whole":
             near = [h for h in src.held if h.node == node]

@@ -824,3 +824,17 @@ def test_a_ranks_share_cuts_and_checks_its_links_as_the_whole_plan_does() -> Non
             r: sender_layout(receive_layout(plan.ranks[r].units, whole, r), s)
             for r in {b.receiver for b in share.buckets}
         }
+
+
+def test_a_refit_of_more_pieces_than_any_trainer_cuts_is_refused(monkeypatch) -> None:
+    """A trainer world of one row a slice (fsdp:65536 over a 27B model) ran for minutes
+    and gigabytes: past MAX_PIECES the walk stops with one line naming where."""
+    from mxload.orchestrator.plan import refit as refit_mod
+
+    plan = preset_plan("qwen3-moe-tiny")
+    manifest = fsdp_manifest(needed_shapes(plan), 2)
+    pieces = refit_plan(plan, manifest).summary.transfers
+    monkeypatch.setattr(refit_mod, "MAX_PIECES", pieces // 2)
+    with pytest.raises(InputError, match=f"more than {pieces // 2:,} pieces") as e:
+        refit_plan(plan, manifest)
+    assert e.value.tensor and e.value.rank is not None
