@@ -15,6 +15,7 @@ import json
 import logging
 import os
 import sys
+import traceback
 import warnings
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -614,10 +615,10 @@ def _main(argv: Sequence[str] | None) -> int:
     except SystemExit as done:  # --help, --version
         return done.code if isinstance(done.code, int) else 0
     except MxloadError as err:
-        if debug:
+        if debug:  # the tracebacks, then the same line and exit status as without
             if err.context.get("details"):  # the worker's own traceback, then ours
                 sys.stderr.write(f"--- from the worker ---\n{err.context['details']}\n")
-            raise
+            traceback.print_exc()
         return report_error(err, err.exit_code, argv, hidden)
     except KeyboardInterrupt as stop:
         command = next((a for a in argv if not a.startswith("-")), "")
@@ -631,7 +632,7 @@ def _main(argv: Sequence[str] | None) -> int:
         return 141
     except Exception as err:  # a failed run: say what failed, no traceback
         if debug:
-            raise
+            traceback.print_exc()
         return report_error(err, 1, argv, hidden)
 
 
