@@ -259,8 +259,12 @@ class ShmTransport:
         n = _HEAD + 2 * self.slot
         if create:
             fd = os.open(path, os.O_CREAT | os.O_RDWR | os.O_TRUNC, 0o600)
-            os.ftruncate(fd, n)
-            self._owned.append(path)
+            self._owned.append(path)  # removed on close, also when sizing it fails
+            try:
+                os.ftruncate(fd, n)
+            except BaseException:
+                os.close(fd)
+                raise
         else:
             deadline = time.monotonic() + self.timeout_s
             while True:
