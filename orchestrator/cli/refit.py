@@ -62,9 +62,8 @@ def add_refit(obj: dict[str, Any], plan: Any, config: Any, args: argparse.Namesp
     """The refit's plan and prediction into ``obj["refit"]``; its human lines."""
     from ..plan.config import QuantConfig
     from ..plan.planner import build_plan
-    from ..plan.refit import DEFAULT_BUCKET_BYTES, refit_summary
+    from ..plan.refit import DEFAULT_BUCKET_BYTES, MAX_BUCKET_BYTES, MIN_BUCKET_BYTES, refit_summary
     from ..plan.timemodel import RefitRates, plan_times, refit_times, save_seconds
-    from ..runtime.refit import MAX_BUCKET_BYTES, MIN_BUCKET_BYTES
 
     source = args.from_trainer
     if not source:

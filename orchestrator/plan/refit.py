@@ -45,6 +45,11 @@ MX_LAYOUTS = ("mx_linear", "mx_moe")
 DEFAULT_BUCKET_BYTES = 64 << 20
 """Bytes one sender packs into one bucket (on one link: :func:`messages`), the trainer form's
 ``bucket_bytes`` and ``plan --bucket-size`` unless given."""
+MIN_BUCKET_BYTES = 1 << 10
+MAX_BUCKET_BYTES = 1 << 34
+"""The range the trainer form's ``bucket_bytes`` and ``plan --bucket-size`` take: a bucket
+is one message buffer on each side (a shared-memory slot, a pre-faulted object-store
+buffer), and more than 16 GiB is a unit mistake, not a bucket."""
 
 POSITION_SCALE = 1 << 20
 """``Bucket.position`` counts a receiver's ring in this many parts."""

@@ -32,7 +32,14 @@ from ..plan.checkpoint import CheckpointMeta, build_meta
 from ..plan.config import ModelConfig, QuantConfig
 from ..plan.formats import MX_GROUP
 from ..plan.readplan import matrix_shape
-from ..plan.refit import DEFAULT_BUCKET_BYTES, ConvertOn, RefitPlan, refit_plan
+from ..plan.refit import (
+    DEFAULT_BUCKET_BYTES,
+    MAX_BUCKET_BYTES,
+    MIN_BUCKET_BYTES,
+    ConvertOn,
+    RefitPlan,
+    refit_plan,
+)
 from ..plan.safetensors_header import FileHeader, TensorInfo
 from ..plan.trainer import TrainerManifest, manifest_from_json
 from ..plan.types import ParallelLayout, Plan
@@ -103,10 +110,6 @@ def row_bytes(wire: CheckpointMeta) -> dict[str, int]:
 
 MANIFEST_MAX_BYTES = 1 << 30
 """Largest trainer manifest file read (a 1T-parameter model over 1024 ranks is ~300 MB)."""
-MIN_BUCKET_BYTES = 1 << 10
-MAX_BUCKET_BYTES = 1 << 34
-"""A bucket is one message buffer on each side (a shared-memory slot, a pre-faulted
-object-store buffer): more than 16 GiB is a unit mistake, not a bucket."""
 MAX_TIMEOUT_S = 86400.0
 GROUP_NAME = re.compile(r"[A-Za-z0-9._-]{1,100}")
 """A refit group's name: part of shared-memory file names and Ray actor names."""

@@ -176,23 +176,18 @@ class Sender(_Side):
         where = [-1]
         try:
             yield where
-        except RunError as err:  # the transport's, naming group members
-            raise RunError(self._failed(where[0], step, receiver, buckets, err.message),
-                           rank=self.rank) from err  # fmt: skip
-        except MxloadError:  # a conversion's, naming the tensor
-            raise
         except Exception as err:
+            if isinstance(err, MxloadError) and not isinstance(err, RunError):
+                raise  # a conversion's, naming the tensor
+            # the transport's own words name group members, not ranks
+            why = err.message if isinstance(err, RunError) else f"{type(err).__name__}: {err}"
+            b = where[0]
+            what = {-1: "the header", -2: "the trailer"}.get(b, f"bucket {b} of {buckets}")
             raise RunError(
-                self._failed(where[0], step, receiver, buckets, f"{type(err).__name__}: {err}"),
+                f"trainer rank {self.rank}: sending {what} of step {step} to engine rank "
+                f"{receiver} failed: {why}",
                 rank=self.rank,
             ) from err
-
-    def _failed(self, b: int, step: int, receiver: int, buckets: int, why: str) -> str:
-        what = {-1: "the header", -2: "the trailer"}.get(b, f"bucket {b} of {buckets}")
-        return (
-            f"trainer rank {self.rank}: sending {what} of step {step} to engine rank "
-            f"{receiver} failed: {why}"
-        )
 
     def send(
         self,
