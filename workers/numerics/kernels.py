@@ -35,7 +35,8 @@ Why numba and tables
       with unsigned integers (numba then drops its negative-index fix-up); a work item
       builds all its payload tables before its lookups, so the hot loop has no branch,
       allocation or reference counting; the packed path converts rows into a buffer
-      whose row stride is padded off 4 KiB, then transposes 8x8 bytes in registers.
+      whose row stride is padded off 4 KiB, then transposes 16x16 bytes in vector registers
+      (LLVM shuffles through a numba intrinsic: numba has no vector shuffles).
 
 Threads
     Each launch names its thread count (capped by ``NUMBA_NUM_THREADS``): :mod:`.fast`
@@ -75,7 +76,9 @@ log = logging.getLogger(__name__)
 
 try:  # numba is a dependency, but the reference must keep working without it.
     import numba
-    from numba import prange
+    from llvmlite import ir  # type: ignore[import-untyped]
+    from numba import prange, types
+    from numba.extending import intrinsic
 
     _NUMBA_IMPORT_ERROR: str | None = None
 except Exception as exc:  # pragma: no cover - exercised by loading a copy without numba
@@ -624,90 +627,100 @@ def _convert_rows(
                     dst[d + ui] = pool[off + np.uint64(w[src + ui])]
 
 
-_M8 = np.uint64(0x00FF00FF00FF00FF)
-_M16 = np.uint64(0x0000FFFF0000FFFF)
-_M32 = np.uint64(0x00000000FFFFFFFF)
+def _interleave(width: int, high: bool) -> list[int]:
+    """The shuffle mask that interleaves ``width``-byte fields of the low (or high) halves
+    of two 16-byte vectors ``a`` and ``b`` (indices 0-15 into ``a``, 16-31 into ``b``)."""
+    base = 8 if high else 0
+    out: list[int] = []
+    for j in range(0, 8, width):
+        out += [base + j + i for i in range(width)] + [16 + base + j + i for i in range(width)]
+    return out
 
 
-@_jit(inline="always")
-def _swap(a: np.uint64, b: np.uint64, sh: np.uint64, m: np.uint64) -> tuple[np.uint64, np.uint64]:
-    """Exchange the ``m``-masked fields of ``b`` with the fields ``sh`` bits up in ``a``."""
-    t = ((a >> sh) ^ b) & m
-    return a ^ (t << sh), b ^ t
+_ROUNDS = tuple(
+    (width, [(a, a + width) for a in range(16) if not a & width]) for width in (1, 2, 4, 8)
+)
+"""The four rounds of a 16x16 byte transpose: per round, the field width and the pairs of
+vectors whose low and high halves interleave (a pair's two results take its places in
+order: vectors ``2i`` and ``2i + 1`` of the next round). After the last, vector ``c``
+holds column ``c``."""
+
+
+def _transpose16_codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+    src, s_off, s_stride, dst, d_off, d_stride = args
+    i64 = types.int64
+    s_off, s_stride, d_off, d_stride = (
+        context.cast(builder, v, t, i64)
+        for v, t in zip(
+            (s_off, s_stride, d_off, d_stride),
+            (signature.args[1], signature.args[2], signature.args[4], signature.args[5]),
+            strict=True,
+        )
+    )
+    s_data = context.make_array(signature.args[0])(context, builder, src).data
+    d_data = context.make_array(signature.args[3])(context, builder, dst).data
+    vec = ir.VectorType(ir.IntType(8), 16)
+    step = ir.IntType(64)
+
+    def at(data: Any, off: Any, stride: Any, i: int) -> Any:
+        where = builder.add(off, builder.mul(stride, ir.Constant(step, i)))
+        return builder.bitcast(builder.gep(data, [where]), vec.as_pointer())
+
+    rows = [builder.load(at(s_data, s_off, s_stride, r), align=1) for r in range(16)]
+    for width, pairs in _ROUNDS:
+        masks = [ir.Constant(ir.VectorType(ir.IntType(32), 16), _interleave(width, hi))
+                 for hi in (False, True)]  # fmt: skip
+        rows = [builder.shuffle_vector(rows[a], rows[b], m) for a, b in pairs for m in masks]
+    for c in range(16):
+        builder.store(rows[c], at(d_data, d_off, d_stride, c), align=1)
+    return context.get_dummy_value()
+
+
+def _transpose16_typing(
+    typingctx: Any, src: Any, s_off: Any, s_stride: Any, dst: Any, d_off: Any, d_stride: Any
+) -> Any:
+    return types.void(src, s_off, s_stride, dst, d_off, d_stride), _transpose16_codegen
+
+
+_transpose16: Any = intrinsic(_transpose16_typing) if numba is not None else None
+"""``_transpose16(src, s_off, s_stride, dst, d_off, d_stride)`` in numba code: bytes
+``src[s_off + r * s_stride + c]`` (r, c < 16) to ``dst[d_off + c * d_stride + r]`` as
+sixteen 16-byte loads, four rounds of interleaving shuffles (``punpck*`` on x86,
+``zip1``/``zip2`` on Arm) and sixteen stores. numba has no vector shuffles of its own;
+LLVM's ``shufflevector`` is portable IR."""
 
 
 @_jit()
-def _transpose_words(
-    loc64: np.ndarray, s8: int, nr: int, k: int, q64: np.ndarray, n8: int, col8: int
-) -> None:
-    """Transpose ``nr`` rows of ``k`` bytes (word stride ``s8``) into columns ``8*col8``
-    onward of rows of ``n8`` words, 8x8 bytes at a time in registers (three rounds of
-    field swaps). Needs nr, k, the column and the row length multiples of 8."""
-    sh8 = np.uint64(8)
-    sh16 = np.uint64(16)
-    sh32 = np.uint64(32)
-    for c8 in range(k // 8):
-        for i8 in range(nr // 8):
-            b = i8 * 8 * s8 + c8
-            x0 = loc64[b]
-            x1 = loc64[b + s8]
-            x2 = loc64[b + 2 * s8]
-            x3 = loc64[b + 3 * s8]
-            x4 = loc64[b + 4 * s8]
-            x5 = loc64[b + 5 * s8]
-            x6 = loc64[b + 6 * s8]
-            x7 = loc64[b + 7 * s8]
-            x0, x1 = _swap(x0, x1, sh8, _M8)
-            x2, x3 = _swap(x2, x3, sh8, _M8)
-            x4, x5 = _swap(x4, x5, sh8, _M8)
-            x6, x7 = _swap(x6, x7, sh8, _M8)
-            x0, x2 = _swap(x0, x2, sh16, _M16)
-            x1, x3 = _swap(x1, x3, sh16, _M16)
-            x4, x6 = _swap(x4, x6, sh16, _M16)
-            x5, x7 = _swap(x5, x7, sh16, _M16)
-            x0, x4 = _swap(x0, x4, sh32, _M32)
-            x1, x5 = _swap(x1, x5, sh32, _M32)
-            x2, x6 = _swap(x2, x6, sh32, _M32)
-            x3, x7 = _swap(x3, x7, sh32, _M32)
-            o = c8 * 8 * n8 + col8 + i8
-            q64[o] = x0
-            q64[o + n8] = x1
-            q64[o + 2 * n8] = x2
-            q64[o + 3 * n8] = x3
-            q64[o + 4 * n8] = x4
-            q64[o + 5 * n8] = x5
-            q64[o + 6 * n8] = x6
-            q64[o + 7 * n8] = x7
+def _transpose_bytes(
+    src: np.ndarray, s_off: int, s_stride: int, nr: int, k: int, q: np.ndarray, col: int,
+    n_total: int,
+) -> None:  # fmt: skip
+    """Rows ``src[s_off + i * s_stride :][:k]`` (i < nr) as columns ``[col, col + nr)`` of
+    the flat ``q [k, n_total]``: 16x16 blocks in vector registers, the edges a byte at a
+    time. Blocks go down the rows within one 16-column band: an item of 64 rows fills
+    whole 64-byte lines of ``q``, and its source lines stay in cache for the next band."""
+    n16 = nr // 16 * 16
+    k16 = k // 16 * 16
+    for c in range(0, k16, 16):
+        for i in range(0, n16, 16):
+            _transpose16(src, s_off + i * s_stride + c, s_stride, q, c * n_total + col + i, n_total)
+    for c in range(k16):
+        o = c * n_total + col
+        for i in range(n16, nr):
+            q[o + i] = src[s_off + i * s_stride + c]
+    for c in range(k16, k):
+        o = c * n_total + col
+        for i in range(nr):
+            q[o + i] = src[s_off + i * s_stride + c]
 
 
 @_jit(parallel=True)
-def _columns_kernel(
-    src: np.ndarray,
-    src64: np.ndarray,
-    n: int,
-    k: int,
-    q: np.ndarray,
-    q64: np.ndarray,
-    n_total: int,
-    col: int,
-) -> None:
+def _columns_kernel(src: np.ndarray, n: int, k: int, q: np.ndarray, n_total: int, col: int) -> None:
     """Rows ``src [n, k]`` (row-major) as columns ``[col, col + n)`` of ``q [k, n_total]``:
-    64-row items in parallel, 8x8 bytes in registers where words line up (``src64`` and
-    ``q64`` non-empty), bytes elsewhere."""
+    64-row items in parallel (:func:`_transpose_bytes`)."""
     for item in prange((n + 63) // 64):
         r0 = item * 64
-        r1 = min(n, r0 + 64)
-        done = r0
-        if src64.shape[0] > 0 and q64.shape[0] > 0 and col % 8 == 0:
-            whole = (r1 - r0) // 8 * 8
-            if whole:
-                s8 = k // 8
-                _transpose_words(src64[r0 * s8 :], s8, whole, k, q64, n_total // 8, (col + r0) // 8)
-                done = r0 + whole
-        for c in range(k):
-            o = c * n_total + col
-            for i in range(done, r1):
-                q[o + i] = src[i * k + c]
+        _transpose_bytes(src, r0 * k, k, min(n, r0 + 64) - r0, k, q, col + r0, n_total)
 
 
 @_jit(parallel=True)
@@ -742,7 +755,6 @@ def _convert_item(
     g_split: np.ndarray,
     packed: bool,
     q_out: np.ndarray,
-    q64: np.ndarray,
     n_total: int,
     out_row0: int,
     s_out: np.ndarray,
@@ -767,13 +779,7 @@ def _convert_item(
         loc, stride, s_loc,
     )  # fmt: skip
     col = out_row0 + r_lo
-    if q64.shape[0] > 0 and col % 8 == 0 and nr % 8 == 0:
-        _transpose_words(loc.view(np.uint64), stride // 8, nr, k, q64, n_total // 8, col // 8)
-    else:
-        for c in range(k):
-            o = c * n_total + col
-            for i in range(nr):
-                q_out[o + i] = loc[i * stride + c]
+    _transpose_bytes(loc, 0, stride, nr, k, q_out, col, n_total)
     for g in range(ng):
         base = ((g >> 1) * n_total + col) * 2 + (g & 1)
         for i in range(nr):
@@ -801,7 +807,6 @@ def _convert_kernel(
     mode: int,
     packed: bool,
     q_out: np.ndarray,  # uint8 flat: each part's [n, k] row-major, or (packed) [k, n_total]
-    q64: np.ndarray,  # uint64 view of q_out's first whole words (empty: not aligned)
     s_out: np.ndarray,  # uint8 flat: [n, g] row-major, or (packed) [ceil(g/2), n_total, 2]
     n_threads: int,
 ) -> None:
@@ -873,7 +878,7 @@ def _convert_kernel(
     for t in prange(n_t):
         for o in range(count[t], count[t + 1]):
             _convert_one(
-                parts, items, order[o], src, src64, sbits, bn, bk, packed, q_out, q64, s_out,
+                parts, items, order[o], src, src64, sbits, bn, bk, packed, q_out, s_out,
                 r32, s_tab, tile0, g_tile, g_split,
             )  # fmt: skip
 
@@ -890,7 +895,6 @@ def _convert_one(
     bk: int,
     packed: bool,
     q_out: np.ndarray,
-    q64: np.ndarray,
     s_out: np.ndarray,
     r32: np.ndarray,
     s_tab: np.ndarray,
@@ -912,18 +916,12 @@ def _convert_one(
     else:
         q_len = n * k
         s_len = n * ng
-    # this part's words of q_out, when its output starts on a word and its rows are
-    # whole words (else the item copies bytes)
-    if q64.shape[0] > 0 and qb % 8 == 0 and n_total % 8 == 0 and (qb + q_len) // 8 <= q64.shape[0]:
-        q64_p = q64[qb >> 3 : (qb + q_len) >> 3]
-    else:
-        q64_p = q64[0:0]
     _convert_item(
         src[w0 : w0 + n * k], src64[w0 >> 3 : (w0 + n * k) >> 3], k, r_lo, items[it, 2],
         (row0 + r_lo) // bn - row0 // bn,
         sbits[sb0 : sb0 + ti_n * tj_n].reshape((ti_n, tj_n)), col0, bk,
         r32[tile0[p] : tile0[p + 1]], s_tab[tile0[p] : tile0[p + 1]],
-        g_tile[p, :ng], g_split[p, :ng], packed, q_out[qb : qb + q_len], q64_p, n_total,
+        g_tile[p, :ng], g_split[p, :ng], packed, q_out[qb : qb + q_len], n_total,
         parts[p, 4], s_out[sb : sb + s_len],
     )  # fmt: skip
 
@@ -1095,14 +1093,6 @@ def make_block(w: np.ndarray, n: int, k: int, sbits: np.ndarray) -> Block:
     return Block(w, w64, n, k, sbits, sbits.view(np.float32))
 
 
-def words(q_np: np.ndarray) -> np.ndarray:
-    """uint64 view of the whole words at the start of a flat uint8 output buffer, or an
-    empty array when it is not 8-byte aligned (the kernel then copies bytes)."""
-    q64 = q_np[: q_np.size - q_np.size % 8].view(np.uint64)
-    # numpy flags a misaligned view (cheaper than .ctypes)
-    return q64 if q64.flags.aligned else np.zeros(0, dtype=np.uint64)
-
-
 def run_resolve(
     b: Block, row0: int, col0: int, bn: int, bk: int, mode: int, out: np.ndarray, threads: int
 ) -> None:
@@ -1144,7 +1134,7 @@ def run_convert(
         set_threads(threads)
         _convert_kernel(
             b.w, b.w64, parts, b.sbits.reshape(-1), b.sf.reshape(-1), bn, bk, mode,
-            packed, q_np, words(q_np), s_np, _TLS.threads,
+            packed, q_np, s_np, _TLS.threads,
         )  # fmt: skip
 
 
@@ -1179,7 +1169,7 @@ def run_convert_parts(
             parts[p, 12] = rows_per_item(int(parts[p, 12]), int(parts[p, 8]))
         _convert_kernel(
             src, src64, parts, sbits, sbits.view(np.float32), bn, bk, mode,
-            True, q_np, words(q_np), s_np, _TLS.threads,
+            True, q_np, s_np, _TLS.threads,
         )  # fmt: skip
 
 
@@ -1189,13 +1179,9 @@ def run_columns(src: np.ndarray, n: int, k: int, q: np.ndarray, col: int, thread
     transpose a row-major MX payload takes into the kernel layout (docs/contract.md §2.3)."""
     if n == 0 or k == 0:
         return
-    n_total = q.size // k
-    src = src.reshape(-1)
-    src64 = words(src) if k % 8 == 0 else np.zeros(0, dtype=np.uint64)
-    q64 = words(q) if n_total % 8 == 0 else np.zeros(0, dtype=np.uint64)
     with LOCK:
         set_threads(threads)
-        _columns_kernel(src, src64, n, k, q, q64, n_total, col)
+        _columns_kernel(src.reshape(-1), n, k, q, q.size // k, col)
 
 
 def run_pairs(s: np.ndarray, n: int, g: int, out: np.ndarray, col: int, threads: int) -> None:
@@ -1258,11 +1244,14 @@ def _self_test() -> None:
         run_resolve(b, 0, 0, 128, 128, mode, out, 1)
         run_convert(b, 0, 0, 128, 128, mode, False, q, s, 1, 0, 1)
         run_convert(b, 0, 0, 128, 128, mode, True, q, s, 1, 0, 1)
-    # 9 rows of 16 bytes as columns 8..16 of [16, 24]: 8 rows by words, the ninth by bytes.
-    src = np.arange(9 * 16, dtype=np.uint8).reshape(9, 16)
-    q24 = np.zeros(16 * 24, dtype=np.uint8)
-    run_columns(src, 9, 16, q24, 8, 1)
-    if not (q24.reshape(16, 24)[:, 8:17] == src.T).all() or q24.reshape(16, 24)[:, :8].any():
+    # 17 rows of 20 bytes as columns 3..19 of [20, 21]: one 16x16 block in vector
+    # registers, the 17th row and the last 4 columns by bytes; numpy's transpose is the
+    # reference, and the columns around stay 0.
+    src = np.arange(17 * 20, dtype=np.uint8).reshape(17, 20)
+    q21 = np.zeros(20 * 21, dtype=np.uint8)
+    run_columns(src, 17, 20, q21, 3, 1)
+    cols = q21.reshape(20, 21)
+    if not (cols[:, 3:20] == src.T).all() or cols[:, :3].any() or cols[:, 20:].any():
         raise RuntimeError("columns self-test: the transpose is wrong")
     # 3 groups (odd) of 2 rows as columns 1..2 of [2 pairs, 4, 2]: pairs, then pad 0.
     pairs = np.full(2 * 4 * 2, 9, dtype=np.uint8)

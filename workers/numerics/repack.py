@@ -167,7 +167,7 @@ def _kernels_take(*tensors: torch.Tensor) -> bool:
 def _put_columns(weight_buf: torch.Tensor, payload: torch.Tensor, row0: int) -> None:
     """``weight_buf[:, row0 : row0 + n] = payload.t()``: a transposing copy, which torch
     does a byte at a time (0.1-1 GB/s); the numba kernel (``kernels.run_columns``) does it
-    in 8x8-byte registers on the worker's threads. Same bytes either way."""
+    16x16 bytes at a time in vector registers on the worker's threads. Same bytes either way."""
     n = payload.shape[0]
     if _kernels_take(weight_buf, payload):
         from . import kernels
