@@ -133,12 +133,13 @@ def test_pack_refuses_mismatched_groups() -> None:
 @pytest.mark.parametrize(
     ("n", "k", "n_total", "row0"),
     [
-        (64, 64, 128, 64),  # one whole 64-row item, words throughout
-        (136, 64, 272, 128),  # three items, the last 8 rows
-        (9, 16, 24, 8),  # 8 rows by words, the ninth by bytes
-        (13, 40, 40, 3),  # a column off the 8-byte words: bytes only
-        (100, 96, 300, 7),  # n_total off the words
-        (70, 36, 72, 0),  # K off the words
+        (64, 64, 128, 64),  # one whole 64-row item, 16x16 blocks throughout
+        (136, 64, 272, 128),  # three items, the last 8 rows by bytes
+        (9, 16, 24, 8),  # under one block: bytes only
+        (13, 40, 40, 3),  # under one block of rows, an odd column
+        (100, 96, 300, 7),  # blocks at odd places in q, items of 64 and 36 rows
+        (70, 36, 72, 0),  # K off the blocks: its last 4 columns by bytes
+        (33, 17, 50, 17),  # both edges, an item of 33 rows
         (1, 32, 1, 0),
     ],
 )
