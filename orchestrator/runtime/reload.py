@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Protocol
@@ -226,14 +227,14 @@ class ReloadInputs:
 
 
 def header_layout(meta: CheckpointMeta) -> tuple[Any, ...]:
-    """Everything of a checkpoint a plan depends on: its config and, per shard, its size,
-    metadata and every tensor's name, dtype, shape and place (not the bytes, not where
-    the checkpoint is). Two checkpoints with one layout get one plan."""
+    """Everything of a checkpoint a plan depends on: its config and, per shard, its size
+    and every tensor's name, dtype, shape and place (not the bytes, not where the
+    checkpoint is, not the header's ``__metadata__``, which a trainer may stamp with its
+    step). Two checkpoints with one layout get one plan."""
     shards = tuple(
         (
             h.file,
             h.file_size,
-            tuple(sorted(h.metadata.items())),
             tuple((t.name, t.dtype, t.shape, t.start, t.nbytes) for t in h.tensors.values()),
         )
         for _, h in sorted(meta.headers.items())
@@ -246,22 +247,31 @@ class _LastReload:
     checkpoints keep its header layout (:func:`header_layout`) for the same held plan:
     an RL run reloading every step from storage writes one layout again and again, and
     planning it is the reload's largest fixed cost (a 48-layer, 128-expert model at tp 4:
-    3.3 of 5 s). One entry, so a process keeps at most one extra plan's reads."""
+    3.3 of 5 s). One entry, so a process keeps at most one extra plan's reads, and only
+    while the held plan lives."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._entry: tuple[Plan, tuple[Any, ...], ReloadInputs] | None = None
+        self._entry: tuple[weakref.ref[Plan], tuple[Any, ...], ReloadInputs] | None = None
 
     def get(self, held: Plan, key: tuple[Any, ...]) -> ReloadInputs | None:
         with self._lock:
             entry = self._entry
-        if entry is None or entry[0] is not held or entry[1] != key:
+        if entry is None or entry[0]() is not held or entry[1] != key:
             return None
         return entry[2]
 
     def put(self, held: Plan, key: tuple[Any, ...], inputs: ReloadInputs) -> None:
+        ref = weakref.ref(held)
         with self._lock:
-            self._entry = (held, key, inputs)
+            self._entry = (ref, key, inputs)
+        # held weakly: the entry goes with the session's plan, not with the next reload
+        weakref.finalize(held, self._forget, ref)
+
+    def _forget(self, ref: weakref.ref[Plan]) -> None:
+        with self._lock:
+            if self._entry is not None and self._entry[0] is ref:
+                self._entry = None
 
     def clear(self) -> None:
         with self._lock:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from mxload.orchestrator.errors import NumericsError
@@ -181,3 +182,16 @@ def test_put_pairs_is_the_paired_scale_layout(n: int, g: int, n_total: int, row0
     got = before.clone()
     kernels.run_pairs(scale.numpy(), n, g, got.view(-1).numpy(), row0, 2)
     assert torch.equal(got, want)
+
+
+def test_column_writer_refuses_a_strided_output_and_writes_nothing() -> None:
+    """The vector transposes address the output as one run of bytes: a strided view
+    (every other byte of a buffer) is refused, not written past."""
+    from mxload.workers.numerics import kernels
+
+    assert kernels.available(), kernels.unavailable_reason()
+    buf = np.full(2 * 16 * 17, 0xA5, dtype=np.uint8)
+    src = np.arange(16 * 16, dtype=np.uint8).reshape(16, 16)
+    with pytest.raises(NumericsError, match="not one contiguous run"):
+        kernels.run_columns(src, 16, 16, buf[::2], 1, 1)
+    assert (buf == 0xA5).all()

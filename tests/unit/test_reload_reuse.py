@@ -98,3 +98,16 @@ def test_a_mismatched_checkpoint_is_refused_after_a_reuse(ckpt_factory, planned)
     n = len(planned)
     reload_inputs(held, v2)
     assert len(planned) == n
+
+
+def test_the_kept_plan_goes_with_the_held_plan(ckpt_factory, planned) -> None:
+    import gc
+    import weakref
+
+    held = _held(ckpt_factory("qwen3-moe-tiny", 1))
+    inputs = weakref.ref(reload_inputs(held, ckpt_factory("qwen3-moe-tiny", 2)))
+    gc.collect()
+    assert inputs() is not None  # kept for the next reload of this session
+    del held
+    gc.collect()
+    assert inputs() is None

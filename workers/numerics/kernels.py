@@ -1106,6 +1106,13 @@ def run_resolve(
             )  # fmt: skip
 
 
+def _flat_output(q: np.ndarray, what: str) -> None:
+    """Refuse an output the transposing writes cannot take: they address ``q``'s memory
+    as one run of bytes (``_transpose16``), so a strided view would be written past."""
+    if not q.flags.c_contiguous:
+        raise NumericsError(f"{what}: the output is not one contiguous run of bytes")
+
+
 def run_convert(
     b: Block,
     row0: int,
@@ -1124,6 +1131,8 @@ def run_convert(
     kernel layout of docs/contract.md §2.3 at column ``out_row0`` of ``n_total``."""
     if b.n == 0 or b.k == 0:
         return
+    if packed:
+        _flat_output(q_np, "run_convert")
     ti, tj = b.sbits.shape
     n_out = n_total if packed else b.n
     parts = np.array(
@@ -1160,6 +1169,7 @@ def run_convert_parts(
     validates the geometry (``fast.convert_units_to_mx_packed``)."""
     if parts.shape[0] == 0:
         return
+    _flat_output(q_np, "run_convert_parts")
     src64 = src[: src.size - src.size % 8].view(np.uint64)
     if not src64.flags.aligned:
         raise NumericsError("run_convert_parts: src is not 8-byte aligned")
@@ -1179,6 +1189,7 @@ def run_columns(src: np.ndarray, n: int, k: int, q: np.ndarray, col: int, thread
     transpose a row-major MX payload takes into the kernel layout (docs/contract.md §2.3)."""
     if n == 0 or k == 0:
         return
+    _flat_output(q, "run_columns")
     with LOCK:
         set_threads(threads)
         _columns_kernel(src.reshape(-1), n, k, q, q.size // k, col)
