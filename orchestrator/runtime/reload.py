@@ -262,11 +262,15 @@ class _LastReload:
         return entry[2]
 
     def put(self, held: Plan, key: tuple[Any, ...], inputs: ReloadInputs) -> None:
-        ref = weakref.ref(held)
         with self._lock:
+            entry = self._entry
+            same = entry is not None and entry[0]() is held
+            ref = entry[0] if same and entry is not None else weakref.ref(held)
             self._entry = (ref, key, inputs)
-        # held weakly: the entry goes with the session's plan, not with the next reload
-        weakref.finalize(held, self._forget, ref)
+        if not same:
+            # held weakly: the entry goes with the session's plan, not with the next
+            # reload; one finalizer per held plan, not one per reload
+            weakref.finalize(held, self._forget, ref)
 
     def _forget(self, ref: weakref.ref[Plan]) -> None:
         with self._lock:
@@ -297,7 +301,8 @@ def reload_inputs(
 
     src = absolute(src)
     meta = open_checkpoint(src, storage_options=storage_options, dtype=held.model["dtype"])
-    key = (header_layout(meta), is_remote(src), staging_budget, fused)
+    remote = is_remote(src)
+    key = (header_layout(meta), remote, staging_budget, fused)
     cached = LAST_RELOAD.get(held, key)
     if cached is not None:
         log.debug("reload from %s: the last reload's plan (same header layout)", src)
@@ -306,7 +311,7 @@ def reload_inputs(
             source=source_info(meta, allow_nonfinite, src, storage_options),
             identity=meta.identity,
         )
-    new = plan_for(held, meta, src, fused=fused, remote=is_remote(src))
+    new = plan_for(held, meta, src, fused=fused, remote=remote)
     inputs = inputs_for(
         held,
         meta,
