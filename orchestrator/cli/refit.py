@@ -102,7 +102,7 @@ def add_refit(obj: dict[str, Any], plan: Any, config: Any, args: argparse.Namesp
     )
     try:
         t = refit_times(summary, refit_rates)
-        # The runtime does not pass pieces on within a node yet: every rank receives its own.
+        # Beside it: every rank receiving all it holds (no copies within a node).
         direct = refit_summary(
             plan,
             manifest,
@@ -198,7 +198,7 @@ def render_refit(r: dict[str, Any]) -> list[str]:
         f"refit from {r['manifest']} ({r['trainer_world']} trainer ranks, manifest "
         f"{r['manifest_digest']}): convert on the {r['convert_on']}, link {r['trainer_link']}, "
         f"buckets of {format_size(r['bucket_bytes'])}",
-        f"  the engine nodes need {format_size(r['needed_bytes'])} (trainer dtype); on the "
+        f"  the engine ranks take {format_size(r['needed_bytes'])} (trainer dtype); on the "
         f"wire {format_size(r['wire_bytes'])} ({r['wire_ratio']:.3f}x), in {r['transfers']} "
         "pieces",
         f"  {'from node':>10} {'to node':>8} {'bytes':>12}",
@@ -229,7 +229,8 @@ def render_refit(r: dict[str, Any]) -> list[str]:
         f"predicted refit {p['seconds']:.2f} s (network {p['network_seconds']:.2f} s, "
         f"same node {p['same_node_seconds']:.2f} s, sender convert "
         f"{p['sender_convert_seconds']:.2f} s, receiver {p['receiver_seconds']:.2f} s, fill "
-        f"{p['fill_seconds']:.2f} s; {format_size(int(r['rates_bytes_per_s']['network_node']))}"
+        f"{p['fill_seconds']:.2f} s, then copies within nodes {p['copy_seconds']:.2f} s; "
+        f"{format_size(int(r['rates_bytes_per_s']['network_node']))}"
         f"/s per node between nodes, {format_size(int(r['rates_bytes_per_s']['same_node']))}/s "
         "within)",
         *(
@@ -240,8 +241,9 @@ def render_refit(r: dict[str, Any]) -> list[str]:
             if r["trainer_link"] in ("hccl", "nccl")
             else []
         ),
-        f"  without the node fan-out (what the runtime does today: each engine rank "
-        f"receives its own copy) {r['without_fanout']['predicted_seconds']:.2f} s, "
+        f"  node fan-out: {format_size(max(r['fanout_bytes'], default=0))} copied between "
+        "ranks of the busiest node once written; without it (each engine rank receives "
+        f"all it holds) {r['without_fanout']['predicted_seconds']:.2f} s, "
         f"{format_size(r['without_fanout']['link_bytes'])} over the links",
         f"storage round trip of the same bytes {trip['predicted_seconds']:.2f} s (save + "
         f"fsync {format_size(trip['bytes_saved'])} {trip['save_seconds']:.2f} s, reload "

@@ -506,6 +506,8 @@ class Attachment:
             "receive_seconds": round(got.seconds, 6),
             "bytes_received": got.bytes_received,
             "bytes_received_in_place": got.in_place_bytes,
+            # whole buffers from another rank of its node (the node fan-out)
+            "bytes_copied": rr.receiver.copied_bytes,
             "tensors_unchanged": sum(not c for c in got.changed.values()),
             "units_written": stats.units,
             "measured_peak_staging_bytes": stats.measured_peak_staging_bytes,

@@ -5,9 +5,11 @@ The engine side is the ordinary plan (``planner.build_plan``): every rank's unit
 their parts, each part a rectangle ``rows x cols`` of one checkpoint tensor's ``[N, K]``
 view. The trainer side is a :class:`~.trainer.TrainerManifest` (docs/contract.md
 "Trainer sources"). A part is cut where the trainer's slices cut it; each piece is sent
-by the rank holding it, once per engine node: ranks of one node that need the same
-rectangle (TP-replicated KV heads, data-parallel replicas packed on one node) get it
-through the node's shared memory from the rank it lands on.
+by the rank holding it to each engine rank that needs it, except that ranks of one node
+holding the same
+buffer filled from the same pieces (a data-parallel replica, a TP-replicated norm) take
+it whole from the first of them once it is written (:class:`NodeCopy`): its pieces cross
+to the node once.
 
 Units the engine holds in MXFP8 are converted on the way: on the receiver (BF16 on the
 wire, as a BF16 checkpoint's reload converts) or on the sender (E4M3 plus one E8M0 byte
@@ -23,7 +25,7 @@ import gc
 import hashlib
 import math
 import pickle
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from functools import cached_property
@@ -62,11 +64,10 @@ DEFAULT_DEVICES_PER_NODE = 16
 class Transfer:
     """One piece: ``rows x cols`` of ``tensor``'s ``[N, K]`` view (docs/contract.md §6:
     1-D tensors are ``[1, n]``, more dims ``[N, prod(rest)]``), sent by trainer rank
-    ``sender`` to engine rank ``receivers[0]``, which passes it on to the other
-    ``receivers`` (all on its node) through shared memory."""
+    ``sender`` to engine rank ``receiver``."""
 
     sender: int
-    receivers: tuple[int, ...]
+    receiver: int
     tensor: str
     rows: tuple[int, int]
     cols: tuple[int, int]
@@ -83,11 +84,6 @@ class Transfer:
     on_sender: bool
     """Converted on the sender: the wire holds E4M3 then the E8M0 scales, row-major
     ``[rows, cols]`` and ``[rows, cols / 32]``."""
-
-    @property
-    def receiver(self) -> int:
-        """The engine rank the piece lands on."""
-        return self.receivers[0]
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,6 +109,24 @@ class Bucket:
 
 
 @dataclass(frozen=True)
+class NodeCopy:
+    """Buffers engine rank ``receiver`` takes whole from ``source``, an earlier rank of its
+    node that holds the same buffers filled from the same pieces (a data-parallel
+    replica, a TP-replicated norm): ``source`` writes them from the trainer's bytes, then
+    sends them as they are, once its own update is whole (docs/contract.md §4 "Refit")."""
+
+    source: int
+    receiver: int
+    buffers: tuple[str, ...]
+    """Weight buffers, in the receiver's unit order (each with its ``_scale`` buffer, if
+    it has one)."""
+    units: tuple[int, ...]
+    """The receiver's units that write them (indices into its plan's units)."""
+    nbytes: int
+    """Bytes of the buffers, as the engine holds them."""
+
+
+@dataclass(frozen=True)
 class Link:
     """Bytes from one trainer node to one engine node (``same_node``: the two are one
     machine, and the bytes move through shared memory or device IPC)."""
@@ -135,7 +149,8 @@ class RefitSummary:
     manifest_digest: str
     links: tuple[Link, ...]
     needed_bytes: int
-    """Bytes the engine nodes need in the trainer's dtype, each element once per node."""
+    """Bytes the engine ranks take from the trainer in its dtype, each element once per
+    rank it lands on (a buffer a rank copies from another of its node is none of them)."""
     wire_bytes: int
     """Bytes over all links (== ``needed_bytes`` with ``convert_on="receiver"``)."""
     mx_needed_bytes: int
@@ -143,8 +158,8 @@ class RefitSummary:
     mx_wire_bytes: int
     """What those bytes are on the wire."""
     fanout_bytes: tuple[int, ...]
-    """Per engine node, bytes passed on in shared memory to a second, third... rank of
-    the node that needs the same piece (not on any link)."""
+    """Per engine node, bytes its ranks copy from one another once written
+    (:class:`NodeCopy`; on no link)."""
     receiver_nodes: tuple[int, ...]
     """Per engine rank, its node."""
     receiver_bytes: tuple[int, ...]
@@ -218,19 +233,40 @@ class RefitPlan:
     digest: str = ""
     """What both ends of every link check the other planned (:func:`plan_digest` of
     the whole plan)."""
+    copies: tuple[NodeCopy, ...] = ()
+    """The node fan-out: buffers engine ranks copy from another rank of their node, by
+    source then receiver."""
 
     def only(self, *, sender: int | None = None, receiver: int | None = None) -> RefitPlan:
         """The share of one rank: the buckets trainer rank ``sender`` sends, or those
         landing on engine rank ``receiver``, with the whole plan's summary, tensors and
-        digest. What a rank keeps once its side is set up (a large plan's pieces are
-        gigabytes, in every trainer and engine process)."""
+        digest (an engine rank also keeps the copies it takes or gives). What a rank
+        keeps once its side is set up (a large plan's pieces are gigabytes, in every
+        trainer and engine process)."""
         pool = self.buckets if receiver is None else self.buckets_to(receiver)
         kept = tuple(b for b in pool if sender is None or b.sender == sender)
-        return replace(self, buckets=kept)
+        copies = self.copies
+        if receiver is not None:
+            copies = tuple(c for c in copies if receiver in (c.source, c.receiver))
+        elif sender is not None:
+            copies = ()
+        return replace(self, buckets=kept, copies=copies)
 
     def transfers_to(self, rank: int) -> tuple[Transfer, ...]:
-        """Every piece engine rank ``rank`` needs (landing on it or passed on to it)."""
-        return tuple(t for b in self.buckets for t in b.transfers if rank in t.receivers)
+        """Every piece landing on engine rank ``rank``."""
+        return tuple(t for b in self.buckets_to(rank) for t in b.transfers)
+
+    def copies_into(self, rank: int) -> tuple[NodeCopy, ...]:
+        """What engine rank ``rank`` copies from others of its node, by source."""
+        return tuple(c for c in self.copies if c.receiver == rank)
+
+    def copies_from(self, rank: int) -> tuple[NodeCopy, ...]:
+        """What engine rank ``rank`` gives others of its node, by receiver."""
+        return tuple(c for c in self.copies if c.source == rank)
+
+    def copied_units(self, rank: int) -> frozenset[int]:
+        """The units of engine rank ``rank`` it copies (none of their bytes land on it)."""
+        return frozenset(u for c in self.copies_into(rank) for u in c.units)
 
     def buckets_of(self, sender: int) -> tuple[Bucket, ...]:
         return tuple(b for b in self.buckets if b.sender == sender)
@@ -334,9 +370,12 @@ def receive_layout(units: Sequence[Unit], plan: RefitPlan, rank: int) -> Receive
     loader reads them) for the pieces landing on it; its ring has the capacity the walk
     predicted (``RefitSummary.receiver_ring``). InputError when these buckets would
     need more (the walk and this layout disagree: a bug, refused before any byte
-    moves)."""
+    moves). Units the rank copies from another of its node read nothing here."""
+    copied = plan.copied_units(rank)
     by_tensor: dict[str, list[tuple[int, Part]]] = {}
     for i, unit in enumerate(units):
+        if i in copied:
+            continue
         for part in unit.parts:
             by_tensor.setdefault(part.tensor_name, []).append((i, part))
     buckets = plan.buckets_to(rank)
@@ -435,6 +474,13 @@ def sender_layout(layout: ReceiveLayout, sender: int) -> ReceiveLayout:
     )
 
 
+def quiet_receivers(summary: RefitSummary) -> tuple[int, ...]:
+    """Engine ranks no piece lands on (they copy all they hold from others of their
+    node): each still takes every update's header and trailer from trainer rank 0, which
+    say what the update sends and whether the trainer's tensors stayed still."""
+    return tuple(r for r, n in enumerate(summary.receiver_bytes) if not n)
+
+
 def sender_share(plan: RefitPlan, sender: int, units: Mapping[int, Sequence[Unit]]) -> bytes:
     """What trainer rank ``sender`` keeps of the whole ``plan`` (``units``: per engine
     rank, its units in its loader's order): its buckets, and per engine rank it feeds,
@@ -444,10 +490,10 @@ def sender_share(plan: RefitPlan, sender: int, units: Mapping[int, Sequence[Unit
     the plan lives, they would sit among the plan's freed objects (the walk builds
     every rank's pieces interleaved) and keep nearly all of its pages resident."""
     share = plan.only(sender=sender)
-    layouts = {
-        r: sender_layout(receive_layout(units[r], plan, r), sender)
-        for r in sorted({b.receiver for b in share.buckets})
-    }
+    fed = {b.receiver for b in share.buckets}
+    if sender == 0:
+        fed.update(quiet_receivers(plan.summary))
+    layouts = {r: sender_layout(receive_layout(units[r], plan, r), sender) for r in sorted(fed)}
     return pickle.dumps((share, layouts), protocol=pickle.HIGHEST_PROTOCOL)
 
 
@@ -572,9 +618,9 @@ def refit_plan(
     numbers name the same machines on both sides (a colocated trainer shares them).
     InputError, one line naming the tensor and rank: a tensor the engine needs that the
     manifest lacks or shapes otherwise, a slice that is no rectangle of the ``[N, K]``
-    view, a cut a sender cannot convert (``convert_on="sender"``). ``fanout``: a piece
-    several ranks of a node need crosses to the node once and is passed on in its shared
-    memory (False: each rank receives its own, as the runtime does today). ``fused``: the
+    view, a cut a sender cannot convert (``convert_on="sender"``). ``fanout``: ranks of
+    one node holding the same buffer take it from the first of them once written
+    (:class:`NodeCopy`; False: each rank receives all it holds). ``fused``: the
     engine's loaders convert on the fused CPU path (their staging schedule)."""
     walk = _Walk(
         plan, manifest, convert_on, bucket_bytes, devices_per_node, receiver_nodes, fanout, fused
@@ -592,20 +638,25 @@ def refit_plan(
         )
     )
     summary = walk.summary()
+    copies = tuple(sorted(walk.copies, key=lambda c: (c.source, c.receiver)))
     return RefitPlan(
         summary=summary,
         buckets=buckets,
         unit_tensors=together,
         tensors=tuple(sorted({t.tensor for b in buckets for t in b.transfers})),
-        digest=plan_digest(summary, buckets, together),
+        digest=plan_digest(summary, buckets, together, copies),
+        copies=copies,
     )
 
 
 def plan_digest(
-    summary: RefitSummary, buckets: Sequence[Bucket], unit_tensors: Sequence[Sequence[str]]
+    summary: RefitSummary,
+    buckets: Sequence[Bucket],
+    unit_tensors: Sequence[Sequence[str]],
+    copies: Sequence[NodeCopy] = (),
 ) -> str:
-    """Every bucket and transfer of a plan, what it was planned under and the scale rule
-    a sender converts under, hashed: 60 bits as hex."""
+    """Every bucket, transfer and node copy of a plan, what it was planned under and the
+    scale rule a sender converts under, hashed: 60 bits as hex."""
     h = hashlib.sha256()
     s = summary
     h.update(f"{s.manifest_digest}|{s.convert_on}|{s.bucket_bytes}|{s.receiver_ring}".encode())
@@ -616,6 +667,8 @@ def plan_digest(
         h.update(f"/{b.sender}>{b.receiver}#{b.index}".encode())
         for t in b.transfers:
             h.update(f"{t.tensor}{t.rows}{t.cols}{int(t.on_sender)};".encode())
+    for c in copies:
+        h.update(f"/copy {c.source}>{c.receiver}:{','.join(c.buffers)}".encode())
     return h.hexdigest()[:15]
 
 
@@ -864,6 +917,9 @@ class _Walk:
         self.to_node = [[0] * self.nodes for _ in range(manifest.world)]
         self.needed = self.wire = self.mx_needed = self.mx_wire = 0
         self.fanout = [0] * self.nodes
+        self.copies: list[NodeCopy] = []
+        self.copied: list[set[int]] = [set() for _ in range(world)]
+        """Per receiver, the units it copies (its loader skips them)."""
         self.receiver_bytes = [0] * world
         self.unit_wires: list[list[int]] = [[] for _ in range(world)]
         """Per receiver, per unit, the wire bytes it reads."""
@@ -883,17 +939,17 @@ class _Walk:
 
     def run(self, *, detail: bool) -> None:
         self.detail = detail
-        # Pieces already on a node: (tensor, rows, cols) -> the ranks needing them and
-        # their records (detail).
-        on_node: dict[
-            int, dict[tuple[str, tuple[int, int], tuple[int, int]], tuple[set[int], list[object]]]
-        ] = {}
+        # Per node, the buffers landed on one of its ranks: what makes two equal, and
+        # the rank.
+        landed: dict[int, dict[object, int]] = {}
         for rank in self.order:
             node = self.rnode[rank]
-            # without the fan-out every rank receives all it needs: its own scope
-            seen = on_node.setdefault(node if self.fans_out else -1 - rank, {})
             units = self.plan.ranks[rank].units
-            ring, pinned = self._ring_bytes(units, rank, seen)
+            copied = self._copies(rank, landed.setdefault(node, {})) if self.fans_out else set()
+            self.copied[rank] = copied
+            # Parts already landed on this rank (a tied embedding: two units read them).
+            seen: dict[tuple[str, tuple[int, int], tuple[int, int]], None] = {}
+            ring, pinned = self._ring_bytes(units, rank, copied)
             prefix = [0]
             for b in ring:
                 prefix.append(prefix[-1] + b)
@@ -907,25 +963,14 @@ class _Walk:
                 for part in unit.parts:
                     src = self._check(part, unit, rank)
                     wire = self._wire(part.nrows, part.ncols, src, mx)
+                    # what the rank's loader would read: its staging schedule covers
+                    # every unit, copied or not
                     unit_wire += wire
+                    key = (part.tensor_name, part.rows, part.cols)
+                    if i in copied or key in seen:
+                        continue
                     if mx:
                         self.receiver_mx[rank] += wire
-                    key = (part.tensor_name, part.rows, part.cols)
-                    got = seen.get(key)
-                    if got is not None:
-                        ranks, recs = got
-                        if rank not in ranks:  # (a tied embedding: twice on one rank)
-                            ranks.add(rank)
-                            self.fanout[node] += wire
-                            for rec in recs:
-                                assert isinstance(rec, list)
-                                # receivers: the landing rank alone (an int) until a
-                                # second rank of the node needs the piece
-                                got_by = rec[1]
-                                rec[1] = (
-                                    [got_by, rank] if isinstance(got_by, int) else [*got_by, rank]
-                                )
-                        continue
                     # The slices cover each tensor once (the manifest is checked so):
                     # the pieces of a part add up to it.
                     source = part.nrows * part.ncols * src.tensor.itemsize
@@ -935,29 +980,58 @@ class _Walk:
                         self.mx_needed += source
                         self.mx_wire += wire
                     self.receiver_bytes[rank] += wire
-                    seen[key] = ({rank}, self._cut(part, src, mx, rank, node, i, key in pinned))
+                    seen[key] = None
+                    self._cut(part, src, mx, rank, node, i, key in pinned)
                 wires.append(unit_wire)
             self.unit_wires[rank] = wires
 
+    def _copies(self, rank: int, landed: dict[object, int]) -> set[int]:
+        """The units of ``rank`` whose buffers an earlier rank of its node lands
+        (``landed``: per buffer's likeness, that rank; ``rank``'s own buffers are added),
+        recorded as :class:`NodeCopy`. Two buffers are alike when their specs and every
+        unit writing them are equal: the same pieces, converted under the same rule,
+        make the same bytes. A unit that derives other buffers is never copied."""
+        rp = self.plan.ranks[rank]
+        specs = {b.name: b for b in rp.buffers}
+        writers: dict[str, list[int]] = {}
+        for i, unit in enumerate(rp.units):
+            writers.setdefault(unit.buffer, []).append(i)
+        taken: dict[int, list[str]] = {}
+        copied: set[int] = set()
+        for name, idx in writers.items():
+            group = tuple(rp.units[i] for i in idx)
+            if any(u.derived for u in group):
+                continue
+            like = (specs.get(name), specs.get(name + "_scale"), rp.scale_alg, group)
+            source = landed.setdefault(like, rank)
+            if source != rank:
+                taken.setdefault(source, []).append(name)
+                copied.update(idx)
+        for source, names in taken.items():
+            nbytes = sum(
+                b.nbytes for n in names for b in (specs.get(n), specs.get(n + "_scale")) if b
+            )
+            units = tuple(sorted(i for n in names for i in writers[n]))
+            self.copies.append(NodeCopy(source, rank, tuple(names), units, nbytes))
+            self.fanout[self.rnode[rank]] += nbytes
+        return copied
+
     def _ring_bytes(
-        self,
-        units: Sequence[Unit],
-        rank: int,
-        seen: Mapping[tuple[str, tuple[int, int], tuple[int, int]], object],
+        self, units: Sequence[Unit], rank: int, copied: Collection[int]
     ) -> tuple[list[int], set[tuple[str, tuple[int, int], tuple[int, int]]]]:
         """Per unit of ``rank``, the wire bytes of the pieces landing on it that go
         through its ring (read by this unit alone), and the parts more than one of its
         units reads (a tied embedding: held in the pinned region, whose bytes are
-        recorded). ``seen``: the parts already landed on other ranks of the node."""
+        recorded). ``copied``: units whose buffers the rank copies (nothing lands)."""
         first: dict[tuple[str, tuple[int, int], tuple[int, int]], int] = {}
         wire_of: dict[tuple[str, tuple[int, int], tuple[int, int]], int] = {}
         multi: set[tuple[str, tuple[int, int], tuple[int, int]]] = set()
         for i, unit in enumerate(units):
+            if i in copied:
+                continue
             mx = unit.layout in MX_LAYOUTS
             for part in unit.parts:
                 key = (part.tensor_name, part.rows, part.cols)
-                if key in seen:
-                    continue
                 j = first.get(key)
                 if j is None:
                     first[key] = i
@@ -1001,10 +1075,10 @@ class _Walk:
 
     def _cut(
         self, part: Part, src: _Source, mx: bool, rank: int, node: int, unit: int, pinned: bool
-    ) -> list[object]:
-        """The pieces of a part (of ``rank``'s unit ``unit``) no rank of ``node`` had
-        yet: counted on their links and in their senders' buckets (and kept, in
-        detail). ``pinned``: they land in the rank's pinned region, not its ring."""
+    ) -> None:
+        """The pieces of a part (of ``rank``'s unit ``unit``, on ``node``): counted on
+        their links and in their senders' buckets (and kept, in detail). ``pinned``:
+        they land in the rank's pinned region, not its ring."""
         if self.count > MAX_PIECES:
             raise InputError(
                 f"the refit cuts more than {MAX_PIECES:,} pieces (trainer slices x engine "
@@ -1024,7 +1098,6 @@ class _Walk:
             first = max(0, bisect.bisect_right(src.starts, lo) - 1)
             last = bisect.bisect_left(src.starts, hi)
             held = src.held[first:last]
-        records: list[object] = []
         check = mx and self.on_sender
         cap = self.bucket_bytes
         add = self.streams.add
@@ -1100,15 +1173,14 @@ class _Walk:
                         unit,
                     ]
                     self.open.setdefault(key, []).append(rec)
-                    records.append(rec)
-        return records
 
     def _loader_staging(self) -> list[int]:
         """Per receiver, the peak staging its loader's schedule holds
         (``memory.schedule``, as the rank loader runs it): the rank's units read from
         the wire checkpoint (BF16, or MXFP8 where the sender converted) under the budget
         a refit runs with, the largest whole unit of any rank, a unit's bytes read
-        ahead while the one before is written where the budget leaves room."""
+        ahead while the one before is written where the budget leaves room. The units a
+        rank copies from another of its node are not read: left out."""
         quant = "mxfp8" if self.on_sender else "none"
         opts = ConvertOptions.for_source(self.model_dtype, quant, 1, fused=self.fused)
         # Ranks of one geometry (every EP rank of a MoE, each data-parallel replica) have
@@ -1118,17 +1190,20 @@ class _Walk:
         of_rank = []
         for rank in range(self.world):
             q = self.on_sender
+            skip = self.copied[rank]
+            read = [i for i in range(len(self.plan.ranks[rank].units)) if i not in skip]
+            wires = [self.unit_wires[rank][i] for i in read]
             key = (
                 tuple((u.rows, u.cols, u.layout, q and u.layout in MX_LAYOUTS)
-                      for u in self.plan.ranks[rank].units),
-                tuple(self.unit_wires[rank]),
+                      for u in (self.plan.ranks[rank].units[i] for i in read)),
+                tuple(wires),
             )  # fmt: skip
             if key not in classes:
                 units = [
                     replace(u, quantized=q and u.layout in MX_LAYOUTS)
-                    for u in self.plan.ranks[rank].units
+                    for u in (self.plan.ranks[rank].units[i] for i in read)
                 ]
-                classes[key] = (units, proportional_read_fn(units, self.unit_wires[rank]))
+                classes[key] = (units, proportional_read_fn(units, wires))
             of_rank.append(key)
         budget = max((reload_min_budget(u, fn, opts) for u, fn in classes.values()), default=0)
         staging = {
@@ -1201,14 +1276,13 @@ class _Walk:
         self.open = {}
         out: list[Bucket] = []
         on_sender = self.on_sender
-        solo = [(r,) for r in range(self.world)]  # one tuple per rank, shared
         for sender in range(self.manifest.world):
             index = 0
             for rank in self.order:
                 prefix = self.ring_prefix[rank]
                 total = max(1, prefix[-1])
                 for recs in self.done.pop(sender * self.world + rank, []):
-                    transfers = tuple(_transfer(cast(list[Any], r), on_sender, solo) for r in recs)
+                    transfers = tuple(_transfer(cast(list[Any], r), on_sender) for r in recs)
                     unit = min(cast(int, r[8]) for r in recs)
                     position = prefix[unit] * POSITION_SCALE // total
                     out.append(Bucket(sender, rank, index, transfers, unit, position))
@@ -1216,11 +1290,11 @@ class _Walk:
         return tuple(out)
 
 
-def _transfer(rec: list[Any], on_sender: bool, solo: Sequence[tuple[int]]) -> Transfer:
-    h, receivers, tensor, rows, cols, wire, source, mx, _unit = rec
+def _transfer(rec: list[Any], on_sender: bool) -> Transfer:
+    h, receiver, tensor, rows, cols, wire, source, mx, _unit = rec
     return Transfer(
         sender=h.rank,
-        receivers=solo[receivers] if isinstance(receivers, int) else tuple(receivers),
+        receiver=receiver,
         tensor=tensor,
         rows=rows,
         cols=cols,

@@ -643,15 +643,18 @@ class RefitTime:
     network_seconds: float
     """The busiest node's sends or receipts over the network, whichever is larger."""
     same_node_seconds: float
-    """The busiest node's bytes within itself (same-node links and pieces passed on)."""
+    """The busiest node's same-node links (a colocated trainer's bytes)."""
     sender_convert_seconds: float
     """The slowest trainer rank converting its MX pieces (0 converting on the receiver)."""
     receiver_seconds: float
     """The slowest engine rank converting (or repacking) its MX units."""
     fill_seconds: float
     """The pipeline's fill: one bucket through the stages before the slowest one ends."""
+    copy_seconds: float
+    """The busiest node's copies between its ranks (``RefitSummary.fanout_bytes``),
+    after the ranks they copy from are written."""
     seconds: float
-    """max(network, same node, sender convert, receiver) + fill."""
+    """max(network, same node, sender convert, receiver) + fill + copy."""
     slowest_node: int
 
 
@@ -662,11 +665,11 @@ def refit_times(summary: RefitSummary, rates: RefitRates) -> RefitTime:
     share its ``network`` rate (full duplex: the larger of the two bounds it), its
     same-node bytes share ``same_node``; senders convert and receivers convert or
     repack while buckets flow (each stage works on another bucket), so the refit takes
-    its slowest stage plus one bucket's way through the others (docs/time-model.md,
-    "Refit")."""
+    its slowest stage plus one bucket's way through the others; then each node's ranks
+    copy the buffers they share at ``same_node`` (docs/time-model.md, "Refit")."""
     out: dict[int, int] = {}
     into: dict[int, int] = {}
-    within = dict(enumerate(summary.fanout_bytes))
+    within: dict[int, int] = {}
     for link in summary.links:
         if link.same_node:
             within[link.receiver_node] = within.get(link.receiver_node, 0) + link.nbytes
@@ -685,7 +688,12 @@ def refit_times(summary: RefitSummary, rates: RefitRates) -> RefitTime:
         for n in nodes
     }
     same = {n: within.get(n, 0) / rates.same_node for n in nodes}
-    slowest = max(nodes, key=lambda n: max(net[n], same[n]), default=0)
+    fan = dict(enumerate(summary.fanout_bytes))
+    slowest = max(
+        sorted(set(nodes) | {n for n, b in fan.items() if b}),
+        key=lambda n: max(net.get(n, 0.0), same.get(n, 0.0)) + fan.get(n, 0) / rates.same_node,
+        default=0,
+    )
     sender = max(summary.sender_convert_bytes, default=0) / rates.convert
     per = rates.repack if summary.convert_on == "sender" else rates.convert
     receiver = max(summary.receiver_mx_bytes, default=0) / per
@@ -698,13 +706,15 @@ def refit_times(summary: RefitSummary, rates: RefitRates) -> RefitTime:
     slow = max(stages, key=lambda k: stages[k][0])
     bucket = min(summary.bucket_bytes, max(summary.sender_bytes, default=0))
     fill = sum(bucket / rate for k, (t, rate) in stages.items() if k != slow and t > 0 and rate > 0)
+    copy = max(summary.fanout_bytes, default=0) / rates.same_node
     return RefitTime(
         network_seconds=stages["network"][0],
         same_node_seconds=stages["same_node"][0],
         sender_convert_seconds=sender,
         receiver_seconds=receiver,
         fill_seconds=fill,
-        seconds=stages[slow][0] + fill,
+        copy_seconds=copy,
+        seconds=stages[slow][0] + fill + copy,
         slowest_node=slowest,
     )
 

@@ -112,6 +112,7 @@ MANIFEST_MAX_BYTES = 1 << 30
 """Largest trainer manifest file read (a 1T-parameter model over 1024 ranks is ~300 MB)."""
 MAX_TIMEOUT_S = 86400.0
 GROUP_NAME = re.compile(r"[A-Za-z0-9._-]{1,100}")
+MAX_NODES = 1 << 20
 """A refit group's name: part of shared-memory file names and Ray actor names."""
 
 
@@ -152,6 +153,7 @@ TRAINER_KEYS = (
     "bucket_bytes",
     "group",
     "timeout_s",
+    "engine_nodes",
 )
 
 
@@ -175,6 +177,11 @@ class TrainerSource:
     """Name of the refit group (shared-memory segments, Ray mailbox, store prefix)."""
     timeout_s: float = 60.0
     """How long a rank waits on the other side before naming it (the refit's lease)."""
+    engine_nodes: tuple[int, ...] = ()
+    """Per engine rank, the machine it runs on (numbered as the manifest numbers the
+    trainer's): ranks of one machine holding the same buffers copy them from the first
+    of them once written (``plan.refit.NodeCopy``). Empty: every rank receives all it
+    holds."""
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any] | TrainerSource) -> TrainerSource:
@@ -257,6 +264,15 @@ class TrainerSource:
                 f"trainer.group {group!r} must be 1-100 letters, digits, '.', '_' or '-'",
                 key="trainer.group",
             )
+        nodes = data.get("engine_nodes", ())
+        if not isinstance(nodes, list | tuple) or not all(
+            isinstance(n, int) and not isinstance(n, bool) and 0 <= n < MAX_NODES for n in nodes
+        ):
+            raise InputError(
+                f"trainer.engine_nodes {str(nodes)[:80]} must be a list of node numbers "
+                f"(0..{MAX_NODES - 1}), one per engine rank",
+                key="trainer.engine_nodes",
+            )
         return cls(
             transport=transport,
             world=world,
@@ -266,6 +282,7 @@ class TrainerSource:
             bucket_bytes=bucket,
             group=group,
             timeout_s=float(timeout),
+            engine_nodes=tuple(nodes),
         )
 
 
@@ -332,17 +349,23 @@ def refit_setup(
     held: Plan, config: ModelConfig, source: TrainerSource, *, fused: bool = True
 ) -> RefitSetup:
     """Plan a refit of ``held`` (the engine's plan, ``config`` its model) from ``source``:
-    the transfer plan (``plan.refit.refit_plan``; every engine rank its own node: each
-    receives all it needs from the trainer) and the wire checkpoint's plan (the loader's
+    the transfer plan (``plan.refit.refit_plan``, engine ranks on the source's
+    ``engine_nodes``: ranks of one node copy the buffers they share) and the wire checkpoint's plan (the loader's
     reads); ReloadMismatch (nothing touched) when the trainer's tensors do not give every
     rank exactly what it holds."""
     world = held.layout.world
+    nodes = source.engine_nodes or tuple(range(world))
+    if len(nodes) != world:
+        raise InputError(
+            f"trainer.engine_nodes names {len(nodes)} engine ranks, the engine has {world}",
+            key="trainer.engine_nodes",
+        )
     rp = refit_plan(
         held,
         source.manifest,
         convert_on=source.convert_on,
         bucket_bytes=source.bucket_bytes,
-        receiver_nodes=tuple(range(world)),
+        receiver_nodes=nodes,
         fused=fused,
     )
     on_sender = frozenset(t.tensor for b in rp.buckets for t in b.transfers if t.on_sender)

@@ -3,7 +3,9 @@
 Two real trainer processes (``tests/refit_trainer.py``) hold FSDP-style dim-0 shards of
 the BF16 twin of ``qwen3-moe-tiny`` and push them over gloo into an engine of four ranks
 (tp2 x dp2 + EP) hosted here, each rank an :class:`Attachment` over its own parameters,
-driven on its own thread as a vLLM worker would be. What every parameter must hold after
+driven on its own thread as a vLLM worker would be. The two data-parallel replicas of
+each TP rank are said to share a node (``engine_nodes``): the second copies the buffers
+both hold (attention, norms, the router) from the first once written. What every parameter must hold after
 a refit comes from ``tests/reference_model.py`` (no mxload code); the same parameters
 are also compared with a checkpoint reload of the same BF16 weights.
 """
@@ -40,6 +42,8 @@ ROOT = Path(__file__).resolve().parents[2]
 LAYOUT = ParallelLayout(tp=2, dp=2, enable_expert_parallel=True)
 REF = Layout(tp=2, dp=2, ep=True)
 BUCKET = 64 << 10
+NODES = [0, 1, 0, 1]
+"""Engine ranks 0 and 2 (tp 0 of each replica) on one node, 1 and 3 on another."""
 
 
 def shapes_of(path: str) -> dict[str, tuple[int, ...]]:
@@ -174,9 +178,12 @@ def trainers():
     t.close()
 
 
-def trainer_form(manifest, convert_on: str = "receiver") -> dict[str, Any]:
+def trainer_form(
+    manifest, convert_on: str = "receiver", nodes: list[int] | None = NODES
+) -> dict[str, Any]:
     port = free_port()
     return {
+        **({"engine_nodes": nodes} if nodes else {}),
         "transport": "gloo",
         "addresses": [f"127.0.0.1:{port}"],
         "world": 2,
@@ -245,11 +252,19 @@ def assert_steps_exact(
         assert engine.ptrs() == ptrs, f"step {n} moved a parameter"
         # every byte a rank needs crossed once: what the senders sent is what was received
         assert sum(s["bytes_sent"] for s in sent) == sum(g["bytes_received"] for g in got)
+        # the second replica on each node took its shared buffers from the first: their
+        # bytes, as held (MXFP8 for attention), not the trainer's again
+        copied = [g["bytes_copied"] for g in got]
+        assert copied[:2] == [0, 0] and all(c > 0 for c in copied[2:]), copied
+        assert all(got[r]["bytes_received"] < got[r - 2]["bytes_received"] for r in (2, 3))
         # The plan's receiver staging is what each rank held: its loader pool's high water
         # and what receiving holds (allocated once: ring, pinned region, link buffers; not
         # the rank's whole need).
         for g in got:
             measured, predicted = g["measured_peak_staging_bytes"], g["predicted_staging_bytes"]
+            if not g["bytes_received"]:  # copies all it holds (a dense model's replica)
+                assert measured == predicted == g["receive_area_bytes"] == 0, g
+                continue
             assert 0 < measured <= predicted <= 1.10 * measured, (g["rank"], measured, predicted)
             assert 0 < g["receive_area_bytes"] < g["bytes_received"], g
     assert all(a.status(checksums=False)["consistent"] for a in engine.ranks)
@@ -326,12 +341,21 @@ def test_delta_restamps_unchanged_tensors(engine, trainers, ckpts, manifest):
         old = set(mine) - new
         assert compare_rank({n: one[r][n] for n in old}, {n: mine[n] for n in old}) == []
     assert {g["identity"] for g in got} == {f"6:trainer-{h}"}
-    # Units reading only unchanged tensors were re-stamped, not converted and written.
+    # Units reading only unchanged tensors were re-stamped, not converted and written;
+    # the second replica copied layer 1's shared buffers (and only those) whole.
     for a, g in zip(engine.ranks, got, strict=True):
         touched = [
             u for u in a.loader.plan.units if any(".layers.1." in p.tensor_name for p in u.parts)
         ]
-        assert 0 < g["units_written"] == len(touched) < len(a.loader.plan.units)
+        if g["rank"] < 2:
+            assert 0 < g["units_written"] == len(touched) < len(a.loader.plan.units)
+            assert g["bytes_copied"] == 0
+        else:
+            assert 0 < g["units_written"] < len(touched)
+            layer1 = {u.buffer for u in touched}
+            held = sum(t.numel() * t.element_size() for n, t in a.loader.buffers.items()
+                       if n.removesuffix("_scale") in layer1)  # fmt: skip
+            assert 0 < g["bytes_copied"] < held
     assert all(a.status(checksums=False)["consistent"] for a in engine.ranks)
 
     # A delta of a step the engine does not hold is refused before anything is received.

@@ -1,12 +1,13 @@
 """The transfer plan of a refit (``mxload.orchestrator.plan.refit``), checked rank by rank.
 
-Every engine rank's parts are simulated in a loop and marked element by element on a
-per-node map (the independent reference: what the plan's units say each rank holds);
-the transfers the refit plan lists are marked on another. The two must be equal on
-every node (complete, disjoint coverage: each element crosses to each node once), every
-transfer must be held by its sender, and the bytes over all links must be what the
-nodes need: 1.00 x BF16 converted on the receiver, 33/32 bytes per MX element (0.516 x
-BF16) converted on the sender.
+Every engine rank's parts are marked element by element (the independent reference:
+what the plan's units say each rank holds, less the buffers it copies from a rank of
+its node); the transfers the refit plan lists are marked per rank on another map. The
+two must be equal (complete, disjoint coverage), every transfer must be held by its
+sender, every copy must be of buffers alike on both ranks (equal specs and units), no
+buffer alike on two ranks of a node may cross to it twice, and the bytes over all
+links must be what the ranks take: 1.00 x BF16 converted on the receiver, 33/32 bytes
+per MX element (0.516 x BF16) converted on the sender.
 """
 
 from __future__ import annotations
@@ -103,50 +104,41 @@ def views(plan: Plan) -> dict[str, tuple[int, int]]:
     return {t: matrix(s) for t, s in needed_shapes(plan).items()}
 
 
-def reference(plan: Plan, nodes: list[int]) -> tuple[Marks, dict[int, int], dict[int, int]]:
-    """What each node needs, from the plan's parts alone: the marks, and per node the
-    elements of MX units and of the rest (an element of both counted as MX: a tensor
-    is held one way by every engine rank)."""
-    shapes_ = views(plan)
-    marks = Marks(shapes_)
-    mx_of: dict[tuple[int, str], bool] = {}
-    for rank in range(len(plan.summaries)):
-        for unit in plan.ranks[rank].units:
-            for part in unit.parts:
-                marks.mark(nodes[rank], part.tensor_name, part.rows, part.cols)
-                mx_of[(nodes[rank], part.tensor_name)] = unit.layout in MX_LAYOUTS
-    mx: dict[int, int] = {}
-    other: dict[int, int] = {}
-    for key, arr in marks.ones().items():
-        count = arr.count(1)
-        into = mx if mx_of[key] else other
-        into[key[0]] = into.get(key[0], 0) + count
-    return marks, mx, other
+def alike(plan: Plan, a: int, b: int) -> set[str]:
+    """The weight buffers ranks ``a`` and ``b`` both hold with equal specs (and scale
+    specs) and equal units writing them, none deriving another buffer: written from the
+    same pieces, they hold the same bytes."""
+    out = set()
+    ra, rb = plan.ranks[a], plan.ranks[b]
+    spec_a = {x.name: x for x in ra.buffers}
+    spec_b = {x.name: x for x in rb.buffers}
+    for name in {u.buffer for u in ra.units} & {u.buffer for u in rb.units}:
+        ua = [u for u in ra.units if u.buffer == name]
+        ub = [u for u in rb.units if u.buffer == name]
+        if ua != ub or any(u.derived for u in ua) or ra.scale_alg != rb.scale_alg:
+            continue
+        if all(spec_a.get(n) == spec_b.get(n) for n in (name, name + "_scale")):
+            out.add(name)
+    return out
 
 
 def check_refit(
     plan: Plan, manifest: TrainerManifest, got: RefitPlan, nodes: list[int], bucket: int
 ) -> None:
     world = len(plan.summaries)
-    need, mx, other = reference(plan, nodes)
     shapes_ = views(plan)
-    sent = Marks(shapes_)
+    # what lands on each rank, element by element
     to_rank: dict[int, Marks] = {r: Marks(shapes_) for r in range(world)}
     held = {
         (t.name, s.rank): s for t in manifest.tensors for s in t.placement
     }  # what each sender holds
     shapes = {t.name: t.shape for t in manifest.tensors}
-    wire = 0
+    wire = source = 0
     for b in got.buckets:
         assert b.nbytes <= bucket
         for t in b.transfers:
             assert t.sender == b.sender and t.receiver == b.receiver
-            node = nodes[t.receiver]
-            assert {nodes[r] for r in t.receivers} == {node}
-            assert len(set(t.receivers)) == len(t.receivers), t
-            assert sent.mark(node, t.tensor, t.rows, t.cols) == 0, (t, "sent twice to a node")
-            for r in t.receivers:
-                to_rank[r].mark(0, t.tensor, t.rows, t.cols)
+            assert to_rank[t.receiver].mark(0, t.tensor, t.rows, t.cols) == 0, (t, "twice")
             s = held[(t.tensor, t.sender)]
             n, k = matrix(shapes[t.tensor])
             if s.dim is None:
@@ -160,25 +152,41 @@ def check_refit(
             assert box[1][0] <= t.cols[0] < t.cols[1] <= box[1][1], (t, s)
             assert t.shard_origin == (box[0][0], box[1][0])
             wire += t.nbytes
-    assert sent.ones() == need.ones()
-    # every rank gets exactly its own parts
+            source += (t.rows[1] - t.rows[0]) * (t.cols[1] - t.cols[0]) * 2
+    # The copies: between two ranks of one node, of buffers alike on both, from a rank
+    # that lands them itself.
+    copied: dict[int, set[str]] = {r: set() for r in range(world)}
+    for c in got.copies:
+        assert nodes[c.source] == nodes[c.receiver] and c.source < c.receiver, c
+        assert set(c.buffers) <= alike(plan, c.source, c.receiver), c
+        assert not copied[c.receiver] & set(c.buffers), c
+        copied[c.receiver].update(c.buffers)
+        units = plan.ranks[c.receiver].units
+        assert c.units == tuple(i for i, u in enumerate(units) if u.buffer in c.buffers)
+        specs = {x.name: x.nbytes for x in plan.ranks[c.receiver].buffers}
+        assert c.nbytes == sum(specs.get(n, 0) + specs.get(n + "_scale", 0) for n in c.buffers)
+    for c in got.copies:
+        assert not copied[c.source] & set(c.buffers), (c, "copied from a copy")
+    # none missed: a buffer alike on two ranks of a node crosses to the node once
+    for a in range(world):
+        for b in range(a + 1, world):
+            if nodes[a] == nodes[b]:
+                assert alike(plan, a, b) <= copied[b], (a, b)
+    # every rank gets exactly its own parts: those of its copied buffers from its node,
+    # the rest over the links
     for rank in range(world):
         mine = Marks(shapes_)
         for unit in plan.ranks[rank].units:
-            for part in unit.parts:
-                mine.mark(0, part.tensor_name, part.rows, part.cols)
+            if unit.buffer not in copied[rank]:
+                for part in unit.parts:
+                    mine.mark(0, part.tensor_name, part.rows, part.cols)
         assert to_rank[rank].ones() == mine.ones(), rank
     s = got.summary
     assert sum(link.nbytes for link in s.links) == wire == s.wire_bytes
+    assert s.needed_bytes == source
     for node in set(nodes):
-        into = sum(link.nbytes for link in s.links if link.receiver_node == node)
-        if s.convert_on == "receiver":
-            assert into == 2 * (mx.get(node, 0) + other.get(node, 0))
-        else:
-            # E4M3 + one E8M0 per 32 along K (every MX part here is whole groups)
-            assert into == mx.get(node, 0) * 33 // 32 + 2 * other.get(node, 0)
-    assert s.needed_bytes == 2 * (sum(mx.values()) + sum(other.values()))
-    assert s.mx_needed_bytes == 2 * sum(mx.values())
+        fan = sum(c.nbytes for c in got.copies if nodes[c.receiver] == node)
+        assert s.fanout_bytes[node] == fan
     # the senders' staging: its largest bucket, half as much again to convert in, from
     # the list itself
     for sender in range(manifest.world):
@@ -244,8 +252,8 @@ def test_a_k_split_layer_is_cut_where_both_sides_cut_it() -> None:
     plan = preset_plan("qwen3-dense-tiny")
     got = refit_plan(plan, megatron_manifest(needed_shapes(plan), 2), devices_per_node=1)
     o_proj = "model.layers.0.self_attn.o_proj.weight"
-    pieces = [(t.sender, t.receivers, t.cols) for t in got.transfers_to(1) if t.tensor == o_proj]
-    assert pieces == [(1, (1,), (128, 256))]
+    pieces = [(t.sender, t.receiver, t.cols) for t in got.transfers_to(1) if t.tensor == o_proj]
+    assert pieces == [(1, 1, (128, 256))]
     # FSDP cuts rows instead: both trainer ranks send half the rows of the engine's half
     got = refit_plan(plan, fsdp_manifest(needed_shapes(plan), 2), devices_per_node=1)
     pieces = [(t.sender, t.rows, t.cols) for t in got.transfers_to(1) if t.tensor == o_proj]
@@ -353,13 +361,18 @@ def test_manifest_mismatches_are_refused_naming_tensor_and_rank() -> None:
 
 def test_replicas_are_sent_from_the_receivers_node() -> None:
     # Megatron holds norms whole on both ranks; each engine node takes them from the
-    # trainer rank on it (trainer rank 0 on node 1, rank 1 on node 0).
+    # trainer rank on it (trainer rank 0 on node 1, rank 1 on node 0), into its first
+    # rank, and its second rank (the other TP rank) copies the buffer from the first.
     plan = preset_plan("qwen3-dense-tiny")
     manifest = replace(megatron_manifest(needed_shapes(plan), 2), nodes=(1, 0))
     got = refit_plan(plan, manifest, devices_per_node=2)
     norm = "model.norm.weight"
-    sent = {(t.sender, t.receivers) for b in got.buckets for t in b.transfers if t.tensor == norm}
-    assert sent == {(1, (0, 1)), (0, (2, 3))}
+    sent = {(t.sender, t.receiver) for b in got.buckets for t in b.transfers if t.tensor == norm}
+    assert sent == {(1, 0), (0, 2)}
+    holder = [u.buffer for u in plan.ranks[0].units if u.parts[0].tensor_name == norm]
+    assert len(holder) == 1
+    copies = {(c.source, c.receiver) for c in got.copies if holder[0] in c.buffers}
+    assert copies == {(0, 1), (2, 3)}
 
 
 def test_the_digest_is_the_hash_of_the_manifest_json() -> None:
@@ -442,9 +455,10 @@ def _summary(**over: object) -> RefitSummary:
 
 
 def test_refit_time_by_hand() -> None:
-    # node 0 sends 300 to node 1 and 100 to itself; node 1 sends 200 to node 0 and passes
-    # 50 on to a second rank: node 0 sends 300 and takes in 200 (network 300/100 = 3 s),
-    # node 1 has 50 within (0.5 s at 100); receivers convert 400 at 200/s (2 s).
+    # node 0 sends 300 to node 1 and 100 to itself; node 1 sends 200 to node 0, and a
+    # second rank of node 1 copies 50 from the first once written: node 0 sends 300 and
+    # takes in 200 (network 300/100 = 3 s), node 1's copy takes 0.5 s at 100 after the
+    # transfer; receivers convert 400 at 200/s (2 s).
     s = _summary(
         links=(Link(0, 0, 100), Link(0, 1, 300), Link(1, 0, 200)),
         fanout_bytes=(0, 50),
@@ -457,12 +471,13 @@ def test_refit_time_by_hand() -> None:
     assert (t.network_seconds, t.receiver_seconds, t.sender_convert_seconds) == (3.0, 2.0, 0.0)
     assert t.same_node_seconds == 1.0  # node 0: its own 100 bytes
     # fill: one bucket (10 bytes) through the other stages: same node 0.1 + receiver 0.05
-    assert t.seconds == pytest.approx(3.0 + 0.1 + 0.05)
-    assert t.slowest_node == 0
+    assert t.copy_seconds == 0.5
+    assert t.seconds == pytest.approx(3.0 + 0.1 + 0.05 + 0.5)
+    assert t.slowest_node == 1  # 3 s of network (it takes in 300), then its copy
     # converted on the sender, the receiver repacks its MX bytes at the repack rate
     t = refit_times(replace(s, convert_on="sender", sender_convert_bytes=(800, 0)), rates)
     assert (t.sender_convert_seconds, t.receiver_seconds) == (4.0, 0.4)
-    assert t.seconds == pytest.approx(4.0 + 0.1 + 0.1 + 0.01)
+    assert t.seconds == pytest.approx(4.0 + 0.1 + 0.1 + 0.01 + 0.5)
     with pytest.raises(ValueError, match="within a node only"):
         refit_times(s, RefitRates.for_link("shm", device="cpu"))
     only_here = replace(s, links=(Link(0, 0, 100),), fanout_bytes=(0, 0))
@@ -478,7 +493,8 @@ def test_storage_save_by_hand() -> None:
 @pytest.mark.parametrize("how", ["fsdp", "megatron"])
 def test_placements_fill_every_unit_once(how: str) -> None:
     # Each rank's pieces, placed into its units, cover every unit's parts' rows x cols
-    # exactly once (a map per unit, marked at the rows and cols the placements name).
+    # exactly once (a map per unit, marked at the rows and cols the placements name),
+    # but for the units it copies from the other rank of its node.
     plan = preset_plan("qwen3-moe-tiny")
     make = fsdp_manifest if how == "fsdp" else megatron_manifest
     got = refit_plan(plan, make(needed_shapes(plan), 2), devices_per_node=2, bucket_bytes=32 << 10)
@@ -500,8 +516,13 @@ def test_placements_fill_every_unit_once(how: str) -> None:
                     marks[p.unit][r * u.cols + p.cols[0] : r * u.cols + p.cols[1]] = b"\x01" * len(
                         seg
                     )
-        for u, m in zip(units, marks, strict=True):
+        copied = got.copied_units(rank)
+        assert copied or rank % 2 == 0  # a norm, at least, from the node's other TP rank
+        for i, (u, m) in enumerate(zip(units, marks, strict=True)):
             want = bytearray(u.rows * u.cols)
+            if i in copied:  # copied whole from a rank of the node: no piece lands
+                assert m == want, (rank, u.buffer)
+                continue
             for part in u.parts:
                 for r in range(part.dst_row, part.dst_row + part.nrows):
                     want[r * u.cols : r * u.cols + part.ncols] = b"\x01" * part.ncols

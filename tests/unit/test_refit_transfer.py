@@ -601,7 +601,7 @@ def test_packing_a_bucket_holds_at_most_one_more_bucket(on_sender: bool) -> None
     transfers = [
         Transfer(
             sender=0,
-            receivers=(0,),
+            receiver=0,
             tensor="w",
             rows=rows,
             cols=cols,

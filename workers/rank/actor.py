@@ -159,6 +159,7 @@ class RankWorker:
         out = self.report(stats)
         got = refit.last
         out["bytes_received"] = got.bytes_received if got is not None else 0
+        out["bytes_copied"] = refit.copied_bytes
         return out
 
     def refit_close(self) -> None:

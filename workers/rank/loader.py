@@ -236,6 +236,13 @@ class RankLoader:
         # run reads and, at the end, waits for the rest of its source (the trailers).
         given = self._reader.given
         streaming = given is not None and hasattr(given, "begin_reads")
+        # Units the host's storage writes itself once the reads are done (a refit's
+        # copies from another rank of the node): not read here, and holding no step
+        # until written.
+        copied = tuple(getattr(given, "copied_units", ())) if streaming else ()
+        for i in copied:
+            todo[i] = False
+            self._ids.ids[i] = NOTHING
         try:
             if streaming:
                 given.begin_reads(todo)
@@ -252,6 +259,10 @@ class RankLoader:
             ).run_steps(steps)
             if streaming:
                 given.finish()
+                token = job.source.fence
+                given.copy(self.buffers, lambda: self.fence.check(token, self.rank))
+                for i in copied:
+                    self._ids.ids[i] = target
         except BaseException as err:
             if streaming:
                 # Units written from a source that then failed (a sender died, a tensor

@@ -40,6 +40,7 @@ from ...orchestrator.plan.refit import (
     Transfer,
     link_digest,
     messages,
+    quiet_receivers,
     receive_layout,
     send_order,
 )
@@ -59,10 +60,14 @@ def _hash_int(text: str) -> int:
 
 
 def link_buckets(plan: RefitPlan) -> dict[tuple[int, int], list[Bucket]]:
-    """Per (sender, receiver) link, its buckets in the order the sender sends them."""
+    """Per (sender, receiver) link, its buckets in the order the sender sends them (none
+    on the link from trainer rank 0 to an engine rank that copies all it holds:
+    ``plan.refit.quiet_receivers``)."""
     out: dict[tuple[int, int], list[Bucket]] = {}
     for b in plan.buckets:
         out.setdefault((b.sender, b.receiver), []).append(b.transfers)
+    for r in quiet_receivers(plan.summary):
+        out.setdefault((0, r), [])
     return out
 
 
@@ -380,7 +385,9 @@ class Receiver(_Side):
         self.area = ReceiveArea(self.landing.layout, itemsize, row_bytes, timeout_s)
         # Per link, its largest bucket (RefitSummary.receiver_scratch), allocated once.
         self._scratch = {
-            s: torch.empty(max(sum(t.nbytes for t in b) for b in bs), dtype=torch.uint8)
+            s: torch.empty(
+                max((sum(t.nbytes for t in b) for b in bs), default=0), dtype=torch.uint8
+            )
             for s, bs in self.links.items()
         }
         self._pool: ThreadPoolExecutor | None = None

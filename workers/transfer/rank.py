@@ -5,7 +5,9 @@ Before each update's writes it checks every link's header (``exchange.Receiver``
 records the step it is bringing the rank to (until written, status lists every unit not
 at it), and re-stamps the units a delta leaves unchanged; the loader then reads the bytes
 from the receive ring as they land (:meth:`RankRefit.prepare` returns the storage), and
-its run ends once every link's trailer is checked. A receive that fails part-way breaks
+its run ends once every link's trailer is checked; then the rank takes the buffers it
+copies from another rank of its node, and gives those that others copy from it
+(``copies.NodeCopies``). A receive that fails part-way breaks
 the group: bytes of that step may still be on the links, so no update
 goes through it until it is formed again, and this rank leaves it at once, so a sender
 that was stopped past the wait is told its send failed when it resumes (docs/contract.md
@@ -14,13 +16,16 @@ that was stopped past the wait is told its send failed when it resumes (docs/con
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+import torch
 
 from ...orchestrator.errors import ReloadMismatch, RunError
 from ...orchestrator.plan.refit import RefitPlan
 from ...orchestrator.plan.types import Unit, UnitReads
+from .copies import NodeCopies
 from .exchange import Received, Receiver
 from .transports import Transport, make_transport
 from .wire import SCALE_SUFFIX, AreaStorage
@@ -66,11 +71,15 @@ class RankRefit:
         units: Sequence[Unit],
     ) -> None:
         self.rank = rank
+        transport = spec.make()
         self.receiver = Receiver(
-            plan, rank, spec.make(), itemsize, row_bytes, units, timeout_s=spec.timeout_s
+            plan, rank, transport, itemsize, row_bytes, units, timeout_s=spec.timeout_s
         )
+        self.copies = NodeCopies(plan, rank, units, transport, spec.senders, spec.bucket_bytes)
         self.broken = ""
         self.last: Received | None = None
+        self.copied_bytes = 0
+        """Bytes the last update copied into this rank from others of its node."""
 
     def prepare(
         self,
@@ -85,6 +94,7 @@ class RankRefit:
         storage its reload reads from while the rest arrives, whose ``finish`` (at the
         end of the loader's run) waits for every link's trailer."""
         self.last = None
+        self.copied_bytes = 0
         if self.broken:
             raise RunError(
                 f"engine rank {self.rank}: the refit group broke ({self.broken}); "
@@ -121,12 +131,24 @@ class RankRefit:
                 self._broke(step, err)
                 raise
 
+        def sent(unit: Unit) -> bool:
+            return any(changed.get(p.tensor_name, True) for p in unit.parts)
+
+        def copy(buffers: Mapping[str, torch.Tensor], check: Callable[[], None]) -> None:
+            try:
+                self.copied_bytes = self.copies.run(step, buffers, sent, check)
+            except BaseException as err:
+                self._broke(step, err)
+                raise
+
         return AreaStorage(
             self.receiver.area,
             finish=finish,
             abort=lambda err: self._broke(step, err),
             planned_bytes=self.receiver.planned_bytes,
             held_bytes=self.receiver.held_bytes,
+            copied_units=self.copies.units_taken(sent),
+            copy=copy if self.copies.into or self.copies.out else None,
         )
 
     def _broke(self, step: int, err: BaseException) -> None:

@@ -364,7 +364,9 @@ class AreaStorage:
     """The storage seam of the rank loader (``read_ranges_into``) over a receive area,
     with the hooks a streaming source needs: which units the loader reads
     (``begin_reads``), which it has read (``units_read``), the end of its reads
-    (``finish``: every link's trailer checked) and its failure (``abort``)."""
+    (``finish``: every link's trailer checked), the units it writes itself after them
+    (``copied_units``, by ``copy``: a refit's copies within a node) and its failure
+    (``abort``)."""
 
     is_local = True
     reads_ranges_apart = False
@@ -377,10 +379,14 @@ class AreaStorage:
         abort: Callable[[BaseException], None] | None = None,
         planned_bytes: int | None = None,
         held_bytes: int | None = None,
+        copied_units: Sequence[int] = (),
+        copy: Callable[[Mapping[str, torch.Tensor], Callable[[], None]], None] | None = None,
     ) -> None:
         self.area = area
         self._finish = finish
         self._abort = abort
+        self.copied_units = tuple(copied_units)
+        self._copy = copy
         self.held_bytes = area.nbytes if held_bytes is None else held_bytes
         """What receiving holds beside the loader: the area, and the links' buffers."""
         self.planned_bytes = self.held_bytes if planned_bytes is None else planned_bytes
@@ -410,6 +416,13 @@ class AreaStorage:
     def finish(self) -> None:
         if self._finish is not None:
             self._finish()
+
+    def copy(self, buffers: Mapping[str, torch.Tensor], check: Callable[[], None]) -> None:
+        """Write ``copied_units`` into ``buffers`` (the rank's, by name), and give what
+        other ranks copy from this one; ``check`` before each buffer written (the
+        fence)."""
+        if self._copy is not None:
+            self._copy(buffers, check)
 
     def abort(self, err: BaseException) -> None:
         self.area.fail(err)
