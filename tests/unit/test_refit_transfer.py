@@ -209,6 +209,11 @@ TRAINER = {"transport": "gloo", "world": 1, "addresses": ["127.0.0.1:1"]}
         ({"bucket_bytes": 1 << 45}, "trainer.bucket_bytes"),
         ({"manifest": "/dev/zero"}, "trainer.manifest"),
         ({"manifest": "/nonexistent/manifest.json"}, "trainer.manifest"),
+        ({"engine_nodes": "0,1"}, "trainer.engine_nodes"),
+        ({"engine_nodes": [0, -1]}, "trainer.engine_nodes"),
+        ({"engine_nodes": [0, True]}, "trainer.engine_nodes"),
+        ({"engine_nodes": [0, 1.0]}, "trainer.engine_nodes"),
+        ({"engine_nodes": [1 << 40]}, "trainer.engine_nodes"),
     ],
 )
 def test_a_bad_trainer_form_is_one_line_naming_the_key(change: dict, key: str) -> None:

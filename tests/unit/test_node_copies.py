@@ -1,0 +1,152 @@
+"""Node copies of a refit (``workers.transfer.copies``) between two engine ranks over a
+real shared-memory transport, each rank on its own thread: what the giver holds is what
+the taker holds after, a delta moves only changed buffers, and a giver that fails or a
+plan that differs is named, not waited on for ever."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import replace
+from typing import Any
+
+import torch
+from mxload.orchestrator.errors import ReloadMismatch, RunError
+from mxload.orchestrator.plan.refit import refit_plan
+from mxload.orchestrator.plan.trainer import fsdp_manifest
+from mxload.workers.transfer.copies import NodeCopies
+from mxload.workers.transfer.transports import ShmTransport
+
+from tests.unit.test_refit_plan import needed_shapes, preset_plan
+
+
+def _plan() -> Any:
+    # qwen3-dense-tiny at tp2 x dp2 on one node: ranks 2 and 3 copy all they hold from
+    # ranks 0 and 1 (data-parallel replicas)
+    # (ranks 1 and 3 copy norms from rank 0 too: left out, only 0 and 2 run here)
+    plan = preset_plan("qwen3-dense-tiny")
+    rp = refit_plan(plan, fsdp_manifest(needed_shapes(plan), 2), devices_per_node=4)
+    return plan, replace(rp, copies=tuple(c for c in rp.copies if c.receiver == 2))
+
+
+def _buffers(plan: Any, rank: int, seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for b in plan.ranks[rank].buffers:
+        t = torch.randint(0, 256, (b.nbytes,), dtype=torch.uint8, generator=g)
+        out[b.name] = t
+    return out
+
+
+def _run(fns: list[Any]) -> list[Any]:
+    out: list[Any] = [None] * len(fns)
+
+    def go(i: int) -> None:
+        try:
+            out[i] = fns[i]()
+        except BaseException as err:
+            out[i] = err
+
+    threads = [threading.Thread(target=go, args=(i,)) for i in range(len(fns))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    return out
+
+
+def _pair(plan: Any, rp: Any, tmp_path: Any, timeout: float = 10.0) -> tuple[Any, Any]:
+    def side(rank: int) -> NodeCopies:
+        tx = ShmTransport(
+            2 + rank, 2, 6, slot_bytes=4096, group="c", directory=str(tmp_path),
+            timeout_s=timeout,
+        )  # fmt: skip
+        return NodeCopies(rp.only(receiver=rank), rank, plan.ranks[rank].units, tx, 2, 4096)
+
+    return side(0), side(2)
+
+
+def test_the_taker_holds_what_the_giver_wrote_and_a_delta_moves_changed_buffers(
+    tmp_path: Any,
+) -> None:
+    plan, rp = _plan()
+    (c,) = rp.copies_into(2)
+    assert c.source == 0 and set(c.units) == set(range(len(plan.ranks[2].units)))
+    give, take = _pair(plan, rp, tmp_path)
+    mine, theirs = _buffers(plan, 0, 1), _buffers(plan, 2, 2)
+    before = {n: t.data_ptr() for n, t in theirs.items()}
+    checks: list[int] = []
+    got = _run(
+        [
+            lambda: give.run(7, mine, lambda u: True, lambda: None),
+            lambda: take.run(7, theirs, lambda u: True, lambda: checks.append(1)),
+        ]
+    )
+    assert got == [0, c.nbytes], got
+    assert all(torch.equal(mine[n], theirs[n]) for n in mine)
+    assert {n: t.data_ptr() for n, t in theirs.items()} == before
+    assert len(checks) == len(theirs)  # the fence is checked before each buffer
+    # a delta: only layer 1's buffers move, the rest stay as they were
+    mine = _buffers(plan, 0, 3)
+    old = {n: t.clone() for n, t in theirs.items()}
+
+    def hot(u: Any) -> bool:
+        return any(".layers.1." in p.tensor_name for p in u.parts)
+
+    assert take.units_taken(hot) == tuple(i for i, u in enumerate(plan.ranks[2].units) if hot(u))
+    got = _run(
+        [
+            lambda: give.run(8, mine, hot, lambda: None),
+            lambda: take.run(8, theirs, hot, lambda: None),
+        ]
+    )
+    assert not [g for g in got if isinstance(g, BaseException)], got
+    moved = {u.buffer for u in plan.ranks[2].units if hot(u)}
+    for n in theirs:
+        want = mine[n] if n.removesuffix("_scale") in moved else old[n]
+        assert torch.equal(theirs[n], want), n
+
+
+def test_a_giver_that_fails_is_named_and_another_step_or_a_fence_writes_nothing(
+    tmp_path: Any,
+) -> None:
+    plan, rp = _plan()
+    theirs = _buffers(plan, 2, 2)
+    kept = {n: t.clone() for n, t in theirs.items()}
+    mine = _buffers(plan, 0, 1)
+    # the giver never gives (its own update failed): named within the wait
+    (tmp_path / "a").mkdir()
+    _, take = _pair(plan, rp, tmp_path / "a", timeout=2)
+    (err,) = _run([lambda: take.run(7, theirs, lambda u: True, lambda: None)])
+    assert isinstance(err, RunError) and "engine rank 0 gave no copy of step 7" in str(err)
+    # a giver of another step (or plan): refused at the header
+    (tmp_path / "b").mkdir()
+    give, take = _pair(plan, rp, tmp_path / "b", timeout=2)
+    got = _run(
+        [
+            lambda: give.run(8, mine, lambda u: True, lambda: None),
+            lambda: take.run(7, theirs, lambda u: True, lambda: None),
+        ]
+    )
+    assert isinstance(got[1], ReloadMismatch) and "for step 8" in str(got[1]), got
+    # fenced off (a later lease took the session): stops before its first buffer
+    (tmp_path / "c").mkdir()
+    give, take = _pair(plan, rp, tmp_path / "c", timeout=2)
+
+    def fenced() -> None:
+        raise RunError("fenced off")
+
+    got = _run(
+        [
+            lambda: give.run(7, mine, lambda u: True, lambda: None),
+            lambda: take.run(7, theirs, lambda u: True, fenced),
+        ]
+    )
+    assert isinstance(got[1], RunError) and "fenced off" in str(got[1]), got
+    assert isinstance(got[0], RunError) and "giving engine rank 2" in str(got[0]), got
+    assert all(torch.equal(kept[n], theirs[n]) for n in theirs)
+
+
+def test_no_copies_without_ranks_sharing_a_node() -> None:
+    plan = preset_plan("qwen3-dense-tiny")
+    rp = refit_plan(plan, fsdp_manifest(needed_shapes(plan), 2), devices_per_node=1)
+    assert rp.copies == () and rp.summary.fanout_bytes == (0, 0, 0, 0)
