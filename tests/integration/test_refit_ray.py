@@ -26,12 +26,16 @@ def test_ray_transport_moves_messages_in_order_and_names_a_silent_sender(local_r
 
 def test_session_refits_from_trainer_ranks(local_ray, ckpt_factory) -> None:
     """``Session`` (Ray actors as the engine's ranks) takes the same trainer form: each
-    actor joins the refit group and receives its own bytes; two trainer ranks (threads of
-    this process) push FSDP shards of the BF16 twin; every rank holds the independent
+    actor joins the refit group and receives its own bytes (and copies buffers from the
+    other replica of its node); two trainer ranks (threads of this process) push FSDP
+    shards of the BF16 twin over Ray's object store; every rank holds the independent
     reference of it, at the step, at the addresses of the load."""
     import threading
 
+    from mxload.orchestrator.plan.planner import build_plan
+    from mxload.orchestrator.plan.refit import refit_summary
     from mxload.orchestrator.plan.trainer import fsdp_manifest, manifest_to_json
+    from mxload.orchestrator.runtime.catalog import open_checkpoint
     from mxload.orchestrator.runtime.refit import MxloadSender
     from mxload.orchestrator.runtime.session import Session
 
@@ -44,8 +48,10 @@ def test_session_refits_from_trainer_ranks(local_ray, ckpt_factory) -> None:
     manifest = fsdp_manifest({n: tuple(t.shape) for n, t in full.items()}, 2)
     port = free_port()
     form = {
-        "transport": "gloo",
-        "addresses": [f"127.0.0.1:{port}"],
+        # the object store, and ranks 0 and 2 (one TP rank of each replica) said to share
+        # a node, 1 and 3 another: the second replica copies what both hold alike
+        "transport": "ray",
+        "engine_nodes": [0, 1, 0, 1],
         "world": 2,
         "manifest": manifest_to_json(manifest),
         "bucket_bytes": 1 << 16,
@@ -53,12 +59,13 @@ def test_session_refits_from_trainer_ranks(local_ray, ckpt_factory) -> None:
         "timeout_s": 60,
     }
     senders: list[Any] = [None, None]
+    sent: list[dict[str, Any]] = [{}, {}]
 
     def join(r: int) -> None:
         senders[r] = MxloadSender(fp8, LAYOUT, form, rank=r)
 
     def send(r: int, step: int) -> None:
-        senders[r].send_weights(shards(full, r, 2), step)
+        sent[r] = senders[r].send_weights(shards(full, r, 2), step)
 
     with Session.load(fp8, LAYOUT, device="cpu") as s:
         first = {r["rank"]: r["tensors"] for r in s.manifest["ranks"]}
@@ -85,3 +92,8 @@ def test_session_refits_from_trainer_ranks(local_ray, ckpt_factory) -> None:
             }
         for x in senders:
             x.close()
+    # what crossed is the plan's, less than every rank receiving all it holds
+    plan = build_plan(open_checkpoint(fp8).config, LAYOUT)
+    with_copies = refit_summary(plan, manifest, receiver_nodes=(0, 1, 0, 1))
+    without = refit_summary(plan, manifest, receiver_nodes=(0, 1, 0, 1), fanout=False)
+    assert sum(x["bytes_sent"] for x in sent) == with_copies.wire_bytes < without.wire_bytes
