@@ -229,7 +229,8 @@ def render_refit(r: dict[str, Any]) -> list[str]:
         f"predicted refit {p['seconds']:.2f} s (network {p['network_seconds']:.2f} s, "
         f"same node {p['same_node_seconds']:.2f} s, sender convert "
         f"{p['sender_convert_seconds']:.2f} s, receiver {p['receiver_seconds']:.2f} s, fill "
-        f"{p['fill_seconds']:.2f} s, then copies within nodes {p['copy_seconds']:.2f} s; "
+        f"{p['fill_seconds']:.2f} s; of the same node, copies between ranks "
+        f"{p['copy_seconds']:.2f} s; "
         f"{format_size(int(r['rates_bytes_per_s']['network_node']))}"
         f"/s per node between nodes, {format_size(int(r['rates_bytes_per_s']['same_node']))}/s "
         "within)",

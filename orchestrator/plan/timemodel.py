@@ -643,7 +643,8 @@ class RefitTime:
     network_seconds: float
     """The busiest node's sends or receipts over the network, whichever is larger."""
     same_node_seconds: float
-    """The busiest node's same-node links (a colocated trainer's bytes)."""
+    """The busiest node's bytes within itself: same-node links (a colocated trainer's
+    bytes) and copies between its ranks."""
     sender_convert_seconds: float
     """The slowest trainer rank converting its MX pieces (0 converting on the receiver)."""
     receiver_seconds: float
@@ -651,10 +652,10 @@ class RefitTime:
     fill_seconds: float
     """The pipeline's fill: one bucket through the stages before the slowest one ends."""
     copy_seconds: float
-    """The busiest node's copies between its ranks (``RefitSummary.fanout_bytes``),
-    after the ranks they copy from are written."""
+    """The busiest node's copies between its ranks alone (``RefitSummary.fanout_bytes``;
+    part of ``same_node_seconds``)."""
     seconds: float
-    """max(network, same node, sender convert, receiver) + fill + copy."""
+    """max(network, same node, sender convert, receiver) + fill."""
     slowest_node: int
 
 
@@ -665,11 +666,12 @@ def refit_times(summary: RefitSummary, rates: RefitRates) -> RefitTime:
     share its ``network`` rate (full duplex: the larger of the two bounds it), its
     same-node bytes share ``same_node``; senders convert and receivers convert or
     repack while buckets flow (each stage works on another bucket), so the refit takes
-    its slowest stage plus one bucket's way through the others; then each node's ranks
-    copy the buffers they share at ``same_node`` (docs/time-model.md, "Refit")."""
+    its slowest stage plus one bucket's way through the others. A node's ranks copy the
+    buffers they share as they are written, within its same-node rate
+    (docs/time-model.md, "Refit")."""
     out: dict[int, int] = {}
     into: dict[int, int] = {}
-    within: dict[int, int] = {}
+    within = {n: b for n, b in enumerate(summary.fanout_bytes) if b}
     for link in summary.links:
         if link.same_node:
             within[link.receiver_node] = within.get(link.receiver_node, 0) + link.nbytes
@@ -688,12 +690,7 @@ def refit_times(summary: RefitSummary, rates: RefitRates) -> RefitTime:
         for n in nodes
     }
     same = {n: within.get(n, 0) / rates.same_node for n in nodes}
-    fan = dict(enumerate(summary.fanout_bytes))
-    slowest = max(
-        sorted(set(nodes) | {n for n, b in fan.items() if b}),
-        key=lambda n: max(net.get(n, 0.0), same.get(n, 0.0)) + fan.get(n, 0) / rates.same_node,
-        default=0,
-    )
+    slowest = max(nodes, key=lambda n: max(net[n], same[n]), default=0)
     sender = max(summary.sender_convert_bytes, default=0) / rates.convert
     per = rates.repack if summary.convert_on == "sender" else rates.convert
     receiver = max(summary.receiver_mx_bytes, default=0) / per
@@ -714,7 +711,7 @@ def refit_times(summary: RefitSummary, rates: RefitRates) -> RefitTime:
         receiver_seconds=receiver,
         fill_seconds=fill,
         copy_seconds=copy,
-        seconds=stages[slow][0] + fill + copy,
+        seconds=stages[slow][0] + fill,
         slowest_node=slowest,
     )
 

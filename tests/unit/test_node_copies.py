@@ -1,11 +1,13 @@
 """Node copies of a refit (``workers.transfer.copies``) between two engine ranks over a
-real shared-memory transport, each rank on its own thread: what the giver holds is what
-the taker holds after, a delta moves only changed buffers, and a giver that fails or a
-plan that differs is named, not waited on for ever."""
+real shared-memory transport, each rank driven from its own thread: what the giver holds
+is what the taker holds after, each buffer given only once written, a delta moves only
+changed buffers, and a giver that fails, a step that differs or a fence is named, not
+waited on for ever."""
 
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import replace
 from typing import Any
 
@@ -35,6 +37,24 @@ def _buffers(plan: Any, rank: int, seed: int) -> dict[str, torch.Tensor]:
         t = torch.randint(0, 256, (b.nbytes,), dtype=torch.uint8, generator=g)
         out[b.name] = t
     return out
+
+
+def _copy(side: NodeCopies, step: int, buffers: Any, **kw: Any) -> Any:
+    """One update's copies on ``side``, as the loader drives them: started, then
+    finished (its own update whole)."""
+
+    def go() -> int:
+        side.start(
+            step,
+            buffers,
+            kw.get("changed", lambda u: True),
+            kw.get("check", lambda: None),
+            kw.get("written", lambda units: True),
+            lambda: None,
+        )
+        return side.finish()
+
+    return go
 
 
 def _run(fns: list[Any]) -> list[Any]:
@@ -75,13 +95,26 @@ def test_the_taker_holds_what_the_giver_wrote_and_a_delta_moves_changed_buffers(
     mine, theirs = _buffers(plan, 0, 1), _buffers(plan, 2, 2)
     before = {n: t.data_ptr() for n, t in theirs.items()}
     checks: list[int] = []
-    got = _run(
-        [
-            lambda: give.run(7, mine, lambda u: True, lambda: None),
-            lambda: take.run(7, theirs, lambda u: True, lambda: checks.append(1)),
-        ]
-    )
-    assert got == [0, c.nbytes], got
+    # the giver's loader has written nothing yet: nothing may be given until it has
+    done: set[int] = set()
+    when: dict[str, float] = {}
+
+    def written(units: Any) -> bool:
+        return set(units) <= done
+
+    def loader() -> None:
+        time.sleep(0.3)
+        when["written"] = time.monotonic()
+        done.update(range(len(plan.ranks[0].units)))
+
+    def taker() -> int:
+        n = _copy(take, 7, theirs, check=lambda: checks.append(1))()
+        when["taken"] = time.monotonic()
+        return n
+
+    got = _run([_copy(give, 7, mine, written=written), taker, loader])
+    assert when["taken"] >= when["written"]
+    assert got == [0, c.nbytes, None], got
     assert all(torch.equal(mine[n], theirs[n]) for n in mine)
     assert {n: t.data_ptr() for n, t in theirs.items()} == before
     assert len(checks) == len(theirs)  # the fence is checked before each buffer
@@ -93,12 +126,7 @@ def test_the_taker_holds_what_the_giver_wrote_and_a_delta_moves_changed_buffers(
         return any(".layers.1." in p.tensor_name for p in u.parts)
 
     assert take.units_taken(hot) == tuple(i for i, u in enumerate(plan.ranks[2].units) if hot(u))
-    got = _run(
-        [
-            lambda: give.run(8, mine, hot, lambda: None),
-            lambda: take.run(8, theirs, hot, lambda: None),
-        ]
-    )
+    got = _run([_copy(give, 8, mine, changed=hot), _copy(take, 8, theirs, changed=hot)])
     assert not [g for g in got if isinstance(g, BaseException)], got
     moved = {u.buffer for u in plan.ranks[2].units if hot(u)}
     for n in theirs:
@@ -116,17 +144,12 @@ def test_a_giver_that_fails_is_named_and_another_step_or_a_fence_writes_nothing(
     # the giver never gives (its own update failed): named within the wait
     (tmp_path / "a").mkdir()
     _, take = _pair(plan, rp, tmp_path / "a", timeout=2)
-    (err,) = _run([lambda: take.run(7, theirs, lambda u: True, lambda: None)])
+    (err,) = _run([_copy(take, 7, theirs)])
     assert isinstance(err, RunError) and "engine rank 0 gave no copy of step 7" in str(err)
     # a giver of another step (or plan): refused at the header
     (tmp_path / "b").mkdir()
     give, take = _pair(plan, rp, tmp_path / "b", timeout=2)
-    got = _run(
-        [
-            lambda: give.run(8, mine, lambda u: True, lambda: None),
-            lambda: take.run(7, theirs, lambda u: True, lambda: None),
-        ]
-    )
+    got = _run([_copy(give, 8, mine), _copy(take, 7, theirs)])
     assert isinstance(got[1], ReloadMismatch) and "for step 8" in str(got[1]), got
     # fenced off (a later lease took the session): stops before its first buffer
     (tmp_path / "c").mkdir()
@@ -135,12 +158,7 @@ def test_a_giver_that_fails_is_named_and_another_step_or_a_fence_writes_nothing(
     def fenced() -> None:
         raise RunError("fenced off")
 
-    got = _run(
-        [
-            lambda: give.run(7, mine, lambda u: True, lambda: None),
-            lambda: take.run(7, theirs, lambda u: True, fenced),
-        ]
-    )
+    got = _run([_copy(give, 7, mine), _copy(take, 7, theirs, check=fenced)])
     assert isinstance(got[1], RunError) and "fenced off" in str(got[1]), got
     assert isinstance(got[0], RunError) and "giving engine rank 2" in str(got[0]), got
     assert all(torch.equal(kept[n], theirs[n]) for n in theirs)

@@ -156,17 +156,15 @@ def test_refit_flags_without_a_trainer_and_links_that_cannot_carry_it(
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("model", "layout", "transfer", "most"),
+    ("model", "layout", "most"),
     [
-        ("qwen3-235b-a22b-fp8", ["--tp", "8", "--dp", "8", "--enable-expert-parallel"], 5, 5),
-        # the copies within nodes run after the transfer: 1.65 s + 0.63 s
-        ("qwen3.8-27b-fp8", ["--tp", "8", "--dp", "8"], 2.0, 2.4),
+        ("qwen3-235b-a22b-fp8", ["--tp", "8", "--dp", "8", "--enable-expert-parallel"], 5.0),
+        ("qwen3.8-27b-fp8", ["--tp", "8", "--dp", "8"], 2.0),
     ],
 )
 def test_on_paper_refits_of_real_models(
     model: str,
     layout: list[str],
-    transfer: float,
     most: float,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
@@ -176,8 +174,6 @@ def test_on_paper_refits_of_real_models(
     assert main([*argv, "--json"]) == 0
     r = json.loads(capsys.readouterr().out)["refit"]
     assert r["wire_bytes"] == r["needed_bytes"]
-    p = r["predicted"]
-    assert p["seconds"] - p["copy_seconds"] <= transfer
     assert r["predicted_seconds"] <= most < r["storage_round_trip"]["predicted_seconds"]
     # the copies pay for themselves: the links carry less, and the refit is faster
     assert r["predicted_seconds"] < r["without_fanout"]["predicted_seconds"]

@@ -456,9 +456,9 @@ def _summary(**over: object) -> RefitSummary:
 
 def test_refit_time_by_hand() -> None:
     # node 0 sends 300 to node 1 and 100 to itself; node 1 sends 200 to node 0, and a
-    # second rank of node 1 copies 50 from the first once written: node 0 sends 300 and
-    # takes in 200 (network 300/100 = 3 s), node 1's copy takes 0.5 s at 100 after the
-    # transfer; receivers convert 400 at 200/s (2 s).
+    # second rank of node 1 copies 50 from the first as it is written: node 0 sends 300
+    # and takes in 200 (network 300/100 = 3 s), node 1 has 50 within (0.5 s at 100);
+    # receivers convert 400 at 200/s (2 s).
     s = _summary(
         links=(Link(0, 0, 100), Link(0, 1, 300), Link(1, 0, 200)),
         fanout_bytes=(0, 50),
@@ -472,12 +472,16 @@ def test_refit_time_by_hand() -> None:
     assert t.same_node_seconds == 1.0  # node 0: its own 100 bytes
     # fill: one bucket (10 bytes) through the other stages: same node 0.1 + receiver 0.05
     assert t.copy_seconds == 0.5
-    assert t.seconds == pytest.approx(3.0 + 0.1 + 0.05 + 0.5)
-    assert t.slowest_node == 1  # 3 s of network (it takes in 300), then its copy
+    assert t.seconds == pytest.approx(3.0 + 0.1 + 0.05)
+    assert t.slowest_node == 0
+    # copies heavier than the network: the same-node stage is the slowest
+    t = refit_times(replace(s, fanout_bytes=(0, 450)), rates)
+    assert (t.same_node_seconds, t.copy_seconds) == (4.5, 4.5)
+    assert t.seconds == pytest.approx(4.5 + 0.1 + 0.05) and t.slowest_node == 1
     # converted on the sender, the receiver repacks its MX bytes at the repack rate
     t = refit_times(replace(s, convert_on="sender", sender_convert_bytes=(800, 0)), rates)
     assert (t.sender_convert_seconds, t.receiver_seconds) == (4.0, 0.4)
-    assert t.seconds == pytest.approx(4.0 + 0.1 + 0.1 + 0.01 + 0.5)
+    assert t.seconds == pytest.approx(4.0 + 0.1 + 0.1 + 0.01)
     with pytest.raises(ValueError, match="within a node only"):
         refit_times(s, RefitRates.for_link("shm", device="cpu"))
     only_here = replace(s, links=(Link(0, 0, 100),), fanout_bytes=(0, 0))

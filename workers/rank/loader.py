@@ -236,9 +236,8 @@ class RankLoader:
         # run reads and, at the end, waits for the rest of its source (the trailers).
         given = self._reader.given
         streaming = given is not None and hasattr(given, "begin_reads")
-        # Units the host's storage writes itself once the reads are done (a refit's
-        # copies from another rank of the node): not read here, and holding no step
-        # until written.
+        # Units the host's storage writes itself (a refit's copies from another rank of
+        # the node): not read here, and holding no step until the copies end.
         copied = tuple(getattr(given, "copied_units", ())) if streaming else ()
         for i in copied:
             todo[i] = False
@@ -246,6 +245,13 @@ class RankLoader:
         try:
             if streaming:
                 given.begin_reads(todo)
+                token, ids = job.source.fence, self._ids.ids
+                given.start_copies(
+                    self.buffers,
+                    lambda: self.fence.check(token, self.rank),
+                    lambda units: all(ids[i] == target for i in units),
+                    self.backend.synchronize,
+                )
             StepRunner(
                 self.rank,
                 self._reader,
@@ -259,8 +265,7 @@ class RankLoader:
             ).run_steps(steps)
             if streaming:
                 given.finish()
-                token = job.source.fence
-                given.copy(self.buffers, lambda: self.fence.check(token, self.rank))
+                given.finish_copies()
                 for i in copied:
                     self._ids.ids[i] = target
         except BaseException as err:

@@ -134,9 +134,17 @@ class RankRefit:
         def sent(unit: Unit) -> bool:
             return any(changed.get(p.tensor_name, True) for p in unit.parts)
 
-        def copy(buffers: Mapping[str, torch.Tensor], check: Callable[[], None]) -> None:
+        def start_copies(
+            buffers: Mapping[str, torch.Tensor],
+            check: Callable[[], None],
+            written: Callable[[Sequence[int]], bool],
+            synchronize: Callable[[], None],
+        ) -> None:
+            self.copies.start(step, buffers, sent, check, written, synchronize)
+
+        def finish_copies() -> None:
             try:
-                self.copied_bytes = self.copies.run(step, buffers, sent, check)
+                self.copied_bytes = self.copies.finish()
             except BaseException as err:
                 self._broke(step, err)
                 raise
@@ -148,7 +156,7 @@ class RankRefit:
             planned_bytes=self.receiver.planned_bytes,
             held_bytes=self.receiver.held_bytes,
             copied_units=self.copies.units_taken(sent),
-            copy=copy if self.copies.into or self.copies.out else None,
+            copies=(start_copies, finish_copies),
         )
 
     def _broke(self, step: int, err: BaseException) -> None:
@@ -156,7 +164,9 @@ class RankRefit:
         # sends failing when it resumes, instead of handing bytes to nobody.
         if not self.broken:
             self.broken = f"step {step}: {err}"[:300]
-        self.receiver.stop(err)
+        self.copies.halt()
+        self.receiver.stop(err)  # the transport closed: the copies' waits end
+        self.copies.stop()
 
     def close(self) -> None:
         self.receiver.transport.close()

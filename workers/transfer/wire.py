@@ -364,8 +364,9 @@ class AreaStorage:
     """The storage seam of the rank loader (``read_ranges_into``) over a receive area,
     with the hooks a streaming source needs: which units the loader reads
     (``begin_reads``), which it has read (``units_read``), the end of its reads
-    (``finish``: every link's trailer checked), the units it writes itself after them
-    (``copied_units``, by ``copy``: a refit's copies within a node) and its failure
+    (``finish``: every link's trailer checked), the units it writes itself
+    (``copied_units``: a refit's copies within a node, started with the reads,
+    ``start_copies``, and waited for after them, ``finish_copies``) and its failure
     (``abort``)."""
 
     is_local = True
@@ -380,13 +381,13 @@ class AreaStorage:
         planned_bytes: int | None = None,
         held_bytes: int | None = None,
         copied_units: Sequence[int] = (),
-        copy: Callable[[Mapping[str, torch.Tensor], Callable[[], None]], None] | None = None,
+        copies: tuple[Callable[..., None], Callable[[], None]] | None = None,
     ) -> None:
         self.area = area
         self._finish = finish
         self._abort = abort
         self.copied_units = tuple(copied_units)
-        self._copy = copy
+        self._copies = copies
         self.held_bytes = area.nbytes if held_bytes is None else held_bytes
         """What receiving holds beside the loader: the area, and the links' buffers."""
         self.planned_bytes = self.held_bytes if planned_bytes is None else planned_bytes
@@ -417,12 +418,23 @@ class AreaStorage:
         if self._finish is not None:
             self._finish()
 
-    def copy(self, buffers: Mapping[str, torch.Tensor], check: Callable[[], None]) -> None:
-        """Write ``copied_units`` into ``buffers`` (the rank's, by name), and give what
-        other ranks copy from this one; ``check`` before each buffer written (the
-        fence)."""
-        if self._copy is not None:
-            self._copy(buffers, check)
+    def start_copies(
+        self,
+        buffers: Mapping[str, torch.Tensor],
+        check: Callable[[], None],
+        written: Callable[[Sequence[int]], bool],
+        synchronize: Callable[[], None],
+    ) -> None:
+        """Start writing ``copied_units`` into ``buffers`` (the rank's, by name) as they
+        come, ``check`` before each buffer (the fence), and giving the buffers other
+        ranks copy from this one once ``written(units)`` says the loader wrote them."""
+        if self._copies is not None:
+            self._copies[0](buffers, check, written, synchronize)
+
+    def finish_copies(self) -> None:
+        """Wait for every copy (this rank's own update being whole)."""
+        if self._copies is not None:
+            self._copies[1]()
 
     def abort(self, err: BaseException) -> None:
         self.area.fail(err)
