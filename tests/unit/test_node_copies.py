@@ -168,3 +168,14 @@ def test_no_copies_without_ranks_sharing_a_node() -> None:
     plan = preset_plan("qwen3-dense-tiny")
     rp = refit_plan(plan, fsdp_manifest(needed_shapes(plan), 2), devices_per_node=1)
     assert rp.copies == () and rp.summary.fanout_bytes == (0, 0, 0, 0)
+
+
+def test_two_ends_that_place_the_engine_ranks_differently_plan_other_digests() -> None:
+    # the trainer's engine_nodes and the engine's must agree: each link's header carries
+    # the plan digest, which covers the copies
+    plan = preset_plan("qwen3-dense-tiny")
+    m = fsdp_manifest(needed_shapes(plan), 2)
+    one = refit_plan(plan, m, receiver_nodes=(0, 0, 0, 0))
+    pairs = refit_plan(plan, m, receiver_nodes=(0, 1, 0, 1))
+    alone = refit_plan(plan, m, receiver_nodes=(0, 1, 2, 3))
+    assert len({one.digest, pairs.digest, alone.digest}) == 3
