@@ -6,7 +6,6 @@ waited on for ever."""
 
 from __future__ import annotations
 
-import threading
 import time
 from dataclasses import replace
 from typing import Any
@@ -18,6 +17,7 @@ from mxload.orchestrator.plan.trainer import fsdp_manifest
 from mxload.workers.transfer.copies import NodeCopies
 from mxload.workers.transfer.transports import ShmTransport
 
+from tests.integration.test_refit import on_threads
 from tests.unit.test_refit_plan import needed_shapes, preset_plan
 
 
@@ -55,23 +55,6 @@ def _copy(side: NodeCopies, step: int, buffers: Any, **kw: Any) -> Any:
         return side.finish()
 
     return go
-
-
-def _run(fns: list[Any]) -> list[Any]:
-    out: list[Any] = [None] * len(fns)
-
-    def go(i: int) -> None:
-        try:
-            out[i] = fns[i]()
-        except BaseException as err:
-            out[i] = err
-
-    threads = [threading.Thread(target=go, args=(i,)) for i in range(len(fns))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=60)
-    return out
 
 
 def _pair(plan: Any, rp: Any, tmp_path: Any, timeout: float = 10.0) -> tuple[Any, Any]:
@@ -112,7 +95,7 @@ def test_the_taker_holds_what_the_giver_wrote_and_a_delta_moves_changed_buffers(
         when["taken"] = time.monotonic()
         return n
 
-    got = _run([_copy(give, 7, mine, written=written), taker, loader])
+    got = on_threads([_copy(give, 7, mine, written=written), taker, loader])
     assert when["taken"] >= when["written"]
     assert got == [0, c.nbytes, None], got
     assert all(torch.equal(mine[n], theirs[n]) for n in mine)
@@ -126,7 +109,7 @@ def test_the_taker_holds_what_the_giver_wrote_and_a_delta_moves_changed_buffers(
         return any(".layers.1." in p.tensor_name for p in u.parts)
 
     assert take.units_taken(hot) == tuple(i for i, u in enumerate(plan.ranks[2].units) if hot(u))
-    got = _run([_copy(give, 8, mine, changed=hot), _copy(take, 8, theirs, changed=hot)])
+    got = on_threads([_copy(give, 8, mine, changed=hot), _copy(take, 8, theirs, changed=hot)])
     assert not [g for g in got if isinstance(g, BaseException)], got
     moved = {u.buffer for u in plan.ranks[2].units if hot(u)}
     for n in theirs:
@@ -144,12 +127,12 @@ def test_a_giver_that_fails_is_named_and_another_step_or_a_fence_writes_nothing(
     # the giver never gives (its own update failed): named within the wait
     (tmp_path / "a").mkdir()
     _, take = _pair(plan, rp, tmp_path / "a", timeout=2)
-    (err,) = _run([_copy(take, 7, theirs)])
+    (err,) = on_threads([_copy(take, 7, theirs)])
     assert isinstance(err, RunError) and "engine rank 0 gave no copy of step 7" in str(err)
     # a giver of another step (or plan): refused at the header
     (tmp_path / "b").mkdir()
     give, take = _pair(plan, rp, tmp_path / "b", timeout=2)
-    got = _run([_copy(give, 8, mine), _copy(take, 7, theirs)])
+    got = on_threads([_copy(give, 8, mine), _copy(take, 7, theirs)])
     assert isinstance(got[1], ReloadMismatch) and "for step 8" in str(got[1]), got
     # fenced off (a later lease took the session): stops before its first buffer
     (tmp_path / "c").mkdir()
@@ -158,7 +141,7 @@ def test_a_giver_that_fails_is_named_and_another_step_or_a_fence_writes_nothing(
     def fenced() -> None:
         raise RunError("fenced off")
 
-    got = _run([_copy(give, 7, mine), _copy(take, 7, theirs, check=fenced)])
+    got = on_threads([_copy(give, 7, mine), _copy(take, 7, theirs, check=fenced)])
     assert isinstance(got[1], RunError) and "fenced off" in str(got[1]), got
     assert isinstance(got[0], RunError) and "giving engine rank 2" in str(got[0]), got
     assert all(torch.equal(kept[n], theirs[n]) for n in theirs)
