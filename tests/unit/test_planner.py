@@ -17,11 +17,12 @@ from __future__ import annotations
 import bisect
 import itertools
 import json
-from collections import Counter, defaultdict
+from collections import defaultdict
 from collections.abc import Iterator
 from dataclasses import replace
 from typing import Any
 
+import numpy as np
 import pytest
 from mxload.orchestrator.errors import (
     CheckpointError,
@@ -311,18 +312,28 @@ def check_coverage(cfg: ModelConfig, plan: Plan) -> None:
         want = multiplicity(cfg, plan.layout, name, role)
         rb = sorted({0, n} | {x for rr, _ in rects[name] for x in rr})
         cb = sorted({0, k} | {x for _, cc in rects[name] for x in cc})
-        counts: Counter[tuple[int, int]] = Counter()
+        # how often each grid cell is held: +1 at a rectangle's corner, -1 past its ends,
+        # summed along both axes
+        diff = np.zeros((len(rb), len(cb)), dtype=np.int64)
         for (r0, r1), (c0, c1) in rects[name]:
             assert 0 <= r0 < r1 <= n and 0 <= c0 < c1 <= k, (name, r0, r1, c0, c1)
-            for i in range(bisect.bisect_left(rb, r0), bisect.bisect_left(rb, r1)):
-                for j in range(bisect.bisect_left(cb, c0), bisect.bisect_left(cb, c1)):
-                    counts[(i, j)] += 1
-        cells = {(i, j) for i in range(len(rb) - 1) for j in range(len(cb) - 1)}
-        bad = {c: counts.get(c, 0) for c in cells if counts.get(c, 0) != want}
+            i0, i1 = bisect.bisect_left(rb, r0), bisect.bisect_left(rb, r1)
+            j0, j1 = bisect.bisect_left(cb, c0), bisect.bisect_left(cb, c1)
+            diff[i0, j0] += 1
+            diff[i0, j1] -= 1
+            diff[i1, j0] -= 1
+            diff[i1, j1] += 1
+        counts = diff.cumsum(0).cumsum(1)[:-1, :-1]
+        bad = {(int(i), int(j)): int(counts[i, j]) for i, j in np.argwhere(counts != want)}
         assert not bad, (name, want, bad)
 
 
-def check_rank_structure(cfg: ModelConfig, rp: RankPlan, plan: Plan) -> None:
+def largest_unit(plan: Plan) -> int:
+    """Elements of the plan's largest converted unit."""
+    return max(u.rows * u.cols for r in plan.ranks for u in r.units if u.kind != "copy")
+
+
+def check_rank_structure(cfg: ModelConfig, rp: RankPlan, largest: int) -> None:
     buffers = {b.name: b for b in rp.buffers}
     assert len(buffers) == len(rp.buffers), "buffer names repeat"
     written: dict[str, list[int]] = defaultdict(list)
@@ -370,7 +381,6 @@ def check_rank_structure(cfg: ModelConfig, rp: RankPlan, plan: Plan) -> None:
     # Vocab buffers are cut into row blocks no larger (in bytes) than the largest linear
     # or expert-half unit's FP8 payload in the plan, so they never set the default
     # budget, which is plan-wide (docs/contract.md §6).
-    largest = max(u.rows * u.cols for r in plan.ranks for u in r.units if u.kind != "copy")
     for name, b in buffers.items():
         if name.endswith("_scale"):
             continue
@@ -486,8 +496,9 @@ def test_synthetic_layouts(name: str, layout: ParallelLayout) -> None:
     plan = build_plan(cfg, layout)
     assert len(plan.ranks) == layout.world
     check_coverage(cfg, plan)
+    largest = largest_unit(plan)
     for rp in plan.ranks:
-        check_rank_structure(cfg, rp, plan)
+        check_rank_structure(cfg, rp, largest)
         assert rp.persistent_bytes == expected_persistent(cfg, layout, rp.rank), rp.rank
         # config-only: predicted reads are the needed bytes
         assert rp.bytes_to_read == rp.bytes_needed > 0
@@ -518,13 +529,14 @@ def test_real_configs(name: str, layout: ParallelLayout) -> None:
     cfg = real(name)
     plan = build_plan(cfg, layout)
     check_coverage(cfg, plan)
+    largest = largest_unit(plan)
     seen_structures: set[int] = set()
     for rp in plan.ranks:
         assert rp.persistent_bytes == expected_persistent(cfg, layout, rp.rank), rp.rank
         key = id(rp.units[-1])
         if key not in seen_structures:  # ranks sharing their last unit share most blocks
             seen_structures.add(key)
-            check_rank_structure(cfg, rp, plan)
+            check_rank_structure(cfg, rp, largest)
 
 
 def test_deepseek_256_ranks_hold_one_expert_each() -> None:
