@@ -64,6 +64,7 @@ from .local import (
     LOOPBACK,
     RAY_ENV,
     client_server_port_flags,
+    daemon_env,
     free_port,
     head_processes,
     mxload_home,
@@ -184,7 +185,7 @@ def _ray_bin() -> str:
 
 
 def _node_env(token: str) -> dict[str, str]:
-    env = dict(os.environ, **RAY_ENV, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=token)
+    env = daemon_env(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=token)
     env.pop("RAY_AUTH_TOKEN_PATH", None)  # the token above wins, never a file
     env.pop("RAY_ADDRESS", None)
     return env

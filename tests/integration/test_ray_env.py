@@ -46,12 +46,17 @@ def test_embedded_head_is_private_sets_its_workers_env_and_gives_the_driver_its_
         @ray.remote(num_cpus=0)
         def worker_env() -> dict[str, str | None]:
             keys = ("OMP_WAIT_POLICY", "RAY_USAGE_STATS_ENABLED", "RAY_AUTH_MODE")
-            return {k: os.environ.get(k) for k in keys}
+            got: dict[str, str | None] = {k: os.environ.get(k) for k in keys}
+            got["runtime_env"] = ray.get_runtime_context().get_runtime_env_string()
+            return got
 
         got = ray.get(worker_env.remote(), timeout=180)
         assert got["OMP_WAIT_POLICY"] == before.get("OMP_WAIT_POLICY", "PASSIVE")
         assert got["RAY_USAGE_STATS_ENABLED"] == before.get("RAY_USAGE_STATS_ENABLED", "0")
         assert got["RAY_AUTH_MODE"] == before.get("RAY_AUTH_MODE", "token")
+        # inherited from the raylet: no job runtime_env, whose setup process would cost
+        # every worker start more CPU
+        assert got["runtime_env"] == "{}"
     finally:
         ray.shutdown()
         shutil.rmtree(temp, ignore_errors=True)
