@@ -58,6 +58,12 @@ class RefCheckpoint:
         self.tensors: dict[str, torch.Tensor] = {}
         for f in files:
             self.tensors.update(load_file(os.path.join(path, f)))
+        stats = [os.stat(os.path.join(path, f)) for f in files]
+        self.stamp = (
+            os.path.realpath(path),
+            tuple((f, st.st_size, st.st_mtime_ns) for f, st in zip(files, stats, strict=True)),
+        )
+        """The files' identity when read: equal stamps, equal tensors (a cache key)."""
         qc = self.config.get("quantization_config") or {}
         self.quant = "none"
         if "fp8" in str(qc.get("quant_method", "")):
@@ -130,12 +136,35 @@ def _pack_scale(scale: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(padded.reshape(n, g2, 2).transpose(1, 0, 2))
 
 
+_MX_ROWS: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
+"""Quantized rows by checkpoint stamp, scale rule, dtype and parts: the tests of a
+module ask for the same ranks of the same checkpoints again and again (read-only)."""
+_MX_ROWS_MAX = 256 * 2**20
+_mx_rows_bytes = 0
+
+
 def _mx_rows(
     ck: RefCheckpoint, parts: list[tuple[str, slice, slice]]
 ) -> tuple[np.ndarray, np.ndarray]:
     """Concatenated rows of the parts, MX-quantized: (payload [N,K], scale [N,K/32])."""
-    vals = np.concatenate([ck.values(m)[r, c] for m, r, c in parts], axis=0)
-    return mx_quantize_ref(vals, ck.scale_alg)
+    global _mx_rows_bytes
+    key = (
+        ck.stamp,
+        ck.scale_alg,
+        ck.dtype,
+        tuple((m, r.start, r.stop, r.step, c.start, c.stop, c.step) for m, r, c in parts),
+    )
+    got = _MX_ROWS.get(key)
+    if got is None:
+        vals = np.concatenate([ck.values(m)[r, c] for m, r, c in parts], axis=0)
+        got = mx_quantize_ref(vals, ck.scale_alg)
+        for a in got:
+            a.setflags(write=False)
+        while _MX_ROWS and _mx_rows_bytes > _MX_ROWS_MAX:
+            _mx_rows_bytes -= sum(a.nbytes for a in _MX_ROWS.pop(next(iter(_MX_ROWS))))
+        _MX_ROWS[key] = got
+        _mx_rows_bytes += got[0].nbytes + got[1].nbytes
+    return got
 
 
 def _dense_rows(ck: RefCheckpoint, parts: list[tuple[str, slice, slice]]) -> np.ndarray:
