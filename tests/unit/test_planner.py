@@ -14,7 +14,6 @@ Invariants, in the spirit of vLLM's ``ep_weight_filter`` and Run:ai's partition 
 
 from __future__ import annotations
 
-import bisect
 import itertools
 import json
 from collections import defaultdict
@@ -301,28 +300,29 @@ def check_coverage(cfg: ModelConfig, plan: Plan) -> None:
     """Every element of every tensor is held multiplicity(...) times, all over its index
     space, and the plan reads no tensor docs/contract.md §3 does not list."""
     expected = spec_tensors(cfg)
-    rects: dict[str, list[tuple[tuple[int, int], tuple[int, int]]]] = defaultdict(list)
+    rects: dict[str, list[tuple[int, int, int, int]]] = defaultdict(list)
     for r in plan.ranks:
         for u in r.units:
             for p in u.parts:
-                rects[p.tensor_name].append((p.rows, p.cols))
+                rects[p.tensor_name].append((*p.rows, *p.cols))
     assert set(rects) == set(expected), set(rects) ^ set(expected)
     for name, (shape, role, _) in expected.items():
         n, k = (1, shape[0]) if len(shape) == 1 else shape
         want = multiplicity(cfg, plan.layout, name, role)
-        rb = sorted({0, n} | {x for rr, _ in rects[name] for x in rr})
-        cb = sorted({0, k} | {x for _, cc in rects[name] for x in cc})
+        r0, r1, c0, c1 = np.array(rects[name], dtype=np.int64).T
+        outside = (r0 < 0) | (r0 >= r1) | (r1 > n) | (c0 < 0) | (c0 >= c1) | (c1 > k)
+        assert not outside.any(), (name, np.array(rects[name])[outside][:5].tolist())
+        rb = np.unique(np.concatenate([[0, n], r0, r1]))
+        cb = np.unique(np.concatenate([[0, k], c0, c1]))
+        i0, i1 = np.searchsorted(rb, r0), np.searchsorted(rb, r1)
+        j0, j1 = np.searchsorted(cb, c0), np.searchsorted(cb, c1)
         # how often each grid cell is held: +1 at a rectangle's corner, -1 past its ends,
         # summed along both axes
         diff = np.zeros((len(rb), len(cb)), dtype=np.int64)
-        for (r0, r1), (c0, c1) in rects[name]:
-            assert 0 <= r0 < r1 <= n and 0 <= c0 < c1 <= k, (name, r0, r1, c0, c1)
-            i0, i1 = bisect.bisect_left(rb, r0), bisect.bisect_left(rb, r1)
-            j0, j1 = bisect.bisect_left(cb, c0), bisect.bisect_left(cb, c1)
-            diff[i0, j0] += 1
-            diff[i0, j1] -= 1
-            diff[i1, j0] -= 1
-            diff[i1, j1] += 1
+        np.add.at(diff, (i0, j0), 1)
+        np.add.at(diff, (i0, j1), -1)
+        np.add.at(diff, (i1, j0), -1)
+        np.add.at(diff, (i1, j1), 1)
         counts = diff.cumsum(0).cumsum(1)[:-1, :-1]
         bad = {(int(i), int(j)): int(counts[i, j]) for i, j in np.argwhere(counts != want)}
         assert not bad, (name, want, bad)
