@@ -104,16 +104,26 @@ class TrainerManifest:
     def node_bytes(self) -> dict[int, int]:
         """Bytes each trainer node holds, a tensor held whole by several ranks counted
         at its first (what a checkpoint of the trainer writes from each node)."""
-        out: dict[int, int] = {}
+        # tensors of one shape share their placement: each (placement, shape, dtype) is
+        # walked once and counted as often as tensors hold it
+        times: dict[tuple[int, tuple[int, ...], str], list[Any]] = {}
         for t in self.tensors:
+            key = (id(t.placement), t.shape, t.dtype)
+            seen = times.get(key)
+            if seen is None:
+                times[key] = [t, 1]
+            else:
+                seen[1] += 1
+        out: dict[int, int] = {}
+        for t, count in times.values():
+            nbytes = t.nbytes
             for s in t.placement:
-                if s.dim is None:
-                    node = self.node_of(s.rank)
-                    out[node] = out.get(node, 0) + t.nbytes
-                    break
-                part = t.nbytes * (s.stop - s.start) // t.shape[s.dim]
                 node = self.node_of(s.rank)
-                out[node] = out.get(node, 0) + part
+                if s.dim is None:
+                    out[node] = out.get(node, 0) + nbytes * count
+                    break
+                part = nbytes * (s.stop - s.start) // t.shape[s.dim]
+                out[node] = out.get(node, 0) + part * count
         return out
 
     def digest(self) -> str:

@@ -863,3 +863,22 @@ def test_a_refit_of_more_pieces_than_any_trainer_cuts_is_refused(monkeypatch) ->
     with pytest.raises(InputError, match=f"more than {pieces // 2:,} pieces") as e:
         refit_plan(plan, manifest)
     assert e.value.tensor and e.value.rank is not None
+
+
+def test_node_bytes_counts_each_tensor_once_on_the_nodes_holding_it() -> None:
+    # Two tensors of one shape share FSDP's placement (3 rows a rank over 4 ranks, two
+    # ranks a node); a third is held whole by ranks 2 and 3, counted once, at rank 2.
+    row = (TrainerSlice(0, 0, 0, 3), TrainerSlice(1, 0, 3, 6))
+    row += (TrainerSlice(2, 0, 6, 9), TrainerSlice(3, 0, 9, 10))
+    manifest = TrainerManifest(
+        world=4,
+        tensors=(
+            TrainerTensor("a", (10, 4), "bfloat16", row),
+            TrainerTensor("b", (10, 4), "bfloat16", row),
+            TrainerTensor("c", (5,), "float32", (TrainerSlice(2), TrainerSlice(3))),
+        ),
+        nodes=(0, 0, 1, 1),
+    )
+    # node 0: rows 0..6 of a and b, 6 rows x 4 x 2 bytes each; node 1: rows 6..10 of
+    # both, and c's 5 x 4 bytes
+    assert manifest.node_bytes() == {0: 2 * 48, 1: 2 * 32 + 20}
