@@ -53,6 +53,10 @@ RAY_ENV = {
     # Without it, _node_ip_address alone still binds the interface address.
     "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
     "RAY_DEDUP_LOGS": "0",
+    # Ray starts its workers at nice 15, behind everything else on the node; a rank
+    # worker is the load, and on a busy node (an engine, a trainer beside it) nice 15
+    # leaves it a few percent of a core.
+    "RAY_worker_niceness": "0",
 }
 """Environment of the Ray daemons mxload starts (a value the user set wins)."""
 

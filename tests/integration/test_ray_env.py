@@ -48,6 +48,7 @@ def test_embedded_head_is_private_sets_its_workers_env_and_gives_the_driver_its_
             keys = ("OMP_WAIT_POLICY", "RAY_USAGE_STATS_ENABLED", "RAY_AUTH_MODE")
             got: dict[str, str | None] = {k: os.environ.get(k) for k in keys}
             got["runtime_env"] = ray.get_runtime_context().get_runtime_env_string()
+            got["nice"] = str(os.nice(0))
             return got
 
         got = ray.get(worker_env.remote(), timeout=180)
@@ -57,6 +58,7 @@ def test_embedded_head_is_private_sets_its_workers_env_and_gives_the_driver_its_
         # inherited from the raylet: no job runtime_env, whose setup process would cost
         # every worker start more CPU
         assert got["runtime_env"] == "{}"
+        assert got["nice"] == "0"  # Ray's own default is 15
     finally:
         ray.shutdown()
         shutil.rmtree(temp, ignore_errors=True)
