@@ -185,9 +185,9 @@ def _start_environment(auth: Mapping[str, str], drop: Iterable[str] = ()) -> Ite
 
 def daemon_env(**extra: str) -> dict[str, str]:
     """The environment of a Ray daemon mxload starts as a process of its own (``ray
-    start``): this process's, :data:`WORKER_ENV` where unset, :data:`RAY_ENV` and
+    start``): this process's, :data:`RAY_ENV` and :data:`WORKER_ENV` where unset,
     ``extra`` over it."""
-    return {**WORKER_ENV, **os.environ, **RAY_ENV, **extra}
+    return {**RAY_ENV, **WORKER_ENV, **os.environ, **extra}
 
 
 def _worker_runtime_env() -> dict[str, Any]:
