@@ -144,6 +144,13 @@ def _host_port(address: Any) -> bool:
     return bool(host and sep and port.isascii() and port.isdigit() and 1 <= int(port) <= 65535)
 
 
+def node_numbers(node_ids: Sequence[str]) -> list[int]:
+    """Per rank, its node numbered in order of first appearance (``["b", "a", "b"]`` ->
+    ``[0, 1, 0]``): the trainer form's ``engine_nodes`` from the engine ranks' node ids."""
+    number: dict[str, int] = {}
+    return [number.setdefault(n, len(number)) for n in node_ids]
+
+
 TRAINER_KEYS = (
     "transport",
     "addresses",

@@ -106,6 +106,18 @@ class Session:
         self.manifest = manifest
         return manifest
 
+    def engine_nodes(self) -> list[int]:
+        """Per rank, the machine its actor runs on, numbered from 0 in rank order: the
+        trainer form's ``engine_nodes``. Give the same list to the trainer's senders, so
+        that ranks of one machine holding the same buffers copy them there instead of
+        each receiving them from the trainer."""
+        from . import shared_reads
+        from .refit import node_numbers
+
+        return node_numbers(
+            shared_reads.node_ids(self.run.actors, self.run.req.placement_timeout_s)
+        )
+
     def attach_trainer(self, trainer: Mapping[str, Any]) -> None:
         """Take updates from a trainer's ranks (the trainer form of docs/adoption.md
         "Refit from the trainer"): plan the refit (ReloadMismatch, nothing touched, when

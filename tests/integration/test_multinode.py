@@ -253,6 +253,12 @@ def test_pack_spans_nodes_keeps_tp_groups_and_matches_reference(
     assert run is not None
     try:
         _check_loopback_only(two_nodes, manifest)
+        # the trainer form's engine_nodes as a Session gives it: the live actors' nodes,
+        # numbered in rank order; pack puts each TP group on one node
+        from mxload.orchestrator.runtime.refit import node_numbers
+        from mxload.orchestrator.runtime.shared_reads import node_ids
+
+        assert node_numbers(node_ids(run.actors, 60)) == [0, 0, 1, 1]
     finally:
         run.shutdown()
     _check_placement(manifest, _alive_nodes())

@@ -68,6 +68,7 @@ def test_session_refits_from_trainer_ranks(local_ray, ckpt_factory) -> None:
         sent[r] = senders[r].send_weights(shards(full, r, 2), step)
 
     with Session.load(fp8, LAYOUT, device="cpu") as s:
+        assert s.engine_nodes() == [0] * LAYOUT.world  # one local Ray node
         first = {r["rank"]: r["tensors"] for r in s.manifest["ranks"]}
         threads = [threading.Thread(target=join, args=(r,)) for r in range(2)]
         for t in threads:

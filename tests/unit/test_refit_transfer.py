@@ -26,7 +26,7 @@ from mxload.orchestrator.plan.refit import Transfer, receive_layout
 from mxload.orchestrator.plan.trainer import fsdp_manifest
 from mxload.orchestrator.plan.types import ParallelLayout
 from mxload.orchestrator.runtime.catalog import open_checkpoint
-from mxload.orchestrator.runtime.refit import TrainerSource, refit_setup, row_bytes
+from mxload.orchestrator.runtime.refit import TrainerSource, node_numbers, refit_setup, row_bytes
 from mxload.workers.transfer.exchange import link_buckets
 from mxload.workers.transfer.transports import ShmTransport, make_transport
 from mxload.workers.transfer.wire import AreaStorage, ReceiveArea, local_rect, pack
@@ -813,3 +813,8 @@ def test_an_update_that_names_no_step_is_refused_on_either_side(
         check_update(step, delta_of, changed)
     assert err.value.context.get("key") == key
     check_update((1 << 63) - 1, 1, ["model.norm.weight"])  # the widest that is fine
+
+
+def test_engine_nodes_number_the_ranks_nodes_in_order_of_first_appearance() -> None:
+    assert node_numbers(["b", "a", "b", "c", "a"]) == [0, 1, 0, 2, 1]
+    assert node_numbers([]) == []
