@@ -7,8 +7,9 @@ Side by side in each repeat (``common.interleave``, medians of 3 after one warm-
 
 * ``storage``: the trainer's state saved as a BF16 checkpoint (``safetensors``, 2 shards),
   every file fsynced, then reloaded in place (the checkpoint form, the path today);
-* ``refit shm`` / ``refit gloo``: the same bytes sent by the two trainer ranks (threads of
-  this process, each its own member of the refit group) and written in place;
+* ``refit shm`` / ``refit gloo``: the same bytes sent by the two trainer ranks (processes
+  of their own, ``tests/refit_trainer.py``, each its own member of the refit group) and
+  written in place;
 * ``refit shm, convert on sender``: MXFP8 on the wire, the engine rank only repacks.
 
 Printed and written to ``bench/results/refit.{json,md}``: each median with its spread,
@@ -17,7 +18,7 @@ overlaps its conversion, so each transport is also timed alone: the same bytes i
 same 64 MiB buckets, two sender threads to one receiver), the receiver's own time
 (its loader's convert-and-write seconds, not reading or waiting for bytes) with
 sender-side conversion over its time with BF16 on the wire (in the refits, where the
-trainer threads share the two cores with it, and alone: reloads of the MXFP8 and BF16
+trainer processes share the two cores with it, and alone: reloads of the MXFP8 and BF16
 forms of the same weights from checkpoints), and the bytes a delta sends when half the
 tensors are unchanged over a full refit's. The load average before and after is printed: the
 machine is small and shared, so the ratios are the figures to read.
@@ -31,6 +32,7 @@ import json
 import os
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
@@ -163,6 +165,50 @@ def link_rate(kind: str, nbytes: int, bucket: int, repeats: int) -> float:
     return statistics.median(rates[1:])
 
 
+class TrainerRanks:
+    """The trainer's ranks as processes of their own (``tests/refit_trainer.py``, one JSON
+    command a line): their conversions share neither this process's GIL nor its kernel
+    lock with the engine rank, as a real trainer's would not."""
+
+    def __init__(self, world: int) -> None:
+        root = Path(__file__).resolve().parents[1]
+        self.procs = [
+            subprocess.Popen(
+                [sys.executable, "-m", "tests.refit_trainer", str(r), str(world)],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                text=True,
+                cwd=root,
+            )
+            for r in range(world)
+        ]
+
+    def post(self, **cmd: Any) -> None:
+        """Send ``cmd`` to every rank; :meth:`replies` collects their answers."""
+        for p in self.procs:
+            assert p.stdin is not None
+            p.stdin.write(json.dumps(cmd) + "\n")
+            p.stdin.flush()
+
+    def replies(self) -> list[dict[str, Any]]:
+        out = []
+        for r, p in enumerate(self.procs):
+            assert p.stdout is not None
+            line = p.stdout.readline()
+            if not line:
+                raise RuntimeError(f"trainer rank {r} exited (status {p.wait()})")
+            reply = json.loads(line)
+            if not reply["ok"]:
+                raise RuntimeError(f"trainer rank {r}: {reply['error']}\n{reply.get('tb', '')}")
+            out.append(reply)
+        return out
+
+    def close(self) -> None:
+        self.post(op="exit")
+        for p in self.procs:
+            p.wait(timeout=120)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--work", default="", help="folder for the checkpoints (default: a temp dir)")
@@ -179,7 +225,6 @@ def main() -> None:
     from mxload.orchestrator.plan.trainer import fsdp_manifest, manifest_to_json
     from mxload.orchestrator.plan.types import ParallelLayout
     from mxload.orchestrator.runtime.catalog import open_checkpoint
-    from mxload.orchestrator.runtime.refit import MxloadSender
     from mxload.orchestrator.tools.synth import make_checkpoint
 
     machine = machine_facts()
@@ -194,14 +239,6 @@ def main() -> None:
     print(f"trainer state: {len(full)} tensors, {nbytes / 2**30:.2f} GiB BF16", flush=True)
     manifest = fsdp_manifest({n: tuple(t.shape) for n, t in full.items()}, 2)
     h = manifest.digest()
-    shards = []
-    for r in range(2):
-        mine = {}
-        for t in manifest.tensors:
-            for s in t.placement:
-                if s.rank == r:
-                    mine[t.name] = full[t.name][s.start : s.stop]
-        shards.append(mine)
 
     layout = ParallelLayout(tp=1)
     meta = open_checkpoint(fp8)
@@ -212,7 +249,8 @@ def main() -> None:
 
     from tests.refit_trainer import free_port
 
-    groups: dict[str, tuple[Attachment, list[MxloadSender]]] = {}
+    trainer = TrainerRanks(2)
+    groups: dict[str, Attachment] = {}
     for name, kind, conv in (
         ("refit shm", "shm", "receiver"),
         ("refit gloo", "gloo", "receiver"),
@@ -230,39 +268,23 @@ def main() -> None:
             "timeout_s": 600,
         }
         eng = Attachment(fp8, facts, engine_params(model))
-        senders: list[Any] = [None, None]
-
-        def join(r: int, form: dict[str, Any] = form, senders: list[Any] = senders) -> None:
-            senders[r] = MxloadSender(fp8, layout, form, rank=r)
-
-        threads = [threading.Thread(target=join, args=(r,)) for r in range(2)]
-        for t in threads:
-            t.start()
+        trainer.post(op="join", name=name, src=fp8, layout={"tp": 1}, trainer=form)
         eng.attach_trainer(form)
-        for t in threads:
-            t.join()
-        groups[name] = (eng, senders)
+        trainer.replies()
+        groups[name] = eng
 
     steps = itertools.count(1)
     stats: dict[str, list[dict[str, Any]]] = {n: [] for n in groups}
 
     def refit_fn(name: str, **kw: Any) -> Any:
-        eng, senders = groups[name]
+        eng = groups[name]
 
         def run() -> None:
             step = next(steps)
             delta = {"delta_of": step - 1} if kw else {}
-            threads = [
-                threading.Thread(
-                    target=senders[r].send_weights, args=(shards[r], step), kwargs={**delta, **kw}
-                )
-                for r in range(2)
-            ]
-            for t in threads:
-                t.start()
+            trainer.post(op="send", name=name, step=step, weights=twin, **delta, **kw)
             stats[name].append(eng.refit(step, h, **delta))
-            for t in threads:
-                t.join()
+            trainer.replies()
 
         return run
 
@@ -380,10 +402,9 @@ def main() -> None:
             + table
             + extra
         )
-    for eng, senders in groups.values():
+    for eng in groups.values():
         eng.close()
-        for s in senders:
-            s.close()
+    trainer.close()
     if not args.work:
         shutil.rmtree(work, ignore_errors=True)
     sys.exit(0)
