@@ -376,6 +376,9 @@ def connect(address: str, *, token: str | None = None) -> None:
         # for address="auto"); a token on this machine means the cluster wants it.
         auth = {"RAY_AUTH_MODE": "token"}
     check_reachable(address)
+    # A recorded head (its token given) is mxload's own: its raylets have WORKER_ENV
+    # already. Taken before _start_environment puts WORKER_ENV into os.environ.
+    runtime_env = None if token else _worker_runtime_env()
     try:
         with _start_environment(auth, drop):
             ray.init(
@@ -383,9 +386,7 @@ def connect(address: str, *, token: str | None = None) -> None:
                 namespace=NAMESPACE,
                 logging_level=logging.ERROR,
                 log_to_driver=False,
-                # a recorded head (its token given) is mxload's own: its raylets have
-                # WORKER_ENV already
-                runtime_env=None if token else _worker_runtime_env(),
+                runtime_env=runtime_env,
             )
     except ConnectionError as err:
         raise SessionError(

@@ -259,6 +259,13 @@ def test_pack_spans_nodes_keeps_tp_groups_and_matches_reference(
         from mxload.orchestrator.runtime.shared_reads import node_ids
 
         assert node_numbers(node_ids(run.actors, 60)) == [0, 0, 1, 1]
+        # a cluster mxload did not start passes the workers' environment through the
+        # job's runtime_env
+        if "OMP_WAIT_POLICY" not in os.environ:
+            import ray
+
+            policy = run.actors[3].__ray_call__.remote(lambda _: os.environ.get("OMP_WAIT_POLICY"))
+            assert ray.get(policy, timeout=60) == "PASSIVE"
     finally:
         run.shutdown()
     _check_placement(manifest, _alive_nodes())
