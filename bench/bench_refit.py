@@ -32,7 +32,6 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -165,50 +164,6 @@ def link_rate(kind: str, nbytes: int, bucket: int, repeats: int) -> float:
     return statistics.median(rates[1:])
 
 
-class TrainerRanks:
-    """The trainer's ranks as processes of their own (``tests/refit_trainer.py``, one JSON
-    command a line): their conversions share neither this process's GIL nor its kernel
-    lock with the engine rank, as a real trainer's would not."""
-
-    def __init__(self, world: int) -> None:
-        root = Path(__file__).resolve().parents[1]
-        self.procs = [
-            subprocess.Popen(
-                [sys.executable, "-m", "tests.refit_trainer", str(r), str(world)],
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                text=True,
-                cwd=root,
-            )
-            for r in range(world)
-        ]
-
-    def post(self, **cmd: Any) -> None:
-        """Send ``cmd`` to every rank; :meth:`replies` collects their answers."""
-        for p in self.procs:
-            assert p.stdin is not None
-            p.stdin.write(json.dumps(cmd) + "\n")
-            p.stdin.flush()
-
-    def replies(self) -> list[dict[str, Any]]:
-        out = []
-        for r, p in enumerate(self.procs):
-            assert p.stdout is not None
-            line = p.stdout.readline()
-            if not line:
-                raise RuntimeError(f"trainer rank {r} exited (status {p.wait()})")
-            reply = json.loads(line)
-            if not reply["ok"]:
-                raise RuntimeError(f"trainer rank {r}: {reply['error']}\n{reply.get('tb', '')}")
-            out.append(reply)
-        return out
-
-    def close(self) -> None:
-        self.post(op="exit")
-        for p in self.procs:
-            p.wait(timeout=120)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--work", default="", help="folder for the checkpoints (default: a temp dir)")
@@ -247,9 +202,14 @@ def main() -> None:
     facts = EngineFacts(layout, 0, 0, 0, "mxload", {})
     storage_engine = Attachment(fp8, facts, engine_params(model))
 
-    from tests.refit_trainer import free_port
+    from tests.refit_trainer import Trainers, free_port
 
-    trainer = TrainerRanks(2)
+    def answered(replies: list[dict[str, Any]]) -> None:
+        for r, reply in enumerate(replies):
+            if not reply["ok"]:
+                raise RuntimeError(f"trainer rank {r}: {reply['error']}\n{reply.get('tb', '')}")
+
+    trainer = Trainers(2)
     groups: dict[str, Attachment] = {}
     for name, kind, conv in (
         ("refit shm", "shm", "receiver"),
@@ -268,9 +228,9 @@ def main() -> None:
             "timeout_s": 600,
         }
         eng = Attachment(fp8, facts, engine_params(model))
-        trainer.post(op="join", name=name, src=fp8, layout={"tp": 1}, trainer=form)
+        trainer.post({"op": "join", "name": name, "src": fp8, "layout": {"tp": 1}, "trainer": form})
         eng.attach_trainer(form)
-        trainer.replies()
+        answered(trainer.replies())
         groups[name] = eng
 
     steps = itertools.count(1)
@@ -282,9 +242,9 @@ def main() -> None:
         def run() -> None:
             step = next(steps)
             delta = {"delta_of": step - 1} if kw else {}
-            trainer.post(op="send", name=name, step=step, weights=twin, **delta, **kw)
+            trainer.post({"op": "send", "name": name, "step": step, "weights": twin, **delta, **kw})
             stats[name].append(eng.refit(step, h, **delta))
-            trainer.replies()
+            answered(trainer.replies())
 
         return run
 

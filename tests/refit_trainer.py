@@ -26,8 +26,10 @@ import json
 import os
 import signal
 import socket
+import subprocess
 import sys
 import traceback
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -88,6 +90,56 @@ def die_after(sender: MxloadSender, messages: int, sig: int = signal.SIGKILL) ->
         real(peer, buf)
 
     transport.send = send
+
+
+class Trainers:
+    """The trainer's ranks: one process of this module each, driven by JSON lines (the
+    refit tests and ``bench/bench_refit.py``)."""
+
+    def __init__(self, world: int) -> None:
+        self.world = world
+        self.procs: list[subprocess.Popen[str]] = []
+        for r in range(world):
+            self.start(r)
+
+    def start(self, rank: int) -> None:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "tests.refit_trainer", str(rank), str(self.world)],
+            cwd=Path(__file__).resolve().parents[1],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        if rank < len(self.procs):
+            self.procs[rank] = proc
+        else:
+            self.procs.append(proc)
+
+    def post(self, cmd: dict[str, Any], ranks: list[int] | None = None) -> None:
+        for r in ranks if ranks is not None else range(self.world):
+            stdin = self.procs[r].stdin
+            assert stdin is not None
+            stdin.write(json.dumps(cmd) + "\n")
+            stdin.flush()
+
+    def replies(self, ranks: list[int] | None = None) -> list[dict[str, Any]]:
+        out = []
+        for r in ranks if ranks is not None else range(self.world):
+            stdout = self.procs[r].stdout
+            assert stdout is not None
+            line = stdout.readline()
+            out.append(json.loads(line) if line else {"ok": False, "error": "process ended"})
+        return out
+
+    def close(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                try:
+                    self.post({"op": "exit"}, [self.procs.index(p)])
+                    p.wait(timeout=20)
+                except (OSError, subprocess.TimeoutExpired):
+                    p.kill()
+                    p.wait()
 
 
 def main() -> None:

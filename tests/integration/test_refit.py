@@ -12,14 +12,10 @@ are also compared with a checkpoint reload of the same BF16 weights.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
-import subprocess
-import sys
 import threading
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -33,12 +29,11 @@ from mxload.orchestrator.runtime.catalog import open_checkpoint
 from safetensors import safe_open
 
 from tests.reference_model import Layout, RefCheckpoint, compare_rank, expected_rank
-from tests.refit_trainer import free_port
+from tests.refit_trainer import Trainers, free_port
 from tests.unit.test_engine_ext import _engine_model
 
 pytestmark = pytest.mark.slow
 
-ROOT = Path(__file__).resolve().parents[2]
 LAYOUT = ParallelLayout(tp=2, dp=2, enable_expert_parallel=True)
 REF = Layout(tp=2, dp=2, ep=True)
 BUCKET = 64 << 10
@@ -54,55 +49,6 @@ def shapes_of(path: str) -> dict[str, tuple[int, ...]]:
                 for n in st.keys():
                     out[n] = tuple(st.get_slice(n).get_shape())
     return out
-
-
-class Trainers:
-    """The trainer's ranks: one process each, driven by JSON lines."""
-
-    def __init__(self, world: int) -> None:
-        self.world = world
-        self.procs: list[subprocess.Popen[str]] = []
-        for r in range(world):
-            self.start(r)
-
-    def start(self, rank: int) -> None:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "tests.refit_trainer", str(rank), str(self.world)],
-            cwd=ROOT,
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-        )
-        if rank < len(self.procs):
-            self.procs[rank] = proc
-        else:
-            self.procs.append(proc)
-
-    def post(self, cmd: dict[str, Any], ranks: list[int] | None = None) -> None:
-        for r in ranks if ranks is not None else range(self.world):
-            stdin = self.procs[r].stdin
-            assert stdin is not None
-            stdin.write(json.dumps(cmd) + "\n")
-            stdin.flush()
-
-    def replies(self, ranks: list[int] | None = None) -> list[dict[str, Any]]:
-        out = []
-        for r in ranks if ranks is not None else range(self.world):
-            stdout = self.procs[r].stdout
-            assert stdout is not None
-            line = stdout.readline()
-            out.append(json.loads(line) if line else {"ok": False, "error": "process ended"})
-        return out
-
-    def close(self) -> None:
-        for p in self.procs:
-            if p.poll() is None:
-                try:
-                    self.post({"op": "exit"}, [self.procs.index(p)])
-                    p.wait(timeout=20)
-                except (OSError, subprocess.TimeoutExpired):
-                    p.kill()
-                    p.wait()
 
 
 def on_threads(fns: list[Callable[[], Any]]) -> list[Any]:

@@ -27,7 +27,6 @@ from mxload.orchestrator.runtime.catalog import open_checkpoint
 from tests.integration.test_refit import (
     LAYOUT,
     Engine,
-    Trainers,
     assert_same_as_reload,
     assert_steps_exact,
     expected,
@@ -37,6 +36,7 @@ from tests.integration.test_refit import (
     trainer_form,
 )
 from tests.reference_model import compare_rank
+from tests.refit_trainer import Trainers
 
 pytestmark = pytest.mark.slow
 
