@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -106,16 +107,15 @@ class TrainerManifest:
         at its first (what a checkpoint of the trainer writes from each node)."""
         # tensors of one shape share their placement: each (placement, shape, dtype) is
         # walked once and counted as often as tensors hold it
-        times: dict[tuple[int, tuple[int, ...], str], list[Any]] = {}
+        first: dict[tuple[int, tuple[int, ...], str], TrainerTensor] = {}
+        times: Counter[tuple[int, tuple[int, ...], str]] = Counter()
         for t in self.tensors:
             key = (id(t.placement), t.shape, t.dtype)
-            seen = times.get(key)
-            if seen is None:
-                times[key] = [t, 1]
-            else:
-                seen[1] += 1
+            first.setdefault(key, t)
+            times[key] += 1
         out: dict[int, int] = {}
-        for t, count in times.values():
+        for key, t in first.items():
+            count = times[key]
             nbytes = t.nbytes
             for s in t.placement:
                 node = self.node_of(s.rank)
