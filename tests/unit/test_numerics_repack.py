@@ -142,11 +142,14 @@ def test_pack_refuses_mismatched_groups() -> None:
         (70, 36, 72, 0),  # K off the blocks: its last 4 columns by bytes
         (33, 17, 50, 17),  # both edges, an item of 33 rows
         (1, 32, 1, 0),
+        (200, 48, 320, 64),  # 64-byte lines: three 64-row line groups, then 8 rows of bytes
+        (130, 40, 192, 0),  # lines, with K's last 8 columns by bytes
     ],
 )
-def test_put_columns_is_the_transposing_copy(n: int, k: int, n_total: int, row0: int) -> None:
-    """The numba column writer writes what torch's transposing copy does, and nothing
-    outside the chunk's columns (numba is a dependency: its kernels run here)."""
+def test_row_writer_transposes_as_torch_does(n: int, k: int, n_total: int, row0: int) -> None:
+    """The numba row writer's payload part writes what torch's transposing copy does, and
+    nothing outside the chunk's columns, on one thread and on two (numba is a dependency:
+    its kernels run here)."""
     from mxload.workers.numerics import kernels
 
     assert kernels.available(), kernels.unavailable_reason()
@@ -155,16 +158,43 @@ def test_put_columns_is_the_transposing_copy(n: int, k: int, n_total: int, row0:
     before = torch.randint(0, 256, (k, n_total), dtype=torch.uint8, generator=g)
     want = before.clone()
     want[:, row0 : row0 + n] = payload.t()
-    got = before.clone()
-    kernels.run_columns(payload.numpy(), n, k, got.view(-1).numpy(), row0, 2)
-    assert torch.equal(got, want)
-    got = before.clone()  # and through the row writer
-    repack._put_columns(got.view(torch.float8_e4m3fn), payload.view(torch.float8_e4m3fn), row0)
-    assert torch.equal(got, want)
+    none = np.empty(0, dtype=np.uint8)
+    for threads, parallel_from in ((1, 0), (2, 0), (2, kernels.PARALLEL_ROWS_BYTES)):
+        got = before.clone()
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(kernels, "PARALLEL_ROWS_BYTES", parallel_from)
+            kernels.run_rows(payload.numpy(), k, got.view(-1).numpy(), none, 0, none, row0, threads)
+        assert torch.equal(got, want), (threads, parallel_from)
+
+
+@pytest.mark.parametrize(("n", "k", "n_total", "row0"), [(64, 64, 128, 64), (100, 96, 300, 7)])
+def test_write_rows_takes_strided_chunks(n: int, k: int, n_total: int, row0: int) -> None:
+    """A chunk that is a view (a K slice of a wider result) is written as its contiguous
+    copy would be, by the kernel, scales included."""
+    g = torch.Generator().manual_seed(n + k)
+    wide = torch.randint(0, 256, (n, 2 * k), dtype=torch.uint8, generator=g)
+    wide_s = torch.randint(0, 256, (n, 2 * k // 32), dtype=torch.uint8, generator=g)
+    payload, scale = wide[:, k:], wide_s[:, k // 32 :]
+    assert not payload.is_contiguous() and not scale.is_contiguous()
+    bufs = [
+        (
+            torch.zeros((k, n_total), dtype=torch.uint8).view(torch.float8_e4m3fn),
+            torch.zeros(((k // 32 + 1) // 2, n_total, 2), dtype=torch.uint8),
+        )
+        for _ in range(2)
+    ]
+    for (wb, sb), (p, s) in zip(
+        bufs, [(payload, scale), (payload.clone(), scale.clone())], strict=True
+    ):
+        repack.write_rows(wb, sb, p.view(torch.float8_e4m3fn), s, row0)
+    assert torch.equal(bufs[0][0].view(torch.uint8), bufs[1][0].view(torch.uint8))
+    assert torch.equal(bufs[0][1], bufs[1][1])
+    assert torch.equal(bufs[0][0].view(torch.uint8)[:, row0 : row0 + n], payload.t())
+    assert torch.equal(repack.unpack_scale(bufs[0][1], k // 32)[row0 : row0 + n], scale)
 
 
 @pytest.mark.parametrize(("n", "g", "n_total", "row0"), [(5, 4, 9, 3), (7, 3, 7, 0), (1, 1, 4, 2)])
-def test_put_pairs_is_the_paired_scale_layout(n: int, g: int, n_total: int, row0: int) -> None:
+def test_row_writer_pairs_the_scales(n: int, g: int, n_total: int, row0: int) -> None:
     """The numba scale writer: ``buf[j, row0 + i, p] = scale[i, 2j + p]``, the pad byte
     of an odd ``g`` 0, nothing outside the chunk's columns (spelled out per element)."""
     from mxload.workers.numerics import kernels
@@ -179,9 +209,21 @@ def test_put_pairs_is_the_paired_scale_layout(n: int, g: int, n_total: int, row0
         for j in range(pairs):
             for p in range(2):
                 want[j, row0 + i, p] = scale[i, 2 * j + p] if 2 * j + p < g else 0
-    got = before.clone()
-    kernels.run_pairs(scale.numpy(), n, g, got.view(-1).numpy(), row0, 2)
-    assert torch.equal(got, want)
+    for threads in (1, 2):
+        got = before.clone()
+        payload = torch.zeros((n, 32 * g), dtype=torch.uint8)
+        q = torch.zeros((32 * g) * n_total, dtype=torch.uint8)
+        kernels.run_rows(
+            payload.numpy(),
+            32 * g,
+            q.numpy(),
+            scale.numpy(),
+            g,
+            got.view(-1).numpy(),
+            row0,
+            threads,
+        )
+        assert torch.equal(got, want)
 
 
 def test_column_writer_refuses_a_strided_output_and_writes_nothing() -> None:
@@ -193,5 +235,5 @@ def test_column_writer_refuses_a_strided_output_and_writes_nothing() -> None:
     buf = np.full(2 * 16 * 17, 0xA5, dtype=np.uint8)
     src = np.arange(16 * 16, dtype=np.uint8).reshape(16, 16)
     with pytest.raises(NumericsError, match="not one contiguous run"):
-        kernels.run_columns(src, 16, 16, buf[::2], 1, 1)
+        kernels.run_rows(src, 16, buf[::2], src[:, :0], 0, buf[:0], 1, 1)
     assert (buf == 0xA5).all()

@@ -646,7 +646,20 @@ order: vectors ``2i`` and ``2i + 1`` of the next round). After the last, vector 
 holds column ``c``."""
 
 
-def _transpose16_codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+def _columns16(builder: Any, rows: list[Any]) -> list[Any]:
+    """Sixteen 16-byte row vectors -> the sixteen column vectors (the :data:`_ROUNDS`)."""
+    for width, pairs in _ROUNDS:
+        masks = [ir.Constant(ir.VectorType(ir.IntType(32), 16), _interleave(width, hi))
+                 for hi in (False, True)]  # fmt: skip
+        rows = [builder.shuffle_vector(rows[a], rows[b], m) for a, b in pairs for m in masks]
+    return rows
+
+
+def _transpose_codegen(
+    context: Any, builder: Any, signature: Any, args: Any, *, row_blocks: int
+) -> Any:
+    """``row_blocks`` = 1: a 16x16 block, sixteen 16-byte stores. ``row_blocks`` = 4: 64
+    rows x 16 columns, each output row one whole 64-byte line stored non-temporally."""
     src, s_off, s_stride, dst, d_off, d_stride = args
     i64 = types.int64
     s_off, s_stride, d_off, d_stride = (
@@ -659,27 +672,58 @@ def _transpose16_codegen(context: Any, builder: Any, signature: Any, args: Any) 
     )
     s_data = context.make_array(signature.args[0])(context, builder, src).data
     d_data = context.make_array(signature.args[3])(context, builder, dst).data
-    vec = ir.VectorType(ir.IntType(8), 16)
     step = ir.IntType(64)
 
-    def at(data: Any, off: Any, stride: Any, i: int) -> Any:
+    def at(data: Any, off: Any, stride: Any, i: int, width: int) -> Any:
         where = builder.add(off, builder.mul(stride, ir.Constant(step, i)))
-        return builder.bitcast(builder.gep(data, [where]), vec.as_pointer())
+        to = ir.VectorType(ir.IntType(8), width).as_pointer()
+        return builder.bitcast(builder.gep(data, [where]), to)
 
-    rows = [builder.load(at(s_data, s_off, s_stride, r), align=1) for r in range(16)]
-    for width, pairs in _ROUNDS:
-        masks = [ir.Constant(ir.VectorType(ir.IntType(32), 16), _interleave(width, hi))
-                 for hi in (False, True)]  # fmt: skip
-        rows = [builder.shuffle_vector(rows[a], rows[b], m) for a, b in pairs for m in masks]
+    blocks = [
+        _columns16(builder, [builder.load(at(s_data, s_off, s_stride, 16 * q + r, 16), align=1)
+                             for r in range(16)])
+        for q in range(row_blocks)
+    ]  # fmt: skip
+    if row_blocks == 1:
+        for c in range(16):
+            builder.store(blocks[0][c], at(d_data, d_off, d_stride, c, 16), align=1)
+        return context.get_dummy_value()
+    halves = ir.Constant(ir.VectorType(ir.IntType(32), 32), list(range(32)))
+    whole = ir.Constant(ir.VectorType(ir.IntType(32), 64), list(range(64)))
+    nontemporal = builder.module.add_metadata([ir.Constant(ir.IntType(32), 1)])
     for c in range(16):
-        builder.store(rows[c], at(d_data, d_off, d_stride, c), align=1)
+        lo = builder.shuffle_vector(blocks[0][c], blocks[1][c], halves)
+        hi = builder.shuffle_vector(blocks[2][c], blocks[3][c], halves)
+        line = builder.shuffle_vector(lo, hi, whole)
+        store = builder.store(line, at(d_data, d_off, d_stride, c, 64), align=64)
+        store.set_metadata("nontemporal", nontemporal)
     return context.get_dummy_value()
 
 
 def _transpose16_typing(
     typingctx: Any, src: Any, s_off: Any, s_stride: Any, dst: Any, d_off: Any, d_stride: Any
 ) -> Any:
-    return types.void(src, s_off, s_stride, dst, d_off, d_stride), _transpose16_codegen
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        return _transpose_codegen(context, builder, signature, args, row_blocks=1)
+
+    return types.void(src, s_off, s_stride, dst, d_off, d_stride), codegen
+
+
+def _transpose64_typing(
+    typingctx: Any, src: Any, s_off: Any, s_stride: Any, dst: Any, d_off: Any, d_stride: Any
+) -> Any:
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        return _transpose_codegen(context, builder, signature, args, row_blocks=4)
+
+    return types.void(src, s_off, s_stride, dst, d_off, d_stride), codegen
+
+
+def _store_fence_typing(typingctx: Any) -> Any:
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        builder.fence("seq_cst")
+        return context.get_dummy_value()
+
+    return types.void(), codegen
 
 
 _transpose16: Any = intrinsic(_transpose16_typing) if numba is not None else None
@@ -689,6 +733,17 @@ sixteen 16-byte loads, four rounds of interleaving shuffles (``punpck*`` on x86,
 ``zip1``/``zip2`` on Arm) and sixteen stores. numba has no vector shuffles of its own;
 LLVM's ``shufflevector`` is portable IR."""
 
+_transpose64: Any = intrinsic(_transpose64_typing) if numba is not None else None
+"""``_transpose64(...)``: as :func:`_transpose16` for 64 rows (r < 64), each output row's
+64 bytes one aligned non-temporal store (``dst`` + ``d_off`` and ``d_stride`` must be
+multiples of 64). Output that bypasses the cache skips reading every line before writing
+it: a reload's buffers are gigabytes nobody reads until the engine runs. 1.5-3x the
+GB/s of :func:`_transpose16` stores on cold buffers here (docs/numerics.md)."""
+
+_store_fence: Any = intrinsic(_store_fence_typing) if numba is not None else None
+"""A full fence: orders non-temporal stores before whatever this thread does next (the
+end of a parallel region included)."""
+
 
 @_jit()
 def _transpose_bytes(
@@ -696,14 +751,22 @@ def _transpose_bytes(
     n_total: int,
 ) -> None:  # fmt: skip
     """Rows ``src[s_off + i * s_stride :][:k]`` (i < nr) as columns ``[col, col + nr)`` of
-    the flat ``q [k, n_total]``: 16x16 blocks in vector registers, the edges a byte at a
-    time. Blocks go down the rows within one 16-column band: an item of 64 rows fills
-    whole 64-byte lines of ``q``, and its source lines stay in cache for the next band."""
+    the flat ``q [k, n_total]``: blocks in vector registers, the edges a byte at a time.
+    Where ``q``'s rows are 64-byte aligned at ``col``, 64 rows at a time go out as whole
+    lines, non-temporally (:func:`_transpose64`); otherwise 16x16 blocks go down the rows
+    within one 16-column band. Either way an item's source lines stay in cache for the
+    next band."""
     n16 = nr // 16 * 16
     k16 = k // 16 * 16
+    lines = n_total % 64 == 0 and (q.ctypes.data + col) % 64 == 0
+    n64 = nr // 64 * 64 if lines else 0
     for c in range(0, k16, 16):
-        for i in range(0, n16, 16):
+        for i in range(0, n64, 64):
+            _transpose64(src, s_off + i * s_stride + c, s_stride, q, c * n_total + col + i, n_total)
+        for i in range(n64, n16, 16):
             _transpose16(src, s_off + i * s_stride + c, s_stride, q, c * n_total + col + i, n_total)
+    if n64 and k16:
+        _store_fence()
     for c in range(k16):
         o = c * n_total + col
         for i in range(n16, nr):
@@ -715,27 +778,27 @@ def _transpose_bytes(
 
 
 @_jit(parallel=True)
-def _columns_kernel(src: np.ndarray, n: int, k: int, q: np.ndarray, n_total: int, col: int) -> None:
-    """Rows ``src [n, k]`` (row-major) as columns ``[col, col + n)`` of ``q [k, n_total]``:
-    64-row items in parallel (:func:`_transpose_bytes`)."""
+def _rows_kernel(
+    src: np.ndarray, n: int, k: int, q: np.ndarray, n_total: int, col: int,
+    s: np.ndarray, g: int, out: np.ndarray,
+) -> None:  # fmt: skip
+    """Rows ``src [n, k]`` (row-major) as columns ``[col, col + n)`` of ``q [k, n_total]``
+    (:func:`_transpose_bytes`), and their scales ``s [n, g]`` as the same columns of the
+    paired layout ``out [ceil(g/2), n_total, 2]`` (flat): ``out[j, col + i, p] =
+    s[i, 2j + p]``, the pad byte of an odd ``g`` written 0. 64-row items in parallel, both
+    parts in one launch (a launch wakes the sleeping OpenMP threads: tens of µs)."""
     for item in prange((n + 63) // 64):
         r0 = item * 64
-        _transpose_bytes(src, r0 * k, k, min(n, r0 + 64) - r0, k, q, col + r0, n_total)
-
-
-@_jit(parallel=True)
-def _pairs_kernel(s: np.ndarray, n: int, g: int, out: np.ndarray, n_total: int, col: int) -> None:
-    """Row-major scales ``s [n, g]`` as columns ``[col, col + n)`` of the paired layout
-    ``out [ceil(g/2), n_total, 2]`` (flat): ``out[j, col + i, p] = s[i, 2j + p]``, the pad
-    byte of an odd ``g`` written 0."""
-    for j in prange((g + 1) // 2):
-        base = j * n_total + col
-        g0 = 2 * j
-        odd = g0 + 1 == g
-        for i in range(n):
-            o = (base + i) * 2
-            out[o] = s[i * g + g0]
-            out[o + 1] = 0 if odd else s[i * g + g0 + 1]
+        r1 = min(n, r0 + 64)
+        _transpose_bytes(src, r0 * k, k, r1 - r0, k, q, col + r0, n_total)
+        for j in range((g + 1) // 2):
+            g0 = 2 * j
+            odd = g0 + 1 == g
+            base = j * n_total + col
+            for i in range(r0, r1):
+                o = (base + i) * 2
+                out[o] = s[i * g + g0]
+                out[o + 1] = 0 if odd else s[i * g + g0 + 1]
 
 
 @_jit()
@@ -1022,6 +1085,9 @@ LOCK = threading.Lock()
 _INIT_LOCK = threading.Lock()
 _AVAILABLE: bool | None = None
 _UNAVAILABLE_REASON: str | None = _NUMBA_IMPORT_ERROR
+PARALLEL_ROWS_BYTES = 512 * 1024
+"""Payload bytes under which :func:`run_rows` runs on one thread: waking a sleeping
+OpenMP thread costs about 40 µs here, the time one thread transposes some 300 KB in."""
 _MAX_ROWS_PER_ITEM = 128
 """Rows per parallel work item, at most. An item never crosses a tile row, so with the
 usual 128-row tiles it is a whole tile row: it walks source rows in memory order, and
@@ -1183,28 +1249,30 @@ def run_convert_parts(
         )  # fmt: skip
 
 
-def run_columns(src: np.ndarray, n: int, k: int, q: np.ndarray, col: int, threads: int) -> None:
-    """Write ``src`` (uint8 ``[n, k]``, C-contiguous) as columns ``[col, col + n)`` of the
-    flat uint8 ``q`` holding ``[k, n_total]`` row-major (``n_total = q.size // k``): the
-    transpose a row-major MX payload takes into the kernel layout (docs/contract.md §2.3)."""
-    if n == 0 or k == 0:
+def run_rows(
+    src: np.ndarray, k: int, q: np.ndarray, s: np.ndarray, g: int, out: np.ndarray,
+    col: int, threads: int,
+) -> None:  # fmt: skip
+    """Write the rows of one MX result as columns ``[col, col + n)`` of the kernel layout
+    (docs/contract.md §2.3): the payload ``src`` (uint8 ``[n, k]``, C-contiguous) into the
+    flat uint8 ``q`` holding ``[k, n_total]`` (``n_total = q.size // k``), its scales
+    ``s`` (uint8 ``[n, g]``, C-contiguous) into the flat uint8 ``out`` holding
+    ``[ceil(g/2), n_total, 2]``, the pad byte of an odd ``g`` zeroed (``g = 0``: the
+    payload alone). Under :data:`PARALLEL_ROWS_BYTES` of payload it runs on one thread: a
+    launch on more wakes sleeping threads, which costs more than it saves there."""
+    n = src.size // k if k else 0
+    if n == 0:
         return
-    _flat_output(q, "run_columns")
+    _flat_output(q, "run_rows")
+    _flat_output(out, "run_rows")
+    if s.size != n * g or out.size != 2 * ((g + 1) // 2) * (q.size // k):
+        raise NumericsError(
+            f"run_rows: {n} rows of K = {k} need {n * g} scale bytes (got {s.size}) and a "
+            f"paired scale buffer of {2 * ((g + 1) // 2) * (q.size // k)} bytes (got {out.size})"
+        )
     with LOCK:
-        set_threads(threads)
-        _columns_kernel(src.reshape(-1), n, k, q, q.size // k, col)
-
-
-def run_pairs(s: np.ndarray, n: int, g: int, out: np.ndarray, col: int, threads: int) -> None:
-    """Write the scales ``s`` (uint8 ``[n, g]``, C-contiguous) as columns ``[col, col + n)``
-    of the flat uint8 ``out`` holding the paired layout ``[ceil(g/2), n_total, 2]``
-    (docs/contract.md §2.3), the pad byte of an odd ``g`` zeroed."""
-    if n == 0 or g == 0:
-        return
-    n_total = out.size // (2 * ((g + 1) // 2))
-    with LOCK:
-        set_threads(threads)
-        _pairs_kernel(s.reshape(-1), n, g, out, n_total, col)
+        set_threads(threads if src.size >= PARALLEL_ROWS_BYTES else 1)
+        _rows_kernel(src.reshape(-1), n, k, q, q.size // k, col, s.reshape(-1), g, out)
 
 
 def run_mx(
@@ -1260,16 +1328,27 @@ def _self_test() -> None:
     # reference, and the columns around stay 0.
     src = np.arange(17 * 20, dtype=np.uint8).reshape(17, 20)
     q21 = np.zeros(20 * 21, dtype=np.uint8)
-    run_columns(src, 17, 20, q21, 3, 1)
+    run_rows(src, 20, q21, src[:, :0], 0, q21[:0], 3, 1)
     cols = q21.reshape(20, 21)
     if not (cols[:, 3:20] == src.T).all() or cols[:, :3].any() or cols[:, 20:].any():
-        raise RuntimeError("columns self-test: the transpose is wrong")
-    # 3 groups (odd) of 2 rows as columns 1..2 of [2 pairs, 4, 2]: pairs, then pad 0.
+        raise RuntimeError("rows self-test: the transpose is wrong")
+    # 64 rows of 16 bytes into a 64-byte aligned [16, 128] at column 64: whole lines,
+    # stored non-temporally.
+    src64 = (np.arange(64 * 16) % 251).astype(np.uint8).reshape(64, 16)
+    room = np.zeros(16 * 128 + 64, dtype=np.uint8)
+    q128 = room[(-room.ctypes.data) % 64 :][: 16 * 128]
+    run_rows(src64, 16, q128, src64[:, :0], 0, q128[:0], 64, 1)
+    lines = q128.reshape(16, 128)
+    if not (lines[:, 64:] == src64.T).all() or lines[:, :64].any():
+        raise RuntimeError("rows self-test: the transpose in lines is wrong")
+    # Scales of 3 groups (odd) of 2 rows of K = 96 as columns 1..2 of [2 pairs, 4, 2]:
+    # pairs, then pad 0, the columns around untouched.
     pairs = np.full(2 * 4 * 2, 9, dtype=np.uint8)
-    run_pairs(np.array([[1, 2, 3], [4, 5, 6]], dtype=np.uint8), 2, 3, pairs, 1, 1)
+    scales = np.array([[1, 2, 3], [4, 5, 6]], dtype=np.uint8)
+    run_rows(np.zeros((2, 96), np.uint8), 96, np.zeros(96 * 4, np.uint8), scales, 3, pairs, 1, 1)
     want_pairs = [9, 9, 1, 2, 4, 5, 9, 9, 9, 9, 3, 0, 6, 0, 9, 9]
     if pairs.tolist() != want_pairs:
-        raise RuntimeError(f"pairs self-test gave {pairs.tolist()}")
+        raise RuntimeError(f"rows self-test gave scale pairs {pairs.tolist()}")
 
 
 def available() -> bool:

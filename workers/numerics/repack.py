@@ -155,8 +155,8 @@ def unpack_moe(
 
 
 def _kernels_take(*tensors: torch.Tensor) -> bool:
-    """Whether the numba kernels can write these tensors: contiguous, on the CPU, and
-    the kernels compiled here."""
+    """Whether the numba kernels can write into these tensors: contiguous, on the CPU,
+    and the kernels compiled here."""
     if not all(t.device.type == "cpu" and t.is_contiguous() for t in tensors):
         return False
     from . import kernels
@@ -164,36 +164,29 @@ def _kernels_take(*tensors: torch.Tensor) -> bool:
     return kernels.available()
 
 
-def _put_columns(weight_buf: torch.Tensor, payload: torch.Tensor, row0: int) -> None:
-    """``weight_buf[:, row0 : row0 + n] = payload.t()``: a transposing copy, which torch
-    does a byte at a time (0.1-1 GB/s); the numba kernel (``kernels.run_columns``) does it
-    16x16 bytes at a time in vector registers on the worker's threads. Same bytes either way."""
-    n = payload.shape[0]
-    if _kernels_take(weight_buf, payload):
-        from . import kernels
-
-        kernels.run_columns(
-            payload.view(torch.uint8).numpy(),
-            n,
-            payload.shape[1],
-            weight_buf.view(torch.uint8).view(-1).numpy(),
-            row0,
-            torch.get_num_threads(),
-        )
-        return
-    weight_buf[:, row0 : row0 + n].copy_(payload.t())
-
-
-def _put_pairs(buf_u8: torch.Tensor, scale_u8: torch.Tensor, row0: int) -> bool:
-    """The scales' part of :func:`write_rows` by the numba kernel (``kernels.run_pairs``;
-    torch's strided copy goes a byte at a time); False where it does not run."""
-    if not _kernels_take(buf_u8, scale_u8):
+def _put_rows(
+    weight_buf: torch.Tensor, buf_u8: torch.Tensor, payload: torch.Tensor, scale_u8: torch.Tensor,
+    row0: int,
+) -> bool:  # fmt: skip
+    """The chunk's columns of both buffers by the numba kernel (``kernels.run_rows``): 16x16
+    bytes at a time in vector registers, on the worker's threads, in one launch. torch's
+    transposing copy goes a byte at a time (0.1-1 GB/s), so a strided chunk is made
+    contiguous first. False where it does not run."""
+    on_cpu = payload.device.type == "cpu" and scale_u8.device.type == "cpu"
+    if not (on_cpu and _kernels_take(weight_buf, buf_u8)):
         return False
     from . import kernels
 
-    n, g = scale_u8.shape
-    kernels.run_pairs(
-        scale_u8.numpy(), n, g, buf_u8.view(-1).numpy(), row0, torch.get_num_threads()
+    payload, scale_u8 = payload.contiguous(), scale_u8.contiguous()
+    kernels.run_rows(
+        payload.view(torch.uint8).numpy(),
+        payload.shape[1],
+        weight_buf.view(torch.uint8).view(-1).numpy(),
+        scale_u8.numpy(),
+        scale_u8.shape[1],
+        buf_u8.view(-1).numpy(),
+        row0,
+        torch.get_num_threads(),
     )
     return True
 
@@ -240,11 +233,9 @@ def write_rows(
             f"scale {tuple(scale_u8.shape)} do not fit weight_buf {tuple(weight_buf.shape)} / "
             f"scale_buf {tuple(buf_u8.shape)}"
         )
-    if n == 0:
+    if n == 0 or _put_rows(weight_buf, buf_u8, payload, scale_u8, row0):
         return
-    _put_columns(weight_buf, payload, row0)
-    if _put_pairs(buf_u8, scale_u8, row0):
-        return
+    weight_buf[:, row0 : row0 + n].copy_(payload.t())
     # [n, pairs, 2] view of the chunk's slots: [j, r, p] of the buffer <- scale[r, 2j + p].
     slots = buf_u8[:, row0 : row0 + n, :].permute(1, 0, 2)
     full = g // MX_PAIR
