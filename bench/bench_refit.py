@@ -19,7 +19,9 @@ same 64 MiB buckets, two sender threads to one receiver), the receiver's own tim
 (its loader's convert-and-write seconds, not reading or waiting for bytes) with
 sender-side conversion over its time with BF16 on the wire (in the refits, where the
 trainer processes share the two cores with it, and alone: reloads of the MXFP8 and BF16
-forms of the same weights from checkpoints), and the bytes a delta sends when half the
+forms of the same weights from checkpoints, and in refits with the engine rank and the
+trainer processes pinned to cores of their own), the engine rank's CPU seconds per refit
+(receiving, converting and writing: this process's), and the bytes a delta sends when half the
 tensors are unchanged over a full refit's. The load average before and after is printed: the
 machine is small and shared, so the ratios are the figures to read.
 """
@@ -35,6 +37,7 @@ import statistics
 import sys
 import tempfile
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -164,6 +167,67 @@ def link_rate(kind: str, nbytes: int, bucket: int, repeats: int) -> float:
     return statistics.median(rates[1:])
 
 
+def _pin(pid: int, cpus: set[int]) -> None:
+    """Every thread of process ``pid`` onto ``cpus`` (threads it starts later inherit it)."""
+    for task in os.listdir(f"/proc/{pid}/task"):
+        os.sched_setaffinity(int(task), cpus)
+
+
+def pinned_refits(
+    trainer: Any, refit_fn: Any, stats: dict[str, list[dict[str, Any]]], repeats: int
+) -> dict[str, Any]:
+    """The BF16 and the sender-side shm refits, alternating, with this process (the engine
+    rank) on the last core and the trainer processes on the others, the engine rank's
+    threads set to its cores; afterwards everything gets every core back. Medians of
+    ``repeats`` after one warm-up of each: the engine rank's convert-and-write seconds
+    and its process's CPU seconds."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        return {"skipped": "one core"}
+    mine, theirs = {cores[-1]}, set(cores[:-1])
+    threads = torch.get_num_threads()
+    names = ("refit shm", "refit shm, convert on sender")
+    got: dict[str, list[dict[str, Any]]] = {n: [] for n in names}
+    try:
+        _pin(os.getpid(), mine)
+        for p in trainer.procs:
+            _pin(p.pid, theirs)
+        torch.set_num_threads(len(mine))
+        for _ in range(repeats + 1):
+            for name in names:
+                refit_fn(name)()
+                got[name].append(stats[name][-1])
+    finally:
+        torch.set_num_threads(threads)
+        _pin(os.getpid(), set(cores))
+        for p in trainer.procs:
+            _pin(p.pid, set(cores))
+    out: dict[str, Any] = {"engine_cores": sorted(mine), "trainer_cores": sorted(theirs)}
+    for name in names:
+        runs = got[name][1:]
+        out[name] = {
+            "receiver_seconds": statistics.median(g["convert_seconds"] for g in runs),
+            "receiver_cpu_seconds": statistics.median(g["cpu_seconds"] for g in runs),
+        }
+    bf16, mx = (out[n] for n in names)
+    out["receiver_ratio"] = mx["receiver_seconds"] / bf16["receiver_seconds"]
+    out["receiver_cpu_ratio"] = mx["receiver_cpu_seconds"] / bf16["receiver_cpu_seconds"]
+    return out
+
+
+def own_cores_text(own: dict[str, Any]) -> str:
+    if "skipped" in own:
+        return f"each on cores of its own: skipped ({own['skipped']})\n"
+    bf16, mx = own["refit shm"], own["refit shm, convert on sender"]
+    return (
+        f"each on cores of its own (engine rank {own['engine_cores']}, trainer ranks "
+        f"{own['trainer_cores']}): receiver time ratio {own['receiver_ratio']:.3f} "
+        f"(convert-and-write {mx['receiver_seconds']:.3f} s against {bf16['receiver_seconds']:.3f} s), "
+        f"CPU seconds per refit ratio {own['receiver_cpu_ratio']:.3f} "
+        f"({mx['receiver_cpu_seconds']:.3f} against {bf16['receiver_cpu_seconds']:.3f})\n"
+    )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--work", default="", help="folder for the checkpoints (default: a temp dir)")
@@ -243,7 +307,11 @@ def main() -> None:
             step = next(steps)
             delta = {"delta_of": step - 1} if kw else {}
             trainer.post({"op": "send", "name": name, "step": step, "weights": twin, **delta, **kw})
-            stats[name].append(eng.refit(step, h, **delta))
+            # This process is the engine rank (its receive threads, its kernels' threads):
+            # its CPU seconds over the refit are its own work, however the cores were shared.
+            cpu = time.process_time()
+            got = eng.refit(step, h, **delta)
+            stats[name].append({**got, "cpu_seconds": time.process_time() - cpu})
             answered(trainer.replies())
 
         return run
@@ -266,6 +334,12 @@ def main() -> None:
     full_bytes = stats["refit shm"][-1]["bytes_received"]
     refit_fn("refit shm", changed=half)()
     delta_bytes = stats["refit shm"][-1]["bytes_received"]
+
+    # The refits again with the engine rank and the trainer ranks each on cores of their
+    # own, as on a cluster where they sit on different devices: in the refits above the
+    # trainer ranks' conversion takes the engine rank's cores (sender-side), and their
+    # sending hardly does (BF16), so its seconds there compare unlike machines.
+    own_cores = pinned_refits(trainer, refit_fn, stats, args.repeats)
 
     # The engine rank's own work with nothing else running: its convert-and-write from
     # the BF16 form of the weights and from their MXFP8 form (what the wire carries when
@@ -306,6 +380,7 @@ def main() -> None:
             )
             moved = statistics.median(g["bytes_received"] for g in got)
             row.update(receive_seconds=recv, receiver_seconds=own, bytes_received=moved)
+            row["receiver_cpu_seconds"] = statistics.median(g["cpu_seconds"] for g in got)
             row["in_place_fraction"] = (
                 statistics.median(g["bytes_received_in_place"] for g in got) / moved
             )
@@ -318,6 +393,7 @@ def main() -> None:
                 ratio.text(digits=2, unit="x") if name != "storage" else "1",
                 f"{row['transfer_gb_s']:.2f}" if row.get("transfer_gb_s") else "-",
                 f"{row['receiver_seconds']:.3f}",
+                f"{row['receiver_cpu_seconds']:.3f}" if "receiver_cpu_seconds" in row else "-",
                 f"{row['in_place_fraction']:.2f}" if "in_place_fraction" in row else "-",
             ]
         )
@@ -325,12 +401,17 @@ def main() -> None:
     out["sender_conversion_receiver_ratio"] = (
         rx["refit shm, convert on sender"]["receiver_seconds"] / rx["refit shm"]["receiver_seconds"]
     )
+    out["sender_conversion_receiver_cpu_ratio"] = (
+        rx["refit shm, convert on sender"]["receiver_cpu_seconds"]
+        / rx["refit shm"]["receiver_cpu_seconds"]
+    )
     out["sender_conversion_wire_ratio"] = (
         rx["refit shm, convert on sender"]["bytes_received"] / rx["refit shm"]["bytes_received"]
     )
     out["delta_half_unchanged_bytes_ratio"] = delta_bytes / full_bytes
     out["receiver_seconds_alone"] = own_alone
     out["receiver_ratio_alone"] = own_alone["mxfp8"] / own_alone["bf16"]
+    out["own_cores"] = own_cores
     out["load_average_after"] = load_average()
     table = md_table(
         [
@@ -339,6 +420,7 @@ def main() -> None:
             "/ storage round trip",
             "its link alone, GB/s",
             "engine rank's own convert+write s",
+            "engine rank's CPU s per refit",
             "bytes received in place",
         ],
         rows,
@@ -347,8 +429,11 @@ def main() -> None:
         f"\nsender-side conversion: receiver time ratio {out['sender_conversion_receiver_ratio']:.3f} "
         f"in the refits, {out['receiver_ratio_alone']:.3f} alone (convert-and-write from MXFP8 "
         f"{own_alone['mxfp8']:.3f} s, from BF16 {own_alone['bf16']:.3f} s), "
+        f"engine rank's CPU seconds per refit ratio "
+        f"{out['sender_conversion_receiver_cpu_ratio']:.3f}, "
         f"wire bytes ratio {out['sender_conversion_wire_ratio']:.3f}\n"
-        f"delta with half the tensors unchanged: bytes ratio {out['delta_half_unchanged_bytes_ratio']:.3f}\n"
+        + own_cores_text(own_cores)
+        + f"delta with half the tensors unchanged: bytes ratio {out['delta_half_unchanged_bytes_ratio']:.3f}\n"
         f"load average before {out['machine'].get('load_average_start')}, after {out['load_average_after']}\n"
     )
     print(table + extra, flush=True)
