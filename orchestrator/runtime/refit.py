@@ -57,10 +57,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-DEVICE_TRANSPORTS = ("nccl", "hccl")
-"""Transports whose messages live on the device: refused until the refit's buffers do
-(``workers.transfer.transports`` builds their process groups; nothing has run them)."""
-
 WIRE_ROOT = "trainer://"
 """The root of a trainer source (what ``status`` names as the source of a refit)."""
 
@@ -216,13 +212,6 @@ class TrainerSource:
         if transport not in KINDS:
             raise InputError(
                 f"trainer.transport {transport!r} is not one of {list(KINDS)}",
-                key="trainer.transport",
-            )
-        if transport in DEVICE_TRANSPORTS:
-            raise InputError(
-                f"trainer.transport {transport!r} is not supported yet: a refit's message "
-                "buffers are host memory, which NCCL/HCCL do not send; use 'gloo' (TCP "
-                "between hosts), 'ray' or 'shm' (same node)",
                 key="trainer.transport",
             )
         convert_on = data.get("convert_on", "receiver")

@@ -28,7 +28,7 @@ from mxload.orchestrator.plan.types import ParallelLayout
 from mxload.orchestrator.runtime.catalog import open_checkpoint
 from mxload.orchestrator.runtime.refit import TrainerSource, node_numbers, refit_setup, row_bytes
 from mxload.workers.transfer.exchange import link_buckets
-from mxload.workers.transfer.transports import ShmTransport, make_transport
+from mxload.workers.transfer.transports import ShmTransport, TorchTransport, make_transport
 from mxload.workers.transfer.wire import AreaStorage, ReceiveArea, local_rect, pack
 
 from tests.refit_trainer import free_port, read_checkpoint, shards
@@ -63,8 +63,11 @@ def _exchange(make: Any, messages: list[torch.Tensor]) -> list[torch.Tensor]:
 MESSAGES = [torch.randint(0, 256, (n,), dtype=torch.uint8) for n in (72, 4096, 1, 65536, 300)]
 
 
-@pytest.mark.parametrize("kind", ["gloo", "shm"])
+@pytest.mark.parametrize("kind", ["gloo", "shm", "gloo-through-a-device-buffer"])
 def test_transport_moves_messages_in_order(kind: str, tmp_path) -> None:
+    """Byte-exact, in order, on each kind; the last is the path NCCL and HCCL take (every
+    message through one buffer allocated at start on the member's device), run over gloo
+    with that buffer in host memory."""
     port = free_port()
 
     def make(member: int) -> Any:
@@ -72,6 +75,19 @@ def test_transport_moves_messages_in_order(kind: str, tmp_path) -> None:
             return ShmTransport(
                 member, 1, 2, slot_bytes=1 << 16, group="t", directory=str(tmp_path)
             )
+        if kind == "gloo-through-a-device-buffer":
+            t = TorchTransport(
+                "gloo",
+                [f"127.0.0.1:{port}"],
+                member,
+                2,
+                group="t",
+                timeout_s=20,
+                bounce=torch.device("cpu"),
+                bounce_bytes=1 << 16,
+            )
+            assert t._bounce is not None and t._through(MESSAGES[0]) is not MESSAGES[0]
+            return t
         return make_transport(
             kind,
             addresses=[f"127.0.0.1:{port}"],
@@ -87,6 +103,30 @@ def test_transport_moves_messages_in_order(kind: str, tmp_path) -> None:
     assert all(torch.equal(a, b) for a, b in zip(MESSAGES, got, strict=True))
     if kind == "shm":
         assert list(tmp_path.iterdir()) == []  # the sender removed its segment
+
+
+def test_a_message_over_the_device_buffer_is_refused_naming_its_size() -> None:
+    t = TorchTransport.__new__(TorchTransport)
+    t.kind, t._bounce = "nccl", torch.empty(64, dtype=torch.uint8)
+    with pytest.raises(RunError, match="message of 65 bytes exceeds the 64-byte nccl device"):
+        t.send(1, torch.zeros(65, dtype=torch.uint8))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a CUDA device")
+@pytest.mark.parametrize(("kind", "needs"), [("nccl", "a CUDA device"), ("hccl", "torch_npu")])
+def test_a_device_transport_without_its_device_is_one_line_naming_it(kind: str, needs: str) -> None:
+    with pytest.raises(RunError, match=f"transport '{kind}' needs {needs}") as err:
+        make_transport(
+            kind,
+            addresses=["127.0.0.1:1"],
+            member=0,
+            senders=1,
+            size=2,
+            group="g",
+            timeout_s=1,
+            bucket_bytes=64,
+        )
+    assert "\n" not in str(err.value)
 
 
 def test_shm_names_a_sender_that_is_gone(tmp_path) -> None:
@@ -185,7 +225,6 @@ TRAINER = {"transport": "gloo", "world": 1, "addresses": ["127.0.0.1:1"]}
     ("change", "key"),
     [
         ({"transport": "pigeon"}, "trainer.transport"),
-        ({"transport": "hccl"}, "trainer.transport"),
         ({"world": 2}, "trainer.world"),
         ({"world": True}, "trainer.world"),
         ({"convert_on": "both"}, "trainer.convert_on"),

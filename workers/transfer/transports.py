@@ -7,7 +7,10 @@ size) on the other. Each kind is built once per refit group and reused every ste
 
 * ``gloo`` / ``nccl`` / ``hccl``: torch.distributed point-to-point over a process group
   of the group's own (built from a ``TCPStore`` at ``addresses[0]``, never the default
-  group, so an engine's own torch.distributed state is left alone);
+  group, so an engine's own torch.distributed state is left alone). NCCL and HCCL send
+  device memory only: each member allocates one device buffer of a bucket's bytes on its
+  current CUDA / NPU device at start, and every message goes through it (host -> device
+  before sending, device -> host after receiving);
 * ``ray``: Ray's object store, pulled by the receiver (a named mailbox actor carries the
   object refs); the store is pre-faulted at start with one bucket's worth;
 * ``shm``: same-node shared memory: one segment per (sender, receiver) link with two
@@ -73,7 +76,11 @@ class TorchTransport:
         *,
         group: str = "mxload-refit",
         timeout_s: float = 60.0,
+        bounce: torch.device | None = None,
+        bounce_bytes: int = 0,
     ) -> None:
+        """``bounce``: the device every message crosses through, in one buffer of
+        ``bounce_bytes`` allocated here (``nccl`` / ``hccl``: :func:`device_of`)."""
         dist: Any = importlib.import_module("torch.distributed")
 
         if not addresses:
@@ -91,15 +98,41 @@ class TorchTransport:
             wait_for_workers=False,
         )
         store = dist.PrefixStore(group + "/", self._store)
+        self._bounce = (
+            torch.empty(bounce_bytes, dtype=torch.uint8, device=bounce)
+            if bounce is not None
+            else None
+        )
         self.pg = _process_group(kind, store, member, size, self.timeout)
 
+    def _through(self, buf: torch.Tensor) -> torch.Tensor:
+        """Where ``buf``'s bytes cross: ``buf`` itself, or as many bytes of the device
+        buffer."""
+        if self._bounce is None:
+            return buf
+        n = buf.numel()
+        if n > self._bounce.numel():
+            raise RunError(
+                f"message of {n} bytes exceeds the {self._bounce.numel()}-byte {self.kind} "
+                "device buffer"
+            )
+        return self._bounce[:n]
+
     def send(self, peer: int, buf: torch.Tensor) -> None:
-        self.pg.send([buf], peer, 0).wait(self.timeout)
+        wire = self._through(buf)
+        if wire is not buf:
+            # Ordered on the current stream before the send (the process group waits for
+            # it); the next message's copy in waits for this send (``wait`` below).
+            wire.copy_(buf)
+        self.pg.send([wire], peer, 0).wait(self.timeout)
 
     def recv(self, peer: int, buf: torch.Tensor) -> None:
-        work = self.pg.recv([buf], peer, 0)
+        wire = self._through(buf)
+        work = self.pg.recv([wire], peer, 0)
         if not work.wait(self.timeout):
             raise RunError(f"no message from member {peer} within {self.timeout}")
+        if wire is not buf:
+            buf.copy_(wire)  # into host memory: returns once the bytes are there
 
     def close(self) -> None:
         self.pg = None
@@ -366,6 +399,22 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def device_of(kind: str) -> torch.device:
+    """This process's current device for ``nccl`` (CUDA) or ``hccl`` (Ascend NPU,
+    ``torch_npu``, imported here); a process without one is refused in one line."""
+    if kind == "nccl":
+        if not torch.cuda.is_available():
+            raise RunError("transport 'nccl' needs a CUDA device in this process; none is visible")
+        return torch.device("cuda", torch.cuda.current_device())
+    try:  # pragma: no cover - needs Ascend devices
+        npu: Any = importlib.import_module("torch_npu").npu
+        if npu.is_available():
+            return torch.device("npu", npu.current_device())
+    except ImportError:
+        pass
+    raise RunError("transport 'hccl' needs torch_npu and an NPU in this process; none is visible")
+
+
 def make_transport(
     kind: str,
     *,
@@ -378,8 +427,19 @@ def make_transport(
     bucket_bytes: int,
 ) -> Transport:
     """The transport ``kind`` for member ``member`` of a group of ``size``."""
-    if kind in ("gloo", "nccl", "hccl"):
+    if kind == "gloo":
         return TorchTransport(kind, addresses, member, size, group=group, timeout_s=timeout_s)
+    if kind in ("nccl", "hccl"):
+        return TorchTransport(
+            kind,
+            addresses,
+            member,
+            size,
+            group=group,
+            timeout_s=timeout_s,
+            bounce=device_of(kind),
+            bounce_bytes=bucket_bytes,
+        )
     if kind == "ray":
         return RayTransport(
             member,
