@@ -115,11 +115,11 @@ def test_a_message_over_the_device_buffer_is_refused_naming_its_size() -> None:
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a CUDA device")
 @pytest.mark.parametrize(("kind", "needs"), [("nccl", "a CUDA device"), ("hccl", "torch_npu")])
 def test_a_device_transport_without_its_device_is_one_line_naming_it(kind: str, needs: str) -> None:
-    with pytest.raises(RunError, match=f"transport '{kind}' needs {needs}") as err:
+    with pytest.raises(RunError, match=f"engine rank 0: transport '{kind}' needs {needs}") as err:
         make_transport(
             kind,
             addresses=["127.0.0.1:1"],
-            member=0,
+            member=1,
             senders=1,
             size=2,
             group="g",

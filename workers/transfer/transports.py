@@ -399,12 +399,13 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def device_of(kind: str) -> torch.device:
+def device_of(kind: str, who: str) -> torch.device:
     """This process's current device for ``nccl`` (CUDA) or ``hccl`` (Ascend NPU,
-    ``torch_npu``, imported here); a process without one is refused in one line."""
+    ``torch_npu``, imported here); a process without one is refused in one line naming
+    ``who`` (the member: a trainer or an engine rank)."""
     if kind == "nccl":
         if not torch.cuda.is_available():
-            raise RunError("transport 'nccl' needs a CUDA device in this process; none is visible")
+            raise RunError(f"{who}: transport 'nccl' needs a CUDA device; none is visible")
         return torch.device("cuda", torch.cuda.current_device())
     try:  # pragma: no cover - needs Ascend devices
         npu: Any = importlib.import_module("torch_npu").npu
@@ -412,7 +413,7 @@ def device_of(kind: str) -> torch.device:
             return torch.device("npu", npu.current_device())
     except ImportError:
         pass
-    raise RunError("transport 'hccl' needs torch_npu and an NPU in this process; none is visible")
+    raise RunError(f"{who}: transport 'hccl' needs torch_npu and an NPU; none is visible")
 
 
 def make_transport(
@@ -437,7 +438,10 @@ def make_transport(
             size,
             group=group,
             timeout_s=timeout_s,
-            bounce=device_of(kind),
+            bounce=device_of(
+                kind,
+                f"trainer rank {member}" if member < senders else f"engine rank {member - senders}",
+            ),
             bounce_bytes=bucket_bytes,
         )
     if kind == "ray":
