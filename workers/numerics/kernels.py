@@ -748,17 +748,18 @@ end of a parallel region included)."""
 @_jit()
 def _transpose_bytes(
     src: np.ndarray, s_off: int, s_stride: int, nr: int, k: int, q: np.ndarray, col: int,
-    n_total: int,
+    n_total: int, final: bool,
 ) -> None:  # fmt: skip
     """Rows ``src[s_off + i * s_stride :][:k]`` (i < nr) as columns ``[col, col + nr)`` of
     the flat ``q [k, n_total]``: blocks in vector registers, the edges a byte at a time.
-    Where ``q``'s rows are 64-byte aligned at ``col``, 64 rows at a time go out as whole
-    lines, non-temporally (:func:`_transpose64`); otherwise 16x16 blocks go down the rows
-    within one 16-column band. Either way an item's source lines stay in cache for the
-    next band."""
+    ``final``: ``q`` is a buffer nothing reads soon (a reload's destination); where its
+    rows are 64-byte aligned at ``col``, 64 rows at a time go out as whole lines,
+    non-temporally (:func:`_transpose64`). Otherwise (staging that is copied on at once
+    and should stay in cache, or unaligned) 16x16 blocks go down the rows within one
+    16-column band. Either way an item's source lines stay in cache for the next band."""
     n16 = nr // 16 * 16
     k16 = k // 16 * 16
-    lines = n_total % 64 == 0 and (q.ctypes.data + col) % 64 == 0
+    lines = final and n_total % 64 == 0 and (q.ctypes.data + col) % 64 == 0
     n64 = nr // 64 * 64 if lines else 0
     for c in range(0, k16, 16):
         for i in range(0, n64, 64):
@@ -790,7 +791,7 @@ def _rows_kernel(
     for item in prange((n + 63) // 64):
         r0 = item * 64
         r1 = min(n, r0 + 64)
-        _transpose_bytes(src, r0 * k, k, r1 - r0, k, q, col + r0, n_total)
+        _transpose_bytes(src, r0 * k, k, r1 - r0, k, q, col + r0, n_total, True)
         for j in range((g + 1) // 2):
             g0 = 2 * j
             odd = g0 + 1 == g
@@ -842,7 +843,7 @@ def _convert_item(
         loc, stride, s_loc,
     )  # fmt: skip
     col = out_row0 + r_lo
-    _transpose_bytes(loc, 0, stride, nr, k, q_out, col, n_total)
+    _transpose_bytes(loc, 0, stride, nr, k, q_out, col, n_total, False)
     for g in range(ng):
         base = ((g >> 1) * n_total + col) * 2 + (g & 1)
         for i in range(nr):
