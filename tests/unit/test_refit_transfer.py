@@ -116,16 +116,7 @@ def test_a_message_over_the_device_buffer_is_refused_naming_its_size() -> None:
 @pytest.mark.parametrize(("kind", "needs"), [("nccl", "a CUDA device"), ("hccl", "torch_npu")])
 def test_a_device_transport_without_its_device_is_one_line_naming_it(kind: str, needs: str) -> None:
     with pytest.raises(RunError, match=f"engine rank 0: transport '{kind}' needs {needs}") as err:
-        make_transport(
-            kind,
-            addresses=["127.0.0.1:1"],
-            member=1,
-            senders=1,
-            size=2,
-            group="g",
-            timeout_s=1,
-            bucket_bytes=64,
-        )
+        _unstarted(kind, member=1)
     assert "\n" not in str(err.value)
 
 
@@ -140,18 +131,23 @@ def test_shm_names_a_sender_that_is_gone(tmp_path) -> None:
     tx.close()
 
 
+def _unstarted(kind: str, member: int = 0) -> Any:
+    """``make_transport`` of a pair at an address nothing listens on (for refusals)."""
+    return make_transport(
+        kind,
+        addresses=["127.0.0.1:1"],
+        member=member,
+        senders=1,
+        size=2,
+        group="g",
+        timeout_s=1,
+        bucket_bytes=64,
+    )
+
+
 def test_unknown_transport_is_refused_naming_it() -> None:
     with pytest.raises(Exception, match="transport 'carrier-pigeon'"):
-        make_transport(
-            "carrier-pigeon",
-            addresses=[],
-            member=0,
-            senders=1,
-            size=2,
-            group="g",
-            timeout_s=1,
-            bucket_bytes=1,
-        )
+        _unstarted("carrier-pigeon")
 
 
 def test_packed_transfers_give_every_read_range_the_gathered_bytes(ckpt_factory) -> None:

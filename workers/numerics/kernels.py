@@ -700,22 +700,18 @@ def _transpose_codegen(
     return context.get_dummy_value()
 
 
-def _transpose16_typing(
-    typingctx: Any, src: Any, s_off: Any, s_stride: Any, dst: Any, d_off: Any, d_stride: Any
-) -> Any:
-    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
-        return _transpose_codegen(context, builder, signature, args, row_blocks=1)
+def _transpose_typing(row_blocks: int) -> Callable[..., Any]:
+    """The typing function of a transpose intrinsic of ``row_blocks`` 16-row blocks."""
 
-    return types.void(src, s_off, s_stride, dst, d_off, d_stride), codegen
+    def typing(
+        typingctx: Any, src: Any, s_off: Any, s_stride: Any, dst: Any, d_off: Any, d_stride: Any
+    ) -> Any:
+        def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+            return _transpose_codegen(context, builder, signature, args, row_blocks=row_blocks)
 
+        return types.void(src, s_off, s_stride, dst, d_off, d_stride), codegen
 
-def _transpose64_typing(
-    typingctx: Any, src: Any, s_off: Any, s_stride: Any, dst: Any, d_off: Any, d_stride: Any
-) -> Any:
-    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
-        return _transpose_codegen(context, builder, signature, args, row_blocks=4)
-
-    return types.void(src, s_off, s_stride, dst, d_off, d_stride), codegen
+    return typing
 
 
 def _store_fence_typing(typingctx: Any) -> Any:
@@ -726,14 +722,14 @@ def _store_fence_typing(typingctx: Any) -> Any:
     return types.void(), codegen
 
 
-_transpose16: Any = intrinsic(_transpose16_typing) if numba is not None else None
+_transpose16: Any = intrinsic(_transpose_typing(1)) if numba is not None else None
 """``_transpose16(src, s_off, s_stride, dst, d_off, d_stride)`` in numba code: bytes
 ``src[s_off + r * s_stride + c]`` (r, c < 16) to ``dst[d_off + c * d_stride + r]`` as
 sixteen 16-byte loads, four rounds of interleaving shuffles (``punpck*`` on x86,
 ``zip1``/``zip2`` on Arm) and sixteen stores. numba has no vector shuffles of its own;
 LLVM's ``shufflevector`` is portable IR."""
 
-_transpose64: Any = intrinsic(_transpose64_typing) if numba is not None else None
+_transpose64: Any = intrinsic(_transpose_typing(4)) if numba is not None else None
 """``_transpose64(...)``: as :func:`_transpose16` for 64 rows (r < 64), each output row's
 64 bytes one aligned non-temporal store (``dst`` + ``d_off`` and ``d_stride`` must be
 multiples of 64). Output that bypasses the cache skips reading every line before writing
