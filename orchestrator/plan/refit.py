@@ -21,12 +21,10 @@ end on the receiver's 32-column groups is refused at plan time.
 from __future__ import annotations
 
 import bisect
-import gc
 import hashlib
 import math
 import pickle
-from collections.abc import Collection, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 from typing import Any, Literal, cast
@@ -34,6 +32,7 @@ from typing import Any, Literal, cast
 from ..errors import InputError
 from .formats import MX_GROUP
 from .memory import ConvertOptions, proportional_read_fn, reload_min_budget, schedule
+from .planner import no_cycle_collection
 from .readplan import matrix_shape
 from .trainer import TrainerManifest, TrainerTensor
 from .types import Part, Plan, Unit
@@ -625,7 +624,7 @@ def refit_plan(
     walk = _Walk(
         plan, manifest, convert_on, bucket_bytes, devices_per_node, receiver_nodes, fanout, fused
     )
-    with _no_cycle_collection():
+    with no_cycle_collection():
         walk.run(detail=True)
         buckets = walk.buckets()
     together = tuple(
@@ -670,20 +669,6 @@ def plan_digest(
     for c in copies:
         h.update(f"/copy {c.source}>{c.receiver}:{','.join(c.buffers)}".encode())
     return h.hexdigest()[:15]
-
-
-@contextmanager
-def _no_cycle_collection() -> Iterator[None]:
-    """Python's cycle collector off while millions of pieces are built (none of them in
-    a cycle): each of its full passes walks every object built so far, half the time of
-    a large plan. Back as it was after."""
-    was = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was:
-            gc.enable()
 
 
 def refit_summary(
