@@ -324,3 +324,36 @@ def test_convert_refuses_outputs_that_do_not_match_the_parts(prefer_fast: bool) 
             dtype=torch.bfloat16,
             into=[out],
         )
+
+
+def test_packed_conversion_off_the_fused_path_writes_staging_without_line_stores(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Under scale rule 1 the CPU backend converts packed parts without its fused kernel:
+    each part is quantized and written into the unit's staging by ``write_rows``, which
+    the loader copies into the buffer at once, so it must not be stored past the cache."""
+    from mxload.workers.numerics import kernels
+
+    assert kernels.available(), kernels.unavailable_reason()
+    calls: list[bool] = []
+    run_rows = kernels.run_rows
+
+    def spy(*args: Any, final: bool = True, **kw: Any) -> int:
+        calls.append(final)
+        return run_rows(*args, final=final, **kw)
+
+    monkeypatch.setattr(kernels, "run_rows", spy)
+    b = select_backend("cpu").with_scale_alg(1)
+    w = torch.zeros((128, 256), dtype=torch.uint8).view(torch.float8_e4m3fn)
+    out = PackedOut(
+        torch.zeros((256, 128), dtype=torch.uint8).view(torch.float8_e4m3fn),
+        torch.zeros((4, 128, 2), dtype=torch.uint8),
+    )
+    b.convert(
+        [ConvertPart(w, torch.ones(1, 2))],
+        block_n=128,
+        block_k=128,
+        dtype=torch.bfloat16,
+        into=[out],
+    )
+    assert calls == [False]

@@ -159,12 +159,47 @@ def test_row_writer_transposes_as_torch_does(n: int, k: int, n_total: int, row0:
     want = before.clone()
     want[:, row0 : row0 + n] = payload.t()
     none = np.empty(0, dtype=np.uint8)
-    for threads, parallel_from in ((1, 0), (2, 0), (2, kernels.PARALLEL_ROWS_BYTES)):
+    # Whole 64-byte lines where q's rows are aligned at row0 (torch's allocations are
+    # 64-byte aligned): every full 64-row item, when K has a 16-column band.
+    assert before.data_ptr() % 64 == 0
+    lines = n // 64 * 64 if n_total % 64 == 0 and row0 % 64 == 0 and k >= 16 else 0
+    for threads, parallel_from, final in (
+        (1, 0, True),
+        (2, 0, True),  # on two threads whatever the size
+        (2, 0, False),  # staging: no line stores
+        (2, kernels.PARALLEL_ROWS_BYTES, True),  # these sizes: on one thread
+    ):
         got = before.clone()
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr(kernels, "PARALLEL_ROWS_BYTES", parallel_from)
-            kernels.run_rows(payload.numpy(), k, got.view(-1).numpy(), none, 0, none, row0, threads)
-        assert torch.equal(got, want), (threads, parallel_from)
+            as_lines = kernels.run_rows(
+                payload.numpy(), k, got.view(-1).numpy(), none, 0, none, row0, threads, final=final
+            )
+        assert torch.equal(got, want), (threads, parallel_from, final)
+        assert as_lines == (lines if final else 0), (threads, final)
+
+
+@pytest.mark.parametrize(
+    ("src_shape", "k", "n_total", "col"),
+    [
+        ((64, 16), 16, 64, 32),  # 32 columns past the end
+        ((64, 16), 16, 64, -1),
+        ((10,), 16, 64, 0),  # a ragged last row
+        ((64, 16), 16, 63.5, 0),  # q is no whole number of rows
+    ],
+)
+def test_row_writer_refuses_rows_that_do_not_fit_and_writes_nothing(
+    src_shape: tuple[int, ...], k: int, n_total: float, col: int
+) -> None:
+    from mxload.workers.numerics import kernels
+
+    assert kernels.available(), kernels.unavailable_reason()
+    q = np.full(int(k * n_total), 0xA5, dtype=np.uint8)
+    src = np.ones(src_shape, dtype=np.uint8)
+    none = np.empty(0, dtype=np.uint8)
+    with pytest.raises(NumericsError, match="do not fit"):
+        kernels.run_rows(src, k, q, none, 0, none, col, 1)
+    assert (q == 0xA5).all()
 
 
 @pytest.mark.parametrize(("n", "k", "n_total", "row0"), [(64, 64, 128, 64), (100, 96, 300, 7)])
@@ -226,7 +261,7 @@ def test_row_writer_pairs_the_scales(n: int, g: int, n_total: int, row0: int) ->
         assert torch.equal(got, want)
 
 
-def test_column_writer_refuses_a_strided_output_and_writes_nothing() -> None:
+def test_row_writer_refuses_a_strided_output_and_writes_nothing() -> None:
     """The vector transposes address the output as one run of bytes: a strided view
     (every other byte of a buffer) is refused, not written past."""
     from mxload.workers.numerics import kernels

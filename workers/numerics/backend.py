@@ -205,7 +205,8 @@ class Backend:
             if into is None:
                 results.append((payload, scale))
             else:
-                write_rows(into[i].weight, into[i].scale, payload, scale, p.out_row0)
+                # staging, copied into the buffer at once: kept in cache
+                write_rows(into[i].weight, into[i].scale, payload, scale, p.out_row0, final=False)
         return results
 
     # --- device plumbing ----------------------------------------------------------------

@@ -737,22 +737,24 @@ it: a reload's buffers are gigabytes nobody reads until the engine runs. 1.5-3x 
 GB/s of :func:`_transpose16` stores on cold buffers here (docs/numerics.md)."""
 
 _store_fence: Any = intrinsic(_store_fence_typing) if numba is not None else None
-"""A full fence: orders non-temporal stores before whatever this thread does next (the
-end of a parallel region included)."""
+"""A sequentially consistent fence (a locked instruction on x86, which drains the
+write-combining buffers of non-temporal stores; ``dmb ish`` on Arm): the lines are in
+memory before whatever this thread does next, the end of a parallel region included."""
 
 
 @_jit()
 def _transpose_bytes(
     src: np.ndarray, s_off: int, s_stride: int, nr: int, k: int, q: np.ndarray, col: int,
     n_total: int, final: bool,
-) -> None:  # fmt: skip
+) -> int:  # fmt: skip
     """Rows ``src[s_off + i * s_stride :][:k]`` (i < nr) as columns ``[col, col + nr)`` of
     the flat ``q [k, n_total]``: blocks in vector registers, the edges a byte at a time.
     ``final``: ``q`` is a buffer nothing reads soon (a reload's destination); where its
     rows are 64-byte aligned at ``col``, 64 rows at a time go out as whole lines,
     non-temporally (:func:`_transpose64`). Otherwise (staging that is copied on at once
     and should stay in cache, or unaligned) 16x16 blocks go down the rows within one
-    16-column band. Either way an item's source lines stay in cache for the next band."""
+    16-column band. Either way an item's source lines stay in cache for the next band.
+    Returns how many rows went out as lines."""
     n16 = nr // 16 * 16
     k16 = k // 16 * 16
     lines = final and n_total % 64 == 0 and (q.ctypes.data + col) % 64 == 0
@@ -772,22 +774,25 @@ def _transpose_bytes(
         o = c * n_total + col
         for i in range(nr):
             q[o + i] = src[s_off + i * s_stride + c]
+    return n64 if k16 else 0
 
 
 @_jit(parallel=True)
 def _rows_kernel(
     src: np.ndarray, n: int, k: int, q: np.ndarray, n_total: int, col: int,
-    s: np.ndarray, g: int, out: np.ndarray,
-) -> None:  # fmt: skip
+    s: np.ndarray, g: int, out: np.ndarray, final: bool,
+) -> int:  # fmt: skip
     """Rows ``src [n, k]`` (row-major) as columns ``[col, col + n)`` of ``q [k, n_total]``
     (:func:`_transpose_bytes`), and their scales ``s [n, g]`` as the same columns of the
     paired layout ``out [ceil(g/2), n_total, 2]`` (flat): ``out[j, col + i, p] =
     s[i, 2j + p]``, the pad byte of an odd ``g`` written 0. 64-row items in parallel, both
-    parts in one launch (a launch wakes the sleeping OpenMP threads: tens of µs)."""
+    parts in one launch (a launch wakes the sleeping OpenMP threads: tens of µs). Returns
+    the rows that went out as whole lines (``final``: :func:`_transpose_bytes`)."""
+    lines = 0
     for item in prange((n + 63) // 64):
         r0 = item * 64
         r1 = min(n, r0 + 64)
-        _transpose_bytes(src, r0 * k, k, r1 - r0, k, q, col + r0, n_total, True)
+        lines += _transpose_bytes(src, r0 * k, k, r1 - r0, k, q, col + r0, n_total, final)
         for j in range((g + 1) // 2):
             g0 = 2 * j
             odd = g0 + 1 == g
@@ -796,6 +801,7 @@ def _rows_kernel(
                 o = (base + i) * 2
                 out[o] = s[i * g + g0]
                 out[o + 1] = 0 if odd else s[i * g + g0 + 1]
+    return lines
 
 
 @_jit()
@@ -1084,7 +1090,8 @@ _AVAILABLE: bool | None = None
 _UNAVAILABLE_REASON: str | None = _NUMBA_IMPORT_ERROR
 PARALLEL_ROWS_BYTES = 512 * 1024
 """Payload bytes under which :func:`run_rows` runs on one thread: waking a sleeping
-OpenMP thread costs about 40 µs here, the time one thread transposes some 300 KB in."""
+OpenMP thread costs about 40 µs here, and two threads save half of one thread's time
+only when that is well over it (one thread transposes some 300 KB in 40 µs)."""
 _MAX_ROWS_PER_ITEM = 128
 """Rows per parallel work item, at most. An item never crosses a tile row, so with the
 usual 128-row tiles it is a whole tile row: it walks source rows in memory order, and
@@ -1198,12 +1205,12 @@ def run_convert(
         _flat_output(q_np, "run_convert")
     ti, tj = b.sbits.shape
     n_out = n_total if packed else b.n
-    parts = np.array(
-        [[0, b.n, row0, col0, out_row0, 0, ti, tj, b.k, 0, 0, n_out, rows_per_item(b.n, b.k)]],
-        dtype=np.int64,
-    )
     with LOCK:
-        set_threads(threads)
+        set_threads(threads)  # before rows_per_item, which splits for this launch's threads
+        parts = np.array(
+            [[0, b.n, row0, col0, out_row0, 0, ti, tj, b.k, 0, 0, n_out, rows_per_item(b.n, b.k)]],
+            dtype=np.int64,
+        )
         _convert_kernel(
             b.w, b.w64, parts, b.sbits.reshape(-1), b.sf.reshape(-1), bn, bk, mode,
             packed, q_np, s_np, _TLS.threads,
@@ -1248,28 +1255,38 @@ def run_convert_parts(
 
 def run_rows(
     src: np.ndarray, k: int, q: np.ndarray, s: np.ndarray, g: int, out: np.ndarray,
-    col: int, threads: int,
-) -> None:  # fmt: skip
+    col: int, threads: int, *, final: bool = True,
+) -> int:  # fmt: skip
     """Write the rows of one MX result as columns ``[col, col + n)`` of the kernel layout
     (docs/contract.md §2.3): the payload ``src`` (uint8 ``[n, k]``, C-contiguous) into the
     flat uint8 ``q`` holding ``[k, n_total]`` (``n_total = q.size // k``), its scales
     ``s`` (uint8 ``[n, g]``, C-contiguous) into the flat uint8 ``out`` holding
     ``[ceil(g/2), n_total, 2]``, the pad byte of an odd ``g`` zeroed (``g = 0``: the
-    payload alone). Under :data:`PARALLEL_ROWS_BYTES` of payload it runs on one thread: a
-    launch on more wakes sleeping threads, which costs more than it saves there."""
-    n = src.size // k if k else 0
-    if n == 0:
-        return
+    payload alone). ``final``: ``q`` is the buffer itself, written in whole lines where
+    aligned (False: staging that is copied on at once). Under
+    :data:`PARALLEL_ROWS_BYTES` of payload it runs on one thread. Returns the rows that
+    went out as whole lines. Shapes that do not fit are refused before a byte is written."""
+    if src.size == 0:
+        return 0
+    n_total = q.size // k if k > 0 else 0
+    n = src.size // k if k > 0 else 0
     _flat_output(q, "run_rows")
     _flat_output(out, "run_rows")
-    if s.size != n * g or out.size != 2 * ((g + 1) // 2) * (q.size // k):
+    if k <= 0 or src.size % k or q.size % k or not 0 <= col <= n_total - n:
+        raise NumericsError(
+            f"run_rows: {src.size} payload bytes as rows of K = {k} at column {col} do not fit "
+            f"a [{k}, {q.size / k:g}] buffer"
+        )
+    if s.size != n * g or out.size != 2 * ((g + 1) // 2) * n_total:
         raise NumericsError(
             f"run_rows: {n} rows of K = {k} need {n * g} scale bytes (got {s.size}) and a "
-            f"paired scale buffer of {2 * ((g + 1) // 2) * (q.size // k)} bytes (got {out.size})"
+            f"paired scale buffer of {2 * ((g + 1) // 2) * n_total} bytes (got {out.size})"
         )
     with LOCK:
         set_threads(threads if src.size >= PARALLEL_ROWS_BYTES else 1)
-        _rows_kernel(src.reshape(-1), n, k, q, q.size // k, col, s.reshape(-1), g, out)
+        return int(
+            _rows_kernel(src.reshape(-1), n, k, q, n_total, col, s.reshape(-1), g, out, final)
+        )
 
 
 def run_mx(
@@ -1334,10 +1351,10 @@ def _self_test() -> None:
     src64 = (np.arange(64 * 16) % 251).astype(np.uint8).reshape(64, 16)
     room = np.zeros(16 * 128 + 64, dtype=np.uint8)
     q128 = room[(-room.ctypes.data) % 64 :][: 16 * 128]
-    run_rows(src64, 16, q128, src64[:, :0], 0, q128[:0], 64, 1)
+    as_lines = run_rows(src64, 16, q128, src64[:, :0], 0, q128[:0], 64, 1)
     lines = q128.reshape(16, 128)
-    if not (lines[:, 64:] == src64.T).all() or lines[:, :64].any():
-        raise RuntimeError("rows self-test: the transpose in lines is wrong")
+    if as_lines != 64 or not (lines[:, 64:] == src64.T).all() or lines[:, :64].any():
+        raise RuntimeError(f"rows self-test: the transpose in lines is wrong ({as_lines} rows)")
     # Scales of 3 groups (odd) of 2 rows of K = 96 as columns 1..2 of [2 pairs, 4, 2]:
     # pairs, then pad 0, the columns around untouched.
     pairs = np.full(2 * 4 * 2, 9, dtype=np.uint8)

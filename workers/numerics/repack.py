@@ -166,7 +166,7 @@ def _kernels_take(*tensors: torch.Tensor) -> bool:
 
 def _put_rows(
     weight_buf: torch.Tensor, buf_u8: torch.Tensor, payload: torch.Tensor, scale_u8: torch.Tensor,
-    row0: int,
+    row0: int, final: bool,
 ) -> bool:  # fmt: skip
     """The chunk's columns of both buffers by the numba kernel (``kernels.run_rows``): 16x16
     bytes at a time in vector registers, on the worker's threads, in one launch. torch's
@@ -187,6 +187,7 @@ def _put_rows(
         buf_u8.view(-1).numpy(),
         row0,
         torch.get_num_threads(),
+        final=final,
     )
     return True
 
@@ -197,6 +198,8 @@ def write_rows(
     payload: torch.Tensor,
     scale: torch.Tensor,
     row0: int,
+    *,
+    final: bool = True,
 ) -> None:
     """Write output rows ``[row0, row0 + n)`` of one linear (or one expert) in place.
 
@@ -205,6 +208,8 @@ def write_rows(
     ``payload`` ``[n, K]`` and ``scale`` ``[n, g]`` are the chunk's MX result. Only the
     chunk's columns of the transposed buffers are touched, including the pad byte of an
     odd ``g`` (written 0). Writes are ``copy_``/``zero_`` into views: buffers never move.
+    ``final``: the buffers are the ones the engine reads, nothing reads them soon, and the
+    kernel may store whole lines past the cache; False for staging copied on at once.
     """
     _check_payload(payload, "write_rows")
     _check_payload(weight_buf, "write_rows: weight_buf")
@@ -233,7 +238,7 @@ def write_rows(
             f"scale {tuple(scale_u8.shape)} do not fit weight_buf {tuple(weight_buf.shape)} / "
             f"scale_buf {tuple(buf_u8.shape)}"
         )
-    if n == 0 or _put_rows(weight_buf, buf_u8, payload, scale_u8, row0):
+    if n == 0 or _put_rows(weight_buf, buf_u8, payload, scale_u8, row0, final):
         return
     weight_buf[:, row0 : row0 + n].copy_(payload.t())
     # [n, pairs, 2] view of the chunk's slots: [j, r, p] of the buffer <- scale[r, 2j + p].
