@@ -170,7 +170,10 @@ def link_rate(kind: str, nbytes: int, bucket: int, repeats: int) -> float:
 def _pin(pid: int, cpus: set[int]) -> None:
     """Every thread of process ``pid`` onto ``cpus`` (threads it starts later inherit it)."""
     for task in os.listdir(f"/proc/{pid}/task"):
-        os.sched_setaffinity(int(task), cpus)
+        try:
+            os.sched_setaffinity(int(task), cpus)
+        except ProcessLookupError:  # a thread that ended since the listing
+            pass
 
 
 def pinned_refits(

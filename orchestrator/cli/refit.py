@@ -236,8 +236,9 @@ def render_refit(r: dict[str, Any]) -> list[str]:
         "within)",
         *(
             [
-                f"  link {r['trainer_link']}: on paper; the runtime sends over gloo, ray or shm "
-                "today (its buffers are host memory)"
+                f"  link {r['trainer_link']}: priced at the link's rate; the runtime's messages "
+                "are host memory and cross it through device buffers (two copies each, not "
+                "priced here)"
             ]
             if r["trainer_link"] in ("hccl", "nccl")
             else []

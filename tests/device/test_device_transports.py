@@ -3,7 +3,7 @@
 Skipped unless two devices of the kind are visible (each member of the pair holds its own
 device, as NCCL and HCCL require). The same two processes exchange the messages of
 ``tests/unit/test_refit_transfer.py`` through ``make_transport``: host bytes in, host
-bytes out, through one device buffer per member allocated at start.
+bytes out, through the device buffers of each link.
 """
 
 from __future__ import annotations

@@ -90,7 +90,11 @@ def test_the_transfer_plan_beside_the_storage_round_trip(
     assert main(plan(config, "--from-trainer", "fsdp:2", "--trainer-link", "gloo")) == 0
     out = capsys.readouterr().out
     assert "predicted refit" in out and "storage round trip of the same bytes" in out
-    assert "link gloo" in out
+    assert "link gloo" in out and "device buffers" not in out
+    # a device link is priced at its rate, its two copies per message said, not priced
+    assert main(plan(config, "--from-trainer", "fsdp:2", "--trainer-link", "nccl")) == 0
+    out = capsys.readouterr().out
+    assert "link nccl: priced at the link's rate" in out and "through device buffers" in out
 
 
 def test_a_bad_manifest_is_one_line_naming_the_file_and_tensor(

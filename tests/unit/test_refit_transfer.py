@@ -76,18 +76,7 @@ def test_transport_moves_messages_in_order(kind: str, tmp_path) -> None:
                 member, 1, 2, slot_bytes=1 << 16, group="t", directory=str(tmp_path)
             )
         if kind == "gloo-through-a-device-buffer":
-            t = TorchTransport(
-                "gloo",
-                [f"127.0.0.1:{port}"],
-                member,
-                2,
-                group="t",
-                timeout_s=20,
-                bounce=torch.device("cpu"),
-                bounce_bytes=1 << 16,
-            )
-            assert t._bounce is not None and t._through(MESSAGES[0]) is not MESSAGES[0]
-            return t
+            return bounced(member, 2, port)
         return make_transport(
             kind,
             addresses=[f"127.0.0.1:{port}"],
@@ -105,11 +94,75 @@ def test_transport_moves_messages_in_order(kind: str, tmp_path) -> None:
         assert list(tmp_path.iterdir()) == []  # the sender removed its segment
 
 
-def test_a_message_over_the_device_buffer_is_refused_naming_its_size() -> None:
-    t = TorchTransport.__new__(TorchTransport)
-    t.kind, t._bounce = "nccl", torch.empty(64, dtype=torch.uint8)
-    with pytest.raises(RunError, match="message of 65 bytes exceeds the 64-byte nccl device"):
-        t.send(1, torch.zeros(65, dtype=torch.uint8))
+def bounced(member: int, size: int, port: int) -> TorchTransport:
+    """A gloo member whose messages cross through per-link buffers, as NCCL's and HCCL's
+    do (the buffers in host memory here)."""
+    return TorchTransport(
+        "gloo",
+        [f"127.0.0.1:{port}"],
+        member,
+        size,
+        group="t",
+        timeout_s=20,
+        bounce=torch.device("cpu"),
+    )
+
+
+def test_device_buffers_carry_links_received_at_once_in_chunks(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Two senders to one receiver that takes each link on its own thread (as an engine
+    rank does), messages of several chunks: every message arrives whole and in order,
+    through buffers of its link alone."""
+    from mxload.workers.transfer import transports
+
+    monkeypatch.setattr(transports, "BOUNCE_CHUNK_BYTES", 1000)
+    port = free_port()
+    gen = torch.Generator().manual_seed(3)
+    sent = {
+        s: [
+            torch.randint(0, 256, (n,), dtype=torch.uint8, generator=gen)
+            for n in (4096, 999, 3001) * 6
+        ]
+        for s in (0, 1)
+    }
+    got = {s: [torch.empty_like(m) for m in sent[s]] for s in (0, 1)}
+    ends: list[Any] = [None] * 3
+    errors: list[BaseException] = []
+
+    def member(m: int) -> None:
+        try:
+            ends[m] = t = bounced(m, 3, port)
+            if m < 2:
+                for msg in sent[m]:
+                    t.send(2, msg)
+                return
+            links = [threading.Thread(target=link, args=(t, s)) for s in (0, 1)]
+            for th in links:
+                th.start()
+            for th in links:
+                th.join(timeout=60)
+        except BaseException as err:
+            errors.append(err)
+
+    def link(t: Any, s: int) -> None:
+        try:
+            for g in got[s]:
+                t.recv(s, g)
+        except BaseException as err:
+            errors.append(err)
+
+    threads = [threading.Thread(target=member, args=(m,)) for m in range(3)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(timeout=90)
+    for t in ends:
+        if t is not None:
+            t.close()
+    assert not errors, errors
+    for s in (0, 1):
+        assert all(torch.equal(a, b) for a, b in zip(sent[s], got[s], strict=True)), s
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a CUDA device")

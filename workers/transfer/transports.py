@@ -8,9 +8,11 @@ size) on the other. Each kind is built once per refit group and reused every ste
 * ``gloo`` / ``nccl`` / ``hccl``: torch.distributed point-to-point over a process group
   of the group's own (built from a ``TCPStore`` at ``addresses[0]``, never the default
   group, so an engine's own torch.distributed state is left alone). NCCL and HCCL send
-  device memory only: each member allocates one device buffer of a bucket's bytes on its
-  current CUDA / NPU device at start, and every message goes through it (host -> device
-  before sending, device -> host after receiving);
+  device memory only: a message crosses in chunks of :data:`BOUNCE_CHUNK_BYTES` through
+  a device buffer of that size per peer and direction (host -> device before sending,
+  device -> host after receiving), each allocated on the member's current CUDA / NPU
+  device on its first message and reused after; one per link, because an engine rank
+  receives its links on threads of their own;
 * ``ray``: Ray's object store, pulled by the receiver (a named mailbox actor carries the
   object refs); the store is pre-faulted at start with one bucket's worth;
 * ``shm``: same-node shared memory: one segment per (sender, receiver) link with two
@@ -26,6 +28,7 @@ import importlib
 import logging
 import mmap
 import os
+import threading
 import time
 from collections.abc import Sequence
 from datetime import timedelta
@@ -39,6 +42,10 @@ from ...orchestrator.errors import InputError, RunError
 log = logging.getLogger(__name__)
 
 KINDS = ("gloo", "nccl", "hccl", "ray", "shm")
+
+BOUNCE_CHUNK_BYTES = 8 << 20
+"""Bytes of a message that cross NCCL / HCCL at once: the size of each device buffer a
+member holds per peer and direction (both ends cut a message alike)."""
 
 
 class Transport(Protocol):
@@ -77,10 +84,9 @@ class TorchTransport:
         group: str = "mxload-refit",
         timeout_s: float = 60.0,
         bounce: torch.device | None = None,
-        bounce_bytes: int = 0,
     ) -> None:
-        """``bounce``: the device every message crosses through, in one buffer of
-        ``bounce_bytes`` allocated here (``nccl`` / ``hccl``: :func:`device_of`)."""
+        """``bounce``: the device every message crosses through (``nccl`` / ``hccl``:
+        :func:`device_of`), in chunks through one buffer per peer and direction."""
         dist: Any = importlib.import_module("torch.distributed")
 
         if not addresses:
@@ -98,44 +104,53 @@ class TorchTransport:
             wait_for_workers=False,
         )
         store = dist.PrefixStore(group + "/", self._store)
-        self._bounce = (
-            torch.empty(bounce_bytes, dtype=torch.uint8, device=bounce)
-            if bounce is not None
-            else None
-        )
+        self._device = bounce
+        self._links: dict[tuple[int, bool], tuple[torch.Tensor, threading.Lock]] = {}
+        self._links_lock = threading.Lock()
         self.pg = _process_group(kind, store, member, size, self.timeout)
 
-    def _through(self, buf: torch.Tensor) -> torch.Tensor:
-        """Where ``buf``'s bytes cross: ``buf`` itself, or as many bytes of the device
-        buffer."""
-        if self._bounce is None:
-            return buf
-        n = buf.numel()
-        if n > self._bounce.numel():
-            raise RunError(
-                f"message of {n} bytes exceeds the {self._bounce.numel()}-byte {self.kind} "
-                "device buffer"
-            )
-        return self._bounce[:n]
+    def _link(self, peer: int, sending: bool) -> tuple[torch.Tensor, threading.Lock]:
+        """The device buffer of (``peer``, direction), allocated on first use."""
+        with self._links_lock:
+            link = self._links.get((peer, sending))
+            if link is None:
+                buf = torch.empty(BOUNCE_CHUNK_BYTES, dtype=torch.uint8, device=self._device)
+                link = self._links[(peer, sending)] = (buf, threading.Lock())
+        return link
 
-    def send(self, peer: int, buf: torch.Tensor) -> None:
-        wire = self._through(buf)
-        if wire is not buf:
-            # Ordered on the current stream before the send (the process group waits for
-            # it); the next message's copy in waits for this send (``wait`` below).
-            wire.copy_(buf)
-        self.pg.send([wire], peer, 0).wait(self.timeout)
-
-    def recv(self, peer: int, buf: torch.Tensor) -> None:
-        wire = self._through(buf)
-        work = self.pg.recv([wire], peer, 0)
+    def _wait(self, work: Any, peer: int) -> None:
         if not work.wait(self.timeout):
             raise RunError(f"no message from member {peer} within {self.timeout}")
-        if wire is not buf:
-            buf.copy_(wire)  # into host memory: returns once the bytes are there
+
+    def send(self, peer: int, buf: torch.Tensor) -> None:
+        if self._device is None:
+            self.pg.send([buf], peer, 0).wait(self.timeout)
+            return
+        wire, lock = self._link(peer, True)
+        flat = buf.reshape(-1)
+        with lock:
+            for at in range(0, flat.numel(), BOUNCE_CHUNK_BYTES):
+                part = flat[at : at + BOUNCE_CHUNK_BYTES]
+                # The copy in is ordered before the send on the current stream (the
+                # process group waits for it), the next one after this send (its wait).
+                wire[: part.numel()].copy_(part)
+                self.pg.send([wire[: part.numel()]], peer, 0).wait(self.timeout)
+
+    def recv(self, peer: int, buf: torch.Tensor) -> None:
+        if self._device is None:
+            self._wait(self.pg.recv([buf], peer, 0), peer)
+            return
+        wire, lock = self._link(peer, False)
+        flat = buf.reshape(-1)
+        with lock:
+            for at in range(0, flat.numel(), BOUNCE_CHUNK_BYTES):
+                part = flat[at : at + BOUNCE_CHUNK_BYTES]
+                self._wait(self.pg.recv([wire[: part.numel()]], peer, 0), peer)
+                part.copy_(wire[: part.numel()])  # a blocking copy: the bytes are there after
 
     def close(self) -> None:
         self.pg = None
+        self._links.clear()  # the device buffers go back to the device's allocator
 
 
 def _process_group(kind: str, store: Any, member: int, size: int, timeout: timedelta) -> Any:
@@ -400,9 +415,10 @@ def _alive(pid: int) -> bool:
 
 
 def device_of(kind: str, who: str) -> torch.device:
-    """This process's current device for ``nccl`` (CUDA) or ``hccl`` (Ascend NPU,
-    ``torch_npu``, imported here); a process without one is refused in one line naming
-    ``who`` (the member: a trainer or an engine rank)."""
+    """The current device for ``nccl`` (CUDA) or ``hccl`` (Ascend NPU, ``torch_npu``,
+    imported here) of the thread building the transport (a trainer or engine process has
+    set it); a process without one is refused in one line naming ``who`` (the member: a
+    trainer or an engine rank)."""
     if kind == "nccl":
         if not torch.cuda.is_available():
             raise RunError(f"{who}: transport 'nccl' needs a CUDA device; none is visible")
@@ -411,7 +427,7 @@ def device_of(kind: str, who: str) -> torch.device:
         npu: Any = importlib.import_module("torch_npu").npu
         if npu.is_available():
             return torch.device("npu", npu.current_device())
-    except ImportError:
+    except Exception:  # torch_npu missing, or failing to load its runtime: no NPU here
         pass
     raise RunError(f"{who}: transport 'hccl' needs torch_npu and an NPU; none is visible")
 
@@ -442,7 +458,6 @@ def make_transport(
                 kind,
                 f"trainer rank {member}" if member < senders else f"engine rank {member - senders}",
             ),
-            bounce_bytes=bucket_bytes,
         )
     if kind == "ray":
         return RayTransport(
