@@ -124,10 +124,10 @@ NPU_REPACK_BYTES_PER_S = 200 * GB
 """One NPU repacking MXFP8 that arrived already converted into its kernel layout (a
 permute over HBM, a few passes at 1.6 TB/s): an estimate until measured."""
 
-CPU_REPACK_BYTES_PER_S = 3.4 * GB
+CPU_REPACK_BYTES_PER_S = 4.4 * GB
 """One CPU core repacking MXFP8 into its kernel layout (wire bytes/s): ``bench/bench_refit.py``
-measures an engine rank repacking 0.65 GB in 0.095 s on two threads (16x16-byte vector
-transposes, bench/results/refit.md)."""
+measures an engine rank repacking 0.65 GB in 0.074 s on two threads (64-row line stores,
+bench/results/refit.md)."""
 
 TRAINER_LINKS: dict[str, tuple[float, float]] = {
     "hccl": (NETWORK_NODE_BYTES_PER_S, DEVICE_IPC_BYTES_PER_S),
