@@ -485,10 +485,21 @@ class RayRefitRanks:
 
 
 def join_ray(run: RayRun, setup: RefitSetup) -> None:
-    """Every actor of ``run`` joins the refit group (waits for the trainer's ranks)."""
+    """Every actor of ``run`` joins the refit group (waits for the trainer's ranks). The
+    first rank that cannot (no device for its transport, an address it cannot reach) is
+    named as it fails, not after the others have waited for the trainer."""
     import ray
 
-    ray.get([a.refit_join.remote(*receiver_args(setup, r)) for r, a in enumerate(run.actors)])
+    from .worker_errors import rank_error
+
+    refs = {a.refit_join.remote(*receiver_args(setup, r)): r for r, a in enumerate(run.actors)}
+    pending = list(refs)
+    while pending:
+        done, pending = ray.wait(pending, num_returns=1)
+        try:
+            ray.get(done[0])
+        except ray.exceptions.RayTaskError as err:
+            raise rank_error(refs[done[0]], err) from None
 
 
 def refit(

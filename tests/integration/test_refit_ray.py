@@ -70,6 +70,11 @@ def test_session_refits_from_trainer_ranks(local_ray, ckpt_factory) -> None:
     with Session.load(fp8, LAYOUT, device="cpu") as s:
         assert s.engine_nodes() == [0] * LAYOUT.world  # one local Ray node
         first = {r["rank"]: r["tensors"] for r in s.manifest["ranks"]}
+        if not torch.cuda.is_available():
+            # a device transport on ranks without the device: a rank named in one line,
+            # at once (not after waiting for the trainer), and the real form joins after
+            with pytest.raises(RunError, match=r"^rank \d: engine rank \d: transport 'nccl' "):
+                s.attach_trainer({**form, "transport": "nccl"})
         threads = [threading.Thread(target=join, args=(r,)) for r in range(2)]
         for t in threads:
             t.start()
