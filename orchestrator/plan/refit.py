@@ -1176,17 +1176,19 @@ class _Walk:
         for rank in range(self.world):
             q = self.on_sender
             skip = self.copied[rank]
-            read = [i for i in range(len(self.plan.ranks[rank].units)) if i not in skip]
+            # plan.ranks builds a rank's plan on each access: once per rank here
+            all_units = self.plan.ranks[rank].units
+            read = [i for i in range(len(all_units)) if i not in skip]
             wires = [self.unit_wires[rank][i] for i in read]
             key = (
                 tuple((u.rows, u.cols, u.layout, q and u.layout in MX_LAYOUTS)
-                      for u in (self.plan.ranks[rank].units[i] for i in read)),
+                      for u in (all_units[i] for i in read)),
                 tuple(wires),
             )  # fmt: skip
             if key not in classes:
                 units = [
                     replace(u, quantized=q and u.layout in MX_LAYOUTS)
-                    for u in (self.plan.ranks[rank].units[i] for i in read)
+                    for u in (all_units[i] for i in read)
                 ]
                 classes[key] = (units, proportional_read_fn(units, wires))
             of_rank.append(key)
