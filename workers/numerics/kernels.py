@@ -777,6 +777,24 @@ def _transpose_bytes(
     return n64 if k16 else 0
 
 
+@_jit()
+def _pair_columns(
+    s: np.ndarray, s_off: int, g: int, nr: int, out: np.ndarray, n_total: int, col: int
+) -> None:
+    """Scales ``s[s_off + i * g + j]`` (row ``i < nr``, group ``j < g``) as columns
+    ``[col, col + nr)`` of the paired layout ``out [ceil(g/2), n_total, 2]`` (flat):
+    ``out[j // 2, col + i, j % 2]``, the pad byte of an odd ``g`` written 0."""
+    for j in range((g + 1) // 2):
+        g0 = 2 * j
+        odd = g0 + 1 == g
+        base = j * n_total + col
+        for i in range(nr):
+            o = (base + i) * 2
+            at = s_off + i * g + g0
+            out[o] = s[at]
+            out[o + 1] = 0 if odd else s[at + 1]
+
+
 @_jit(parallel=True)
 def _rows_kernel(
     src: np.ndarray, n: int, k: int, q: np.ndarray, n_total: int, col: int,
@@ -793,14 +811,7 @@ def _rows_kernel(
         r0 = item * 64
         r1 = min(n, r0 + 64)
         lines += _transpose_bytes(src, r0 * k, k, r1 - r0, k, q, col + r0, n_total, final)
-        for j in range((g + 1) // 2):
-            g0 = 2 * j
-            odd = g0 + 1 == g
-            base = j * n_total + col
-            for i in range(r0, r1):
-                o = (base + i) * 2
-                out[o] = s[i * g + g0]
-                out[o + 1] = 0 if odd else s[i * g + g0 + 1]
+        _pair_columns(s, r0 * g, g, r1 - r0, out, n_total, col + r0)
     return lines
 
 
@@ -846,10 +857,7 @@ def _convert_item(
     )  # fmt: skip
     col = out_row0 + r_lo
     _transpose_bytes(loc, 0, stride, nr, k, q_out, col, n_total, False)
-    for g in range(ng):
-        base = ((g >> 1) * n_total + col) * 2 + (g & 1)
-        for i in range(nr):
-            s_out[base + 2 * i] = s_loc[i, g]
+    _pair_columns(s_loc.reshape(-1), 0, ng, nr, s_out, n_total, col)
 
 
 PART_FIELDS = 13
