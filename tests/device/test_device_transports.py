@@ -34,19 +34,10 @@ def _devices(kind: str) -> Any:
 
 
 def _member(member: int, kind: str, port: int, out: str) -> None:
-    from mxload.workers.transfer.transports import make_transport
+    from tests.unit.test_refit_transfer import pair_member
 
     _devices(kind).set_device(member)
-    t = make_transport(
-        kind,
-        addresses=[f"127.0.0.1:{port}"],
-        member=member,
-        senders=1,
-        size=2,
-        group="device-test",
-        timeout_s=60,
-        bucket_bytes=1 << 16,
-    )
+    t = pair_member(kind, member, port, timeout_s=60, bucket_bytes=1 << 16)
     gen = torch.Generator().manual_seed(7)
     messages = [torch.randint(0, 256, (n,), dtype=torch.uint8, generator=gen) for n in SIZES]
     got = [torch.empty_like(m) for m in messages]

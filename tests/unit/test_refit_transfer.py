@@ -13,7 +13,7 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -63,11 +63,28 @@ def _exchange(make: Any, messages: list[torch.Tensor]) -> list[torch.Tensor]:
 MESSAGES = [torch.randint(0, 256, (n,), dtype=torch.uint8) for n in (72, 4096, 1, 65536, 300)]
 
 
+def pair_member(
+    kind: str, member: int, port: int = 1, *, timeout_s: float = 1, bucket_bytes: int = 64
+) -> Any:
+    """``make_transport`` of member ``member`` of a group of one sender and one receiver
+    at 127.0.0.1:``port`` (port 1: nothing listens there, for refusals)."""
+    return make_transport(
+        kind,
+        addresses=[f"127.0.0.1:{port}"],
+        member=member,
+        senders=1,
+        size=2,
+        group="t",
+        timeout_s=timeout_s,
+        bucket_bytes=bucket_bytes,
+    )
+
+
 @pytest.mark.parametrize("kind", ["gloo", "shm", "gloo-through-a-device-buffer"])
 def test_transport_moves_messages_in_order(kind: str, tmp_path) -> None:
     """Byte-exact, in order, on each kind; the last is the path NCCL and HCCL take (every
-    message through one buffer allocated at start on the member's device), run over gloo
-    with that buffer in host memory."""
+    message in chunks through a buffer of its link on the member's device), run over gloo
+    with the buffers in host memory."""
     port = free_port()
 
     def make(member: int) -> Any:
@@ -77,16 +94,7 @@ def test_transport_moves_messages_in_order(kind: str, tmp_path) -> None:
             )
         if kind == "gloo-through-a-device-buffer":
             return bounced(member, 2, port)
-        return make_transport(
-            kind,
-            addresses=[f"127.0.0.1:{port}"],
-            member=member,
-            senders=1,
-            size=2,
-            group="t",
-            timeout_s=20,
-            bucket_bytes=1 << 16,
-        )
+        return pair_member(kind, member, port, timeout_s=20, bucket_bytes=1 << 16)
 
     got = _exchange(make, MESSAGES)
     assert all(torch.equal(a, b) for a, b in zip(MESSAGES, got, strict=True))
@@ -116,6 +124,8 @@ def test_device_buffers_carry_links_received_at_once_in_chunks(
     through buffers of its link alone."""
     from mxload.workers.transfer import transports
 
+    from tests.integration.test_refit import on_threads
+
     monkeypatch.setattr(transports, "BOUNCE_CHUNK_BYTES", 1000)
     port = free_port()
     gen = torch.Generator().manual_seed(3)
@@ -128,38 +138,32 @@ def test_device_buffers_carry_links_received_at_once_in_chunks(
     }
     got = {s: [torch.empty_like(m) for m in sent[s]] for s in (0, 1)}
     ends: list[Any] = [None] * 3
-    errors: list[BaseException] = []
 
-    def member(m: int) -> None:
-        try:
-            ends[m] = t = bounced(m, 3, port)
-            if m < 2:
-                for msg in sent[m]:
-                    t.send(2, msg)
-                return
-            links = [threading.Thread(target=link, args=(t, s)) for s in (0, 1)]
-            for th in links:
-                th.start()
-            for th in links:
-                th.join(timeout=60)
-        except BaseException as err:
-            errors.append(err)
+    def sender(m: int) -> Callable[[], None]:
+        def run() -> None:
+            t = ends[m] = bounced(m, 3, port)
+            for msg in sent[m]:
+                t.send(2, msg)
 
-    def link(t: Any, s: int) -> None:
-        try:
+        return run
+
+    def link(t: Any, s: int) -> Callable[[], None]:
+        def run() -> None:
             for g in got[s]:
                 t.recv(s, g)
-        except BaseException as err:
-            errors.append(err)
 
-    threads = [threading.Thread(target=member, args=(m,)) for m in range(3)]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join(timeout=90)
+        return run
+
+    def receiver() -> list[Any]:
+        t = ends[2] = bounced(2, 3, port)
+        return on_threads([link(t, 0), link(t, 1)])
+
+    results = on_threads([sender(0), sender(1), receiver])
     for t in ends:
         if t is not None:
             t.close()
+    links = results[2] if isinstance(results[2], list) else [results[2]]
+    errors = [r for r in [*results[:2], *links] if isinstance(r, BaseException)]
     assert not errors, errors
     for s in (0, 1):
         assert all(torch.equal(a, b) for a, b in zip(sent[s], got[s], strict=True)), s
@@ -169,7 +173,7 @@ def test_device_buffers_carry_links_received_at_once_in_chunks(
 @pytest.mark.parametrize(("kind", "needs"), [("nccl", "a CUDA device"), ("hccl", "torch_npu")])
 def test_a_device_transport_without_its_device_is_one_line_naming_it(kind: str, needs: str) -> None:
     with pytest.raises(RunError, match=f"engine rank 0: transport '{kind}' needs {needs}") as err:
-        _unstarted(kind, member=1)
+        pair_member(kind, 1)
     assert "\n" not in str(err.value)
 
 
@@ -184,23 +188,9 @@ def test_shm_names_a_sender_that_is_gone(tmp_path) -> None:
     tx.close()
 
 
-def _unstarted(kind: str, member: int = 0) -> Any:
-    """``make_transport`` of a pair at an address nothing listens on (for refusals)."""
-    return make_transport(
-        kind,
-        addresses=["127.0.0.1:1"],
-        member=member,
-        senders=1,
-        size=2,
-        group="g",
-        timeout_s=1,
-        bucket_bytes=64,
-    )
-
-
 def test_unknown_transport_is_refused_naming_it() -> None:
     with pytest.raises(Exception, match="transport 'carrier-pigeon'"):
-        _unstarted("carrier-pigeon")
+        pair_member("carrier-pigeon", 0)
 
 
 def test_packed_transfers_give_every_read_range_the_gathered_bytes(ckpt_factory) -> None:
